@@ -1,0 +1,7 @@
+"""`python -m mha` runs the command-line interface."""
+
+import sys
+
+from mha.cli import main
+
+sys.exit(main())

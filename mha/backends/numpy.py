@@ -1,0 +1,596 @@
+"""The NumPy reference backend.
+
+Plain numpy, written to be read: every other backend is held to these numbers. The layers are
+small Python classes with a `training` attribute (False by default), `train()` / `eval()`
+methods and `forward` behind `__call__`, so that they read like the torch and Gluon code next
+to them. Dropout draws from numpy's global generator: `np.random.seed(0)` makes it repeatable.
+
+Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
+keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.encoding import sinusoid_table
+
+__all__ = [
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "from_numpy",
+    "masked_softmax",
+    "to_numpy",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Return `x` as a numpy array (the numpy backend's tensors already are)."""
+    return np.asarray(x)
+
+
+def from_numpy(array: Any) -> np.ndarray:
+    """Return `array` as this backend's tensor (a numpy array)."""
+    return np.asarray(array)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks that the frameworks provide and numpy does not
+
+
+class Module:
+    """The little of torch.nn.Module the reference needs: a training flag and __call__.
+
+    Setting `training` (or calling `train()` / `eval()`) sets it on every sub-layer too.
+    """
+
+    def __init__(self):
+        self._training = False
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self._training = bool(mode)
+        for child in vars(self).values():
+            if isinstance(child, Module):
+                child.training = mode
+
+    def train(self, mode: bool = True) -> Module:
+        self.training = mode
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class Linear(Module):
+    """y = x @ weight + bias, with weight (in_features, out_features); lazy in_features."""
+
+    def __init__(self, out_features: int, bias: bool, in_features: int | None, dtype: str):
+        super().__init__()
+        self.out_features, self.dtype = out_features, dtype
+        self.in_features = None
+        self.weight = self.bias = None
+        self.use_bias = bias
+        if in_features is not None:
+            self.initialize(in_features)
+
+    def initialize(self, in_features: int) -> None:
+        """Create weight and bias, uniform in +-1/sqrt(in_features) as torch.nn.Linear does."""
+        bound = 1.0 / math.sqrt(in_features)
+        shape = (in_features, self.out_features)
+        self.in_features = in_features
+        self.weight = np.random.uniform(-bound, bound, shape).astype(self.dtype)
+        if self.use_bias:
+            self.bias = np.random.uniform(-bound, bound, self.out_features).astype(self.dtype)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        if self.weight is None:
+            self.initialize(X.shape[-1])
+        Y = X @ self.weight
+        return Y if self.bias is None else Y + self.bias
+
+
+class Dropout(Module):
+    """Zero each entry with probability p and scale the rest by 1 / (1 - p), when training."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = float(p)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        if not self.training or self.p == 0.0:
+            return X
+        keep = np.random.random_sample(X.shape) >= self.p
+        return (X * keep / (1.0 - self.p)).astype(X.dtype)
+
+
+class LayerNorm(Module):
+    """Normalize the last axis to mean 0 and variance 1, then scale by gamma, shift by beta."""
+
+    def __init__(self, num_hiddens: int, eps: float, dtype: str):
+        super().__init__()
+        self.eps = eps
+        self.gamma = np.ones(num_hiddens, dtype=dtype)
+        self.beta = np.zeros(num_hiddens, dtype=dtype)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        mean = X.mean(axis=-1, keepdims=True)
+        variance = ((X - mean) ** 2).mean(axis=-1, keepdims=True)
+        return (X - mean) / np.sqrt(variance + X.dtype.type(self.eps)) * self.gamma + self.beta
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def _check_valid_lens_values(valid_lens: np.ndarray | None) -> None:
+    # The one check that needs values: non-negative whole numbers.
+    if valid_lens is None or valid_lens.size == 0:
+        return
+    non_integer = None
+    if valid_lens.dtype.kind == "f":
+        fractional = valid_lens != np.floor(valid_lens)
+        if fractional.any():
+            non_integer = valid_lens[fractional][0].item()
+    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+
+
+def _length_mask(valid_lens: np.ndarray, num_keys: int) -> np.ndarray:
+    """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
+    (batch_size, no. of queries, no. of keys) for 2-D."""
+    # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+    lengths = valid_lens.reshape(valid_lens.shape[0], -1, 1)
+    return np.arange(num_keys) < lengths
+
+
+def _attention_masks(
+    batch_size: int,
+    num_queries: int,
+    num_keys: int,
+    valid_lens: np.ndarray | None,
+    mask: np.ndarray | None,
+    causal: bool,
+    window_mask: np.ndarray | None,
+    multihead: bool = False,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Combine every given mask into (keep, bias).
+
+    keep: boolean, True where a key is attended, broadcastable to the scores; None when
+    every key is attended. bias: an additive float window mask with its -inf entries moved
+    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
+    `multihead` (batch_size, num_heads, no. of queries, no. of keys).
+    """
+    keep = bias = None
+    masks = []
+    if valid_lens is not None:
+        masks.append(_length_mask(valid_lens, num_keys))
+    if mask is not None and mask.ndim <= 3:
+        masks.append(mask)
+    if causal:
+        # Query i attends to keys j <= i (top-left aligned when Q != K)
+        masks.append(np.tri(num_queries, num_keys, dtype=bool))
+    if window_mask is not None:
+        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
+        windows = np.tile(window_mask, (batch_size // window_mask.shape[0], 1, 1))
+        if windows.dtype == np.bool_:
+            masks.append(windows)
+        else:
+            blocked = np.isneginf(windows)
+            masks.append(~blocked)
+            bias = np.where(blocked, windows.dtype.type(0), windows)
+    for each in masks:
+        keep = each if keep is None else keep & each
+    if multihead:
+        # Every 1-D to 3-D mask applies to all heads: insert the head axis
+        keep, bias = _insert_head_axis(keep), _insert_head_axis(bias)
+        if mask is not None and mask.ndim == 4:
+            keep = mask if keep is None else keep & mask
+    return keep, bias
+
+
+def _insert_head_axis(x: np.ndarray | None) -> np.ndarray | None:
+    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
+    if x is None:
+        return None
+    x = x.reshape((1,) * (3 - x.ndim) + x.shape)
+    return x[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked softmax
+
+
+def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
+    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite."""
+    if keep is None:
+        shifted = scores - scores.max(axis=-1, keepdims=True)
+        exponentials = np.exp(shifted)
+        return exponentials / exponentials.sum(axis=-1, keepdims=True)
+    keep = np.broadcast_to(keep, scores.shape)
+    masked = np.where(keep, scores, scores.dtype.type(-np.inf))
+    row_max = masked.max(axis=-1, keepdims=True)
+    # A fully masked row has max -inf; any finite shift leaves its zeros at zero
+    row_max = np.where(np.isfinite(row_max), row_max, scores.dtype.type(0))
+    exponentials = np.where(keep, np.exp(masked - row_max), scores.dtype.type(0))
+    total = exponentials.sum(axis=-1, keepdims=True)
+    return exponentials / np.where(total == 0, scores.dtype.type(1), total)
+
+
+def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
+
+    Args:
+        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
+            holding integers. A length larger than the number of keys keeps every key.
+
+    Returns:
+        An array of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
+        every other row sums to 1.
+    """
+    validation.check_masked_softmax_call(X, valid_lens)
+    _check_valid_lens_values(valid_lens)
+    if valid_lens is None:
+        return _softmax(X, None)
+    # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
+    # middle axis of X so that it broadcasts against X
+    keep = _length_mask(valid_lens, X.shape[-1])
+    if X.ndim == 2:
+        keep = keep[:, 0, :]
+    keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
+    return _softmax(X, keep)
+
+
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
+    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(scores, keep)
+    return dropout(weights) @ values, weights if need_weights else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class DotProductAttention(Module):
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
+
+    Args:
+        dropout: dropout rate on the attention weights (when training).
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        queries: (batch_size, no. of queries, d).
+        keys: (batch_size, no. of keys, d).
+        values: (batch_size, no. of keys, value_size).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
+        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
+        causal: query i attends to keys j <= i.
+        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_dot_product_args(dropout, dtype)
+        self.dropout = Dropout(dropout)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+        )
+        _check_valid_lens_values(valid_lens)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask
+        )
+        return self.attend(queries, keys, values, keep, bias)
+
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+        """Attention on prepared inputs with any leading axes (no checks).
+
+        queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
+        the mask helpers. MultiHeadAttention calls this with a head axis.
+        """
+        d = queries.shape[-1]
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = queries @ np.swapaxes(keys, -1, -2) / np.sqrt(queries.dtype.type(d))
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, need_weights
+        )
+        return output
+
+
+class AdditiveAttention(Module):
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
+
+    Args:
+        num_hiddens: size of the hidden layer that queries and keys are projected to.
+        dropout: dropout rate on the attention weights (when training).
+        query_size, key_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments: as DotProductAttention; queries and keys may differ in size.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
+                 key_size: int | None = None, dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_additive_args(
+            num_hiddens, dropout, query_size, key_size, dtype
+        )
+        self.num_hiddens = num_hiddens
+        self.W_q = Linear(num_hiddens, False, query_size, self.dtype)
+        self.W_k = Linear(num_hiddens, False, key_size, self.dtype)
+        self.w_v = Linear(1, False, num_hiddens, self.dtype)
+        self.dropout = Dropout(dropout)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype,
+            sizes=(("queries", "query_size", self.W_q.in_features),
+                   ("keys", "key_size", self.W_k.in_features)),
+        )
+        _check_valid_lens_values(valid_lens)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask
+        )
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
+        # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
+        # (batch_size, no. of queries, no. of keys, num_hiddens)
+        features = np.tanh(queries[:, :, None, :] + keys[:, None, :, :])
+        # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
+        scores = self.w_v(features)[..., 0]
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout
+        )
+        return output
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
+
+    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
+    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
+    by W_o.
+
+    Args:
+        num_hiddens: size of the projections and of the output.
+        num_heads: number of heads; must divide num_hiddens.
+        dropout: dropout rate on the attention weights (when training).
+        bias: whether the four projections have biases.
+        query_size, key_size, value_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
+        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
+            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
+        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
+        need_weights: when False, `attention_weights` is None.
+
+    Returns:
+        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
+        (batch_size, num_heads, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = False, *, query_size: int | None = None,
+                 key_size: int | None = None, value_size: int | None = None,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_multihead_args(
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+        )
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.attention = DotProductAttention(dropout, dtype=self.dtype)
+        self.W_q = Linear(num_hiddens, bias, query_size, self.dtype)
+        self.W_k = Linear(num_hiddens, bias, key_size, self.dtype)
+        self.W_v = Linear(num_hiddens, bias, value_size, self.dtype)
+        self.W_o = Linear(num_hiddens, bias, num_hiddens, self.dtype)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None, head_mask=None, need_weights=True):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
+            dtype=self.dtype, num_heads=self.num_heads,
+            sizes=(("queries", "query_size", self.W_q.in_features),
+                   ("keys", "key_size", self.W_k.in_features),
+                   ("values", "value_size", self.W_v.in_features)),
+        )
+        _check_valid_lens_values(valid_lens)
+        # Shape of keep and bias: broadcastable to
+        # (batch_size, num_heads, no. of queries, no. of keys)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
+            multihead=True,
+        )
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
+        # num_hiddens / num_heads)
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        self.attention_weights = self.attention.attention_weights
+        if head_mask is not None:
+            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
+            output = output * head_mask.astype(self.dtype).reshape(head_mask.shape + (1, 1))
+        # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
+        output_concat = self.transpose_output(output)
+        return self.W_o(output_concat)
+
+    def transpose_qkv(self, X: np.ndarray) -> np.ndarray:
+        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        return X.transpose(0, 2, 1, 3)
+
+    def transpose_output(self, X: np.ndarray) -> np.ndarray:
+        """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
+        X = X.transpose(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
+
+
+class PositionalEncoding(Module):
+    """Add the sinusoidal positional encoding P to X, then dropout.
+
+    Args:
+        num_hiddens: feature size of X (odd sizes work).
+        dropout: dropout rate on X + P (when training).
+        max_len: the longest sequence the layer accepts.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        X: (batch_size, no. of steps <= max_len, num_hiddens).
+
+    Returns:
+        X + P[:, :no. of steps, :], of X's shape. `P` is a constant (1, max_len, num_hiddens),
+        computed in float64 and cast once.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = Dropout(dropout)
+        self.P = sinusoid_table(max_len, num_hiddens).astype(self.dtype)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        X = X + self.P[:, : X.shape[1], :]
+        return self.dropout(X)
+
+
+class AddNorm(Module):
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
+
+    Args:
+        num_hiddens: size of the last axis.
+        dropout: dropout rate on Y (when training).
+        eps: added to the variance; the same in every backend.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        X, Y: the same shape (..., num_hiddens).
+
+    Returns:
+        The normalized sum, of X's shape.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        self.num_hiddens = num_hiddens
+        self.dropout = Dropout(dropout)
+        self.ln = LayerNorm(num_hiddens, eps, self.dtype)
+
+    def forward(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
+        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        return self.ln(self.dropout(Y) + X)
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights (used by mha.get_weights / mha.set_weights; see mha/weights.py)
+
+
+def layer_config(layer: Module) -> dict[str, Any]:
+    """The constructor arguments of `layer`, with sizes inferred so far."""
+    if isinstance(layer, MultiHeadAttention):
+        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
+                "dropout": layer.attention.dropout.p, "bias": layer.bias,
+                "query_size": layer.W_q.in_features, "key_size": layer.W_k.in_features,
+                "value_size": layer.W_v.in_features, "dtype": layer.dtype}
+    if isinstance(layer, AdditiveAttention):
+        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
+                "query_size": layer.W_q.in_features, "key_size": layer.W_k.in_features,
+                "dtype": layer.dtype}
+    if isinstance(layer, DotProductAttention):
+        return {"dropout": layer.dropout.p, "dtype": layer.dtype}
+    if isinstance(layer, PositionalEncoding):
+        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
+                "max_len": layer.max_len, "dtype": layer.dtype}
+    if isinstance(layer, AddNorm):
+        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
+                "eps": layer.ln.eps, "dtype": layer.dtype}
+    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+
+
+def _projections(layer: Module) -> dict[str, Linear]:
+    if isinstance(layer, MultiHeadAttention):
+        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
+    return {}
+
+
+def export_weights(layer: Module) -> dict[str, np.ndarray]:
+    """The canonical weights of `layer` as fresh numpy arrays."""
+    if isinstance(layer, MultiHeadAttention):
+        weights = {f"W_{k}": p.weight.copy() for k, p in _projections(layer).items()}
+        if layer.bias:
+            weights.update({f"b_{k}": p.bias.copy() for k, p in _projections(layer).items()})
+        return weights
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": layer.W_q.weight.copy(), "W_k": layer.W_k.weight.copy(),
+                "w_v": layer.w_v.weight.copy()}
+    if isinstance(layer, AddNorm):
+        return {"gamma": layer.ln.gamma.copy(), "beta": layer.ln.beta.copy()}
+    return {}
+
+
+def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
+    """Copy checked canonical weights into `layer`, creating lazy weights as needed."""
+    if isinstance(layer, MultiHeadAttention):
+        for k, projection in _projections(layer).items():
+            _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
+    elif isinstance(layer, AdditiveAttention):
+        _set_linear(layer.W_q, weights["W_q"])
+        _set_linear(layer.W_k, weights["W_k"])
+        _set_linear(layer.w_v, weights["w_v"])
+    elif isinstance(layer, AddNorm):
+        layer.ln.gamma = weights["gamma"].copy()
+        layer.ln.beta = weights["beta"].copy()
+
+
+def _set_linear(linear: Linear, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
+    linear.in_features = weight.shape[0]
+    linear.weight = weight.copy()
+    if bias is not None:
+        linear.bias = bias.copy()

@@ -1,0 +1,453 @@
+"""Every argument and shape check, shared by all backends.
+
+Each backend calls these first thing, before any framework operation, so a mistake raises the
+same `ValueError` or `TypeError`, with the same message, whichever framework is in use.
+Messages name the argument and echo what was received.
+
+The checks read `.shape` and `.dtype` of any framework's tensor; they never convert a tensor to
+numpy. The one check that needs values (valid_lens must be non-negative whole numbers) takes
+the smallest value and a sample non-integer, which each backend computes with its own ops.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "check_add_norm_args",
+    "check_add_norm_call",
+    "check_additive_args",
+    "check_attention_call",
+    "check_dot_product_args",
+    "check_dtype",
+    "check_masked_softmax_call",
+    "check_multihead_args",
+    "check_positional_encoding_args",
+    "check_positional_encoding_call",
+    "check_valid_lens_values",
+    "dtype_name",
+    "shape_of",
+]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+Shape = tuple[int | None, ...]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading any framework's tensor
+
+
+def shape_of(x: Any) -> Shape:
+    """The shape of a numpy array or framework tensor as a tuple; unknown sizes are None."""
+    shape = x.shape
+    if hasattr(shape, "as_list"):  # tf.TensorShape, possibly with unknown dimensions
+        return tuple(shape.as_list()) if shape.rank is not None else ()
+    return tuple(None if d is None else int(d) for d in shape)
+
+
+def dtype_name(x: Any) -> str:
+    """The dtype of a numpy array or framework tensor as a plain name, e.g. "float32"."""
+    return _plain_dtype_name(x.dtype)
+
+
+def _plain_dtype_name(dtype: Any) -> str:
+    name = getattr(dtype, "name", None)  # numpy dtype, tf.DType
+    if isinstance(name, str):
+        return name
+    text = str(dtype)  # torch.float32, <class 'numpy.float32'> (mxnet)
+    if text.startswith("<class '"):
+        text = text[len("<class '") : -2]
+    return text.rsplit(".", 1)[-1]
+
+
+def _is_tensor(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _describe(name: str, x: Any) -> str:
+    return f"{name} with shape {_format_shape(shape_of(x))} and dtype {dtype_name(x)}"
+
+
+def _format_shape(shape: Shape) -> str:
+    if len(shape) == 1:
+        return f"({shape[0]},)"
+    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+
+
+def _require_tensor(name: str, x: Any) -> None:
+    if not _is_tensor(x):
+        raise TypeError(
+            f"{name} must be an array or tensor of the layer's framework. "
+            f"Received: {name} of type {type(x).__name__}"
+        )
+
+
+def _same(a: int | None, b: int | None) -> bool:
+    """Sizes agree, or one of them is not known yet (symbolic shapes)."""
+    return a is None or b is None or a == b
+
+
+def _broadcastable(shape: Shape, target: Shape) -> bool:
+    """`shape` broadcasts to `target` (right-aligned, each size equal or 1)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or _same(s, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# Constructor arguments
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+
+
+def _check_optional_positive_int(name: str, value: Any) -> None:
+    if value is not None:
+        _check_positive_int(name, value)
+
+
+def _check_dropout(dropout: Any) -> None:
+    if (
+        isinstance(dropout, bool)
+        or not isinstance(dropout, numbers.Real)
+        or not (0.0 <= float(dropout) < 1.0)
+    ):
+        raise ValueError(f"dropout must be a number in [0, 1). Received: dropout={dropout!r}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+
+
+def check_dtype(dtype: Any) -> str:
+    """Return the dtype's plain name; accepts a name or any framework's dtype object."""
+    name = dtype if isinstance(dtype, str) or dtype is None else _plain_dtype_name(dtype)
+    if name not in FLOAT_DTYPES:
+        raise ValueError(
+            f"dtype must be one of {', '.join(FLOAT_DTYPES)}. Received: dtype={dtype!r}"
+        )
+    return name
+
+
+def check_dot_product_args(dropout: Any, dtype: Any) -> str:
+    """Check DotProductAttention's constructor; returns the dtype name."""
+    _check_dropout(dropout)
+    return check_dtype(dtype)
+
+
+def check_additive_args(
+    num_hiddens: Any, dropout: Any, query_size: Any, key_size: Any, dtype: Any
+) -> str:
+    """Check AdditiveAttention's constructor; returns the dtype name."""
+    _check_positive_int("num_hiddens", num_hiddens)
+    _check_dropout(dropout)
+    _check_optional_positive_int("query_size", query_size)
+    _check_optional_positive_int("key_size", key_size)
+    return check_dtype(dtype)
+
+
+def check_multihead_args(
+    num_hiddens: Any,
+    num_heads: Any,
+    dropout: Any,
+    bias: Any,
+    query_size: Any,
+    key_size: Any,
+    value_size: Any,
+    dtype: Any,
+) -> str:
+    """Check MultiHeadAttention's constructor; returns the dtype name."""
+    _check_positive_int("num_hiddens", num_hiddens)
+    _check_positive_int("num_heads", num_heads)
+    if num_hiddens % num_heads != 0:
+        raise ValueError(
+            "num_hiddens must be divisible by num_heads. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+        )
+    _check_dropout(dropout)
+    _check_bool("bias", bias)
+    _check_optional_positive_int("query_size", query_size)
+    _check_optional_positive_int("key_size", key_size)
+    _check_optional_positive_int("value_size", value_size)
+    return check_dtype(dtype)
+
+
+def check_positional_encoding_args(num_hiddens: Any, dropout: Any, max_len: Any, dtype: Any) -> str:
+    """Check PositionalEncoding's constructor; returns the dtype name."""
+    _check_positive_int("num_hiddens", num_hiddens)
+    _check_dropout(dropout)
+    _check_positive_int("max_len", max_len)
+    return check_dtype(dtype)
+
+
+def check_add_norm_args(num_hiddens: Any, dropout: Any, eps: Any, dtype: Any) -> str:
+    """Check AddNorm's constructor; returns the dtype name."""
+    _check_positive_int("num_hiddens", num_hiddens)
+    _check_dropout(dropout)
+    if (
+        isinstance(eps, bool)
+        or not isinstance(eps, numbers.Real)
+        or not (math.isfinite(eps) and eps > 0)
+    ):
+        raise ValueError(f"eps must be a positive number. Received: eps={eps!r}")
+    return check_dtype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Call arguments
+
+
+def _check_input(name: str, x: Any, dtype: str) -> Shape:
+    _require_tensor(name, x)
+    shape = shape_of(x)
+    if len(shape) != 3:
+        raise ValueError(
+            f"{name} must have rank 3: (batch_size, sequence length, features). "
+            f"Received: {_describe(name, x)}"
+        )
+    if dtype_name(x) != dtype:
+        raise TypeError(
+            f"{name} must have the layer's dtype {dtype}. Received: {_describe(name, x)}"
+        )
+    return shape
+
+
+def _check_size(name: str, x: Any, size_name: str, size: int | None) -> None:
+    if size is not None and not _same(shape_of(x)[-1], size):
+        raise ValueError(
+            f"The last axis of {name} must have size {size_name}={size}. "
+            f"Received: {_describe(name, x)}"
+        )
+
+
+def _check_valid_lens(valid_lens: Any, batch_size: int | None, num_queries: int | None) -> None:
+    _require_tensor("valid_lens", valid_lens)
+    shape = shape_of(valid_lens)
+    dtype = dtype_name(valid_lens)
+    if dtype not in INTEGER_DTYPES and dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            "valid_lens must hold integers (an integer or float dtype). "
+            f"Received: {_describe('valid_lens', valid_lens)}"
+        )
+    if not (
+        (len(shape) == 1 and _same(shape[0], batch_size))
+        or (len(shape) == 2 and _same(shape[0], batch_size) and _same(shape[1], num_queries))
+    ):
+        raise ValueError(
+            f"valid_lens must have shape (batch_size,) = ({batch_size},) or "
+            f"(batch_size, no. of queries) = ({batch_size}, {num_queries}). "
+            f"Received: {_describe('valid_lens', valid_lens)}"
+        )
+
+
+def check_valid_lens_values(smallest: Any, non_integer: Any = None) -> None:
+    """Check the values of valid_lens, read by the backend with its own ops.
+
+    Args:
+        smallest: the smallest entry of valid_lens (a Python number), or None when empty.
+        non_integer: one entry that is not a whole number, or None when every entry is.
+    """
+    if non_integer is not None:
+        raise ValueError(
+            f"valid_lens must hold whole numbers. Received: valid_lens containing {non_integer!r}"
+        )
+    if smallest is not None and smallest < 0:
+        raise ValueError(
+            f"valid_lens must be non-negative. Received: valid_lens containing {smallest!r}"
+        )
+
+
+def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
+    _require_tensor("mask", mask)
+    if dtype_name(mask) != "bool":
+        raise TypeError(
+            f"mask must be a boolean keep-mask (True = attend). Received: {_describe('mask', mask)}"
+        )
+    shape = shape_of(mask)
+    max_rank = 4 if allow_heads else 3
+    if not 1 <= len(shape) <= max_rank or not _broadcastable(shape, target[-len(shape) :]):
+        expected = (
+            "(batch_size, num_heads, no. of queries, no. of keys)"
+            if allow_heads
+            else "(batch_size, no. of queries, no. of keys)"
+        )
+        raise ValueError(
+            f"mask must broadcast to {expected} = {_format_shape(target)}. "
+            f"Received: {_describe('mask', mask)}"
+        )
+
+
+def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype: str) -> None:
+    _require_tensor("window_mask", window_mask)
+    if dtype_name(window_mask) not in ("bool", dtype):
+        raise TypeError(
+            f"window_mask must be boolean (True = attend) or have the layer's dtype {dtype} "
+            f"(added to the scores). Received: {_describe('window_mask', window_mask)}"
+        )
+    shape = shape_of(window_mask)
+    if len(shape) != 3 or not (_same(shape[1], num_queries) and _same(shape[2], num_keys)):
+        raise ValueError(
+            "window_mask must have shape (num_windows, no. of queries, no. of keys) = "
+            f"(num_windows, {num_queries}, {num_keys}). "
+            f"Received: {_describe('window_mask', window_mask)}"
+        )
+    num_windows = shape[0]
+    if num_windows is not None and (
+        num_windows == 0 or (batch_size is not None and batch_size % num_windows != 0)
+    ):
+        raise ValueError(
+            "batch_size must be a multiple of num_windows (the first axis of window_mask). "
+            f"Received: batch_size={batch_size}, {_describe('window_mask', window_mask)}"
+        )
+
+
+def _check_head_mask(head_mask: Any, batch_size, num_heads: int, dtype: str) -> None:
+    _require_tensor("head_mask", head_mask)
+    if dtype_name(head_mask) not in ("bool", dtype):
+        raise TypeError(
+            f"head_mask must be boolean or have the layer's dtype {dtype}. "
+            f"Received: {_describe('head_mask', head_mask)}"
+        )
+    shape = shape_of(head_mask)
+    if not (
+        (len(shape) == 1 and _same(shape[0], num_heads))
+        or (len(shape) == 2 and _same(shape[0], batch_size) and _same(shape[1], num_heads))
+    ):
+        raise ValueError(
+            f"head_mask must have shape (num_heads,) = ({num_heads},) or "
+            f"(batch_size, num_heads) = ({batch_size}, {num_heads}). "
+            f"Received: {_describe('head_mask', head_mask)}"
+        )
+
+
+def check_attention_call(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    mask: Any = None,
+    causal: Any = False,
+    window_mask: Any = None,
+    head_mask: Any = None,
+    need_weights: Any = True,
+    dtype: str,
+    sizes: Sequence[tuple[str, str, int | None]] = (),
+    same_query_key_size: bool = False,
+    num_heads: int | None = None,
+) -> tuple[int | None, int | None, int | None]:
+    """Check the call of an attention layer; returns (batch_size, no. of queries, no. of keys).
+
+    Args:
+        sizes: (argument, size name, size) triples, e.g. ("queries", "query_size", 4): the
+            last axis of the argument must have that size when it is known.
+        same_query_key_size: queries and keys must share their last axis (dot product).
+        num_heads: set for multi-head attention; allows 4-D masks and `head_mask`.
+    """
+    q_shape = _check_input("queries", queries, dtype)
+    k_shape = _check_input("keys", keys, dtype)
+    v_shape = _check_input("values", values, dtype)
+    batch_size, num_queries, num_keys = q_shape[0], q_shape[1], k_shape[1]
+    if not (_same(batch_size, k_shape[0]) and _same(batch_size, v_shape[0])):
+        raise ValueError(
+            "queries, keys and values must have the same batch size. Received: "
+            f"queries with shape {_format_shape(q_shape)}, keys with shape "
+            f"{_format_shape(k_shape)}, values with shape {_format_shape(v_shape)}"
+        )
+    if not _same(num_keys, v_shape[1]):
+        raise ValueError(
+            "keys and values must have the same number of key-value pairs (axis 1). Received: "
+            f"keys with shape {_format_shape(k_shape)}, values with shape "
+            f"{_format_shape(v_shape)}"
+        )
+    if same_query_key_size and not _same(q_shape[2], k_shape[2]):
+        raise ValueError(
+            "queries and keys must have the same feature size (last axis) for dot-product "
+            f"scores. Received: queries with shape {_format_shape(q_shape)}, keys with shape "
+            f"{_format_shape(k_shape)}"
+        )
+    tensors = {"queries": queries, "keys": keys, "values": values}
+    for argument, size_name, size in sizes:
+        _check_size(argument, tensors[argument], size_name, size)
+    if valid_lens is not None:
+        _check_valid_lens(valid_lens, batch_size, num_queries)
+    _check_bool("causal", causal)
+    _check_bool("need_weights", need_weights)
+    if mask is not None:
+        if num_heads is None:
+            target = (batch_size, num_queries, num_keys)
+        else:
+            target = (batch_size, num_heads, num_queries, num_keys)
+        _check_mask(mask, target, allow_heads=num_heads is not None)
+    if window_mask is not None:
+        _check_window_mask(window_mask, batch_size, num_queries, num_keys, dtype)
+    if head_mask is not None:
+        if num_heads is None:
+            raise TypeError("head_mask is only accepted by MultiHeadAttention")
+        _check_head_mask(head_mask, batch_size, num_heads, dtype)
+    return batch_size, num_queries, num_keys
+
+
+def check_masked_softmax_call(X: Any, valid_lens: Any = None) -> None:
+    """Check masked_softmax(X, valid_lens): X (batch_size, ..., no. of queries, no. of keys)."""
+    _require_tensor("X", X)
+    shape = shape_of(X)
+    if dtype_name(X) not in FLOAT_DTYPES:
+        raise TypeError(f"X must have a floating dtype. Received: {_describe('X', X)}")
+    if len(shape) < 2:
+        raise ValueError(
+            "X must have rank 2 or more: (batch_size, ..., no. of keys). "
+            f"Received: {_describe('X', X)}"
+        )
+    if valid_lens is None:
+        return
+    _require_tensor("valid_lens", valid_lens)
+    if len(shape_of(valid_lens)) == 2 and len(shape) < 3:
+        raise ValueError(
+            "2-D valid_lens needs X of rank 3 or more: (batch_size, no. of queries, no. of "
+            f"keys). Received: {_describe('X', X)}, {_describe('valid_lens', valid_lens)}"
+        )
+    _check_valid_lens(valid_lens, shape[0], shape[-2])
+
+
+def check_positional_encoding_call(X: Any, num_hiddens: int, max_len: int, dtype: str) -> None:
+    """Check PositionalEncoding's call: X (batch_size, no. of steps <= max_len, num_hiddens)."""
+    shape = _check_input("X", X, dtype)
+    _check_size("X", X, "num_hiddens", num_hiddens)
+    if shape[1] is not None and shape[1] > max_len:
+        raise ValueError(
+            f"X is longer than max_len={max_len}: build the layer with a larger max_len. "
+            f"Received: {_describe('X', X)}"
+        )
+
+
+def check_add_norm_call(X: Any, Y: Any, num_hiddens: int, dtype: str) -> None:
+    """Check AddNorm's call: X and Y of the same shape, last axis num_hiddens."""
+    for name, tensor in (("X", X), ("Y", Y)):
+        _require_tensor(name, tensor)
+        if dtype_name(tensor) != dtype:
+            raise TypeError(
+                f"{name} must have the layer's dtype {dtype}. Received: {_describe(name, tensor)}"
+            )
+        if len(shape_of(tensor)) < 2:
+            raise ValueError(
+                f"{name} must have rank 2 or more, with num_hiddens last. "
+                f"Received: {_describe(name, tensor)}"
+            )
+        _check_size(name, tensor, "num_hiddens", num_hiddens)
+    x_shape, y_shape = shape_of(X), shape_of(Y)
+    if len(x_shape) != len(y_shape) or not all(map(_same, x_shape, y_shape)):
+        raise ValueError(
+            "X and Y must have the same shape. "
+            f"Received: X with shape {_format_shape(x_shape)}, Y with shape "
+            f"{_format_shape(y_shape)}"
+        )

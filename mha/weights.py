@@ -1,0 +1,470 @@
+"""Canonical weights: one format for every backend, and safetensors files.
+
+The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computing
+`y = x @ W + b`, with W of shape (in, out), whatever layout the framework keeps internally:
+
+    MultiHeadAttention   W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
+                         W_v (value_size, num_hiddens), W_o (num_hiddens, num_hiddens),
+                         and with bias=True also b_q, b_k, b_v, b_o (num_hiddens,)
+    AdditiveAttention    W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
+                         w_v (num_hiddens, 1)
+    AddNorm              gamma (num_hiddens,), beta (num_hiddens,)
+    DotProductAttention, PositionalEncoding: {}
+
+Files are safetensors (a JSON header and raw little-endian bytes), read and written here with
+numpy alone, never with pickle. The header's metadata records the layer's class and
+constructor config, so a file cannot be loaded into a layer it does not fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.registry import backend_of, load_backend
+
+__all__ = [
+    "LAYER_CLASSES",
+    "get_weights",
+    "load_weights",
+    "random_weights",
+    "read_safetensors",
+    "save_weights",
+    "set_weights",
+    "weight_shapes",
+    "write_safetensors",
+]
+
+# Layer class -> the names of its constructor arguments, in signature order.
+LAYER_CLASSES: dict[str, tuple[str, ...]] = {
+    "DotProductAttention": ("dropout", "dtype"),
+    "AdditiveAttention": ("num_hiddens", "dropout", "query_size", "key_size", "dtype"),
+    "MultiHeadAttention": (
+        "num_hiddens",
+        "num_heads",
+        "dropout",
+        "bias",
+        "query_size",
+        "key_size",
+        "value_size",
+        "dtype",
+    ),
+    "PositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
+    "AddNorm": ("num_hiddens", "dropout", "eps", "dtype"),
+}
+
+FORMAT = "mha"
+FORMAT_VERSION = "1"
+
+
+def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple[int | None, ...]]:
+    """The canonical weight names and shapes of a layer; None marks a size not known yet.
+
+    Args:
+        class_name: one of LAYER_CLASSES, e.g. "MultiHeadAttention".
+        config: its constructor arguments (sizes may be None).
+    """
+    if class_name == "MultiHeadAttention":
+        n = config["num_hiddens"]
+        shapes = {
+            "W_q": (config.get("query_size"), n),
+            "W_k": (config.get("key_size"), n),
+            "W_v": (config.get("value_size"), n),
+            "W_o": (n, n),
+        }
+        if config.get("bias", False):
+            shapes.update({"b_q": (n,), "b_k": (n,), "b_v": (n,), "b_o": (n,)})
+        return shapes
+    if class_name == "AdditiveAttention":
+        n = config["num_hiddens"]
+        return {"W_q": (config.get("query_size"), n), "W_k": (config.get("key_size"), n), "w_v": (n, 1)}
+    if class_name == "AddNorm":
+        n = config["num_hiddens"]
+        return {"gamma": (n,), "beta": (n,)}
+    if class_name in ("DotProductAttention", "PositionalEncoding"):
+        return {}
+    raise ValueError(
+        f"Unknown layer class. Valid names: {', '.join(LAYER_CLASSES)}. "
+        f"Received: {class_name!r}"
+    )
+
+
+def _describe_layer(class_name: str, config: Mapping[str, Any]) -> str:
+    arguments = ", ".join(
+        f"{key}={config[key]!r}" for key in LAYER_CLASSES[class_name] if key in config
+    )
+    return f"{class_name}({arguments})"
+
+
+def _layer_class_name(layer: Any) -> str:
+    """The mha class a layer is an instance of (also for user subclasses)."""
+    for cls in type(layer).__mro__:
+        if cls.__name__ in LAYER_CLASSES and cls.__module__.startswith("mha.backends."):
+            return cls.__name__
+    raise TypeError(
+        f"Expected an mha layer ({', '.join(LAYER_CLASSES)}). "
+        f"Received: an object of type {type(layer).__qualname__}"
+    )
+
+
+def _describe_array(value: Any) -> str:
+    return f"shape {validation._format_shape(value.shape)} and dtype {value.dtype}"
+
+
+def _find_problems(
+    class_name: str, config: Mapping[str, Any], weights: Any
+) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Every problem of `weights` for the layer, and the weights as numpy arrays."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            "weights must be a dict of numpy arrays keyed by the canonical names. "
+            f"Received: weights of type {type(weights).__name__}"
+        )
+    shapes = weight_shapes(class_name, config)
+    dtype = config["dtype"]
+    problems = []
+    arrays = {}
+    for name in shapes:
+        if name not in weights:
+            problems.append(f"missing {name}: expected shape {validation._format_shape(shapes[name])}")
+    for name in weights:
+        if name not in shapes:
+            expected = ", ".join(shapes) or "no weights"
+            problems.append(f"unexpected {name!r}: {class_name} has {expected}")
+    for name, expected in shapes.items():
+        if name not in weights:
+            continue
+        value = weights[name]
+        if not isinstance(value, np.ndarray):
+            problems.append(
+                f"{name} must be a numpy.ndarray (see mha.to_numpy). "
+                f"Received: {type(value).__name__}"
+            )
+            continue
+        shape_ok = len(value.shape) == len(expected) and all(
+            e is None or e == s for s, e in zip(value.shape, expected, strict=False)
+        )
+        if not shape_ok:
+            problems.append(
+                f"{name} has {_describe_array(value)}; "
+                f"expected shape {validation._format_shape(expected)}"
+            )
+        elif value.dtype.name != dtype:
+            problems.append(
+                f"{name} has {_describe_array(value)}; expected dtype {dtype} (the layer's dtype)"
+            )
+        else:
+            arrays[name] = value
+    return problems, arrays
+
+
+def _raise_problems(what: str, class_name: str, config: Mapping[str, Any], problems: list[str]):
+    count = f"{len(problems)} problem" + ("s" if len(problems) > 1 else "")
+    lines = "\n".join(f"  - {problem}" for problem in problems)
+    raise ValueError(f"{what} found {count} for {_describe_layer(class_name, config)}:\n{lines}")
+
+
+def _layer_info(layer: Any) -> tuple[Any, str, dict[str, Any]]:
+    class_name = _layer_class_name(layer)
+    backend = load_backend(backend_of(layer))
+    return backend, class_name, backend.layer_config(layer)
+
+
+def get_weights(layer: Any) -> dict[str, np.ndarray]:
+    """The layer's weights in the canonical format, as fresh numpy arrays.
+
+    Works on a layer of any backend. A layer whose input sizes are not known yet (lazy, never
+    called, no weights loaded) has no weights to return and raises ValueError.
+    """
+    backend, class_name, config = _layer_info(layer)
+    shapes = weight_shapes(class_name, config)
+    unknown = [
+        key for key in ("query_size", "key_size", "value_size") if key in config and config[key] is None
+    ]
+    if shapes and unknown:
+        raise ValueError(
+            f"The weights of {_describe_layer(class_name, config)} are not created yet: "
+            f"{', '.join(unknown)} unknown. Call the layer once, pass the sizes to its "
+            "constructor, or load weights with mha.set_weights."
+        )
+    return backend.export_weights(layer)
+
+
+def set_weights(layer: Any, weights: Mapping[str, np.ndarray]) -> None:
+    """Load canonical weights into a layer of any backend.
+
+    Sizes the layer does not know yet (lazy query_size, key_size, value_size) are taken from
+    the weights. Nothing is changed unless every weight fits.
+
+    Raises:
+        TypeError: `weights` is not a dict.
+        ValueError: one error listing every missing, unexpected, misshapen or mistyped weight.
+    """
+    backend, class_name, config = _layer_info(layer)
+    problems, arrays = _find_problems(class_name, config, weights)
+    if problems:
+        _raise_problems("set_weights", class_name, config, problems)
+    backend.import_weights(layer, arrays)
+
+
+def random_weights(
+    layer: Any, *, seed: int = 0, dtype: str | None = None, **config: Any
+) -> dict[str, np.ndarray]:
+    """A seeded set of canonical weights.
+
+    Args:
+        layer: an mha layer (its class and config are used), or a class name or class such
+            as "MultiHeadAttention", with the constructor arguments given as keywords.
+        seed: the seed; the same seed gives the same weights on every machine.
+        dtype: float dtype name; defaults to the layer's dtype, else "float32".
+        **config: constructor arguments when `layer` is a name or class. Every size the
+            weights need must be known (query_size etc.).
+
+    Matrices are uniform in [-1/sqrt(in), 1/sqrt(in)] (torch.nn.Linear's default), biases
+    likewise, AddNorm's gamma near 1 and beta near 0.
+
+    Example:
+        >>> w = mha.random_weights("MultiHeadAttention", num_hiddens=8, num_heads=2,
+        ...                        query_size=4, key_size=4, value_size=4, seed=1)
+    """
+    if isinstance(layer, str) or isinstance(layer, type):
+        class_name = layer if isinstance(layer, str) else _layer_class_name_of_type(layer)
+        weight_shapes(class_name, {"num_hiddens": 1})  # rejects an unknown name
+        unknown = sorted(set(config) - set(LAYER_CLASSES[class_name]))
+        if unknown:
+            raise TypeError(
+                f"{class_name} has no argument {', '.join(unknown)}. "
+                f"Valid: {', '.join(LAYER_CLASSES[class_name])}"
+            )
+        if "num_hiddens" in LAYER_CLASSES[class_name] and "num_hiddens" not in config:
+            raise TypeError(f"random_weights for {class_name} needs num_hiddens")
+        layer_config = dict(config)
+        layer_config.setdefault("dtype", "float32")
+    else:
+        if config:
+            raise TypeError("random_weights takes no constructor arguments when given a layer")
+        _, class_name, layer_config = _layer_info(layer)
+    name = validation.check_dtype(dtype if dtype is not None else layer_config["dtype"])
+    shapes = weight_shapes(class_name, layer_config)
+    unknown = sorted(n for n, shape in shapes.items() if None in shape)
+    if unknown:
+        raise ValueError(
+            f"random_weights needs every size of {_describe_layer(class_name, layer_config)}: "
+            f"the shapes of {', '.join(unknown)} depend on sizes that are None"
+        )
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for key in sorted(shapes):
+        shape = shapes[key]
+        if key == "gamma":
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif key == "beta":
+            value = 0.1 * rng.standard_normal(shape)
+        else:
+            fan_in = shape[0] if len(shape) == 2 else shapes["W_o"][0]
+            bound = 1.0 / math.sqrt(fan_in)
+            value = rng.uniform(-bound, bound, shape)
+        weights[key] = value.astype(name)
+    return weights
+
+
+def _layer_class_name_of_type(cls: type) -> str:
+    for base in cls.__mro__:
+        if base.__name__ in LAYER_CLASSES and base.__module__.startswith("mha.backends."):
+            return base.__name__
+    raise TypeError(f"Expected an mha layer class. Received: {cls.__qualname__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def save_weights(layer: Any, path: str | os.PathLike) -> None:
+    """Write the layer's canonical weights, class and config to a safetensors file.
+
+    The file is written to a temporary name and renamed, so an interrupted save never leaves
+    a truncated file under `path`.
+    """
+    _, class_name, config = _layer_info(layer)
+    weights = get_weights(layer)
+    metadata = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "class": class_name,
+        "config": json.dumps(config, sort_keys=True),
+        "backend": backend_of(layer),
+    }
+    write_safetensors(path, weights, metadata)
+
+
+def load_weights(layer: Any, path: str | os.PathLike) -> None:
+    """Load a file written by `save_weights` (from any backend) into `layer`.
+
+    Raises:
+        ValueError: the file is not an mha safetensors file, is truncated or corrupted, was
+            saved from another class, or its config or weights do not fit the layer; every
+            problem is listed.
+    """
+    _, class_name, config = _layer_info(layer)
+    tensors, metadata = read_safetensors(path)
+    if metadata.get("format") != FORMAT or "class" not in metadata or "config" not in metadata:
+        raise ValueError(
+            f"{os.fspath(path)} is a safetensors file but not one written by "
+            "mha.save_weights (its metadata has no mha class and config)"
+        )
+    if metadata["class"] != class_name:
+        raise ValueError(
+            f"{os.fspath(path)} holds weights of {metadata['class']}; "
+            f"cannot load them into {class_name}"
+        )
+    try:
+        saved = json.loads(metadata["config"])
+        if not isinstance(saved, dict):
+            raise TypeError("config is not a JSON object")
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{os.fspath(path)} has a corrupted config in its metadata: {error}") from None
+    problems = []
+    for key in LAYER_CLASSES[class_name]:
+        if key in ("dropout", "dtype", "eps", "max_len"):
+            continue  # not part of the weights; dtype is checked per tensor below
+        mine, theirs = config.get(key), saved.get(key)
+        if mine is not None and mine != theirs:
+            problems.append(f"the file was saved with {key}={theirs!r}; this layer has {key}={mine!r}")
+    more, arrays = _find_problems(class_name, config, tensors)
+    problems.extend(more)
+    if problems:
+        _raise_problems(f"load_weights({os.fspath(path)!r})", class_name, config, problems)
+    load_backend(backend_of(layer)).import_weights(layer, arrays)
+
+
+# The safetensors dtypes mha reads and writes, and their little-endian numpy types.
+_SAFETENSORS_DTYPES = {
+    "F16": "<f2",
+    "F32": "<f4",
+    "F64": "<f8",
+    "I8": "i1",
+    "I16": "<i2",
+    "I32": "<i4",
+    "I64": "<i8",
+    "U8": "u1",
+    "BOOL": "?",
+}
+_NUMPY_TO_SAFETENSORS = {np.dtype(v).name: k for k, v in _SAFETENSORS_DTYPES.items()}
+_MAX_HEADER_BYTES = 100_000_000
+
+
+def write_safetensors(
+    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]
+) -> None:
+    """Write numpy arrays and string metadata as a safetensors file (atomically)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    blobs = []
+    offset = 0
+    for name in sorted(tensors):
+        array = np.asarray(tensors[name])
+        if array.dtype.name not in _NUMPY_TO_SAFETENSORS:
+            raise TypeError(f"cannot write {name} with dtype {array.dtype} to safetensors")
+        data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {
+            "dtype": _NUMPY_TO_SAFETENSORS[array.dtype.name],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        blobs.append(data)
+        offset += len(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".mha-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(struct.pack("<Q", len(encoded)))
+            file.write(encoded)
+            for blob in blobs:
+                file.write(blob)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Read a safetensors file into numpy arrays and its string metadata.
+
+    Every size and offset is checked before any data is read, so a truncated, foreign or
+    hostile file raises ValueError instead of crashing or allocating without bound.
+    """
+    name = os.fspath(path)
+
+    def corrupt(reason: str) -> ValueError:
+        return ValueError(f"{name} is not a valid safetensors file: {reason}")
+
+    with open(path, "rb") as file:
+        content = file.read()
+    if len(content) < 8:
+        raise corrupt(f"it has {len(content)} bytes, fewer than the 8-byte header size")
+    (header_size,) = struct.unpack("<Q", content[:8])
+    if header_size > _MAX_HEADER_BYTES:
+        raise corrupt(f"its header claims {header_size} bytes (limit {_MAX_HEADER_BYTES})")
+    if 8 + header_size > len(content):
+        raise corrupt(
+            f"it is truncated: the header needs {header_size} bytes, {len(content) - 8} remain"
+        )
+    try:
+        header = json.loads(content[8 : 8 + header_size].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as error:
+        raise corrupt(f"its header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise corrupt("its header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise corrupt("its __metadata__ is not a map of strings")
+    data = memoryview(content)[8 + header_size :]
+    entries = []
+    for key, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise corrupt(f"the entry of {key!r} is not dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise corrupt(f"{key!r} has dtype {dtype!r}, which mha does not read")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise corrupt(f"{key!r} has an invalid shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise corrupt(f"{key!r} has invalid data_offsets {offsets!r}")
+        itemsize = np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+        if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
+            raise corrupt(f"{key!r} has {offsets[1] - offsets[0]} bytes for shape {shape}")
+        entries.append((offsets[0], offsets[1], key, dtype, shape))
+    entries.sort()
+    position = 0
+    for begin, end, key, _, _ in entries:
+        if begin != position:
+            raise corrupt(f"the data of {key!r} does not follow the previous tensor's")
+        position = end
+    if position != len(data):
+        if position > len(data):
+            raise corrupt(f"it is truncated: the tensors need {position} bytes, {len(data)} remain")
+        raise corrupt(f"it has {len(data) - position} bytes after the last tensor")
+    tensors = {}
+    for begin, end, key, dtype, shape in entries:
+        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
+        tensors[key] = array.reshape(shape).astype(array.dtype.newbyteorder("="))
+    return tensors, metadata

@@ -1,0 +1,51 @@
+"""Shared fixtures: backends as parameters, and the rule for backends that fail to import.
+
+MHA_TEST_BACKENDS (comma list) names the backends this run requires; by default, every
+backend mha has. A required backend that does not import fails its tests; a backend that is
+not required and not installed is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from mha.registry import BACKENDS, BackendUnavailableError, load_backend, normalize_backend_name
+
+
+def required_backends() -> list[str]:
+    value = os.environ.get("MHA_TEST_BACKENDS", "").strip()
+    if not value:
+        return list(BACKENDS)
+    return [normalize_backend_name(name) for name in value.split(",") if name.strip()]
+
+
+def backend_params(names=None):
+    """pytest params over backends, each marked with its name (`pytest -m torch`)."""
+    return [
+        pytest.param(name, marks=getattr(pytest.mark, name), id=name)
+        for name in (names or BACKENDS)
+    ]
+
+
+def backend_module(name: str):
+    """The backend's module; fails if it is required and missing, skips otherwise."""
+    try:
+        return load_backend(name)
+    except BackendUnavailableError as error:
+        if name in required_backends():
+            pytest.fail(f"required backend {name!r} does not import: {error}", pytrace=False)
+        pytest.skip(str(error))
+
+
+@pytest.fixture(params=backend_params())
+def backend(request):
+    """Each backend's module in turn (numpy, torch, tensorflow, mxnet)."""
+    return backend_module(request.param)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
