@@ -273,17 +273,20 @@ def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
             f"mask must be a boolean keep-mask (True = attend). Received: {_describe('mask', mask)}"
         )
     shape = shape_of(mask)
-    max_rank = 4 if allow_heads else 3
-    if not 1 <= len(shape) <= max_rank or not _broadcastable(shape, target[-len(shape) :]):
-        expected = (
-            "(batch_size, num_heads, no. of queries, no. of keys)"
-            if allow_heads
-            else "(batch_size, no. of queries, no. of keys)"
-        )
-        raise ValueError(
-            f"mask must broadcast to {expected} = {_format_shape(target)}. "
-            f"Received: {_describe('mask', mask)}"
-        )
+    per_example = (target[0], target[-2], target[-1])
+    if allow_heads and len(shape) == 4:
+        # Only a 4-D mask has a head axis, so a batch axis is never read as a head axis
+        fits = _broadcastable(shape, target)
+    else:
+        fits = 1 <= len(shape) <= 3 and _broadcastable(shape, per_example)
+    if not fits:
+        expected = f"(batch_size, no. of queries, no. of keys) = {_format_shape(per_example)}"
+        if allow_heads:
+            expected += (
+                ", or 4-D to (batch_size, num_heads, no. of queries, no. of keys) = "
+                f"{_format_shape(target)}"
+            )
+        raise ValueError(f"mask must broadcast to {expected}. Received: {_describe('mask', mask)}")
 
 
 def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype: str) -> None:

@@ -85,15 +85,18 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
         return shapes
     if class_name == "AdditiveAttention":
         n = config["num_hiddens"]
-        return {"W_q": (config.get("query_size"), n), "W_k": (config.get("key_size"), n), "w_v": (n, 1)}
+        return {
+            "W_q": (config.get("query_size"), n),
+            "W_k": (config.get("key_size"), n),
+            "w_v": (n, 1),
+        }
     if class_name == "AddNorm":
         n = config["num_hiddens"]
         return {"gamma": (n,), "beta": (n,)}
     if class_name in ("DotProductAttention", "PositionalEncoding"):
         return {}
     raise ValueError(
-        f"Unknown layer class. Valid names: {', '.join(LAYER_CLASSES)}. "
-        f"Received: {class_name!r}"
+        f"Unknown layer class. Valid names: {', '.join(LAYER_CLASSES)}. Received: {class_name!r}"
     )
 
 
@@ -134,7 +137,9 @@ def _find_problems(
     arrays = {}
     for name in shapes:
         if name not in weights:
-            problems.append(f"missing {name}: expected shape {validation._format_shape(shapes[name])}")
+            problems.append(
+                f"missing {name}: expected shape {validation._format_shape(shapes[name])}"
+            )
     for name in weights:
         if name not in shapes:
             expected = ", ".join(shapes) or "no weights"
@@ -187,7 +192,9 @@ def get_weights(layer: Any) -> dict[str, np.ndarray]:
     backend, class_name, config = _layer_info(layer)
     shapes = weight_shapes(class_name, config)
     unknown = [
-        key for key in ("query_size", "key_size", "value_size") if key in config and config[key] is None
+        key
+        for key in ("query_size", "key_size", "value_size")
+        if key in config and config[key] is None
     ]
     if shapes and unknown:
         raise ValueError(
@@ -330,14 +337,18 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
         if not isinstance(saved, dict):
             raise TypeError("config is not a JSON object")
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{os.fspath(path)} has a corrupted config in its metadata: {error}") from None
+        raise ValueError(
+            f"{os.fspath(path)} has a corrupted config in its metadata: {error}"
+        ) from None
     problems = []
     for key in LAYER_CLASSES[class_name]:
         if key in ("dropout", "dtype", "eps", "max_len"):
             continue  # not part of the weights; dtype is checked per tensor below
         mine, theirs = config.get(key), saved.get(key)
         if mine is not None and mine != theirs:
-            problems.append(f"the file was saved with {key}={theirs!r}; this layer has {key}={mine!r}")
+            problems.append(
+                f"the file was saved with {key}={theirs!r}; this layer has {key}={mine!r}"
+            )
     more, arrays = _find_problems(class_name, config, tensors)
     problems.extend(more)
     if problems:

@@ -1,8 +1,8 @@
 """Every backend this run requires imports; a broken one is a failure, never a skip."""
 
 import pytest
-
 from conftest import required_backends
+
 from mha.registry import load_backend
 
 

@@ -450,7 +450,7 @@ class MultiHeadAttention(Module):
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
-            output = output * head_mask.astype(self.dtype).reshape(head_mask.shape + (1, 1))
+            output = output * head_mask.astype(self.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
         return self.W_o(output_concat)

@@ -1,0 +1,222 @@
+"""The `mha` command: `mha info` and `mha compare`.
+
+Exit codes: 0 when everything agrees, 1 on any disagreement, 2 on a usage error (including a
+backend named with --backends that does not import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Sequence
+
+from mha import __version__, harness
+from mha.registry import (
+    BACKENDS,
+    EXTRAS,
+    BackendUnavailableError,
+    framework_version,
+    load_backend,
+    normalize_backend_name,
+)
+
+__all__ = ["main"]
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mha",
+        description="Attention layers of Dive into Deep Learning in NumPy, PyTorch, TensorFlow "
+        "and MXNet, with proof that they compute the same numbers.",
+    )
+    parser.add_argument("--version", action="version", version=f"mha {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    commands.add_parser(
+        "info", help="list the backends, whether each imports, and its framework version"
+    )
+
+    compare = commands.add_parser(
+        "compare",
+        help="run every layer on every backend with one weight set and compare the outputs",
+        description="Run every layer and the main mask combinations on each backend, with one "
+        "canonical weight set and the same inputs, and compare each result with the NumPy "
+        "reference computed in float64. Exit 0 when all agree within tolerance, 1 otherwise.",
+    )
+    compare.add_argument(
+        "--backends",
+        help="comma-separated backends (default: every installed one; a named backend that "
+        "does not import is an error)",
+    )
+    compare.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    compare.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
+    defaults = harness.Shapes()
+    for field in ("batch_size", "num_queries", "num_keys", "num_hiddens", "num_heads"):
+        compare.add_argument(
+            "--" + field.replace("_", "-"),
+            type=_positive_int,
+            default=getattr(defaults, field),
+            help=f"default {getattr(defaults, field)}",
+        )
+    compare.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return parser
+
+
+def _info(out) -> int:
+    print(f"mha {__version__}", file=out)
+    print(f"{'backend':<12} {'status':<11} {'version':<10} detail", file=out)
+    for name in BACKENDS:
+        version = framework_version(name) or "-"
+        try:
+            load_backend(name)
+        except BackendUnavailableError as error:
+            status, detail = "unavailable", str(error)
+        else:
+            status = "ok"
+            detail = f'pip install "mha[{EXTRAS[name]}]"' if EXTRAS[name] else "always available"
+        print(f"{name:<12} {status:<11} {version:<10} {detail}", file=out)
+    return 0
+
+
+def _progress(err):
+    interactive = err.isatty()
+
+    def report(done: int, total: int, description: str) -> None:
+        if interactive:
+            end = "\n" if done == total else ""
+            print(f"\r\x1b[K[{done}/{total}] {description}", end=end, file=err, flush=True)
+        elif done == total or done % max(1, total // 10) == 0:
+            print(f"[{done}/{total}] {description}", file=err, flush=True)
+
+    return report
+
+
+def _format(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _compare(arguments, out, err) -> int:
+    if arguments.num_hiddens % arguments.num_heads != 0:
+        raise _UsageError(
+            f"--num-hiddens must be divisible by --num-heads. Received: "
+            f"{arguments.num_hiddens} and {arguments.num_heads}"
+        )
+    skipped: dict[str, str] = {}
+    if arguments.backends:
+        try:
+            names = [normalize_backend_name(n) for n in arguments.backends.split(",") if n.strip()]
+        except ValueError as error:
+            raise _UsageError(str(error)) from None
+        if not names:
+            raise _UsageError("--backends names no backend")
+        for name in names:
+            try:
+                load_backend(name)
+            except BackendUnavailableError as error:
+                raise _UsageError(str(error)) from None
+    else:
+        names = []
+        for name in BACKENDS:
+            try:
+                load_backend(name)
+            except BackendUnavailableError as error:
+                skipped[name] = str(error)
+            else:
+                names.append(name)
+    shapes = harness.Shapes(
+        batch_size=arguments.batch_size,
+        num_queries=arguments.num_queries,
+        num_keys=arguments.num_keys,
+        num_hiddens=arguments.num_hiddens,
+        num_heads=arguments.num_heads,
+    )
+    rows = harness.compare(
+        backends=names,
+        dtype=arguments.dtype,
+        seed=arguments.seed,
+        shapes=shapes,
+        progress=_progress(err),
+    )
+    passed = all(row.passed for row in rows)
+    if arguments.json:
+        report = {
+            "passed": passed,
+            "dtype": arguments.dtype,
+            "seed": arguments.seed,
+            "tolerance": harness.TOLERANCES[arguments.dtype],
+            "skipped": skipped,
+            "rows": [row.as_dict() for row in rows],
+        }
+        print(json.dumps(report, indent=2), file=out)
+        return 0 if passed else 1
+    tolerance = harness.TOLERANCES[arguments.dtype]
+    scale = "absolute" if arguments.dtype == "float64" else "relative to the output's scale"
+    print(
+        f"Agreement with the NumPy reference in float64 ({arguments.dtype} runs, "
+        f"tolerance {tolerance:.0e} {scale}, seed {arguments.seed})",
+        file=out,
+    )
+    width = max(len(row.case) for row in rows)
+    header = (
+        f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  "
+        f"{'output':>8}  {'weights':>8}  result"
+    )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for row in rows:
+        shape = "-" if row.output_shape is None else str(row.output_shape)
+        result = "ok" if row.passed else "FAIL"
+        line = (
+            f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  "
+            f"{_format(row.output_difference):>8}  {_format(row.weights_difference):>8}  {result}"
+        )
+        if row.error:
+            line += f"  ({row.error})"
+        print(line, file=out)
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}", file=out)
+    failures = sum(not row.passed for row in rows)
+    if passed:
+        print(f"All {len(rows)} comparisons agree on {', '.join(names)}.", file=out)
+    else:
+        failing = sorted({row.backend for row in rows if not row.passed})
+        print(
+            f"{failures} of {len(rows)} comparisons disagree, on: {', '.join(failing)}.", file=out
+        )
+    return 0 if passed else 1
+
+
+def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
+    """Run the command line; returns the exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    parser = _parser()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            arguments = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse exits 2 on usage errors and 0 for --help
+        return int(exit_.code or 0)
+    try:
+        if arguments.command == "info":
+            return _info(out)
+        return _compare(arguments, out, err)
+    except _UsageError as error:
+        print(f"mha {arguments.command}: error: {error}", file=err)
+        return 2

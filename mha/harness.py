@@ -1,0 +1,382 @@
+"""Cross-backend comparison: one weight set, the same inputs, every backend.
+
+This module owns the question "do the backends compute the same numbers?", so that the tests,
+`mha compare` and the notebooks all ask it the same way. The reference is always the NumPy
+backend run in float64; every backend (NumPy itself included) runs in the dtype asked for and
+is compared with it.
+
+    >>> from mha import harness
+    >>> rows = harness.compare(backends=["numpy"], dtype="float32")
+    >>> all(row.passed for row in rows)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mha.registry import load_backend, normalize_backend_name
+from mha.weights import LAYER_CLASSES, random_weights, set_weights
+
+__all__ = [
+    "TOLERANCES",
+    "Case",
+    "Result",
+    "Row",
+    "Shapes",
+    "compare",
+    "default_cases",
+    "difference",
+    "make_inputs",
+    "run_case",
+]
+
+# The agreement every backend must reach against the float64 reference (DESIGN.md,
+# "Agreement"): float64 in absolute terms, float32 and float16 relative to the scale of the
+# reference (its largest absolute entry, at least 1).
+TOLERANCES: dict[str, float] = {"float64": 1e-10, "float32": 1e-5, "float16": 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Input sizes for a comparison run."""
+
+    batch_size: int = 4
+    num_queries: int = 5
+    num_keys: int = 7
+    query_size: int = 6
+    key_size: int = 6
+    value_size: int = 3
+    num_hiddens: int = 8
+    num_heads: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One layer (or masked_softmax) with one combination of masks.
+
+    masks: names from MASKS ("valid_lens_1d", "valid_lens_2d", "mask_2d", "mask_3d",
+    "mask_4d", "causal", "window_mask", "head_mask", "no_weights").
+    """
+
+    layer: str
+    masks: tuple[str, ...] = ()
+    config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        options = ",".join(f"{key}={value}" for key, value in sorted(self.config.items()))
+        layer = f"{self.layer}({options})" if options else self.layer
+        return f"{layer}[{'+'.join(self.masks) or 'no_mask'}]"
+
+
+MASKS = (
+    "valid_lens_1d",
+    "valid_lens_2d",
+    "mask_2d",
+    "mask_3d",
+    "mask_4d",
+    "causal",
+    "window_mask",
+    "head_mask",
+    "no_weights",
+)
+
+
+@dataclasses.dataclass
+class Result:
+    """What one backend computed for one case, as numpy arrays."""
+
+    output: np.ndarray
+    attention_weights: np.ndarray | None
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the agreement table."""
+
+    case: str
+    backend: str
+    dtype: str
+    output_shape: tuple[int, ...] | None
+    output_difference: float | None
+    weights_difference: float | None
+    tolerance: float
+    passed: bool
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_cases() -> list[Case]:
+    """Every layer, and the main mask combinations on the attention layers."""
+    cases = [
+        Case("masked_softmax"),
+        Case("masked_softmax", ("valid_lens_1d",)),
+        Case("masked_softmax", ("valid_lens_2d",)),
+    ]
+    for layer in ("DotProductAttention", "AdditiveAttention"):
+        cases += [
+            Case(layer),
+            Case(layer, ("valid_lens_1d",)),
+            Case(layer, ("valid_lens_2d",)),
+            Case(layer, ("mask_3d",)),
+            Case(layer, ("causal",)),
+            Case(layer, ("window_mask",)),
+            Case(layer, ("valid_lens_2d", "mask_2d", "causal", "window_mask")),
+        ]
+    for bias in (False, True):
+        config = {"bias": bias}
+        cases += [
+            Case("MultiHeadAttention", (), config),
+            Case("MultiHeadAttention", ("valid_lens_1d",), config),
+            Case("MultiHeadAttention", ("valid_lens_2d",), config),
+            Case("MultiHeadAttention", ("mask_4d",), config),
+            Case("MultiHeadAttention", ("causal",), config),
+            Case("MultiHeadAttention", ("window_mask",), config),
+            Case("MultiHeadAttention", ("head_mask",), config),
+            Case("MultiHeadAttention", ("valid_lens_1d", "no_weights"), config),
+            Case(
+                "MultiHeadAttention",
+                ("valid_lens_2d", "mask_3d", "causal", "window_mask", "head_mask"),
+                config,
+            ),
+        ]
+    cases += [Case("PositionalEncoding"), Case("AddNorm")]
+    return cases
+
+
+def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, Any]:
+    """Seeded numpy inputs for `case`: tensors in `dtype`, masks and lengths as they are.
+
+    valid_lens include a 0 (a fully masked row) and a length larger than the number of keys.
+    """
+    rng = np.random.default_rng(seed)
+    s = shapes
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(dtype)
+
+    inputs: dict[str, Any] = {}
+    if case.layer == "masked_softmax":
+        inputs["X"] = normal(s.batch_size, s.num_queries, s.num_keys)
+    elif case.layer == "PositionalEncoding":
+        inputs["X"] = normal(s.batch_size, s.num_queries, s.num_hiddens)
+    elif case.layer == "AddNorm":
+        inputs["X"] = normal(s.batch_size, s.num_queries, s.num_hiddens)
+        inputs["Y"] = normal(s.batch_size, s.num_queries, s.num_hiddens)
+    else:
+        query_size = s.key_size if case.layer == "DotProductAttention" else s.query_size
+        inputs["queries"] = normal(s.batch_size, s.num_queries, query_size)
+        inputs["keys"] = normal(s.batch_size, s.num_keys, s.key_size)
+        inputs["values"] = normal(s.batch_size, s.num_keys, s.value_size)
+    lengths = rng.integers(1, s.num_keys + 1, size=(s.batch_size, s.num_queries))
+    lengths[0, 0] = 0
+    lengths[-1, -1] = s.num_keys + 3
+    if "valid_lens_1d" in case.masks:
+        inputs["valid_lens"] = lengths[:, 0].copy()
+    if "valid_lens_2d" in case.masks:
+        inputs["valid_lens"] = lengths
+    if "mask_2d" in case.masks:
+        inputs["mask"] = rng.random((s.num_queries, s.num_keys)) < 0.8
+    if "mask_3d" in case.masks:
+        inputs["mask"] = rng.random((s.batch_size, s.num_queries, s.num_keys)) < 0.8
+    if "mask_4d" in case.masks:
+        inputs["mask"] = rng.random((s.batch_size, s.num_heads, s.num_queries, s.num_keys)) < 0.8
+    if "causal" in case.masks:
+        inputs["causal"] = True
+    if "window_mask" in case.masks:
+        # Swin style: 0 where attended, -inf where not, for two windows
+        blocked = rng.random((2, s.num_queries, s.num_keys)) < 0.3
+        inputs["window_mask"] = np.where(blocked, -np.inf, 0.0).astype(dtype)
+    if "head_mask" in case.masks:
+        inputs["head_mask"] = rng.random(s.num_heads).astype(dtype)
+    if "no_weights" in case.masks:
+        inputs["need_weights"] = False
+    return inputs
+
+
+def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
+    s = shapes
+    config: dict[str, Any] = {"dtype": dtype}
+    if case.layer == "AdditiveAttention":
+        config.update(num_hiddens=s.num_hiddens, query_size=s.query_size, key_size=s.key_size)
+    elif case.layer == "MultiHeadAttention":
+        config.update(
+            num_hiddens=s.num_hiddens,
+            num_heads=s.num_heads,
+            query_size=s.query_size,
+            key_size=s.key_size,
+            value_size=s.value_size,
+        )
+    elif case.layer in ("PositionalEncoding", "AddNorm"):
+        config.update(num_hiddens=s.num_hiddens)
+    config.update(case.config)
+    return config
+
+
+def run_case(
+    backend: str,
+    case: Case,
+    inputs: Mapping[str, Any],
+    weights: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+) -> Result:
+    """Build `case.layer` in `backend` with `weights`, call it on `inputs`, return numpy."""
+    module = load_backend(backend)
+    tensors = {
+        key: module.from_numpy(value) if isinstance(value, np.ndarray) else value
+        for key, value in inputs.items()
+    }
+    if case.layer == "masked_softmax":
+        output = module.masked_softmax(tensors["X"], tensors.get("valid_lens"))
+        return Result(module.to_numpy(output), None)
+    layer_class = getattr(module, case.layer)
+    positional = [
+        name for name in LAYER_CLASSES[case.layer] if name in ("num_hiddens", "num_heads")
+    ]
+    layer = layer_class(
+        *[config[name] for name in positional],
+        **{key: value for key, value in config.items() if key not in positional},
+    )
+    if weights:
+        set_weights(layer, dict(weights))
+    if case.layer == "PositionalEncoding":
+        output = layer(tensors["X"])
+    elif case.layer == "AddNorm":
+        output = layer(tensors["X"], tensors["Y"])
+    else:
+        arguments = {
+            key: tensors[key]
+            for key in ("mask", "causal", "window_mask", "head_mask", "need_weights")
+            if key in tensors
+        }
+        output = layer(
+            tensors["queries"],
+            tensors["keys"],
+            tensors["values"],
+            tensors.get("valid_lens"),
+            **arguments,
+        )
+    attention_weights = getattr(layer, "attention_weights", None)
+    return Result(
+        module.to_numpy(output),
+        None if attention_weights is None else module.to_numpy(attention_weights),
+    )
+
+
+def difference(actual: np.ndarray, reference: np.ndarray, dtype: str) -> float:
+    """The largest difference, absolute for float64, relative to the reference's scale
+    (its largest absolute entry, at least 1) otherwise."""
+    actual = np.asarray(actual, dtype=np.float64)
+    reference = np.asarray(reference, dtype=np.float64)
+    if actual.shape != reference.shape:
+        return float("inf")
+    if actual.size == 0:
+        return 0.0
+    error = float(np.max(np.abs(actual - reference)))
+    if dtype == "float64":
+        return error
+    return error / max(1.0, float(np.max(np.abs(reference))))
+
+
+def _upcast(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        key: value.astype(np.float64)
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f"
+        else value
+        for key, value in arrays.items()
+    }
+
+
+def compare(
+    backends: Sequence[str] = ("numpy",),
+    dtype: str = "float32",
+    seed: int = 0,
+    shapes: Shapes = Shapes(),
+    cases: Iterable[Case] | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[Row]:
+    """Run every case on every backend and compare with the float64 NumPy reference.
+
+    Args:
+        backends: backend names; each must import.
+        dtype: the dtype the backends run in ("float32" or "float64").
+        seed: seeds the weights and the inputs.
+        shapes: input sizes.
+        cases: what to run; default_cases() when None.
+        progress: called as progress(done, total, description) before each run.
+
+    Returns:
+        One Row per case and backend. A backend that raises gives a failed row with the error.
+    """
+    names = [normalize_backend_name(name) for name in backends]
+    for name in names:
+        load_backend(name)
+    cases = list(default_cases() if cases is None else cases)
+    tolerance = TOLERANCES[dtype]
+    rows = []
+    total, done = len(cases) * len(names), 0
+    for case in cases:
+        config = _config(case, shapes, dtype)
+        reference_config = {**config, "dtype": "float64"}
+        # The reference sees exactly the numbers the backends see, upcast to float64, so that
+        # the difference measures the computation alone.
+        weights = (
+            random_weights(case.layer, seed=seed, **config)
+            if case.layer != "masked_softmax"
+            else {}
+        )
+        inputs = make_inputs(case, shapes, dtype, seed)
+        reference = run_case("numpy", case, _upcast(inputs), _upcast(weights), reference_config)
+        for name in names:
+            if progress is not None:
+                progress(done, total, f"{case.id} on {name}")
+            done += 1
+            try:
+                result = run_case(name, case, inputs, weights, config)
+            except Exception as error:  # a crash is a disagreement, reported with its cause
+                rows.append(
+                    Row(
+                        case.id,
+                        name,
+                        dtype,
+                        None,
+                        None,
+                        None,
+                        tolerance,
+                        False,
+                        f"{type(error).__name__}: {error}",
+                    )
+                )
+                continue
+            output_difference = difference(result.output, reference.output, dtype)
+            weights_difference = None
+            if reference.attention_weights is not None or result.attention_weights is not None:
+                if result.attention_weights is None or reference.attention_weights is None:
+                    weights_difference = float("inf")
+                else:
+                    weights_difference = difference(
+                        result.attention_weights, reference.attention_weights, dtype
+                    )
+            worst = max(output_difference, weights_difference or 0.0)
+            rows.append(
+                Row(
+                    case.id,
+                    name,
+                    dtype,
+                    tuple(result.output.shape),
+                    output_difference,
+                    weights_difference,
+                    tolerance,
+                    bool(worst <= tolerance),
+                )
+            )
+    if progress is not None:
+        progress(total, total, "done")
+    return rows

@@ -1,0 +1,172 @@
+"""Backend selection: MHA_BACKEND, set_backend, use_backend, class forwarding, lazy imports."""
+
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import mha
+from mha import registry
+
+FRAMEWORKS = ("torch", "tensorflow", "keras", "mxnet", "jax")
+
+
+def run_python(code, **env):
+    """Run `code` in a fresh interpreter and return its stdout (raises on failure)."""
+    import os
+
+    environment = {k: v for k, v in os.environ.items() if k != "MHA_BACKEND"}
+    environment.update(env)
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False
+    )
+    return completed
+
+
+def test_import_mha_imports_no_framework():
+    code = (
+        "import sys, json, mha; mha.get_backend(); mha.MultiHeadAttention; "
+        "mha.random_weights('AddNorm', num_hiddens=2); "
+        f"print(json.dumps([m for m in {FRAMEWORKS!r} if m in sys.modules]))"
+    )
+    completed = run_python(code)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == []
+
+
+def test_default_backend_is_numpy():
+    completed = run_python("import mha; print(mha.get_backend())")
+    assert completed.stdout.strip() == "numpy"
+
+
+@pytest.mark.parametrize("value", ["numpy", "NumPy", " NUMPY "])
+def test_environment_variable_is_case_insensitive(value):
+    completed = run_python("import mha; print(mha.get_backend())", MHA_BACKEND=value)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.strip() == "numpy"
+
+
+def test_environment_variable_with_unknown_name_lists_valid_names():
+    completed = run_python("import mha; mha.get_backend()", MHA_BACKEND="theano")
+    assert completed.returncode != 0
+    assert "ValueError: MHA_BACKEND is not valid" in completed.stderr
+    for name in ("numpy", "torch", "tensorflow", "mxnet", "pytorch", "tf"):
+        assert name in completed.stderr
+    assert "'theano'" in completed.stderr
+
+
+@pytest.mark.parametrize(
+    ("alias", "name"),
+    [
+        ("pytorch", "torch"),
+        ("PyTorch", "torch"),
+        ("tf", "tensorflow"),
+        ("TF", "tensorflow"),
+        ("MXNet", "mxnet"),
+        ("numpy", "numpy"),
+    ],
+)
+def test_aliases_and_case(alias, name):
+    assert registry.normalize_backend_name(alias) == name
+
+
+def test_unknown_and_non_string_names():
+    with pytest.raises(ValueError, match=r"Valid names: numpy, torch, tensorflow, mxnet"):
+        mha.set_backend("caffe")
+    with pytest.raises(TypeError, match=r"backend must be a string. Received: backend=3"):
+        mha.use_backend(3).__enter__()
+
+
+def test_missing_framework_raises_backend_unavailable_error():
+    # Block torch's import, as if it were not installed.
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import mha\n"
+        "try:\n"
+        "    mha.set_backend('pytorch')\n"
+        "except mha.BackendUnavailableError as e:\n"
+        "    print(isinstance(e, ImportError), mha.get_backend()); print(e)\n"
+        "print('torch' in mha.available_backends())\n"
+    )
+    completed = run_python(code)
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    assert lines[0] == "True numpy"  # an ImportError, and nothing changed
+    assert "'torch'" in lines[1]
+    assert "ModuleNotFoundError" in lines[1]
+    assert 'pip install "mha[torch]"' in lines[1]
+    assert lines[-1] == "False"
+
+
+def test_set_backend_and_use_backend_restore():
+    previous = mha.get_backend()
+    try:
+        mha.set_backend("numpy")
+        with mha.use_backend("NUMPY") as name:
+            assert name == "numpy"
+            assert mha.get_backend() == "numpy"
+        assert mha.get_backend() == "numpy"
+    finally:
+        mha.set_backend(previous)
+
+
+def test_use_backend_restores_on_error(backend):
+    name = backend.__name__.rsplit(".", 1)[-1]
+    before = mha.get_backend()
+    with pytest.raises(RuntimeError, match="boom"):
+        with mha.use_backend(name):
+            assert mha.get_backend() == name
+            raise RuntimeError("boom")
+    assert mha.get_backend() == before
+
+
+def test_use_backend_is_per_thread(backend):
+    name = backend.__name__.rsplit(".", 1)[-1]
+    seen = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def inside():
+        with mha.use_backend(name):
+            seen["inside"] = mha.get_backend()
+            entered.set()
+            release.wait(10)
+
+    def outside():
+        entered.wait(10)
+        seen["outside"] = mha.get_backend()
+        release.set()
+
+    threads = [threading.Thread(target=inside), threading.Thread(target=outside)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"inside": name, "outside": "numpy"}
+
+
+def test_classes_resolve_on_the_current_backend(backend):
+    name = backend.__name__.rsplit(".", 1)[-1]
+    with mha.use_backend(name):
+        for public in registry.PUBLIC_NAMES:
+            assert getattr(mha, public) is getattr(backend, public)
+
+
+def test_every_backend_exports_the_same_names(backend):
+    for public in (*registry.PUBLIC_NAMES, "layer_config", "export_weights", "import_weights"):
+        assert hasattr(backend, public), public
+
+
+def test_unknown_attribute():
+    with pytest.raises(AttributeError, match="no attribute 'Transformer'"):
+        mha.Transformer  # noqa: B018
+
+
+def test_available_backends_include_numpy():
+    assert "numpy" in mha.available_backends()
+
+
+def test_backend_of_rejects_foreign_objects():
+    with pytest.raises(TypeError, match="Expected a layer from one of the mha backends"):
+        registry.backend_of(object())

@@ -1,0 +1,337 @@
+"""Every user mistake raises ValueError or TypeError from mha.validation, naming the argument
+and echoing what was received. Each row is one error path, with its full message."""
+
+import re
+
+import numpy as np
+import pytest
+
+import mha
+from mha import validation
+
+pytestmark = pytest.mark.numpy
+
+f32 = np.zeros((2, 3, 4), "float32")
+keys32 = np.zeros((2, 5, 4), "float32")
+values32 = np.zeros((2, 5, 6), "float32")
+
+
+def mha_layer(**kwargs):
+    return mha.MultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=6, **kwargs)
+
+
+def call_mha(*args, **kwargs):
+    mha_layer()(*args, **kwargs)
+
+
+def attend(**kwargs):
+    arguments = {"queries": f32, "keys": keys32, "values": values32}
+    arguments.update(kwargs)
+    mha_layer()(
+        arguments.pop("queries"), arguments.pop("keys"), arguments.pop("values"), **arguments
+    )
+
+
+ERRORS = {
+    # Constructors
+    "num_hiddens zero": (
+        lambda: mha.MultiHeadAttention(0, 1),
+        ValueError,
+        "num_hiddens must be a positive integer. Received: num_hiddens=0",
+    ),
+    "num_hiddens float": (
+        lambda: mha.AdditiveAttention(2.5),
+        ValueError,
+        "num_hiddens must be a positive integer. Received: num_hiddens=2.5",
+    ),
+    "num_hiddens bool": (
+        lambda: mha.AddNorm(True),
+        ValueError,
+        "num_hiddens must be a positive integer. Received: num_hiddens=True",
+    ),
+    "num_heads negative": (
+        lambda: mha.MultiHeadAttention(8, -2),
+        ValueError,
+        "num_heads must be a positive integer. Received: num_heads=-2",
+    ),
+    "not divisible": (
+        lambda: mha.MultiHeadAttention(100, 3),
+        ValueError,
+        "num_hiddens must be divisible by num_heads. Received: num_hiddens=100, num_heads=3",
+    ),
+    "dropout one": (
+        lambda: mha.DotProductAttention(1.0),
+        ValueError,
+        "dropout must be a number in [0, 1). Received: dropout=1.0",
+    ),
+    "dropout negative": (
+        lambda: mha.PositionalEncoding(4, -0.1),
+        ValueError,
+        "dropout must be a number in [0, 1). Received: dropout=-0.1",
+    ),
+    "dropout string": (
+        lambda: mha.DotProductAttention("0.1"),
+        ValueError,
+        "dropout must be a number in [0, 1). Received: dropout='0.1'",
+    ),
+    "bias not bool": (
+        lambda: mha.MultiHeadAttention(8, 2, bias=1),
+        TypeError,
+        "bias must be True or False. Received: bias=1",
+    ),
+    "query_size zero": (
+        lambda: mha.MultiHeadAttention(8, 2, query_size=0),
+        ValueError,
+        "query_size must be a positive integer. Received: query_size=0",
+    ),
+    "key_size string": (
+        lambda: mha.AdditiveAttention(8, key_size="4"),
+        ValueError,
+        "key_size must be a positive integer. Received: key_size='4'",
+    ),
+    "max_len zero": (
+        lambda: mha.PositionalEncoding(4, max_len=0),
+        ValueError,
+        "max_len must be a positive integer. Received: max_len=0",
+    ),
+    "eps zero": (
+        lambda: mha.AddNorm(4, eps=0.0),
+        ValueError,
+        "eps must be a positive number. Received: eps=0.0",
+    ),
+    "dtype unknown": (
+        lambda: mha.DotProductAttention(dtype="int32"),
+        ValueError,
+        "dtype must be one of float16, bfloat16, float32, float64. Received: dtype='int32'",
+    ),
+    # Inputs
+    "queries not a tensor": (
+        lambda: attend(queries=[[1.0]]),
+        TypeError,
+        "queries must be an array or tensor of the layer's framework. "
+        "Received: queries of type list",
+    ),
+    "queries rank 2": (
+        lambda: attend(queries=np.zeros((3, 4), "float32")),
+        ValueError,
+        "queries must have rank 3: (batch_size, sequence length, features). "
+        "Received: queries with shape (3, 4) and dtype float32",
+    ),
+    "keys rank 4": (
+        lambda: attend(keys=np.zeros((2, 5, 4, 1), "float32")),
+        ValueError,
+        "keys must have rank 3: (batch_size, sequence length, features). "
+        "Received: keys with shape (2, 5, 4, 1) and dtype float32",
+    ),
+    "queries float64 in float32 layer": (
+        lambda: attend(queries=np.zeros((2, 3, 4))),
+        TypeError,
+        "queries must have the layer's dtype float32. "
+        "Received: queries with shape (2, 3, 4) and dtype float64",
+    ),
+    "values int": (
+        lambda: attend(values=np.zeros((2, 5, 6), "int64")),
+        TypeError,
+        "values must have the layer's dtype float32. "
+        "Received: values with shape (2, 5, 6) and dtype int64",
+    ),
+    "batch sizes differ": (
+        lambda: attend(keys=np.zeros((3, 5, 4), "float32")),
+        ValueError,
+        "queries, keys and values must have the same batch size. Received: "
+        "queries with shape (2, 3, 4), keys with shape (3, 5, 4), "
+        "values with shape (2, 5, 6)",
+    ),
+    "keys and values lengths differ": (
+        lambda: attend(values=np.zeros((2, 4, 6), "float32")),
+        ValueError,
+        "keys and values must have the same number of key-value pairs (axis 1). Received: "
+        "keys with shape (2, 5, 4), values with shape (2, 4, 6)",
+    ),
+    "query_size mismatch": (
+        lambda: attend(queries=np.zeros((2, 3, 5), "float32")),
+        ValueError,
+        "The last axis of queries must have size query_size=4. "
+        "Received: queries with shape (2, 3, 5) and dtype float32",
+    ),
+    "value_size mismatch": (
+        lambda: attend(values=np.zeros((2, 5, 7), "float32")),
+        ValueError,
+        "The last axis of values must have size value_size=6. "
+        "Received: values with shape (2, 5, 7) and dtype float32",
+    ),
+    "dot product sizes differ": (
+        lambda: mha.DotProductAttention()(f32, np.zeros((2, 5, 3), "float32"), values32),
+        ValueError,
+        "queries and keys must have the same feature size (last axis) for dot-product scores. "
+        "Received: queries with shape (2, 3, 4), keys with shape (2, 5, 3)",
+    ),
+    # valid_lens
+    "valid_lens wrong batch": (
+        lambda: attend(valid_lens=np.array([1, 2, 3])),
+        ValueError,
+        "valid_lens must have shape (batch_size,) = (2,) or "
+        "(batch_size, no. of queries) = (2, 3). "
+        "Received: valid_lens with shape (3,) and dtype int64",
+    ),
+    "valid_lens rank 3": (
+        lambda: attend(valid_lens=np.ones((2, 3, 1), "int64")),
+        ValueError,
+        "valid_lens must have shape (batch_size,) = (2,) or "
+        "(batch_size, no. of queries) = (2, 3). "
+        "Received: valid_lens with shape (2, 3, 1) and dtype int64",
+    ),
+    "valid_lens bool": (
+        lambda: attend(valid_lens=np.array([True, False])),
+        TypeError,
+        "valid_lens must hold integers (an integer or float dtype). "
+        "Received: valid_lens with shape (2,) and dtype bool",
+    ),
+    "valid_lens negative": (
+        lambda: attend(valid_lens=np.array([2, -1])),
+        ValueError,
+        "valid_lens must be non-negative. Received: valid_lens containing -1",
+    ),
+    "valid_lens fractional": (
+        lambda: attend(valid_lens=np.array([2.0, 1.5])),
+        ValueError,
+        "valid_lens must hold whole numbers. Received: valid_lens containing 1.5",
+    ),
+    "valid_lens list": (
+        lambda: attend(valid_lens=[1, 2]),
+        TypeError,
+        "valid_lens must be an array or tensor of the layer's framework. "
+        "Received: valid_lens of type list",
+    ),
+    # mask, causal, window_mask, head_mask, need_weights
+    "mask not bool": (
+        lambda: attend(mask=np.ones((3, 5), "float32")),
+        TypeError,
+        "mask must be a boolean keep-mask (True = attend). "
+        "Received: mask with shape (3, 5) and dtype float32",
+    ),
+    "mask wrong keys": (
+        lambda: attend(mask=np.ones((3, 4), bool)),
+        ValueError,
+        "mask must broadcast to (batch_size, no. of queries, no. of keys) = "
+        "(2, 3, 5), or 4-D to (batch_size, num_heads, no. of queries, no. of "
+        "keys) = (2, 2, 3, 5). Received: mask with shape (3, 4) and dtype bool",
+    ),
+    "mask 4-D wrong heads": (
+        lambda: attend(mask=np.ones((2, 3, 3, 5), bool)),
+        ValueError,
+        "mask must broadcast to (batch_size, no. of queries, no. of keys) "
+        "= (2, 3, 5), or 4-D to (batch_size, num_heads, no. of queries, "
+        "no. of keys) = (2, 2, 3, 5). "
+        "Received: mask with shape (2, 3, 3, 5) and dtype bool",
+    ),
+    "mask 4-D on single head": (
+        lambda: mha.DotProductAttention()(f32, keys32, values32, mask=np.ones((2, 1, 3, 5), bool)),
+        ValueError,
+        "mask must broadcast to (batch_size, no. of queries, no. of keys) = (2, 3, 5). "
+        "Received: mask with shape (2, 1, 3, 5) and dtype bool",
+    ),
+    "causal not bool": (
+        lambda: attend(causal="yes"),
+        TypeError,
+        "causal must be True or False. Received: causal='yes'",
+    ),
+    "need_weights not bool": (
+        lambda: attend(need_weights=None),
+        TypeError,
+        "need_weights must be True or False. Received: need_weights=None",
+    ),
+    "window_mask rank 2": (
+        lambda: attend(window_mask=np.ones((3, 5), bool)),
+        ValueError,
+        "window_mask must have shape (num_windows, no. of queries, no. of keys)"
+        " = (num_windows, 3, 5). "
+        "Received: window_mask with shape (3, 5) and dtype bool",
+    ),
+    "window_mask not a batch divisor": (
+        lambda: attend(window_mask=np.ones((3, 3, 5), bool)),
+        ValueError,
+        "batch_size must be a multiple of num_windows (the first axis of window_mask). "
+        "Received: batch_size=2, window_mask with shape (3, 3, 5) and dtype bool",
+    ),
+    "window_mask int": (
+        lambda: attend(window_mask=np.ones((1, 3, 5), "int32")),
+        TypeError,
+        "window_mask must be boolean (True = attend) or have the layer's dtype "
+        "float32 (added to the scores). "
+        "Received: window_mask with shape (1, 3, 5) and dtype int32",
+    ),
+    "head_mask wrong size": (
+        lambda: attend(head_mask=np.ones(3, "float32")),
+        ValueError,
+        "head_mask must have shape (num_heads,) = (2,) or "
+        "(batch_size, num_heads) = (2, 2). "
+        "Received: head_mask with shape (3,) and dtype float32",
+    ),
+    "head_mask float64": (
+        lambda: attend(head_mask=np.ones(2)),
+        TypeError,
+        "head_mask must be boolean or have the layer's dtype float32. "
+        "Received: head_mask with shape (2,) and dtype float64",
+    ),
+    # masked_softmax, PositionalEncoding, AddNorm
+    "masked_softmax int scores": (
+        lambda: mha.masked_softmax(np.ones((2, 3), "int64")),
+        TypeError,
+        "X must have a floating dtype. Received: X with shape (2, 3) and dtype int64",
+    ),
+    "masked_softmax rank 1": (
+        lambda: mha.masked_softmax(np.ones(3)),
+        ValueError,
+        "X must have rank 2 or more: (batch_size, ..., no. of keys). "
+        "Received: X with shape (3,) and dtype float64",
+    ),
+    "sequence longer than max_len": (
+        lambda: mha.PositionalEncoding(4, max_len=2)(f32),
+        ValueError,
+        "X is longer than max_len=2: build the layer with a larger max_len. "
+        "Received: X with shape (2, 3, 4) and dtype float32",
+    ),
+    "encoding size mismatch": (
+        lambda: mha.PositionalEncoding(5)(f32),
+        ValueError,
+        "The last axis of X must have size num_hiddens=5. "
+        "Received: X with shape (2, 3, 4) and dtype float32",
+    ),
+    "add_norm shapes differ": (
+        lambda: mha.AddNorm(4)(f32, np.zeros((2, 2, 4), "float32")),
+        ValueError,
+        "X and Y must have the same shape. "
+        "Received: X with shape (2, 3, 4), Y with shape (2, 2, 4)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+def test_error_message(case):
+    action, error_type, message = ERRORS[case]
+    with pytest.raises(error_type) as caught:
+        action()
+    assert str(caught.value) == message
+    # Raised by the shared validation module, before any framework call
+    frame = caught.tb
+    while frame.tb_next is not None:
+        frame = frame.tb_next
+    assert frame.tb_frame.f_code.co_filename.endswith(("validation.py", "registry.py"))
+
+
+def test_messages_name_the_argument():
+    for _, (_, _, message) in ERRORS.items():
+        assert re.search(r"Received: ", message), message
+
+
+def test_shape_and_dtype_readers():
+    assert validation.shape_of(np.zeros((2, 3))) == (2, 3)
+    assert validation.dtype_name(np.zeros(2, bool)) == "bool"
+    assert validation.check_dtype(np.float64) == "float64"
+    assert validation.check_dtype(np.dtype("float16")) == "float16"
+
+
+def test_valid_lens_larger_than_keys_is_accepted():
+    output = mha_layer()(f32, keys32, values32, np.array([7, 100]))
+    assert output.shape == (2, 3, 8)
