@@ -8,6 +8,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mha
 from mha.backends import numpy as N
@@ -551,3 +553,31 @@ def test_float32_layers_compute_in_float32():
         (mha.AddNorm(4), (q, q)),
     ]:
         assert layer(*args).dtype == np.float32, type(layer).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Properties over random configurations
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    num_queries=st.integers(1, 4),
+    num_keys=st.integers(1, 5),
+    two_d=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_masked_softmax_properties(batch, num_queries, num_keys, two_d, seed):
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((batch, num_queries, num_keys)) * 30
+    shape = (batch, num_queries) if two_d else (batch,)
+    lengths = rng.integers(0, num_keys + 2, size=shape)
+    P = mha.masked_softmax(X, lengths)
+    per_row = lengths if two_d else np.repeat(lengths[:, None], num_queries, axis=1)
+    for b in range(batch):
+        for i in range(num_queries):
+            length = min(per_row[b, i], num_keys)
+            assert np.all(P[b, i, length:] == 0)
+            assert P[b, i].sum() == pytest.approx(1.0 if length > 0 else 0.0, abs=1e-12)
+            expected = softmax_loop(X[b, i].tolist(), [j < length for j in range(num_keys)])
+            np.testing.assert_allclose(P[b, i], expected, atol=1e-12)

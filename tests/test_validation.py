@@ -335,3 +335,21 @@ def test_shape_and_dtype_readers():
 def test_valid_lens_larger_than_keys_is_accepted():
     output = mha_layer()(f32, keys32, values32, np.array([7, 100]))
     assert output.shape == (2, 3, 8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "bool"])
+def test_shapes_and_dtypes_of_every_framework(backend, dtype):
+    # Read from the framework's own tensor, without converting it to numpy
+    tensor = backend.from_numpy(np.zeros((2, 3, 1), dtype=dtype))
+    assert validation.shape_of(tensor) == (2, 3, 1)
+    assert validation.dtype_name(tensor) == dtype
+
+
+def test_unknown_sizes_of_symbolic_shapes_are_not_errors():
+    class Symbolic:
+        shape = (None, 3, 4)
+        dtype = np.dtype("float32")
+
+    queries = Symbolic()
+    sizes = validation.check_attention_call(queries, queries, queries, dtype="float32")
+    assert sizes == (None, 3, 3)
