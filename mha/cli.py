@@ -161,32 +161,47 @@ def _compare(arguments, out, err) -> int:
             "dtype": arguments.dtype,
             "seed": arguments.seed,
             "tolerance": harness.TOLERANCES[arguments.dtype],
+            "gradient_tolerance": harness.GRADIENT_TOLERANCES[arguments.dtype],
             "skipped": skipped,
             "rows": [row.as_dict() for row in rows],
         }
         print(json.dumps(report, indent=2), file=out)
         return 0 if passed else 1
     tolerance = harness.TOLERANCES[arguments.dtype]
+    gradient_tolerance = harness.GRADIENT_TOLERANCES[arguments.dtype]
     scale = "absolute" if arguments.dtype == "float64" else "relative to the output's scale"
+    autograd = [row.backend for row in rows if row.gradient_difference is not None]
+    anchor = autograd[0] if autograd else None
     print(
-        f"Agreement with the NumPy reference in float64 ({arguments.dtype} runs, "
-        f"tolerance {tolerance:.0e} {scale}, seed {arguments.seed})",
+        f"Largest differences from the NumPy reference in float64 ({arguments.dtype} runs, "
+        f"seed {arguments.seed}).\n"
+        f"  output, weights: the layer's output and attention_weights, tolerance "
+        f"{tolerance:.0e} {scale}",
         file=out,
     )
+    if anchor is not None:
+        print(
+            f"  grad~fd: gradients of the inputs and weights against float64 central "
+            f"differences, tolerance {gradient_tolerance:.0e} relative\n"
+            f"  grad~{anchor}: gradients against {anchor}'s, tolerance {tolerance:.0e}",
+            file=out,
+        )
     width = max(len(row.case) for row in rows)
-    header = (
-        f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  "
-        f"{'output':>8}  {'weights':>8}  result"
-    )
+    columns = f"{'output':>8}  {'weights':>8}"
+    if anchor is not None:
+        columns += f"  {'grad~fd':>8}  {'grad~' + anchor:>10}"
+    header = f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  {columns}  result"
     print(header, file=out)
     print("-" * len(header), file=out)
     for row in rows:
         shape = "-" if row.output_shape is None else str(row.output_shape)
         result = "ok" if row.passed else "FAIL"
-        line = (
-            f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  "
-            f"{_format(row.output_difference):>8}  {_format(row.weights_difference):>8}  {result}"
-        )
+        values = f"{_format(row.output_difference):>8}  {_format(row.weights_difference):>8}"
+        if anchor is not None:
+            values += (
+                f"  {_format(row.gradient_difference):>8}  {_format(row.gradient_agreement):>10}"
+            )
+        line = f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  {values}  {result}"
         if row.error:
             line += f"  ({row.error})"
         print(line, file=out)

@@ -23,6 +23,7 @@ from mha.registry import load_backend, normalize_backend_name
 from mha.weights import LAYER_CLASSES, random_weights, set_weights
 
 __all__ = [
+    "GRADIENT_TOLERANCES",
     "TOLERANCES",
     "Case",
     "Result",
@@ -39,6 +40,10 @@ __all__ = [
 # "Agreement"): float64 in absolute terms, float32 and float16 relative to the scale of the
 # reference (its largest absolute entry, at least 1).
 TOLERANCES: dict[str, float] = {"float64": 1e-10, "float32": 1e-5, "float16": 2e-3}
+
+# Gradients against float64 central differences on the reference, relative to the scale of
+# the gradient: the differences themselves are accurate to about 1e-9 with a step of 1e-6.
+GRADIENT_TOLERANCES: dict[str, float] = {"float64": 1e-7, "float32": 1e-4, "float16": 1e-2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,15 +94,27 @@ MASKS = (
 
 @dataclasses.dataclass
 class Result:
-    """What one backend computed for one case, as numpy arrays."""
+    """What one backend computed for one case, as numpy arrays.
+
+    gradients: d sum(output * cotangent) / d input and / d weight, keyed by input names and
+    canonical weight names; None when not asked for or when the backend has no autograd.
+    """
 
     output: np.ndarray
     attention_weights: np.ndarray | None
+    gradients: dict[str, np.ndarray] | None = None
 
 
 @dataclasses.dataclass
 class Row:
-    """One line of the agreement table."""
+    """One line of the agreement table.
+
+    output_difference, weights_difference: from the float64 NumPy reference (absolute for
+    float64, relative to the reference's scale otherwise); within TOLERANCES to pass.
+    gradient_difference: from float64 central differences, relative to the gradients' scale;
+    within GRADIENT_TOLERANCES. gradient_agreement: from the first autograd backend of the run;
+    within TOLERANCES. None where it does not apply.
+    """
 
     case: str
     backend: str
@@ -105,7 +122,8 @@ class Row:
     output_shape: tuple[int, ...] | None
     output_difference: float | None
     weights_difference: float | None
-    tolerance: float
+    gradient_difference: float | None
+    gradient_agreement: float | None
     passed: bool
     error: str | None = None
 
@@ -220,23 +238,22 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
     return config
 
 
-def run_case(
-    backend: str,
-    case: Case,
-    inputs: Mapping[str, Any],
-    weights: Mapping[str, np.ndarray],
-    config: Mapping[str, Any],
-) -> Result:
-    """Build `case.layer` in `backend` with `weights`, call it on `inputs`, return numpy."""
-    module = load_backend(backend)
-    tensors = {
-        key: module.from_numpy(value) if isinstance(value, np.ndarray) else value
-        for key, value in inputs.items()
-    }
+# The inputs each layer is differentiated with respect to.
+DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
+    "masked_softmax": ("X",),
+    "PositionalEncoding": ("X",),
+    "AddNorm": ("X", "Y"),
+    "DotProductAttention": ("queries", "keys", "values"),
+    "AdditiveAttention": ("queries", "keys", "values"),
+    "MultiHeadAttention": ("queries", "keys", "values"),
+}
+
+
+def build_layer(backend: str, case: Case, config: Mapping[str, Any], weights=None) -> Any:
+    """The layer of `case` in `backend` with `config`, holding `weights` when given."""
     if case.layer == "masked_softmax":
-        output = module.masked_softmax(tensors["X"], tensors.get("valid_lens"))
-        return Result(module.to_numpy(output), None)
-    layer_class = getattr(module, case.layer)
+        return None
+    layer_class = getattr(load_backend(backend), case.layer)
     positional = [
         name for name in LAYER_CLASSES[case.layer] if name in ("num_hiddens", "num_heads")
     ]
@@ -246,33 +263,111 @@ def run_case(
     )
     if weights:
         set_weights(layer, dict(weights))
+    return layer
+
+
+def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) -> Any:
+    """Call `layer` (or the backend's masked_softmax) on the case's tensors."""
+    if case.layer == "masked_softmax":
+        return module.masked_softmax(tensors["X"], tensors.get("valid_lens"))
     if case.layer == "PositionalEncoding":
-        output = layer(tensors["X"])
-    elif case.layer == "AddNorm":
-        output = layer(tensors["X"], tensors["Y"])
-    else:
-        arguments = {
-            key: tensors[key]
-            for key in ("mask", "causal", "window_mask", "head_mask", "need_weights")
-            if key in tensors
-        }
-        output = layer(
-            tensors["queries"],
-            tensors["keys"],
-            tensors["values"],
-            tensors.get("valid_lens"),
-            **arguments,
+        return layer(tensors["X"])
+    if case.layer == "AddNorm":
+        return layer(tensors["X"], tensors["Y"])
+    arguments = {
+        key: tensors[key]
+        for key in ("mask", "causal", "window_mask", "head_mask", "need_weights")
+        if key in tensors
+    }
+    return layer(
+        tensors["queries"],
+        tensors["keys"],
+        tensors["values"],
+        tensors.get("valid_lens"),
+        **arguments,
+    )
+
+
+def run_case(
+    backend: str,
+    case: Case,
+    inputs: Mapping[str, Any],
+    weights: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+    cotangent: np.ndarray | None = None,
+) -> Result:
+    """Build `case.layer` in `backend` with `weights`, call it on `inputs`, return numpy.
+
+    With a `cotangent` (an array of the output's shape) and a backend with autograd, also
+    returns the gradients of sum(output * cotangent) with respect to the inputs and to every
+    weight, the latter in canonical names and layout.
+    """
+    module = load_backend(backend)
+    tensors = {
+        key: module.from_numpy(value) if isinstance(value, np.ndarray) else value
+        for key, value in inputs.items()
+    }
+    layer = build_layer(backend, case, config, weights)
+    if cotangent is not None and hasattr(module, "value_and_gradients"):
+        output, input_gradients, weight_gradients = module.value_and_gradients(
+            lambda arguments: call_layer(module, case, layer, arguments),
+            tensors,
+            DIFFERENTIABLE[case.layer],
+            layer,
+            module.from_numpy(cotangent),
         )
+        gradients = {**input_gradients, **weight_gradients}
+    else:
+        output, gradients = call_layer(module, case, layer, tensors), None
     attention_weights = getattr(layer, "attention_weights", None)
     return Result(
         module.to_numpy(output),
         None if attention_weights is None else module.to_numpy(attention_weights),
+        gradients,
     )
 
 
-def difference(actual: np.ndarray, reference: np.ndarray, dtype: str) -> float:
-    """The largest difference, absolute for float64, relative to the reference's scale
-    (its largest absolute entry, at least 1) otherwise."""
+def finite_difference_gradients(
+    case: Case,
+    inputs: Mapping[str, Any],
+    weights: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+    cotangent: np.ndarray,
+    step: float = 1e-6,
+) -> dict[str, np.ndarray]:
+    """Central differences of sum(output * cotangent) on the float64 NumPy reference, with
+    respect to the differentiable inputs and every weight."""
+    inputs = _upcast(inputs)
+    weights = _upcast(weights)
+    config = {**config, "dtype": "float64"}
+    layer = build_layer("numpy", case, config, weights)
+    module = load_backend("numpy")
+
+    def loss() -> float:
+        if weights:
+            set_weights(layer, weights)
+        return float(np.sum(call_layer(module, case, layer, inputs) * cotangent))
+
+    gradients = {}
+    for source, names in ((inputs, DIFFERENTIABLE[case.layer]), (weights, sorted(weights))):
+        for name in names:
+            array = source[name]
+            gradient = np.zeros_like(array)
+            for index in np.ndindex(array.shape):
+                original = array[index]
+                array[index] = original + step
+                above = loss()
+                array[index] = original - step
+                below = loss()
+                array[index] = original
+                gradient[index] = (above - below) / (2 * step)
+            gradients[name] = gradient
+    return gradients
+
+
+def difference(actual: np.ndarray, reference: np.ndarray, relative: bool) -> float:
+    """The largest absolute difference, divided when `relative` by the reference's scale (its
+    largest absolute entry, at least 1). Different shapes give infinity."""
     actual = np.asarray(actual, dtype=np.float64)
     reference = np.asarray(reference, dtype=np.float64)
     if actual.shape != reference.shape:
@@ -280,9 +375,17 @@ def difference(actual: np.ndarray, reference: np.ndarray, dtype: str) -> float:
     if actual.size == 0:
         return 0.0
     error = float(np.max(np.abs(actual - reference)))
-    if dtype == "float64":
+    if not relative:
         return error
     return error / max(1.0, float(np.max(np.abs(reference))))
+
+
+def _gradient_difference(
+    actual: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], relative: bool
+) -> float:
+    if set(actual) != set(reference):
+        return float("inf")
+    return max((difference(actual[k], reference[k], relative) for k in reference), default=0.0)
 
 
 def _upcast(arrays: Mapping[str, Any]) -> dict[str, Any]:
@@ -300,6 +403,7 @@ def compare(
     seed: int = 0,
     shapes: Shapes = Shapes(),
     cases: Iterable[Case] | None = None,
+    gradients: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Row]:
     """Run every case on every backend and compare with the float64 NumPy reference.
@@ -307,9 +411,11 @@ def compare(
     Args:
         backends: backend names; each must import.
         dtype: the dtype the backends run in ("float32" or "float64").
-        seed: seeds the weights and the inputs.
+        seed: seeds the weights, the inputs and the gradients' cotangent.
         shapes: input sizes.
         cases: what to run; default_cases() when None.
+        gradients: also compare the gradients of the autograd backends, with float64 central
+            differences on the NumPy reference and with each other.
         progress: called as progress(done, total, description) before each run.
 
     Returns:
@@ -319,7 +425,9 @@ def compare(
     for name in names:
         load_backend(name)
     cases = list(default_cases() if cases is None else cases)
+    relative = dtype != "float64"
     tolerance = TOLERANCES[dtype]
+    gradient_tolerance = GRADIENT_TOLERANCES[dtype]
     rows = []
     total, done = len(cases) * len(names), 0
     for case in cases:
@@ -334,12 +442,18 @@ def compare(
         )
         inputs = make_inputs(case, shapes, dtype, seed)
         reference = run_case("numpy", case, _upcast(inputs), _upcast(weights), reference_config)
+        cotangent = numeric = None
+        if gradients and any(hasattr(load_backend(name), "value_and_gradients") for name in names):
+            cotangent = np.random.default_rng(seed + 1).standard_normal(reference.output.shape)
+            numeric = finite_difference_gradients(case, inputs, weights, config, cotangent)
+            cotangent = cotangent.astype(dtype)
+        anchor = None  # the first autograd backend's gradients: the others must match them
         for name in names:
             if progress is not None:
                 progress(done, total, f"{case.id} on {name}")
             done += 1
             try:
-                result = run_case(name, case, inputs, weights, config)
+                result = run_case(name, case, inputs, weights, config, cotangent)
             except Exception as error:  # a crash is a disagreement, reported with its cause
                 rows.append(
                     Row(
@@ -349,22 +463,34 @@ def compare(
                         None,
                         None,
                         None,
-                        tolerance,
+                        None,
+                        None,
                         False,
                         f"{type(error).__name__}: {error}",
                     )
                 )
                 continue
-            output_difference = difference(result.output, reference.output, dtype)
+            output_difference = difference(result.output, reference.output, relative)
             weights_difference = None
             if reference.attention_weights is not None or result.attention_weights is not None:
                 if result.attention_weights is None or reference.attention_weights is None:
                     weights_difference = float("inf")
                 else:
                     weights_difference = difference(
-                        result.attention_weights, reference.attention_weights, dtype
+                        result.attention_weights, reference.attention_weights, relative
                     )
-            worst = max(output_difference, weights_difference or 0.0)
+            gradient_difference = gradient_agreement = None
+            if result.gradients is not None and numeric is not None:
+                gradient_difference = _gradient_difference(result.gradients, numeric, True)
+                if anchor is None:
+                    anchor = result.gradients
+                else:
+                    gradient_agreement = _gradient_difference(result.gradients, anchor, relative)
+            passed = (
+                max(output_difference, weights_difference or 0.0, gradient_agreement or 0.0)
+                <= tolerance
+                and (gradient_difference or 0.0) <= gradient_tolerance
+            )
             rows.append(
                 Row(
                     case.id,
@@ -373,8 +499,9 @@ def compare(
                     tuple(result.output.shape),
                     output_difference,
                     weights_difference,
-                    tolerance,
-                    bool(worst <= tolerance),
+                    gradient_difference,
+                    gradient_agreement,
+                    passed,
                 )
             )
     if progress is not None:
