@@ -1,0 +1,619 @@
+"""The PyTorch backend.
+
+The NumPy reference (mha/backends/numpy.py) written with torch ops: the same definitions in
+the same order, so that the two files read side by side. The layers are `torch.nn.Module`s:
+`module.train()` / `.eval()` decide dropout, `.to(device, dtype)` moves and casts them, and no
+tensor is created on the CPU when the inputs live elsewhere. Inputs are never modified in place.
+
+Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
+keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mha import validation
+from mha.encoding import sinusoid_table
+
+__all__ = [
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "from_numpy",
+    "masked_softmax",
+    "to_numpy",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Return `x` as a numpy array: detached, on the CPU (sharing memory with a CPU tensor).
+
+    numpy has no bfloat16: a bfloat16 tensor comes back as float32 (exactly).
+    """
+    if not isinstance(x, torch.Tensor):
+        return np.asarray(x)
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.cpu().numpy()
+
+
+def from_numpy(array: Any) -> torch.Tensor:
+    """Return `array` as a CPU torch tensor with numpy's dtype (a copy)."""
+    return torch.from_numpy(np.array(array))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks: torch.nn provides Linear, Dropout and LayerNorm; the layers add a dtype
+
+_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+class Module(nn.Module):
+    """torch.nn.Module with `dtype`, the plain name of the layer's float dtype.
+
+    `dtype` is read from an empty non-persistent buffer that `.to(dtype)`, `.double()` and
+    `.half()` convert along with the parameters, so the calls check inputs against the dtype
+    the layer has now, and `mha.get_weights` / `set_weights` use it too.
+    """
+
+    @property
+    def dtype(self) -> str:
+        return validation.dtype_name(self._dtype_marker)
+
+    @dtype.setter
+    def dtype(self, name: str) -> None:
+        marker = torch.empty(0, dtype=_TORCH_DTYPES[name])
+        self.register_buffer("_dtype_marker", marker, persistent=False)
+
+
+def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) -> nn.Module:
+    """y = x W^T + b: nn.LazyLinear when in_features is None (inferred at the first call)."""
+    if in_features is None:
+        return nn.LazyLinear(out_features, bias=bias, dtype=_TORCH_DTYPES[dtype])
+    return nn.Linear(in_features, out_features, bias=bias, dtype=_TORCH_DTYPES[dtype])
+
+
+def _in_features(linear: nn.Module) -> int | None:
+    """The input size of a (lazy) linear layer, None while it is not known."""
+    if isinstance(linear, nn.modules.lazy.LazyModuleMixin) and linear.has_uninitialized_params():
+        return None
+    return linear.weight.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
+    # The one check that needs values: non-negative whole numbers (.item() waits for the
+    # device, as any value check must).
+    if valid_lens is None or valid_lens.numel() == 0:
+        return
+    non_integer = None
+    if valid_lens.is_floating_point():
+        fractional = valid_lens != torch.floor(valid_lens)
+        if fractional.any():
+            non_integer = valid_lens[fractional][0].item()
+    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+
+
+def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
+    (batch_size, no. of queries, no. of keys) for 2-D."""
+    # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+    lengths = valid_lens.reshape(valid_lens.shape[0], -1, 1)
+    return torch.arange(num_keys, device=valid_lens.device) < lengths
+
+
+def _attention_masks(
+    batch_size: int,
+    num_queries: int,
+    num_keys: int,
+    valid_lens: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    causal: bool,
+    window_mask: torch.Tensor | None,
+    multihead: bool = False,
+    *,
+    device: torch.device,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Combine every given mask into (keep, bias).
+
+    keep: boolean, True where a key is attended, broadcastable to the scores; None when
+    every key is attended. bias: an additive float window mask with its -inf entries moved
+    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
+    `multihead` (batch_size, num_heads, no. of queries, no. of keys). `device` is the inputs'.
+    """
+    keep = bias = None
+    masks = []
+    if valid_lens is not None:
+        masks.append(_length_mask(valid_lens, num_keys))
+    if mask is not None and mask.ndim <= 3:
+        masks.append(mask)
+    if causal:
+        # Query i attends to keys j <= i (top-left aligned when Q != K)
+        masks.append(torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril())
+    if window_mask is not None:
+        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
+        windows = window_mask.repeat(batch_size // window_mask.shape[0], 1, 1)
+        if windows.dtype == torch.bool:
+            masks.append(windows)
+        else:
+            blocked = torch.isneginf(windows)
+            masks.append(~blocked)
+            bias = torch.where(blocked, 0.0, windows)
+    for each in masks:
+        keep = each if keep is None else keep & each
+    if multihead:
+        # Every 1-D to 3-D mask applies to all heads: insert the head axis
+        keep, bias = _insert_head_axis(keep), _insert_head_axis(bias)
+        if mask is not None and mask.ndim == 4:
+            keep = mask if keep is None else keep & mask
+    return keep, bias
+
+
+def _insert_head_axis(x: torch.Tensor | None) -> torch.Tensor | None:
+    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
+    if x is None:
+        return None
+    x = x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
+    return x[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked softmax
+
+
+def _softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
+    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite."""
+    if keep is None:
+        return torch.softmax(scores, dim=-1)
+    keep = keep.expand(scores.shape)
+    masked = torch.where(keep, scores, float("-inf"))
+    # The shift does not change the result: no gradient flows through it
+    row_max = masked.detach().amax(dim=-1, keepdim=True)
+    # A fully masked row has max -inf; any finite shift leaves its zeros at zero
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    # exp(-inf) = 0 for masked entries; the where keeps their gradient exactly 0, never NaN
+    exponentials = torch.where(keep, torch.exp(masked - row_max), 0.0)
+    total = exponentials.sum(dim=-1, keepdim=True)
+    return exponentials / torch.where(total == 0, 1.0, total)
+
+
+def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
+
+    Args:
+        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
+            holding integers. A length larger than the number of keys keeps every key.
+
+    Returns:
+        A tensor of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
+        every other row sums to 1.
+    """
+    validation.check_masked_softmax_call(X, valid_lens)
+    _check_valid_lens_values(valid_lens)
+    if valid_lens is None:
+        return _softmax(X, None)
+    # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
+    # middle axis of X so that it broadcasts against X
+    keep = _length_mask(valid_lens, X.shape[-1])
+    if X.ndim == 2:
+        keep = keep[:, 0, :]
+    keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
+    return _softmax(X, keep)
+
+
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
+    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(scores, keep)
+    return dropout(weights) @ values, weights if need_weights else None
+
+
+def _fused_attention(queries, keys, values, keep, bias, dropout):
+    """What DotProductAttention.attend computes, by F.scaled_dot_product_attention.
+
+    Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
+    scores, so keep and bias combine into one float mask when both are given. Its default scale
+    is 1 / sqrt(d) with d the last axis of the queries, as ours.
+    """
+    attended = None
+    if keep is not None:
+        # A row with no kept key is NaN in some kernels: let it attend to every key (finite
+        # values and gradients), then zero its output, as _softmax does
+        # Shape of attended: (..., no. of queries or 1, 1)
+        attended = keep.any(dim=-1, keepdim=True)
+        keep = keep | ~attended
+    attn_mask = keep
+    if bias is not None:
+        attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
+    dropout_p = dropout.p if dropout.training else 0.0
+    output = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p
+    )
+    return output if attended is None else torch.where(attended, output, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class DotProductAttention(Module):
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
+
+    Args:
+        dropout: dropout rate on the attention weights (when training).
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+
+    Call arguments:
+        queries: (batch_size, no. of queries, d).
+        keys: (batch_size, no. of keys, d).
+        values: (batch_size, no. of keys, value_size).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
+        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
+        causal: query i attends to keys j <= i.
+        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_dot_product_args(dropout, dtype)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+        )
+        _check_valid_lens_values(valid_lens)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
+            device=queries.device,
+        )
+        return self.attend(queries, keys, values, keep, bias)
+
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+        """Attention on prepared inputs with any leading axes (no checks).
+
+        queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
+        the mask helpers. MultiHeadAttention calls this with a head axis. Without
+        need_weights, torch's fused kernel computes the same numbers.
+        """
+        if not need_weights:
+            self.attention_weights = None
+            return _fused_attention(queries, keys, values, keep, bias, self.dropout)
+        d = queries.shape[-1]
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = queries @ keys.transpose(-1, -2) / math.sqrt(d)
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, need_weights
+        )
+        return output
+
+
+class AdditiveAttention(Module):
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
+
+    Args:
+        num_hiddens: size of the hidden layer that queries and keys are projected to.
+        dropout: dropout rate on the attention weights (when training).
+        query_size, key_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+
+    Call arguments: as DotProductAttention; queries and keys may differ in size.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
+                 key_size: int | None = None, dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_additive_args(
+            num_hiddens, dropout, query_size, key_size, dtype
+        )
+        self.num_hiddens = num_hiddens
+        self.W_q = _linear(num_hiddens, False, query_size, self.dtype)
+        self.W_k = _linear(num_hiddens, False, key_size, self.dtype)
+        self.w_v = _linear(1, False, num_hiddens, self.dtype)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k))),
+        )
+        _check_valid_lens_values(valid_lens)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
+            device=queries.device,
+        )
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
+        # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
+        # (batch_size, no. of queries, no. of keys, num_hiddens)
+        features = torch.tanh(queries[:, :, None, :] + keys[:, None, :, :])
+        # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
+        scores = self.w_v(features)[..., 0]
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout
+        )
+        return output
+
+
+class MultiHeadAttention(Module):
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
+
+    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
+    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
+    by W_o.
+
+    Args:
+        num_hiddens: size of the projections and of the output.
+        num_heads: number of heads; must divide num_hiddens.
+        dropout: dropout rate on the attention weights (when training).
+        bias: whether the four projections have biases.
+        query_size, key_size, value_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+
+    Call arguments:
+        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
+        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
+            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
+        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
+        need_weights: when False, `attention_weights` is None and the attention runs in
+            F.scaled_dot_product_attention.
+
+    Returns:
+        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
+        (batch_size, num_heads, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = False, *, query_size: int | None = None,
+                 key_size: int | None = None, value_size: int | None = None,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_multihead_args(
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+        )
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.attention = DotProductAttention(dropout, dtype=self.dtype)
+        self.W_q = _linear(num_hiddens, bias, query_size, self.dtype)
+        self.W_k = _linear(num_hiddens, bias, key_size, self.dtype)
+        self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
+        self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None, head_mask=None, need_weights=True):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
+            dtype=self.dtype, num_heads=self.num_heads,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k)),
+                   ("values", "value_size", _in_features(self.W_v))),
+        )
+        _check_valid_lens_values(valid_lens)
+        # Shape of keep and bias: broadcastable to
+        # (batch_size, num_heads, no. of queries, no. of keys)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
+            multihead=True, device=queries.device,
+        )
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
+        # num_hiddens / num_heads)
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        self.attention_weights = self.attention.attention_weights
+        if head_mask is not None:
+            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
+            output = output * head_mask.to(output.dtype).reshape((*head_mask.shape, 1, 1))
+        # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
+        output_concat = self.transpose_output(output)
+        return self.W_o(output_concat)
+
+    def transpose_qkv(self, X: torch.Tensor) -> torch.Tensor:
+        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        return X.permute(0, 2, 1, 3)
+
+    def transpose_output(self, X: torch.Tensor) -> torch.Tensor:
+        """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
+        X = X.permute(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
+
+
+class PositionalEncoding(Module):
+    """Add the sinusoidal positional encoding P to X, then dropout.
+
+    Args:
+        num_hiddens: feature size of X (odd sizes work).
+        dropout: dropout rate on X + P (when training).
+        max_len: the longest sequence the layer accepts.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+
+    Call arguments:
+        X: (batch_size, no. of steps <= max_len, num_hiddens).
+
+    Returns:
+        X + P[:, :no. of steps, :], of X's shape. `P` is a non-persistent buffer
+        (1, max_len, num_hiddens), computed in float64 and cast once.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("P", self._table(_TORCH_DTYPES[self.dtype]), persistent=False)
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        X = X + self.P[:, : X.shape[1], :]
+        return self.dropout(X)
+
+    def _table(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        table = torch.from_numpy(sinusoid_table(self.max_len, self.num_hiddens))
+        return table.to(device=device, dtype=dtype)
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .double() / .half() would cast P from its current dtype (float32 values
+        # in a float64 P): cast the float64 table again instead, so P is always cast once
+        dtype = self.P.dtype
+        super()._apply(fn, recurse)
+        if self.P.dtype != dtype:
+            self.P = self._table(self.P.dtype, self.P.device)
+        return self
+
+
+class AddNorm(Module):
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
+
+    Args:
+        num_hiddens: size of the last axis.
+        dropout: dropout rate on Y (when training).
+        eps: added to the variance; the same in every backend.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+
+    Call arguments:
+        X, Y: the same shape (..., num_hiddens).
+
+    Returns:
+        The normalized sum, of X's shape.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        self.num_hiddens = num_hiddens
+        self.dropout = nn.Dropout(dropout)
+        self.ln = nn.LayerNorm(num_hiddens, eps=eps, dtype=_TORCH_DTYPES[self.dtype])
+
+    def forward(self, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
+        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        return self.ln(self.dropout(Y) + X)
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights (used by mha.get_weights / mha.set_weights; see mha/weights.py)
+
+
+def layer_config(layer: Module) -> dict[str, Any]:
+    """The constructor arguments of `layer`, with sizes inferred so far."""
+    if isinstance(layer, MultiHeadAttention):
+        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
+                "dropout": layer.attention.dropout.p, "bias": layer.bias,
+                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
+                "value_size": _in_features(layer.W_v), "dtype": layer.dtype}
+    if isinstance(layer, AdditiveAttention):
+        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
+                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
+                "dtype": layer.dtype}
+    if isinstance(layer, DotProductAttention):
+        return {"dropout": layer.dropout.p, "dtype": layer.dtype}
+    if isinstance(layer, PositionalEncoding):
+        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
+                "max_len": layer.max_len, "dtype": layer.dtype}
+    if isinstance(layer, AddNorm):
+        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
+                "eps": layer.ln.eps, "dtype": layer.dtype}
+    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+
+
+def _projections(layer: Module) -> dict[str, nn.Module]:
+    if isinstance(layer, MultiHeadAttention):
+        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
+    return {}
+
+
+def export_weights(layer: Module) -> dict[str, np.ndarray]:
+    """The canonical weights of `layer` as fresh numpy arrays (W transposed to (in, out))."""
+    if isinstance(layer, MultiHeadAttention):
+        projections = _projections(layer).items()
+        weights = {f"W_{k}": to_numpy(p.weight).T.copy() for k, p in projections}
+        if layer.bias:
+            weights.update({f"b_{k}": to_numpy(p.bias).copy() for k, p in projections})
+        return weights
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": to_numpy(layer.W_q.weight).T.copy(),
+                "W_k": to_numpy(layer.W_k.weight).T.copy(),
+                "w_v": to_numpy(layer.w_v.weight).T.copy()}
+    if isinstance(layer, AddNorm):
+        return {"gamma": to_numpy(layer.ln.weight).copy(), "beta": to_numpy(layer.ln.bias).copy()}
+    return {}
+
+
+def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
+    """Copy checked canonical weights into `layer`, creating lazy weights as needed.
+
+    The parameters keep their device and dtype and stay the same objects (optimizers and
+    hooks holding them see the new values).
+    """
+    if isinstance(layer, MultiHeadAttention):
+        for k, projection in _projections(layer).items():
+            _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
+    elif isinstance(layer, AdditiveAttention):
+        _set_linear(layer.W_q, weights["W_q"])
+        _set_linear(layer.W_k, weights["W_k"])
+        _set_linear(layer.w_v, weights["w_v"])
+    elif isinstance(layer, AddNorm):
+        _copy_into(layer.ln.weight, weights["gamma"])
+        _copy_into(layer.ln.bias, weights["beta"])
+
+
+def _set_linear(linear: nn.Module, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
+    if _in_features(linear) is None:
+        # Materialize the lazy parameters in place; only the shape of this input is read
+        linear.initialize_parameters(torch.empty(0, weight.shape[0], device="meta"))
+    # torch keeps weight as (out_features, in_features)
+    _copy_into(linear.weight, weight.T)
+    if bias is not None:
+        _copy_into(linear.bias, bias)
+
+
+def _copy_into(parameter: torch.Tensor, array: np.ndarray) -> None:
+    with torch.no_grad():
+        parameter.copy_(torch.from_numpy(np.ascontiguousarray(array)))
