@@ -1,0 +1,695 @@
+"""The TensorFlow / Keras 3 backend.
+
+The layers are `keras.layers.Layer` subclasses used through `tf.keras` (Keras 3) on TensorFlow
+tensors, holding the numbers of the NumPy reference. Read it side by side with
+`mha/backends/numpy.py`: the same sections in the same order, the same names.
+
+Keras habits that differ from the reference:
+- The `training` call argument decides dropout, as in every Keras layer.
+- The checks of `mha.validation` run in `__call__`, before Keras's own `__call__`, which
+  would otherwise rewrap their messages; `call` holds the computation.
+- The value check of valid_lens (non-negative whole numbers) needs values: it runs when
+  executing eagerly and is skipped inside `tf.function` / `jit_compile` and while building a
+  functional model, where values are symbolic. Shapes and dtypes are checked everywhere.
+- Projections are `keras.layers.Dense` sub-layers, whose kernel (in, out) is the canonical
+  layout; they are built at construction when their input size is given, else in `build`.
+- `need_weights=False` takes the same path (no fused kernel), so the numbers are the same.
+- `attention_weights` holds the tensor of the last call; inside a `tf.function` that is a
+  symbolic tensor of the traced graph.
+
+Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
+keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.encoding import sinusoid_table
+
+_KERAS_BACKEND = os.environ.get("KERAS_BACKEND", "").strip().lower()
+if _KERAS_BACKEND not in ("", "tensorflow"):
+    raise ImportError(
+        "the mha tensorflow backend needs Keras on TensorFlow, but Keras is configured for "
+        f"another backend. Received: KERAS_BACKEND={os.environ['KERAS_BACKEND']!r}; unset it "
+        "or set KERAS_BACKEND=tensorflow before importing Keras"
+    )
+
+import tensorflow as tf  # noqa: E402
+
+keras = tf.keras
+if keras.backend.backend() != "tensorflow":  # configured in ~/.keras/keras.json
+    raise ImportError(
+        "the mha tensorflow backend needs Keras on TensorFlow, but Keras is configured for "
+        f"another backend. Received: keras.backend.backend()={keras.backend.backend()!r}"
+    )
+
+__all__ = [
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "from_numpy",
+    "masked_softmax",
+    "to_numpy",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Return `x` (a TensorFlow tensor, Keras variable or array) as a numpy array."""
+    if isinstance(x, np.ndarray):
+        return x
+    return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
+
+
+def from_numpy(array: Any) -> tf.Tensor:
+    """Return `array` as this backend's tensor (a tf.Tensor of the same dtype)."""
+    return tf.convert_to_tensor(np.asarray(array))
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks that the frameworks provide and numpy does not
+
+
+def _dims(x: tf.Tensor) -> list:
+    """The shape of x, each size static when known and a scalar tensor when not."""
+    dynamic = tf.shape(x)
+    return [dynamic[i] if size is None else size for i, size in enumerate(x.shape)]
+
+
+def _projection(num_hiddens: int, bias: bool, in_features: int | None, dtype: str):
+    """y = x @ kernel + bias with kernel (in_features, num_hiddens); lazy in_features.
+
+    Uniform in +-1/sqrt(in_features) as torch.nn.Linear (and the numpy reference) draw the
+    kernel; the bias starts at zero, as Keras does.
+    """
+    dense = keras.layers.Dense(
+        num_hiddens, use_bias=bias, dtype=dtype,
+        kernel_initializer=keras.initializers.VarianceScaling(1.0 / 3, "fan_in", "uniform"),
+    )
+    if in_features is not None:
+        dense.build((None, in_features))
+    return dense
+
+
+def _in_features(dense) -> int | None:
+    return int(dense.kernel.shape[0]) if dense.built else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def _check_valid_lens_values(valid_lens) -> None:
+    # The one check that needs values: non-negative whole numbers. Values exist only when
+    # executing eagerly; in tf.function graphs and functional models they are symbolic.
+    if valid_lens is None or not tf.executing_eagerly():
+        return
+    if isinstance(valid_lens, keras.KerasTensor) or tf.is_symbolic_tensor(valid_lens):
+        return
+    valid_lens = tf.convert_to_tensor(valid_lens)
+    if tf.size(valid_lens) == 0:
+        return
+    non_integer = None
+    if valid_lens.dtype.is_floating:
+        fractional = valid_lens != tf.floor(valid_lens)
+        if tf.reduce_any(fractional):
+            non_integer = tf.boolean_mask(valid_lens, fractional)[0].numpy().item()
+    validation.check_valid_lens_values(tf.reduce_min(valid_lens).numpy().item(), non_integer)
+
+
+def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
+    """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
+    (batch_size, no. of queries, no. of keys) for 2-D."""
+    # Compared in 64 bits: exact for every whole number a length can be, of any dtype
+    compare_dtype = tf.float64 if valid_lens.dtype.is_floating else tf.int64
+    # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+    lengths = tf.reshape(tf.cast(valid_lens, compare_dtype), [tf.shape(valid_lens)[0], -1, 1])
+    return tf.range(num_keys, dtype=compare_dtype) < lengths
+
+
+def _attention_masks(
+    batch_size,
+    num_queries,
+    num_keys,
+    valid_lens: tf.Tensor | None,
+    mask: tf.Tensor | None,
+    causal: bool,
+    window_mask: tf.Tensor | None,
+    multihead: bool = False,
+) -> tuple[tf.Tensor | None, tf.Tensor | None]:
+    """Combine every given mask into (keep, bias).
+
+    keep: boolean, True where a key is attended, broadcastable to the scores; None when
+    every key is attended. bias: an additive float window mask with its -inf entries moved
+    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
+    `multihead` (batch_size, num_heads, no. of queries, no. of keys). Sizes may be tensors.
+    """
+    keep = bias = None
+    masks = []
+    if valid_lens is not None:
+        masks.append(_length_mask(valid_lens, num_keys))
+    if mask is not None and mask.shape.rank <= 3:
+        masks.append(mask)
+    if causal:
+        # Query i attends to keys j <= i (top-left aligned when Q != K)
+        masks.append(tf.range(num_queries)[:, None] >= tf.range(num_keys)[None, :])
+    if window_mask is not None:
+        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
+        windows = tf.tile(window_mask, [batch_size // tf.shape(window_mask)[0], 1, 1])
+        if windows.dtype == tf.bool:
+            masks.append(windows)
+        else:
+            blocked = tf.equal(windows, tf.constant(-np.inf, windows.dtype))
+            masks.append(tf.logical_not(blocked))
+            bias = tf.where(blocked, tf.zeros_like(windows), windows)
+    for each in masks:
+        keep = each if keep is None else tf.logical_and(keep, each)
+    if multihead:
+        # Every 1-D to 3-D mask applies to all heads: insert the head axis
+        keep, bias = _insert_head_axis(keep), _insert_head_axis(bias)
+        if mask is not None and mask.shape.rank == 4:
+            keep = mask if keep is None else tf.logical_and(keep, mask)
+    return keep, bias
+
+
+def _insert_head_axis(x: tf.Tensor | None) -> tf.Tensor | None:
+    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
+    if x is None:
+        return None
+    for _ in range(3 - x.shape.rank):
+        x = x[None]
+    return x[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked softmax
+
+
+def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
+    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
+    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite.
+
+    Gradients: the row maximum is a constant shift (stop_gradient), and every tf.where
+    picks a finite branch's gradient, so no NaN flows back, also from fully masked rows.
+    """
+    if keep is None:
+        shifted = scores - tf.stop_gradient(tf.reduce_max(scores, axis=-1, keepdims=True))
+        exponentials = tf.exp(shifted)
+        return exponentials / tf.reduce_sum(exponentials, axis=-1, keepdims=True)
+    zero = tf.zeros([], scores.dtype)
+    keep = tf.broadcast_to(keep, tf.shape(scores))
+    masked = tf.where(keep, scores, tf.constant(-np.inf, scores.dtype))
+    row_max = tf.stop_gradient(tf.reduce_max(masked, axis=-1, keepdims=True))
+    # A fully masked row has max -inf; any finite shift leaves its zeros at zero
+    row_max = tf.where(tf.math.is_finite(row_max), row_max, zero)
+    exponentials = tf.where(keep, tf.exp(masked - row_max), zero)
+    total = tf.reduce_sum(exponentials, axis=-1, keepdims=True)
+    return exponentials / tf.where(total == 0, tf.ones([], scores.dtype), total)
+
+
+def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tensor:
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
+
+    Args:
+        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
+            holding integers. A length larger than the number of keys keeps every key.
+
+    Returns:
+        A tensor of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
+        every other row sums to 1.
+    """
+    validation.check_masked_softmax_call(X, valid_lens)
+    _check_valid_lens_values(valid_lens)
+    X = tf.convert_to_tensor(X)
+    if valid_lens is None:
+        return _softmax(X, None)
+    # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
+    # middle axis of X so that it broadcasts against X
+    keep = _length_mask(tf.convert_to_tensor(valid_lens), _dims(X)[-1])
+    if X.shape.rank == 2:
+        keep = keep[:, 0, :]
+    for _ in range(X.shape.rank - 3):
+        keep = keep[:, None]
+    return _softmax(X, keep)
+
+
+def _attention_pool(scores, values, keep, bias, dropout, training, need_weights=True):
+    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(scores, keep)
+    return tf.matmul(dropout(weights, training=training), values), (
+        weights if need_weights else None
+    )
+
+
+def _as_tensors(*arguments):
+    # numpy arrays become tensors (after the checks, which read shapes and dtypes only)
+    return [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x for x in arguments]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+class _AttentionLayer(keras.layers.Layer):
+    """Keras reads a call argument named `mask` as its padding mask; ours is an attention
+    keep-mask of shape (batch_size, no. of queries, no. of keys), so no mask is attached to
+    the output (and Keras does not warn that one is dropped). Keras's autocast is off: the
+    checks require the layer's dtype already, and casting float valid_lens to float16 would
+    round lengths above 2048."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**{"autocast": False, **kwargs})
+        self.supports_masking = True
+
+    def compute_mask(self, inputs, previous_mask=None):
+        return None
+
+
+@keras.utils.register_keras_serializable(package="mha")
+class DotProductAttention(_AttentionLayer):
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
+
+    Args:
+        dropout: dropout rate on the attention weights (when training).
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+        **kwargs: passed to keras.layers.Layer (name, trainable).
+
+    Call arguments:
+        queries: (batch_size, no. of queries, d).
+        keys: (batch_size, no. of keys, d).
+        values: (batch_size, no. of keys, value_size).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
+        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
+        causal: query i attends to keys j <= i.
+        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+        training: whether dropout acts.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32", **kwargs):
+        dtype = validation.check_dot_product_args(dropout, dtype)
+        super().__init__(dtype=dtype, **kwargs)
+        self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
+        self.attention_weights = None
+        self.built = True  # no weights
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                 window_mask=None, training=None):
+        validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+        )
+        _check_valid_lens_values(valid_lens)
+        queries, keys, values, valid_lens, mask, window_mask = _as_tensors(
+            queries, keys, values, valid_lens, mask, window_mask
+        )
+        return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
+                                window_mask=window_mask, training=training)
+
+    def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+             window_mask=None, training=None):
+        batch_size, num_queries, _ = _dims(queries)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, _dims(keys)[1], valid_lens, mask, causal, window_mask
+        )
+        return self.attend(queries, keys, values, keep, bias, training=training)
+
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
+               training=None):
+        """Attention on prepared inputs with any leading axes (no checks).
+
+        queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
+        the mask helpers. MultiHeadAttention calls this with a head axis.
+        """
+        d = _dims(queries)[-1]
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = tf.matmul(queries, keys, transpose_b=True) / tf.sqrt(tf.cast(d, queries.dtype))
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, training, need_weights
+        )
+        return output
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+@keras.utils.register_keras_serializable(package="mha")
+class AdditiveAttention(_AttentionLayer):
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
+
+    Args:
+        num_hiddens: size of the hidden layer that queries and keys are projected to.
+        dropout: dropout rate on the attention weights (when training).
+        query_size, key_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+        **kwargs: passed to keras.layers.Layer (name, trainable).
+
+    Call arguments: as DotProductAttention; queries and keys may differ in size.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
+                 key_size: int | None = None, dtype: str = "float32", **kwargs):
+        dtype = validation.check_additive_args(num_hiddens, dropout, query_size, key_size, dtype)
+        super().__init__(dtype=dtype, **kwargs)
+        self.num_hiddens = num_hiddens
+        self.W_q = _projection(num_hiddens, False, query_size, dtype)
+        self.W_k = _projection(num_hiddens, False, key_size, dtype)
+        self.w_v = _projection(1, False, num_hiddens, dtype)
+        self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
+        self.attention_weights = None
+        self.built = self.W_q.built and self.W_k.built
+
+    def build(self, queries_shape=None, keys_shape=None):
+        # The projections whose input sizes the constructor did not know (d2l's lazy layers)
+        for dense, shape in ((self.W_q, queries_shape), (self.W_k, keys_shape)):
+            if not dense.built and shape is not None:
+                dense.build((None, shape[-1]))
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                 window_mask=None, training=None):
+        validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k))),
+        )
+        _check_valid_lens_values(valid_lens)
+        queries, keys, values, valid_lens, mask, window_mask = _as_tensors(
+            queries, keys, values, valid_lens, mask, window_mask
+        )
+        return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
+                                window_mask=window_mask, training=training)
+
+    def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+             window_mask=None, training=None):
+        batch_size, num_queries, _ = _dims(queries)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, _dims(keys)[1], valid_lens, mask, causal, window_mask
+        )
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
+        # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
+        # (batch_size, no. of queries, no. of keys, num_hiddens)
+        features = tf.tanh(queries[:, :, None, :] + keys[:, None, :, :])
+        # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
+        scores = self.w_v(features)[..., 0]
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, training
+        )
+        return output
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+@keras.utils.register_keras_serializable(package="mha")
+class MultiHeadAttention(_AttentionLayer):
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
+
+    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
+    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
+    by W_o.
+
+    Args:
+        num_hiddens: size of the projections and of the output.
+        num_heads: number of heads; must divide num_hiddens.
+        dropout: dropout rate on the attention weights (when training).
+        bias: whether the four projections have biases.
+        query_size, key_size, value_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+        **kwargs: passed to keras.layers.Layer (name, trainable).
+
+    Call arguments:
+        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
+        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
+            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
+        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
+        need_weights: when False, `attention_weights` is None.
+        training: whether dropout acts.
+
+    Returns:
+        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
+        (batch_size, num_heads, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = False, *, query_size: int | None = None,
+                 key_size: int | None = None, value_size: int | None = None,
+                 dtype: str = "float32", **kwargs):
+        dtype = validation.check_multihead_args(
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+        )
+        super().__init__(dtype=dtype, **kwargs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.attention = DotProductAttention(dropout, dtype=dtype)
+        self.W_q = _projection(num_hiddens, bias, query_size, dtype)
+        self.W_k = _projection(num_hiddens, bias, key_size, dtype)
+        self.W_v = _projection(num_hiddens, bias, value_size, dtype)
+        self.W_o = _projection(num_hiddens, bias, num_hiddens, dtype)
+        self.attention_weights = None
+        self.built = self.W_q.built and self.W_k.built and self.W_v.built
+
+    def build(self, queries_shape=None, keys_shape=None, values_shape=None):
+        # The projections whose input sizes the constructor did not know (d2l's lazy layers)
+        for dense, shape in ((self.W_q, queries_shape), (self.W_k, keys_shape),
+                             (self.W_v, values_shape)):
+            if not dense.built and shape is not None:
+                dense.build((None, shape[-1]))
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                 window_mask=None, head_mask=None, need_weights=True, training=None):
+        validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
+            dtype=self.dtype, num_heads=self.num_heads,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k)),
+                   ("values", "value_size", _in_features(self.W_v))),
+        )
+        _check_valid_lens_values(valid_lens)
+        queries, keys, values, valid_lens, mask, window_mask, head_mask = _as_tensors(
+            queries, keys, values, valid_lens, mask, window_mask, head_mask
+        )
+        return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
+                                window_mask=window_mask, head_mask=head_mask,
+                                need_weights=need_weights, training=training)
+
+    def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+             window_mask=None, head_mask=None, need_weights=True, training=None):
+        batch_size, num_queries, _ = _dims(queries)
+        # Shape of keep and bias: broadcastable to
+        # (batch_size, num_heads, no. of queries, no. of keys)
+        keep, bias = _attention_masks(
+            batch_size, num_queries, _dims(keys)[1], valid_lens, mask, causal, window_mask,
+            multihead=True,
+        )
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
+        # num_hiddens / num_heads)
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights,
+                                       training=training)
+        self.attention_weights = self.attention.attention_weights
+        if head_mask is not None:
+            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
+            output = output * tf.cast(head_mask, output.dtype)[..., None, None]
+        # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
+        output_concat = self.transpose_output(output)
+        return self.W_o(output_concat)
+
+    def transpose_qkv(self, X: tf.Tensor) -> tf.Tensor:
+        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
+        batch_size, n, _ = _dims(X)
+        X = tf.reshape(X, [batch_size, n, self.num_heads, self.num_hiddens // self.num_heads])
+        return tf.transpose(X, [0, 2, 1, 3])
+
+    def transpose_output(self, X: tf.Tensor) -> tf.Tensor:
+        """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
+        X = tf.transpose(X, [0, 2, 1, 3])
+        batch_size, n, _, _ = _dims(X)
+        return tf.reshape(X, [batch_size, n, self.num_hiddens])
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+@keras.utils.register_keras_serializable(package="mha")
+class PositionalEncoding(keras.layers.Layer):
+    """Add the sinusoidal positional encoding P to X, then dropout.
+
+    Args:
+        num_hiddens: feature size of X (odd sizes work).
+        dropout: dropout rate on X + P (when training).
+        max_len: the longest sequence the layer accepts.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+        **kwargs: passed to keras.layers.Layer (name, trainable).
+
+    Call arguments:
+        X: (batch_size, no. of steps <= max_len, num_hiddens).
+        training: whether dropout acts.
+
+    Returns:
+        X + P[:, :no. of steps, :], of X's shape. `P` is a constant (1, max_len, num_hiddens),
+        computed in float64 and cast once; not a weight.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32", **kwargs):
+        dtype = validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
+        super().__init__(dtype=dtype, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.supports_masking = True  # a Keras padding mask on X passes through
+        self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
+        self.P = tf.cast(tf.constant(sinusoid_table(max_len, num_hiddens)), dtype)
+        self.built = True  # P is a constant, not a weight
+
+    def __call__(self, X, training=None):
+        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        (X,) = _as_tensors(X)
+        return super().__call__(X, training=training)
+
+    def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
+        X = X + self.P[:, : _dims(X)[1], :]
+        return self.dropout(X, training=training)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+@keras.utils.register_keras_serializable(package="mha")
+class AddNorm(keras.layers.Layer):
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
+
+    Args:
+        num_hiddens: size of the last axis.
+        dropout: dropout rate on Y (when training).
+        eps: added to the variance; the same in every backend.
+        dtype: "float32" (default), "float64", "float16" or "bfloat16".
+        **kwargs: passed to keras.layers.Layer (name, trainable).
+
+    Call arguments:
+        X, Y: the same shape (..., num_hiddens).
+        training: whether dropout acts.
+
+    Returns:
+        The normalized sum, of X's shape.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
+                 dtype: str = "float32", **kwargs):
+        dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        super().__init__(dtype=dtype, **kwargs)
+        self.num_hiddens = num_hiddens
+        self.supports_masking = True  # a Keras padding mask on X passes through
+        self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
+        # axis=-1 stays -1 after build: the same gamma and beta serve inputs of any rank
+        self.ln = keras.layers.LayerNormalization(epsilon=eps, dtype=dtype)
+        self.ln.build((None, num_hiddens))
+        self.built = True
+
+    def __call__(self, X, Y, training=None):
+        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        X, Y = _as_tensors(X, Y)
+        return super().__call__(X, Y, training=training)
+
+    def call(self, X: tf.Tensor, Y: tf.Tensor, training=None) -> tf.Tensor:
+        return self.ln(self.dropout(Y, training=training) + X)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights (used by mha.get_weights / mha.set_weights; see mha/weights.py)
+
+
+def layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
+    """The constructor arguments of `layer`, with sizes inferred so far."""
+    if isinstance(layer, MultiHeadAttention):
+        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
+                "dropout": float(layer.attention.dropout.rate), "bias": layer.bias,
+                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
+                "value_size": _in_features(layer.W_v), "dtype": layer.dtype}
+    if isinstance(layer, AdditiveAttention):
+        return {"num_hiddens": layer.num_hiddens, "dropout": float(layer.dropout.rate),
+                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
+                "dtype": layer.dtype}
+    if isinstance(layer, DotProductAttention):
+        return {"dropout": float(layer.dropout.rate), "dtype": layer.dtype}
+    if isinstance(layer, PositionalEncoding):
+        return {"num_hiddens": layer.num_hiddens, "dropout": float(layer.dropout.rate),
+                "max_len": layer.max_len, "dtype": layer.dtype}
+    if isinstance(layer, AddNorm):
+        return {"num_hiddens": layer.num_hiddens, "dropout": float(layer.dropout.rate),
+                "eps": layer.ln.epsilon, "dtype": layer.dtype}
+    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+
+
+def _projections(layer: keras.layers.Layer) -> dict[str, keras.layers.Dense]:
+    if isinstance(layer, MultiHeadAttention):
+        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
+    return {}
+
+
+def export_weights(layer: keras.layers.Layer) -> dict[str, np.ndarray]:
+    """The canonical weights of `layer` as fresh numpy arrays."""
+    if isinstance(layer, MultiHeadAttention):
+        weights = {f"W_{k}": _copy(p.kernel) for k, p in _projections(layer).items()}
+        if layer.bias:
+            weights.update({f"b_{k}": _copy(p.bias) for k, p in _projections(layer).items()})
+        return weights
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": _copy(layer.W_q.kernel), "W_k": _copy(layer.W_k.kernel),
+                "w_v": _copy(layer.w_v.kernel)}
+    if isinstance(layer, AddNorm):
+        return {"gamma": _copy(layer.ln.gamma), "beta": _copy(layer.ln.beta)}
+    return {}
+
+
+def import_weights(layer: keras.layers.Layer, weights: dict[str, np.ndarray]) -> None:
+    """Copy checked canonical weights into `layer`, creating lazy weights as needed."""
+    if isinstance(layer, MultiHeadAttention):
+        for k, projection in _projections(layer).items():
+            _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
+    elif isinstance(layer, AdditiveAttention):
+        _set_linear(layer.W_q, weights["W_q"])
+        _set_linear(layer.W_k, weights["W_k"])
+        _set_linear(layer.w_v, weights["w_v"])
+    elif isinstance(layer, AddNorm):
+        layer.ln.gamma.assign(weights["gamma"])
+        layer.ln.beta.assign(weights["beta"])
+
+
+def _copy(variable) -> np.ndarray:
+    return np.array(variable.numpy(), copy=True)
+
+
+def _set_linear(dense: keras.layers.Dense, weight: np.ndarray,
+                bias: np.ndarray | None = None) -> None:
+    if not dense.built:
+        dense.build((None, weight.shape[0]))
+    dense.kernel.assign(weight)
+    if bias is not None:
+        dense.bias.assign(bias)
