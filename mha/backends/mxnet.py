@@ -1,0 +1,724 @@
+"""The MXNet Gluon backend.
+
+Gluon `HybridBlock`s on MXNet 1.9.1's numpy interface (`mx.np` / `mx.npx`), held to the
+numbers of the NumPy reference. Every block is decorated with `mxnet.util.use_np`, so numpy
+semantics hold inside the blocks only: this module never calls `npx.set_np()`, and the caller's
+`mx.util.is_np_array()` is the same after using it. Inputs are `mx.np.ndarray`s.
+
+The training flag is Gluon's: dropout acts inside `autograd.record(train_mode=True)` (the
+default of `record()`) and nowhere else. Layers are initialized when they are built (weights
+uniform in +-1/sqrt(in_features) as in the reference, biases zero), so they run without a call
+to `initialize()`; `initialize(force_reinit=True)` draws new weights. Sizes given as None are
+inferred at the first call, or from the first weights loaded with `mha.set_weights`.
+
+Hybridization: call arguments are keywords (Gluon 1.x blocks take positional ones only), so
+each block's `forward` checks them on the NDArrays, notes the call's structure (which masks are
+given, their rank and kind), and passes them on positionally; None is a valid input of a
+hybridized Gluon block. A hybridized block keeps one graph, traced again whenever the
+structure changes; the graph does not depend on batch size or sequence lengths. Two limits:
+the blocks cannot be traced inside a hybridized parent block's graph (their checks and masks
+need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Block`), and a
+hybridized block checks valid_lens values before running the graph, as the imperative one does.
+
+float16: MXNet 1.9.1 has float16 matmul and FullyConnected on GPU only, so the attention
+layers run in float16 on a GPU context; AddNorm and PositionalEncoding run on CPU too.
+
+Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
+keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy
+
+# MXNet 1.9.1 reads numpy.bool, which numpy 1.24 removed (vars: hasattr would warn)
+if "bool" not in vars(numpy):
+    numpy.bool = numpy.bool_
+
+import mxnet as mx
+from mxnet.gluon import nn
+
+from mha import validation
+from mha.encoding import sinusoid_table
+
+__all__ = [
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "from_numpy",
+    "masked_softmax",
+    "to_numpy",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+def to_numpy(x: Any) -> numpy.ndarray:
+    """Return the MXNet array `x` as a numpy array."""
+    return x.asnumpy()
+
+
+def from_numpy(array: Any) -> mx.np.ndarray:
+    """Return `array` as an `mx.np.ndarray` of the same dtype, on the current context."""
+    array = numpy.asarray(array)
+    return mx.np.array(array, dtype=array.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks that numpy lacks and Gluon 1.x lacks too
+
+
+class _LinearInit(mx.init.Initializer):
+    """Dense weights uniform in +-1/sqrt(in_features), as torch.nn.Linear and the reference.
+
+    Drawn in float32 and cast, which also works for float16 (Gluon's Uniform does not).
+    """
+
+    def _init_weight(self, _, arr):
+        # Gluon's Dense weight is (out_features, in_features)
+        bound = 1.0 / math.sqrt(arr.shape[1])
+        arr[:] = mx.np.random.uniform(-bound, bound, arr.shape, ctx=arr.ctx).astype(arr.dtype)
+
+
+class _Call(NamedTuple):
+    """What a call's graph depends on besides the tensors' sizes; a new value retraces."""
+
+    dtype: str
+    d: int | None = None  # feature size of queries and keys, for the 1/sqrt(d) scale
+    valid_lens: bool = False
+    mask_ndim: int | None = None
+    causal: bool = False
+    num_windows: int | None = None
+    window_is_bool: bool = True
+    head_mask_ndim: int | None = None
+    need_weights: bool = True
+
+
+def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
+                    head_mask=None, need_weights=True) -> _Call:
+    return _Call(
+        dtype=dtype,
+        d=d,
+        valid_lens=valid_lens is not None,
+        mask_ndim=None if mask is None else mask.ndim,
+        causal=causal,
+        num_windows=None if window_mask is None else window_mask.shape[0],
+        window_is_bool=window_mask is None or validation.dtype_name(window_mask) == "bool",
+        head_mask_ndim=None if head_mask is None else head_mask.ndim,
+        need_weights=need_weights,
+    )
+
+
+@mx.util.use_np
+class Layer(nn.HybridBlock):
+    """A HybridBlock called with keyword arguments, whose graph follows the call's structure.
+
+    Subclasses define `forward(...)` with the public call signature: it checks the arguments
+    and hands them positionally to `_run`, which runs HybridBlock's own forward (imperative,
+    or the cached graph when hybridized) and so `hybrid_forward(F, ...)`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._structure = None
+
+    def __call__(self, *args, **kwargs):
+        # Block.__call__ takes positional arguments only
+        for hook in self._forward_pre_hooks.values():
+            hook(self, args)
+        out = self.forward(*args, **kwargs)
+        for hook in self._forward_hooks.values():
+            hook(self, args, out)
+        return out
+
+    def _require_ndarrays(self, *tensors) -> None:
+        if any(isinstance(t, mx.sym.Symbol) for t in tensors):
+            raise TypeError(
+                f"{type(self).__name__} cannot be traced inside another block's hybridized "
+                "graph: its checks and masks need concrete arrays. Hybridize the mha layer "
+                "itself, or call it from a gluon.Block"
+            )
+
+    def _run(self, call: _Call, *inputs):
+        if call != self._structure:
+            # The cached graph was traced for another structure of the call
+            self._clear_cached_op()
+            self._structure = call
+        return nn.HybridBlock.forward(self, *inputs)
+
+
+@mx.util.use_np
+class LayerNorm(nn.LayerNorm):
+    """Gluon's LayerNorm (same parameters gamma and beta) with eps in the data's dtype.
+
+    npx.layer_norm rounds eps to float32, an error near 1e-10 in float64 outputs, so the
+    normalization is written out as in the reference.
+    """
+
+    def hybrid_forward(self, F, data, gamma, beta):
+        mean = data.mean(axis=-1, keepdims=True)
+        variance = F.np.square(data - mean).mean(axis=-1, keepdims=True)
+        return (data - mean) / F.np.sqrt(variance + self._epsilon) * gamma + beta
+
+
+def _dense(num_hiddens: int, bias: bool, in_features: int | None, dtype: str) -> nn.Dense:
+    """y = x @ W^T + b over the last axis; in_features None defers it to the first input."""
+    return nn.Dense(num_hiddens, use_bias=bias, flatten=False, in_units=in_features or 0,
+                    dtype=dtype)
+
+
+def _in_features(dense: nn.Dense) -> int | None:
+    # Gluon's Dense weight is (out_features, in_features); unknown sizes read -1 or 0
+    in_features = dense.weight.shape[1]
+    return int(in_features) if in_features > 0 else None
+
+
+def _position_dtype(dtype: str) -> str:
+    # Positions are counted in the layer's dtype, except float16 that is exact to 2048 only
+    return "float32" if dtype == "float16" else dtype
+
+
+def _positions(F, x, axis: int, dtype: str):
+    """0, 1, ..., n - 1 along `axis` of x, with no reference to x's values or sizes."""
+    if dtype == "float16":
+        x = x.astype("float32")
+    return F.npx.arange_like(x, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> None:
+    # The one check that needs values: non-negative whole numbers. It reads values from
+    # NDArrays only; symbols (a graph being traced) have none.
+    if valid_lens is None or not isinstance(valid_lens, mx.np.ndarray) or valid_lens.size == 0:
+        return
+    non_integer = None
+    if numpy.dtype(valid_lens.dtype).kind == "f":
+        fractional = (valid_lens != mx.np.floor(valid_lens)).reshape(-1)
+        if fractional.any():
+            first = int(fractional.astype("int32").argmax())
+            non_integer = valid_lens.reshape(-1)[first].item()
+    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+
+
+def _both(a, b):
+    # Logical and of two broadcastable keep-masks (MXNet 1.9 has no logical_and for bool)
+    if a is None:
+        return b
+    return (a * b) != 0
+
+
+def _length_mask(F, valid_lens, key_positions, dtype: str):
+    """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
+    (batch_size, no. of queries, no. of keys) for 2-D."""
+    # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+    lengths = F.npx.reshape(valid_lens, (-2, -1, 1)).astype(_position_dtype(dtype))
+    return key_positions < lengths
+
+
+def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Call,
+                     multihead: bool = False):
+    """Combine every given mask into (keep, bias).
+
+    keep: boolean, True where a key is attended, broadcastable to the scores; None when
+    every key is attended. bias: an additive float window mask with its -inf entries moved
+    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
+    `multihead` (batch_size, num_heads, no. of queries, no. of keys). Every array is made from
+    the inputs, so it lives on their context.
+    """
+    keep = bias = None
+    # Each mask with its rank, to insert the head axis at the right place
+    masks = []
+    key_positions = _positions(F, keys, 1, call.dtype)
+    if valid_lens is not None:
+        masks.append((_length_mask(F, valid_lens, key_positions, call.dtype), 3))
+    if mask is not None and call.mask_ndim <= 3:
+        masks.append((mask, call.mask_ndim))
+    if call.causal:
+        # Query i attends to keys j <= i (top-left aligned when Q != K)
+        query_positions = _positions(F, queries, 1, call.dtype)
+        masks.append((F.np.expand_dims(query_positions, -1) >= key_positions, 2))
+    if window_mask is not None:
+        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
+        batch_positions = _positions(F, queries, 0, call.dtype)
+        window_index = F.np.mod(batch_positions, call.num_windows).astype("int32")
+        windows = F.np.take(window_mask, window_index, axis=0)
+        if call.window_is_bool:
+            masks.append((windows, 3))
+        else:
+            blocked = F.np.isneginf(windows)
+            masks.append((F.np.logical_not(blocked), 3))
+            bias = F.np.where(blocked, F.np.zeros_like(windows), windows)
+    ndim = max((n for _, n in masks), default=0)
+    for each, _ in masks:
+        keep = _both(keep, each)
+    if multihead:
+        # Every 1-D to 3-D mask applies to all heads: insert the head axis
+        keep = _insert_head_axis(F, keep, ndim)
+        bias = _insert_head_axis(F, bias, 3)
+        if mask is not None and call.mask_ndim == 4:
+            keep = _both(keep, mask)
+    return keep, bias
+
+
+def _insert_head_axis(F, x, ndim: int):
+    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
+    if x is None:
+        return None
+    for _ in range(3 - ndim):
+        x = F.np.expand_dims(x, 0)
+    return F.np.expand_dims(x, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked softmax
+
+
+def _softmax(F, scores, keep):
+    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
+    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite."""
+    if keep is None:
+        shifted = scores - scores.max(axis=-1, keepdims=True)
+        exponentials = F.np.exp(shifted)
+        return exponentials / exponentials.sum(axis=-1, keepdims=True)
+    # where broadcasts keep against the scores. Its fill values are arrays: with a scalar
+    # fill, MXNet 1.9.1's where has no float64 gradient
+    masked = F.np.where(keep, scores, F.np.full_like(scores, -numpy.inf))
+    row_max = masked.max(axis=-1, keepdims=True)
+    # A fully masked row has max -inf; any finite shift leaves its zeros at zero
+    row_max = F.np.where(F.np.isfinite(row_max), row_max, F.np.zeros_like(row_max))
+    exponentials = F.np.where(keep, F.np.exp(masked - row_max), F.np.zeros_like(scores))
+    total = exponentials.sum(axis=-1, keepdims=True)
+    return exponentials / F.np.where(total == 0, F.np.ones_like(total), total)
+
+
+@mx.util.use_np
+def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) -> mx.np.ndarray:
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
+
+    Args:
+        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
+            holding integers. A length larger than the number of keys keeps every key.
+
+    Returns:
+        An array of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
+        every other row sums to 1.
+    """
+    validation.check_masked_softmax_call(X, valid_lens)
+    _check_valid_lens_values(valid_lens)
+    F = mx.nd
+    if valid_lens is None:
+        return _softmax(F, X, None)
+    # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
+    # middle axis of X so that it broadcasts against X
+    dtype = validation.dtype_name(X)
+    keep = _length_mask(F, valid_lens, _positions(F, X, -1, dtype), dtype)
+    if X.ndim == 2:
+        keep = keep[:, 0, :]
+    keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
+    return _softmax(F, X, keep)
+
+
+def _attention_pool(F, scores, values, keep, bias, dropout, need_weights=True):
+    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(F, scores, keep)
+    return F.np.matmul(dropout(weights), values), weights if need_weights else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+@mx.util.use_np
+class DotProductAttention(Layer):
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
+
+    Args:
+        dropout: dropout rate on the attention weights (when training).
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        queries: (batch_size, no. of queries, d).
+        keys: (batch_size, no. of keys, d).
+        values: (batch_size, no. of keys, value_size).
+        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
+        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
+        causal: query i attends to keys j <= i.
+        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_dot_product_args(dropout, dtype)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None):
+        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask)
+        validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+        )
+        _check_valid_lens_values(valid_lens)
+        call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
+                               window_mask)
+        output, self.attention_weights = self._run(
+            call, queries, keys, values, valid_lens, mask, window_mask
+        )
+        return output
+
+    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask):
+        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
+                                      self._structure)
+        return self.attend(F, queries, keys, values, self._structure.d, keep, bias)
+
+    def attend(self, F, queries, keys, values, d, keep=None, bias=None, need_weights=True):
+        """Attention on prepared inputs with any leading axes (no checks).
+
+        queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
+        the mask helpers. MultiHeadAttention calls this with a head axis. Returns
+        (output, weights), weights None unless need_weights.
+        """
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = F.np.matmul(queries, F.np.swapaxes(keys, -1, -2)) / math.sqrt(d)
+        return _attention_pool(F, scores, values, keep, bias, self.dropout, need_weights)
+
+
+@mx.util.use_np
+class AdditiveAttention(Layer):
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
+
+    Args:
+        num_hiddens: size of the hidden layer that queries and keys are projected to.
+        dropout: dropout rate on the attention weights (when training).
+        query_size, key_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments: as DotProductAttention; queries and keys may differ in size.
+
+    Returns:
+        (batch_size, no. of queries, value_size); `attention_weights` holds
+        (batch_size, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
+                 key_size: int | None = None, dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_additive_args(
+            num_hiddens, dropout, query_size, key_size, dtype
+        )
+        self.num_hiddens = num_hiddens
+        self.W_q = _dense(num_hiddens, False, query_size, self.dtype)
+        self.W_k = _dense(num_hiddens, False, key_size, self.dtype)
+        self.w_v = _dense(1, False, num_hiddens, self.dtype)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
+        self.initialize(_LinearInit())
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None):
+        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask)
+        validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, dtype=self.dtype,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k))),
+        )
+        _check_valid_lens_values(valid_lens)
+        call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask)
+        output, self.attention_weights = self._run(
+            call, queries, keys, values, valid_lens, mask, window_mask
+        )
+        return output
+
+    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask):
+        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
+                                      self._structure)
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
+        # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
+        # (batch_size, no. of queries, no. of keys, num_hiddens)
+        features = F.np.tanh(F.np.expand_dims(queries, 2) + F.np.expand_dims(keys, 1))
+        # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
+        scores = F.np.squeeze(self.w_v(features), axis=-1)
+        return _attention_pool(F, scores, values, keep, bias, self.dropout)
+
+
+@mx.util.use_np
+class MultiHeadAttention(Layer):
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
+
+    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
+    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
+    by W_o.
+
+    Args:
+        num_hiddens: size of the projections and of the output.
+        num_heads: number of heads; must divide num_hiddens.
+        dropout: dropout rate on the attention weights (when training).
+        bias: whether the four projections have biases.
+        query_size, key_size, value_size: input sizes; None infers them at the first call.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
+        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
+            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
+        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
+        need_weights: when False, `attention_weights` is None.
+
+    Returns:
+        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
+        (batch_size, num_heads, no. of queries, no. of keys).
+    """
+
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = False, *, query_size: int | None = None,
+                 key_size: int | None = None, value_size: int | None = None,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_multihead_args(
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+        )
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.attention = DotProductAttention(dropout, dtype=self.dtype)
+        self.W_q = _dense(num_hiddens, bias, query_size, self.dtype)
+        self.W_k = _dense(num_hiddens, bias, key_size, self.dtype)
+        self.W_v = _dense(num_hiddens, bias, value_size, self.dtype)
+        self.W_o = _dense(num_hiddens, bias, num_hiddens, self.dtype)
+        self.attention_weights = None
+        self.initialize(_LinearInit())
+
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None, head_mask=None, need_weights=True):
+        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, head_mask)
+        validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
+            dtype=self.dtype, num_heads=self.num_heads,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k)),
+                   ("values", "value_size", _in_features(self.W_v))),
+        )
+        _check_valid_lens_values(valid_lens)
+        call = _call_structure(self.dtype, self.num_hiddens // self.num_heads, valid_lens,
+                               mask, causal, window_mask, head_mask, need_weights)
+        outputs = self._run(
+            call, queries, keys, values, valid_lens, mask, window_mask, head_mask
+        )
+        output, weights = outputs if need_weights else (outputs, None)
+        self.attention_weights = self.attention.attention_weights = weights
+        return output
+
+    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
+                       head_mask):
+        call = self._structure
+        # Shape of keep and bias: broadcastable to
+        # (batch_size, num_heads, no. of queries, no. of keys)
+        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call,
+                                      multihead=True)
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
+        # num_hiddens / num_heads)
+        queries = self.transpose_qkv(F, self.W_q(queries))
+        keys = self.transpose_qkv(F, self.W_k(keys))
+        values = self.transpose_qkv(F, self.W_v(values))
+        # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
+        output, weights = self.attention.attend(
+            F, queries, keys, values, call.d, keep, bias, call.need_weights
+        )
+        if head_mask is not None:
+            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
+            head_mask = F.np.expand_dims(F.np.expand_dims(head_mask.astype(self.dtype), -1), -1)
+            output = output * head_mask
+        # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
+        output_concat = self.transpose_output(F, output)
+        output = self.W_o(output_concat)
+        return (output, weights) if call.need_weights else output
+
+    def transpose_qkv(self, F, X):
+        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
+        X = F.npx.reshape(X, (-2, -2, self.num_heads, -1))
+        return F.np.transpose(X, (0, 2, 1, 3))
+
+    def transpose_output(self, F, X):
+        """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
+        X = F.np.transpose(X, (0, 2, 1, 3))
+        return F.npx.reshape(X, (-2, -2, -1))
+
+
+@mx.util.use_np
+class PositionalEncoding(Layer):
+    """Add the sinusoidal positional encoding P to X, then dropout.
+
+    Args:
+        num_hiddens: feature size of X (odd sizes work).
+        dropout: dropout rate on X + P (when training).
+        max_len: the longest sequence the layer accepts.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        X: (batch_size, no. of steps <= max_len, num_hiddens).
+
+    Returns:
+        X + P[:, :no. of steps, :], of X's shape. `P` is a constant (1, max_len, num_hiddens),
+        computed in float64 and cast once; it is a plain array, not a Parameter, and reaches a
+        hybridized graph as an input, sliced to X's length and on X's context.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = nn.Dropout(dropout)
+        self.P = from_numpy(sinusoid_table(max_len, num_hiddens).astype(self.dtype))
+
+    def forward(self, X):
+        self._require_ndarrays(X)
+        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        P = self.P[:, : X.shape[1], :].as_in_context(X.ctx)
+        return self._run(_call_structure(self.dtype), X, P)
+
+    def hybrid_forward(self, F, X, P):
+        return self.dropout(X + P)
+
+
+@mx.util.use_np
+class AddNorm(Layer):
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
+
+    Args:
+        num_hiddens: size of the last axis.
+        dropout: dropout rate on Y (when training).
+        eps: added to the variance; the same in every backend.
+        dtype: "float32" (default), "float64" or "float16".
+
+    Call arguments:
+        X, Y: the same shape (..., num_hiddens).
+
+    Returns:
+        The normalized sum, of X's shape.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        self.num_hiddens, self.eps = num_hiddens, eps
+        self.dropout = nn.Dropout(dropout)
+        self.ln = LayerNorm(epsilon=eps, in_channels=num_hiddens)
+        self.ln.cast(self.dtype)
+        self.initialize(_LinearInit())
+
+    def forward(self, X, Y):
+        self._require_ndarrays(X, Y)
+        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        return self._run(_call_structure(self.dtype), X, Y)
+
+    def hybrid_forward(self, F, X, Y):
+        return self.ln(self.dropout(Y) + X)
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights (used by mha.get_weights / mha.set_weights; see mha/weights.py)
+
+
+def _rate(dropout: nn.Dropout) -> float:
+    return dropout._rate
+
+
+def layer_config(layer: Layer) -> dict[str, Any]:
+    """The constructor arguments of `layer`, with sizes inferred so far."""
+    if isinstance(layer, MultiHeadAttention):
+        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
+                "dropout": _rate(layer.attention.dropout), "bias": layer.bias,
+                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
+                "value_size": _in_features(layer.W_v), "dtype": layer.dtype}
+    if isinstance(layer, AdditiveAttention):
+        return {"num_hiddens": layer.num_hiddens, "dropout": _rate(layer.dropout),
+                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
+                "dtype": layer.dtype}
+    if isinstance(layer, DotProductAttention):
+        return {"dropout": _rate(layer.dropout), "dtype": layer.dtype}
+    if isinstance(layer, PositionalEncoding):
+        return {"num_hiddens": layer.num_hiddens, "dropout": _rate(layer.dropout),
+                "max_len": layer.max_len, "dtype": layer.dtype}
+    if isinstance(layer, AddNorm):
+        return {"num_hiddens": layer.num_hiddens, "dropout": _rate(layer.dropout),
+                "eps": layer.eps, "dtype": layer.dtype}
+    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+
+
+def _projections(layer: Layer) -> dict[str, nn.Dense]:
+    if isinstance(layer, MultiHeadAttention):
+        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
+    return {}
+
+
+def _value(parameter) -> numpy.ndarray:
+    # The first copy, wherever the parameter lives
+    return parameter.list_data()[0].asnumpy()
+
+
+def export_weights(layer: Layer) -> dict[str, numpy.ndarray]:
+    """The canonical weights of `layer` as fresh numpy arrays (W transposed to (in, out))."""
+    if isinstance(layer, MultiHeadAttention):
+        weights = {f"W_{k}": _value(p.weight).T.copy() for k, p in _projections(layer).items()}
+        if layer.bias:
+            weights.update({f"b_{k}": _value(p.bias) for k, p in _projections(layer).items()})
+        return weights
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": _value(layer.W_q.weight).T.copy(),
+                "W_k": _value(layer.W_k.weight).T.copy(),
+                "w_v": _value(layer.w_v.weight).T.copy()}
+    if isinstance(layer, AddNorm):
+        return {"gamma": _value(layer.ln.gamma), "beta": _value(layer.ln.beta)}
+    return {}
+
+
+@mx.util.use_np
+def import_weights(layer: Layer, weights: dict[str, numpy.ndarray]) -> None:
+    """Copy checked canonical weights into `layer`, creating deferred parameters as needed."""
+    if isinstance(layer, MultiHeadAttention):
+        for k, projection in _projections(layer).items():
+            _set_dense(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
+    elif isinstance(layer, AdditiveAttention):
+        _set_dense(layer.W_q, weights["W_q"])
+        _set_dense(layer.W_k, weights["W_k"])
+        _set_dense(layer.w_v, weights["w_v"])
+    elif isinstance(layer, AddNorm):
+        _set_parameter(layer.ln.gamma, weights["gamma"])
+        _set_parameter(layer.ln.beta, weights["beta"])
+
+
+def _set_dense(dense: nn.Dense, weight: numpy.ndarray, bias: numpy.ndarray | None = None):
+    # Canonical (in, out) -> Gluon's (out, in)
+    _set_parameter(dense.weight, weight.T)
+    if bias is not None:
+        _set_parameter(dense.bias, bias)
+
+
+def _set_parameter(parameter, value: numpy.ndarray) -> None:
+    # set_data on a deferred parameter fixes its shape and keeps the value for the deferred
+    # initialization, which is finished here so that the weights can be read back at once
+    parameter.set_data(from_numpy(numpy.ascontiguousarray(value)))
+    parameter._finish_deferred_init()
