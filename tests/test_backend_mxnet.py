@@ -49,8 +49,14 @@ def config(name, dtype, **overrides):
     sizes = {
         "DotProductAttention": {},
         "AdditiveAttention": {"num_hiddens": NUM_HIDDENS, "query_size": D, "key_size": D},
-        "MultiHeadAttention": {"num_hiddens": NUM_HIDDENS, "num_heads": NUM_HEADS, "bias": True,
-                               "query_size": D, "key_size": D, "value_size": V},
+        "MultiHeadAttention": {
+            "num_hiddens": NUM_HIDDENS,
+            "num_heads": NUM_HEADS,
+            "bias": True,
+            "query_size": D,
+            "key_size": D,
+            "value_size": V,
+        },
         "PositionalEncoding": {"num_hiddens": D, "max_len": 10},
         "AddNorm": {"num_hiddens": D},
     }[name]
@@ -109,8 +115,9 @@ MASK_CASES = {
     "causal": {"causal": True},
     "window_bool": {"window_mask": rng.random((2, Q, K)) > 0.3},
     "window_additive": {
-        "window_mask": np.where(rng.random((2, Q, K)) > 0.3, rng.standard_normal((2, Q, K)),
-                                -np.inf)
+        "window_mask": np.where(
+            rng.random((2, Q, K)) > 0.3, rng.standard_normal((2, Q, K)), -np.inf
+        )
     },
     "window_one": {"window_mask": np.zeros((1, Q, K))},
     "combined": {
@@ -153,8 +160,7 @@ def cast_case(kwargs, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", list(MASK_CASES))
-@pytest.mark.parametrize("name", ["DotProductAttention", "AdditiveAttention",
-                                  "MultiHeadAttention"])
+@pytest.mark.parametrize("name", ["DotProductAttention", "AdditiveAttention", "MultiHeadAttention"])
 def test_attention_matches_numpy(MX, name, case, dtype):
     layer, reference = pair(MX, name, dtype)
     kwargs = cast_case(MASK_CASES[case], dtype)
@@ -177,13 +183,13 @@ def test_multihead_options_match_numpy(MX, case, dtype):
     run_attention(MX, layer, reference, inputs(dtype), kwargs, dtype)
 
 
-@pytest.mark.parametrize("name", ["DotProductAttention", "AdditiveAttention",
-                                  "MultiHeadAttention"])
+@pytest.mark.parametrize("name", ["DotProductAttention", "AdditiveAttention", "MultiHeadAttention"])
 def test_causal_with_more_queries_than_keys_is_top_left_aligned(MX, name):
     layer, reference = pair(MX, name, "float64")
     args = inputs("float64", num_queries=7, num_keys=4)
-    run_attention(MX, layer, reference, args, {"causal": True, "valid_lens": np.arange(4)},
-                  "float64")
+    run_attention(
+        MX, layer, reference, args, {"causal": True, "valid_lens": np.arange(4)}, "float64"
+    )
     weights = MX.to_numpy(layer.attention_weights)
     # Query i sees keys 0..i: the upper triangle is exactly zero
     assert np.all(weights[..., np.triu_indices(7, 1, 4)[0], np.triu_indices(7, 1, 4)[1]] == 0)
@@ -232,9 +238,11 @@ def test_masked_softmax_matches_numpy(MX, dtype):
     for X, valid_lens in cases:
         X = X.astype(dtype)
         expected = NP.masked_softmax(X, valid_lens)
-        actual = MX.to_numpy(MX.masked_softmax(
-            MX.from_numpy(X), None if valid_lens is None else MX.from_numpy(valid_lens)
-        ))
+        actual = MX.to_numpy(
+            MX.masked_softmax(
+                MX.from_numpy(X), None if valid_lens is None else MX.from_numpy(valid_lens)
+            )
+        )
         assert np.all(np.isfinite(actual))
         assert_close(actual, expected, dtype)
         assert np.all(actual[expected == 0] == 0)
@@ -263,8 +271,11 @@ HYBRID_CALLS = {
     "DotProductAttention": [{}, MASK_CASES["combined"], {"valid_lens": np.array([1, 2, 3, 4])}],
     "AdditiveAttention": [MASK_CASES["window_additive"], {}, MASK_CASES["valid_lens_2d"]],
     "MultiHeadAttention": [
-        MULTIHEAD_CASES["all_with_4d_mask"], {}, MULTIHEAD_CASES["need_weights_false"],
-        MASK_CASES["mask_2d"], {"causal": True},
+        MULTIHEAD_CASES["all_with_4d_mask"],
+        {},
+        MULTIHEAD_CASES["need_weights_false"],
+        MASK_CASES["mask_2d"],
+        {"causal": True},
     ],
 }
 
@@ -288,8 +299,11 @@ def test_hybridized_attention_matches_imperative_and_numpy(MX, name):
             if imperative.attention_weights is None:
                 assert hybrid.attention_weights is None
             else:
-                np.testing.assert_allclose(MX.to_numpy(hybrid.attention_weights),
-                                           MX.to_numpy(imperative.attention_weights), atol=1e-12)
+                np.testing.assert_allclose(
+                    MX.to_numpy(hybrid.attention_weights),
+                    MX.to_numpy(imperative.attention_weights),
+                    atol=1e-12,
+                )
     assert hybrid._cached_op is not None  # the graph really ran
 
 
@@ -355,10 +369,14 @@ def finite_differences(f, array, eps=1e-6):
 
 GRADIENT_CASES = {
     "DotProductAttention": {"valid_lens": np.array([0, 2, 9]), "causal": True},
-    "AdditiveAttention": {"mask": np.array([[True] * 4, [False] * 4, [True, False] * 2]),
-                          "window_mask": np.where(np.eye(3, 4) > 0, -np.inf, 0.5)[None]},
-    "MultiHeadAttention": {"valid_lens": np.array([[0, 1, 3], [4, 0, 2], [1, 1, 1]]),
-                           "head_mask": np.array([0.5, 2.0])},
+    "AdditiveAttention": {
+        "mask": np.array([[True] * 4, [False] * 4, [True, False] * 2]),
+        "window_mask": np.where(np.eye(3, 4) > 0, -np.inf, 0.5)[None],
+    },
+    "MultiHeadAttention": {
+        "valid_lens": np.array([[0, 1, 3], [4, 0, 2], [1, 1, 1]]),
+        "head_mask": np.array([0.5, 2.0]),
+    },
 }
 
 
@@ -366,8 +384,11 @@ GRADIENT_CASES = {
 def test_gradients_match_finite_differences(MX, mx, name):
     layer, reference = pair(MX, name, "float64")
     rng = np.random.default_rng(7)
-    args = [rng.standard_normal((3, 3, D)), rng.standard_normal((3, 4, D)),
-            rng.standard_normal((3, 4, V))]
+    args = [
+        rng.standard_normal((3, 3, D)),
+        rng.standard_normal((3, 4, D)),
+        rng.standard_normal((3, 4, V)),
+    ]
     kwargs = GRADIENT_CASES[name]
     R = rng.standard_normal(reference(*args, **kwargs).shape)
     mx_args = [MX.from_numpy(a) for a in args]
@@ -417,9 +438,7 @@ def test_masked_softmax_gradient_matches_finite_differences(MX, mx):
     with mx.autograd.record():
         loss = (MX.masked_softmax(x, MX.from_numpy(valid_lens)) * MX.from_numpy(R)).sum()
     loss.backward()
-    expected = finite_differences(
-        lambda: float((NP.masked_softmax(X, valid_lens) * R).sum()), X
-    )
+    expected = finite_differences(lambda: float((NP.masked_softmax(X, valid_lens) * R).sum()), X)
     np.testing.assert_allclose(MX.to_numpy(x.grad), expected, atol=1e-6)
     assert np.all(MX.to_numpy(x.grad)[0, 0] == 0)
 
@@ -483,18 +502,24 @@ def test_runs_on_the_inputs_context(MX, mx):
     layer, reference = pair(MX, "MultiHeadAttention", "float64")
     layer.collect_params().reset_ctx(context)
     args = inputs("float64")
-    kwargs = {"valid_lens": np.array([0, 1, 2, 9]), "causal": True,
-              "window_mask": np.where(np.eye(Q, K) > 0, -np.inf, 0.0)[None]}
+    kwargs = {
+        "valid_lens": np.array([0, 1, 2, 9]),
+        "causal": True,
+        "window_mask": np.where(np.eye(Q, K) > 0, -np.inf, 0.0)[None],
+    }
     for hybridize in (False, True):
         layer.hybridize(hybridize)
-        mx_kwargs = {k: v.as_in_context(context) if hasattr(v, "as_in_context") else v
-                     for k, v in to_mx(MX, kwargs).items()}
+        mx_kwargs = {
+            k: v.as_in_context(context) if hasattr(v, "as_in_context") else v
+            for k, v in to_mx(MX, kwargs).items()
+        }
         output = layer(*[MX.from_numpy(a).as_in_context(context) for a in args], **mx_kwargs)
         assert output.ctx == context and layer.attention_weights.ctx == context
         assert_close(MX.to_numpy(output), reference(*args, **kwargs), "float64")
     encoding = MX.PositionalEncoding(D)
-    assert encoding(MX.from_numpy(np.ones((1, 2, D), "float32")).as_in_context(context)).ctx \
-        == context
+    assert (
+        encoding(MX.from_numpy(np.ones((1, 2, D), "float32")).as_in_context(context)).ctx == context
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -505,8 +530,7 @@ def test_runs_on_the_inputs_context(MX, mx):
 def test_weights_round_trip_before_the_first_call(MX, name):
     arguments = config(name, "float64")
     weights = mha.random_weights(name, seed=3, **arguments)
-    lazy = {k: v for k, v in arguments.items() if k not in ("query_size", "key_size",
-                                                             "value_size")}
+    lazy = {k: v for k, v in arguments.items() if k not in ("query_size", "key_size", "value_size")}
     layer = getattr(MX, name)(**lazy)
     if name != "AddNorm":
         with pytest.raises(ValueError, match="not created yet"):
@@ -526,11 +550,21 @@ def test_weights_round_trip_before_the_first_call(MX, name):
 
 def test_layer_config_of_every_layer(MX):
     assert MX.layer_config(MX.DotProductAttention(0.25, dtype="float64")) == {
-        "dropout": 0.25, "dtype": "float64"}
+        "dropout": 0.25,
+        "dtype": "float64",
+    }
     assert MX.layer_config(MX.PositionalEncoding(6, 0.1, 20)) == {
-        "num_hiddens": 6, "dropout": 0.1, "max_len": 20, "dtype": "float32"}
+        "num_hiddens": 6,
+        "dropout": 0.1,
+        "max_len": 20,
+        "dtype": "float32",
+    }
     assert MX.layer_config(MX.AddNorm(6, eps=1e-3)) == {
-        "num_hiddens": 6, "dropout": 0.0, "eps": 1e-3, "dtype": "float32"}
+        "num_hiddens": 6,
+        "dropout": 0.0,
+        "eps": 1e-3,
+        "dtype": "float32",
+    }
     assert mha.get_weights(MX.DotProductAttention()) == {}
     with pytest.raises(TypeError):
         MX.layer_config(object())
@@ -573,44 +607,84 @@ ERROR_CASES = {
     "bias_not_bool": ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2, "bias": 1}, None),
     "bad_eps": ("AddNorm", {"num_hiddens": 4, "eps": 0.0}, None),
     "rank_2_queries": ("DotProductAttention", {}, ((_f(2, 3), _f(2, 4, 3), _f(2, 4, 3)), {})),
-    "wrong_dtype": ("DotProductAttention", {},
-                    ((_f(2, 3, 3, dtype="float64"), _f(2, 4, 3), _f(2, 4, 3)), {})),
+    "wrong_dtype": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3, dtype="float64"), _f(2, 4, 3), _f(2, 4, 3)), {}),
+    ),
     "batch_mismatch": ("DotProductAttention", {}, ((_f(2, 3, 3), _f(1, 4, 3), _f(2, 4, 3)), {})),
     "query_key_size": ("DotProductAttention", {}, ((_f(2, 3, 3), _f(2, 4, 2), _f(2, 4, 3)), {})),
-    "query_size": ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2, "query_size": 5},
-                   ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {})),
-    "negative_valid_lens": ("DotProductAttention", {},
-                            ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)),
-                             {"valid_lens": np.array([1, -2])})),
-    "fractional_valid_lens": ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2},
-                              ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)),
-                               {"valid_lens": np.array([1.0, 2.5], "float32")})),
-    "valid_lens_shape": ("AdditiveAttention", {"num_hiddens": 4},
-                         ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)),
-                          {"valid_lens": np.array([1, 2, 3])})),
-    "mask_not_bool": ("DotProductAttention", {},
-                      ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"mask": _f(3, 4)})),
-    "mask_shape": ("DotProductAttention", {},
-                   ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"mask": np.ones((2, 3), bool)})),
-    "mask_4d_single_head": ("DotProductAttention", {},
-                            ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)),
-                             {"mask": np.ones((2, 1, 3, 4), bool)})),
-    "causal_not_bool": ("DotProductAttention", {},
-                        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"causal": 1})),
-    "window_batch": ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2},
-                     ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"window_mask": _f(3, 3, 4)})),
-    "window_dtype": ("DotProductAttention", {},
-                     ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)),
-                      {"window_mask": _f(1, 3, 4, dtype="float64")})),
-    "head_mask_shape": ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2},
-                        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"head_mask": _f(3)})),
-    "need_weights_not_bool": ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2},
-                              ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"need_weights": None})),
-    "head_mask_single_head": ("DotProductAttention", {},
-                              ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"head_mask": _f(2)})),
+    "query_size": (
+        "MultiHeadAttention",
+        {"num_hiddens": 4, "num_heads": 2, "query_size": 5},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {}),
+    ),
+    "negative_valid_lens": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"valid_lens": np.array([1, -2])}),
+    ),
+    "fractional_valid_lens": (
+        "MultiHeadAttention",
+        {"num_hiddens": 4, "num_heads": 2},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"valid_lens": np.array([1.0, 2.5], "float32")}),
+    ),
+    "valid_lens_shape": (
+        "AdditiveAttention",
+        {"num_hiddens": 4},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"valid_lens": np.array([1, 2, 3])}),
+    ),
+    "mask_not_bool": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"mask": _f(3, 4)}),
+    ),
+    "mask_shape": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"mask": np.ones((2, 3), bool)}),
+    ),
+    "mask_4d_single_head": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"mask": np.ones((2, 1, 3, 4), bool)}),
+    ),
+    "causal_not_bool": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"causal": 1}),
+    ),
+    "window_batch": (
+        "MultiHeadAttention",
+        {"num_hiddens": 4, "num_heads": 2},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"window_mask": _f(3, 3, 4)}),
+    ),
+    "window_dtype": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"window_mask": _f(1, 3, 4, dtype="float64")}),
+    ),
+    "head_mask_shape": (
+        "MultiHeadAttention",
+        {"num_hiddens": 4, "num_heads": 2},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"head_mask": _f(3)}),
+    ),
+    "need_weights_not_bool": (
+        "MultiHeadAttention",
+        {"num_hiddens": 4, "num_heads": 2},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"need_weights": None}),
+    ),
+    "head_mask_single_head": (
+        "DotProductAttention",
+        {},
+        ((_f(2, 3, 3), _f(2, 4, 3), _f(2, 4, 3)), {"head_mask": _f(2)}),
+    ),
     "not_an_array": ("DotProductAttention", {}, (([[1.0]], _f(2, 4, 3), _f(2, 4, 3)), {})),
-    "sequence_too_long": ("PositionalEncoding", {"num_hiddens": 3, "max_len": 2},
-                          ((_f(1, 3, 3),), {})),
+    "sequence_too_long": (
+        "PositionalEncoding",
+        {"num_hiddens": 3, "max_len": 2},
+        ((_f(1, 3, 3),), {}),
+    ),
     "add_norm_shapes": ("AddNorm", {"num_hiddens": 3}, ((_f(1, 2, 3), _f(2, 2, 3)), {})),
 }
 
@@ -622,8 +696,7 @@ def _error(backend, name, arguments, call):
         if call is not None:
             args, kwargs = call
             args = [convert(a) if isinstance(a, np.ndarray) else a for a in args]
-            kwargs = {k: convert(v) if isinstance(v, np.ndarray) else v
-                      for k, v in kwargs.items()}
+            kwargs = {k: convert(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
             layer(*args, **kwargs)
     return info.value
 
@@ -648,8 +721,9 @@ def test_masked_softmax_errors_match_numpy(MX):
         with pytest.raises((ValueError, TypeError)) as expected:
             NP.masked_softmax(X, valid_lens)
         with pytest.raises(type(expected.value)) as actual:
-            MX.masked_softmax(MX.from_numpy(X),
-                              None if valid_lens is None else MX.from_numpy(valid_lens))
+            MX.masked_softmax(
+                MX.from_numpy(X), None if valid_lens is None else MX.from_numpy(valid_lens)
+            )
         assert str(actual.value) == str(expected.value)
 
 

@@ -54,7 +54,10 @@ CONFIGS = {
     "DotProductAttention": {},
     "AdditiveAttention": {"num_hiddens": 5, "query_size": D, "key_size": D},
     "MultiHeadAttention": {
-        "num_hiddens": NUM_HIDDENS, "num_heads": NUM_HEADS, "query_size": D, "key_size": D,
+        "num_hiddens": NUM_HIDDENS,
+        "num_heads": NUM_HEADS,
+        "query_size": D,
+        "key_size": D,
         "value_size": V,
     },
 }
@@ -103,27 +106,36 @@ def mask_cases(num_queries, num_keys, dtype, multihead):
         "fully_masked_rows": (None, {"mask": np.zeros((B, num_queries, num_keys), bool)}),
         "combined": (
             np.array([1, 0, 4, 9]),
-            {"mask": keep3[:, :1, :] | np.eye(num_queries, num_keys, dtype=bool),
-             "causal": True, "window_mask": additive},
+            {
+                "mask": keep3[:, :1, :] | np.eye(num_queries, num_keys, dtype=bool),
+                "causal": True,
+                "window_mask": additive,
+            },
         ),
     }
     if multihead:
         keep4 = rng.random((B, NUM_HEADS, num_queries, num_keys)) < 0.6
         head_mask = np.array([1.0, 0.0], dtype=dtype)
-        cases.update({
-            "mask_4d": (None, {"mask": keep4}),
-            "mask_4d_broadcast": (None, {"mask": keep4[:1, :, :1, :]}),
-            "mask_4d_batch_only": (None, {"mask": keep4[:, :1]}),
-            "head_mask_1d": (None, {"head_mask": head_mask}),
-            "head_mask_2d": (None, {"head_mask": rng.random((B, NUM_HEADS)).astype(dtype)}),
-            "head_mask_bool": (None, {"head_mask": np.array([False, True])}),
-            "need_weights_false": (np.array([0, 2, 3, 9]), {"need_weights": False}),
-            "combined_heads": (
-                np.array([2, 0, 4, 9]),
-                {"mask": keep4, "causal": True, "window_mask": additive,
-                 "head_mask": head_mask},
-            ),
-        })
+        cases.update(
+            {
+                "mask_4d": (None, {"mask": keep4}),
+                "mask_4d_broadcast": (None, {"mask": keep4[:1, :, :1, :]}),
+                "mask_4d_batch_only": (None, {"mask": keep4[:, :1]}),
+                "head_mask_1d": (None, {"head_mask": head_mask}),
+                "head_mask_2d": (None, {"head_mask": rng.random((B, NUM_HEADS)).astype(dtype)}),
+                "head_mask_bool": (None, {"head_mask": np.array([False, True])}),
+                "need_weights_false": (np.array([0, 2, 3, 9]), {"need_weights": False}),
+                "combined_heads": (
+                    np.array([2, 0, 4, 9]),
+                    {
+                        "mask": keep4,
+                        "causal": True,
+                        "window_mask": additive,
+                        "head_mask": head_mask,
+                    },
+                ),
+            }
+        )
     return cases
 
 
@@ -142,27 +154,33 @@ def _all_cases():
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize(
-    "class_name,shape_name,num_queries,num_keys,case", _all_cases(),
+    "class_name,shape_name,num_queries,num_keys,case",
+    _all_cases(),
     ids=[f"{c[0]}-{c[1]}-{c[4]}" for c in _all_cases()],
 )
-def test_attention_matches_reference(TF, class_name, shape_name, num_queries, num_keys, case,
-                                     dtype):
+def test_attention_matches_reference(
+    TF, class_name, shape_name, num_queries, num_keys, case, dtype
+):
     numpy_layer, tf_layer = make_pair(TF, class_name, dtype)
     queries, keys, values = inputs(dtype, num_queries, num_keys)
     multihead = class_name == "MultiHeadAttention"
     valid_lens, kwargs = mask_cases(num_queries, num_keys, dtype, multihead)[case]
     expected = numpy_layer(queries, keys, values, valid_lens, **kwargs)
-    tf_kwargs = {k: TF.from_numpy(v) if isinstance(v, np.ndarray) else v
-                 for k, v in kwargs.items()}
+    tf_kwargs = {k: TF.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     tf_valid_lens = None if valid_lens is None else TF.from_numpy(valid_lens)
-    output = tf_layer(TF.from_numpy(queries), TF.from_numpy(keys), TF.from_numpy(values),
-                      tf_valid_lens, **tf_kwargs)
+    output = tf_layer(
+        TF.from_numpy(queries),
+        TF.from_numpy(keys),
+        TF.from_numpy(values),
+        tf_valid_lens,
+        **tf_kwargs,
+    )
     assert_close(TF.to_numpy(output), expected, dtype)
     if kwargs.get("need_weights", True):
-        assert_close(TF.to_numpy(tf_layer.attention_weights), numpy_layer.attention_weights,
-                     dtype)
-        expected_shape = (B, NUM_HEADS, num_queries, num_keys) if multihead else (
-            B, num_queries, num_keys)
+        assert_close(TF.to_numpy(tf_layer.attention_weights), numpy_layer.attention_weights, dtype)
+        expected_shape = (
+            (B, NUM_HEADS, num_queries, num_keys) if multihead else (B, num_queries, num_keys)
+        )
         assert tuple(tf_layer.attention_weights.shape) == expected_shape
     else:
         assert tf_layer.attention_weights is None
@@ -175,8 +193,9 @@ def test_fully_masked_rows_are_zero(TF):
     output = layer(queries, keys, values, np.array([0, 1, 0, 2]))
     weights = TF.to_numpy(layer.attention_weights)
     assert (weights[[0, 2]] == 0).all()
-    np.testing.assert_array_equal(TF.to_numpy(output)[[0, 2]],
-                                  np.broadcast_to(TF.to_numpy(layer.W_o.bias), (2, Q, 8)))
+    np.testing.assert_array_equal(
+        TF.to_numpy(output)[[0, 2]], np.broadcast_to(TF.to_numpy(layer.W_o.bias), (2, Q, 8))
+    )
     assert (weights[1, :, :, 1:] == 0).all()
     np.testing.assert_allclose(weights[1, :, :, 0], 1.0)
 
@@ -264,10 +283,12 @@ def test_positional_encoding_matches_reference(TF, tf, dtype, num_hiddens):
     assert tf_layer.weights == [] and isinstance(tf_layer.P, tf.Tensor)
     i, j = 7, 2
     P = TF.to_numpy(tf_layer.P)
-    np.testing.assert_allclose(P[0, i, 2 * j], np.sin(i / 10000 ** (2 * j / num_hiddens)),
-                               atol=1e-6)
-    np.testing.assert_allclose(P[0, i, 2 * j + 1], np.cos(i / 10000 ** (2 * j / num_hiddens)),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        P[0, i, 2 * j], np.sin(i / 10000 ** (2 * j / num_hiddens)), atol=1e-6
+    )
+    np.testing.assert_allclose(
+        P[0, i, 2 * j + 1], np.cos(i / 10000 ** (2 * j / num_hiddens)), atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -276,8 +297,9 @@ def test_add_norm_matches_reference(TF, dtype, shape):
     numpy_layer, tf_layer = make_pair(TF, "AddNorm", dtype, num_hiddens=6, eps=1e-3)
     rng = np.random.default_rng(5)
     X, Y = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
-    assert_close(TF.to_numpy(tf_layer(TF.from_numpy(X), TF.from_numpy(Y))), numpy_layer(X, Y),
-                 dtype)
+    assert_close(
+        TF.to_numpy(tf_layer(TF.from_numpy(X), TF.from_numpy(Y))), numpy_layer(X, Y), dtype
+    )
     assert tf_layer.ln.epsilon == 1e-3
 
 
@@ -304,8 +326,7 @@ def test_dropout_follows_training_argument(TF, tf):
 
     add_norm = TF.AddNorm(8, dropout=0.5)
     Y = np.random.default_rng(0).standard_normal((2, 50, 8)).astype(np.float32)
-    assert not np.allclose(TF.to_numpy(add_norm(X, Y, training=True)),
-                           TF.to_numpy(add_norm(X, Y)))
+    assert not np.allclose(TF.to_numpy(add_norm(X, Y, training=True)), TF.to_numpy(add_norm(X, Y)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,15 +352,25 @@ def _finite_differences(function, arrays, step=1e-6):
 
 GRADIENT_CASES = [
     ("MultiHeadAttention", {"bias": True}, np.array([0, 2, 9, 1]), {"causal": True}),
-    ("MultiHeadAttention", {}, None,
-     {"mask": np.array([[True, False, True, True, False]] * Q), "head_mask": np.array([0.5, 2.0])}),
+    (
+        "MultiHeadAttention",
+        {},
+        None,
+        {
+            "mask": np.array([[True, False, True, True, False]] * Q),
+            "head_mask": np.array([0.5, 2.0]),
+        },
+    ),
     ("AdditiveAttention", {}, np.array([[0, 1, 2], [5, 0, 3], [1, 1, 1], [9, 9, 0]]), {}),
     ("DotProductAttention", {}, np.array([0, 3, 0, 2]), {"causal": True}),
 ]
 
 
-@pytest.mark.parametrize("class_name,config,valid_lens,kwargs", GRADIENT_CASES,
-                         ids=[f"{c[0]}-{i}" for i, c in enumerate(GRADIENT_CASES)])
+@pytest.mark.parametrize(
+    "class_name,config,valid_lens,kwargs",
+    GRADIENT_CASES,
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(GRADIENT_CASES)],
+)
 def test_gradients_match_finite_differences(TF, tf, class_name, config, valid_lens, kwargs):
     dtype = "float64"
     numpy_layer, tf_layer = make_pair(TF, class_name, dtype, **config)
@@ -363,8 +394,9 @@ def test_gradients_match_finite_differences(TF, tf, class_name, config, valid_le
         output = tf_layer(*tensors, valid_lens, **kwargs)
         tf_loss = tf.reduce_sum(output * probe)
     gradients = tape.gradient(tf_loss, tensors + [variables[n] for n in names])
-    for name, gradient, finite in zip(["queries", "keys", "values", *names], gradients,
-                                      expected, strict=True):
+    for name, gradient, finite in zip(
+        ["queries", "keys", "values", *names], gradients, expected, strict=True
+    ):
         gradient = TF.to_numpy(tf.convert_to_tensor(gradient))
         assert np.isfinite(gradient).all(), name
         np.testing.assert_allclose(gradient, finite, atol=1e-7, err_msg=name)
@@ -379,8 +411,7 @@ def _variable(layer, name):
     """The Keras variable that holds canonical weight `name`."""
     if name in ("gamma", "beta"):
         return getattr(layer.ln, name)
-    dense = getattr(layer, name if name in ("W_q", "W_k", "W_v", "W_o", "w_v") else
-                    "W_" + name[-1])
+    dense = getattr(layer, name if name in ("W_q", "W_k", "W_v", "W_o", "w_v") else "W_" + name[-1])
     return dense.kernel if name[0] in "Ww" else dense.bias
 
 
@@ -401,8 +432,7 @@ def test_add_norm_gradients_match_finite_differences(TF, tf):
         tf_loss = tf.reduce_sum(tf_layer(*tensors) * probe)
     gradients = tape.gradient(tf_loss, [*tensors, tf_layer.ln.gamma, tf_layer.ln.beta])
     for gradient, finite in zip(gradients, expected, strict=True):
-        np.testing.assert_allclose(TF.to_numpy(tf.convert_to_tensor(gradient)), finite,
-                                   atol=1e-7)
+        np.testing.assert_allclose(TF.to_numpy(tf.convert_to_tensor(gradient)), finite, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,8 +449,16 @@ def test_lazy_layer_weights_and_config(TF):
         mha.get_weights(numpy_layer)
     assert str(tf_error.value) == str(numpy_error.value)
     # set_weights on a layer never called creates its weights from the shapes
-    weights = mha.random_weights("MultiHeadAttention", num_hiddens=8, num_heads=2, bias=True,
-                                 query_size=D, key_size=4, value_size=V, seed=3)
+    weights = mha.random_weights(
+        "MultiHeadAttention",
+        num_hiddens=8,
+        num_heads=2,
+        bias=True,
+        query_size=D,
+        key_size=4,
+        value_size=V,
+        seed=3,
+    )
     mha.set_weights(layer, weights)
     mha.set_weights(numpy_layer, weights)
     config = TF.layer_config(layer)
@@ -429,10 +467,10 @@ def test_lazy_layer_weights_and_config(TF):
     for name, value in mha.get_weights(layer).items():
         np.testing.assert_array_equal(value, weights[name])
     rng = np.random.default_rng(0)
-    queries, keys, values = (rng.standard_normal((2, 3, n)).astype(np.float32)
-                             for n in (D, 4, V))
-    assert_close(TF.to_numpy(layer(queries, keys, values)), numpy_layer(queries, keys, values),
-                 "float32")
+    queries, keys, values = (rng.standard_normal((2, 3, n)).astype(np.float32) for n in (D, 4, V))
+    assert_close(
+        TF.to_numpy(layer(queries, keys, values)), numpy_layer(queries, keys, values), "float32"
+    )
 
 
 def test_lazy_layer_infers_sizes_at_first_call(TF):
@@ -514,14 +552,18 @@ def test_functional_model_saves_and_loads(TF, tf, tmp_path):
     attention = model.get_layer("attention")
     numpy_attention = reference.MultiHeadAttention(8, 2, bias=True)
     mha.set_weights(numpy_attention, mha.get_weights(attention))
-    assert_close(TF.to_numpy(attention(queries, keys, values, valid_lens, causal=True)),
-                 numpy_attention(queries, keys, values, valid_lens, causal=True), "float32")
+    assert_close(
+        TF.to_numpy(attention(queries, keys, values, valid_lens, causal=True)),
+        numpy_attention(queries, keys, values, valid_lens, causal=True),
+        "float32",
+    )
 
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    np.testing.assert_array_equal(TF.to_numpy(loaded([queries, keys, values, valid_lens])),
-                                  expected)
+    np.testing.assert_array_equal(
+        TF.to_numpy(loaded([queries, keys, values, valid_lens])), expected
+    )
     for name, value in mha.get_weights(loaded.get_layer("attention")).items():
         np.testing.assert_array_equal(value, mha.get_weights(attention)[name])
 
@@ -529,16 +571,19 @@ def test_functional_model_saves_and_loads(TF, tf, tmp_path):
 def test_sequential_model_saves_and_loads(TF, tmp_path):
     import keras
 
-    model = keras.Sequential([
-        keras.Input((9, 6)),
-        keras.layers.Dense(7),
-        TF.PositionalEncoding(7, max_len=12),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((9, 6)),
+            keras.layers.Dense(7),
+            TF.PositionalEncoding(7, max_len=12),
+        ]
+    )
     X = np.random.default_rng(8).standard_normal((2, 9, 6)).astype(np.float32)
     expected = TF.to_numpy(model(X))
     dense = model.layers[0]
     reference_output = reference.PositionalEncoding(7, max_len=12)(
-        X @ TF.to_numpy(dense.kernel) + TF.to_numpy(dense.bias))
+        X @ TF.to_numpy(dense.kernel) + TF.to_numpy(dense.bias)
+    )
     assert_close(expected, reference_output, "float32")
     path = tmp_path / "sequential.keras"
     model.save(path)
@@ -551,14 +596,16 @@ def test_subclassed_model_trains(TF, tf):
     class Block(keras.Model):
         def __init__(self):
             super().__init__()
-            self.attention = TF.MultiHeadAttention(8, 2, 0.1, query_size=D, key_size=D,
-                                                   value_size=D)
+            self.attention = TF.MultiHeadAttention(
+                8, 2, 0.1, query_size=D, key_size=D, value_size=D
+            )
             self.add_norm = TF.AddNorm(8)
             self.project = keras.layers.Dense(8)
 
         def call(self, X, training=None):
-            return self.add_norm(self.project(X), self.attention(X, X, X, causal=True),
-                                 training=training)
+            return self.add_norm(
+                self.project(X), self.attention(X, X, X, causal=True), training=training
+            )
 
     model = Block()
     X = np.random.default_rng(9).standard_normal((8, 4, D)).astype(np.float32)
@@ -581,24 +628,43 @@ def test_tf_function(TF, tf, jit_compile):
 
     @tf.function(jit_compile=jit_compile)
     def attend(queries, keys, values, valid_lens):
-        output = layer(queries, keys, values, valid_lens, mask=mask, causal=True,
-                       window_mask=window_mask, head_mask=head_mask)
+        output = layer(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            mask=mask,
+            causal=True,
+            window_mask=window_mask,
+            head_mask=head_mask,
+        )
         return output, layer.attention_weights
 
     output, weights = attend(queries, keys, values, valid_lens)
     kwargs = {"mask": mask, "causal": True, "window_mask": window_mask, "head_mask": head_mask}
-    assert_close(TF.to_numpy(output),
-                 numpy_layer(queries, keys, values, valid_lens, **kwargs), "float32")
+    assert_close(
+        TF.to_numpy(output), numpy_layer(queries, keys, values, valid_lens, **kwargs), "float32"
+    )
     assert_close(TF.to_numpy(weights), numpy_layer.attention_weights, "float32")
 
     # Unknown batch and sequence sizes: shapes are checked on what is known
-    spec = [tf.TensorSpec((None, None, D)), tf.TensorSpec((None, None, D)),
-            tf.TensorSpec((None, None, V)), tf.TensorSpec((None,), tf.int32)]
-    dynamic = tf.function(lambda q, k, v, n: layer(q, k, v, n, causal=True),
-                          input_signature=spec, jit_compile=jit_compile)
+    spec = [
+        tf.TensorSpec((None, None, D)),
+        tf.TensorSpec((None, None, D)),
+        tf.TensorSpec((None, None, V)),
+        tf.TensorSpec((None,), tf.int32),
+    ]
+    dynamic = tf.function(
+        lambda q, k, v, n: layer(q, k, v, n, causal=True),
+        input_signature=spec,
+        jit_compile=jit_compile,
+    )
     queries, keys, values = inputs("float32")
-    assert_close(TF.to_numpy(dynamic(queries, keys, values, valid_lens)),
-                 numpy_layer(queries, keys, values, valid_lens, causal=True), "float32")
+    assert_close(
+        TF.to_numpy(dynamic(queries, keys, values, valid_lens)),
+        numpy_layer(queries, keys, values, valid_lens, causal=True),
+        "float32",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,8 +709,11 @@ def _error_cases():
         (mh, ([[1.0]], keys, values), {}),
         (("MultiHeadAttention", (8, 2), {"query_size": 5}), (f32, keys, values), {}),
         (("DotProductAttention", (), {}), (f32, keys[:, :, :2], values), {}),
-        (("DotProductAttention", (), {}), (f32, keys, values), {"mask": np.ones((B, 2, Q, K),
-                                                                                bool)}),
+        (
+            ("DotProductAttention", (), {}),
+            (f32, keys, values),
+            {"mask": np.ones((B, 2, Q, K), bool)},
+        ),
         (("AdditiveAttention", (4,), {"key_size": 5}), (f32, keys, values), {}),
         (("PositionalEncoding", (D,), {"max_len": 2}), (f32,), {}),
         (("PositionalEncoding", (5,), {}), (f32,), {}),
@@ -657,8 +726,9 @@ def _error_cases():
     return cases
 
 
-@pytest.mark.parametrize("case,class_name,args,config,call", _error_cases(),
-                         ids=[c[0] for c in _error_cases()])
+@pytest.mark.parametrize(
+    "case,class_name,args,config,call", _error_cases(), ids=[c[0] for c in _error_cases()]
+)
 def test_errors_match_reference(TF, case, class_name, args, config, call):
     errors = []
     for backend in (reference, TF):
@@ -693,8 +763,9 @@ def test_masked_softmax_errors_match_reference(TF, X, valid_lens):
 
 
 def test_set_weights_errors_match_reference(TF):
-    weights = mha.random_weights("MultiHeadAttention", num_hiddens=8, num_heads=2,
-                                 query_size=D, key_size=D, value_size=V)
+    weights = mha.random_weights(
+        "MultiHeadAttention", num_hiddens=8, num_heads=2, query_size=D, key_size=D, value_size=V
+    )
     weights["W_o"] = weights["W_o"][:, :3]
     weights["W_x"] = weights.pop("W_v")
     errors = []
@@ -719,8 +790,14 @@ def test_keras_configured_for_another_backend(TF):
     environment = {**os.environ, "KERAS_BACKEND": "jax"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True,
-                            text=True, timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert "The mha backend 'tensorflow' is not available" in result.stdout
     assert "KERAS_BACKEND='jax'" in result.stdout
     assert "Traceback" not in result.stderr
