@@ -679,20 +679,26 @@ def _value(parameter) -> numpy.ndarray:
     return parameter.list_data()[0].asnumpy()
 
 
+def _canonical_parameters(layer: Layer) -> dict[str, tuple[Any, bool]]:
+    """Canonical name -> (the Parameter that holds it, whether it is stored transposed)."""
+    # Gluon keeps Dense weights as (out_features, in_features): transposed
+    if isinstance(layer, MultiHeadAttention):
+        parameters = {f"W_{k}": (p.weight, True) for k, p in _projections(layer).items()}
+        if layer.bias:
+            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
+        return parameters
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": (layer.W_q.weight, True), "W_k": (layer.W_k.weight, True),
+                "w_v": (layer.w_v.weight, True)}
+    if isinstance(layer, AddNorm):
+        return {"gamma": (layer.ln.gamma, False), "beta": (layer.ln.beta, False)}
+    return {}
+
+
 def export_weights(layer: Layer) -> dict[str, numpy.ndarray]:
     """The canonical weights of `layer` as fresh numpy arrays (W transposed to (in, out))."""
-    if isinstance(layer, MultiHeadAttention):
-        weights = {f"W_{k}": _value(p.weight).T.copy() for k, p in _projections(layer).items()}
-        if layer.bias:
-            weights.update({f"b_{k}": _value(p.bias) for k, p in _projections(layer).items()})
-        return weights
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": _value(layer.W_q.weight).T.copy(),
-                "W_k": _value(layer.W_k.weight).T.copy(),
-                "w_v": _value(layer.w_v.weight).T.copy()}
-    if isinstance(layer, AddNorm):
-        return {"gamma": _value(layer.ln.gamma), "beta": _value(layer.ln.beta)}
-    return {}
+    return {name: _value(value).T.copy() if transposed else _value(value)
+            for name, (value, transposed) in _canonical_parameters(layer).items()}
 
 
 @mx.util.use_np
@@ -722,3 +728,30 @@ def _set_parameter(parameter, value: numpy.ndarray) -> None:
     # initialization, which is finished here so that the weights can be read back at once
     parameter.set_data(from_numpy(numpy.ascontiguousarray(value)))
     parameter._finish_deferred_init()
+
+
+@mx.util.use_np
+def value_and_gradients(function, tensors, wrt, layer, cotangent):
+    """Run `function(tensors)` and differentiate sum(output * cotangent) with autograd.
+
+    Returns:
+        (output, input gradients keyed by the names in `wrt`, weight gradients keyed by
+        canonical names in the canonical layout), all numpy arrays. Used by mha.harness.
+    """
+    tensors = dict(tensors)
+    for name in wrt:
+        tensors[name] = tensors[name].copy()
+        tensors[name].attach_grad()
+    # Parameters have grad_req "write": backward overwrites their gradients
+    parameters = {} if layer is None else _canonical_parameters(layer)
+    with mx.autograd.record(train_mode=False):
+        output = function(tensors)
+        loss = (output * cotangent).sum()
+    loss.backward()
+    input_gradients = {name: tensors[name].grad.asnumpy() for name in wrt}
+    weight_gradients = {
+        name: value.list_grad()[0].asnumpy().T.copy() if transposed
+        else value.list_grad()[0].asnumpy()
+        for name, (value, transposed) in parameters.items()
+    }
+    return to_numpy(output), input_gradients, weight_gradients

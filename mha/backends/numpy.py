@@ -560,19 +560,25 @@ def _projections(layer: Module) -> dict[str, Linear]:
     return {}
 
 
+def _canonical_parameters(layer: Module) -> dict[str, tuple[np.ndarray, bool]]:
+    """Canonical name -> (the array that holds it, whether it is stored transposed)."""
+    if isinstance(layer, MultiHeadAttention):
+        parameters = {f"W_{k}": (p.weight, False) for k, p in _projections(layer).items()}
+        if layer.bias:
+            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
+        return parameters
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": (layer.W_q.weight, False), "W_k": (layer.W_k.weight, False),
+                "w_v": (layer.w_v.weight, False)}
+    if isinstance(layer, AddNorm):
+        return {"gamma": (layer.ln.gamma, False), "beta": (layer.ln.beta, False)}
+    return {}
+
+
 def export_weights(layer: Module) -> dict[str, np.ndarray]:
     """The canonical weights of `layer` as fresh numpy arrays."""
-    if isinstance(layer, MultiHeadAttention):
-        weights = {f"W_{k}": p.weight.copy() for k, p in _projections(layer).items()}
-        if layer.bias:
-            weights.update({f"b_{k}": p.bias.copy() for k, p in _projections(layer).items()})
-        return weights
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": layer.W_q.weight.copy(), "W_k": layer.W_k.weight.copy(),
-                "w_v": layer.w_v.weight.copy()}
-    if isinstance(layer, AddNorm):
-        return {"gamma": layer.ln.gamma.copy(), "beta": layer.ln.beta.copy()}
-    return {}
+    return {name: (value.T if transposed else value).copy()
+            for name, (value, transposed) in _canonical_parameters(layer).items()}
 
 
 def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
@@ -594,3 +600,7 @@ def _set_linear(linear: Linear, weight: np.ndarray, bias: np.ndarray | None = No
     linear.weight = weight.copy()
     if bias is not None:
         linear.bias = bias.copy()
+
+
+# NumPy has no autograd, so there is no value_and_gradients here: mha.harness differentiates
+# the reference by central differences instead.

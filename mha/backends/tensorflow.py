@@ -653,19 +653,26 @@ def _projections(layer: keras.layers.Layer) -> dict[str, keras.layers.Dense]:
     return {}
 
 
+def _canonical_parameters(layer: keras.layers.Layer) -> dict[str, tuple[Any, bool]]:
+    """Canonical name -> (the variable that holds it, whether it is stored transposed)."""
+    # Keras keeps Dense kernels as (in, out): the canonical layout
+    if isinstance(layer, MultiHeadAttention):
+        parameters = {f"W_{k}": (p.kernel, False) for k, p in _projections(layer).items()}
+        if layer.bias:
+            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
+        return parameters
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": (layer.W_q.kernel, False), "W_k": (layer.W_k.kernel, False),
+                "w_v": (layer.w_v.kernel, False)}
+    if isinstance(layer, AddNorm):
+        return {"gamma": (layer.ln.gamma, False), "beta": (layer.ln.beta, False)}
+    return {}
+
+
 def export_weights(layer: keras.layers.Layer) -> dict[str, np.ndarray]:
     """The canonical weights of `layer` as fresh numpy arrays."""
-    if isinstance(layer, MultiHeadAttention):
-        weights = {f"W_{k}": _copy(p.kernel) for k, p in _projections(layer).items()}
-        if layer.bias:
-            weights.update({f"b_{k}": _copy(p.bias) for k, p in _projections(layer).items()})
-        return weights
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": _copy(layer.W_q.kernel), "W_k": _copy(layer.W_k.kernel),
-                "w_v": _copy(layer.w_v.kernel)}
-    if isinstance(layer, AddNorm):
-        return {"gamma": _copy(layer.ln.gamma), "beta": _copy(layer.ln.beta)}
-    return {}
+    return {name: _copy(value).T.copy() if transposed else _copy(value)
+            for name, (value, transposed) in _canonical_parameters(layer).items()}
 
 
 def import_weights(layer: keras.layers.Layer, weights: dict[str, np.ndarray]) -> None:
@@ -693,3 +700,30 @@ def _set_linear(dense: keras.layers.Dense, weight: np.ndarray,
     dense.kernel.assign(weight)
     if bias is not None:
         dense.bias.assign(bias)
+
+
+def value_and_gradients(function, tensors, wrt, layer, cotangent):
+    """Run `function(tensors)` and differentiate sum(output * cotangent) with a GradientTape.
+
+    Returns:
+        (output, input gradients keyed by the names in `wrt`, weight gradients keyed by
+        canonical names in the canonical layout), all numpy arrays. Used by mha.harness.
+    """
+    tensors = dict(tensors)
+    parameters = {} if layer is None else _canonical_parameters(layer)
+    with tf.GradientTape() as tape:
+        for name in wrt:
+            tape.watch(tensors[name])
+        output = function(tensors)
+        loss = tf.reduce_sum(output * cotangent)
+    sources = [tensors[name] for name in wrt] + [value for value, _ in parameters.values()]
+    gradients = tape.gradient(loss, sources,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    gradients = [to_numpy(tf.convert_to_tensor(g)) for g in gradients]
+    input_gradients = dict(zip(wrt, gradients, strict=False))
+    weight_gradients = {
+        name: g.T.copy() if transposed else g
+        for (name, (_, transposed)), g in zip(parameters.items(), gradients[len(wrt):],
+                                               strict=True)
+    }
+    return to_numpy(output), input_gradients, weight_gradients

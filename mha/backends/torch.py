@@ -569,21 +569,26 @@ def _projections(layer: Module) -> dict[str, nn.Module]:
     return {}
 
 
+def _canonical_parameters(layer: Module) -> dict[str, tuple[torch.Tensor, bool]]:
+    """Canonical name -> (the parameter that holds it, whether it is stored transposed)."""
+    # torch keeps Linear weights as (out_features, in_features): transposed
+    if isinstance(layer, MultiHeadAttention):
+        parameters = {f"W_{k}": (p.weight, True) for k, p in _projections(layer).items()}
+        if layer.bias:
+            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
+        return parameters
+    if isinstance(layer, AdditiveAttention):
+        return {"W_q": (layer.W_q.weight, True), "W_k": (layer.W_k.weight, True),
+                "w_v": (layer.w_v.weight, True)}
+    if isinstance(layer, AddNorm):
+        return {"gamma": (layer.ln.weight, False), "beta": (layer.ln.bias, False)}
+    return {}
+
+
 def export_weights(layer: Module) -> dict[str, np.ndarray]:
     """The canonical weights of `layer` as fresh numpy arrays (W transposed to (in, out))."""
-    if isinstance(layer, MultiHeadAttention):
-        projections = _projections(layer).items()
-        weights = {f"W_{k}": to_numpy(p.weight).T.copy() for k, p in projections}
-        if layer.bias:
-            weights.update({f"b_{k}": to_numpy(p.bias).copy() for k, p in projections})
-        return weights
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": to_numpy(layer.W_q.weight).T.copy(),
-                "W_k": to_numpy(layer.W_k.weight).T.copy(),
-                "w_v": to_numpy(layer.w_v.weight).T.copy()}
-    if isinstance(layer, AddNorm):
-        return {"gamma": to_numpy(layer.ln.weight).copy(), "beta": to_numpy(layer.ln.bias).copy()}
-    return {}
+    return {name: (to_numpy(value).T if transposed else to_numpy(value)).copy()
+            for name, (value, transposed) in _canonical_parameters(layer).items()}
 
 
 def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
@@ -617,3 +622,29 @@ def _set_linear(linear: nn.Module, weight: np.ndarray, bias: np.ndarray | None =
 def _copy_into(parameter: torch.Tensor, array: np.ndarray) -> None:
     with torch.no_grad():
         parameter.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+
+
+def value_and_gradients(function, tensors, wrt, layer, cotangent):
+    """Run `function(tensors)` and differentiate sum(output * cotangent) with autograd.
+
+    Returns:
+        (output, input gradients keyed by the names in `wrt`, weight gradients keyed by
+        canonical names in the canonical layout), all numpy arrays. Used by mha.harness.
+    """
+    tensors = dict(tensors)
+    for name in wrt:
+        tensors[name] = tensors[name].detach().clone().requires_grad_(True)
+    parameters = {} if layer is None else _canonical_parameters(layer)
+    output = function(tensors)
+    loss = (output * cotangent).sum()
+    sources = [tensors[name] for name in wrt] + [value for value, _ in parameters.values()]
+    gradients = torch.autograd.grad(loss, sources, allow_unused=True)
+    gradients = [torch.zeros_like(s) if g is None else g
+                 for s, g in zip(sources, gradients, strict=True)]
+    input_gradients = {name: to_numpy(g) for name, g in zip(wrt, gradients, strict=False)}
+    weight_gradients = {
+        name: to_numpy(g).T.copy() if transposed else to_numpy(g)
+        for (name, (_, transposed)), g in zip(parameters.items(), gradients[len(wrt):],
+                                               strict=True)
+    }
+    return to_numpy(output), input_gradients, weight_gradients
