@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from mha.registry import BACKENDS, BackendUnavailableError, load_backend, normalize_backend_name
 
@@ -49,3 +50,10 @@ def backend(request):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# Property-based tests: a few hundred examples per run by default; MHA_HYPOTHESIS_PROFILE=long
+# for a long search (thousands of examples), e.g. before a release.
+settings.register_profile("default", max_examples=150, deadline=None)
+settings.register_profile("long", max_examples=5000, deadline=None)
+settings.load_profile(os.environ.get("MHA_HYPOTHESIS_PROFILE", "default"))

@@ -1,0 +1,74 @@
+"""The code base keeps its own rules: ruff clean, and backend modules that mirror each other."""
+
+import ast
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BACKENDS = ROOT / "mha" / "backends"
+
+# Defined by every backend, in this order, so that two modules read side by side.
+MIRRORED = (
+    "to_numpy",
+    "from_numpy",
+    "_check_valid_lens_values",
+    "_length_mask",
+    "_attention_masks",
+    "_insert_head_axis",
+    "_softmax",
+    "masked_softmax",
+    "_attention_pool",
+    "DotProductAttention",
+    "AdditiveAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "AddNorm",
+    "layer_config",
+    "_projections",
+    "_canonical_parameters",
+    "export_weights",
+    "import_weights",
+)
+
+
+def top_level_names(path):
+    tree = ast.parse(path.read_text())
+    return [node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet"])
+def test_backend_modules_define_the_shared_names_in_the_same_order(name):
+    names = top_level_names(BACKENDS / f"{name}.py")
+    present = [n for n in names if n in MIRRORED]
+    assert present == list(MIRRORED)
+
+
+def _ruff():
+    ruff = shutil.which("ruff", path=str(pathlib.Path(sys.executable).parent)) or shutil.which(
+        "ruff"
+    )
+    if ruff is None:
+        pytest.fail("ruff is not installed: pip install -e '.[test]'")
+    return ruff
+
+
+def test_ruff_check():
+    completed = subprocess.run(
+        [_ruff(), "check", "mha", "tests"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+def test_ruff_format():
+    completed = subprocess.run(
+        [_ruff(), "format", "--check", "mha", "tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
