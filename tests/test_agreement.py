@@ -8,8 +8,8 @@ differences of the reference and, between autograd backends, with each other.
 import functools
 
 import pytest
-from conftest import backend_module, backend_params
 
+from conftest import backend_module, backend_params
 from mha import harness
 from mha.registry import BACKENDS
 
@@ -56,6 +56,9 @@ def test_backend_agrees_with_the_reference(name, case, dtype):
         assert result.gradients is not None and row.gradient_difference is not None
 
 
+@pytest.mark.torch
+@pytest.mark.tensorflow
+@pytest.mark.mxnet
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_autograd_backends_agree_with_each_other(case, dtype):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import backend_module
 
 import mha
+from conftest import backend_module
 from mha.backends import numpy as NP
 
 pytestmark = pytest.mark.mxnet

@@ -13,9 +13,9 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import backend_module
 
 import mha
+from conftest import backend_module
 from mha.backends import numpy as reference
 
 pytestmark = pytest.mark.tensorflow

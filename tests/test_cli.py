@@ -112,3 +112,22 @@ def test_python_dash_m_mha():
     )
     assert completed.returncode == 2
     assert "Unknown mha backend" in completed.stderr
+
+
+def test_a_missing_backend_is_skipped_unless_named(monkeypatch):
+    from mha.registry import BackendUnavailableError, load_backend
+
+    def without_mxnet(name):
+        if name == "mxnet":
+            raise BackendUnavailableError("mxnet", ModuleNotFoundError("No module named 'mxnet'"))
+        return load_backend(name)
+
+    monkeypatch.setattr(cli, "load_backend", without_mxnet)
+    monkeypatch.setattr(cli, "BACKENDS", {"numpy": "mha.backends.numpy", "mxnet": "x"})
+    code, out, _ = run("compare")
+    assert code == 0
+    assert "skipped mxnet: The mha backend 'mxnet' is not available" in out
+    assert 'pip install "mha[mxnet]"' in out
+    code, _, err = run("compare", "--backends", "numpy,mxnet")
+    assert code == 2
+    assert "The mha backend 'mxnet' is not available" in err

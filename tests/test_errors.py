@@ -4,6 +4,7 @@ message, in test_validation.py)."""
 
 import numpy as np
 import pytest
+
 from conftest import backend_module, backend_params
 
 B, Q, K = 2, 3, 5

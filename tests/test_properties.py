@@ -5,10 +5,10 @@ A run draws the examples of the hypothesis profile (MHA_HYPOTHESIS_PROFILE, see 
 """
 
 import pytest
-from conftest import backend_module, backend_params
 from hypothesis import given
 from hypothesis import strategies as st
 
+from conftest import backend_module, backend_params
 from mha import harness
 from mha.registry import BACKENDS
 
