@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+# Imports no framework: mha.interop imports torch or TensorFlow inside its functions.
+from mha import interop
 from mha.config import get_backend, set_backend, use_backend
 from mha.registry import (
     PUBLIC_NAMES,
@@ -25,8 +27,10 @@ from mha.registry import (
 )
 from mha.weights import (
     get_weights,
+    load,
     load_weights,
     random_weights,
+    save,
     save_weights,
     set_weights,
 )
@@ -44,9 +48,12 @@ __all__ = [
     "from_numpy",
     "get_backend",
     "get_weights",
+    "interop",
+    "load",
     "load_weights",
     "masked_softmax",
     "random_weights",
+    "save",
     "save_weights",
     "set_backend",
     "set_weights",

@@ -24,7 +24,7 @@ import os
 import struct
 import tempfile
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,10 +33,14 @@ from mha.registry import backend_of, load_backend
 
 __all__ = [
     "LAYER_CLASSES",
+    "Checkpoint",
     "get_weights",
+    "load",
     "load_weights",
     "random_weights",
+    "read_checkpoint",
     "read_safetensors",
+    "save",
     "save_weights",
     "set_weights",
     "weight_shapes",
@@ -321,25 +325,11 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
             problem is listed.
     """
     _, class_name, config = _layer_info(layer)
-    tensors, metadata = read_safetensors(path)
-    if metadata.get("format") != FORMAT or "class" not in metadata or "config" not in metadata:
+    saved_class, saved, tensors, _ = _read_mha_file(path)
+    if saved_class != class_name:
         raise ValueError(
-            f"{os.fspath(path)} is a safetensors file but not one written by "
-            "mha.save_weights (its metadata has no mha class and config)"
+            f"{os.fspath(path)} holds weights of {saved_class}; cannot load them into {class_name}"
         )
-    if metadata["class"] != class_name:
-        raise ValueError(
-            f"{os.fspath(path)} holds weights of {metadata['class']}; "
-            f"cannot load them into {class_name}"
-        )
-    try:
-        saved = json.loads(metadata["config"])
-        if not isinstance(saved, dict):
-            raise TypeError("config is not a JSON object")
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"{os.fspath(path)} has a corrupted config in its metadata: {error}"
-        ) from None
     problems = []
     for key in LAYER_CLASSES[class_name]:
         if key in ("dropout", "dtype", "eps", "max_len"):
@@ -354,6 +344,128 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
     if problems:
         _raise_problems(f"load_weights({os.fspath(path)!r})", class_name, config, problems)
     load_backend(backend_of(layer)).import_weights(layer, arrays)
+
+
+class Checkpoint(NamedTuple):
+    """The contents of an mha checkpoint file, checked: see `read_checkpoint`."""
+
+    class_name: str
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    metadata: dict[str, str]
+
+
+_CONFIG_CHECKS = {
+    "DotProductAttention": validation.check_dot_product_args,
+    "AdditiveAttention": validation.check_additive_args,
+    "MultiHeadAttention": validation.check_multihead_args,
+    "PositionalEncoding": validation.check_positional_encoding_args,
+    "AddNorm": validation.check_add_norm_args,
+}
+
+
+def _read_mha_file(
+    path: str | os.PathLike,
+) -> tuple[str, dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
+    """Class, config, tensors and metadata of a file written by `save_weights` / `save`."""
+    tensors, metadata = read_safetensors(path)
+    if metadata.get("format") != FORMAT or "class" not in metadata or "config" not in metadata:
+        raise ValueError(
+            f"{os.fspath(path)} is a safetensors file but not one written by "
+            "mha.save_weights (its metadata has no mha class and config)"
+        )
+    class_name = metadata["class"]
+    if class_name not in LAYER_CLASSES:
+        raise ValueError(
+            f"{os.fspath(path)} holds an unknown layer class. Valid names: "
+            f"{', '.join(LAYER_CLASSES)}. Received: {class_name!r}"
+        )
+    try:
+        saved = json.loads(metadata["config"])
+        if not isinstance(saved, dict):
+            raise TypeError("config is not a JSON object")
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{os.fspath(path)} has a corrupted config in its metadata: {error}"
+        ) from None
+    return class_name, saved, tensors, metadata
+
+
+def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Read and check an mha checkpoint (written by `save` or `save_weights`) without a layer.
+
+    Only data is read (safetensors: a JSON header and raw numbers); nothing is executed.
+
+    Returns:
+        Checkpoint(class_name, config, weights, metadata).
+
+    Raises:
+        ValueError: the file is truncated, not safetensors, not written by mha, names an
+            unknown class, has a config with missing, unknown or wrongly typed arguments, or
+            weights whose names, shapes or dtypes do not fit that config. Every weight problem
+            is listed.
+    """
+    name = os.fspath(path)
+    class_name, config, tensors, metadata = _read_mha_file(path)
+    expected = LAYER_CLASSES[class_name]
+    unknown = sorted(set(config) - set(expected))
+    missing = [key for key in expected if key not in config]
+    if unknown or missing:
+        details = []
+        if unknown:
+            details.append(f"unknown {', '.join(unknown)}")
+        if missing:
+            details.append(f"missing {', '.join(missing)}")
+        raise ValueError(
+            f"{name} has an invalid config for {class_name} ({'; '.join(details)}). "
+            f"{class_name} takes {', '.join(expected)}"
+        )
+    try:
+        _CONFIG_CHECKS[class_name](*(config[key] for key in expected))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name} has an invalid config for {class_name}: {error}") from None
+    problems, arrays = _find_problems(class_name, config, tensors)
+    if problems:
+        _raise_problems(f"read_checkpoint({name!r})", class_name, config, problems)
+    return Checkpoint(class_name, config, arrays, metadata)
+
+
+def save(layer: Any, path: str | os.PathLike) -> None:
+    """Save a layer as a checkpoint: its canonical weights, class and config (safetensors).
+
+    The same file format as `save_weights`; `load` rebuilds the layer from it in any backend.
+
+    Example:
+        >>> mha.save(attention, "attention.safetensors")
+        >>> again = mha.load("attention.safetensors", backend="torch")
+    """
+    save_weights(layer, path)
+
+
+def load(path: str | os.PathLike, backend: str | None = None) -> Any:
+    """Rebuild the layer saved in a checkpoint, in `backend` (default: the current backend).
+
+    The layer gets the saved class, config (dropout and dtype included) and weights, whatever
+    backend saved it. Nothing in the file is executed.
+
+    Raises:
+        ValueError: the file cannot be read, or its class, config or weights are invalid
+            (see `read_checkpoint`).
+        BackendUnavailableError: `backend` does not import.
+    """
+    from mha.config import get_backend
+
+    checkpoint = read_checkpoint(path)
+    module = load_backend(backend if backend is not None else get_backend())
+    class_name, config = checkpoint.class_name, checkpoint.config
+    positional = [key for key in LAYER_CLASSES[class_name] if key in ("num_hiddens", "num_heads")]
+    layer = getattr(module, class_name)(
+        *(config[key] for key in positional),
+        **{key: value for key, value in config.items() if key not in positional},
+    )
+    if checkpoint.weights:
+        module.import_weights(layer, checkpoint.weights)
+    return layer
 
 
 # The safetensors dtypes mha reads and writes, and their little-endian numpy types.

@@ -1,0 +1,909 @@
+"""Interoperability with the frameworks' own attention layers.
+
+mha is the bridge between `torch.nn.MultiheadAttention` and `keras.layers.MultiHeadAttention`:
+both hold the same computation as mha's `MultiHeadAttention` (project, split into contiguous
+heads, scaled dot-product attention per head, concatenate, project), in other layouts. This
+module converts the canonical weights (`W_q (query_size, num_hiddens)` ... `b_o`, see
+`mha.weights`) to and from those layouts, builds one layer from another, and translates the
+masks, so that the same inputs give the same outputs and attention weights.
+
+    >>> import torch, mha
+    >>> builtin = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    >>> layer = mha.interop.from_torch(builtin, backend="numpy")   # any mha backend
+    >>> keras_layer = mha.interop.to_keras(layer)                   # keras MultiHeadAttention
+
+Layouts (n = num_hiddens = embed_dim, h = num_heads, p = n / h):
+
+    torch    in_proj_weight (3n, n) = [W_q.T; W_k.T; W_v.T] when kdim = vdim = embed_dim,
+             else q_proj_weight (n, n), k_proj_weight (n, kdim), v_proj_weight (n, vdim);
+             in_proj_bias (3n,) = [b_q; b_k; b_v]; out_proj.weight (n, n) = W_o.T,
+             out_proj.bias = b_o. Torch computes x @ weight.T + bias, hence the transposes.
+    keras    query/kernel (query_size, h, p) = W_q reshaped, query/bias (h, p); likewise key
+             and value; attention_output/kernel (h, p, n) = W_o reshaped, its bias (n,).
+             key_dim = value_dim = p, output_shape = n.
+
+The reshapes are exact because mha's head i is the contiguous block of columns i*p .. (i+1)*p-1,
+the same split torch makes and the per-head kernels of Keras hold. Both frameworks scale the
+scores by 1/sqrt(p), as mha does.
+
+What the built-in layers cannot express raises ValueError before anything is built:
+- torch: the query size must equal embed_dim (mha's query_size = num_hiddens); `add_bias_kv`
+  and `add_zero_attn` have no mha equivalent.
+- keras: mha has one head size and maps num_hiddens to num_hiddens, so a Keras layer converts
+  when value_dim = key_dim, output_shape = num_heads * key_dim, attention over axis 1 of rank-3
+  inputs, and no sliding window. Every mha MultiHeadAttention converts to Keras.
+
+Masks (the mask helpers return keyword arguments ready for the target call):
+- torch's boolean masks mean the opposite of mha's: True = NOT allowed. `to_torch_masks` turns
+  valid_lens of shape (B,) into `key_padding_mask` (B, K) and everything else (valid_lens
+  (B, Q), a keep-mask, causal) into `attn_mask` (Q, K) or (B * num_heads, Q, K), inverted.
+- Keras's `attention_mask` (B, Q, K) means True = attend, as mha's mask does; `causal` becomes
+  `use_causal_mask` (top-left aligned in both). Keras has no per-head mask.
+
+Rows with no allowed key: mha gives all-zero weights and an all-zero attention output (the
+layer output is b_o). torch gives NaN in the output and the weights of such a row; Keras 3
+gives zero weights, as mha does. Compare the frameworks only on rows with at least one key.
+
+Frameworks are imported inside the functions that need them: importing this module imports
+none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.registry import load_backend
+from mha.weights import _layer_info, get_weights, set_weights
+
+__all__ = [
+    "FILE_KINDS",
+    "canonical_from_keras",
+    "canonical_from_torch",
+    "convert",
+    "file_kind",
+    "from_keras",
+    "from_keras_masks",
+    "from_torch",
+    "from_torch_masks",
+    "keras_weights",
+    "layer_from_weights",
+    "read_file",
+    "to_keras",
+    "to_keras_masks",
+    "to_torch",
+    "to_torch_masks",
+    "torch_state_dict",
+    "write_file",
+]
+
+_TORCH_WEIGHT_NAMES = (
+    "in_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "in_proj_bias",
+    "out_proj.weight",
+    "out_proj.bias",
+)
+_KERAS_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "attention_output"}
+
+
+def _as_numpy(x: Any) -> np.ndarray:
+    """A numpy copy of a numpy, torch, TensorFlow or MXNet array."""
+    if hasattr(x, "asnumpy"):  # MXNet
+        return x.asnumpy()
+    if hasattr(x, "detach"):  # torch
+        return x.detach().cpu().numpy().copy()
+    return np.array(x)
+
+
+def _multihead_config(layer: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    _, class_name, config = _layer_info(layer)
+    if class_name != "MultiHeadAttention":
+        raise TypeError(
+            f"Expected an mha MultiHeadAttention. Received: an mha {class_name}; only "
+            "multi-head attention has a built-in counterpart in torch and Keras"
+        )
+    return config, get_weights(layer)
+
+
+def layer_from_weights(
+    weights: Mapping[str, np.ndarray],
+    num_heads: int,
+    *,
+    backend: str | None = None,
+    dropout: float = 0.0,
+) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: the current one) holding `weights`.
+
+    The config is read off the canonical weights: num_hiddens and the input sizes from the
+    shapes, bias from the presence of b_q, dtype from W_q's dtype.
+
+    Args:
+        weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o).
+        num_heads: the number of heads (weights cannot tell it).
+        backend: an mha backend name; None is the current backend.
+        dropout: the new layer's dropout rate.
+    """
+    from mha.config import get_backend
+
+    missing = [name for name in ("W_q", "W_k", "W_v", "W_o") if name not in weights]
+    if missing:
+        raise ValueError(f"MultiHeadAttention weights need {', '.join(missing)}")
+    shapes = {name: np.shape(value) for name, value in weights.items()}
+    if any(len(shapes[name]) != 2 for name in ("W_q", "W_k", "W_v", "W_o")):
+        described = ", ".join(f"{name} {shapes[name]}" for name in ("W_q", "W_k", "W_v", "W_o"))
+        raise ValueError(f"MultiHeadAttention weights must be matrices. Received: {described}")
+    module = load_backend(backend if backend is not None else get_backend())
+    layer = module.MultiHeadAttention(
+        shapes["W_o"][0],
+        num_heads,
+        dropout,
+        "b_q" in weights,
+        query_size=shapes["W_q"][0],
+        key_size=shapes["W_k"][0],
+        value_size=shapes["W_v"][0],
+        dtype=validation.check_dtype(np.asarray(weights["W_q"]).dtype.name),
+    )
+    set_weights(layer, {name: np.asarray(value) for name, value in weights.items()})
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.MultiheadAttention
+
+
+def torch_state_dict(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The `torch.nn.MultiheadAttention` state_dict of canonical weights, as numpy arrays.
+
+    Packed `in_proj_weight` (3n, n) when every input size equals num_hiddens (torch packs
+    exactly then), else `q_proj_weight`, `k_proj_weight`, `v_proj_weight`.
+
+    Raises:
+        ValueError: the query size differs from num_hiddens (torch's query size is embed_dim).
+    """
+    W_q, W_k, W_v, W_o = (np.asarray(weights[name]) for name in ("W_q", "W_k", "W_v", "W_o"))
+    num_hiddens = W_o.shape[0]
+    if W_q.shape[0] != num_hiddens:
+        raise ValueError(
+            "torch.nn.MultiheadAttention requires the query size to equal embed_dim "
+            "(mha's num_hiddens): it has no query projection from another size. "
+            f"Received: query_size={W_q.shape[0]}, num_hiddens={num_hiddens}"
+        )
+    state = {}
+    if W_k.shape[0] == num_hiddens and W_v.shape[0] == num_hiddens:
+        state["in_proj_weight"] = np.concatenate([W_q.T, W_k.T, W_v.T])
+    else:
+        state.update(q_proj_weight=W_q.T, k_proj_weight=W_k.T, v_proj_weight=W_v.T)
+    if "b_q" in weights:
+        state["in_proj_bias"] = np.concatenate([weights["b_q"], weights["b_k"], weights["b_v"]])
+    state["out_proj.weight"] = W_o.T
+    if "b_o" in weights:
+        state["out_proj.bias"] = np.asarray(weights["b_o"])
+    return {name: np.ascontiguousarray(value) for name, value in state.items()}
+
+
+def canonical_from_torch(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict]:
+    """Canonical weights and the config they imply, from a MultiheadAttention state_dict.
+
+    Returns:
+        (weights, config) with config holding num_hiddens, bias, query_size, key_size,
+        value_size and dtype; num_heads is not in the weights and must come from elsewhere.
+
+    Raises:
+        ValueError: names or shapes that are not a MultiheadAttention's, or `bias_k`/`bias_v`
+            (add_bias_kv), which mha cannot express. Every problem is listed.
+    """
+    arrays = {name: _as_numpy(value) for name, value in state_dict.items()}
+    problems = []
+    if "bias_k" in arrays or "bias_v" in arrays:
+        problems.append("bias_k/bias_v (add_bias_kv=True) have no mha equivalent")
+    unexpected = sorted(set(arrays) - set(_TORCH_WEIGHT_NAMES) - {"bias_k", "bias_v"})
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)}")
+    packed = "in_proj_weight" in arrays
+    needed = ["out_proj.weight"] + (
+        ["in_proj_weight"] if packed else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    )
+    missing = [name for name in needed if name not in arrays]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if problems:
+        raise ValueError(
+            "Not a torch.nn.MultiheadAttention state_dict that mha can convert:\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+    out = arrays["out_proj.weight"]
+    if out.ndim != 2 or out.shape[0] != out.shape[1]:
+        raise ValueError(f"out_proj.weight must be square (n, n). Received shape {out.shape}")
+    n = out.shape[0]
+    expected = {"out_proj.weight": (n, n), "in_proj_bias": (3 * n,), "out_proj.bias": (n,)}
+    if packed:
+        expected["in_proj_weight"] = (3 * n, n)
+    else:
+        expected["q_proj_weight"] = (n, n)
+        for name in ("k_proj_weight", "v_proj_weight"):
+            shape = arrays[name].shape
+            expected[name] = (n, shape[1] if len(shape) == 2 else -1)
+    for name, shape in expected.items():
+        if name in arrays and arrays[name].shape != shape:
+            problems.append(f"{name} has shape {arrays[name].shape}; expected {shape}")
+    if ("in_proj_bias" in arrays) != ("out_proj.bias" in arrays):
+        problems.append("in_proj_bias and out_proj.bias must be both present or both absent")
+    dtypes = {value.dtype.name for value in arrays.values()}
+    if len(dtypes) > 1:
+        problems.append(f"the tensors have different dtypes: {', '.join(sorted(dtypes))}")
+    if problems:
+        raise ValueError(
+            "Not a torch.nn.MultiheadAttention state_dict that mha can convert:\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+    if packed:
+        W_q, W_k, W_v = np.split(arrays["in_proj_weight"], 3)
+    else:
+        W_q, W_k, W_v = (arrays[f"{k}_proj_weight"] for k in "qkv")
+    weights = {"W_q": W_q.T, "W_k": W_k.T, "W_v": W_v.T, "W_o": out.T}
+    bias = "in_proj_bias" in arrays
+    if bias:
+        b_q, b_k, b_v = np.split(arrays["in_proj_bias"], 3)
+        weights.update(b_q=b_q, b_k=b_k, b_v=b_v, b_o=arrays["out_proj.bias"])
+    weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
+    config = {
+        "num_hiddens": n,
+        "bias": bias,
+        "query_size": n,
+        "key_size": W_k.shape[1],
+        "value_size": W_v.shape[1],
+        "dtype": validation.check_dtype(out.dtype.name),
+    }
+    return weights, config
+
+
+def to_torch(layer: Any, *, batch_first: bool = True) -> Any:
+    """A `torch.nn.MultiheadAttention` computing what the mha MultiHeadAttention `layer` does.
+
+    Args:
+        layer: an mha MultiHeadAttention of any backend, with its weights created.
+        batch_first: the new module's input layout; True matches mha's (B, Q, d) shapes.
+
+    Returns:
+        nn.MultiheadAttention(embed_dim=num_hiddens, num_heads, dropout, bias, kdim=key_size,
+        vdim=value_size, dtype=the layer's dtype), in training mode as every new module
+        (call `.eval()` before comparing when dropout > 0). Call it with
+        `need_weights=True, average_attn_weights=False` for per-head weights.
+
+    Raises:
+        ValueError: query_size differs from num_hiddens, which torch cannot express.
+    """
+    import torch
+
+    config, weights = _multihead_config(layer)
+    state = torch_state_dict(weights)  # raises for query_size != num_hiddens
+    module = torch.nn.MultiheadAttention(
+        config["num_hiddens"],
+        config["num_heads"],
+        dropout=config["dropout"],
+        bias=config["bias"],
+        kdim=config["key_size"],
+        vdim=config["value_size"],
+        batch_first=batch_first,
+        dtype=getattr(torch, config["dtype"]),
+    )
+    module.load_state_dict({name: torch.from_numpy(value) for name, value in state.items()})
+    return module
+
+
+def from_torch(module: Any, *, backend: str | None = None) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: current) from a torch MultiheadAttention.
+
+    The config is num_hiddens = query_size = embed_dim, key_size = kdim, value_size = vdim,
+    num_heads, dropout, bias (torch's `bias` covers the four projections, as mha's does) and
+    the dtype of the module's weights. `batch_first` only concerns torch's inputs.
+
+    Raises:
+        ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express.
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise TypeError(
+            f"Expected a torch.nn.MultiheadAttention. Received: {type(module).__qualname__}"
+        )
+    if module.add_zero_attn:
+        raise ValueError(
+            "torch.nn.MultiheadAttention with add_zero_attn=True has no mha equivalent"
+        )
+    weights, _ = canonical_from_torch(module.state_dict())
+    return layer_from_weights(
+        weights, module.num_heads, backend=backend, dropout=float(module.dropout)
+    )
+
+
+def _keep_mask(
+    valid_lens: Any, mask: Any, causal: bool, num_queries: int, num_keys: int
+) -> np.ndarray | None:
+    """mha's masks combined into one keep-mask broadcastable to (B, num_heads, Q, K)."""
+    keep = None
+
+    def combine(current, new):
+        return new if current is None else current & new
+
+    if valid_lens is not None:
+        lengths = _as_numpy(valid_lens)
+        if lengths.ndim not in (1, 2):
+            raise ValueError(
+                "valid_lens must have shape (batch_size,) or (batch_size, no. of queries). "
+                f"Received: valid_lens of shape {lengths.shape}"
+            )
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"valid_lens must not be negative. Received: {lengths.min()}")
+        keys = np.arange(num_keys)
+        if lengths.ndim == 1:
+            keep = keys[None, None, None, :] < lengths[:, None, None, None]
+        else:
+            keep = keys[None, None, None, :] < lengths[:, None, :, None]
+    if mask is not None:
+        given = _as_numpy(mask).astype(bool)
+        if given.ndim > 4:
+            raise ValueError(f"mask must have at most 4 axes. Received shape {given.shape}")
+        while given.ndim < 3:
+            given = given[None]
+        if given.ndim == 3:  # (B, Q, K) applies to every head
+            given = given[:, None]
+        keep = combine(keep, given)
+    if causal:
+        tril = np.arange(num_keys)[None, :] <= np.arange(num_queries)[:, None]
+        keep = combine(keep, tril[None, None])
+    return keep
+
+
+def to_torch_masks(
+    valid_lens: Any = None,
+    mask: Any = None,
+    causal: bool = False,
+    *,
+    num_heads: int,
+    num_queries: int,
+    num_keys: int,
+) -> dict[str, Any]:
+    """torch MultiheadAttention's mask arguments equivalent to mha's.
+
+    Args:
+        valid_lens, mask, causal: as mha's MultiHeadAttention call (numpy or framework arrays).
+        num_heads, num_queries, num_keys: the sizes of the call.
+
+    Returns:
+        A dict for `module(query, key, value, **masks)`: `key_padding_mask` (B, K) for
+        valid_lens of shape (B,), and `attn_mask` (Q, K) or (B * num_heads, Q, K) for the
+        rest, both boolean torch tensors where True means NOT allowed (torch's convention, the
+        inverse of mha's). Empty when no mask is given.
+    """
+    import torch
+
+    result = {}
+    lengths = None if valid_lens is None else _as_numpy(valid_lens)
+    if lengths is not None and lengths.ndim == 1:
+        padding = _keep_mask(lengths, None, False, num_queries, num_keys)
+        result["key_padding_mask"] = torch.from_numpy(~padding[:, 0, 0, :])
+        lengths = None
+    keep = _keep_mask(lengths, mask, causal, num_queries, num_keys)
+    if keep is not None:
+        batch_size, heads = keep.shape[0], keep.shape[1]
+        if heads not in (1, num_heads):
+            raise ValueError(
+                f"mask has {heads} heads on axis 1; expected 1 or num_heads={num_heads}"
+            )
+        if batch_size == 1 and heads == 1:
+            attn_mask = keep[0, 0]
+        else:
+            full = np.broadcast_to(keep, (batch_size, num_heads, num_queries, num_keys))
+            attn_mask = full.reshape(batch_size * num_heads, num_queries, num_keys)
+        result["attn_mask"] = torch.from_numpy(np.ascontiguousarray(~attn_mask))
+    return result
+
+
+def from_torch_masks(
+    key_padding_mask: Any = None,
+    attn_mask: Any = None,
+    *,
+    num_heads: int,
+    is_causal: bool = False,
+    backend: str | None = None,
+) -> dict[str, Any]:
+    """mha's mask arguments equivalent to torch MultiheadAttention's.
+
+    Args:
+        key_padding_mask: (B, K), True (or nonzero) = ignore that key.
+        attn_mask: (Q, K) or (B * num_heads, Q, K); boolean with True = not allowed, or a
+            float mask holding only 0 (allowed) and -inf (not allowed), as
+            `nn.Transformer.generate_square_subsequent_mask` makes.
+        num_heads: the module's number of heads.
+        is_causal: torch's causal flag.
+        backend: the mha backend whose tensors to return (default: current).
+
+    Returns:
+        A dict for an mha call: `mask` (a keep-mask broadcastable to (B, num_heads, Q, K))
+        when a mask is given, and `causal`.
+
+    Raises:
+        ValueError: a float attn_mask with other values (an additive bias mha cannot take).
+    """
+    from mha.config import get_backend
+
+    keep = None
+    if key_padding_mask is not None:
+        padding = _as_numpy(key_padding_mask)
+        if padding.ndim != 2:
+            raise ValueError(
+                f"key_padding_mask must have shape (B, K). Received shape {padding.shape}"
+            )
+        if padding.dtype.kind == "f":
+            padding = _float_mask_to_bool(padding, "key_padding_mask")
+        keep = ~padding.astype(bool)[:, None, None, :]
+    if attn_mask is not None:
+        forbidden = _as_numpy(attn_mask)
+        if forbidden.dtype.kind == "f":
+            forbidden = _float_mask_to_bool(forbidden, "attn_mask")
+        forbidden = forbidden.astype(bool)
+        if forbidden.ndim == 2:
+            allowed = ~forbidden[None, None]
+        elif forbidden.ndim == 3 and forbidden.shape[0] % num_heads == 0:
+            allowed = ~forbidden.reshape(-1, num_heads, *forbidden.shape[1:])
+        else:
+            raise ValueError(
+                "attn_mask must have shape (Q, K) or (B * num_heads, Q, K). "
+                f"Received shape {forbidden.shape} with num_heads={num_heads}"
+            )
+        keep = allowed if keep is None else keep & allowed
+    result: dict[str, Any] = {"causal": bool(is_causal)}
+    if keep is not None:
+        module = load_backend(backend if backend is not None else get_backend())
+        result["mask"] = module.from_numpy(keep)
+    return result
+
+
+def _float_mask_to_bool(values: np.ndarray, name: str) -> np.ndarray:
+    """A float torch mask of 0 and -inf as torch's boolean form (True = not allowed)."""
+    forbidden = np.isneginf(values)
+    if not np.all(forbidden | (values == 0)):
+        raise ValueError(
+            f"a float {name} converts only when it holds 0 (allowed) and -inf (not allowed); "
+            "mha has no additive attention bias to carry other values"
+        )
+    return forbidden
+
+
+# ---------------------------------------------------------------------------------------------
+# keras.layers.MultiHeadAttention
+
+
+def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
+    """Canonical weights in the layout of keras MultiHeadAttention's EinsumDense sub-layers.
+
+    Returns:
+        {"query/kernel": (query_size, num_heads, p), "query/bias": (num_heads, p), "key/...",
+        "value/...", "attention_output/kernel": (num_heads, p, num_hiddens),
+        "attention_output/bias": (num_hiddens,)}, p = num_hiddens / num_heads; biases only
+        when the weights have them. The names are Keras's variable paths below the layer.
+    """
+    num_hiddens = np.shape(weights["W_o"])[0]
+    if num_hiddens % num_heads:
+        raise ValueError(
+            "num_hiddens must be divisible by num_heads. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+        )
+    head_size = num_hiddens // num_heads
+    result = {}
+    for k in "qkv":
+        name = _KERAS_PROJECTIONS[k]
+        W = np.asarray(weights[f"W_{k}"])
+        result[f"{name}/kernel"] = W.reshape(W.shape[0], num_heads, head_size)
+        if f"b_{k}" in weights:
+            result[f"{name}/bias"] = np.asarray(weights[f"b_{k}"]).reshape(num_heads, head_size)
+    result["attention_output/kernel"] = np.asarray(weights["W_o"]).reshape(
+        num_heads, head_size, num_hiddens
+    )
+    if "b_o" in weights:
+        result["attention_output/bias"] = np.asarray(weights["b_o"])
+    return {name: np.ascontiguousarray(value) for name, value in result.items()}
+
+
+_KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "output_dense"}
+
+
+def _keras_dense(layer: Any, k: str) -> Any:
+    """The EinsumDense sub-layer of projection k ("q", "k", "v", "o") of a Keras layer."""
+    return getattr(layer, _KERAS_DENSE[k])
+
+
+def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Canonical weights and config (num_heads included) of a built Keras MultiHeadAttention.
+
+    Raises:
+        ValueError: the layer is not built, or its configuration has no mha equivalent
+            (value_dim != key_dim, output_shape != num_heads * key_dim, attention_axes other
+            than the sequence axis, a sliding window).
+    """
+    import tensorflow as tf
+
+    if not isinstance(layer, tf.keras.layers.MultiHeadAttention):
+        raise TypeError(
+            f"Expected a keras.layers.MultiHeadAttention. Received: {type(layer).__qualname__}"
+        )
+    if not layer.built:
+        raise ValueError(
+            "The Keras MultiHeadAttention is not built, so it has no weights yet: call it once "
+            "or call layer.build(query_shape, value_shape, key_shape)"
+        )
+    num_heads, key_dim = layer.num_heads, layer.key_dim
+    value_dim = layer.value_dim if layer.value_dim is not None else key_dim
+    problems = []
+    if value_dim != key_dim:
+        problems.append(
+            f"value_dim={value_dim} differs from key_dim={key_dim}; mha's heads have one size"
+        )
+    kernels = {k: _as_numpy(_keras_dense(layer, k).kernel) for k in "qkvo"}
+    if kernels["q"].ndim != 3:
+        problems.append(
+            f"it was built for inputs of rank {kernels['q'].ndim + 0}; mha takes (B, n, d)"
+        )
+    if tuple(layer.attention_axes or (1,)) not in ((1,), (-2,)):
+        problems.append(f"attention_axes={layer.attention_axes}; mha attends over axis 1")
+    if getattr(layer, "_sliding_window", None) is not None:
+        problems.append("a sliding window has no mha equivalent")
+    output = kernels["o"]
+    if output.ndim != 3 or output.shape[2] != num_heads * key_dim:
+        problems.append(
+            f"its output size is {output.shape[2:]}; mha's output size is num_heads * key_dim "
+            f"= {num_heads * key_dim} (build it with output_shape={num_heads * key_dim})"
+        )
+    if problems:
+        raise ValueError(
+            "This keras.layers.MultiHeadAttention has no mha equivalent:\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+    num_hiddens = num_heads * key_dim
+    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], num_hiddens) for k in "qkv"}
+    weights["W_o"] = output.reshape(num_hiddens, num_hiddens)
+    if layer.use_bias:
+        for k in "qkvo":
+            weights[f"b_{k}"] = _as_numpy(_keras_dense(layer, k).bias).reshape(num_hiddens)
+    weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
+    config = {
+        "num_hiddens": num_hiddens,
+        "num_heads": num_heads,
+        "dropout": float(layer.dropout),
+        "bias": bool(layer.use_bias),
+        "query_size": weights["W_q"].shape[0],
+        "key_size": weights["W_k"].shape[0],
+        "value_size": weights["W_v"].shape[0],
+        "dtype": validation.check_dtype(weights["W_o"].dtype.name),
+    }
+    return weights, config
+
+
+def to_keras(layer: Any) -> Any:
+    """A built `keras.layers.MultiHeadAttention` computing what the mha `layer` does.
+
+    Args:
+        layer: an mha MultiHeadAttention of any backend, with its weights created.
+
+    Returns:
+        MultiHeadAttention(num_heads, key_dim=value_dim=num_hiddens / num_heads,
+        dropout, use_bias=bias, output_shape=num_hiddens, dtype), built for the layer's input
+        sizes. Keras takes `layer(query, value, key)` (value before key!) and gives per-head
+        weights with `return_attention_scores=True`.
+    """
+    import tensorflow as tf
+
+    config, weights = _multihead_config(layer)
+    num_hiddens, num_heads = config["num_hiddens"], config["num_heads"]
+    head_size = num_hiddens // num_heads
+    builtin = tf.keras.layers.MultiHeadAttention(
+        num_heads,
+        head_size,
+        value_dim=head_size,
+        dropout=config["dropout"],
+        use_bias=config["bias"],
+        output_shape=num_hiddens,
+        dtype=config["dtype"],
+    )
+    builtin.build(
+        (None, None, config["query_size"]),
+        (None, None, config["value_size"]),
+        (None, None, config["key_size"]),
+    )
+    for path, value in keras_weights(weights, num_heads).items():
+        name, variable = path.split("/")
+        k = next(k for k, projection in _KERAS_PROJECTIONS.items() if projection == name)
+        getattr(_keras_dense(builtin, k), variable).assign(value)
+    return builtin
+
+
+def from_keras(layer: Any, *, backend: str | None = None) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: current) from a built Keras one.
+
+    Raises:
+        ValueError: see `canonical_from_keras`.
+    """
+    weights, config = canonical_from_keras(layer)
+    return layer_from_weights(
+        weights, config["num_heads"], backend=backend, dropout=config["dropout"]
+    )
+
+
+def to_keras_masks(
+    valid_lens: Any = None,
+    mask: Any = None,
+    causal: bool = False,
+    *,
+    num_queries: int,
+    num_keys: int,
+) -> dict[str, Any]:
+    """Keras MultiHeadAttention's mask arguments equivalent to mha's.
+
+    Returns:
+        A dict for `layer(query, value, key, **masks)`: `attention_mask`, a boolean numpy
+        array (B or 1, Q, K) with True = attend (mha's convention), when valid_lens or mask is
+        given, and `use_causal_mask`.
+
+    Raises:
+        ValueError: a per-head (4-D) mask, which Keras's attention_mask cannot hold.
+    """
+    keep = _keep_mask(valid_lens, mask, False, num_queries, num_keys)
+    result: dict[str, Any] = {"use_causal_mask": bool(causal)}
+    if keep is not None:
+        if keep.shape[1] != 1:
+            raise ValueError(
+                "Keras MultiHeadAttention's attention_mask (B, Q, K) applies to every head; "
+                f"a per-head mask cannot be translated. Received a mask with {keep.shape[1]} "
+                "heads on axis 1"
+            )
+        result["attention_mask"] = np.ascontiguousarray(
+            np.broadcast_to(keep[:, 0], (keep.shape[0], num_queries, num_keys))
+        )
+    return result
+
+
+def from_keras_masks(
+    attention_mask: Any = None, use_causal_mask: bool = False, *, backend: str | None = None
+) -> dict[str, Any]:
+    """mha's mask arguments equivalent to Keras MultiHeadAttention's.
+
+    Args:
+        attention_mask: (B, Q, K), True (or nonzero) = attend.
+        use_causal_mask: Keras's causal flag (top-left aligned, as mha's `causal`).
+        backend: the mha backend whose tensors to return (default: current).
+
+    Returns:
+        {"mask": keep-mask (B, Q, K) as the backend's tensor, "causal": bool}.
+    """
+    from mha.config import get_backend
+
+    result: dict[str, Any] = {"causal": bool(use_causal_mask)}
+    if attention_mask is not None:
+        keep = _as_numpy(attention_mask)
+        keep = keep > 0.5 if keep.dtype.kind == "f" else keep.astype(bool)  # Keras's rule
+        module = load_backend(backend if backend is not None else get_backend())
+        result["mask"] = module.from_numpy(keep)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: an mha checkpoint, a torch state_dict, a Keras weights file
+
+FILE_KINDS = {
+    "mha": "mha checkpoint (.safetensors)",
+    "torch": "torch.nn.MultiheadAttention state_dict (.pt, .pth)",
+    "keras": "Keras MultiHeadAttention weights (.weights.h5)",
+}
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """ "mha", "torch" or "keras", from the file name's ending (see FILE_KINDS).
+
+    Raises:
+        ValueError: any other ending (a Keras file must end in .weights.h5, as Keras asks).
+    """
+    name = os.fspath(path).lower()
+    if name.endswith(".safetensors"):
+        return "mha"
+    if name.endswith((".pt", ".pth")):
+        return "torch"
+    if name.endswith(".weights.h5"):
+        return "keras"
+    raise ValueError(
+        f"cannot tell the kind of {os.fspath(path)!r} from its name. Use "
+        + ", ".join(FILE_KINDS.values())
+    )
+
+
+def read_file(
+    path: str | os.PathLike, *, num_heads: int | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Canonical MultiHeadAttention weights and config from any file kind (see `file_kind`).
+
+    Only data is read, never code: safetensors with numpy, the torch file with
+    `torch.load(weights_only=True)` (which refuses anything but tensors and plain
+    containers), the Keras file with h5py (to learn the sizes) and `keras.saving.load_weights`.
+
+    Args:
+        path: the file.
+        num_heads: the number of heads; needed for a torch file, whose weights do not tell it;
+            checked against the file for the other kinds.
+
+    Returns:
+        (weights, config) with config holding num_hiddens, num_heads (None when unknown),
+        dropout, bias, query_size, key_size, value_size and dtype.
+
+    Raises:
+        ValueError: the file cannot be read, holds no MultiHeadAttention, or its number of
+            heads differs from `num_heads`.
+    """
+    kind = file_kind(path)
+    name = os.fspath(path)
+    if kind == "mha":
+        from mha.weights import read_checkpoint
+
+        checkpoint = read_checkpoint(path)
+        if checkpoint.class_name != "MultiHeadAttention":
+            raise ValueError(
+                f"{name} holds a {checkpoint.class_name}; only a MultiHeadAttention has a "
+                "built-in counterpart in torch and Keras"
+            )
+        weights, config = checkpoint.weights, dict(checkpoint.config)
+    elif kind == "torch":
+        weights, config = canonical_from_torch(_load_torch_file(name))
+        config.update(num_heads=None, dropout=0.0)
+    else:
+        weights, config = canonical_from_keras(_load_keras_file(name))
+    if num_heads is not None:
+        if config["num_heads"] is not None and config["num_heads"] != num_heads:
+            raise ValueError(
+                f"{name} holds a layer with num_heads={config['num_heads']}. "
+                f"Received: num_heads={num_heads}"
+            )
+        validation.check_multihead_args(
+            config["num_hiddens"], num_heads, 0.0, config["bias"], None, None, None, "float32"
+        )
+        config["num_heads"] = num_heads
+    from mha.weights import LAYER_CLASSES
+
+    return weights, {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
+
+
+def _load_torch_file(name: str) -> dict[str, Any]:
+    import pickle
+
+    import torch
+
+    try:
+        state = torch.load(name, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ValueError(
+            f"{name} is not a torch state_dict file that loads with weights_only=True "
+            f"(nothing in it was executed): {message}"
+        ) from None
+    if not isinstance(state, Mapping) or not all(
+        isinstance(value, torch.Tensor) for value in state.values()
+    ):
+        raise ValueError(
+            f"{name} does not hold a state_dict (a dict of tensors). "
+            f"Received: {type(state).__name__}"
+        )
+    return dict(state)
+
+
+def _load_keras_file(name: str) -> Any:
+    import h5py
+    import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
+    import tensorflow as tf
+
+    try:
+        with h5py.File(name, "r") as file:
+            shapes = {k: tuple(file[f"{dense}/vars/0"].shape) for k, dense in _KERAS_DENSE.items()}
+            dtype = file["query_dense/vars/0"].dtype.name
+            bias = "query_dense/vars/1" in file
+    except (OSError, KeyError) as error:
+        raise ValueError(
+            f"{name} is not a Keras MultiHeadAttention weights file (as written by "
+            f"keras.saving.save_weights): {error}"
+        ) from None
+    if len(shapes["q"]) != 3 or len(shapes["v"]) != 3 or len(shapes["o"]) < 3:
+        raise ValueError(
+            f"{name} holds Keras MultiHeadAttention weights of a shape mha does not convert: "
+            f"query kernel {shapes['q']}, value kernel {shapes['v']}, output kernel "
+            f"{shapes['o']}"
+        )
+    num_heads, key_dim = shapes["q"][1:]
+    layer = tf.keras.layers.MultiHeadAttention(
+        num_heads,
+        key_dim,
+        value_dim=shapes["v"][2],
+        use_bias=bias,
+        output_shape=shapes["o"][2:],
+        dtype=validation.check_dtype(dtype),
+    )
+    layer.build(
+        (None, None, shapes["q"][0]), (None, None, shapes["v"][0]), (None, None, shapes["k"][0])
+    )
+    try:
+        keras.saving.load_weights(layer, name)
+    except (ValueError, OSError, KeyError) as error:
+        raise ValueError(f"{name} does not load into a Keras MultiHeadAttention: {error}") from None
+    return layer
+
+
+def write_file(
+    path: str | os.PathLike,
+    weights: Mapping[str, np.ndarray],
+    *,
+    num_heads: int | None = None,
+    dropout: float = 0.0,
+) -> None:
+    """Write canonical MultiHeadAttention weights as the file kind of `path`.
+
+    An mha checkpoint holds the weights, class and config; a torch file the module's
+    state_dict, saved with `torch.save`; a Keras file the layer's weights, saved with
+    `keras.saving.save_weights`. num_heads is needed for the mha and Keras kinds.
+    """
+    kind = file_kind(path)
+    if kind == "torch":
+        import torch
+
+        state = torch_state_dict(weights)
+        torch.save({key: torch.from_numpy(value) for key, value in state.items()}, path)
+        return
+    if num_heads is None:
+        raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")
+    layer = layer_from_weights(weights, num_heads, backend="numpy", dropout=dropout)
+    if kind == "mha":
+        from mha.weights import save
+
+        save(layer, path)
+    else:
+        import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
+
+        keras.saving.save_weights(to_keras(layer), os.fspath(path), overwrite=True)
+
+
+def convert(
+    source: str | os.PathLike, destination: str | os.PathLike, *, num_heads: int | None = None
+) -> dict[str, Any]:
+    """Convert a MultiHeadAttention file to another kind, and check it by reading it back.
+
+    The kinds (see `file_kind`): an mha checkpoint (.safetensors), a torch
+    nn.MultiheadAttention state_dict (.pt, .pth) and Keras MultiHeadAttention weights
+    (.weights.h5). The config is inferred from the weights; a torch file does not tell the
+    number of heads, so `num_heads` is needed when converting one to another kind.
+
+    Example:
+        >>> mha.interop.convert("attention.pt", "attention.weights.h5", num_heads=4)
+
+    Returns:
+        The config of the converted layer.
+
+    Raises:
+        ValueError: a file that cannot be read, a configuration the destination cannot express
+            (e.g. a query size other than num_hiddens for torch), num_heads missing, or a
+            destination that does not read back as the same weights.
+    """
+    weights, config = read_file(source, num_heads=num_heads)
+    if config["num_heads"] is None and file_kind(destination) != "torch":
+        raise ValueError(
+            f"{os.fspath(source)} is a torch state_dict, which does not tell the number of "
+            "heads: give num_heads"
+        )
+    write_file(destination, weights, num_heads=config["num_heads"], dropout=config["dropout"])
+    again, _ = read_file(destination, num_heads=config["num_heads"])
+    if set(again) != set(weights) or any(
+        not np.array_equal(again[key], weights[key]) for key in weights
+    ):
+        raise ValueError(f"{os.fspath(destination)} does not read back as the same weights")
+    return config

@@ -1,0 +1,189 @@
+"""mha.save / mha.load: checkpoints that move between backends, and bad files refused."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params
+from mha import harness
+from mha.weights import write_safetensors
+
+CONFIG = {
+    "num_hiddens": 8,
+    "num_heads": 2,
+    "dropout": 0.0,
+    "bias": True,
+    "query_size": 6,
+    "key_size": 5,
+    "value_size": 4,
+    "dtype": "float32",
+}
+
+
+def inputs(rng):
+    return (
+        rng.standard_normal((2, 3, 6)).astype("float32"),
+        rng.standard_normal((2, 4, 5)).astype("float32"),
+        rng.standard_normal((2, 4, 4)).astype("float32"),
+        np.array([2, 4]),
+    )
+
+
+def run(module, layer, arrays):
+    output = layer(*(module.from_numpy(x) for x in arrays))
+    return module.to_numpy(output), module.to_numpy(layer.attention_weights)
+
+
+@pytest.mark.parametrize("target", backend_params())
+@pytest.mark.parametrize("source", backend_params())
+def test_save_in_one_backend_load_in_another(tmp_path, source, target):
+    saving, loading = backend_module(source), backend_module(target)
+    layer = saving.MultiHeadAttention(
+        CONFIG["num_hiddens"],
+        CONFIG["num_heads"],
+        bias=True,
+        query_size=6,
+        key_size=5,
+        value_size=4,
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=11))
+    path = tmp_path / "attention.safetensors"
+    mha.save(layer, path)
+    loaded = mha.load(path, backend=target)
+    assert isinstance(loaded, loading.MultiHeadAttention)
+    assert loading.layer_config(loaded) == CONFIG
+    saved_weights, loaded_weights = mha.get_weights(layer), mha.get_weights(loaded)
+    assert all(np.array_equal(saved_weights[k], loaded_weights[k]) for k in saved_weights)
+    arrays = inputs(np.random.default_rng(0))
+    (output, weights), (other_output, other_weights) = (
+        run(saving, layer, arrays),
+        run(loading, loaded, arrays),
+    )
+    assert harness.difference(other_output, output, relative=True) <= 1e-5
+    assert harness.difference(other_weights, weights, relative=True) <= 1e-5
+
+
+def test_load_uses_the_current_backend_and_every_class(tmp_path):
+    numpy_backend = backend_module("numpy")
+    layers = {
+        "DotProductAttention": numpy_backend.DotProductAttention(0.1, dtype="float64"),
+        "AdditiveAttention": numpy_backend.AdditiveAttention(4, query_size=3, key_size=2),
+        "PositionalEncoding": numpy_backend.PositionalEncoding(6, max_len=50),
+        "AddNorm": numpy_backend.AddNorm(5, eps=1e-3),
+    }
+    for name, layer in layers.items():
+        if mha.weights.weight_shapes(name, numpy_backend.layer_config(layer)):
+            mha.set_weights(layer, mha.random_weights(layer, seed=1))
+        path = tmp_path / f"{name}.safetensors"
+        mha.save(layer, path)
+        with mha.use_backend("numpy"):
+            loaded = mha.load(path)
+        assert type(loaded) is type(layer)
+        assert numpy_backend.layer_config(loaded) == numpy_backend.layer_config(layer)
+        original, again = mha.get_weights(layer), mha.get_weights(loaded)
+        assert original.keys() == again.keys()
+        assert all(np.array_equal(original[k], again[k]) for k in original)
+
+
+def test_save_writes_the_format_of_save_weights(tmp_path):
+    layer = backend_module("numpy").MultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)
+    mha.save(layer, tmp_path / "a.safetensors")
+    mha.save_weights(layer, tmp_path / "b.safetensors")
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    checkpoint = mha.weights.read_checkpoint(tmp_path / "a.safetensors")
+    assert checkpoint.class_name == "MultiHeadAttention"
+    assert checkpoint.metadata["backend"] == "numpy"
+
+
+def write(path, tensors, class_name="MultiHeadAttention", config=None, **metadata):
+    fields = {
+        "format": "mha",
+        "format_version": "1",
+        "class": class_name,
+        "config": json.dumps(CONFIG if config is None else config),
+        "backend": "numpy",
+    }
+    fields.update(metadata)
+    write_safetensors(path, tensors, fields)
+    return path
+
+
+def good_weights():
+    return mha.random_weights("MultiHeadAttention", **CONFIG, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncated", "truncated"),
+        ("empty", "fewer than the 8-byte header"),
+        ("json", "not a valid safetensors file"),
+        ("no_metadata", "not one written by mha.save_weights"),
+        ("unknown_class", "unknown layer class.*'Transformer'"),
+        ("wrong_shape", "W_q has shape \\(6, 4\\)"),
+        ("missing_weight", "missing b_o"),
+        (
+            "config_not_matching",
+            "W_o has shape \\(8, 8\\) and dtype float32; expected shape \\(16, 16\\)",
+        ),
+        ("unknown_key", "unknown activation"),
+        ("missing_key", "missing num_heads"),
+        ("wrong_type", "num_heads must be a positive integer. Received: num_heads='2'"),
+        ("wrong_bool", "bias must be True or False"),
+        ("indivisible", "num_hiddens must be divisible by num_heads"),
+        ("config_not_json", "corrupted config"),
+        ("dtype", "expected dtype float32"),
+    ],
+)
+def test_bad_files_raise_clear_value_errors(tmp_path, damage, message):
+    path = tmp_path / "bad.safetensors"
+    weights = good_weights()
+    if damage in ("truncated", "empty"):
+        write(path, weights)
+        content = path.read_bytes()
+        path.write_bytes(content[: len(content) - 17] if damage == "truncated" else b"abc")
+    elif damage == "json":
+        path.write_text(json.dumps({"W_q": [[1.0]]}))
+    elif damage == "no_metadata":
+        write_safetensors(path, weights, {})
+    elif damage == "unknown_class":
+        write(path, weights, class_name="Transformer")
+    elif damage == "wrong_shape":
+        write(path, {**weights, "W_q": np.zeros((6, 4), "float32")})
+    elif damage == "missing_weight":
+        write(path, {k: v for k, v in weights.items() if k != "b_o"})
+    elif damage == "config_not_matching":
+        write(path, weights, config={**CONFIG, "num_hiddens": 16})
+    elif damage == "unknown_key":
+        write(path, weights, config={**CONFIG, "activation": "relu"})
+    elif damage == "missing_key":
+        write(path, weights, config={k: v for k, v in CONFIG.items() if k != "num_heads"})
+    elif damage == "wrong_type":
+        write(path, weights, config={**CONFIG, "num_heads": "2"})
+    elif damage == "wrong_bool":
+        write(path, weights, config={**CONFIG, "bias": "yes"})
+    elif damage == "indivisible":
+        write(path, weights, config={**CONFIG, "num_heads": 3})
+    elif damage == "config_not_json":
+        write_safetensors(path, weights, {"format": "mha", "class": "AddNorm", "config": "{x"})
+    elif damage == "dtype":
+        write(path, {k: v.astype("float64") for k, v in weights.items()})
+    with pytest.raises(ValueError, match=message):
+        mha.load(path)
+
+
+def test_pickle_files_are_never_executed(tmp_path):
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path = tmp_path / "attention.safetensors"
+    path.write_bytes(pickle.dumps({"W_q": Payload()}))
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        mha.load(path)
+    assert not marker.exists()

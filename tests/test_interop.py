@@ -1,0 +1,477 @@
+"""mha.interop: mha's MultiHeadAttention against torch's and Keras's own, in both directions.
+
+The built-in layers are the independent side: the same weights and inputs, with the masks
+translated, must give the same outputs and per-head attention weights in every mha backend.
+Rows with no allowed key are compared separately (torch gives NaN there, mha zeros).
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params
+from mha import harness, interop
+
+BATCH, QUERIES, KEYS = 3, 4, 6
+
+# (num_hiddens, num_heads, bias, query_size, key_size, value_size). Every head size is 4:
+# Keras rounds its score scale 1/sqrt(key_dim) to float32 even in float64 (see
+# test_keras_float64_scale_is_rounded_to_float32), and 1/sqrt(4) is exact.
+TORCH_CONFIGS = {
+    "packed-bias": (8, 2, True, 8, 8, 8),
+    "packed-nobias": (16, 4, False, 16, 16, 16),
+    "kdim-vdim-bias": (8, 2, True, 8, 5, 3),
+    "kdim-vdim-nobias": (12, 3, False, 12, 5, 7),
+}
+KERAS_CONFIGS = {
+    **TORCH_CONFIGS,
+    "query-size-bias": (8, 2, True, 6, 5, 3),
+}
+
+
+@pytest.fixture(scope="module")
+def torch():
+    backend_module("torch")  # a required framework that is missing fails, else skips
+    import torch
+
+    return torch
+
+
+@pytest.fixture(scope="module")
+def keras():
+    backend_module("tensorflow")
+    import tensorflow as tf
+
+    return tf.keras
+
+
+def mha_mask_cases(num_heads, rng, *, per_head=True):
+    """(name, valid_lens, mask, causal) in mha's terms; lengths of 0 leave rows with no key."""
+    lengths_1d = np.array([2, KEYS + 3, 0])
+    lengths_2d = rng.integers(0, KEYS + 1, size=(BATCH, QUERIES))
+    mask_3d = rng.random((BATCH, QUERIES, KEYS)) < 0.7
+    mask_3d[0, 1] = False  # a row with no key
+    cases = [
+        ("none", None, None, False),
+        ("valid_lens_1d", lengths_1d, None, False),
+        ("valid_lens_2d", lengths_2d, None, False),
+        ("mask_2d", None, rng.random((QUERIES, KEYS)) < 0.7, False),
+        ("mask_3d", None, mask_3d, False),
+        ("causal", None, None, True),
+        ("causal+valid_lens_1d+mask_3d", lengths_1d, mask_3d, True),
+    ]
+    if per_head:
+        cases.append(("mask_4d", None, rng.random((BATCH, num_heads, QUERIES, KEYS)) < 0.7, False))
+    return cases
+
+
+def inputs(config, dtype, rng):
+    _, _, _, query_size, key_size, value_size = config
+    return (
+        rng.standard_normal((BATCH, QUERIES, query_size)).astype(dtype),
+        rng.standard_normal((BATCH, KEYS, key_size)).astype(dtype),
+        rng.standard_normal((BATCH, KEYS, value_size)).astype(dtype),
+    )
+
+
+def mha_layer(module, config, dtype, seed=0):
+    num_hiddens, num_heads, bias, query_size, key_size, value_size = config
+    layer = module.MultiHeadAttention(
+        num_hiddens,
+        num_heads,
+        bias=bias,
+        query_size=query_size,
+        key_size=key_size,
+        value_size=value_size,
+        dtype=dtype,
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=seed))
+    return layer
+
+
+def call_mha(module, layer, queries, keys, values, valid_lens=None, **masks):
+    tensors = [module.from_numpy(x) for x in (queries, keys, values)]
+    if valid_lens is not None:
+        valid_lens = module.from_numpy(valid_lens)
+    masks = {
+        key: module.from_numpy(value) if isinstance(value, np.ndarray) else value
+        for key, value in masks.items()
+        if value is not None
+    }
+    output = layer(*tensors, valid_lens, **masks)
+    return module.to_numpy(output), module.to_numpy(layer.attention_weights)
+
+
+def call_torch(torch, module, queries, keys, values, **masks):
+    with torch.no_grad():
+        output, weights = module(
+            *(torch.from_numpy(x) for x in (queries, keys, values)),
+            need_weights=True,
+            average_attn_weights=False,
+            **masks,
+        )
+    return output.numpy(), weights.numpy()
+
+
+def call_keras(layer, queries, keys, values, **masks):
+    output, weights = layer(queries, values, keys, return_attention_scores=True, **masks)
+    return np.asarray(output), np.asarray(weights)
+
+
+def assert_agree(ours, theirs, dtype):
+    """Outputs and per-head weights agree on every row with at least one allowed key."""
+    (output, weights), (other_output, other_weights) = ours, theirs
+    assert output.shape == other_output.shape and weights.shape == other_weights.shape
+    # mha's weights of a row sum to 1 when it has a key and are all zero when it has none
+    sums = weights.astype(np.float64).sum(-1)
+    has_key = sums > 0.5
+    assert np.allclose(sums[~has_key], 0.0)
+    tolerance = harness.TOLERANCES[dtype]
+    relative = dtype != "float64"
+    assert harness.difference(other_weights[has_key], weights[has_key], relative) <= tolerance
+    rows = has_key.all(axis=1)  # an output row mixes every head
+    assert rows.any()
+    assert harness.difference(other_output[rows], output[rows], relative) <= tolerance
+
+
+def randomize_torch(torch, module, seed):
+    """Random values in every parameter (torch starts biases at zero, which would hide them)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            values = torch.rand(parameter.shape, generator=generator, dtype=torch.float64)
+            parameter.copy_(values - 0.5)
+
+
+def randomize_keras(layer, seed):
+    rng = np.random.default_rng(seed)
+    for variable in layer.weights:
+        variable.assign(rng.uniform(-0.5, 0.5, tuple(variable.shape)).astype(variable.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.nn.MultiheadAttention
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("config", TORCH_CONFIGS.values(), ids=TORCH_CONFIGS.keys())
+@pytest.mark.parametrize("name", backend_params())
+def test_mha_to_torch(torch, name, config, dtype):
+    module = backend_module(name)
+    layer = mha_layer(module, config, dtype)
+    builtin = interop.to_torch(layer).eval()
+    assert builtin.batch_first and builtin.num_heads == config[1]
+    assert builtin._qkv_same_embed_dim == (config[4] == config[5] == config[0])
+    rng = np.random.default_rng(1)
+    tensors = inputs(config, dtype, rng)
+    for case, valid_lens, mask, causal in mha_mask_cases(config[1], rng):
+        ours = call_mha(module, layer, *tensors, valid_lens, mask=mask, causal=causal)
+        masks = interop.to_torch_masks(
+            valid_lens, mask, causal, num_heads=config[1], num_queries=QUERIES, num_keys=KEYS
+        )
+        theirs = call_torch(torch, builtin, *tensors, **masks)
+        try:
+            assert_agree(ours, theirs, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"mask case {case}: {error}") from None
+
+
+def torch_mask_cases(torch, num_heads, rng):
+    """(name, key_padding_mask, attn_mask) in torch's terms: True = NOT allowed."""
+    padding = torch.from_numpy(np.arange(KEYS)[None, :] >= np.array([[3], [KEYS], [1]]))
+    future = torch.triu(torch.ones(QUERIES, KEYS, dtype=torch.bool), diagonal=1)
+    float_future = torch.zeros(QUERIES, KEYS).masked_fill(future, float("-inf"))
+    per_head = torch.from_numpy(rng.random((BATCH * num_heads, QUERIES, KEYS)) < 0.3)
+    return [
+        ("key_padding_mask", padding, None),
+        ("attn_mask_2d", None, future),
+        ("attn_mask_float", None, float_future),
+        ("attn_mask_3d+key_padding_mask", padding, per_head),
+    ]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("config", TORCH_CONFIGS.values(), ids=TORCH_CONFIGS.keys())
+@pytest.mark.parametrize("name", backend_params())
+def test_torch_to_mha(torch, name, config, dtype):
+    module = backend_module(name)
+    num_hiddens, num_heads, bias, _, key_size, value_size = config
+    builtin = torch.nn.MultiheadAttention(
+        num_hiddens,
+        num_heads,
+        bias=bias,
+        kdim=key_size,
+        vdim=value_size,
+        batch_first=True,
+        dtype=getattr(torch, dtype),
+    ).eval()
+    randomize_torch(torch, builtin, seed=2)
+    layer = interop.from_torch(builtin, backend=name)
+    assert mha.registry.backend_of(layer) == name
+    assert module.layer_config(layer) == {
+        "num_hiddens": num_hiddens,
+        "num_heads": num_heads,
+        "dropout": 0.0,
+        "bias": bias,
+        "query_size": num_hiddens,
+        "key_size": key_size,
+        "value_size": value_size,
+        "dtype": dtype,
+    }
+    rng = np.random.default_rng(3)
+    tensors = inputs(config, dtype, rng)
+    for case, padding, attn_mask in torch_mask_cases(torch, num_heads, rng):
+        if attn_mask is not None and attn_mask.dtype.is_floating_point:
+            attn_mask = attn_mask.to(getattr(torch, dtype))
+        theirs = call_torch(torch, builtin, *tensors, key_padding_mask=padding, attn_mask=attn_mask)
+        masks = interop.from_torch_masks(padding, attn_mask, num_heads=num_heads, backend=name)
+        ours = call_mha(module, layer, *tensors, **masks)
+        try:
+            assert_agree(ours, theirs, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"mask case {case}: {error}") from None
+
+
+@pytest.mark.torch
+def test_rows_without_keys_torch_gives_nan_mha_gives_b_o(torch):
+    config = TORCH_CONFIGS["packed-bias"]
+    layer = mha_layer(backend_module("numpy"), config, "float32")
+    builtin = interop.to_torch(layer).eval()
+    tensors = inputs(config, "float32", np.random.default_rng(0))
+    valid_lens = np.array([2, 0, KEYS])
+    masks = interop.to_torch_masks(
+        valid_lens, num_heads=config[1], num_queries=QUERIES, num_keys=KEYS
+    )
+    output, weights = call_torch(torch, builtin, *tensors, **masks)
+    assert np.isnan(output[1]).all() and np.isnan(weights[1]).all()
+    assert np.isfinite(output[[0, 2]]).all()
+    ours, our_weights = call_mha(backend_module("numpy"), layer, *tensors, valid_lens)
+    assert np.array_equal(our_weights[1], np.zeros_like(our_weights[1]))
+    assert np.allclose(ours[1], mha.get_weights(layer)["b_o"])
+
+
+@pytest.mark.torch
+def test_torch_state_dict_layouts(torch):
+    weights = mha.random_weights(
+        "MultiHeadAttention",
+        num_hiddens=4,
+        num_heads=2,
+        bias=True,
+        query_size=4,
+        key_size=4,
+        value_size=4,
+        seed=5,
+    )
+    state = interop.torch_state_dict(weights)
+    assert {k: v.shape for k, v in state.items()} == {
+        "in_proj_weight": (12, 4),
+        "in_proj_bias": (12,),
+        "out_proj.weight": (4, 4),
+        "out_proj.bias": (4,),
+    }
+    # torch computes x @ in_proj_weight.T: rows 0..3 are the query projection
+    assert np.array_equal(state["in_proj_weight"][:4], weights["W_q"].T)
+    assert np.array_equal(state["in_proj_bias"][4:8], weights["b_k"])
+    back, config = interop.canonical_from_torch(state)
+    assert all(np.array_equal(back[k], weights[k]) for k in weights)
+    assert config["key_size"] == 4 and config["bias"] is True
+    torch.nn.MultiheadAttention(4, 2).load_state_dict(
+        {k: torch.from_numpy(v) for k, v in state.items()}
+    )
+
+
+@pytest.mark.torch
+def test_what_torch_cannot_express(torch):
+    numpy_backend = backend_module("numpy")
+    layer = mha_layer(numpy_backend, KERAS_CONFIGS["query-size-bias"], "float32")
+    with pytest.raises(ValueError, match=r"query size to equal embed_dim.*query_size=6"):
+        interop.to_torch(layer)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        interop.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
+    with pytest.raises(ValueError, match="add_zero_attn"):
+        interop.from_torch(torch.nn.MultiheadAttention(8, 2, add_zero_attn=True))
+    with pytest.raises(TypeError, match=r"mha MultiHeadAttention.*AddNorm"):
+        interop.to_torch(numpy_backend.AddNorm(4))
+    with pytest.raises(ValueError, match=r"missing out_proj\.weight"):
+        interop.canonical_from_torch({"in_proj_weight": np.zeros((6, 2), "f")})
+    with pytest.raises(ValueError, match="in_proj_weight has shape"):
+        interop.canonical_from_torch(
+            {"in_proj_weight": np.zeros((6, 3), "f"), "out_proj.weight": np.zeros((2, 2), "f")}
+        )
+    with pytest.raises(ValueError, match="only when it holds 0"):
+        interop.from_torch_masks(attn_mask=np.full((2, 2), -1.0), num_heads=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# keras.layers.MultiHeadAttention
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("config", KERAS_CONFIGS.values(), ids=KERAS_CONFIGS.keys())
+@pytest.mark.parametrize("name", backend_params())
+def test_mha_to_keras(keras, name, config, dtype):
+    module = backend_module(name)
+    layer = mha_layer(module, config, dtype)
+    builtin = interop.to_keras(layer)
+    assert isinstance(builtin, keras.layers.MultiHeadAttention)
+    assert builtin.key_dim == builtin.value_dim == config[0] // config[1]
+    rng = np.random.default_rng(4)
+    tensors = inputs(config, dtype, rng)
+    for case, valid_lens, mask, causal in mha_mask_cases(config[1], rng, per_head=False):
+        ours = call_mha(module, layer, *tensors, valid_lens, mask=mask, causal=causal)
+        masks = interop.to_keras_masks(valid_lens, mask, causal, num_queries=QUERIES, num_keys=KEYS)
+        theirs = call_keras(builtin, *tensors, **masks)
+        try:
+            assert_agree(ours, theirs, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"mask case {case}: {error}") from None
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("config", KERAS_CONFIGS.values(), ids=KERAS_CONFIGS.keys())
+@pytest.mark.parametrize("name", backend_params())
+def test_keras_to_mha(keras, name, config, dtype):
+    module = backend_module(name)
+    num_hiddens, num_heads, bias, query_size, _, _ = config
+    builtin = keras.layers.MultiHeadAttention(
+        num_heads, num_hiddens // num_heads, use_bias=bias, output_shape=num_hiddens, dtype=dtype
+    )
+    rng = np.random.default_rng(5)
+    tensors = inputs(config, dtype, rng)
+    builtin(tensors[0], tensors[2], tensors[1])  # builds it
+    randomize_keras(builtin, seed=6)
+    layer = interop.from_keras(builtin, backend=name)
+    assert module.layer_config(layer)["query_size"] == query_size
+    attention_mask = rng.random((BATCH, QUERIES, KEYS)) < 0.6
+    attention_mask[1, 2] = False  # a row with no key
+    cases = [
+        ("none", None, False),
+        ("attention_mask", attention_mask, False),
+        ("use_causal_mask", None, True),
+        ("both", attention_mask, True),
+    ]
+    for case, attention, causal in cases:
+        theirs = call_keras(builtin, *tensors, attention_mask=attention, use_causal_mask=causal)
+        masks = interop.from_keras_masks(attention, causal, backend=name)
+        ours = call_mha(module, layer, *tensors, **masks)
+        try:
+            assert_agree(ours, theirs, dtype)
+        except AssertionError as error:
+            raise AssertionError(f"mask case {case}: {error}") from None
+
+
+@pytest.mark.tensorflow
+def test_rows_without_keys_keras_gives_zero_weights_like_mha(keras):
+    config = TORCH_CONFIGS["packed-bias"]
+    layer = mha_layer(backend_module("numpy"), config, "float64")
+    builtin = interop.to_keras(layer)
+    tensors = inputs(config, "float64", np.random.default_rng(0))
+    valid_lens = np.array([2, 0, KEYS])
+    masks = interop.to_keras_masks(valid_lens, num_queries=QUERIES, num_keys=KEYS)
+    output, weights = call_keras(builtin, *tensors, **masks)
+    ours, _ = call_mha(backend_module("numpy"), layer, *tensors, valid_lens)
+    assert np.array_equal(weights[1], np.zeros_like(weights[1]))
+    assert np.allclose(output, ours, atol=1e-10)
+
+
+@pytest.mark.tensorflow
+def test_keras_float64_scale_is_rounded_to_float32(keras):
+    """Keras casts the Python float 1/sqrt(key_dim) through float32, even in float64: with a
+    head size whose inverse root is not a float32 number, Keras's float64 results agree with
+    mha's to about 1e-8 (float32's rounding of the scale), not 1e-10."""
+    config = (8, 4, True, 8, 8, 8)  # head size 2
+    layer = mha_layer(backend_module("numpy"), config, "float64")
+    tensors = inputs(config, "float64", np.random.default_rng(0))
+    output, weights = call_keras(interop.to_keras(layer), *tensors)
+    ours, our_weights = call_mha(backend_module("numpy"), layer, *tensors)
+    assert harness.difference(weights, our_weights, relative=True) <= 1e-7
+    assert harness.difference(output, ours, relative=True) <= 1e-7
+
+
+@pytest.mark.tensorflow
+def test_keras_weights_layout(keras):
+    weights = mha.random_weights(
+        "MultiHeadAttention",
+        num_hiddens=6,
+        num_heads=3,
+        bias=True,
+        query_size=4,
+        key_size=5,
+        value_size=2,
+        seed=7,
+    )
+    layout = interop.keras_weights(weights, num_heads=3)
+    assert layout["query/kernel"].shape == (4, 3, 2)
+    assert layout["attention_output/kernel"].shape == (3, 2, 6)
+    # head 1 of the query projection is columns 2..3 of W_q
+    assert np.array_equal(layout["query/kernel"][:, 1, :], weights["W_q"][:, 2:4])
+    assert np.array_equal(layout["value/bias"][2], weights["b_v"][4:6])
+    layer = backend_module("numpy").MultiHeadAttention(6, 3, bias=True)
+    mha.set_weights(layer, weights)
+    builtin = interop.to_keras(layer)
+    paths = {v.path.split("/", 1)[1]: np.asarray(v) for v in builtin.weights}
+    assert set(paths) == set(layout)
+    assert all(np.array_equal(paths[k], layout[k]) for k in layout)
+
+
+@pytest.mark.tensorflow
+def test_what_mha_cannot_take_from_keras(keras):
+    def built(**arguments):
+        layer = keras.layers.MultiHeadAttention(**arguments)
+        layer.build((None, 3, 4), (None, 5, 4))
+        return layer
+
+    with pytest.raises(ValueError, match="value_dim=3 differs from key_dim=2"):
+        interop.from_keras(built(num_heads=2, key_dim=2, value_dim=3))
+    with pytest.raises(ValueError, match="output size"):
+        interop.from_keras(built(num_heads=2, key_dim=3))  # output_shape defaults to 4
+    with pytest.raises(ValueError, match="not built"):
+        interop.from_keras(keras.layers.MultiHeadAttention(2, 2))
+    with pytest.raises(ValueError, match="per-head mask"):
+        interop.to_keras_masks(mask=np.ones((1, 2, 3, 4), bool), num_queries=3, num_keys=4)
+    with pytest.raises(TypeError, match=r"keras\.layers\.MultiHeadAttention"):
+        interop.from_keras(object())
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole trip, and import hygiene
+
+
+@pytest.mark.torch
+@pytest.mark.tensorflow
+def test_torch_to_keras_through_mha_and_back(torch, keras):
+    builtin = torch.nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    randomize_torch(torch, builtin, seed=8)
+    keras_layer = interop.to_keras(interop.from_torch(builtin, backend="numpy"))
+    again = interop.to_torch(interop.from_keras(keras_layer, backend="mxnet")).eval()
+    rng = np.random.default_rng(9)
+    queries, keys, values = inputs((8, 2, True, 8, 8, 8), "float32", rng)
+    reference = call_torch(torch, builtin, queries, keys, values)
+    for other in (
+        call_keras(keras_layer, queries, keys, values),
+        call_torch(torch, again, queries, keys, values),
+    ):
+        assert_agree(reference, other, "float32")
+    for name, value in builtin.state_dict().items():
+        assert torch.equal(value, again.state_dict()[name])
+
+
+def test_import_mha_and_interop_imports_no_framework():
+    code = (
+        "import sys, json, mha, mha.interop; mha.interop.to_torch; "
+        "print(json.dumps([m for m in ('torch', 'tensorflow', 'keras', 'mxnet', 'h5py') "
+        "if m in sys.modules]))"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == []
