@@ -1,0 +1,133 @@
+"""The notebooks run from top to bottom, and the committed files hold their outputs.
+
+Each notebook is executed in a fresh kernel (notebooks/run.py's `execute`, the one way the
+project runs them) on a copy in a temporary directory, so the committed files are never
+written here. The notebooks that show one backend at a time read MHA_BACKEND and run under
+every backend; the others compare all four frameworks and need all of them. A cell that
+raises fails the test with the cell's traceback.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import pathlib
+import shutil
+
+import nbformat
+import pytest
+
+from conftest import backend_module, backend_params
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _load_runner():
+    spec = importlib.util.spec_from_file_location("notebooks_run", NOTEBOOKS / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+runner = _load_runner()
+
+# The frameworks the comparing notebooks use, every one of them.
+FRAMEWORKS = ("numpy", "torch", "tensorflow", "mxnet")
+SINGLE_BACKEND = ("attention_scoring", "self_attention_positional_encoding")
+EVERY_BACKEND = ("multihead_attention", "compare_frameworks")
+
+# The plots each notebook must show, by the tag of the cell that draws them.
+FIGURES = {
+    "attention_scoring": (
+        "figure-dot-product-heatmap",
+        "figure-additive-heatmap",
+        "figure-fully-masked-heatmap",
+    ),
+    "multihead_attention": (
+        "figure-head-heatmaps",
+        "figure-head-importance",
+        "figure-trained-head-heatmaps",
+    ),
+    "self_attention_positional_encoding": (
+        "figure-encoding-columns",
+        "figure-binary-analogy",
+        "figure-encoding-heatmap",
+        "figure-scaling",
+    ),
+    "compare_frameworks": ("figure-agreement", "figure-speed"),
+}
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_notebook_is_listed():
+    on_disk = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
+    assert on_disk == sorted(runner.NOTEBOOKS) == sorted(FIGURES)
+    assert sorted(SINGLE_BACKEND + EVERY_BACKEND) == sorted(FIGURES)
+
+
+def _code_cells(notebook):
+    return [cell for cell in notebook.cells if cell.cell_type == "code"]
+
+
+def _check_outputs(name, notebook):
+    """Every code cell ran, in order, without error; every named plot is an embedded PNG."""
+    cells = _code_cells(notebook)
+    counts = [cell.execution_count for cell in cells]
+    assert counts == list(range(1, len(cells) + 1)), f"{name}: not run top to bottom: {counts}"
+    for cell in cells:
+        errors = [output for output in cell.outputs if output.output_type == "error"]
+        assert not errors, f"{name}: a cell failed: {errors[0].ename}: {errors[0].evalue}"
+    for tag in FIGURES[name]:
+        tagged = [cell for cell in cells if tag in cell.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{name}: {len(tagged)} cells tagged {tag}"
+        images = [
+            base64.b64decode(output.data["image/png"])
+            for output in tagged[0].outputs
+            if output.output_type == "display_data" and "image/png" in output.data
+        ]
+        assert len(images) == 1, f"{name}: the {tag} cell shows {len(images)} PNG images"
+        assert images[0].startswith(PNG_SIGNATURE) and len(images[0]) > 2000, (
+            f"{name}: the {tag} image is not a real plot"
+        )
+
+
+@pytest.mark.parametrize("name", sorted(FIGURES))
+def test_committed_notebook_holds_its_outputs(name):
+    path = NOTEBOOKS / f"{name}.ipynb"
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    _check_outputs(name, notebook)
+    # Small enough to open quickly on a code host
+    assert path.stat().st_size < 400_000, f"{name}: {path.stat().st_size} bytes"
+
+
+def _execute(name, tmp_path, backend=None):
+    copy = tmp_path / f"{name}.ipynb"
+    shutil.copyfile(NOTEBOOKS / copy.name, copy)
+    notebook = nbformat.read(copy, as_version=4)
+    for cell in _code_cells(notebook):
+        cell.outputs, cell.execution_count = [], None
+    runner.execute(notebook, cwd=tmp_path, backend=backend)
+    nbformat.write(notebook, copy)  # kept in tmp_path, for a look after a failure
+    _check_outputs(name, notebook)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", SINGLE_BACKEND)
+def test_single_backend_notebook_runs(name, backend, tmp_path):
+    backend_module(backend)
+    _execute(name, tmp_path, backend)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[getattr(pytest.mark, b) for b in FRAMEWORKS])
+        for name in EVERY_BACKEND
+    ],
+)
+def test_every_backend_notebook_runs(name, tmp_path):
+    for backend in FRAMEWORKS:
+        backend_module(backend)
+    _execute(name, tmp_path)
