@@ -1,7 +1,8 @@
-"""The `mha` command: `mha info` and `mha compare`.
+"""The `mha` command: `mha info`, `mha compare`, `mha convert`, `mha inspect` and `mha bench`.
 
 Exit codes: 0 when everything agrees, 1 on any disagreement, 2 on a usage error (including a
-backend named with --backends that does not import).
+backend named with --backends that does not import). `mha convert` and `mha inspect` exit 1
+when a file cannot be read or the destination cannot express the layer.
 """
 
 from __future__ import annotations
@@ -76,6 +77,19 @@ def _parser() -> argparse.ArgumentParser:
             help=f"default {getattr(defaults, field)}",
         )
     compare.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+    from mha import bench
+
+    bench.add_arguments(
+        commands.add_parser(
+            "bench",
+            help="time MultiHeadAttention against each framework's own attention layer",
+            description="Time the forward and forward+backward passes and the peak memory of "
+            "mha's MultiHeadAttention side by side with each framework's own layer; print a "
+            "markdown table of medians and ratios (mha / built-in).",
+        )
+    )
+    _add_file_commands(commands)
     return parser
 
 
@@ -218,6 +232,114 @@ def _compare(arguments, out, err) -> int:
     return 0 if passed else 1
 
 
+def _bench(arguments, out, err) -> int:
+    from mha import bench
+
+    try:
+        return bench.execute(arguments, out, err, _progress(err))
+    except (ValueError, BackendUnavailableError) as error:
+        raise _UsageError(str(error)) from None
+
+
+def _add_file_commands(commands) -> None:
+    from mha.interop import FILE_KINDS
+
+    kinds = "; ".join(FILE_KINDS.values())
+    convert = commands.add_parser(
+        "convert",
+        help="convert MultiHeadAttention weights between mha, torch and Keras files",
+        description="Convert MultiHeadAttention weights from SRC to DST, the kinds told by the "
+        f"file names: {kinds}. The configuration is read off the weights; a torch state_dict "
+        "does not tell the number of heads, so give --num-heads with one. DST is read back and "
+        "must give the same weights. Exit 0 on success, 1 when a file cannot be read or the "
+        "destination cannot express the layer, 2 on a usage error.",
+    )
+    convert.add_argument("source", metavar="SRC")
+    convert.add_argument("destination", metavar="DST")
+    convert.add_argument(
+        "--num-heads",
+        type=_positive_int,
+        help="number of heads (needed for a torch state_dict source)",
+    )
+    inspect = commands.add_parser(
+        "inspect",
+        help="print the class, config and weight shapes of a checkpoint",
+        description=f"Print the layer class, config and weight shapes of PATH ({kinds}).",
+    )
+    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument(
+        "--num-heads", type=_positive_int, help="number of heads, for a torch state_dict"
+    )
+
+
+def _file_command(arguments, out, err) -> int:
+    import os
+
+    from mha import interop
+
+    paths = [arguments.path] if arguments.command == "inspect" else [arguments.source]
+    if arguments.command == "convert":
+        paths.append(arguments.destination)
+    try:
+        kinds = [interop.file_kind(path) for path in paths]
+    except ValueError as error:
+        raise _UsageError(str(error)) from None
+    if not os.path.isfile(paths[0]):
+        raise _UsageError(f"{paths[0]} does not exist or is not a file")
+    torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
+    if torch_source and arguments.num_heads is None:
+        raise _UsageError(
+            f"{paths[0]} is a torch state_dict, which does not tell the number of heads: "
+            "give --num-heads"
+        )
+    needed = {"mha": None, "torch": "torch", "keras": "tensorflow"}
+    for kind in kinds:
+        if needed[kind] is not None:
+            try:
+                load_backend(needed[kind])
+            except BackendUnavailableError as error:
+                raise _UsageError(f"{interop.FILE_KINDS[kind]} files need {error}") from None
+    try:
+        if arguments.command == "inspect":
+            return _inspect(paths[0], kinds[0], arguments.num_heads, out)
+        config = interop.convert(*paths, num_heads=arguments.num_heads)
+    except (ValueError, OSError) as error:
+        print(f"mha {arguments.command}: error: {error}", file=err)
+        return 1
+    described = ", ".join(f"{key}={value!r}" for key, value in config.items())
+    print(
+        f"{paths[0]} ({interop.FILE_KINDS[kinds[0]]}) -> {paths[1]} "
+        f"({interop.FILE_KINDS[kinds[1]]})\n"
+        f"MultiHeadAttention({described}); read back: the same weights",
+        file=out,
+    )
+    return 0
+
+
+def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
+    from mha import interop
+    from mha.weights import read_checkpoint
+
+    print(f"{path}: {interop.FILE_KINDS[kind]}", file=out)
+    if kind == "mha":
+        checkpoint = read_checkpoint(path)
+        class_name, config, weights = (
+            checkpoint.class_name,
+            checkpoint.config,
+            checkpoint.weights,
+        )
+        saved_from = checkpoint.metadata.get("backend", "-")
+        print(f"class: {class_name} (saved from the {saved_from} backend)", file=out)
+    else:
+        weights, config = interop.read_file(path, num_heads=num_heads)
+        print("class: MultiHeadAttention (config inferred from the weights)", file=out)
+    print(f"config: {json.dumps(config, sort_keys=True)}", file=out)
+    print("weights:", file=out)
+    for name, value in weights.items():
+        print(f"  {name:<4} {tuple(value.shape)!s:<12} {value.dtype}", file=out)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     """Run the command line; returns the exit code."""
     out = out or sys.stdout
@@ -231,6 +353,10 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     try:
         if arguments.command == "info":
             return _info(out)
+        if arguments.command in ("convert", "inspect"):
+            return _file_command(arguments, out, err)
+        if arguments.command == "bench":
+            return _bench(arguments, out, err)
         return _compare(arguments, out, err)
     except _UsageError as error:
         print(f"mha {arguments.command}: error: {error}", file=err)

@@ -131,3 +131,150 @@ def test_a_missing_backend_is_skipped_unless_named(monkeypatch):
     code, _, err = run("compare", "--backends", "numpy,mxnet")
     assert code == 2
     assert "The mha backend 'mxnet' is not available" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# mha convert and mha inspect
+
+
+def torch_module(seed=0, **arguments):
+    import torch
+
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True, **arguments).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.rand(parameter.shape, generator=generator) - 0.5)
+    return module
+
+
+@pytest.mark.torch
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("kdim", [None, 5], ids=["packed", "kdim"])
+def test_convert_torch_to_keras_to_mha_and_back(tmp_path, kdim):
+    from conftest import backend_module
+
+    backend_module("torch")
+    backend_module("tensorflow")
+    import keras
+    import torch
+
+    import mha
+
+    module = torch_module(kdim=kdim, vdim=kdim)
+    source, keras_file = tmp_path / "attention.pt", tmp_path / "attention.weights.h5"
+    checkpoint, back = tmp_path / "attention.safetensors", tmp_path / "back.pth"
+    torch.save(module.state_dict(), source)
+    code, out, err = run("convert", str(source), str(keras_file), "--num-heads", "2")
+    assert code == 0, err
+    assert "read back: the same weights" in out
+    assert run("convert", str(keras_file), str(checkpoint))[0] == 0
+    assert run("convert", str(checkpoint), str(back))[0] == 0
+    again = torch.load(back, weights_only=True)
+    assert again.keys() == module.state_dict().keys()
+    assert all(torch.equal(again[k], v) for k, v in module.state_dict().items())
+    # The Keras file loads into a Keras layer with Keras's own loader and computes the same
+    rng = np.random.default_rng(0)
+    queries = rng.standard_normal((2, 3, 8)).astype("float32")
+    keys = rng.standard_normal((2, 4, kdim or 8)).astype("float32")
+    values = rng.standard_normal((2, 4, kdim or 8)).astype("float32")
+    layer = keras.layers.MultiHeadAttention(2, 4, output_shape=8)
+    layer.build(queries.shape, values.shape, keys.shape)
+    keras.saving.load_weights(layer, str(keras_file))
+    expected, _ = module(*(torch.from_numpy(x) for x in (queries, keys, values)))
+    assert (
+        harness.difference(
+            np.asarray(layer(queries, values, keys)), expected.detach().numpy(), relative=True
+        )
+        <= 1e-5
+    )
+    for backend in ("numpy", "torch", "tensorflow", "mxnet"):
+        loaded = mha.load(checkpoint, backend=backend)
+        module_of = backend_module(backend)
+        output = loaded(*(module_of.from_numpy(x) for x in (queries, keys, values)))
+        assert (
+            harness.difference(module_of.to_numpy(output), expected.detach().numpy(), relative=True)
+            <= 1e-5
+        )
+
+
+@pytest.mark.torch
+def test_convert_usage_errors_exit_2(tmp_path):
+    import torch
+
+    source = tmp_path / "attention.pt"
+    torch.save(torch_module().state_dict(), source)
+    code, _, err = run("convert", str(source), str(tmp_path / "a.safetensors"))
+    assert code == 2 and "give --num-heads" in err
+    code, _, err = run("convert", str(source), str(tmp_path / "a.txt"), "--num-heads", "2")
+    assert code == 2 and "cannot tell the kind" in err
+    code, _, err = run("convert", str(tmp_path / "missing.pt"), str(tmp_path / "a.safetensors"))
+    assert code == 2 and "does not exist" in err
+    code, _, err = run("convert", str(source), str(tmp_path / "a.safetensors"), "--num-heads", "0")
+    assert code == 2 and "expected a positive integer" in err
+    code, _, err = run("convert", str(source), str(tmp_path / "a.safetensors"), "--num-heads", "3")
+    assert code == 1 and "divisible" in err
+
+
+@pytest.mark.torch
+def test_convert_refuses_files_it_cannot_read_or_express(tmp_path):
+    import pickle
+
+    import torch
+
+    import mha
+    import mha.backends.numpy
+
+    marker = tmp_path / "executed"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    hostile = tmp_path / "hostile.pt"
+    hostile.write_bytes(pickle.dumps({"in_proj_weight": Payload()}, protocol=2))
+    code, _, err = run("convert", str(hostile), str(tmp_path / "a.safetensors"), "--num-heads", "2")
+    assert code == 1 and "weights_only=True" in err
+    assert not marker.exists()
+    bias_kv = tmp_path / "bias_kv.pt"
+    torch.save(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True).state_dict(), bias_kv)
+    code, _, err = run("convert", str(bias_kv), str(tmp_path / "a.safetensors"), "--num-heads", "2")
+    assert code == 1 and "add_bias_kv" in err
+    layer = mha.backends.numpy.MultiHeadAttention(8, 2, query_size=6, key_size=8, value_size=8)
+    mha.set_weights(layer, mha.random_weights(layer))
+    mha.save(layer, tmp_path / "query6.safetensors")
+    code, _, err = run("convert", str(tmp_path / "query6.safetensors"), str(tmp_path / "a.pt"))
+    assert code == 1 and "query size to equal embed_dim" in err
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
+    code, _, err = run("inspect", str(tmp_path / "junk.safetensors"))
+    assert code == 1 and "not a valid safetensors file" in err
+
+
+def test_inspect_prints_class_config_and_shapes(tmp_path):
+    import mha
+    import mha.backends.numpy
+
+    layer = mha.backends.numpy.MultiHeadAttention(
+        8, 2, bias=True, query_size=6, key_size=5, value_size=4
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=3))
+    mha.save(layer, tmp_path / "attention.safetensors")
+    code, out, _ = run("inspect", str(tmp_path / "attention.safetensors"))
+    assert code == 0
+    assert "class: MultiHeadAttention (saved from the numpy backend)" in out
+    config = json.loads(out.split("config: ", 1)[1].splitlines()[0])
+    assert config == {
+        "num_hiddens": 8,
+        "num_heads": 2,
+        "dropout": 0.0,
+        "bias": True,
+        "query_size": 6,
+        "key_size": 5,
+        "value_size": 4,
+        "dtype": "float32",
+    }
+    shapes = dict(line.split(maxsplit=1) for line in out.split("weights:\n", 1)[1].splitlines())
+    assert shapes["W_q"].split()[:2] == ["(6,", "8)"] and shapes["b_o"].split() == [
+        "(8,)",
+        "float32",
+    ]

@@ -185,19 +185,19 @@ def _insert_head_axis(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def _softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite."""
+    entry are exactly 0. torch.softmax subtracts the row maximum, so logits of 1e4 stay finite.
+
+    Written with torch's fused softmax on -inf-filled scores rather than the reference's
+    steps (four fewer passes over the scores): a row with no kept key would be all -inf, NaN
+    in softmax, so it keeps every key (finite values and gradients) and is zeroed after.
+    """
     if keep is None:
         return torch.softmax(scores, dim=-1)
-    keep = keep.expand(scores.shape)
-    masked = torch.where(keep, scores, float("-inf"))
-    # The shift does not change the result: no gradient flows through it
-    row_max = masked.detach().amax(dim=-1, keepdim=True)
-    # A fully masked row has max -inf; any finite shift leaves its zeros at zero
-    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
-    # exp(-inf) = 0 for masked entries; the where keeps their gradient exactly 0, never NaN
-    exponentials = torch.where(keep, torch.exp(masked - row_max), 0.0)
-    total = exponentials.sum(dim=-1, keepdim=True)
-    return exponentials / torch.where(total == 0, 1.0, total)
+    # Shape of attended: keep's, with 1 keys; small, as keep broadcasts over heads
+    attended = keep.any(dim=-1, keepdim=True)
+    # exp(-inf) = 0 for masked entries, and masked_fill gives them a gradient of exactly 0
+    masked = scores.masked_fill(~(keep | ~attended), float("-inf"))
+    return torch.where(attended, torch.softmax(masked, dim=-1), 0.0)
 
 
 def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -312,8 +312,9 @@ class DotProductAttention(Module):
             self.attention_weights = None
             return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         d = queries.shape[-1]
-        # Shape of scores: (..., no. of queries, no. of keys)
-        scores = queries @ keys.transpose(-1, -2) / math.sqrt(d)
+        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
+        # the scores touches Q x d numbers instead of Q x K
+        scores = (queries / math.sqrt(d)) @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights
         )

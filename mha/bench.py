@@ -1,0 +1,838 @@
+"""Benchmarks: mha's MultiHeadAttention against each framework's own attention layer.
+
+Run by `mha bench` (and `python benchmarks/run.py`). For every backend, shape, valid_lens
+(with or without) and need_weights (True or False), the forward pass and the forward and
+backward pass of mha's layer are timed side by side with the framework's own layer, in one
+process and interleaved (one call of each per round), so that both see the same machine load:
+
+- torch: `torch.nn.MultiheadAttention` and a layer built on `F.scaled_dot_product_attention`
+  (which cannot return weights, so it runs with need_weights=False only);
+- tensorflow: `keras.layers.MultiHeadAttention`;
+- mxnet: the book's own Gluon multi-head attention (d2l's code, written below), imperative and
+  hybridized, against mha's block in the same mode;
+- numpy: no framework layer, so the forward pass is compared with the FLOP rate of a large
+  matrix product on the same machine (the roofline); `ratio` is then the fraction reached.
+
+Every layer is self-attention on one input X (batch_size, length, num_hiddens), projections
+without bias, float32, dropout 0. Forward passes run as inference (no gradient tape); the
+backward pass differentiates sum(output) with respect to X and every weight. Each time is the
+median of repeated calls after warm-up; the ratio is mha's median over the built-in's median,
+so below 1.0 means mha is faster. Peak memory is the growth of the process's peak resident set
+(VmHWM, reset through /proc/self/clear_refs) during one call: it counts every allocator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mha.registry import BACKENDS, BackendUnavailableError, load_backend
+
+__all__ = ["SHAPES", "Config", "Result", "markdown_table", "run", "run_memory_scaling"]
+
+# (batch_size, length, num_hiddens, num_heads)
+SHAPES = ((32, 64, 256, 8), (8, 512, 512, 8), (1, 4096, 512, 8))
+QUICK_SHAPES = ((2, 16, 32, 4),)
+PASSES = ("forward", "forward+backward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One benchmarked call: self-attention on X (batch_size, length, num_hiddens)."""
+
+    batch_size: int
+    length: int
+    num_hiddens: int
+    num_heads: int
+    valid_lens: bool
+    need_weights: bool
+
+    @property
+    def shape(self) -> str:
+        return f"({self.batch_size}, {self.length}, {self.num_hiddens}, {self.num_heads})"
+
+    def forward_flops(self) -> float:
+        """Multiply-adds x 2 of the four projections and the two attention products."""
+        b, n, d = self.batch_size, self.length, self.num_hiddens
+        return 2.0 * (4 * b * n * d * d + 2 * b * n * n * d)
+
+
+@dataclasses.dataclass
+class Result:
+    """One row: mha against one built-in (or the roofline) for one config and pass."""
+
+    backend: str
+    mode: str
+    config: Config
+    pass_: str
+    builtin: str
+    mha_ms: float | None
+    builtin_ms: float | None
+    ratio: float | None
+    mha_peak_mib: float | None = None
+    builtin_peak_mib: float | None = None
+    repeats: int = 0
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        row = dataclasses.asdict(self)
+        row["pass"] = row.pop("pass_")
+        return row
+
+
+@dataclasses.dataclass
+class Budget:
+    """How long to measure: at least min_repeats rounds, then stop at max_repeats or seconds."""
+
+    warmup: int = 2
+    min_repeats: int = 3
+    max_repeats: int = 15
+    seconds: float = 3.0
+
+
+QUICK_BUDGET = Budget(warmup=1, min_repeats=2, max_repeats=3, seconds=0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def _interleaved_medians(
+    calls: dict[str, Callable[[], Any]], budget: Budget
+) -> tuple[dict[str, float], int]:
+    """Median seconds of each call, measured round by round in rotating order."""
+    for call in calls.values():
+        for index in range(budget.warmup):
+            begin = time.perf_counter()
+            call()
+            if index == 0 and time.perf_counter() - begin > budget.seconds / 4:
+                break  # a slow call: one warm-up is enough to build caches and graphs
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < budget.max_repeats:
+        order = names[rounds % len(names) :] + names[: rounds % len(names)]
+        for name in order:
+            begin = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - begin)
+        rounds += 1
+        if rounds >= budget.min_repeats and time.perf_counter() - start > budget.seconds:
+            break
+    return {name: statistics.median(values) for name, values in times.items()}, rounds
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _trim_heap() -> None:
+    # Give freed heap pages back to the system, so that a call's growth is visible again
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def peak_memory_mib(call: Callable[[], Any]) -> float | None:
+    """Growth of the peak resident set during one call, in MiB (None where not measurable).
+
+    Linux only: writing 5 to /proc/self/clear_refs resets VmHWM to the current resident set.
+    """
+    _trim_heap()
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return None
+    before = _status_kib("VmRSS")
+    call()
+    peak = _status_kib("VmHWM")
+    if before is None or peak is None:
+        return None
+    return max(0, peak - before) / 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _inputs(config: Config, seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
+    rng = np.random.default_rng(seed)
+    X = rng.standard_normal((config.batch_size, config.length, config.num_hiddens))
+    X = X.astype("float32")
+    valid_lens = None
+    if config.valid_lens:
+        # Between half the length and the full length: every row keeps some keys
+        low = max(1, config.length // 2)
+        valid_lens = rng.integers(low, config.length + 1, config.batch_size).astype("int64")
+    return X, valid_lens
+
+
+def _weights(config: Config, seed: int = 0) -> dict[str, np.ndarray]:
+    from mha import random_weights
+
+    d = config.num_hiddens
+    return random_weights(
+        "MultiHeadAttention",
+        num_hiddens=d,
+        num_heads=config.num_heads,
+        query_size=d,
+        key_size=d,
+        value_size=d,
+        seed=seed,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# torch
+
+
+def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], Any]]]:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import mha
+
+    module = load_backend("torch")
+    X_np, lens_np = _inputs(config)
+    X = torch.from_numpy(X_np)
+    valid_lens = None if lens_np is None else torch.from_numpy(lens_np)
+    d, h = config.num_hiddens, config.num_heads
+    ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d).eval()
+    mha.set_weights(ours, _weights(config))
+    theirs = nn.MultiheadAttention(d, h, bias=False, batch_first=True).eval()
+    # key_padding_mask: True = ignore that key
+    padding = None
+    if valid_lens is not None:
+        padding = torch.arange(config.length)[None, :] >= valid_lens[:, None]
+
+    class SDPAttention(nn.Module):
+        """Multi-head self-attention on F.scaled_dot_product_attention, packed projections."""
+
+        def __init__(self):
+            super().__init__()
+            self.in_proj = nn.Linear(d, 3 * d, bias=False)
+            self.out_proj = nn.Linear(d, d, bias=False)
+
+        def forward(self, X, keep=None):
+            b, n, _ = X.shape
+            # Shape of q, k, v: (batch_size, num_heads, length, num_hiddens / num_heads)
+            q, k, v = self.in_proj(X).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return self.out_proj(output.transpose(1, 2).reshape(b, n, d))
+
+    sdpa = SDPAttention().eval()
+    keep = None if padding is None else (~padding)[:, None, None, :]
+
+    def run_ours():
+        return ours(X, X, X, valid_lens, need_weights=config.need_weights)
+
+    def run_theirs():
+        output, _ = theirs(
+            X,
+            X,
+            X,
+            key_padding_mask=padding,
+            need_weights=config.need_weights,
+            average_attn_weights=False,
+        )
+        return output
+
+    def run_sdpa():
+        return sdpa(X, keep)
+
+    layers = {"mha": (run_ours, ours), "nn.MultiheadAttention": (run_theirs, theirs)}
+    if not config.need_weights:
+        layers["SDPA layer"] = (run_sdpa, sdpa)
+
+    def inference(run):
+        def call():
+            with torch.no_grad():
+                return run()
+
+        return call
+
+    def training(run, layer):
+        parameters = list(layer.parameters())
+
+        def call():
+            X.requires_grad_(True)
+            try:
+                loss = run().sum()
+                return torch.autograd.grad(loss, [X, *parameters])
+            finally:
+                X.requires_grad_(False)
+
+        return call
+
+    return {
+        "forward": {name: inference(run) for name, (run, _) in layers.items()},
+        "forward+backward": {name: training(run, layer) for name, (run, layer) in layers.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# tensorflow
+
+
+def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], Any]]]:
+    import mha
+
+    module = load_backend("tensorflow")
+    tf = module.tf
+    keras = module.keras
+    X_np, lens_np = _inputs(config)
+    X = tf.constant(X_np)
+    valid_lens = None if lens_np is None else tf.constant(lens_np)
+    d, h = config.num_hiddens, config.num_heads
+    ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
+    mha.set_weights(ours, _weights(config))
+    theirs = keras.layers.MultiHeadAttention(h, d // h, use_bias=False)
+    theirs(X[:1, :2], X[:1, :2])  # build
+    # attention_mask (batch_size, queries, keys): True = attend
+    attention_mask = None
+    if valid_lens is not None:
+        keep = tf.range(config.length)[None, :] < tf.cast(valid_lens, tf.int32)[:, None]
+        attention_mask = tf.tile(keep[:, None, :], [1, config.length, 1])
+
+    def run_ours(training=False):
+        return ours(X, X, X, valid_lens, need_weights=config.need_weights, training=training)
+
+    def run_theirs(training=False):
+        outputs = theirs(
+            X,
+            X,
+            attention_mask=attention_mask,
+            return_attention_scores=config.need_weights,
+            training=training,
+        )
+        return outputs[0] if config.need_weights else outputs
+
+    layers = {"mha": (run_ours, ours), "keras MultiHeadAttention": (run_theirs, theirs)}
+
+    def compiled(run):
+        return tf.function(run) if mode == "tf.function" else run
+
+    def inference(run):
+        run = compiled(run)
+        return lambda: run().numpy()
+
+    def training(run, layer):
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(X)
+                loss = tf.reduce_sum(run(training=True))
+            return tape.gradient(loss, [X, *layer.trainable_variables])
+
+        step = compiled(step)
+        return lambda: [g.numpy() for g in step()]
+
+    return {
+        "forward": {name: inference(run) for name, (run, _) in layers.items()},
+        "forward+backward": {name: training(run, layer) for name, (run, layer) in layers.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# mxnet: the book's Gluon multi-head attention (d2l, "Multi-Head Attention"), as a HybridBlock
+
+
+def _d2l_gluon_attention(mx, num_hiddens: int, num_heads: int):
+    """d2l's Gluon MultiHeadAttention, written for hybridization (npx.reshape codes).
+
+    valid_lens is (batch_size, no. of queries) int32, as d2l's 2-D lengths; the masked softmax
+    is MXNet's own fused one, npx.softmax(..., use_length=True).
+    """
+    from mxnet.gluon import nn
+
+    head_size = num_hiddens // num_heads
+
+    def transpose_qkv(F, X):
+        # (batch_size, n, num_hiddens) -> (batch_size * num_heads, n, num_hiddens / num_heads)
+        X = F.npx.reshape(X, (-2, -2, num_heads, -1))
+        X = F.np.transpose(X, (0, 2, 1, 3))
+        return F.npx.reshape(X, (-5, -2, -2))
+
+    def transpose_output(F, X):
+        # Reverse transpose_qkv
+        X = F.npx.reshape(X, (-6, -1, num_heads, -2, -2))
+        X = F.np.transpose(X, (0, 2, 1, 3))
+        return F.npx.reshape(X, (-2, -2, -1))
+
+    @mx.util.use_np
+    class DotProductAttention(nn.HybridBlock):
+        def hybrid_forward(self, F, queries, keys, values, valid_lens=None):
+            scores = F.npx.batch_dot(queries, keys, transpose_b=True) / math.sqrt(head_size)
+            if valid_lens is None:
+                weights = F.npx.softmax(scores)
+            else:
+                weights = F.npx.softmax(scores, valid_lens, use_length=True)
+            self.attention_weights = weights
+            return F.npx.batch_dot(weights, values)
+
+    def dense():
+        return nn.Dense(num_hiddens, use_bias=False, flatten=False, in_units=num_hiddens)
+
+    @mx.util.use_np
+    class MultiHeadAttention(nn.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            self.attention = DotProductAttention()
+            self.W_q, self.W_k, self.W_v, self.W_o = dense(), dense(), dense(), dense()
+
+        def hybrid_forward(self, F, queries, keys, values, valid_lens=None):
+            queries = transpose_qkv(F, self.W_q(queries))
+            keys = transpose_qkv(F, self.W_k(keys))
+            values = transpose_qkv(F, self.W_v(values))
+            if valid_lens is not None:
+                # On axis 0, copy each item num_heads times (d2l)
+                valid_lens = F.np.repeat(valid_lens, num_heads, axis=0)
+            output = self.attention(queries, keys, values, valid_lens)
+            return self.W_o(transpose_output(F, output))
+
+    block = MultiHeadAttention()
+    block.initialize()
+    return block
+
+
+def _mxnet_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], Any]]]:
+    import mha
+
+    module = load_backend("mxnet")
+    mx = module.mx
+    from mxnet import autograd
+
+    X_np, lens_np = _inputs(config)
+    X = mx.np.array(X_np, dtype="float32")
+    valid_lens = None if lens_np is None else mx.np.array(lens_np, dtype="int64")
+    d, h = config.num_hiddens, config.num_heads
+    weights = _weights(config)
+    ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
+    mha.set_weights(ours, weights)
+    theirs = _d2l_gluon_attention(mx, d, h)
+    for name in ("q", "k", "v", "o"):
+        getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(weights[f"W_{name}"].T))
+    # d2l's 2-D valid_lens: (batch_size, no. of queries)
+    their_lens = None
+    if lens_np is not None:
+        lengths = np.repeat(lens_np[:, None], config.length, axis=1).astype("int32")
+        their_lens = mx.np.array(lengths, dtype="int32")
+    if mode == "hybridized":
+        ours.hybridize()
+        theirs.hybridize()
+
+    def run_ours():
+        return ours(X, X, X, valid_lens, need_weights=config.need_weights)
+
+    def run_theirs():
+        output = theirs(X, X, X, their_lens)
+        if config.need_weights and mode == "imperative":
+            # The book's block keeps its weights as an attribute (imperatively only)
+            theirs.attention.attention_weights.wait_to_read()
+        return output
+
+    layers = {"mha": (run_ours, ours), "d2l Gluon MultiHeadAttention": (run_theirs, theirs)}
+
+    def inference(run):
+        def call():
+            output = run()
+            output.wait_to_read()
+            return output
+
+        return call
+
+    def training(run, layer):
+        parameters = list(layer.collect_params().values())
+
+        def call():
+            X.attach_grad()
+            with autograd.record(train_mode=False):
+                output = run()
+            output.backward()
+            mx.nd.waitall()
+            return [X.grad, *(p.grad() for p in parameters)]
+
+        return call
+
+    return {
+        "forward": {name: inference(run) for name, (run, _) in layers.items()},
+        "forward+backward": {name: training(run, layer) for name, (run, layer) in layers.items()},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# numpy: the forward pass against the FLOP rate of a large matrix product
+
+
+def matmul_roofline_gflops(size: int = 2048, repeats: int = 5) -> float:
+    """The float32 FLOP rate of a (size x size) @ (size x size) matrix product, in GFLOP/s."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size)).astype("float32")
+    b = rng.standard_normal((size, size)).astype("float32")
+    a @ b
+    seconds = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        a @ b
+        seconds.append(time.perf_counter() - begin)
+    return 2.0 * size**3 / min(seconds) / 1e9
+
+
+def _numpy_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], Any]]]:
+    import mha
+
+    module = load_backend("numpy")
+    X, valid_lens = _inputs(config)
+    d, h = config.num_hiddens, config.num_heads
+    ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
+    mha.set_weights(ours, _weights(config))
+    return {"forward": {"mha": lambda: ours(X, X, X, valid_lens, need_weights=config.need_weights)}}
+
+
+_CALLS = {
+    "numpy": _numpy_calls,
+    "torch": _torch_calls,
+    "tensorflow": _tensorflow_calls,
+    "mxnet": _mxnet_calls,
+}
+MODES = {
+    "numpy": ("reference",),
+    "torch": ("eager",),
+    "tensorflow": ("eager",),
+    "mxnet": ("imperative", "hybridized"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def configs(shapes: Sequence[tuple[int, int, int, int]]) -> list[Config]:
+    return [
+        Config(*shape, valid_lens=valid_lens, need_weights=need_weights)
+        for shape in shapes
+        for valid_lens in (False, True)
+        for need_weights in (True, False)
+    ]
+
+
+def run(
+    backends: Sequence[str] = BACKENDS,
+    shapes: Sequence[tuple[int, int, int, int]] = SHAPES,
+    budget: Budget | None = None,
+    memory: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> tuple[list[Result], dict[str, Any]]:
+    """Run the benchmarks; returns the rows and facts about the machine (roofline included)."""
+    budget = budget or Budget()
+    cases = [
+        (backend, mode, config)
+        for backend in backends
+        for mode in MODES[backend]
+        for config in configs(shapes)
+    ]
+    results: list[Result] = []
+    roofline = matmul_roofline_gflops(512 if budget.max_repeats <= 3 else 2048)
+    for index, (backend, mode, config) in enumerate(cases):
+        description = f"{backend} {mode} {config.shape} valid_lens={config.valid_lens} "
+        description += f"need_weights={config.need_weights}"
+        if progress:
+            progress(index, len(cases), description)
+        calls = _CALLS[backend](config, mode)
+        for pass_, by_name in calls.items():
+            medians, rounds = _interleaved_medians(by_name, budget)
+            peaks = {
+                name: peak_memory_mib(call) if memory else None for name, call in by_name.items()
+            }
+            results.extend(_rows(backend, mode, config, pass_, medians, peaks, rounds, roofline))
+        del calls
+    if progress:
+        progress(len(cases), len(cases), "done")
+    return results, machine(roofline)
+
+
+def _rows(backend, mode, config, pass_, medians, peaks, rounds, roofline) -> list[Result]:
+    ours = medians["mha"]
+    if backend == "numpy":
+        achieved = config.forward_flops() / ours / 1e9
+        return [
+            Result(
+                backend,
+                mode,
+                config,
+                pass_,
+                "matmul roofline",
+                ours * 1e3,
+                None,
+                achieved / roofline,
+                peaks["mha"],
+                None,
+                rounds,
+                note=f"{achieved:.1f} of {roofline:.1f} GFLOP/s",
+            )
+        ]
+    return [
+        Result(
+            backend,
+            mode,
+            config,
+            pass_,
+            name,
+            ours * 1e3,
+            seconds * 1e3,
+            ours / seconds,
+            peaks["mha"],
+            peaks[name],
+            rounds,
+        )
+        for name, seconds in medians.items()
+        if name != "mha"
+    ]
+
+
+def machine(roofline: float | None = None) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    facts: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    from mha.registry import framework_version
+
+    for name in BACKENDS:
+        if name != "numpy":
+            facts[name] = framework_version(name)
+    if roofline is not None:
+        facts["matmul_roofline_gflops"] = round(roofline, 1)
+    return facts
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as cpuinfo:
+            match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read(), re.MULTILINE)
+            if match:
+                return match.group(1).strip()
+    return platform.processor() or "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory at long lengths (torch, need_weights=False)
+
+
+def run_memory_scaling(
+    lengths: Sequence[int] = (1024, 2048, 4096, 8192),
+    num_hiddens: int = 512,
+    num_heads: int = 8,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Peak memory of one forward pass (batch 1, need_weights=False) at growing lengths.
+
+    mha's torch layer against nn.MultiheadAttention and the SDPA layer. A (length x length)
+    float32 matrix per head would be num_heads * length**2 * 4 bytes: 2 GiB at 8192.
+    """
+    rows = []
+    for index, length in enumerate(lengths):
+        if progress:
+            progress(index, len(lengths), f"torch memory at length {length}")
+        config = Config(1, length, num_hiddens, num_heads, valid_lens=True, need_weights=False)
+        calls = _torch_calls(config, "eager")["forward"]
+        row = {"length": length, "one_matrix_per_head_mib": num_heads * length**2 * 4 / 2**20}
+        for name, call in calls.items():
+            call()  # warm-up: the allocator's first-use growth is not the layer's
+            row[name] = peak_memory_mib(call)
+        rows.append(row)
+    if progress:
+        progress(len(lengths), len(lengths), "done")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _number(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(results: Sequence[Result]) -> str:
+    """The rows as a markdown table; ratio = mha / built-in (numpy: fraction of the roofline)."""
+    header = (
+        "| backend | mode | (B, L, d, h) | valid_lens | need_weights | pass | built-in "
+        "| mha ms | built-in ms | ratio | mha MiB | built-in MiB |"
+    )
+    lines = [header, "|" + "---|" * 12]
+    for r in results:
+        builtin_ms = r.note if r.builtin_ms is None and r.note else _number(r.builtin_ms)
+        lines.append(
+            f"| {r.backend} | {r.mode} | {r.config.shape}"
+            f" | {'yes' if r.config.valid_lens else 'no'}"
+            f" | {r.config.need_weights} | {r.pass_} | {r.builtin} | {_number(r.mha_ms)}"
+            f" | {builtin_ms} | {_number(r.ratio)} | {_number(r.mha_peak_mib, 1)}"
+            f" | {_number(r.builtin_peak_mib, 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_table(rows: Sequence[dict[str, Any]]) -> str:
+    names = [k for k in rows[0] if k not in ("length", "one_matrix_per_head_mib")]
+    lines = [
+        "| length | (L x L) x heads, MiB | " + " | ".join(f"{n} MiB" for n in names) + " |",
+        "|" + "---|" * (len(names) + 2),
+    ]
+    for row in rows:
+        values = " | ".join(_number(row[n], 1) for n in names)
+        lines.append(f"| {row['length']} | {row['one_matrix_per_head_mib']:.0f} | {values} |")
+    return "\n".join(lines)
+
+
+def report(results, facts, memory_rows=None) -> dict[str, Any]:
+    return {
+        "machine": facts,
+        "results": [r.as_dict() for r in results],
+        "memory_scaling": memory_rows or [],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (`mha bench`, `python benchmarks/run.py`)
+
+
+def add_arguments(parser) -> None:
+    """The options of `mha bench`."""
+    parser.add_argument(
+        "--backends", help="comma-separated backends (default: every installed one)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one tiny shape, few repeats: a smoke run of every code path in seconds",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--output", help="also write the JSON report to this file")
+    parser.add_argument(
+        "--shapes",
+        help="semicolon-separated B,L,d,h shapes (default: 32,64,256,8;8,512,512,8;1,4096,512,8)",
+    )
+    parser.add_argument("--seconds", type=float, help="time budget per measurement")
+    parser.add_argument(
+        "--memory-scaling",
+        action="store_true",
+        help="also measure torch peak memory at lengths 1024 to 8192 (need_weights=False)",
+    )
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+    shapes = []
+    for part in text.split(";"):
+        values = tuple(int(v) for v in part.split(","))
+        if len(values) != 4 or min(values) <= 0 or values[2] % values[3]:
+            raise ValueError(
+                f"a shape is four positive integers B,L,d,h with h dividing d. Received: {part!r}"
+            )
+        shapes.append(values)
+    return shapes
+
+
+def select_backends(text: str | None) -> tuple[list[str], dict[str, str]]:
+    """(backends to run, {skipped backend: reason}); a named backend must import."""
+    from mha.registry import normalize_backend_name
+
+    if text:
+        names = [normalize_backend_name(n) for n in text.split(",") if n.strip()]
+        if not names:
+            raise ValueError("--backends names no backend")
+        for name in names:
+            load_backend(name)
+        return names, {}
+    names, skipped = [], {}
+    for name in BACKENDS:
+        try:
+            load_backend(name)
+        except BackendUnavailableError as error:
+            skipped[name] = str(error)
+        else:
+            names.append(name)
+    return names, skipped
+
+
+def execute(arguments, out, err, progress=None) -> int:
+    """Run `mha bench` with parsed arguments; raises ValueError/BackendUnavailableError on
+    usage errors."""
+    names, skipped = select_backends(arguments.backends)
+    if arguments.shapes:
+        shapes = _parse_shapes(arguments.shapes)
+    else:
+        shapes = QUICK_SHAPES if arguments.quick else SHAPES
+    budget = dataclasses.replace(QUICK_BUDGET) if arguments.quick else Budget()
+    if arguments.seconds is not None:
+        budget.seconds = arguments.seconds
+    results, facts = run(names, shapes, budget, memory=not arguments.no_memory, progress=progress)
+    memory_rows = None
+    if arguments.memory_scaling and "torch" in names:
+        lengths = (64, 128) if arguments.quick else (1024, 2048, 4096, 8192)
+        memory_rows = run_memory_scaling(lengths, progress=progress)
+    document = report(results, facts, memory_rows)
+    document["skipped"] = skipped
+    if arguments.output:
+        with open(arguments.output, "w") as file:
+            json.dump(document, file, indent=2)
+            file.write("\n")
+    if arguments.json:
+        print(json.dumps(document, indent=2), file=out)
+        return 0
+    print(
+        f"Machine: {facts['processor']}, {facts['cpu_count']} CPU cores; matmul roofline "
+        f"{facts['matmul_roofline_gflops']} GFLOP/s (float32)",
+        file=out,
+    )
+    print(
+        "ratio = mha / built-in (below 1.0: mha is faster); numpy: fraction of the roofline",
+        file=out,
+    )
+    print(markdown_table(results), file=out)
+    if memory_rows:
+        print("\nPeak memory of one torch forward pass, batch 1, need_weights=False:", file=out)
+        print(memory_table(memory_rows), file=out)
+    for name, reason in skipped.items():
+        print(f"skipped {name}: {reason}", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    arguments = parser.parse_args(argv)
+
+    def progress(done: int, total: int, description: str) -> None:
+        print(f"[{done}/{total}] {description}", file=sys.stderr, flush=True)
+
+    try:
+        return execute(arguments, sys.stdout, sys.stderr, progress)
+    except (ValueError, BackendUnavailableError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2

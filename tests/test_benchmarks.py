@@ -1,0 +1,90 @@
+"""The benchmark runner: `mha bench --quick` runs every code path, and its outputs parse.
+
+No timing is asserted: the numbers depend on the machine and its load.
+"""
+
+import io
+import json
+
+import pytest
+
+from conftest import backend_module
+from mha import bench, cli
+
+pytestmark = pytest.mark.numpy
+
+
+def run(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    code = cli.main(["bench", *argv], out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_quick_run_prints_a_markdown_table_and_progress():
+    code, out, err = run("--quick", "--backends", "numpy")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("| backend |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    assert columns[:6] == ["backend", "mode", "(B, L, d, h)", "valid_lens", "need_weights", "pass"]
+    assert "ratio" in columns
+    rows = [line for line in lines if line.startswith("| numpy |")]
+    assert len(rows) == 4  # valid_lens x need_weights on one shape, forward only
+    assert all(len(row.strip("|").split("|")) == len(columns) for row in rows)
+    assert "matmul roofline" in rows[0]
+    assert "[0/4]" in err and "done" in err
+
+
+def test_quick_json_report(tmp_path):
+    path = tmp_path / "bench.json"
+    code, out, _ = run("--quick", "--backends", "numpy", "--json", "--output", str(path))
+    assert code == 0
+    document = json.loads(out)
+    assert json.loads(path.read_text()) == document
+    assert document["machine"]["cpu_count"] >= 1
+    assert document["machine"]["matmul_roofline_gflops"] > 0
+    results = document["results"]
+    assert {(r["config"]["valid_lens"], r["config"]["need_weights"]) for r in results} == {
+        (False, True),
+        (False, False),
+        (True, True),
+        (True, False),
+    }
+    for row in results:
+        assert row["backend"] == "numpy" and row["pass"] == "forward"
+        assert row["mha_ms"] > 0 and row["ratio"] > 0 and row["repeats"] >= 2
+
+
+@pytest.mark.torch
+def test_quick_torch_rows_compare_with_both_builtins():
+    backend_module("torch")
+    results, _ = bench.run(["torch"], bench.QUICK_SHAPES, bench.QUICK_BUDGET, memory=False)
+    builtins = {(r.config.need_weights, r.pass_, r.builtin) for r in results}
+    for pass_ in bench.PASSES:
+        assert (True, pass_, "nn.MultiheadAttention") in builtins
+        assert (False, pass_, "SDPA layer") in builtins
+        assert (True, pass_, "SDPA layer") not in builtins  # SDPA cannot return weights
+    assert all(r.ratio > 0 for r in results)
+    rows = bench.run_memory_scaling((32, 64), num_hiddens=16, num_heads=2)
+    assert [row["length"] for row in rows] == [32, 64]
+    assert bench.memory_table(rows).splitlines()[0].startswith("| length |")
+
+
+def test_a_bad_backend_or_shape_is_a_usage_error():
+    code, _, err = run("--quick", "--backends", "nope")
+    assert code == 2 and "nope" in err
+    code, _, err = run("--quick", "--backends", "numpy", "--shapes", "2,16,30,4")
+    assert code == 2 and "B,L,d,h" in err
+
+
+def test_markdown_table_format():
+    config = bench.Config(2, 16, 32, 4, valid_lens=True, need_weights=False)
+    result = bench.Result(
+        "torch", "eager", config, "forward", "SDPA layer", 1.5, 3.0, 0.5, 1.0, 2.0, 5
+    )
+    table = bench.markdown_table([result]).splitlines()
+    assert table[1] == "|" + "---|" * 12
+    assert table[2] == (
+        "| torch | eager | (2, 16, 32, 4) | yes | False | forward | SDPA layer | 1.50 | 3.00 "
+        "| 0.50 | 1.0 | 2.0 |"
+    )
