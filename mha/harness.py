@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from mha import weights as weights_module
 from mha.registry import load_backend, normalize_backend_name
-from mha.weights import LAYER_CLASSES, random_weights, set_weights
+from mha.weights import random_weights, set_weights
 
 __all__ = [
     "GRADIENT_TOLERANCES",
@@ -303,14 +304,7 @@ def build_layer(backend: str, case: Case, config: Mapping[str, Any], weights=Non
     """The layer of `case` in `backend` with `config`, holding `weights` when given."""
     if case.layer == "masked_softmax":
         return None
-    layer_class = getattr(load_backend(backend), case.layer)
-    positional = [
-        name for name in LAYER_CLASSES[case.layer] if name in ("num_hiddens", "num_heads")
-    ]
-    layer = layer_class(
-        *[config[name] for name in positional],
-        **{key: value for key, value in config.items() if key not in positional},
-    )
+    layer = weights_module.build_layer(load_backend(backend), case.layer, config)
     if weights:
         set_weights(layer, dict(weights))
     return layer

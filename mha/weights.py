@@ -34,6 +34,7 @@ from mha.registry import backend_of, load_backend
 __all__ = [
     "LAYER_CLASSES",
     "Checkpoint",
+    "build_layer",
     "get_weights",
     "load",
     "load_weights",
@@ -430,6 +431,15 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(class_name, config, arrays, metadata)
 
 
+def build_layer(module: Any, class_name: str, config: Mapping[str, Any]) -> Any:
+    """A new `class_name` layer of backend `module` from its constructor arguments."""
+    positional = [key for key in LAYER_CLASSES[class_name] if key in ("num_hiddens", "num_heads")]
+    return getattr(module, class_name)(
+        *(config[key] for key in positional),
+        **{key: value for key, value in config.items() if key not in positional},
+    )
+
+
 def save(layer: Any, path: str | os.PathLike) -> None:
     """Save a layer as a checkpoint: its canonical weights, class and config (safetensors).
 
@@ -458,11 +468,7 @@ def load(path: str | os.PathLike, backend: str | None = None) -> Any:
     checkpoint = read_checkpoint(path)
     module = load_backend(backend if backend is not None else get_backend())
     class_name, config = checkpoint.class_name, checkpoint.config
-    positional = [key for key in LAYER_CLASSES[class_name] if key in ("num_hiddens", "num_heads")]
-    layer = getattr(module, class_name)(
-        *(config[key] for key in positional),
-        **{key: value for key, value in config.items() if key not in positional},
-    )
+    layer = build_layer(module, class_name, config)
     if checkpoint.weights:
         module.import_weights(layer, checkpoint.weights)
     return layer
