@@ -61,8 +61,11 @@ __all__ = [
 
 
 def to_numpy(x: Any) -> numpy.ndarray:
-    """Return the MXNet array `x` as a numpy array."""
-    return x.asnumpy()
+    """Return `x` (an MXNet array, or an array numpy reads) as a numpy array."""
+    # mx.np.ndarray is a subclass of the legacy NDArray: both copy to the host
+    if isinstance(x, mx.nd.NDArray):
+        return x.asnumpy()
+    return numpy.asarray(x)
 
 
 def from_numpy(array: Any) -> mx.np.ndarray:
@@ -226,7 +229,7 @@ def _length_mask(F, valid_lens, key_positions, dtype: str):
 
 
 def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Call,
-                     multihead: bool = False):
+                     multihead: bool = False, num_heads: int = 1):
     """Combine every given mask into (keep, bias).
 
     keep: boolean, True where a key is attended, broadcastable to the scores; None when
@@ -234,11 +237,22 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Cal
     into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
     `multihead` (batch_size, num_heads, no. of queries, no. of keys). Every array is made from
     the inputs, so it lives on their context.
+
+    When valid_lens is the only mask, keep is instead a `_Lengths`: the lengths, one per row of
+    the scores, for MXNet's fused length-masked softmax (see `_softmax`).
     """
     keep = bias = None
     # Each mask with its rank, to insert the head axis at the right place
     masks = []
     key_positions = _positions(F, keys, 1, call.dtype)
+    if valid_lens is not None and _only_valid_lens(call):
+        # Shape of lengths: (batch_size, no. of queries), or with multihead
+        # (batch_size, num_heads, no. of queries)
+        query_positions = _positions(F, queries, 1, call.dtype)
+        lengths = _row_lengths(F, valid_lens, key_positions, query_positions, call.dtype)
+        if multihead:
+            lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
+        return _Lengths(lengths), None
     if valid_lens is not None:
         masks.append((_length_mask(F, valid_lens, key_positions, call.dtype), 3))
     if mask is not None and call.mask_ndim <= 3:
@@ -270,6 +284,28 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Cal
     return keep, bias
 
 
+def _only_valid_lens(call: _Call) -> bool:
+    return call.mask_ndim is None and not call.causal and call.num_windows is None
+
+
+class _Lengths(NamedTuple):
+    """Keep keys j < length: int32 lengths of the shape of the scores without the key axis,
+    each at most the number of keys."""
+
+    lengths: Any
+
+
+def _row_lengths(F, valid_lens, key_positions, query_positions, dtype: str):
+    """valid_lens (batch_size,) or (batch_size, no. of queries) -> (batch_size, no. of queries)
+    int32 lengths, clipped to the number of keys (npx.softmax reads past the row otherwise)."""
+    # Shape of lengths: (batch_size, 1 or no. of queries), then broadcast over the queries
+    lengths = F.npx.reshape(valid_lens, (-2, -1)).astype(_position_dtype(dtype))
+    lengths = lengths + F.np.zeros_like(query_positions)
+    # The number of keys, as an array: the graph does not depend on sizes
+    num_keys = F.np.sum(F.np.ones_like(key_positions), keepdims=True)
+    return F.np.minimum(lengths, num_keys).astype("int32")
+
+
 def _insert_head_axis(F, x, ndim: int):
     # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
     if x is None:
@@ -293,6 +329,10 @@ def _softmax(F, scores, keep):
     """
     if keep is None:
         return F.npx.softmax(scores, axis=-1)
+    if isinstance(keep, _Lengths):
+        # MXNet's fused masked softmax, in one pass: entries at or past a row's length are
+        # exactly 0, with gradient 0, and a row of length 0 is all 0 with gradient 0
+        return F.npx.softmax(scores, keep.lengths, axis=-1, use_length=True)
     # Shape of attended: keep's, with 1 keys; small, as keep broadcasts over heads. As
     # numbers: MXNet 1.9.1 has no any() or logical_or for bool
     attended = keep.astype("float32").max(axis=-1, keepdims=True)
@@ -322,14 +362,14 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) ->
     F = mx.nd
     if valid_lens is None:
         return _softmax(F, X, None)
-    # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
-    # middle axis of X so that it broadcasts against X
-    dtype = validation.dtype_name(X)
-    keep = _length_mask(F, valid_lens, _positions(F, X, -1, dtype), dtype)
+    # Shape of lengths: (batch_size, 1 or no. of queries), clipped to the number of keys,
+    # then one axis per middle axis of X and broadcast to X's shape without the key axis
+    lengths = mx.np.minimum(valid_lens.reshape(valid_lens.shape[0], -1), X.shape[-1])
     if X.ndim == 2:
-        keep = keep[:, 0, :]
-    keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
-    return _softmax(F, X, keep)
+        lengths = lengths[:, 0]
+    lengths = lengths.reshape(lengths.shape[:1] + (1,) * (X.ndim - 3) + lengths.shape[1:])
+    lengths = mx.np.broadcast_to(lengths.astype("int32"), X.shape[:-1])
+    return _softmax(F, X, _Lengths(lengths))
 
 
 def _attention_pool(F, scores, values, keep, bias, dropout, need_weights=True):
@@ -337,7 +377,9 @@ def _attention_pool(F, scores, values, keep, bias, dropout, need_weights=True):
     if bias is not None:
         scores = scores + bias
     weights = _softmax(F, scores, keep)
-    return F.npx.batch_dot(dropout(weights), values), weights if need_weights else None
+    # Gluon's Dropout copies its input when its rate is 0: a pass over the weights, skipped
+    dropped = weights if _rate(dropout) == 0 else dropout(weights)
+    return F.npx.batch_dot(dropped, values), weights if need_weights else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +580,7 @@ class MultiHeadAttention(Layer):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call,
-                                      multihead=True)
+                                      multihead=True, num_heads=self.num_heads)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         queries = self.transpose_qkv(F, self.W_q(queries))

@@ -116,15 +116,17 @@ def _check_valid_lens_values(valid_lens) -> None:
         return
     if isinstance(valid_lens, keras.KerasTensor) or tf.is_symbolic_tensor(valid_lens):
         return
-    valid_lens = tf.convert_to_tensor(valid_lens)
-    if tf.size(valid_lens) == 0:
+    # One read of the values (an eager tensor's shape is static), checked in numpy: the
+    # lengths are few, and each TensorFlow op read back separately costs more than the check
+    values = np.asarray(tf.convert_to_tensor(valid_lens))
+    if values.size == 0:
         return
     non_integer = None
-    if valid_lens.dtype.is_floating:
-        fractional = valid_lens != tf.floor(valid_lens)
-        if tf.reduce_any(fractional):
-            non_integer = tf.boolean_mask(valid_lens, fractional)[0].numpy().item()
-    validation.check_valid_lens_values(tf.reduce_min(valid_lens).numpy().item(), non_integer)
+    if values.dtype.kind not in "iub":
+        fractional = values != np.floor(values)
+        if fractional.any():
+            non_integer = values[fractional][0].item()
+    validation.check_valid_lens_values(values.min().item(), non_integer)
 
 
 def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
@@ -199,19 +201,26 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
     entry are exactly 0. tf.nn.softmax subtracts the row maximum, so logits of 1e4 stay finite.
 
-    Written with TensorFlow's fused softmax on -inf-filled scores rather than the reference's
-    steps (four fewer passes over the scores): a row with no kept key would be all -inf, NaN
-    in softmax, so it keeps every key (finite values and gradients) and is zeroed after.
-    Gradients: every tf.where picks a finite branch's gradient, so no NaN flows back.
+    Written with TensorFlow's fused softmax on scores plus an additive -inf mask, as Keras
+    does with its large negative, rather than the reference's steps (four fewer passes over the
+    scores): a row with no kept key would be all -inf, NaN in softmax, so it keeps every key
+    (finite values and gradients) and is zeroed after. Gradients: exp(-inf) = 0 gives masked
+    entries a gradient of exactly 0, and the zeroed rows get 0, so no NaN flows back.
     """
     if keep is None:
         return tf.nn.softmax(scores, axis=-1)
-    zero = tf.zeros([], scores.dtype)
-    # Shape of attended: keep's, with 1 keys; small, as keep broadcasts over heads
+    # Shape of attended and additive: keep's, with 1 keys for attended; small, as keep
+    # broadcasts over heads
     attended = tf.reduce_any(keep, axis=-1, keepdims=True)
     keep = tf.logical_or(keep, tf.logical_not(attended))
-    masked = tf.where(keep, scores, tf.constant(-np.inf, scores.dtype))
-    return tf.where(attended, tf.nn.softmax(masked, axis=-1), zero)
+    additive = tf.where(keep, tf.zeros([], scores.dtype), tf.constant(-np.inf, scores.dtype))
+    weights = tf.nn.softmax(scores + additive, axis=-1)
+    # Zeroing the rows with no kept key is a pass over the weights. Eagerly on the CPU, one
+    # host read of the small `attended` is free and skips it when every row has a key;
+    # elsewhere (GPU, graphs) it always runs, so that no call waits for the device
+    if tf.executing_eagerly() and "CPU" in attended.device and bool(tf.reduce_all(attended)):
+        return weights
+    return weights * tf.cast(attended, weights.dtype)
 
 
 def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tensor:

@@ -183,21 +183,41 @@ def _insert_head_axis(x: torch.Tensor | None) -> torch.Tensor | None:
 # Masked softmax
 
 
-def _softmax(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+def _softmax(scores: torch.Tensor, keep: torch.Tensor | None,
+             in_place: bool = False) -> torch.Tensor:
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
     entry are exactly 0. torch.softmax subtracts the row maximum, so logits of 1e4 stay finite.
 
-    Written with torch's fused softmax on -inf-filled scores rather than the reference's
-    steps (four fewer passes over the scores): a row with no kept key would be all -inf, NaN
-    in softmax, so it keeps every key (finite values and gradients) and is zeroed after.
+    Written with torch's fused softmax on scores plus an additive -inf mask, as
+    nn.MultiheadAttention does, rather than the reference's steps (four fewer passes over the
+    scores): a row with no kept key would be all -inf, NaN in softmax, so it keeps every key
+    (finite values and gradients) and is zeroed after. `in_place` adds the mask into `scores`,
+    a fresh tensor of the caller's (no new (..., Q, K) tensor).
     """
     if keep is None:
         return torch.softmax(scores, dim=-1)
-    # Shape of attended: keep's, with 1 keys; small, as keep broadcasts over heads
+    # Shape of attended and additive: keep's, with 1 keys for attended; small, as keep
+    # broadcasts over heads. exp(-inf) = 0 for masked entries, whose gradient is then exactly 0
     attended = keep.any(dim=-1, keepdim=True)
-    # exp(-inf) = 0 for masked entries, and masked_fill gives them a gradient of exactly 0
-    masked = scores.masked_fill(~(keep | ~attended), float("-inf"))
-    return torch.where(attended, torch.softmax(masked, dim=-1), 0.0)
+    additive = torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device)
+    additive.masked_fill_(~(keep | ~attended), float("-inf"))
+    scores = scores.add_(additive) if in_place else scores + additive
+    weights = torch.softmax(scores, dim=-1)
+    if not _may_have_empty_rows(attended):
+        return weights
+    return torch.where(attended, weights, 0.0)
+
+
+def _may_have_empty_rows(attended: torch.Tensor) -> bool:
+    """Whether a row has no kept key, or might: zeroing such rows is a pass over the weights.
+
+    On the CPU, one host read of the small `attended` is free and skips that pass when every
+    row has a key; elsewhere (GPU, meta, a graph being compiled) the answer is yes without
+    reading, so that no call waits for the device.
+    """
+    if attended.device.type != "cpu" or torch.compiler.is_compiling():
+        return True
+    return not bool(attended.all())
 
 
 def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,7 +249,8 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
-    weights = _softmax(scores, keep)
+    # The scores are the caller's own fresh tensor: the mask is added in place
+    weights = _softmax(scores, keep, in_place=True)
     return dropout(weights) @ values, weights if need_weights else None
 
 
@@ -254,7 +275,9 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     output = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p
     )
-    return output if attended is None else torch.where(attended, output, 0.0)
+    if attended is None or not _may_have_empty_rows(attended):
+        return output
+    return torch.where(attended, output, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""to_numpy and from_numpy: every backend converts both ways without changing values or dtype."""
+
+import numpy as np
+import pytest
+
+from conftest import backend_module, backend_params
+
+DTYPES = ("float32", "float64", "int32", "int64", "bool")
+
+
+def sample(dtype):
+    values = np.arange(-3, 9).reshape(3, 4) * 0.5
+    return (values > 0) if dtype == "bool" else values.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", backend_params())
+def test_from_numpy_then_to_numpy_is_a_round_trip(name, dtype):
+    module = backend_module(name)
+    array = sample(dtype)
+    back = module.to_numpy(module.from_numpy(array))
+    assert isinstance(back, np.ndarray)
+    assert back.dtype == array.dtype and back.shape == array.shape
+    np.testing.assert_array_equal(back, array)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_to_numpy_accepts_a_numpy_array(name):
+    module = backend_module(name)
+    array = sample("float32")
+    back = module.to_numpy(array)
+    assert isinstance(back, np.ndarray) and back.dtype == array.dtype
+    np.testing.assert_array_equal(back, array)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_scalar_array_round_trips(name):
+    module = backend_module(name)
+    back = module.to_numpy(module.from_numpy(np.float64(2.5)))
+    assert back.shape == () and back.dtype == np.float64 and back == 2.5
