@@ -70,8 +70,9 @@ class Case:
     """One layer (or masked_softmax) with one combination of masks.
 
     masks: names from MASKS ("valid_lens_1d", "valid_lens_2d", "mask_2d", "mask_3d",
-    "mask_4d", "causal", "window_mask", "head_mask", "no_weights"), and "square" for as many
-    keys as queries.
+    "mask_4d", "causal", "window_mask", "head_mask", "no_weights"), "square" for as many
+    keys as queries, and "self" for self-attention: one tensor passed as queries, keys and
+    values (the same object, so that fast paths for self-attention are exercised).
     """
 
     layer: str
@@ -87,6 +88,7 @@ class Case:
 
 MASKS = (
     "square",
+    "self",
     "valid_lens_1d",
     "valid_lens_2d",
     "mask_2d",
@@ -166,6 +168,7 @@ def default_cases() -> list[Case]:
             Case("MultiHeadAttention", ("window_mask",), config),
             Case("MultiHeadAttention", ("head_mask",), config),
             Case("MultiHeadAttention", ("valid_lens_1d", "no_weights"), config),
+            Case("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), config),
             Case(
                 "MultiHeadAttention",
                 ("valid_lens_2d", "mask_3d", "causal", "window_mask", "head_mask"),
@@ -195,6 +198,7 @@ def all_cases() -> list[Case]:
         ("valid_lens_1d", "causal"),
         ("valid_lens_2d", "mask_3d", "window_mask"),
         ("square", "valid_lens_2d", "mask_2d", "causal", "window_mask"),
+        ("self", "valid_lens_1d", "mask_3d"),
     )
     for layer in ("DotProductAttention", "AdditiveAttention"):
         cases += [Case(layer, masks) for masks in single]
@@ -208,6 +212,9 @@ def all_cases() -> list[Case]:
         ("mask_4d", "window_mask", "no_weights"),
         ("valid_lens_1d", "mask_4d", "head_mask"),
         ("square", "valid_lens_2d", "mask_3d", "causal", "window_mask", "head_mask"),
+        ("self",),
+        ("self", "valid_lens_1d", "mask_4d"),
+        ("self", "valid_lens_2d", "causal", "window_mask", "head_mask", "no_weights"),
         ("valid_lens_2d", "mask_4d", "causal", "window_mask", "head_mask", "no_weights"),
     )
     for bias in (False, True):
@@ -223,7 +230,7 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
     rng = np.random.default_rng(seed)
     s = shapes
     # "square" cases have as many keys as queries (causal masks differ when they do not)
-    num_keys = s.num_queries if "square" in case.masks else s.num_keys
+    num_keys = s.num_queries if {"square", "self"} & set(case.masks) else s.num_keys
 
     def normal(*shape):
         return rng.standard_normal(shape).astype(dtype)
@@ -239,8 +246,9 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
     else:
         query_size = s.key_size if case.layer == "DotProductAttention" else s.query_size
         inputs["queries"] = normal(s.batch_size, s.num_queries, query_size)
-        inputs["keys"] = normal(s.batch_size, num_keys, s.key_size)
-        inputs["values"] = normal(s.batch_size, num_keys, s.value_size)
+        if "self" not in case.masks:  # self-attention: queries serve as keys and values
+            inputs["keys"] = normal(s.batch_size, num_keys, s.key_size)
+            inputs["values"] = normal(s.batch_size, num_keys, s.value_size)
     # Lengths of 0 (nothing attended), 1, exactly K, and more than K (everything) among them
     extremes = np.array([0, 1, num_keys, num_keys + 3])
     lengths = rng.integers(1, num_keys + 1, size=(s.batch_size, s.num_queries))
@@ -285,11 +293,22 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
         )
     elif case.layer in ("PositionalEncoding", "AddNorm"):
         config.update(num_hiddens=s.num_hiddens)
+    if "self" in case.masks and "query_size" in config:
+        config["key_size"] = config["query_size"]
+        if "value_size" in config:
+            config["value_size"] = config["query_size"]
     config.update(case.config)
     return config
 
 
 # The inputs each layer is differentiated with respect to.
+def differentiable(case: Case) -> tuple[str, ...]:
+    """The inputs `case` is differentiated with respect to (self-attention has one)."""
+    if "self" in case.masks:
+        return ("queries",)
+    return DIFFERENTIABLE[case.layer]
+
+
 DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
     "masked_softmax": ("X",),
     "PositionalEncoding": ("X",),
@@ -323,13 +342,9 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
         for key in ("mask", "causal", "window_mask", "head_mask", "need_weights")
         if key in tensors
     }
-    return layer(
-        tensors["queries"],
-        tensors["keys"],
-        tensors["values"],
-        tensors.get("valid_lens"),
-        **arguments,
-    )
+    queries = tensors["queries"]
+    keys, values = tensors.get("keys", queries), tensors.get("values", queries)
+    return layer(queries, keys, values, tensors.get("valid_lens"), **arguments)
 
 
 def run_case(
@@ -356,7 +371,7 @@ def run_case(
         output, input_gradients, weight_gradients = module.value_and_gradients(
             lambda arguments: call_layer(module, case, layer, arguments),
             tensors,
-            DIFFERENTIABLE[case.layer],
+            differentiable(case),
             layer,
             module.from_numpy(cotangent),
         )
@@ -394,7 +409,7 @@ def finite_difference_gradients(
         return float(np.sum(call_layer(module, case, layer, inputs) * cotangent))
 
     gradients = {}
-    for source, names in ((inputs, DIFFERENTIABLE[case.layer]), (weights, sorted(weights))):
+    for source, names in ((inputs, differentiable(case)), (weights, sorted(weights))):
         for name in names:
             array = source[name]
             gradient = np.zeros_like(array)

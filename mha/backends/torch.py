@@ -462,9 +462,20 @@ class MultiHeadAttention(Module):
         )
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
-        queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys))
-        values = self.transpose_qkv(self.W_v(values))
+        if queries is keys is values and _in_features(self.W_q) is not None:
+            # Self-attention: one packed (3 num_hiddens x in) product instead of three, as
+            # nn.MultiheadAttention does; the weights are concatenated per call (a copy of
+            # 3 in x num_hiddens numbers, small next to the product) so that W_q, W_k and W_v
+            # stay the parameters. Each output column is the same dot product as before
+            weight = torch.cat([self.W_q.weight, self.W_k.weight, self.W_v.weight])
+            in_bias = (torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias])
+                       if self.bias else None)
+            queries, keys, values = F.linear(queries, weight, in_bias).chunk(3, dim=-1)
+        else:
+            queries, keys, values = self.W_q(queries), self.W_k(keys), self.W_v(values)
+        queries = self.transpose_qkv(queries)
+        keys = self.transpose_qkv(keys)
+        values = self.transpose_qkv(values)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
         self.attention_weights = self.attention.attention_weights
