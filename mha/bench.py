@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from mha.registry import BACKENDS, BackendUnavailableError, load_backend
+from mha.registry import BACKENDS, BackendUnavailableError, load_backend, select_backends
 
 __all__ = ["SHAPES", "Config", "Result", "markdown_table", "run", "run_memory_scaling"]
 
@@ -754,28 +754,6 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
             )
         shapes.append(values)
     return shapes
-
-
-def select_backends(text: str | None) -> tuple[list[str], dict[str, str]]:
-    """(backends to run, {skipped backend: reason}); a named backend must import."""
-    from mha.registry import normalize_backend_name
-
-    if text:
-        names = [normalize_backend_name(n) for n in text.split(",") if n.strip()]
-        if not names:
-            raise ValueError("--backends names no backend")
-        for name in names:
-            load_backend(name)
-        return names, {}
-    names, skipped = [], {}
-    for name in BACKENDS:
-        try:
-            load_backend(name)
-        except BackendUnavailableError as error:
-            skipped[name] = str(error)
-        else:
-            names.append(name)
-    return names, skipped
 
 
 def execute(arguments, out, err, progress=None) -> int:

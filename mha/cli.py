@@ -20,7 +20,7 @@ from mha.registry import (
     BackendUnavailableError,
     framework_version,
     load_backend,
-    normalize_backend_name,
+    select_backends,
 )
 
 __all__ = ["main"]
@@ -132,28 +132,10 @@ def _compare(arguments, out, err) -> int:
             f"--num-hiddens must be divisible by --num-heads. Received: "
             f"{arguments.num_hiddens} and {arguments.num_heads}"
         )
-    skipped: dict[str, str] = {}
-    if arguments.backends:
-        try:
-            names = [normalize_backend_name(n) for n in arguments.backends.split(",") if n.strip()]
-        except ValueError as error:
-            raise _UsageError(str(error)) from None
-        if not names:
-            raise _UsageError("--backends names no backend")
-        for name in names:
-            try:
-                load_backend(name)
-            except BackendUnavailableError as error:
-                raise _UsageError(str(error)) from None
-    else:
-        names = []
-        for name in BACKENDS:
-            try:
-                load_backend(name)
-            except BackendUnavailableError as error:
-                skipped[name] = str(error)
-            else:
-                names.append(name)
+    try:
+        names, skipped = select_backends(arguments.backends)
+    except (ValueError, BackendUnavailableError) as error:
+        raise _UsageError(str(error)) from None
     shapes = harness.Shapes(
         batch_size=arguments.batch_size,
         num_queries=arguments.num_queries,

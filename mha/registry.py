@@ -18,6 +18,7 @@ __all__ = [
     "framework_version",
     "load_backend",
     "normalize_backend_name",
+    "select_backends",
 ]
 
 # Backend name -> module that implements it.
@@ -134,6 +135,35 @@ def available_backends() -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def select_backends(text: str | None) -> tuple[list[str], dict[str, str]]:
+    """The backends a command runs on, and {backend: reason} for those skipped.
+
+    Args:
+        text: a comma list of names; each must import. None or empty: every backend that
+            imports, the others listed as skipped with the reason.
+
+    Raises:
+        ValueError: an unknown name, or a list that names none.
+        BackendUnavailableError: a named backend does not import.
+    """
+    if text:
+        names = [normalize_backend_name(name) for name in text.split(",") if name.strip()]
+        if not names:
+            raise ValueError("--backends names no backend")
+        for name in names:
+            load_backend(name)
+        return names, {}
+    names, skipped = [], {}
+    for name in BACKENDS:
+        try:
+            load_backend(name)
+        except BackendUnavailableError as error:
+            skipped[name] = str(error)
+        else:
+            names.append(name)
+    return names, skipped
 
 
 def framework_version(name: str) -> str | None:
