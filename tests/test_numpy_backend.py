@@ -70,6 +70,16 @@ def keep_of(
     return keep
 
 
+@pytest.fixture(params=["whole", "row blocks"])
+def softmax_blocks(request, monkeypatch):
+    """Run a test with the softmax on the whole scores, then a row at a time on the thread
+    pool: the path that large scores take, forced at small sizes."""
+    if request.param == "row blocks":
+        monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
+        monkeypatch.setattr(N, "_BLOCK_BYTES", 1)
+    return request.param
+
+
 # ---------------------------------------------------------------------------------------------
 # masked_softmax
 
@@ -120,7 +130,7 @@ def test_masked_softmax_is_stable_for_large_logits():
     np.testing.assert_allclose(P[0, 0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-6)
 
 
-def test_masked_softmax_float_lengths_and_four_d_scores():
+def test_masked_softmax_float_lengths_and_four_d_scores(softmax_blocks):
     X = np.random.default_rng(4).standard_normal((2, 3, 2, 5))  # (B, heads, Q, K)
     P = mha.masked_softmax(X, np.array([[1.0, 4.0], [5.0, 0.0]]))
     lengths = [[1, 4], [5, 0]]
@@ -131,7 +141,7 @@ def test_masked_softmax_float_lengths_and_four_d_scores():
                 np.testing.assert_allclose(P[b, h, i], expected, rtol=1e-12)
 
 
-def test_masked_softmax_does_not_modify_inputs():
+def test_masked_softmax_does_not_modify_inputs(softmax_blocks):
     X = np.random.default_rng(5).standard_normal((2, 2, 3))
     lengths = np.array([1, 2])
     X_before, lengths_before = X.copy(), lengths.copy()
@@ -194,7 +204,7 @@ def _bias_of(window_mask, batch):
 
 
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_dot_product_against_loops(case):
+def test_dot_product_against_loops(case, softmax_blocks):
     rng = np.random.default_rng(20)
     queries, keys, values = (
         rng.standard_normal((3, 4, 6)),
@@ -237,7 +247,7 @@ def test_dot_product_against_loops(case):
 
 
 @pytest.mark.parametrize("case", ["none", "valid_lens_2d", "mask_3d", "causal", "combined"])
-def test_additive_against_loops(case):
+def test_additive_against_loops(case, softmax_blocks):
     rng = np.random.default_rng(21)
     queries, keys, values = (
         rng.standard_normal((3, 4, 3)),
@@ -283,7 +293,7 @@ def test_additive_against_loops(case):
         np.testing.assert_allclose(layer.attention_weights[b], weights, atol=1e-12)
 
 
-def test_fully_masked_rows_are_zero_without_nan_in_every_dtype():
+def test_fully_masked_rows_are_zero_without_nan_in_every_dtype(softmax_blocks):
     for dtype in ("float16", "float32", "float64"):
         rng = np.random.default_rng(22)
         q = rng.standard_normal((2, 3, 4)).astype(dtype)
@@ -383,7 +393,7 @@ def loop_multihead(
         "combined",
     ],
 )
-def test_multihead_against_loops(case, bias):
+def test_multihead_against_loops(case, bias, softmax_blocks):
     rng = np.random.default_rng(30)
     batch, num_queries, num_keys, num_heads = 3, 4, 5, 3
     queries, keys, values = (
@@ -581,3 +591,37 @@ def test_masked_softmax_properties(batch, num_queries, num_keys, two_d, seed):
             assert P[b, i].sum() == pytest.approx(1.0 if length > 0 else 0.0, abs=1e-12)
             expected = softmax_loop(X[b, i].tolist(), [j < length for j in range(num_keys)])
             np.testing.assert_allclose(P[b, i], expected, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "keep_shape",
+    [None, (4, 1, 1, 64), (4, 1, 48, 64), (1, 3, 1, 64), (4, 3, 48, 1), (48, 64), (64,)],
+)
+@pytest.mark.parametrize(
+    ("block_bytes", "blocks"), [(2 * 64 * 8, 4 * 3 * 24), (96 * 64 * 8, 4 * 2)]
+)
+def test_softmax_in_row_blocks_equals_the_whole_and_uses_the_pool(
+    keep_shape, block_bytes, blocks, monkeypatch
+):
+    # Scores of 4 x 3 x 48 x 64 float64 (288 KiB) split into blocks of 2 rows (1 KiB), or of
+    # 2 whole (48, 64) slabs along the heads: every broadcast of keep must pick the block's
+    # own part. Each row takes the same steps either way, so the two agree exactly.
+    rng = np.random.default_rng(40)
+    scores = rng.standard_normal((4, 3, 48, 64)) * 5
+    keep = None if keep_shape is None else rng.random(keep_shape) < 0.7
+    if keep is not None and keep.ndim > 1:
+        keep[..., 0, :] = False  # some rows (or all, for a 1-row keep) have no kept key
+    whole = N._softmax(scores, keep)
+    calls = []
+    rows = N._softmax_rows
+    monkeypatch.setattr(N, "_softmax_rows", lambda *a: calls.append(1) or rows(*a))
+    monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
+    monkeypatch.setattr(N, "_BLOCK_BYTES", block_bytes)
+    blocked = N._softmax(scores, keep)
+    assert len(calls) == blocks
+    np.testing.assert_array_equal(blocked, whole)
+    # And both by the formula, row by row
+    kept = np.broadcast_to(True if keep is None else keep, scores.shape)
+    for index in [(0, 0, 0), (1, 2, 5), (3, 1, 47), (2, 0, 30)]:
+        expected = softmax_loop(scores[index].tolist(), kept[index].tolist())
+        np.testing.assert_allclose(blocked[index], expected, rtol=1e-12, atol=1e-300)

@@ -11,7 +11,10 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -104,8 +107,12 @@ class Linear(Module):
     def forward(self, X: np.ndarray) -> np.ndarray:
         if self.weight is None:
             self.initialize(X.shape[-1])
-        Y = X @ self.weight
-        return Y if self.bias is None else Y + self.bias
+        # One (rows x in) @ (in x out) product over every leading axis: numpy would otherwise
+        # loop over the batch, one smaller product per example
+        Y = (X.reshape(-1, X.shape[-1]) @ self.weight).reshape(*X.shape[:-1], self.out_features)
+        if self.bias is not None:
+            Y += self.bias
+        return Y
 
 
 class Dropout(Module):
@@ -218,21 +225,89 @@ def _insert_head_axis(x: np.ndarray | None) -> np.ndarray | None:
 # Masked softmax
 
 
-def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+def _softmax(scores: np.ndarray, keep: np.ndarray | None,
+             in_place: bool = False) -> np.ndarray:
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite."""
+    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite.
+
+    `in_place` overwrites `scores`, a fresh array of the caller's (no new (..., Q, K) array).
+    Large scores are done a block of rows at a time on every core: numpy's ufuncs release the
+    GIL, and a block's five passes then run in cache instead of in memory. Each row is done by
+    the same steps either way, so the numbers do not depend on the blocks.
+    """
+    if not in_place:
+        scores = scores.copy()
+    if keep is not None:
+        # One axis per axis of the scores, so that blocks can index it
+        keep = keep.reshape((1,) * (scores.ndim - keep.ndim) + keep.shape)
+    blocks = list(_row_blocks(scores)) if scores.nbytes >= _PARALLEL_BYTES else []
+    if len(blocks) < 2:
+        _softmax_rows(scores, keep)
+        return scores
+    tasks = [(scores[index], _block_of(keep, index)) for index in blocks]
+    list(_thread_pool().map(lambda task: _softmax_rows(*task), tasks))
+    return scores
+
+
+def _softmax_rows(scores: np.ndarray, keep: np.ndarray | None) -> None:
+    # The steps, in place: masked entries to -inf, minus the row maximum, exp, divided by the sum
+    dtype = scores.dtype.type
+    if keep is not None:
+        np.copyto(scores, dtype(-np.inf), where=~keep)
+    row_max = scores.max(axis=-1, keepdims=True)
+    if keep is not None:
+        # A fully masked row has max -inf; any finite shift leaves its zeros at zero
+        row_max[~np.isfinite(row_max)] = 0
+    scores -= row_max
+    # exp(-inf) = 0: masked entries are exactly 0
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    if keep is not None:
+        total[total == 0] = 1
+    scores /= total
+
+
+# Scores smaller than this are done in one piece; blocks hold about _BLOCK_BYTES
+_PARALLEL_BYTES = 1 << 22
+_BLOCK_BYTES = 1 << 20
+
+
+def _row_blocks(scores: np.ndarray):
+    """Indices of blocks of whole rows of a C-contiguous array, about _BLOCK_BYTES each: rows
+    of one (Q, K) slab, or whole slabs along the last leading axis when a slab is smaller."""
+    if scores.ndim < 2 or not scores.flags.c_contiguous:
+        return
+    *leading, num_rows, num_keys = scores.shape
+    rows = max(1, _BLOCK_BYTES // max(num_keys * scores.itemsize, 1))
+    if rows >= num_rows and leading:
+        slabs = rows // num_rows
+        for outer in np.ndindex(*leading[:-1]):
+            for start in range(0, leading[-1], slabs):
+                yield (*outer, slice(start, start + slabs), slice(None))
+        return
+    for index in np.ndindex(*leading):
+        for start in range(0, num_rows, rows):
+            yield (*index, slice(start, start + rows))
+
+
+def _block_of(keep: np.ndarray | None, index: tuple) -> np.ndarray | None:
+    # The part of keep that broadcasts against scores[index]: where keep has size 1, an
+    # integer index drops the axis and a slice keeps it
     if keep is None:
-        shifted = scores - scores.max(axis=-1, keepdims=True)
-        exponentials = np.exp(shifted)
-        return exponentials / exponentials.sum(axis=-1, keepdims=True)
-    keep = np.broadcast_to(keep, scores.shape)
-    masked = np.where(keep, scores, scores.dtype.type(-np.inf))
-    row_max = masked.max(axis=-1, keepdims=True)
-    # A fully masked row has max -inf; any finite shift leaves its zeros at zero
-    row_max = np.where(np.isfinite(row_max), row_max, scores.dtype.type(0))
-    exponentials = np.where(keep, np.exp(masked - row_max), scores.dtype.type(0))
-    total = exponentials.sum(axis=-1, keepdims=True)
-    return exponentials / np.where(total == 0, scores.dtype.type(1), total)
+        return None
+    return keep[tuple((slice(None) if isinstance(i, slice) else 0) if size == 1 else i
+                      for size, i in zip(keep.shape[:-1], index, strict=True))]
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    # One pool per process: a forked child does not have its parent's threads
+    return _pool_of_process(os.getpid())
+
+
+@functools.cache
+def _pool_of_process(pid: int) -> ThreadPoolExecutor:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ThreadPoolExecutor(max(1, cores or 1), thread_name_prefix="mha-softmax")
 
 
 def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.ndarray:
@@ -263,8 +338,9 @@ def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.nd
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
-        scores = scores + bias
-    weights = _softmax(scores, keep)
+        scores += bias
+    # The scores are the caller's own fresh array: the softmax overwrites them
+    weights = _softmax(scores, keep, in_place=True)
     return dropout(weights) @ values, weights if need_weights else None
 
 
@@ -318,8 +394,9 @@ class DotProductAttention(Module):
         the mask helpers. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
-        # Shape of scores: (..., no. of queries, no. of keys)
-        scores = queries @ np.swapaxes(keys, -1, -2) / np.sqrt(queries.dtype.type(d))
+        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
+        # the scores touches Q x d numbers instead of Q x K
+        scores = (queries / np.sqrt(queries.dtype.type(d))) @ np.swapaxes(keys, -1, -2)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights
         )
