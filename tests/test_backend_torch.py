@@ -702,3 +702,40 @@ def test_size_inferred_at_first_call_is_enforced(T):
             layer(t(_x(2, 3, 5)), t(_x(2, 3, 4)), t(_x(2, 3, 4)))
         messages.append(str(raised.value))
     assert messages[0] == messages[1] and "query_size=4" in messages[0]
+
+
+def test_packed_self_attention_weights_follow_every_change(T, torch):
+    # Self-attention without gradients keeps W_q, W_k, W_v concatenated between calls; each
+    # way of changing a weight must reach the next call. Expected: the NumPy reference with
+    # the layer's weights of the moment.
+    layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+    reference = N.MultiHeadAttention(8, H, bias=True, dtype="float64")
+    X = np.random.default_rng(7).standard_normal((3, 5, 8))
+
+    def check(dtype="float32"):
+        mha.set_weights(
+            reference, {k: v.astype("float64") for k, v in mha.get_weights(layer).items()}
+        )
+        with torch.no_grad():
+            actual = layer(*(T.from_numpy(X.astype(dtype)),) * 3)
+        assert_close(actual, reference(X, X, X), dtype)
+
+    check()
+    mha.set_weights(layer, mha.random_weights(layer, seed=1))  # copy_ in place
+    check()
+    with torch.no_grad():
+        layer.W_k.weight.mul_(-2.0)  # an in-place update, as an optimizer step
+        layer.W_v.bias.add_(1.0)
+    check()
+    layer.load_state_dict(
+        T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8).state_dict()
+    )
+    check()
+    layer.W_q.weight = torch.nn.Parameter(torch.ones(8, 8))  # a new tensor
+    check()
+    layer.double()  # new storage, new dtype
+    check("float64")
+    # With gradients the packed weight is part of the graph: W_q gets its gradient
+    X64 = T.from_numpy(X)
+    layer(X64, X64, X64).sum().backward()
+    assert layer.W_q.weight.grad is not None and layer.W_q.weight.grad.abs().sum() > 0

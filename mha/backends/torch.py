@@ -99,6 +99,11 @@ def _in_features(linear: nn.Module) -> int | None:
     return linear.weight.shape[1]
 
 
+def _concatenate(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # [W_q, W_k, W_v] or [W_q, W_k, W_v, b_q, b_k, b_v] -> packed weight, packed bias or None
+    return torch.cat(tensors[:3]), torch.cat(tensors[3:]) if len(tensors) > 3 else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -267,7 +272,10 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
         # values and gradients), then zero its output, as _softmax does
         # Shape of attended: (..., no. of queries or 1, 1)
         attended = keep.any(dim=-1, keepdim=True)
-        keep = keep | ~attended
+        if _may_have_empty_rows(attended):
+            keep = keep | ~attended
+        else:
+            attended = None
     attn_mask = keep
     if bias is not None:
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
@@ -275,7 +283,7 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     output = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p
     )
-    if attended is None or not _may_have_empty_rows(attended):
+    if attended is None:
         return output
     return torch.where(attended, output, 0.0)
 
@@ -464,12 +472,8 @@ class MultiHeadAttention(Module):
         # num_hiddens / num_heads)
         if queries is keys is values and _in_features(self.W_q) is not None:
             # Self-attention: one packed (3 num_hiddens x in) product instead of three, as
-            # nn.MultiheadAttention does; the weights are concatenated per call (a copy of
-            # 3 in x num_hiddens numbers, small next to the product) so that W_q, W_k and W_v
-            # stay the parameters. Each output column is the same dot product as before
-            weight = torch.cat([self.W_q.weight, self.W_k.weight, self.W_v.weight])
-            in_bias = (torch.cat([self.W_q.bias, self.W_k.bias, self.W_v.bias])
-                       if self.bias else None)
+            # nn.MultiheadAttention does. Each output column is the same dot product as before
+            weight, in_bias = self._packed_in_projection()
             queries, keys, values = F.linear(queries, weight, in_bias).chunk(3, dim=-1)
         else:
             queries, keys, values = self.W_q(queries), self.W_k(keys), self.W_v(values)
@@ -495,6 +499,29 @@ class MultiHeadAttention(Module):
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = X.permute(0, 2, 1, 3)
         return X.reshape(X.shape[0], X.shape[1], -1)
+
+    def _packed_in_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """W_q, W_k and W_v (and their biases) concatenated: (3 num_hiddens, in).
+
+        W_q, W_k and W_v stay the parameters. With gradients the concatenation is part of the
+        graph, so it is made per call; without, it is kept until a weight changes: in place
+        (an optimizer step, load_state_dict, mha.set_weights: the version goes up) or by a
+        move (`.to()`: new storage). A fresh copy per call costs more than packing saves.
+        """
+        tensors = [self.W_q.weight, self.W_k.weight, self.W_v.weight]
+        if self.bias:
+            tensors += [self.W_q.bias, self.W_k.bias, self.W_v.bias]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if grad or torch.compiler.is_compiling():
+            return _concatenate(tensors)
+        stamps = [(t._version, t.data_ptr(), t.dtype, t.device) for t in tensors]
+        cached = self.__dict__.get("_packed")
+        if cached is None or cached[0] != stamps or any(
+            a is not b for a, b in zip(cached[1], tensors, strict=False)
+        ):
+            with torch.no_grad():
+                self.__dict__["_packed"] = (stamps, tensors, _concatenate(tensors))
+        return self.__dict__["_packed"][2]
 
 
 class PositionalEncoding(Module):
