@@ -356,11 +356,14 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
 # mxnet: the book's Gluon multi-head attention (d2l, "Multi-Head Attention"), as a HybridBlock
 
 
-def _d2l_gluon_attention(mx, num_hiddens: int, num_heads: int):
+def _d2l_gluon_attention(mx, num_hiddens: int, num_heads: int, return_weights: bool = False):
     """d2l's Gluon MultiHeadAttention, written for hybridization (npx.reshape codes).
 
     valid_lens is (batch_size, no. of queries) int32, as d2l's 2-D lengths; the masked softmax
-    is MXNet's own fused one, npx.softmax(..., use_length=True).
+    is MXNet's own fused one, npx.softmax(..., use_length=True). The book keeps the weights as
+    an attribute, which only an imperative block can hand out; `return_weights` also returns
+    them, (batch_size * num_heads, no. of queries, no. of keys), the one way a hybridized
+    block can, so that it does the work of mha's need_weights=True.
     """
     from mxnet.gluon import nn
 
@@ -407,7 +410,8 @@ def _d2l_gluon_attention(mx, num_hiddens: int, num_heads: int):
                 # On axis 0, copy each item num_heads times (d2l)
                 valid_lens = F.np.repeat(valid_lens, num_heads, axis=0)
             output = self.attention(queries, keys, values, valid_lens)
-            return self.W_o(transpose_output(F, output))
+            output = self.W_o(transpose_output(F, output))
+            return (output, self.attention.attention_weights) if return_weights else output
 
     block = MultiHeadAttention()
     block.initialize()
@@ -428,7 +432,9 @@ def _mxnet_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     weights = _weights(config)
     ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
     mha.set_weights(ours, weights)
-    theirs = _d2l_gluon_attention(mx, d, h)
+    # Hybridized, the book's block hands out weights only as a second output
+    returns_weights = config.need_weights and mode == "hybridized"
+    theirs = _d2l_gluon_attention(mx, d, h, return_weights=returns_weights)
     for name in ("q", "k", "v", "o"):
         getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(weights[f"W_{name}"].T))
     # d2l's 2-D valid_lens: (batch_size, no. of queries)
@@ -444,10 +450,14 @@ def _mxnet_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
         return ours(X, X, X, valid_lens, need_weights=config.need_weights)
 
     def run_theirs():
-        output = theirs(X, X, X, their_lens)
-        if config.need_weights and mode == "imperative":
+        if returns_weights:
+            output, attention_weights = theirs(X, X, X, their_lens)
+        else:
+            output = theirs(X, X, X, their_lens)
             # The book's block keeps its weights as an attribute (imperatively only)
-            theirs.attention.attention_weights.wait_to_read()
+            attention_weights = theirs.attention.attention_weights
+        if config.need_weights:
+            attention_weights.wait_to_read()
         return output
 
     layers = {"mha": (run_ours, ours), "d2l Gluon MultiHeadAttention": (run_theirs, theirs)}

@@ -88,3 +88,38 @@ def test_markdown_table_format():
         "| torch | eager | (2, 16, 32, 4) | yes | False | forward | SDPA layer | 1.50 | 3.00 "
         "| 0.50 | 1.0 | 2.0 |"
     )
+
+
+@pytest.mark.mxnet
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
+    # The MXNet baseline is only fair if it does the same work: same outputs, and hybridized
+    # with need_weights=True the same weights, handed out as a second output.
+    import numpy as np
+
+    import mha
+
+    MX = backend_module("mxnet")
+    mx = MX.mx
+    config = bench.Config(2, 6, 8, 2, valid_lens=True, need_weights=True)
+    X_np, lens_np = bench._inputs(config)
+    weights = bench._weights(config)
+    theirs = bench._d2l_gluon_attention(mx, 8, 2, return_weights=True)
+    for name in "qkvo":
+        getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(weights[f"W_{name}"].T))
+    ours = MX.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
+    mha.set_weights(ours, weights)
+    if hybridize:
+        ours.hybridize()
+        theirs.hybridize()
+    X = mx.np.array(X_np)
+    lengths = mx.np.array(np.repeat(lens_np[:, None], 6, axis=1).astype("int32"))
+    output, their_weights = theirs(X, X, X, lengths)
+    expected = ours(X, X, X, mx.np.array(lens_np))
+    np.testing.assert_allclose(output.asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        their_weights.asnumpy().reshape(2, 2, 6, 6),
+        ours.attention_weights.asnumpy(),
+        rtol=1e-5,
+        atol=1e-7,
+    )
