@@ -11,13 +11,14 @@ process and interleaved (one call of each per round), so that both see the same 
 - mxnet: the book's own Gluon multi-head attention (d2l's code, written below), imperative and
   hybridized, against mha's block in the same mode;
 - numpy: no framework layer, so the forward pass is compared with the FLOP rate of a large
-  matrix product on the same machine (the roofline); `ratio` is then the fraction reached.
+  matrix product (the roofline), timed in the same rounds; `ratio` is the fraction reached.
 
 Every layer is self-attention on one input X (batch_size, length, num_hiddens), projections
 without bias, float32, dropout 0. Forward passes run as inference (no gradient tape); the
 backward pass differentiates sum(output) with respect to X and every weight. Each time is the
-median of repeated calls after warm-up; the ratio is mha's median over the built-in's median,
-so below 1.0 means mha is faster. Peak memory is the growth of the process's peak resident set
+median of repeated calls after warm-up; the ratio is the median, over the rounds, of mha's time
+over the built-in's in the same round (a pair of neighbouring calls sees the same load), so
+below 1.0 means mha is faster. Peak memory is the growth of the process's peak resident set
 (VmHWM, reset through /proc/self/clear_refs) during one call: it counts every allocator.
 """
 
@@ -99,7 +100,7 @@ class Budget:
 
     warmup: int = 2
     min_repeats: int = 3
-    max_repeats: int = 15
+    max_repeats: int = 200
     seconds: float = 3.0
 
 
@@ -110,10 +111,10 @@ QUICK_BUDGET = Budget(warmup=1, min_repeats=2, max_repeats=3, seconds=0.2)
 # Measuring
 
 
-def _interleaved_medians(
+def _interleaved_times(
     calls: dict[str, Callable[[], Any]], budget: Budget
-) -> tuple[dict[str, float], int]:
-    """Median seconds of each call, measured round by round in rotating order."""
+) -> dict[str, list[float]]:
+    """Seconds of each call in each round; one call of each per round, in rotating order."""
     for call in calls.values():
         for index in range(budget.warmup):
             begin = time.perf_counter()
@@ -133,7 +134,12 @@ def _interleaved_medians(
         rounds += 1
         if rounds >= budget.min_repeats and time.perf_counter() - start > budget.seconds:
             break
-    return {name: statistics.median(values) for name, values in times.items()}, rounds
+    return times
+
+
+def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
+    """The median over rounds of ours / theirs, each pair from the same round."""
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
 
 
 def _status_kib(field: str) -> int | None:
@@ -507,6 +513,10 @@ def matmul_roofline_gflops(size: int = 2048, repeats: int = 5) -> float:
     return 2.0 * size**3 / min(seconds) / 1e9
 
 
+ROOFLINE = "matmul roofline"
+ROOFLINE_SIZE = 2048
+
+
 def _numpy_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], Any]]]:
     import mha
 
@@ -515,7 +525,14 @@ def _numpy_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     d, h = config.num_hiddens, config.num_heads
     ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
     mha.set_weights(ours, _weights(config))
-    return {"forward": {"mha": lambda: ours(X, X, X, valid_lens, need_weights=config.need_weights)}}
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((ROOFLINE_SIZE,) * 2).astype("float32") for _ in range(2))
+    return {
+        "forward": {
+            "mha": lambda: ours(X, X, X, valid_lens, need_weights=config.need_weights),
+            ROOFLINE: lambda: a @ b,
+        }
+    }
 
 
 _CALLS = {
@@ -561,7 +578,7 @@ def run(
         for config in configs(shapes)
     ]
     results: list[Result] = []
-    roofline = matmul_roofline_gflops(512 if budget.max_repeats <= 3 else 2048)
+    roofline = matmul_roofline_gflops(ROOFLINE_SIZE if budget.max_repeats > 3 else 512)
     for index, (backend, mode, config) in enumerate(cases):
         description = f"{backend} {mode} {config.shape} valid_lens={config.valid_lens} "
         description += f"need_weights={config.need_weights}"
@@ -569,35 +586,43 @@ def run(
             progress(index, len(cases), description)
         calls = _CALLS[backend](config, mode)
         for pass_, by_name in calls.items():
-            medians, rounds = _interleaved_medians(by_name, budget)
+            times = _interleaved_times(by_name, budget)
             peaks = {
-                name: peak_memory_mib(call) if memory else None for name, call in by_name.items()
+                name: peak_memory_mib(call) if memory else None
+                for name, call in by_name.items()
+                if name != ROOFLINE
             }
-            results.extend(_rows(backend, mode, config, pass_, medians, peaks, rounds, roofline))
+            results.extend(_rows(backend, mode, config, pass_, times, peaks))
         del calls
     if progress:
         progress(len(cases), len(cases), "done")
     return results, machine(roofline)
 
 
-def _rows(backend, mode, config, pass_, medians, peaks, rounds, roofline) -> list[Result]:
-    ours = medians["mha"]
+def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
+    ours = times["mha"]
+    median = {name: statistics.median(values) for name, values in times.items()}
     if backend == "numpy":
-        achieved = config.forward_flops() / ours / 1e9
+        # The fraction of the roofline reached, round by round: (flops / t_mha) / (rate of
+        # the product in the same round) = t_product / t_mha x (flops / product's flops)
+        product = 2.0 * ROOFLINE_SIZE**3
+        fraction = paired_ratio(times[ROOFLINE], ours) * config.forward_flops() / product
+        achieved = config.forward_flops() / median["mha"] / 1e9
+        rate = product / median[ROOFLINE] / 1e9
         return [
             Result(
                 backend,
                 mode,
                 config,
                 pass_,
-                "matmul roofline",
-                ours * 1e3,
+                ROOFLINE,
+                median["mha"] * 1e3,
                 None,
-                achieved / roofline,
+                fraction,
                 peaks["mha"],
                 None,
-                rounds,
-                note=f"{achieved:.1f} of {roofline:.1f} GFLOP/s",
+                len(ours),
+                note=f"{achieved:.1f} of {rate:.1f} GFLOP/s",
             )
         ]
     return [
@@ -607,14 +632,14 @@ def _rows(backend, mode, config, pass_, medians, peaks, rounds, roofline) -> lis
             config,
             pass_,
             name,
-            ours * 1e3,
-            seconds * 1e3,
-            ours / seconds,
+            median["mha"] * 1e3,
+            median[name] * 1e3,
+            paired_ratio(ours, theirs),
             peaks["mha"],
             peaks[name],
-            rounds,
+            len(ours),
         )
-        for name, seconds in medians.items()
+        for name, theirs in times.items()
         if name != "mha"
     ]
 
