@@ -456,6 +456,13 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
             need_weights=need_weights,
         )
         assert output.device.type == "meta" and output.shape == (B, 3, 8)
+    # Self-attention without gradients: the packed projection, kept between calls
+    packed = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+    packed = packed.to("meta")
+    X = torch.zeros(B, 3, 8, device="meta")
+    with torch.no_grad():
+        for need_weights in (True, False, True):
+            assert packed(X, X, X, need_weights=need_weights).device.type == "meta"
     encoding = T.PositionalEncoding(8, max_len=10).to("meta")
     assert encoding(torch.zeros(2, 3, 8, device="meta")).device.type == "meta"
 
