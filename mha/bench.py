@@ -252,8 +252,10 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     def run_ours():
         return ours(X, X, X, valid_lens, need_weights=config.need_weights)
 
+    held = {}  # the weights the built-in returns, kept until the next call as mha keeps its own
+
     def run_theirs():
-        output, _ = theirs(
+        output, held["weights"] = theirs(
             X,
             X,
             X,
@@ -323,6 +325,8 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
     def run_ours(training=False):
         return ours(X, X, X, valid_lens, need_weights=config.need_weights, training=training)
 
+    held = {}  # the weights the built-in returns, kept until the next call as mha keeps its own
+
     def run_theirs(training=False):
         outputs = theirs(
             X,
@@ -331,7 +335,10 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
             return_attention_scores=config.need_weights,
             training=training,
         )
-        return outputs[0] if config.need_weights else outputs
+        if not config.need_weights:
+            return outputs
+        output, held["weights"] = outputs
+        return output
 
     layers = {"mha": (run_ours, ours), "keras MultiHeadAttention": (run_theirs, theirs)}
 
@@ -455,9 +462,12 @@ def _mxnet_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     def run_ours():
         return ours(X, X, X, valid_lens, need_weights=config.need_weights)
 
+    held = {}  # the weights the block returns, kept until the next call as mha keeps its own
+
     def run_theirs():
         if returns_weights:
             output, attention_weights = theirs(X, X, X, their_lens)
+            held["weights"] = attention_weights
         else:
             output = theirs(X, X, X, their_lens)
             # The book's block keeps its weights as an attribute (imperatively only)

@@ -201,16 +201,28 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None,
     """
     if keep is None:
         return torch.softmax(scores, dim=-1)
-    # Shape of attended and additive: keep's, with 1 keys for attended; small, as keep
-    # broadcasts over heads. exp(-inf) = 0 for masked entries, whose gradient is then exactly 0
-    attended = keep.any(dim=-1, keepdim=True)
-    additive = torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device)
-    additive.masked_fill_(~(keep | ~attended), float("-inf"))
+    additive, attended = _additive_mask(keep, scores.dtype, scores.device)
     scores = scores.add_(additive) if in_place else scores + additive
     weights = torch.softmax(scores, dim=-1)
-    if not _may_have_empty_rows(attended):
-        return weights
-    return torch.where(attended, weights, 0.0)
+    return weights if attended is None else torch.where(attended, weights, 0.0)
+
+
+def _additive_mask(keep: torch.Tensor, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """keep -> (additive, attended): 0 where a key is kept, -inf where it is masked.
+
+    A row with no kept key keeps every key instead (finite values and gradients) and must be
+    zeroed after the softmax where `attended` is False; attended is None when no row can be
+    empty. Shapes: keep's, with 1 keys for attended; small, as keep broadcasts over heads.
+    exp(-inf) = 0 for masked entries, whose gradient is then exactly 0.
+    """
+    attended = keep.any(dim=-1, keepdim=True)
+    if _may_have_empty_rows(attended):
+        keep = keep | ~attended
+    else:
+        attended = None
+    additive = torch.zeros(keep.shape, dtype=dtype, device=device)
+    return additive.masked_fill_(~keep, float("-inf")), attended
 
 
 def _may_have_empty_rows(attended: torch.Tensor) -> bool:
@@ -288,6 +300,34 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     return torch.where(attended, output, 0.0)
 
 
+def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
+    """Whether keep, as an additive mask, can be the bias of one batched product: one mask
+    for every leading index, or one mask row per leading index (lengths, key padding)."""
+    if keep.dim() > queries.dim():
+        return False
+    return all(size == 1 for size in keep.shape[:-2]) or keep.shape[-2] == 1
+
+
+def _product_plus(additive: torch.Tensor | None, queries: torch.Tensor,
+                  keys: torch.Tensor) -> torch.Tensor:
+    """additive + queries @ keys^T in one torch.baddbmm over the leading axes flattened
+    (torch.bmm without additive): keys are copied once into rows, not gathered transposed."""
+    *leading, num_queries, d = queries.shape
+    num_keys = keys.shape[-2]
+    size = math.prod(leading)
+    queries = queries.reshape(size, num_queries, d)
+    keys = keys.reshape(size, num_keys, d).transpose(1, 2)
+    if additive is None:
+        return torch.bmm(queries, keys).view(*leading, num_queries, num_keys)
+    # Shape of additive: (1 or size, 1 or no. of queries, 1 or no. of keys)
+    additive = additive.reshape((1,) * (queries.dim() - additive.dim()) + additive.shape)
+    if any(n != 1 for n in additive.shape[:-2]):
+        additive = additive.expand(*leading, *additive.shape[-2:])
+    additive = additive.reshape(-1, *additive.shape[-2:])
+    scores = torch.baddbmm(additive, queries, keys)
+    return scores.view(*leading, num_queries, num_keys)
+
+
 # ---------------------------------------------------------------------------------------------
 # Layers
 
@@ -343,9 +383,23 @@ class DotProductAttention(Module):
             self.attention_weights = None
             return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         d = queries.shape[-1]
-        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
-        # the scores touches Q x d numbers instead of Q x K
-        scores = (queries / math.sqrt(d)) @ keys.transpose(-1, -2)
+        # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
+        queries = queries / math.sqrt(d)
+        if bias is None and (keep is None or _mask_fits_product(keep, queries)):
+            # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
+            # one pass over the scores fewer. Shape of scores: (..., no. of queries, no. of keys)
+            additive, attended = None, None
+            if keep is not None:
+                additive, attended = _additive_mask(keep, queries.dtype, queries.device)
+            scores = _product_plus(additive, queries, keys)
+            output, weights = _attention_pool(scores, values, None, None, self.dropout)
+            if attended is not None:
+                output = torch.where(attended, output, 0.0)
+                weights = torch.where(attended, weights, 0.0)
+            self.attention_weights = weights
+            return output
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = queries @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights
         )
