@@ -216,13 +216,19 @@ def _additive_mask(keep: torch.Tensor, dtype: torch.dtype,
     empty. Shapes: keep's, with 1 keys for attended; small, as keep broadcasts over heads.
     exp(-inf) = 0 for masked entries, whose gradient is then exactly 0.
     """
-    attended = keep.any(dim=-1, keepdim=True)
-    if _may_have_empty_rows(attended):
-        keep = keep | ~attended
-    else:
-        attended = None
+    keep, attended = _keep_every_row(keep)
     additive = torch.zeros(keep.shape, dtype=dtype, device=device)
     return additive.masked_fill_(~keep, float("-inf")), attended
+
+
+def _keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row with no kept key would be all -inf, NaN in softmax and in some fused kernels: it
+    keeps every key instead. Returns (keep, attended): attended, (..., Q or 1, 1), marks the
+    rows to zero afterwards; None when no row can be empty."""
+    attended = keep.any(dim=-1, keepdim=True)
+    if not _may_have_empty_rows(attended):
+        return keep, None
+    return keep | ~attended, attended
 
 
 def _may_have_empty_rows(attended: torch.Tensor) -> bool:
@@ -280,14 +286,9 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     """
     attended = None
     if keep is not None:
-        # A row with no kept key is NaN in some kernels: let it attend to every key (finite
-        # values and gradients), then zero its output, as _softmax does
-        # Shape of attended: (..., no. of queries or 1, 1)
-        attended = keep.any(dim=-1, keepdim=True)
-        if _may_have_empty_rows(attended):
-            keep = keep | ~attended
-        else:
-            attended = None
+        # Rows with no kept key attend to every key (finite values and gradients), and their
+        # output is zeroed after, as _softmax does
+        keep, attended = _keep_every_row(keep)
     attn_mask = keep
     if bias is not None:
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
@@ -504,6 +505,8 @@ class MultiHeadAttention(Module):
         self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
         self.attention_weights = None
+        # (versions, tensors, packed weight and bias) of _packed_in_projection
+        self._packed = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True):
@@ -569,13 +572,12 @@ class MultiHeadAttention(Module):
         if grad or torch.compiler.is_compiling():
             return _concatenate(tensors)
         stamps = [(t._version, t.data_ptr(), t.dtype, t.device) for t in tensors]
-        cached = self.__dict__.get("_packed")
-        if cached is None or cached[0] != stamps or any(
-            a is not b for a, b in zip(cached[1], tensors, strict=False)
+        if self._packed is None or self._packed[0] != stamps or any(
+            a is not b for a, b in zip(self._packed[1], tensors, strict=True)
         ):
             with torch.no_grad():
-                self.__dict__["_packed"] = (stamps, tensors, _concatenate(tensors))
-        return self.__dict__["_packed"][2]
+                self._packed = (stamps, tensors, _concatenate(tensors))
+        return self._packed[2]
 
 
 class PositionalEncoding(Module):
