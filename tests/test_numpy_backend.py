@@ -70,13 +70,16 @@ def keep_of(
     return keep
 
 
-@pytest.fixture(params=["whole", "row blocks"])
+@pytest.fixture(params=["whole", "softmax row blocks", "attention row blocks"])
 def softmax_blocks(request, monkeypatch):
-    """Run a test with the softmax on the whole scores, then a row at a time on the thread
-    pool: the path that large scores take, forced at small sizes."""
-    if request.param == "row blocks":
+    """Run a test with the softmax on the whole scores, then with the paths that large scores
+    take, forced at small sizes: the softmax a row at a time on the thread pool, and
+    dot-product attention a row of scores at a time."""
+    if request.param == "softmax row blocks":
         monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
         monkeypatch.setattr(N, "_BLOCK_BYTES", 1)
+    if request.param == "attention row blocks":
+        monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", 1)
     return request.param
 
 
@@ -463,9 +466,23 @@ def test_multihead_against_loops(case, bias, softmax_blocks):
     np.testing.assert_allclose(output, expected, atol=1e-12)
     np.testing.assert_allclose(layer.attention_weights, weights, atol=1e-12)
     assert layer.attention_weights.shape == (batch, num_heads, num_queries, num_keys)
+    # Without the weights: the same output, by the same steps
+    without = layer(
+        queries,
+        keys,
+        values,
+        masks.get("valid_lens"),
+        mask=masks.get("mask"),
+        causal=masks.get("causal", False),
+        window_mask=masks.get("window_mask"),
+        head_mask=head_mask,
+        need_weights=False,
+    )
+    np.testing.assert_array_equal(without, output)
+    assert layer.attention_weights is None
 
 
-def test_multihead_book_example_shapes_and_need_weights():
+def test_multihead_book_example_shapes_and_need_weights(softmax_blocks):
     layer = mha.MultiHeadAttention(100, 5, 0.5)
     X, Y = np.ones((2, 4, 100), "float32"), np.ones((2, 6, 100), "float32")
     valid_lens = np.array([3, 2])
@@ -625,3 +642,57 @@ def test_softmax_in_row_blocks_equals_the_whole_and_uses_the_pool(
     for index in [(0, 0, 0), (1, 2, 5), (3, 1, 47), (2, 0, 30)]:
         expected = softmax_loop(scores[index].tolist(), kept[index].tolist())
         np.testing.assert_allclose(blocked[index], expected, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize(
+    "keep_shape", [None, (2, 1, 1, 24), (2, 1, 40, 24), (1, 3, 1, 24), (2, 3, 40, 1), (24,)]
+)
+@pytest.mark.parametrize(
+    ("block_bytes", "blocks"), [(7 * 24 * 8, 2 * 3 * 6), (2 * 40 * 24 * 8, 2 * 2)]
+)
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_dot_product_attention_in_blocks_equals_the_whole(
+    keep_shape, block_bytes, blocks, need_weights, monkeypatch
+):
+    # Scores of 2 x 3 x 40 x 24 float64 done in blocks of 7 rows of one head, or of 2 whole
+    # heads: each block must take its own rows of the queries, keys, values, keep and bias
+    rng = np.random.default_rng(41)
+    queries = rng.standard_normal((2, 3, 40, 5))
+    keys = rng.standard_normal((2, 3, 24, 5))
+    values = rng.standard_normal((2, 3, 24, 4))
+    keep = None if keep_shape is None else rng.random(keep_shape) < 0.7
+    if keep is not None and keep.ndim > 1:
+        keep[..., 0, :] = False  # some rows (or all, for a 1-row keep) have no kept key
+    bias = rng.standard_normal((1, 1, 40, 24))
+    dropout = N.Dropout(0.0)
+    whole = N._attention_pool(queries @ np.swapaxes(keys, -1, -2), values, keep, bias, dropout)
+    softmax_calls = []
+    softmax = N._softmax
+    monkeypatch.setattr(N, "_softmax", lambda *a, **k: softmax_calls.append(1) or softmax(*a, **k))
+    monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", block_bytes)
+    output, weights = N._dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights)
+    assert len(softmax_calls) == blocks
+    np.testing.assert_allclose(output, whole[0], rtol=1e-12, atol=1e-15)
+    if need_weights:
+        np.testing.assert_allclose(weights, whole[1], rtol=1e-12, atol=1e-15)
+    else:
+        assert weights is None
+
+
+def test_dot_product_attention_without_weights_never_holds_the_scores(monkeypatch):
+    # 4 MiB of float64 scores in blocks of 64 KiB: without need_weights the call's peak is a
+    # block and the output, not the scores
+    import tracemalloc
+
+    rng = np.random.default_rng(42)
+    queries, keys, values = (rng.standard_normal((1, 2, 512, 8)) for _ in range(3))
+    scores_bytes = 2 * 512 * 512 * 8
+    monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", 1 << 16)
+    peaks = {}
+    for need_weights in (True, False):
+        tracemalloc.start()
+        N._dot_product_pool(queries, keys, values, None, None, N.Dropout(0.0), need_weights)
+        peaks[need_weights] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[True] >= scores_bytes  # the measure sees the weights when they are kept
+    assert peaks[False] < scores_bytes / 8

@@ -240,7 +240,9 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None,
     if keep is not None:
         # One axis per axis of the scores, so that blocks can index it
         keep = keep.reshape((1,) * (scores.ndim - keep.ndim) + keep.shape)
-    blocks = list(_row_blocks(scores)) if scores.nbytes >= _PARALLEL_BYTES else []
+    blocks = []
+    if scores.nbytes >= _PARALLEL_BYTES and scores.flags.c_contiguous:
+        blocks = list(_row_blocks(scores.shape, scores.itemsize, _BLOCK_BYTES))
     if len(blocks) < 2:
         _softmax_rows(scores, keep)
         return scores
@@ -270,15 +272,19 @@ def _softmax_rows(scores: np.ndarray, keep: np.ndarray | None) -> None:
 # Scores smaller than this are done in one piece; blocks hold about _BLOCK_BYTES
 _PARALLEL_BYTES = 1 << 22
 _BLOCK_BYTES = 1 << 20
+# Dot-product attention larger than this is done a block of about this many bytes of scores at
+# a time (see _dot_product_pool)
+_ATTENTION_BLOCK_BYTES = 1 << 23
 
 
-def _row_blocks(scores: np.ndarray):
-    """Indices of blocks of whole rows of a C-contiguous array, about _BLOCK_BYTES each: rows
-    of one (Q, K) slab, or whole slabs along the last leading axis when a slab is smaller."""
-    if scores.ndim < 2 or not scores.flags.c_contiguous:
+def _row_blocks(shape: tuple, itemsize: int, block_bytes: int):
+    """Indices of blocks of whole rows of a C-contiguous array of this shape, about block_bytes
+    each: rows of one (Q, K) slab, or whole slabs along the last leading axis when a slab is
+    smaller. Every index has one entry per axis but the last."""
+    if len(shape) < 2:
         return
-    *leading, num_rows, num_keys = scores.shape
-    rows = max(1, _BLOCK_BYTES // max(num_keys * scores.itemsize, 1))
+    *leading, num_rows, num_keys = shape
+    rows = max(1, block_bytes // max(num_keys * itemsize, 1))
     if rows >= num_rows and leading:
         slabs = rows // num_rows
         for outer in np.ndindex(*leading[:-1]):
@@ -344,6 +350,46 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
     return dropout(weights) @ values, weights if need_weights else None
 
 
+def _dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights=True):
+    """_attention_pool(queries @ keys^T, ...), a block of about _ATTENTION_BLOCK_BYTES of scores
+    at a time when the scores are larger: each block's product, softmax and product with the
+    values run while the block is in cache, and without need_weights the (..., Q, K) scores
+    are never written to memory. The blocks are whole rows and each row takes the same steps,
+    so the output does not depend on need_weights."""
+    keys = np.swapaxes(keys, -1, -2)
+    *leading, num_queries, _ = queries.shape
+    shape = (*leading, num_queries, keys.shape[-1])
+    dtype = np.result_type(queries, keys)
+    if (math.prod(shape) * dtype.itemsize <= _ATTENTION_BLOCK_BYTES
+            or not queries.shape[:-2] == keys.shape[:-2] == values.shape[:-2]):
+        return _attention_pool(queries @ keys, values, keep, bias, dropout, need_weights)
+    # One axis per axis of the scores, so that blocks can index keep and bias
+    keep, bias = (None if x is None else x.reshape((1,) * (len(shape) - x.ndim) + x.shape)
+                  for x in (keep, bias))
+    blocks = list(_row_blocks(shape, dtype.itemsize, _ATTENTION_BLOCK_BYTES))
+    output = np.empty((*shape[:-1], values.shape[-1]), np.result_type(dtype, values))
+    weights = np.empty(shape, dtype) if need_weights else None
+    scratch = None
+    for index in blocks:
+        # index picks the block's rows of the scores, queries and output; index[:-1] its
+        # leading axes of the keys and values
+        block_queries = queries[index]
+        block_shape = (*block_queries.shape[:-1], shape[-1])
+        if need_weights:
+            scores = weights[index]
+        else:
+            # Every block's scores go to one buffer, sized by the first (largest) block
+            if scratch is None:
+                scratch = np.empty(math.prod(block_shape), dtype)
+            scores = scratch[:math.prod(block_shape)].reshape(block_shape)
+        np.matmul(block_queries, keys[index[:-1]], out=scores)
+        if bias is not None:
+            scores += _block_of(bias, index)
+        _softmax(scores, _block_of(keep, index), in_place=True)
+        np.matmul(dropout(scores), values[index[:-1]], out=output[index])
+    return output, weights
+
+
 # ---------------------------------------------------------------------------------------------
 # Layers
 
@@ -396,9 +442,11 @@ class DotProductAttention(Module):
         d = queries.shape[-1]
         # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
         # the scores touches Q x d numbers instead of Q x K
-        scores = (queries / np.sqrt(queries.dtype.type(d))) @ np.swapaxes(keys, -1, -2)
-        output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights
+        # Shape of the scores: (..., no. of queries, no. of keys). Scaling the queries rather
+        # than the scores touches Q x d numbers instead of Q x K
+        output, self.attention_weights = _dot_product_pool(
+            queries / np.sqrt(queries.dtype.type(d)), keys, values, keep, bias, self.dropout,
+            need_weights,
         )
         return output
 
