@@ -87,6 +87,8 @@ class Result:
     builtin_peak_mib: float | None = None
     repeats: int = 0
     note: str = ""
+    # The 95% confidence interval of the ratio (paired_ratio_interval)
+    ratio_interval: tuple[float, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
@@ -140,6 +142,24 @@ def _interleaved_times(
 def paired_ratio(ours: Sequence[float], theirs: Sequence[float]) -> float:
     """The median over rounds of ours / theirs, each pair from the same round."""
     return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+
+
+def paired_ratio_interval(
+    ours: Sequence[float], theirs: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float]:
+    """A confidence interval of paired_ratio that assumes nothing of the distribution: from
+    the j-th smallest per-round ratio to the j-th largest, which hold the median between them
+    with probability 1 - 2 P(Binomial(n, 1/2) < j), for the largest j that keeps this at
+    least `confidence` (the 40th to the 61st of 100). With 5 rounds or fewer it is the whole
+    range. An interval that holds 1.0 is a tie: the two differ by less than the run can tell.
+    """
+    ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+    n = len(ratios)
+    j, below = 1, 1 / 2**n  # below = P(Binomial(n, 1/2) < j)
+    while j < n // 2 and 2 * (below + math.comb(n, j) / 2**n) <= 1 - confidence:
+        below += math.comb(n, j) / 2**n
+        j += 1
+    return ratios[j - 1], ratios[n - j]
 
 
 def _status_kib(field: str) -> int | None:
@@ -225,29 +245,37 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     d, h = config.num_hiddens, config.num_heads
     ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d).eval()
     mha.set_weights(ours, _weights(config))
-    theirs = nn.MultiheadAttention(d, h, bias=False, batch_first=True).eval()
-    # key_padding_mask: True = ignore that key
-    padding = None
-    if valid_lens is not None:
-        padding = torch.arange(config.length)[None, :] >= valid_lens[:, None]
+    # The built-ins hold mha's weights, so that every layer computes the same numbers
+    theirs = mha.interop.to_torch(ours, batch_first=True).eval()
+
+    # Masks are made from valid_lens inside each timed call, as mha makes its own: a batch's
+    # lengths change from batch to batch
+    def padding_mask():
+        # key_padding_mask: True = ignore that key
+        if valid_lens is None:
+            return None
+        return torch.arange(config.length)[None, :] >= valid_lens[:, None]
 
     class SDPAttention(nn.Module):
         """Multi-head self-attention on F.scaled_dot_product_attention, packed projections."""
 
         def __init__(self):
             super().__init__()
-            self.in_proj = nn.Linear(d, 3 * d, bias=False)
+            # Named as nn.MultiheadAttention's packed in_proj_weight and out_proj.weight
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * d, d))
             self.out_proj = nn.Linear(d, d, bias=False)
 
         def forward(self, X, keep=None):
             b, n, _ = X.shape
             # Shape of q, k, v: (batch_size, num_heads, length, num_hiddens / num_heads)
-            q, k, v = self.in_proj(X).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            q, k, v = (
+                F.linear(X, self.in_proj_weight).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            )
             output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
             return self.out_proj(output.transpose(1, 2).reshape(b, n, d))
 
     sdpa = SDPAttention().eval()
-    keep = None if padding is None else (~padding)[:, None, None, :]
+    sdpa.load_state_dict(theirs.state_dict())
 
     def run_ours():
         return ours(X, X, X, valid_lens, need_weights=config.need_weights)
@@ -259,14 +287,15 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
             X,
             X,
             X,
-            key_padding_mask=padding,
+            key_padding_mask=padding_mask(),
             need_weights=config.need_weights,
             average_attn_weights=False,
         )
         return output
 
     def run_sdpa():
-        return sdpa(X, keep)
+        padding = padding_mask()
+        return sdpa(X, None if padding is None else (~padding)[:, None, None, :])
 
     layers = {"mha": (run_ours, ours), "nn.MultiheadAttention": (run_theirs, theirs)}
     if not config.need_weights:
@@ -307,20 +336,22 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
 
     module = load_backend("tensorflow")
     tf = module.tf
-    keras = module.keras
     X_np, lens_np = _inputs(config)
     X = tf.constant(X_np)
     valid_lens = None if lens_np is None else tf.constant(lens_np)
     d, h = config.num_hiddens, config.num_heads
     ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
     mha.set_weights(ours, _weights(config))
-    theirs = keras.layers.MultiHeadAttention(h, d // h, use_bias=False)
-    theirs(X[:1, :2], X[:1, :2])  # build
-    # attention_mask (batch_size, queries, keys): True = attend
-    attention_mask = None
-    if valid_lens is not None:
+    # The built-in holds mha's weights, so that both compute the same numbers
+    theirs = mha.interop.to_keras(ours)
+
+    # The mask is made from valid_lens inside each timed call, as mha makes its own
+    def attention_mask():
+        # (batch_size, queries, keys): True = attend
+        if valid_lens is None:
+            return None
         keep = tf.range(config.length)[None, :] < tf.cast(valid_lens, tf.int32)[:, None]
-        attention_mask = tf.tile(keep[:, None, :], [1, config.length, 1])
+        return tf.tile(keep[:, None, :], [1, config.length, 1])
 
     def run_ours(training=False):
         return ours(X, X, X, valid_lens, need_weights=config.need_weights, training=training)
@@ -331,7 +362,7 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
         outputs = theirs(
             X,
             X,
-            attention_mask=attention_mask,
+            attention_mask=attention_mask(),
             return_attention_scores=config.need_weights,
             training=training,
         )
@@ -616,7 +647,9 @@ def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
         # The fraction of the roofline reached, round by round: (flops / t_mha) / (rate of
         # the product in the same round) = t_product / t_mha x (flops / product's flops)
         product = 2.0 * ROOFLINE_SIZE**3
-        fraction = paired_ratio(times[ROOFLINE], ours) * config.forward_flops() / product
+        scale = config.forward_flops() / product
+        fraction = paired_ratio(times[ROOFLINE], ours) * scale
+        low, high = paired_ratio_interval(times[ROOFLINE], ours)
         achieved = config.forward_flops() / median["mha"] / 1e9
         rate = product / median[ROOFLINE] / 1e9
         return [
@@ -633,6 +666,7 @@ def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
                 None,
                 len(ours),
                 note=f"{achieved:.1f} of {rate:.1f} GFLOP/s",
+                ratio_interval=(low * scale, high * scale),
             )
         ]
     return [
@@ -648,6 +682,7 @@ def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
             peaks["mha"],
             peaks[name],
             len(ours),
+            ratio_interval=paired_ratio_interval(ours, theirs),
         )
         for name, theirs in times.items()
         if name != "mha"
@@ -722,19 +757,21 @@ def _number(value: float | None, digits: int = 2) -> str:
 
 
 def markdown_table(results: Sequence[Result]) -> str:
-    """The rows as a markdown table; ratio = mha / built-in (numpy: fraction of the roofline)."""
+    """The rows as a markdown table; ratio = mha / built-in (numpy: fraction of the roofline),
+    with its 95% confidence interval."""
     header = (
         "| backend | mode | (B, L, d, h) | valid_lens | need_weights | pass | built-in "
-        "| mha ms | built-in ms | ratio | mha MiB | built-in MiB |"
+        "| mha ms | built-in ms | ratio | 95% interval | mha MiB | built-in MiB |"
     )
-    lines = [header, "|" + "---|" * 12]
+    lines = [header, "|" + "---|" * 13]
     for r in results:
         builtin_ms = r.note if r.builtin_ms is None and r.note else _number(r.builtin_ms)
+        interval = "-" if r.ratio_interval is None else " to ".join(map(_number, r.ratio_interval))
         lines.append(
             f"| {r.backend} | {r.mode} | {r.config.shape}"
             f" | {'yes' if r.config.valid_lens else 'no'}"
             f" | {r.config.need_weights} | {r.pass_} | {r.builtin} | {_number(r.mha_ms)}"
-            f" | {builtin_ms} | {_number(r.ratio)} | {_number(r.mha_peak_mib, 1)}"
+            f" | {builtin_ms} | {_number(r.ratio)} | {interval} | {_number(r.mha_peak_mib, 1)}"
             f" | {_number(r.builtin_peak_mib, 1)} |"
         )
     return "\n".join(lines)
@@ -832,7 +869,8 @@ def execute(arguments, out, err, progress=None) -> int:
         file=out,
     )
     print(
-        "ratio = mha / built-in (below 1.0: mha is faster); numpy: fraction of the roofline",
+        "ratio = mha / built-in (below 1.0: mha is faster); numpy: fraction of the roofline. "
+        "An interval that holds 1.0 is a tie.",
         file=out,
     )
     print(markdown_table(results), file=out)

@@ -80,14 +80,42 @@ def test_a_bad_backend_or_shape_is_a_usage_error():
 def test_markdown_table_format():
     config = bench.Config(2, 16, 32, 4, valid_lens=True, need_weights=False)
     result = bench.Result(
-        "torch", "eager", config, "forward", "SDPA layer", 1.5, 3.0, 0.5, 1.0, 2.0, 5
+        "torch",
+        "eager",
+        config,
+        "forward",
+        "SDPA layer",
+        1.5,
+        3.0,
+        0.5,
+        1.0,
+        2.0,
+        5,
+        ratio_interval=(0.45, 0.55),
     )
     table = bench.markdown_table([result]).splitlines()
-    assert table[1] == "|" + "---|" * 12
+    assert table[1] == "|" + "---|" * 13
     assert table[2] == (
         "| torch | eager | (2, 16, 32, 4) | yes | False | forward | SDPA layer | 1.50 | 3.00 "
-        "| 0.50 | 1.0 | 2.0 |"
+        "| 0.50 | 0.45 to 0.55 | 1.0 | 2.0 |"
     )
+
+
+def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
+    # The textbook distribution-free 95% interval of a median of 100 values is from the 40th
+    # to the 61st smallest (binomial tables); of 10 values from the 2nd to the 9th (it holds
+    # the median with probability 1 - 2 x 11/1024); of 5 values the whole range
+    ours = [float(rank) for rank in (17, 3, 88, 100, 40, 61, 1, 59)] + [
+        float(rank) for rank in range(1, 101) if rank not in (17, 3, 88, 100, 40, 61, 1, 59)
+    ]
+    assert bench.paired_ratio_interval(ours, [1.0] * 100) == (40.0, 61.0)
+    assert bench.paired_ratio_interval([float(r) for r in range(10, 0, -1)], [1.0] * 10) == (
+        2.0,
+        9.0,
+    )
+    assert bench.paired_ratio_interval([3.0, 1.0, 5.0, 2.0, 4.0], [1.0] * 5) == (1.0, 5.0)
+    # Pairs are divided round by round: a slow round on both sides is no outlier
+    assert bench.paired_ratio_interval([2.0, 20.0, 4.0], [1.0, 10.0, 2.0]) == (2.0, 2.0)
 
 
 @pytest.mark.mxnet
@@ -123,3 +151,28 @@ def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
         rtol=1e-5,
         atol=1e-7,
     )
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("torch", marks=pytest.mark.torch),
+        pytest.param("tensorflow", marks=pytest.mark.tensorflow),
+    ],
+)
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_every_timed_layer_computes_what_mha_computes(backend, need_weights):
+    # A ratio is only fair between layers that do the same work: the built-ins hold mha's
+    # weights and make their masks from the same valid_lens inside the timed call, so every
+    # timed forward call returns mha's output
+    import numpy as np
+
+    backend_module(backend)
+    config = bench.Config(3, 10, 8, 2, valid_lens=True, need_weights=need_weights)
+    calls = bench._CALLS[backend](config, bench.MODES[backend][0])["forward"]
+    assert len(calls) == (2 if need_weights or backend == "tensorflow" else 3)
+    outputs = {name: np.asarray(call()) for name, call in calls.items()}
+    _, lens = bench._inputs(config)
+    assert lens.min() < 10  # some keys are masked
+    for name, output in outputs.items():
+        np.testing.assert_allclose(output, outputs["mha"], rtol=1e-5, atol=1e-6, err_msg=name)
