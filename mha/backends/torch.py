@@ -310,22 +310,25 @@ def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
 
 
 def _product_plus(additive: torch.Tensor | None, queries: torch.Tensor,
-                  keys: torch.Tensor) -> torch.Tensor:
-    """additive + queries @ keys^T in one torch.baddbmm over the leading axes flattened
-    (torch.bmm without additive): keys are copied once into rows, not gathered transposed."""
+                  keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """additive + scale * queries @ keys^T in one torch.baddbmm over the leading axes
+    flattened: the scale is applied inside the product (no pass over the queries) and keys
+    are copied once into rows, not gathered transposed."""
     *leading, num_queries, d = queries.shape
     num_keys = keys.shape[-2]
     size = math.prod(leading)
     queries = queries.reshape(size, num_queries, d)
     keys = keys.reshape(size, num_keys, d).transpose(1, 2)
     if additive is None:
-        return torch.bmm(queries, keys).view(*leading, num_queries, num_keys)
+        # beta=0: the zero input is not read, only broadcast
+        scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0, alpha=scale)
+        return scores.view(*leading, num_queries, num_keys)
     # Shape of additive: (1 or size, 1 or no. of queries, 1 or no. of keys)
     additive = additive.reshape((1,) * (queries.dim() - additive.dim()) + additive.shape)
     if any(n != 1 for n in additive.shape[:-2]):
         additive = additive.expand(*leading, *additive.shape[-2:])
     additive = additive.reshape(-1, *additive.shape[-2:])
-    scores = torch.baddbmm(additive, queries, keys)
+    scores = torch.baddbmm(additive, queries, keys, alpha=scale)
     return scores.view(*leading, num_queries, num_keys)
 
 
@@ -384,23 +387,23 @@ class DotProductAttention(Module):
             self.attention_weights = None
             return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         d = queries.shape[-1]
-        # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
-        queries = queries / math.sqrt(d)
         if bias is None and (keep is None or _mask_fits_product(keep, queries)):
-            # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
-            # one pass over the scores fewer. Shape of scores: (..., no. of queries, no. of keys)
+            # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm),
+            # and the product is scaled there: two passes fewer. Shape of scores:
+            # (..., no. of queries, no. of keys)
             additive, attended = None, None
             if keep is not None:
                 additive, attended = _additive_mask(keep, queries.dtype, queries.device)
-            scores = _product_plus(additive, queries, keys)
+            scores = _product_plus(additive, queries, keys, 1 / math.sqrt(d))
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
                 output = torch.where(attended, output, 0.0)
                 weights = torch.where(attended, weights, 0.0)
             self.attention_weights = weights
             return output
-        # Shape of scores: (..., no. of queries, no. of keys)
-        scores = queries @ keys.transpose(-1, -2)
+        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
+        # the scores touches Q x d numbers instead of Q x K
+        scores = (queries / math.sqrt(d)) @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights
         )
