@@ -429,16 +429,13 @@ def test_multihead_against_loops(case, bias, softmax_blocks):
         head_mask = rng.random((batch, num_heads))
     if case == "combined":
         head_mask = np.array([0.0, 2.0, 1.0])
-    output = layer(
-        queries,
-        keys,
-        values,
-        masks.get("valid_lens"),
+    arguments = dict(
         mask=masks.get("mask"),
         causal=masks.get("causal", False),
         window_mask=masks.get("window_mask"),
         head_mask=head_mask,
     )
+    output = layer(queries, keys, values, masks.get("valid_lens"), **arguments)
     keep = keep_of(
         batch,
         num_queries,
@@ -467,17 +464,7 @@ def test_multihead_against_loops(case, bias, softmax_blocks):
     np.testing.assert_allclose(layer.attention_weights, weights, atol=1e-12)
     assert layer.attention_weights.shape == (batch, num_heads, num_queries, num_keys)
     # Without the weights: the same output, by the same steps
-    without = layer(
-        queries,
-        keys,
-        values,
-        masks.get("valid_lens"),
-        mask=masks.get("mask"),
-        causal=masks.get("causal", False),
-        window_mask=masks.get("window_mask"),
-        head_mask=head_mask,
-        need_weights=False,
-    )
+    without = layer(queries, keys, values, masks.get("valid_lens"), **arguments, need_weights=False)
     np.testing.assert_array_equal(without, output)
     assert layer.attention_weights is None
 
