@@ -463,9 +463,9 @@ def test_multihead_against_loops(case, bias, softmax_blocks):
     np.testing.assert_allclose(output, expected, atol=1e-12)
     np.testing.assert_allclose(layer.attention_weights, weights, atol=1e-12)
     assert layer.attention_weights.shape == (batch, num_heads, num_queries, num_keys)
-    # Without the weights: the same output, by the same steps
+    # Without the weights: the same output, to rounding (large scores go in blocks then)
     without = layer(queries, keys, values, masks.get("valid_lens"), **arguments, need_weights=False)
-    np.testing.assert_array_equal(without, output)
+    np.testing.assert_allclose(without, output, rtol=1e-12, atol=1e-15)
     assert layer.attention_weights is None
 
 
@@ -479,7 +479,7 @@ def test_multihead_book_example_shapes_and_need_weights(softmax_blocks):
     assert mha.get_weights(layer)["W_q"].shape == (100, 100)  # sizes inferred at the call
     again = layer(X, Y, Y, valid_lens, need_weights=False)
     assert layer.attention_weights is None
-    np.testing.assert_array_equal(again, output)
+    np.testing.assert_allclose(again, output, rtol=1e-6, atol=1e-7)
 
 
 def test_dropout_acts_only_when_training_and_is_seedable():
@@ -641,8 +641,9 @@ def test_softmax_in_row_blocks_equals_the_whole_and_uses_the_pool(
 def test_dot_product_attention_in_blocks_equals_the_whole(
     keep_shape, block_bytes, blocks, need_weights, monkeypatch
 ):
-    # Scores of 2 x 3 x 40 x 24 float64 done in blocks of 7 rows of one head, or of 2 whole
-    # heads: each block must take its own rows of the queries, keys, values, keep and bias
+    # Without weights, scores of 2 x 3 x 40 x 24 float64 done in blocks of 7 rows of one
+    # head, or of 2 whole heads: each block must take its own rows of the queries, keys,
+    # values, keep and bias. With weights, they are written whole, in one piece
     rng = np.random.default_rng(41)
     queries = rng.standard_normal((2, 3, 40, 5))
     keys = rng.standard_normal((2, 3, 24, 5))
@@ -658,10 +659,10 @@ def test_dot_product_attention_in_blocks_equals_the_whole(
     monkeypatch.setattr(N, "_softmax", lambda *a, **k: softmax_calls.append(1) or softmax(*a, **k))
     monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", block_bytes)
     output, weights = N._dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights)
-    assert len(softmax_calls) == blocks
+    assert len(softmax_calls) == (1 if need_weights else blocks)
     np.testing.assert_allclose(output, whole[0], rtol=1e-12, atol=1e-15)
     if need_weights:
-        np.testing.assert_allclose(weights, whole[1], rtol=1e-12, atol=1e-15)
+        np.testing.assert_array_equal(weights, whole[1])
     else:
         assert weights is None
 

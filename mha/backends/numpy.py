@@ -351,43 +351,38 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
 
 
 def _dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights=True):
-    """_attention_pool(queries @ keys^T, ...), a block of about _ATTENTION_BLOCK_BYTES of scores
-    at a time when the scores are larger: each block's product, softmax and product with the
-    values run while the block is in cache, and without need_weights the (..., Q, K) scores
-    are never written to memory. The blocks are whole rows and each row takes the same steps,
-    so the output does not depend on need_weights."""
+    """_attention_pool(queries @ keys^T, ...). Without need_weights and with more than
+    _ATTENTION_BLOCK_BYTES of scores, a block of whole rows of about that size at a time, all in
+    one reused buffer: the (..., Q, K) scores are never held whole, and each block's product,
+    softmax and product with the values run while the block is in cache. (With need_weights
+    the weights are written whole anyway, and the blocks cost more than they save.)"""
     keys = np.swapaxes(keys, -1, -2)
     *leading, num_queries, _ = queries.shape
     shape = (*leading, num_queries, keys.shape[-1])
     dtype = np.result_type(queries, keys)
-    if (math.prod(shape) * dtype.itemsize <= _ATTENTION_BLOCK_BYTES
+    if (need_weights or math.prod(shape) * dtype.itemsize <= _ATTENTION_BLOCK_BYTES
             or not queries.shape[:-2] == keys.shape[:-2] == values.shape[:-2]):
         return _attention_pool(queries @ keys, values, keep, bias, dropout, need_weights)
     # One axis per axis of the scores, so that blocks can index keep and bias
     keep, bias = (None if x is None else x.reshape((1,) * (len(shape) - x.ndim) + x.shape)
                   for x in (keep, bias))
-    blocks = list(_row_blocks(shape, dtype.itemsize, _ATTENTION_BLOCK_BYTES))
     output = np.empty((*shape[:-1], values.shape[-1]), np.result_type(dtype, values))
-    weights = np.empty(shape, dtype) if need_weights else None
     scratch = None
-    for index in blocks:
+    for index in _row_blocks(shape, dtype.itemsize, _ATTENTION_BLOCK_BYTES):
         # index picks the block's rows of the scores, queries and output; index[:-1] its
         # leading axes of the keys and values
         block_queries = queries[index]
         block_shape = (*block_queries.shape[:-1], shape[-1])
-        if need_weights:
-            scores = weights[index]
-        else:
-            # Every block's scores go to one buffer, sized by the first (largest) block
-            if scratch is None:
-                scratch = np.empty(math.prod(block_shape), dtype)
-            scores = scratch[:math.prod(block_shape)].reshape(block_shape)
+        if scratch is None:
+            # Sized by the first block, the largest
+            scratch = np.empty(math.prod(block_shape), dtype)
+        scores = scratch[:math.prod(block_shape)].reshape(block_shape)
         np.matmul(block_queries, keys[index[:-1]], out=scores)
         if bias is not None:
             scores += _block_of(bias, index)
         _softmax(scores, _block_of(keep, index), in_place=True)
         np.matmul(dropout(scores), values[index[:-1]], out=output[index])
-    return output, weights
+    return output, None
 
 
 # ---------------------------------------------------------------------------------------------
