@@ -150,8 +150,9 @@ def paired_ratio_interval(
     """A confidence interval of paired_ratio that assumes nothing of the distribution: from
     the j-th smallest per-round ratio to the j-th largest, which hold the median between them
     with probability 1 - 2 P(Binomial(n, 1/2) < j), for the largest j that keeps this at
-    least `confidence` (the 40th to the 61st of 100). With 5 rounds or fewer it is the whole
-    range. An interval that holds 1.0 is a tie: the two differ by less than the run can tell.
+    least `confidence` (the 40th to the 61st of 100). With 8 rounds or fewer it is the whole
+    range (which, with 5 or fewer, holds the median with less than that probability). An
+    interval that holds 1.0 is a tie: the two differ by less than the run can tell.
     """
     ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
     n = len(ratios)

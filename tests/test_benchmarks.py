@@ -114,6 +114,10 @@ def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
         9.0,
     )
     assert bench.paired_ratio_interval([3.0, 1.0, 5.0, 2.0, 4.0], [1.0] * 5) == (1.0, 5.0)
+    # 8 values: the 2nd to the 7th would hold it with probability 1 - 2 x 9/256 < 95%; 9 values:
+    # the 2nd to the 8th, 1 - 2 x 10/512
+    assert bench.paired_ratio_interval([float(r) for r in range(1, 9)], [1.0] * 8) == (1.0, 8.0)
+    assert bench.paired_ratio_interval([float(r) for r in range(1, 10)], [1.0] * 9) == (2.0, 8.0)
     # Pairs are divided round by round: a slow round on both sides is no outlier
     assert bench.paired_ratio_interval([2.0, 20.0, 4.0], [1.0, 10.0, 2.0]) == (2.0, 2.0)
 

@@ -435,8 +435,6 @@ class DotProductAttention(Module):
         the mask helpers. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
-        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
-        # the scores touches Q x d numbers instead of Q x K
         # Shape of the scores: (..., no. of queries, no. of keys). Scaling the queries rather
         # than the scores touches Q x d numbers instead of Q x K
         output, self.attention_weights = _dot_product_pool(
