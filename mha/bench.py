@@ -18,8 +18,11 @@ without bias, float32, dropout 0. Forward passes run as inference (no gradient t
 backward pass differentiates sum(output) with respect to X and every weight. Each time is the
 median of repeated calls after warm-up; the ratio is the median, over the rounds, of mha's time
 over the built-in's in the same round (a pair of neighbouring calls sees the same load), so
-below 1.0 means mha is faster. Peak memory is the growth of the process's peak resident set
-(VmHWM, reset through /proc/self/clear_refs) during one call: it counts every allocator.
+below 1.0 means mha is faster; each ratio comes with a 95% confidence interval, and one that
+holds 1.0 is a tie. Every layer holds the same weights, and torch's and Keras's layers make
+their masks from valid_lens inside the timed call, as mha does. Peak memory is the growth of
+the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) during one call:
+it counts every allocator.
 """
 
 from __future__ import annotations

@@ -237,9 +237,7 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None,
     """
     if not in_place:
         scores = scores.copy()
-    if keep is not None:
-        # One axis per axis of the scores, so that blocks can index it
-        keep = keep.reshape((1,) * (scores.ndim - keep.ndim) + keep.shape)
+    keep = _one_axis_per_axis(keep, scores.ndim)
     blocks = []
     if scores.nbytes >= _PARALLEL_BYTES and scores.flags.c_contiguous:
         blocks = list(_row_blocks(scores.shape, scores.itemsize, _BLOCK_BYTES))
@@ -294,6 +292,12 @@ def _row_blocks(shape: tuple, itemsize: int, block_bytes: int):
     for index in np.ndindex(*leading):
         for start in range(0, num_rows, rows):
             yield (*index, slice(start, start + rows))
+
+
+def _one_axis_per_axis(x: np.ndarray | None, ndim: int) -> np.ndarray | None:
+    # x, broadcastable to scores of ndim axes, with leading axes of size 1 added up to ndim, so
+    # that a block's index can pick its part (_block_of)
+    return None if x is None else x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
 def _block_of(keep: np.ndarray | None, index: tuple) -> np.ndarray | None:
@@ -363,9 +367,7 @@ def _dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights=T
     if (need_weights or math.prod(shape) * dtype.itemsize <= _ATTENTION_BLOCK_BYTES
             or not queries.shape[:-2] == keys.shape[:-2] == values.shape[:-2]):
         return _attention_pool(queries @ keys, values, keep, bias, dropout, need_weights)
-    # One axis per axis of the scores, so that blocks can index keep and bias
-    keep, bias = (None if x is None else x.reshape((1,) * (len(shape) - x.ndim) + x.shape)
-                  for x in (keep, bias))
+    keep, bias = _one_axis_per_axis(keep, len(shape)), _one_axis_per_axis(bias, len(shape))
     output = np.empty((*shape[:-1], values.shape[-1]), np.result_type(dtype, values))
     scratch = None
     for index in _row_blocks(shape, dtype.itemsize, _ATTENTION_BLOCK_BYTES):
