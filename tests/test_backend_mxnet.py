@@ -7,6 +7,8 @@ files, Gluon habits (train_mode, contexts, numpy semantics kept inside), and the
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -305,6 +307,38 @@ def test_hybridized_attention_matches_imperative_and_numpy(MX, name):
                     atol=1e-12,
                 )
     assert hybrid._cached_op is not None  # the graph really ran
+
+
+def test_hybridized_layer_traces_each_structure_of_call_once(MX, mx):
+    # Calls that alternate (with and without valid_lens, evaluation and training) reuse the
+    # graph traced for their structure; hybridize() again traces anew
+    imperative, reference = pair(MX, "MultiHeadAttention", "float64")
+    hybrid, _ = pair(MX, "MultiHeadAttention", "float64")
+    hybrid.hybridize()
+    traces = []
+    trace = hybrid.hybrid_forward
+    hybrid.hybrid_forward = lambda F, *args: traces.append(F) or trace(F, *args)
+    args = inputs("float64")
+    mx_args = [MX.from_numpy(a) for a in args]
+    cases = [{}, {"valid_lens": np.array([0, 1, 6, 3])}]
+
+    def call(layer, kwargs, recording):
+        with mx.autograd.record() if recording else contextlib.nullcontext():
+            output = layer(*mx_args, **to_mx(MX, kwargs))
+        return MX.to_numpy(output)
+
+    for _ in range(3):
+        for kwargs in cases:
+            for recording in (False, True):
+                actual = call(hybrid, kwargs, recording)
+                np.testing.assert_allclose(
+                    actual, call(imperative, kwargs, recording), rtol=0, atol=1e-12
+                )
+                assert_close(actual, reference(*args, **kwargs), "float64")
+    assert len(traces) == len(cases) * 2
+    hybrid.hybridize()
+    call(hybrid, cases[0], False)
+    assert len(traces) == len(cases) * 2 + 1
 
 
 def test_hybridized_encoding_and_add_norm_match_imperative(MX):
