@@ -46,6 +46,9 @@ Shape = tuple[int | None, ...]
 def shape_of(x: Any) -> Shape:
     """The shape of a numpy array or framework tensor as a tuple; unknown sizes are None."""
     shape = x.shape
+    if isinstance(shape, tuple) and all(type(d) is int for d in shape):
+        # numpy, torch.Size, MXNet: plain ints already (checks run on every call)
+        return tuple(shape)
     if hasattr(shape, "as_list"):  # tf.TensorShape, possibly with unknown dimensions
         return tuple(shape.as_list()) if shape.rank is not None else ()
     return tuple(None if d is None else int(d) for d in shape)
@@ -57,6 +60,22 @@ def dtype_name(x: Any) -> str:
 
 
 def _plain_dtype_name(dtype: Any) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable
+        name = _read_dtype_name(dtype)
+    try:
+        _DTYPE_NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+# Names already read, by dtype object: reading one parses its text, on every call
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _read_dtype_name(dtype: Any) -> str:
     name = getattr(dtype, "name", None)  # numpy dtype, tf.DType
     if isinstance(name, str):
         return name

@@ -513,11 +513,12 @@ class MultiHeadAttention(Module):
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True):
+        query_size = _in_features(self.W_q)
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             dtype=self.dtype, num_heads=self.num_heads,
-            sizes=(("queries", "query_size", _in_features(self.W_q)),
+            sizes=(("queries", "query_size", query_size),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
@@ -530,7 +531,7 @@ class MultiHeadAttention(Module):
         )
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
-        if queries is keys is values and _in_features(self.W_q) is not None:
+        if queries is keys is values and query_size is not None:
             # Self-attention: one packed (3 num_hiddens x in) product instead of three, as
             # nn.MultiheadAttention does. Each output column is the same dot product as before
             weight, in_bias = self._packed_in_projection()
