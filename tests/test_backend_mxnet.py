@@ -519,6 +519,26 @@ def test_train_mode_decides_dropout(MX, mx):
     assert not np.any(MX.to_numpy(encoding(X)) == 0)
 
 
+def test_inputs_are_not_modified(MX):
+    # Run imperatively, masks are added into the layer's own scores in place: never into an
+    # argument
+    layer, _ = pair(MX, "MultiHeadAttention", "float32")
+    args = [MX.from_numpy(a) for a in inputs("float32")]
+    arguments = to_mx(MX, cast_case(MASK_CASES["combined"], "float32"))
+    tensors = [*args, *(v for v in arguments.values() if not isinstance(v, bool))]
+    copies = [MX.to_numpy(t).copy() for t in tensors]
+    for need_weights in (True, False):
+        layer(*args, need_weights=need_weights, **arguments)
+    X = MX.from_numpy(np.random.default_rng(3).standard_normal((B, Q, K)).astype("float32"))
+    tensors.append(X)
+    copies.append(MX.to_numpy(X).copy())
+    MX.masked_softmax(X, arguments["valid_lens"])
+    additive, _ = pair(MX, "AdditiveAttention", "float32")
+    additive(*args, arguments["valid_lens"], window_mask=arguments["window_mask"])
+    for tensor, copy in zip(tensors, copies, strict=True):
+        np.testing.assert_array_equal(MX.to_numpy(tensor), copy)
+
+
 def test_numpy_semantics_stay_inside_the_blocks(MX, mx):
     before = mx.util.is_np_array(), mx.util.is_np_shape()
     layer = MX.MultiHeadAttention(8, 2)
