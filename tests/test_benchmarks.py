@@ -4,6 +4,7 @@ No timing is asserted: the numbers depend on the machine and its load.
 """
 
 import io
+import itertools
 import json
 
 import pytest
@@ -120,6 +121,23 @@ def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
     assert bench.paired_ratio_interval([float(r) for r in range(1, 10)], [1.0] * 9) == (2.0, 8.0)
     # Pairs are divided round by round: a slow round on both sides is no outlier
     assert bench.paired_ratio_interval([2.0, 20.0, 4.0], [1.0, 10.0, 2.0]) == (2.0, 2.0)
+
+
+def test_each_call_comes_after_each_other_equally_often():
+    # A call's time depends on the call before it: within rounds, every ordered pair of calls
+    # is adjacent equally often, and every call runs once per round
+    sequence = []
+    calls = {name: (lambda name=name: sequence.append(name)) for name in "abc"}
+    budget = bench.Budget(warmup=0, min_repeats=12, max_repeats=12, seconds=0.0)
+    times = bench._interleaved_times(calls, budget)
+    assert {name: len(seconds) for name, seconds in times.items()} == dict.fromkeys("abc", 12)
+    rounds = [sequence[start : start + 3] for start in range(0, len(sequence), 3)]
+    assert all(sorted(order) == list("abc") for order in rounds)
+    pairs = {}
+    for order in rounds:
+        for before, after in itertools.pairwise(order):
+            pairs[before, after] = pairs.get((before, after), 0) + 1
+    assert len(pairs) == 6 and set(pairs.values()) == {4}
 
 
 @pytest.mark.mxnet
