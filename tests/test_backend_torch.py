@@ -425,12 +425,15 @@ def test_inputs_are_not_modified(T, torch):
         "window_mask": T.from_numpy(_window_additive(rng, 3, 6, "float32")),
         "head_mask": T.from_numpy(np.array([True, False])),
     }
-    tensors = [queries, keys, values, *arguments.values()]
+    X = torch.randn(4, 3, 6)
+    tensors = [queries, keys, values, *arguments.values(), X]
     copies = [t.clone() for t in tensors]
     versions = [t._version for t in tensors]
     for need_weights in (True, False):
         layer(queries, keys, values, causal=True, need_weights=need_weights, **arguments)
-    T.masked_softmax(torch.randn(4, 3, 6), arguments["valid_lens"])
+        layer(queries, keys, values, need_weights=need_weights)
+    T.masked_softmax(X, arguments["valid_lens"])
+    T.masked_softmax(X)
     _, additive = pair(T, "additive", "float32")
     additive(queries, keys, values, arguments["valid_lens"], window_mask=arguments["window_mask"])
     for tensor, copy, version in zip(tensors, copies, versions, strict=True):
