@@ -122,6 +122,10 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
     )
 
 
+# What Gluon's HybridBlock keeps of its traced graph (MXNet 1.9.1)
+_GRAPH_STATE = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", "_out_format")
+
+
 @mx.util.use_np
 class Layer(nn.HybridBlock):
     """A HybridBlock called with keyword arguments, whose graph follows the call's structure.
@@ -159,18 +163,13 @@ class Layer(nn.HybridBlock):
             # the graph of this structure is taken back if it was traced before (calls that
             # alternate, training and evaluation for one, trace each structure once)
             if self._cached_op is not None:
-                self._graphs[self._structure] = self._cached_state()
-            state = self._graphs.pop(call, None)
+                self._graphs[self._structure] = {a: getattr(self, a) for a in _GRAPH_STATE}
+            state = self._graphs.pop(call, {})
             nn.HybridBlock._clear_cached_op(self)
-            if state is not None:
-                (self._cached_graph, self._cached_op, self._cached_op_args, self._in_format,
-                 self._out_format) = state
+            for attribute, value in state.items():
+                setattr(self, attribute, value)
             self._structure = call
         return nn.HybridBlock.forward(self, *inputs)
-
-    def _cached_state(self):
-        return (self._cached_graph, self._cached_op, self._cached_op_args, self._in_format,
-                self._out_format)
 
     def _clear_cached_op(self):
         # Gluon clears the graph when it is no longer valid (hybridize, cast, a new child):
@@ -457,17 +456,9 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) ->
     validation.check_masked_softmax_call(X, valid_lens)
     _check_valid_lens_values(valid_lens)
     F, dtype = mx.nd, numpy.dtype(X.dtype).name
+    recording = mx.autograd.is_recording()
     if valid_lens is None:
-        return _softmax(F, X, None, dtype)
-    if mx.autograd.is_recording():
-        # Shape of lengths: (batch_size, 1 or no. of queries), clipped to the number of keys,
-        # then one axis per middle axis of X and broadcast to X's shape without the key axis
-        lengths = mx.np.minimum(valid_lens.reshape(valid_lens.shape[0], -1), X.shape[-1])
-        if X.ndim == 2:
-            lengths = lengths[:, 0]
-        lengths = lengths.reshape(lengths.shape[:1] + (1,) * (X.ndim - 3) + lengths.shape[1:])
-        lengths = mx.np.broadcast_to(lengths.astype("int32"), X.shape[:-1])
-        return _softmax(F, X, _Lengths(lengths), dtype)
+        return _softmax(F, X, None, dtype, recording)
     # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
     # middle axis of X so that it broadcasts against X
     key_positions = mx.np.arange(X.shape[-1], dtype=_position_dtype(dtype), ctx=X.ctx)
@@ -475,7 +466,7 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) ->
     if X.ndim == 2:
         keep = keep[:, 0, :]
     keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
-    return _softmax(F, X, keep, dtype)
+    return _softmax(F, X, keep, dtype, recording)
 
 
 def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
