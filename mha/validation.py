@@ -240,8 +240,8 @@ def _check_input(name: str, x: Any, dtype: str) -> Shape:
     return shape
 
 
-def _check_size(name: str, x: Any, size_name: str, size: int | None) -> None:
-    if size is not None and not _same(shape_of(x)[-1], size):
+def _check_size(name: str, x: Any, shape: Shape, size_name: str, size: int | None) -> None:
+    if size is not None and not _same(shape[-1], size):
         raise ValueError(
             f"The last axis of {name} must have size {size_name}={size}. "
             f"Received: {_describe(name, x)}"
@@ -375,9 +375,10 @@ def check_attention_call(
         same_query_key_size: queries and keys must share their last axis (dot product).
         num_heads: set for multi-head attention; allows 4-D masks and `head_mask`.
     """
+    # Self-attention passes one tensor three times: it is checked once
     q_shape = _check_input("queries", queries, dtype)
-    k_shape = _check_input("keys", keys, dtype)
-    v_shape = _check_input("values", values, dtype)
+    k_shape = q_shape if keys is queries else _check_input("keys", keys, dtype)
+    v_shape = k_shape if values is keys else _check_input("values", values, dtype)
     batch_size, num_queries, num_keys = q_shape[0], q_shape[1], k_shape[1]
     if not (_same(batch_size, k_shape[0]) and _same(batch_size, v_shape[0])):
         raise ValueError(
@@ -391,15 +392,21 @@ def check_attention_call(
             f"keys with shape {_format_shape(k_shape)}, values with shape "
             f"{_format_shape(v_shape)}"
         )
+    if num_queries == 0 or num_keys == 0:
+        raise ValueError(
+            "queries and keys must each hold at least one position (axis 1): attention over no "
+            f"keys is undefined. Received: queries with shape {_format_shape(q_shape)}, keys "
+            f"with shape {_format_shape(k_shape)}"
+        )
     if same_query_key_size and not _same(q_shape[2], k_shape[2]):
         raise ValueError(
             "queries and keys must have the same feature size (last axis) for dot-product "
             f"scores. Received: queries with shape {_format_shape(q_shape)}, keys with shape "
             f"{_format_shape(k_shape)}"
         )
-    tensors = {"queries": queries, "keys": keys, "values": values}
+    tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
     for argument, size_name, size in sizes:
-        _check_size(argument, tensors[argument], size_name, size)
+        _check_size(argument, *tensors[argument], size_name, size)
     if valid_lens is not None:
         _check_valid_lens(valid_lens, batch_size, num_queries)
     _check_bool("causal", causal)
@@ -430,6 +437,11 @@ def check_masked_softmax_call(X: Any, valid_lens: Any = None) -> None:
             "X must have rank 2 or more: (batch_size, ..., no. of keys). "
             f"Received: {_describe('X', X)}"
         )
+    if shape[-1] == 0:
+        raise ValueError(
+            "X must hold at least one key (last axis): a softmax over no keys is undefined. "
+            f"Received: {_describe('X', X)}"
+        )
     if valid_lens is None:
         return
     _require_tensor("valid_lens", valid_lens)
@@ -444,7 +456,7 @@ def check_masked_softmax_call(X: Any, valid_lens: Any = None) -> None:
 def check_positional_encoding_call(X: Any, num_hiddens: int, max_len: int, dtype: str) -> None:
     """Check PositionalEncoding's call: X (batch_size, no. of steps <= max_len, num_hiddens)."""
     shape = _check_input("X", X, dtype)
-    _check_size("X", X, "num_hiddens", num_hiddens)
+    _check_size("X", X, shape, "num_hiddens", num_hiddens)
     if shape[1] is not None and shape[1] > max_len:
         raise ValueError(
             f"X is longer than max_len={max_len}: build the layer with a larger max_len. "
@@ -460,12 +472,13 @@ def check_add_norm_call(X: Any, Y: Any, num_hiddens: int, dtype: str) -> None:
             raise TypeError(
                 f"{name} must have the layer's dtype {dtype}. Received: {_describe(name, tensor)}"
             )
-        if len(shape_of(tensor)) < 2:
+        shape = shape_of(tensor)
+        if len(shape) < 2:
             raise ValueError(
                 f"{name} must have rank 2 or more, with num_hiddens last. "
                 f"Received: {_describe(name, tensor)}"
             )
-        _check_size(name, tensor, "num_hiddens", num_hiddens)
+        _check_size(name, tensor, shape, "num_hiddens", num_hiddens)
     x_shape, y_shape = shape_of(X), shape_of(Y)
     if len(x_shape) != len(y_shape) or not all(map(_same, x_shape, y_shape)):
         raise ValueError(

@@ -108,9 +108,22 @@ def _mask_with_empty_row(rng, Q, K):
     return mask
 
 
+def _window_with_empty_row(rng, Q, K):
+    window = _bools(rng, (2, Q, K))
+    window[0, 1, :] = False
+    return window
+
+
 MASK_CASES = {
     "none": lambda rng, Q, K, dtype: {},
     "valid_lens_1d": lambda rng, Q, K, dtype: {"valid_lens": np.array([0, 2, K + 3, K])},
+    # Lengths above 0 (alone or with the causal mask) keep a key in every row, which the
+    # layers then do not check
+    "valid_lens_positive": lambda rng, Q, K, dtype: {"valid_lens": np.array([1, 2, K + 3, K])},
+    "causal_valid_lens_positive": lambda rng, Q, K, dtype: {
+        "valid_lens": np.array([K, 1, 2, K + 1]),
+        "causal": True,
+    },
     "valid_lens_2d": lambda rng, Q, K, dtype: {
         "valid_lens": np.concatenate([np.zeros((1, Q), int), rng.integers(0, K + 3, (B - 1, Q))])
     },
@@ -121,6 +134,10 @@ MASK_CASES = {
     "mask_all_false": lambda rng, Q, K, dtype: {"mask": np.zeros((B, Q, K), bool)},
     "causal": lambda rng, Q, K, dtype: {"causal": True},
     "window_bool": lambda rng, Q, K, dtype: {"window_mask": _bools(rng, (2, Q, K))},
+    "window_bool_empty_row": lambda rng, Q, K, dtype: {
+        "valid_lens": np.array([1, 2, K, K]),
+        "window_mask": _window_with_empty_row(rng, Q, K),
+    },
     "window_additive": lambda rng, Q, K, dtype: {"window_mask": _window_additive(rng, Q, K, dtype)},
     "combined": lambda rng, Q, K, dtype: {
         "valid_lens": np.array([1, 0, K + 1, 3]),
@@ -215,14 +232,22 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch):
     queries, keys, values = (T.from_numpy(x).requires_grad_(True) for x in arrays)
     mask = np.ones((B, 3, 6), bool)
     mask[1, 2] = mask[3] = False
-    for window in (None, _window_additive(np.random.default_rng(9), 3, 6, "float64")):
-        arguments = {"mask": mask} if window is None else {"mask": mask, "window_mask": window}
+    rng = np.random.default_rng(9)
+    for arguments in (
+        {"mask": mask},
+        {"mask": mask, "window_mask": _window_additive(rng, 3, 6, "float64")},
+        # A window alone, with lengths above 0, can still empty a row
+        {"valid_lens": np.array([6, 1, 2, 3]), "window_mask": _window_with_empty_row(rng, 3, 6)},
+    ):
         expected = reference(*arrays, **arguments)
         output = layer(queries, keys, values, **to_torch(T, arguments), need_weights=False)
         assert_close(output, expected, "float64")
+        for x in (queries, keys, values):
+            x.grad = None
         output.sum().backward()
         assert all(torch.isfinite(x.grad).all() for x in (queries, keys, values))
-        assert (queries.grad[3] == 0).all()
+        if "mask" in arguments:
+            assert (queries.grad[3] == 0).all()  # example 3 keeps no key
 
 
 def test_causal_and_window_rules(T, torch):

@@ -40,6 +40,8 @@ ERRORS = {
     "values integer": (DOT, (*QKV[:2], f(B, K, 6, dtype="int64")), {}),
     "batch sizes differ": (MHA, (QKV[0], f(3, K, 4), QKV[2]), {}),
     "keys and values lengths differ": (MHA, (*QKV[:2], f(B, 4, 6)), {}),
+    "no keys": (DOT, (QKV[0], f(B, 0, 4), f(B, 0, 6)), {}),
+    "no queries": (MHA, (f(B, 0, 4), *QKV[1:]), {}),
     "query_size mismatch": (MHA, (f(B, Q, 5), *QKV[1:]), {}),
     "value_size mismatch": (MHA, (*QKV[:2], f(B, K, 7)), {}),
     "key_size mismatch (additive)": (ADD, (QKV[0], f(B, K, 3), QKV[2]), {}),
@@ -70,6 +72,7 @@ ERRORS = {
     # masked_softmax, PositionalEncoding, AddNorm
     "masked_softmax integer scores": (None, (np.ones((B, Q), "int64"),), {}),
     "masked_softmax rank 1": (None, (np.ones(3, "float32"),), {}),
+    "masked_softmax no keys": (None, (f(B, Q, 0),), {}),
     "masked_softmax wrong lengths": (None, (f(B, Q, K), np.array([1, 2, 3])), {}),
     "sequence longer than max_len": (
         ("PositionalEncoding", (4,), {"max_len": 2}),

@@ -148,6 +148,18 @@ ERRORS = {
         "keys and values must have the same number of key-value pairs (axis 1). Received: "
         "keys with shape (2, 5, 4), values with shape (2, 4, 6)",
     ),
+    "no keys": (
+        lambda: attend(keys=np.zeros((2, 0, 4), "float32"), values=np.zeros((2, 0, 6), "float32")),
+        ValueError,
+        "queries and keys must each hold at least one position (axis 1): attention over no "
+        "keys is undefined. Received: queries with shape (2, 3, 4), keys with shape (2, 0, 4)",
+    ),
+    "no queries": (
+        lambda: attend(queries=np.zeros((2, 0, 4), "float32")),
+        ValueError,
+        "queries and keys must each hold at least one position (axis 1): attention over no "
+        "keys is undefined. Received: queries with shape (2, 0, 4), keys with shape (2, 5, 4)",
+    ),
     "query_size mismatch": (
         lambda: attend(queries=np.zeros((2, 3, 5), "float32")),
         ValueError,
@@ -279,6 +291,12 @@ ERRORS = {
         lambda: mha.masked_softmax(np.ones((2, 3), "int64")),
         TypeError,
         "X must have a floating dtype. Received: X with shape (2, 3) and dtype int64",
+    ),
+    "masked_softmax no keys": (
+        lambda: mha.masked_softmax(np.ones((2, 0), "float32")),
+        ValueError,
+        "X must hold at least one key (last axis): a softmax over no keys is undefined. "
+        "Received: X with shape (2, 0) and dtype float32",
     ),
     "masked_softmax rank 1": (
         lambda: mha.masked_softmax(np.ones(3)),

@@ -77,12 +77,21 @@ class Module(nn.Module):
 
     @property
     def dtype(self) -> str:
-        return validation.dtype_name(self._dtype_marker)
+        # Read from nn.Module's table of buffers: every call checks its inputs' dtype
+        return validation.dtype_name(self._buffers["_dtype_marker"])
 
     @dtype.setter
     def dtype(self, name: str) -> None:
         marker = torch.empty(0, dtype=_TORCH_DTYPES[name])
         self.register_buffer("_dtype_marker", marker, persistent=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # attention_weights is set on every call: a plain attribute, set without nn.Module's
+        # search of its parameters, buffers and submodules for the name (a few us a call)
+        if name == "attention_weights":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
 
 def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) -> nn.Module:
@@ -93,10 +102,9 @@ def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) 
 
 
 def _in_features(linear: nn.Module) -> int | None:
-    """The input size of a (lazy) linear layer, None while it is not known."""
-    if isinstance(linear, nn.modules.lazy.LazyModuleMixin) and linear.has_uninitialized_params():
-        return None
-    return linear.weight.shape[1]
+    """The input size of a (lazy) linear layer, None while it is not known: nn.LazyLinear's
+    in_features is 0 until its parameters are made, then theirs."""
+    return linear.in_features or None
 
 
 def _concatenate(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -108,17 +116,20 @@ def _concatenate(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
 # Masks
 
 
-def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
+def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> float | int | None:
     # The one check that needs values: non-negative whole numbers (.item() waits for the
-    # device, as any value check must).
+    # device, as any value check must). Returns the smallest length, None without any: above
+    # 0, no row of a mask made of lengths alone is empty
     if valid_lens is None or valid_lens.numel() == 0:
-        return
+        return None
     non_integer = None
     if valid_lens.is_floating_point():
         fractional = valid_lens != torch.floor(valid_lens)
         if fractional.any():
             non_integer = valid_lens[fractional][0].item()
-    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+    smallest = valid_lens.min().item()
+    validation.check_valid_lens_values(smallest, non_integer)
+    return smallest
 
 
 def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -180,8 +191,17 @@ def _insert_head_axis(x: torch.Tensor | None) -> torch.Tensor | None:
     # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
     if x is None:
         return None
-    x = x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
-    return x[:, None]
+    if x.ndim < 3:
+        x = x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
+    return x.unsqueeze(1)
+
+
+def _every_row_kept(smallest_length: float | int | None, mask: Any, window_mask: Any) -> bool:
+    """Whether every query keeps a key, known without reading the mask: lengths (whose
+    smallest the value check has read) and the causal mask keep key 0 of every row unless a
+    length is 0. Saves the check of each row of the mask: two ops and a host read per call."""
+    lengths_kept = smallest_length is None or smallest_length > 0
+    return lengths_kept and mask is None and window_mask is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,16 +239,17 @@ def _softmax_last_axis(scores: torch.Tensor, in_place: bool) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def _additive_mask(keep: torch.Tensor, dtype: torch.dtype,
-                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _additive_mask(keep: torch.Tensor, dtype: torch.dtype, device: torch.device,
+                   every_row_kept: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """keep -> (additive, attended): 0 where a key is kept, -inf where it is masked.
 
     A row with no kept key keeps every key instead (finite values and gradients) and must be
     zeroed after the softmax where `attended` is False; attended is None when no row can be
-    empty. Shapes: keep's, with 1 keys for attended; small, as keep broadcasts over heads.
-    exp(-inf) = 0 for masked entries, whose gradient is then exactly 0.
+    empty, or when the caller knows (`every_row_kept`). Shapes: keep's, with 1 keys for
+    attended; small, as keep broadcasts over heads. exp(-inf) = 0 for masked entries, whose
+    gradient is then exactly 0.
     """
-    keep, attended = _keep_every_row(keep)
+    keep, attended = (keep, None) if every_row_kept else _keep_every_row(keep)
     additive = torch.zeros(keep.shape, dtype=dtype, device=device)
     return additive.masked_fill_(~keep, float("-inf")), attended
 
@@ -289,7 +310,7 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
     return dropout(weights) @ values, weights if need_weights else None
 
 
-def _fused_attention(queries, keys, values, keep, bias, dropout):
+def _fused_attention(queries, keys, values, keep, bias, dropout, every_row_kept=False):
     """What DotProductAttention.attend computes, by F.scaled_dot_product_attention.
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
@@ -297,7 +318,7 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     is 1 / sqrt(d) with d the last axis of the queries, as ours.
     """
     attended = None
-    if keep is not None:
+    if keep is not None and not every_row_kept:
         # Rows with no kept key attend to every key (finite values and gradients), and their
         # output is zeroed after, as _softmax does
         keep, attended = _keep_every_row(keep)
@@ -381,23 +402,28 @@ class DotProductAttention(Module):
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
         )
-        _check_valid_lens_values(valid_lens)
+        smallest_length = _check_valid_lens_values(valid_lens)
         keep, bias = _attention_masks(
             batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
             device=queries.device,
         )
-        return self.attend(queries, keys, values, keep, bias)
+        every_row_kept = _every_row_kept(smallest_length, mask, window_mask)
+        return self.attend(queries, keys, values, keep, bias, every_row_kept=every_row_kept)
 
-    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
+               every_row_kept=False):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        the mask helpers. MultiHeadAttention calls this with a head axis. Without
-        need_weights, torch's fused kernel computes the same numbers.
+        the mask helpers; `every_row_kept` when the caller knows that keep has a kept key in
+        every row. MultiHeadAttention calls this with a head axis. Without need_weights,
+        torch's fused kernel computes the same numbers.
         """
         if not need_weights:
             self.attention_weights = None
-            return _fused_attention(queries, keys, values, keep, bias, self.dropout)
+            return _fused_attention(
+                queries, keys, values, keep, bias, self.dropout, every_row_kept
+            )
         d = queries.shape[-1]
         if bias is None and (keep is None or _mask_fits_product(keep, queries)):
             # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm),
@@ -405,7 +431,9 @@ class DotProductAttention(Module):
             # (..., no. of queries, no. of keys)
             additive, attended = None, None
             if keep is not None:
-                additive, attended = _additive_mask(keep, queries.dtype, queries.device)
+                additive, attended = _additive_mask(
+                    keep, queries.dtype, queries.device, every_row_kept
+                )
             scores = _product_plus(additive, queries, keys, 1 / math.sqrt(d))
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
@@ -534,27 +562,33 @@ class MultiHeadAttention(Module):
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
-        _check_valid_lens_values(valid_lens)
+        smallest_length = _check_valid_lens_values(valid_lens)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         keep, bias = _attention_masks(
             batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
             multihead=True, device=queries.device,
         )
+        every_row_kept = _every_row_kept(smallest_length, mask, window_mask)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         if queries is keys is values and query_size is not None:
             # Self-attention: one packed (3 num_hiddens x in) product instead of three, as
-            # nn.MultiheadAttention does. Each output column is the same dot product as before
+            # nn.MultiheadAttention does. Each output column is the same dot product as before.
+            # Shape of packed: (batch_size, no. of queries, 3, num_heads, num_hiddens /
+            # num_heads), split as transpose_qkv does, in one permutation for the three
             weight, in_bias = self._packed_in_projection()
-            queries, keys, values = F.linear(queries, weight, in_bias).chunk(3, dim=-1)
+            packed = F.linear(queries, weight, in_bias)
+            packed = packed.reshape(*packed.shape[:2], 3, self.num_heads, -1)
+            queries, keys, values = packed.permute(2, 0, 3, 1, 4).unbind()
         else:
-            queries, keys, values = self.W_q(queries), self.W_k(keys), self.W_v(values)
-        queries = self.transpose_qkv(queries)
-        keys = self.transpose_qkv(keys)
-        values = self.transpose_qkv(values)
+            queries = self.transpose_qkv(self.W_q(queries))
+            keys = self.transpose_qkv(self.W_k(keys))
+            values = self.transpose_qkv(self.W_v(values))
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        output = self.attention.attend(
+            queries, keys, values, keep, bias, need_weights, every_row_kept
+        )
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
@@ -581,9 +615,12 @@ class MultiHeadAttention(Module):
         (an optimizer step, load_state_dict, mha.set_weights: the version goes up) or by a
         move (`.to()`: new storage). A fresh copy per call costs more than packing saves.
         """
-        tensors = [self.W_q.weight, self.W_k.weight, self.W_v.weight]
+        # Read from nn.Module's own tables: this runs on every call, and each attribute read
+        # through nn.Module.__getattr__ costs about 0.5 us
+        linears = [self._modules[name]._parameters for name in ("W_q", "W_k", "W_v")]
+        tensors = [linear["weight"] for linear in linears]
         if self.bias:
-            tensors += [self.W_q.bias, self.W_k.bias, self.W_v.bias]
+            tensors += [linear["bias"] for linear in linears]
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if grad or torch.compiler.is_compiling():
             return _concatenate(tensors)
