@@ -575,16 +575,17 @@ class MultiHeadAttention(Module):
         if queries is keys is values and query_size is not None:
             # Self-attention: one packed (3 num_hiddens x in) product instead of three, as
             # nn.MultiheadAttention does. Each output column is the same dot product as before.
-            # Shape of packed: (batch_size, no. of queries, 3, num_heads, num_hiddens /
-            # num_heads), split as transpose_qkv does, in one permutation for the three
+            # Split by chunk, whose backward is one concatenation (a split of the packed
+            # product into heads by one reshape and permute, then unbind, runs a little faster
+            # forward but copies the gradient once more: 1.00 against 0.97 of the SDPA layer
+            # forward and backward at (32, 64, 256, 8))
             weight, in_bias = self._packed_in_projection()
-            packed = F.linear(queries, weight, in_bias)
-            packed = packed.reshape(*packed.shape[:2], 3, self.num_heads, -1)
-            queries, keys, values = packed.permute(2, 0, 3, 1, 4).unbind()
+            queries, keys, values = F.linear(queries, weight, in_bias).chunk(3, dim=-1)
         else:
-            queries = self.transpose_qkv(self.W_q(queries))
-            keys = self.transpose_qkv(self.W_k(keys))
-            values = self.transpose_qkv(self.W_v(values))
+            queries, keys, values = self.W_q(queries), self.W_k(keys), self.W_v(values)
+        queries = self.transpose_qkv(queries)
+        keys = self.transpose_qkv(keys)
+        values = self.transpose_qkv(values)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(
             queries, keys, values, keep, bias, need_weights, every_row_kept
