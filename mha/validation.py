@@ -394,9 +394,9 @@ def check_attention_call(
         )
     if num_queries == 0 or num_keys == 0:
         raise ValueError(
-            "queries and keys must each hold at least one position (axis 1): attention over no "
-            f"keys is undefined. Received: queries with shape {_format_shape(q_shape)}, keys "
-            f"with shape {_format_shape(k_shape)}"
+            "queries and keys must each hold at least one position (axis 1). Received: "
+            f"queries with shape {_format_shape(q_shape)}, keys with shape "
+            f"{_format_shape(k_shape)}"
         )
     if same_query_key_size and not _same(q_shape[2], k_shape[2]):
         raise ValueError(

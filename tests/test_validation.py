@@ -151,14 +151,14 @@ ERRORS = {
     "no keys": (
         lambda: attend(keys=np.zeros((2, 0, 4), "float32"), values=np.zeros((2, 0, 6), "float32")),
         ValueError,
-        "queries and keys must each hold at least one position (axis 1): attention over no "
-        "keys is undefined. Received: queries with shape (2, 3, 4), keys with shape (2, 0, 4)",
+        "queries and keys must each hold at least one position (axis 1). Received: "
+        "queries with shape (2, 3, 4), keys with shape (2, 0, 4)",
     ),
     "no queries": (
         lambda: attend(queries=np.zeros((2, 0, 4), "float32")),
         ValueError,
-        "queries and keys must each hold at least one position (axis 1): attention over no "
-        "keys is undefined. Received: queries with shape (2, 0, 4), keys with shape (2, 5, 4)",
+        "queries and keys must each hold at least one position (axis 1). Received: "
+        "queries with shape (2, 0, 4), keys with shape (2, 5, 4)",
     ),
     "query_size mismatch": (
         lambda: attend(queries=np.zeros((2, 3, 5), "float32")),
