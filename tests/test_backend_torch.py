@@ -197,6 +197,43 @@ def test_multihead_matches_numpy(T, need_weights, dtype, case, shape):
     compare_attention(T, "multihead", dtype, *shape, {**arguments, "need_weights": need_weights})
 
 
+@pytest.mark.parametrize("case", [*MASK_CASES, *MULTIHEAD_CASES])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_packed_self_attention_matches_numpy(T, torch, grad, need_weights, dtype, case):
+    # One tensor as queries, keys and values, with every size known: the packed projection,
+    # split into heads by unbind without gradients and by chunk with them. Expected: the
+    # NumPy reference; with gradients, the gradient of the same layer called with three
+    # separate tensors (three products, no packing).
+    reference = N.MultiHeadAttention(
+        8, H, bias=True, query_size=5, key_size=5, value_size=5, dtype=dtype
+    )
+    layer = T.MultiHeadAttention(
+        8, H, bias=True, query_size=5, key_size=5, value_size=5, dtype=dtype
+    )
+    weights = mha.random_weights(reference, seed=4)
+    mha.set_weights(reference, weights)
+    mha.set_weights(layer, weights)
+    cases = {**MASK_CASES, **MULTIHEAD_CASES}
+    arguments = {**cases[case](np.random.default_rng(5), 5, 5, dtype), "need_weights": need_weights}
+    X = np.random.default_rng(6).standard_normal((B, 5, 5)).astype(dtype)
+    expected = reference(X, X, X, **arguments)
+    torch_arguments = to_torch(T, arguments)
+    packed_input = T.from_numpy(X).requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        output = layer(packed_input, packed_input, packed_input, **torch_arguments)
+    assert_close(output, expected, dtype)
+    if need_weights:
+        assert_close(layer.attention_weights, reference.attention_weights, dtype)
+    if grad:
+        (packed_gradient,) = torch.autograd.grad(output.sum(), packed_input)
+        separate = [T.from_numpy(X).requires_grad_() for _ in range(3)]
+        output = layer(*separate, **torch_arguments)
+        expected_gradient = sum(torch.autograd.grad(output.sum(), separate))
+        assert_close(packed_gradient, expected_gradient.detach().numpy(), dtype)
+
+
 def test_fully_masked_rows_are_zero(T):
     """Independent of the reference: an example with valid_len 0 gives zero weights, and
     multi-head output b_o there (fused path included)."""
