@@ -548,7 +548,7 @@ class MultiHeadAttention(Module):
         self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
         self.attention_weights = None
-        # (versions, tensors, packed weight and bias) of _packed_in_projection
+        # (stamps, tensors, packed weight and bias) of _packed_in_projection
         self._packed = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -631,15 +631,14 @@ class MultiHeadAttention(Module):
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if grad or torch.compiler.is_compiling():
             return _concatenate(tensors)
-        stamps = [(t._version, t.data_ptr(), t.dtype, t.device) for t in tensors]
-        if self._packed is None or self._packed[0] != stamps or any(
-            a is not b for a, b in zip(self._packed[1], tensors, strict=True)
-        ):
+        # id(t): the same tensor objects (the kept ones stay alive, so their ids are theirs)
+        stamps = [(id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors]
+        if self._packed is None or self._packed[0] != stamps:
             with torch.no_grad():
                 weight, in_bias = _concatenate(tensors)
                 # Kept column-major, the transpose of a contiguous (in, 3 num_hiddens): the
                 # product reads it without transposing (on the CPU, 1% faster at
-                # (2048 x 256) @ (256 x 768), the same numbers)
+                # (2048 x 256) @ (256 x 768))
                 self._packed = (stamps, tensors, (weight.t().contiguous().t(), in_bias))
         return self._packed[2]
 
