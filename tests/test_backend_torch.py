@@ -521,7 +521,7 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
             need_weights=need_weights,
         )
         assert output.device.type == "meta" and output.shape == (B, 3, 8)
-    # Self-attention without gradients: the packed projection, kept between calls
+    # Self-attention without gradients: the packed projection and the unbind split
     packed = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     packed = packed.to("meta")
     X = torch.zeros(B, 3, 8, device="meta")
@@ -777,9 +777,9 @@ def test_size_inferred_at_first_call_is_enforced(T):
 
 
 def test_packed_self_attention_weights_follow_every_change(T, torch):
-    # Self-attention without gradients keeps W_q, W_k, W_v concatenated between calls; each
-    # way of changing a weight must reach the next call. Expected: the NumPy reference with
-    # the layer's weights of the moment.
+    # Self-attention concatenates W_q, W_k, W_v; each way of changing a weight must reach the
+    # next call, with or without gradients. Expected: the NumPy reference with the layer's
+    # weights of the moment.
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     reference = N.MultiHeadAttention(8, H, bias=True, dtype="float64")
     X = np.random.default_rng(7).standard_normal((3, 5, 8))
@@ -804,6 +804,20 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     )
     check()
     layer.W_q.weight = torch.nn.Parameter(torch.ones(8, 8))  # a new tensor
+    check()
+    # In place through .data, as hand-written training loops and weight-porting code do: no
+    # version counter records it
+    layer.W_q.weight.data.mul_(0.5)
+    layer.W_v.weight.data.copy_(torch.from_numpy(np.eye(8, dtype="float32")))
+    check()
+    layer.W_k.weight.data = torch.full((8, 8), 0.25)  # new storage through .data
+    check()
+    # A round trip through another dtype, changed on the way: the storage the weights come
+    # back to may sit where the old one was
+    layer.double()
+    with torch.no_grad():
+        layer.W_q.weight.add_(1.0)
+    layer.float()
     check()
     layer.double()  # new storage, new dtype
     check("float64")

@@ -548,8 +548,6 @@ class MultiHeadAttention(Module):
         self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
         self.attention_weights = None
-        # (stamps, tensors, packed weight and bias) of _packed_in_projection
-        self._packed = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True):
@@ -618,11 +616,9 @@ class MultiHeadAttention(Module):
     def _packed_in_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W_q, W_k and W_v (and their biases) concatenated: (3 num_hiddens, in).
 
-        W_q, W_k and W_v stay the parameters. With gradients the concatenation is part of the
-        graph, so it is made per call; without, it is kept until a weight changes: in place
-        (an optimizer step, load_state_dict, mha.set_weights: the version goes up) or by a
-        move (`.to()`: new storage). A fresh copy per call costs more than packing saves.
-        The kept weight is laid out column-major.
+        W_q, W_k and W_v stay the parameters, and the concatenation is made per call. A copy
+        kept between calls would miss a change made in place through `.data`, which no
+        version counter records, and hand out the old weights without a word.
         """
         # Read from nn.Module's own tables: this runs on every call, and each attribute read
         # through nn.Module.__getattr__ costs about 0.5 us
@@ -630,19 +626,7 @@ class MultiHeadAttention(Module):
         tensors = [linear["weight"] for linear in linears]
         if self.bias:
             tensors += [linear["bias"] for linear in linears]
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-        if grad or torch.compiler.is_compiling():
-            return _concatenate(tensors)
-        # id(t): the same tensor objects (the kept ones stay alive, so their ids are theirs)
-        stamps = [(id(t), t._version, t.data_ptr(), t.dtype, t.device) for t in tensors]
-        if self._packed is None or self._packed[0] != stamps:
-            with torch.no_grad():
-                weight, in_bias = _concatenate(tensors)
-                # Kept column-major, the transpose of a contiguous (in, 3 num_hiddens): the
-                # product reads it without transposing (on the CPU, 1% faster at
-                # (2048 x 256) @ (256 x 768))
-                self._packed = (stamps, tensors, (weight.t().contiguous().t(), in_bias))
-        return self._packed[2]
+        return _concatenate(tensors)
 
 
 class PositionalEncoding(Module):
