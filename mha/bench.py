@@ -39,6 +39,11 @@ import re
 import statistics
 import sys
 import time
+
+try:
+    import resource
+except ImportError:  # not on this platform (Windows): no page-fault counts
+    resource = None
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -93,6 +98,10 @@ class Result:
     note: str = ""
     # The 95% confidence interval of the ratio (paired_ratio_interval)
     ratio_interval: tuple[float, float] | None = None
+    # Median minor page faults per timed call (fresh memory touched), where the platform
+    # counts them: a layer whose temporaries land on fresh pages pays for faulting them in
+    mha_faults: float | None = None
+    builtin_faults: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
@@ -117,10 +126,18 @@ QUICK_BUDGET = Budget(warmup=1, min_repeats=2, max_repeats=3, seconds=0.2)
 # Measuring
 
 
+def _minor_faults() -> int | None:
+    # Minor page faults of the process so far: pages touched for the first time
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _interleaved_times(
-    calls: dict[str, Callable[[], Any]], budget: Budget
+    calls: dict[str, Callable[[], Any]],
+    budget: Budget,
+    faults: dict[str, list[int]] | None = None,
 ) -> dict[str, list[float]]:
-    """Seconds of each call in each round; one call of each per round.
+    """Seconds of each call in each round; one call of each per round. With `faults`, the
+    minor page faults of each call go there too (counted outside the timed interval).
 
     The rounds take every order of the calls in turn, so that within rounds each call comes
     right after each other one equally often: a call's time depends on the one before it
@@ -140,9 +157,12 @@ def _interleaved_times(
     rounds = 0
     while rounds < budget.max_repeats:
         for name in orders[rounds % len(orders)]:
+            faulted = _minor_faults() if faults is not None else None
             begin = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - begin)
+            if faulted is not None:
+                faults.setdefault(name, []).append(_minor_faults() - faulted)
         rounds += 1
         if rounds >= budget.min_repeats and time.perf_counter() - start > budget.seconds:
             break
@@ -640,13 +660,20 @@ def run(
             progress(index, len(cases), description)
         calls = _CALLS[backend](config, mode)
         for pass_, by_name in calls.items():
-            times = _interleaved_times(by_name, budget)
+            faults: dict[str, list[int]] = {}
+            times = _interleaved_times(by_name, budget, faults)
             peaks = {
                 name: peak_memory_mib(call) if memory else None
                 for name, call in by_name.items()
                 if name != ROOFLINE
             }
-            results.extend(_rows(backend, mode, config, pass_, times, peaks))
+            rows = _rows(backend, mode, config, pass_, times, peaks)
+            for row in rows:
+                if faults:
+                    row.mha_faults = statistics.median(faults["mha"])
+                    if row.builtin in faults and row.builtin != ROOFLINE:
+                        row.builtin_faults = statistics.median(faults[row.builtin])
+            results.extend(rows)
         del calls
     if progress:
         progress(len(cases), len(cases), "done")

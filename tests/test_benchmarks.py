@@ -6,7 +6,9 @@ No timing is asserted: the numbers depend on the machine and its load.
 import io
 import itertools
 import json
+import statistics
 
+import numpy as np
 import pytest
 
 from conftest import backend_module
@@ -54,6 +56,9 @@ def test_quick_json_report(tmp_path):
     for row in results:
         assert row["backend"] == "numpy" and row["pass"] == "forward"
         assert row["mha_ms"] > 0 and row["ratio"] > 0 and row["repeats"] >= 2
+        # The roofline product is no layer: no fault count of its own
+        assert row["builtin_faults"] is None
+        assert bench.resource is None or row["mha_faults"] >= 0
 
 
 @pytest.mark.torch
@@ -66,6 +71,8 @@ def test_quick_torch_rows_compare_with_both_builtins():
         assert (False, pass_, "SDPA layer") in builtins
         assert (True, pass_, "SDPA layer") not in builtins  # SDPA cannot return weights
     assert all(r.ratio > 0 for r in results)
+    if bench.resource is not None:
+        assert all(r.mha_faults >= 0 and r.builtin_faults >= 0 for r in results)
     rows = bench.run_memory_scaling((32, 64), num_hiddens=16, num_heads=2)
     assert [row["length"] for row in rows] == [32, 64]
     assert bench.memory_table(rows).splitlines()[0].startswith("| length |")
@@ -198,3 +205,18 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights):
     assert lens.min() < 10  # some keys are masked
     for name, output in outputs.items():
         np.testing.assert_allclose(output, outputs["mha"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_page_faults_are_counted_per_call():
+    # A call that writes 256 MiB of fresh memory faults in at least 128 pages (65536 of 4 KiB,
+    # or 128 huge pages of 2 MiB); a call that allocates nothing faults in (almost) none.
+    if bench.resource is None:
+        pytest.skip("this platform does not count page faults")
+    calls = {"fresh": lambda: np.ones(2**26, dtype=np.float32), "nothing": lambda: None}
+    faults = {}
+    budget = bench.Budget(warmup=1, min_repeats=3, max_repeats=3, seconds=0.0)
+    times = bench._interleaved_times(calls, budget, faults)
+    assert {name: len(counts) for name, counts in faults.items()} == {"fresh": 3, "nothing": 3}
+    assert len(times["fresh"]) == 3
+    assert min(faults["fresh"]) >= 128
+    assert statistics.median(faults["nothing"]) < 128
