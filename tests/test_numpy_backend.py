@@ -638,12 +638,16 @@ def test_softmax_in_row_blocks_equals_the_whole_and_uses_the_pool(
     ("block_bytes", "blocks"), [(7 * 24 * 8, 2 * 3 * 6), (2 * 40 * 24 * 8, 2 * 2)]
 )
 @pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("scaled", [False, True], ids=["dropout 0", "entries scaled"])
+@pytest.mark.parametrize("split", [False, True], ids=["", "softmax on the pool"])
 def test_dot_product_attention_in_blocks_equals_the_whole(
-    keep_shape, block_bytes, blocks, need_weights, monkeypatch
+    keep_shape, block_bytes, blocks, need_weights, scaled, split, monkeypatch
 ):
     # Without weights, scores of 2 x 3 x 40 x 24 float64 done in blocks of 7 rows of one
     # head, or of 2 whole heads: each block must take its own rows of the queries, keys,
-    # values, keep and bias. With weights, they are written whole, in one piece
+    # values, keep and bias, and normalizes its rows after the product with the values. With
+    # weights, they are written whole, in one piece. "entries scaled" stands for dropout in
+    # training, which scales entries (by 0 or 1 / (1 - p)): the division must commute with it
     rng = np.random.default_rng(41)
     queries = rng.standard_normal((2, 3, 40, 5))
     keys = rng.standard_normal((2, 3, 24, 5))
@@ -652,12 +656,16 @@ def test_dot_product_attention_in_blocks_equals_the_whole(
     if keep is not None and keep.ndim > 1:
         keep[..., 0, :] = False  # some rows (or all, for a 1-row keep) have no kept key
     bias = rng.standard_normal((1, 1, 40, 24))
-    dropout = N.Dropout(0.0)
+    dropout = (lambda weights: weights * 2.0) if scaled else N.Dropout(0.0)
     whole = N._attention_pool(queries @ np.swapaxes(keys, -1, -2), values, keep, bias, dropout)
     softmax_calls = []
     softmax = N._softmax
     monkeypatch.setattr(N, "_softmax", lambda *a, **k: softmax_calls.append(1) or softmax(*a, **k))
     monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", block_bytes)
+    if split:
+        # Each softmax also in blocks of 2 rows on the thread pool, each with its row sums
+        monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
+        monkeypatch.setattr(N, "_BLOCK_BYTES", 2 * 24 * 8)
     output, weights = N._dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights)
     assert len(softmax_calls) == (1 if need_weights else blocks)
     np.testing.assert_allclose(output, whole[0], rtol=1e-12, atol=1e-15)
