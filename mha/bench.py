@@ -39,17 +39,17 @@ import re
 import statistics
 import sys
 import time
-
-try:
-    import resource
-except ImportError:  # not on this platform (Windows): no page-fault counts
-    resource = None
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from mha.registry import BACKENDS, BackendUnavailableError, load_backend, select_backends
+
+try:
+    import resource
+except ImportError:  # not on this platform (Windows): no page-fault counts
+    resource = None
 
 __all__ = ["SHAPES", "Config", "Result", "markdown_table", "run", "run_memory_scaling"]
 
