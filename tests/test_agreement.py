@@ -5,12 +5,16 @@ asks the question (tolerances included). Gradients are compared with float64 cen
 differences of the reference and, between autograd backends, with each other.
 """
 
+import contextlib
 import functools
 
+import numpy as np
 import pytest
 
+import mha
 from conftest import backend_module, backend_params
 from mha import harness
+from mha.backends import numpy as N
 from mha.registry import BACKENDS
 
 CASES = harness.all_cases()
@@ -117,3 +121,43 @@ class _Buffer:
 
     def text(self):
         return "".join(self.parts)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_new_weights_reach_the_next_call(name):
+    # A layer keeps nothing computed from its weights between calls: after set_weights, the
+    # next self-attention call (torch's packed projection without gradients, MXNet's cached
+    # graph when hybridized) computes with the new weights. Expected: the NumPy reference
+    # holding the same weights.
+    backend = backend_module(name)
+    X = np.random.default_rng(8).standard_normal((2, 5, 8))
+    x = backend.from_numpy(X.astype("float32"))
+    layers = {
+        "eager": backend.MultiHeadAttention(8, 2, bias=True, query_size=8, key_size=8, value_size=8)
+    }
+    if name == "mxnet":
+        layers["hybridized"] = backend.MultiHeadAttention(
+            8, 2, bias=True, query_size=8, key_size=8, value_size=8
+        )
+        layers["hybridized"].hybridize()
+    inference = contextlib.nullcontext
+    if name == "torch":
+        import torch
+
+        inference = torch.no_grad
+    for mode, layer in layers.items():
+        with inference():
+            layer(x, x, x)
+            layer(x, x, x)  # a second call: whatever a backend keeps, it keeps by now
+            for seed in (1, 2):
+                weights = mha.random_weights(layer, seed=seed)
+                mha.set_weights(layer, weights)
+                reference = N.MultiHeadAttention(8, 2, bias=True, dtype="float64")
+                mha.set_weights(reference, {k: v.astype("float64") for k, v in weights.items()})
+                np.testing.assert_allclose(
+                    backend.to_numpy(layer(x, x, x)),
+                    reference(X, X, X),
+                    rtol=1e-5,
+                    atol=1e-5,
+                    err_msg=f"{name} {mode}, weights of seed {seed}",
+                )
