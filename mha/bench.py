@@ -668,10 +668,10 @@ def run(
                 if name != ROOFLINE
             }
             rows = _rows(backend, mode, config, pass_, times, peaks)
-            for row in rows:
-                if faults:
+            if faults:
+                for row in rows:
                     row.mha_faults = statistics.median(faults["mha"])
-                    if row.builtin in faults and row.builtin != ROOFLINE:
+                    if row.builtin != ROOFLINE:  # the product is no layer
                         row.builtin_faults = statistics.median(faults[row.builtin])
             results.extend(rows)
         del calls

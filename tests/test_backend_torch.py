@@ -778,8 +778,8 @@ def test_size_inferred_at_first_call_is_enforced(T):
 
 def test_packed_self_attention_weights_follow_every_change(T, torch):
     # Self-attention concatenates W_q, W_k, W_v; each way of changing a weight must reach the
-    # next call, with or without gradients. Expected: the NumPy reference with the layer's
-    # weights of the moment.
+    # next call without gradients. Expected: the NumPy reference with the layer's weights of
+    # the moment.
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     reference = N.MultiHeadAttention(8, H, bias=True, dtype="float64")
     X = np.random.default_rng(7).standard_normal((3, 5, 8))
