@@ -777,9 +777,9 @@ def test_size_inferred_at_first_call_is_enforced(T):
 
 
 def test_packed_self_attention_weights_follow_every_change(T, torch):
-    # Self-attention concatenates W_q, W_k, W_v; each way of changing a weight must reach the
-    # next call without gradients. Expected: the NumPy reference with the layer's weights of
-    # the moment.
+    # Self-attention multiplies by W_q, W_k, W_v packed into one tensor (the parameters are
+    # views of it) or concatenated; each way of changing a weight must reach the next call
+    # without gradients. Expected: the NumPy reference with the layer's weights of the moment.
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     reference = N.MultiHeadAttention(8, H, bias=True, dtype="float64")
     X = np.random.default_rng(7).standard_normal((3, 5, 8))
@@ -803,6 +803,23 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
         T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8).state_dict()
     )
     check()
+    # While the weights are still views of the packed tensor: through .data, and by an
+    # optimizer's step
+    layer.W_k.weight.data.mul_(0.5)
+    layer.W_q.bias.data.copy_(torch.arange(8.0))
+    check()
+    layer(*(T.from_numpy(X.astype("float32")),) * 3).square().sum().backward()
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    check()
+    # Tied through .data: W_k now shares W_q's storage, and follows it
+    layer.W_k.weight.data = layer.W_q.weight.data
+    check()
+    layer.W_q.weight.data.add_(1.0)
+    check()
+    copy = __import__("copy").deepcopy(layer)  # its own tensors, not views of one
+    copy.W_v.weight.data.mul_(3.0)
+    layer = copy
+    check()
     layer.W_q.weight = torch.nn.Parameter(torch.ones(8, 8))  # a new tensor
     check()
     # In place through .data, as hand-written training loops and weight-porting code do: no
@@ -825,3 +842,69 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     X64 = T.from_numpy(X)
     layer(X64, X64, X64).sum().backward()
     assert layer.W_q.weight.grad is not None and layer.W_q.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_self_attention_without_gradients_multiplies_by_the_packed_weights(
+    T, torch, bias, monkeypatch, tmp_path
+):
+    # W_q, W_k, W_v are views of one packed tensor wherever the layer makes or converts them,
+    # so self-attention without gradients copies no weight: _concatenate is not called. It
+    # is called again once a weight is given other storage. Expected: the NumPy reference.
+    concatenations = []
+    concatenate = T._concatenate
+    monkeypatch.setattr(T, "_concatenate", lambda t: concatenations.append(1) or concatenate(t))
+    reference = N.MultiHeadAttention(8, H, bias=bias, dtype="float64")
+    X = np.random.default_rng(3).standard_normal((3, 5, 8))
+
+    def check(layer, dtype="float32", copies=0):
+        mha.set_weights(
+            reference, {k: v.astype("float64") for k, v in mha.get_weights(layer).items()}
+        )
+        concatenations.clear()
+        with torch.no_grad():
+            actual = layer(*(T.from_numpy(X.astype(dtype)),) * 3, need_weights=False)
+        assert_close(actual, reference(X, X, X), dtype)
+        assert len(concatenations) == copies
+
+    sized = T.MultiHeadAttention(8, H, bias=bias, query_size=8, key_size=8, value_size=8)
+    check(sized)
+    check(sized.double(), "float64")  # converted: packed again
+    check(sized.float())
+    torch.save(sized, tmp_path / "layer.pt")  # the views are saved as views of one storage
+    check(torch.load(tmp_path / "layer.pt", weights_only=False))
+    lazy = T.MultiHeadAttention(8, H, bias=bias)
+    with torch.no_grad():
+        lazy(*(T.from_numpy(X.astype("float32")),) * 3)  # makes the weights, packed
+    check(lazy)
+    lazy = T.MultiHeadAttention(8, H, bias=bias)
+    mha.set_weights(lazy, mha.random_weights(sized, seed=2))  # makes the weights, packed
+    check(lazy)
+    with torch.no_grad():
+        lazy.W_v.weight.mul_(2.0)
+    check(lazy)
+    lazy.W_v.weight.data = lazy.W_v.weight.data.clone()  # other storage: concatenated
+    check(lazy, copies=1)
+    lazy.double()  # not packed before: stays as the caller left it
+    check(lazy, "float64", copies=1)
+
+
+def test_packed_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
+    # The parameters are views of one tensor: torch.save and safetensors must still write
+    # and read each one. Expected: the same outputs from a fresh layer that loaded them.
+    import safetensors.torch as safetensors_torch  # a test requirement (pyproject.toml)
+
+    layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+    X = T.from_numpy(np.random.default_rng(4).standard_normal((2, 5, 8)).astype("float32"))
+    with torch.no_grad():
+        expected = layer(X, X, X)
+    torch.save(layer.state_dict(), tmp_path / "weights.pt")
+    safetensors_torch.save_file(layer.state_dict(), tmp_path / "weights.safetensors")
+    for state in (
+        torch.load(tmp_path / "weights.pt"),
+        safetensors_torch.load_file(tmp_path / "weights.safetensors"),
+    ):
+        fresh = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+        fresh.load_state_dict(state)
+        with torch.no_grad():
+            assert torch.equal(fresh(X, X, X), expected)

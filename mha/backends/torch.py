@@ -112,6 +112,18 @@ def _concatenate(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(tensors[:3]), torch.cat(tensors[3:]) if len(tensors) > 3 else None
 
 
+def _lie_in(tensors: list[torch.Tensor], layout: list[tuple]) -> bool:
+    """Whether each tensor is still the block of a packed tensor that `layout` names:
+    (packed tensor, byte offset, shape, strides, dtype), one entry per tensor."""
+    # The packed tensor holds that memory, so no other tensor can sit there: the same place,
+    # shape, strides and dtype are the same numbers
+    for tensor, (packed, offset, shape, stride, dtype) in zip(tensors, layout, strict=True):
+        if (tensor.data_ptr() != packed.data_ptr() + offset or tensor.shape != shape
+                or tensor.stride() != stride or tensor.dtype != dtype):
+            return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -548,6 +560,9 @@ class MultiHeadAttention(Module):
         self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
         self.attention_weights = None
+        # (packed weight, packed bias or None, layout of W_q, W_k, W_v in them), or None
+        self._in_projection = None
+        self._pack_in_projection()
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True):
@@ -571,6 +586,9 @@ class MultiHeadAttention(Module):
             multihead=True, device=queries.device,
         )
         every_row_kept = _every_row_kept(smallest_length, mask, window_mask)
+        if query_size is None and queries is keys is values:
+            # A lazy layer's first self-attention: its weights are made here, and packed
+            query_size = self._make_packed_weights(queries)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         if queries is keys is values and query_size is not None:
@@ -616,17 +634,77 @@ class MultiHeadAttention(Module):
     def _packed_in_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """W_q, W_k and W_v (and their biases) concatenated: (3 num_hiddens, in).
 
-        W_q, W_k and W_v stay the parameters, and the concatenation is made per call. A copy
-        kept between calls would miss a change made in place through `.data`, which no
-        version counter records, and hand out the old weights without a word.
+        Without gradients, while the parameters are still the views that _pack_in_projection
+        made, this is the packed tensor itself: no copy. Otherwise the concatenation is made
+        per call (with gradients it is part of the graph). A copy kept between calls would
+        miss a change made in place through `.data`, which no version counter records; a
+        write into a view is a write into the packed tensor.
         """
+        tensors = self._in_projection_tensors()
+        packed = self._in_projection
+        if packed is not None and not torch.is_grad_enabled() and _lie_in(tensors, packed[2]):
+            return packed[0], packed[1]
+        return _concatenate(tensors)
+
+    def _in_projection_tensors(self) -> list[torch.Tensor]:
+        """[W_q, W_k, W_v], then [b_q, b_k, b_v] with bias: the parameters themselves."""
         # Read from nn.Module's own tables: this runs on every call, and each attribute read
         # through nn.Module.__getattr__ costs about 0.5 us
         linears = [self._modules[name]._parameters for name in ("W_q", "W_k", "W_v")]
         tensors = [linear["weight"] for linear in linears]
         if self.bias:
             tensors += [linear["bias"] for linear in linears]
-        return _concatenate(tensors)
+        return tensors
+
+    def _pack_in_projection(self) -> None:
+        """Make W_q, W_k and W_v (and their biases) views of one packed tensor.
+
+        The parameters stay the same objects; only their storage moves, values unchanged.
+        Called only where the layer itself makes or converts these weights (construction,
+        weights made by a lazy layer, `.to()` and the like), never on weights a caller has
+        pointed elsewhere: that would untie weights the caller tied.
+        """
+        self._in_projection = None
+        sizes = {_in_features(self._modules[name]) for name in ("W_q", "W_k", "W_v")}
+        if None in sizes or len(sizes) > 1:
+            return  # weights not made yet, or of input sizes that cannot be stacked
+        tensors = self._in_projection_tensors()
+        with torch.no_grad():
+            packed = _concatenate(tensors)
+        layout = []
+        for index, tensor in enumerate(tensors):
+            whole = packed[index // 3]
+            rows = whole.shape[0] // 3
+            block = whole[index % 3 * rows:(index % 3 + 1) * rows]
+            tensor.data = block
+            offset = block.data_ptr() - whole.data_ptr()
+            layout.append((whole, offset, block.shape, block.stride(), block.dtype))
+        self._in_projection = (*packed, layout)
+
+    def _make_packed_weights(self, X: torch.Tensor) -> int | None:
+        """Make the lazy W_q, W_k, W_v for inputs like X, packed; returns the input size.
+
+        Only when all three are lazy: a weight already made may be one a caller has set.
+        """
+        linears = [self._modules[name] for name in ("W_q", "W_k", "W_v")]
+        if any(_in_features(linear) is not None for linear in linears):
+            return _in_features(linears[0])
+        for linear in linears:
+            linear.initialize_parameters(X)  # nn.LazyLinear: reads the last axis of X
+        self._pack_in_projection()
+        return _in_features(linears[0])
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .double(), .cuda() and the like give W_q, W_k and W_v new tensors: packed
+        # again if they were packed before; else the old packed tensor is let go
+        packed = self._in_projection
+        was_packed = packed is not None and _lie_in(self._in_projection_tensors(), packed[2])
+        super()._apply(fn, recurse)
+        if not was_packed:
+            self._in_projection = None
+        elif not _lie_in(self._in_projection_tensors(), packed[2]):
+            self._pack_in_projection()
+        return self
 
 
 class PositionalEncoding(Module):
@@ -765,8 +843,11 @@ def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
     hooks holding them see the new values).
     """
     if isinstance(layer, MultiHeadAttention):
+        lazy = all(_in_features(p) is None for p in (layer.W_q, layer.W_k, layer.W_v))
         for k, projection in _projections(layer).items():
             _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
+        if lazy:
+            layer._pack_in_projection()  # weights made here: pack them
     elif isinstance(layer, AdditiveAttention):
         _set_linear(layer.W_q, weights["W_q"])
         _set_linear(layer.W_k, weights["W_k"])
