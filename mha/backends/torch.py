@@ -602,9 +602,10 @@ class MultiHeadAttention(Module):
                 # backward at (32, 64, 256, 8))
                 queries, keys, values = map(self.transpose_qkv, packed.chunk(3, dim=-1))
             else:
-                # One reshape and one permute split all three into heads: the views that
+                # One view and one permute split all three into heads: the views that
                 # transpose_qkv makes, in four ops fewer
-                packed = packed.unflatten(-1, (3, self.num_heads, -1)).permute(2, 0, 3, 1, 4)
+                packed = packed.view(batch_size, num_queries, 3, self.num_heads, -1)
+                packed = packed.permute(2, 0, 3, 1, 4)
                 queries, keys, values = packed.unbind()
         else:
             queries = self.transpose_qkv(self.W_q(queries))
