@@ -820,6 +820,11 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     copy.W_v.weight.data.mul_(3.0)
     layer = copy
     check()
+    other = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+    layer.load_state_dict(other.state_dict(), assign=True)  # the other layer's tensors
+    with torch.no_grad():
+        other.W_k.weight.mul_(-1.0)  # shared with layer now
+    check()
     layer.W_q.weight = torch.nn.Parameter(torch.ones(8, 8))  # a new tensor
     check()
     # In place through .data, as hand-written training loops and weight-porting code do: no
