@@ -572,6 +572,21 @@ def test_torch_compile_matches_eager(T, torch):
     torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
+def test_packed_self_attention_compiles_into_one_graph(T, torch):
+    # Without gradients, self-attention with packed weights traces whole (fullgraph=True: a
+    # graph break is an error), as before the weights were packed. (valid_lens would break
+    # it: their value check reads them.) Expected: the eager call.
+    layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+    layer.eval()
+    X = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        expected = layer(X, X, X, causal=True, need_weights=False)
+        compiled = torch.compile(layer, fullgraph=True)
+        output = compiled(X, X, X, causal=True, need_weights=False)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # Canonical weights, state_dict, dtype conversion
 

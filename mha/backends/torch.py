@@ -643,7 +643,10 @@ class MultiHeadAttention(Module):
         """
         tensors = self._in_projection_tensors()
         packed = self._in_projection
-        if packed is not None and not torch.is_grad_enabled() and _lie_in(tensors, packed[2]):
+        # Traced by torch.compile, the concatenation is part of the graph: data_ptr (in
+        # _lie_in) would break the graph
+        if (packed is not None and not torch.is_grad_enabled()
+                and not torch.compiler.is_compiling() and _lie_in(tensors, packed[2])):
             return packed[0], packed[1]
         return _concatenate(tensors)
 
