@@ -103,10 +103,37 @@ class Result:
     mha_faults: float | None = None
     builtin_faults: float | None = None
 
+    @property
+    def verdict(self) -> str:
+        """What the 95% interval of the ratio says. Against a built-in: "faster" when it lies
+        below 1.0, "slower" above, "tie" when it holds 1.0 (the run cannot tell the two
+        apart). NumPy, whose ratio is the fraction of the roofline reached, against half of
+        it: "above half", "below half" or "tie with half". "-" without an interval."""
+        if self.ratio_interval is None:
+            return "-"
+        low, high = self.ratio_interval
+        if self.builtin == ROOFLINE:
+            target, names = HALF_ROOFLINE, ("below half", "tie with half", "above half")
+        else:
+            target, names = 1.0, ("faster", "tie", "slower")
+        return names[0] if high < target else names[2] if low > target else names[1]
+
     def as_dict(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
         row["pass"] = row.pop("pass_")
+        row["verdict"] = self.verdict
         return row
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> Result:
+        """A row of a saved report (as_dict, through JSON) as a Result."""
+        fields = {field.name for field in dataclasses.fields(cls)}
+        values = {key: value for key, value in row.items() if key in fields}
+        values["config"] = Config(**row["config"])
+        values["pass_"] = row["pass"]
+        if row.get("ratio_interval") is not None:
+            values["ratio_interval"] = tuple(row["ratio_interval"])
+        return cls(**values)
 
 
 @dataclasses.dataclass
@@ -588,6 +615,8 @@ def matmul_roofline_gflops(size: int = 2048, repeats: int = 5) -> float:
 
 
 ROOFLINE = "matmul roofline"
+# NumPy's target: half the roofline's FLOP rate at the larger shapes
+HALF_ROOFLINE = 0.5
 ROOFLINE_SIZE = 2048
 
 
@@ -798,23 +827,43 @@ def _number(value: float | None, digits: int = 2) -> str:
 
 def markdown_table(results: Sequence[Result]) -> str:
     """The rows as a markdown table; ratio = mha / built-in (numpy: fraction of the roofline),
-    with its 95% confidence interval."""
+    with its 95% confidence interval and what that interval says (Result.verdict)."""
     header = (
         "| backend | mode | (B, L, d, h) | valid_lens | need_weights | pass | built-in "
-        "| mha ms | built-in ms | ratio | 95% interval | mha MiB | built-in MiB |"
+        "| mha ms | built-in ms | ratio | 95% interval | verdict | mha MiB | built-in MiB |"
     )
-    lines = [header, "|" + "---|" * 13]
+    lines = [header, "|" + "---|" * 14]
     for r in results:
         builtin_ms = r.note if r.builtin_ms is None and r.note else _number(r.builtin_ms)
-        interval = "-" if r.ratio_interval is None else " to ".join(map(_number, r.ratio_interval))
+        # Three decimals: what decides a verdict is often below 1%
+        interval = (
+            "-"
+            if r.ratio_interval is None
+            else " to ".join(_number(end, 3) for end in r.ratio_interval)
+        )
         lines.append(
             f"| {r.backend} | {r.mode} | {r.config.shape}"
             f" | {'yes' if r.config.valid_lens else 'no'}"
             f" | {r.config.need_weights} | {r.pass_} | {r.builtin} | {_number(r.mha_ms)}"
-            f" | {builtin_ms} | {_number(r.ratio)} | {interval} | {_number(r.mha_peak_mib, 1)}"
-            f" | {_number(r.builtin_peak_mib, 1)} |"
+            f" | {builtin_ms} | {_number(r.ratio, 3)} | {interval} | {r.verdict}"
+            f" | {_number(r.mha_peak_mib, 1)} | {_number(r.builtin_peak_mib, 1)} |"
         )
     return "\n".join(lines)
+
+
+def summary(results: Sequence[Result]) -> list[str]:
+    """One line per backend: how many of its rows have each verdict."""
+    lines = []
+    for backend in dict.fromkeys(r.backend for r in results):
+        verdicts = [r.verdict for r in results if r.backend == backend]
+        if backend == "numpy":
+            against, names = "half the roofline", ["above half", "tie with half", "below half"]
+        else:
+            against, names = "the built-ins", ["faster", "tie", "slower"]
+        names += ["-"] if "-" in verdicts else []
+        counts = ", ".join(f"{name} {verdicts.count(name)}" for name in names)
+        lines.append(f"{backend}, {len(verdicts)} rows against {against}: {counts}")
+    return lines
 
 
 def memory_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -864,6 +913,11 @@ def add_arguments(parser) -> None:
         help="also measure torch peak memory at lengths 1024 to 8192 (need_weights=False)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
+    parser.add_argument(
+        "--report",
+        metavar="FILE",
+        help="show the tables of a saved JSON report (from --output) instead of running",
+    )
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
@@ -881,6 +935,8 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
 def execute(arguments, out, err, progress=None) -> int:
     """Run `mha bench` with parsed arguments; raises ValueError/BackendUnavailableError on
     usage errors."""
+    if arguments.report:
+        return _show_saved_report(arguments, out)
     names, skipped = select_backends(arguments.backends)
     if arguments.shapes:
         shapes = _parse_shapes(arguments.shapes)
@@ -896,13 +952,44 @@ def execute(arguments, out, err, progress=None) -> int:
         memory_rows = run_memory_scaling(lengths, progress=progress)
     document = report(results, facts, memory_rows)
     document["skipped"] = skipped
+    _write_or_print(document, arguments, out)
+    return 0
+
+
+# Options that choose what to run: they mean nothing with --report
+_RUN_OPTIONS = ("backends", "quick", "shapes", "seconds", "memory_scaling", "no_memory")
+
+
+def _show_saved_report(arguments, out) -> int:
+    """`mha bench --report FILE`: a saved JSON report's tables and verdicts, without running
+    (with --output, the report is written again, each row with its verdict)."""
+    given = [name for name in _RUN_OPTIONS if getattr(arguments, name) not in (None, False)]
+    if given:
+        options = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ValueError(f"--report shows a saved report and runs nothing: drop {options}")
+    try:
+        with open(arguments.report) as file:
+            document = json.load(file)
+        results = [Result.from_dict(row) for row in document["results"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"{arguments.report} is not a report written by `mha bench --output`: {error}"
+        ) from None
+    document["results"] = [r.as_dict() for r in results]
+    _write_or_print(document, arguments, out)
+    return 0
+
+
+def _write_or_print(document: dict[str, Any], arguments, out) -> None:
+    """Write the report to --output if given; print it as JSON (--json) or as tables."""
     if arguments.output:
         with open(arguments.output, "w") as file:
             json.dump(document, file, indent=2)
             file.write("\n")
     if arguments.json:
         print(json.dumps(document, indent=2), file=out)
-        return 0
+        return
+    facts = document["machine"]
     print(
         f"Machine: {facts['processor']}, {facts['cpu_count']} CPU cores; matmul roofline "
         f"{facts['matmul_roofline_gflops']} GFLOP/s (float32)",
@@ -913,13 +1000,14 @@ def execute(arguments, out, err, progress=None) -> int:
         "An interval that holds 1.0 is a tie.",
         file=out,
     )
+    results = [Result.from_dict(row) for row in document["results"]]
     print(markdown_table(results), file=out)
-    if memory_rows:
+    print("\n" + "\n".join(summary(results)), file=out)
+    if document.get("memory_scaling"):
         print("\nPeak memory of one torch forward pass, batch 1, need_weights=False:", file=out)
-        print(memory_table(memory_rows), file=out)
-    for name, reason in skipped.items():
+        print(memory_table(document["memory_scaling"]), file=out)
+    for name, reason in document.get("skipped", {}).items():
         print(f"skipped {name}: {reason}", file=out)
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -102,11 +102,88 @@ def test_markdown_table_format():
         ratio_interval=(0.45, 0.55),
     )
     table = bench.markdown_table([result]).splitlines()
-    assert table[1] == "|" + "---|" * 13
+    assert table[1] == "|" + "---|" * 14
     assert table[2] == (
         "| torch | eager | (2, 16, 32, 4) | yes | False | forward | SDPA layer | 1.50 | 3.00 "
-        "| 0.50 | 0.45 to 0.55 | 1.0 | 2.0 |"
+        "| 0.500 | 0.450 to 0.550 | faster | 1.0 | 2.0 |"
     )
+
+
+def _row(backend, builtin, interval, valid_lens=False):
+    config = bench.Config(2, 16, 32, 4, valid_lens=valid_lens, need_weights=False)
+    ratio = None if interval is None else sum(interval) / 2
+    return bench.Result(
+        backend, "eager", config, "forward", builtin, 1.0, 1.0, ratio, ratio_interval=interval
+    )
+
+
+def test_the_verdict_is_where_the_interval_lies_against_the_target():
+    # Against a built-in the target is 1.0 (equal times); an interval that holds it, ends
+    # included, is a tie
+    verdicts = {
+        (0.90, 0.99): "faster",
+        (0.99, 1.01): "tie",
+        (1.00, 1.02): "tie",
+        (0.97, 1.00): "tie",
+        (1.01, 1.10): "slower",
+    }
+    for interval, expected in verdicts.items():
+        assert _row("torch", "SDPA layer", interval).verdict == expected, interval
+    # NumPy's ratio is the fraction of the roofline, and its target half of it: higher is better
+    verdicts = {
+        (0.55, 0.60): "above half",
+        (0.45, 0.55): "tie with half",
+        (0.30, 0.40): "below half",
+    }
+    for interval, expected in verdicts.items():
+        assert _row("numpy", bench.ROOFLINE, interval).verdict == expected, interval
+    assert _row("torch", "SDPA layer", None).verdict == "-"
+
+
+def test_the_summary_counts_each_backends_verdicts():
+    rows = [
+        _row("numpy", bench.ROOFLINE, (0.55, 0.60)),
+        _row("numpy", bench.ROOFLINE, (0.30, 0.40)),
+        _row("torch", "SDPA layer", (0.90, 0.95)),
+        _row("torch", "nn.MultiheadAttention", (0.90, 0.95)),
+        _row("torch", "SDPA layer", (0.99, 1.01)),
+        _row("torch", "nn.MultiheadAttention", (1.01, 1.02)),
+        _row("tensorflow", "keras MultiHeadAttention", None),
+    ]
+    assert bench.summary(rows) == [
+        "numpy, 2 rows against half the roofline: above half 1, tie with half 0, below half 1",
+        "torch, 4 rows against the built-ins: faster 2, tie 1, slower 1",
+        "tensorflow, 1 rows against the built-ins: faster 0, tie 0, slower 0, - 1",
+    ]
+
+
+def test_a_saved_report_is_shown_again_without_running(tmp_path):
+    path, again = tmp_path / "bench.json", tmp_path / "again.json"
+    code, out, _ = run("--quick", "--backends", "numpy", "--output", str(path))
+    assert code == 0
+    document = json.loads(path.read_text())
+    # Each row carries its verdict, and reads back as the same Result
+    for row in document["results"]:
+        result = bench.Result.from_dict(row)
+        assert row["verdict"] == result.verdict
+        assert json.loads(json.dumps(result.as_dict())) == row
+    code, shown, err = run("--report", str(path), "--output", str(again))
+    assert code == 0, err
+    assert err == ""  # nothing ran: no progress
+    assert shown == out
+    assert json.loads(again.read_text()) == document
+    assert "numpy, 4 rows against half the roofline:" in shown
+
+
+def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"rows": []}))
+    code, _, err = run("--report", str(path))
+    assert code == 2 and "not a report written by `mha bench --output`" in err
+    code, _, err = run("--report", str(tmp_path / "missing.json"))
+    assert code == 2 and "missing.json" in err
+    code, _, err = run("--report", str(path), "--quick", "--backends", "numpy")
+    assert code == 2 and "runs nothing: drop --backends, --quick" in err
 
 
 def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
