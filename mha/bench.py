@@ -963,7 +963,8 @@ _RUN_OPTIONS = ("backends", "quick", "shapes", "seconds", "memory_scaling", "no_
 def _show_saved_report(arguments, out) -> int:
     """`mha bench --report FILE`: a saved JSON report's tables and verdicts, without running
     (with --output, the report is written again, each row with its verdict)."""
-    given = [name for name in _RUN_OPTIONS if getattr(arguments, name) not in (None, False)]
+    values = {name: getattr(arguments, name) for name in _RUN_OPTIONS}
+    given = [name for name, value in values.items() if value is not None and value is not False]
     if given:
         options = ", ".join("--" + name.replace("_", "-") for name in given)
         raise ValueError(f"--report shows a saved report and runs nothing: drop {options}")

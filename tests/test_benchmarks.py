@@ -184,6 +184,8 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     assert code == 2 and "missing.json" in err
     code, _, err = run("--report", str(path), "--quick", "--backends", "numpy")
     assert code == 2 and "runs nothing: drop --backends, --quick" in err
+    code, _, err = run("--report", str(path), "--seconds", "0")
+    assert code == 2 and "drop --seconds" in err
 
 
 def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
