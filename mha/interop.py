@@ -94,11 +94,11 @@ _KERAS_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "attention_ou
 
 
 def _as_numpy(x: Any) -> np.ndarray:
-    """A numpy copy of a numpy, torch, TensorFlow or MXNet array."""
+    """A numpy copy of a numpy, torch, TensorFlow or MXNet array (bfloat16 as ml_dtypes')."""
     if hasattr(x, "asnumpy"):  # MXNet
         return x.asnumpy()
     if hasattr(x, "detach"):  # torch
-        return x.detach().cpu().numpy().copy()
+        return load_backend("torch").to_numpy(x).copy()
     return np.array(x)
 
 
@@ -294,7 +294,8 @@ def to_torch(layer: Any, *, batch_first: bool = True) -> Any:
         batch_first=batch_first,
         dtype=getattr(torch, config["dtype"]),
     )
-    module.load_state_dict({name: torch.from_numpy(value) for name, value in state.items()})
+    from_numpy = load_backend("torch").from_numpy
+    module.load_state_dict({name: from_numpy(value) for name, value in state.items()})
     return module
 
 
@@ -808,7 +809,11 @@ def _load_keras_file(name: str) -> Any:
     try:
         with h5py.File(name, "r") as file:
             shapes = {k: tuple(file[f"{dense}/vars/0"].shape) for k, dense in _KERAS_DENSE.items()}
-            dtype = file["query_dense/vars/0"].dtype.name
+            query = file["query_dense/vars/0"]
+            # Keras stores bfloat16 as 2 raw bytes per number and names the dtype in an
+            # attribute
+            dtype = query.attrs.get("dtype", query.dtype.name)
+            dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             bias = "query_dense/vars/1" in file
     except (OSError, KeyError) as error:
         raise ValueError(
@@ -858,7 +863,8 @@ def write_file(
         import torch
 
         state = torch_state_dict(weights)
-        torch.save({key: torch.from_numpy(value) for key, value in state.items()}, path)
+        from_numpy = load_backend("torch").from_numpy
+        torch.save({key: from_numpy(value) for key, value in state.items()}, path)
         return
     if num_heads is None:
         raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")

@@ -12,8 +12,9 @@ The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computin
     DotProductAttention, PositionalEncoding: {}
 
 Files are safetensors (a JSON header and raw little-endian bytes), read and written here with
-numpy alone, never with pickle. The header's metadata records the layer's class and
-constructor config, so a file cannot be loaded into a layer it does not fit.
+numpy alone (bfloat16 through ml_dtypes, numpy's bfloat16), never with pickle. The header's
+metadata records the layer's class and constructor config, so a file cannot be loaded into a
+layer it does not fit.
 """
 
 from __future__ import annotations
@@ -284,8 +285,26 @@ def random_weights(
             fan_in = shape[0] if len(shape) == 2 else shapes["W_o"][0]
             bound = 1.0 / math.sqrt(fan_in)
             value = rng.uniform(-bound, bound, shape)
-        weights[key] = value.astype(name)
+        weights[key] = value.astype(numpy_dtype(name))
     return weights
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a dtype name such as "float32".
+
+    numpy has no bfloat16 of its own: bfloat16 weights are arrays of ml_dtypes' bfloat16,
+    the type TensorFlow and JAX hand out, imported here when first needed.
+    """
+    if name != "bfloat16":
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ModuleNotFoundError(
+            "bfloat16 weights are numpy arrays of ml_dtypes.bfloat16, and the ml_dtypes "
+            "package is not installed: pip install ml_dtypes"
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _layer_class_name_of_type(cls: type) -> str:
@@ -474,7 +493,8 @@ def load(path: str | os.PathLike, backend: str | None = None) -> Any:
     return layer
 
 
-# The safetensors dtypes mha reads and writes, and their little-endian numpy types.
+# The safetensors dtypes mha reads and writes, and their little-endian numpy types; BF16 is
+# stored as the 16-bit patterns of ml_dtypes' bfloat16 (the upper half of a float32)
 _SAFETENSORS_DTYPES = {
     "F16": "<f2",
     "F32": "<f4",
@@ -485,8 +505,10 @@ _SAFETENSORS_DTYPES = {
     "I64": "<i8",
     "U8": "u1",
     "BOOL": "?",
+    "BF16": "<u2",
 }
 _NUMPY_TO_SAFETENSORS = {np.dtype(v).name: k for k, v in _SAFETENSORS_DTYPES.items()}
+_NUMPY_TO_SAFETENSORS["bfloat16"] = _NUMPY_TO_SAFETENSORS.pop("uint16")
 _MAX_HEADER_BYTES = 100_000_000
 
 
@@ -501,9 +523,12 @@ def write_safetensors(
         array = np.asarray(tensors[name])
         if array.dtype.name not in _NUMPY_TO_SAFETENSORS:
             raise TypeError(f"cannot write {name} with dtype {array.dtype} to safetensors")
+        dtype = _NUMPY_TO_SAFETENSORS[array.dtype.name]
+        if dtype == "BF16":
+            array = np.ascontiguousarray(array).view(np.uint16)  # the bit patterns
         data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
         header[name] = {
-            "dtype": _NUMPY_TO_SAFETENSORS[array.dtype.name],
+            "dtype": dtype,
             "shape": list(array.shape),
             "data_offsets": [offset, offset + len(data)],
         }
@@ -595,5 +620,6 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     tensors = {}
     for begin, end, key, dtype, shape in entries:
         array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
-        tensors[key] = array.reshape(shape).astype(array.dtype.newbyteorder("="))
+        array = array.reshape(shape).astype(array.dtype.newbyteorder("="))
+        tensors[key] = array.view(numpy_dtype("bfloat16")) if dtype == "BF16" else array
     return tensors, metadata

@@ -377,6 +377,36 @@ def test_half_precision_runs_close_to_reference(T, torch):
         layer = layer.to(torch.float64)
 
 
+def test_bfloat16_weights_arrive_bit_for_bit(T, torch):
+    """A bfloat16 layer takes and hands out ml_dtypes' bfloat16 weights exactly (numpy has no
+    bfloat16 of its own), and computes near the float64 reference with them."""
+    layer = build(T, "multihead", "bfloat16")
+    weights = mha.random_weights(layer, seed=4)
+    assert {w.dtype.name for w in weights.values()} == {"bfloat16"}
+    mha.set_weights(layer, weights)
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        # torch keeps (out, in): the parameter's bits are those of the transposed array
+        held = getattr(layer, name).weight.detach().T.contiguous()
+        np.testing.assert_array_equal(
+            held.view(torch.int16).numpy().view(np.uint16), weights[name].view(np.uint16)
+        )
+    again = mha.get_weights(layer)
+    for name, value in weights.items():
+        assert again[name].dtype == value.dtype
+        np.testing.assert_array_equal(again[name].view(np.uint16), value.view(np.uint16))
+    # The same numbers in float64, for the reference
+    reference = build(N, "multihead", "float64")
+    mha.set_weights(reference, {k: v.astype(np.float64) for k, v in weights.items()})
+    queries, keys, values = inputs(3, 6, "float64")
+    expected = reference(queries, keys, values, np.array([0, 2, 6, 1]))
+    output = layer(
+        *(T.from_numpy(x).bfloat16() for x in (queries, keys, values)),
+        T.from_numpy(np.array([0, 2, 6, 1])),
+    )
+    assert output.dtype == torch.bfloat16
+    np.testing.assert_allclose(T.to_numpy(output).astype(np.float64), expected, atol=0.05)
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradients
 

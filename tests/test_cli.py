@@ -204,6 +204,40 @@ def test_convert_torch_to_keras_to_mha_and_back(tmp_path, kdim):
 
 
 @pytest.mark.torch
+@pytest.mark.tensorflow
+def test_convert_keeps_bfloat16_bit_for_bit(tmp_path):
+    # bfloat16 weights, the usual dtype of large checkpoints, cross every file kind unchanged;
+    # the Keras file also loads with Keras's own loader into a bfloat16 Keras layer
+    from conftest import backend_module
+
+    backend_module("torch")
+    backend_module("tensorflow")
+    import keras
+    import torch
+
+    module = torch_module(seed=3).to(torch.bfloat16)
+    source, keras_file = tmp_path / "attention.pt", tmp_path / "attention.weights.h5"
+    checkpoint, back = tmp_path / "attention.safetensors", tmp_path / "back.pth"
+    torch.save(module.state_dict(), source)
+    code, out, err = run("convert", str(source), str(keras_file), "--num-heads", "2")
+    assert code == 0, err
+    assert "bfloat16" in out
+    assert run("convert", str(keras_file), str(checkpoint))[0] == 0
+    assert run("convert", str(checkpoint), str(back))[0] == 0
+    again = torch.load(back, weights_only=True)
+    for name, value in module.state_dict().items():
+        assert again[name].dtype == torch.bfloat16
+        assert torch.equal(again[name].view(torch.int16), value.view(torch.int16)), name
+    layer = keras.layers.MultiHeadAttention(2, 4, output_shape=8, dtype="bfloat16")
+    layer.build((2, 3, 8), (2, 4, 8), (2, 4, 8))
+    keras.saving.load_weights(layer, str(keras_file))
+    # Keras's query kernel is (in, heads, head size): torch's first third of in_proj_weight
+    kernel = np.asarray(layer.query_dense.kernel).reshape(8, 8).T
+    expected = module.in_proj_weight[:8].view(torch.int16).numpy().view(np.uint16)
+    np.testing.assert_array_equal(kernel.view(np.uint16), expected)
+
+
+@pytest.mark.torch
 def test_convert_usage_errors_exit_2(tmp_path):
     import torch
 

@@ -38,3 +38,18 @@ def test_a_scalar_array_round_trips(name):
     module = backend_module(name)
     back = module.to_numpy(module.from_numpy(np.float64(2.5)))
     assert back.shape == () and back.dtype == np.float64 and back == 2.5
+
+
+@pytest.mark.parametrize("name", backend_params(["torch", "tensorflow"]))
+def test_bfloat16_round_trips_bit_for_bit(name):
+    # numpy has no bfloat16: both backends hand it out as ml_dtypes' bfloat16, the same 16 bits
+    module = backend_module(name)
+    import ml_dtypes
+
+    array = sample("float32").astype(ml_dtypes.bfloat16)  # halves: exact in bfloat16
+    tensor = module.from_numpy(array)
+    assert "bfloat16" in str(tensor.dtype)
+    back = module.to_numpy(tensor)
+    assert back.dtype == array.dtype and back.shape == array.shape
+    np.testing.assert_array_equal(back.view(np.uint16), array.view(np.uint16))
+    np.testing.assert_array_equal(back.astype("float32"), sample("float32"))

@@ -169,6 +169,50 @@ def test_save_load_round_trip(tmp_path, name):
         np.testing.assert_array_equal(saved[key], loaded[key])
 
 
+@pytest.mark.torch
+def test_bfloat16_files_are_standard_safetensors(tmp_path):
+    # BF16 tensors are the upper 16 bits of float32 numbers; the reference implementation
+    # (safetensors.torch) reads what mha writes and writes what mha reads, bit for bit
+    from conftest import backend_module
+
+    backend_module("torch")
+    import ml_dtypes
+    import safetensors.torch
+    import torch
+
+    values = np.array([[1.5, -0.25, 3.0], [0.0, -2.0, 96.0]], "float32")
+    bits = (values.view(np.uint32) >> 16).astype(np.uint16)  # by hand: float32 -> bfloat16
+    path = tmp_path / "bf16.safetensors"
+    W.write_safetensors(path, {"W": values.astype(ml_dtypes.bfloat16)}, {"k": "v"})
+    read = safetensors.torch.load_file(str(path))["W"]
+    assert read.dtype == torch.bfloat16
+    np.testing.assert_array_equal(read.view(torch.int16).numpy().view(np.uint16), bits)
+    np.testing.assert_array_equal(read.float().numpy(), values)
+
+    other = tmp_path / "other.safetensors"
+    safetensors.torch.save_file({"W": torch.from_numpy(values).bfloat16()}, str(other))
+    tensors, _ = W.read_safetensors(other)
+    assert tensors["W"].dtype.name == "bfloat16"
+    np.testing.assert_array_equal(tensors["W"].view(np.uint16), bits)
+
+
+def test_bfloat16_without_ml_dtypes_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "ml_dtypes", None)  # import fails
+    with pytest.raises(ModuleNotFoundError, match="pip install ml_dtypes"):
+        W.numpy_dtype("bfloat16")
+    with pytest.raises(ModuleNotFoundError, match="ml_dtypes"):
+        mha.random_weights(
+            "MultiHeadAttention",
+            num_hiddens=4,
+            num_heads=2,
+            query_size=4,
+            key_size=4,
+            value_size=4,
+            dtype="bfloat16",
+        )
+    assert W.numpy_dtype("float16") == np.float16
+
+
 def test_file_is_standard_safetensors_with_class_and_config(tmp_path):
     layer = make_mha(bias=True)
     path = tmp_path / "mha.safetensors"

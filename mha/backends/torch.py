@@ -21,6 +21,7 @@ from torch import nn
 
 from mha import validation
 from mha.encoding import sinusoid_table
+from mha.weights import numpy_dtype
 
 __all__ = [
     "AddNorm",
@@ -41,19 +42,24 @@ __all__ = [
 def to_numpy(x: Any) -> np.ndarray:
     """Return `x` as a numpy array: detached, on the CPU (sharing memory with a CPU tensor).
 
-    numpy has no bfloat16: a bfloat16 tensor comes back as float32 (exactly).
+    numpy has no bfloat16: a bfloat16 tensor comes back as an array of ml_dtypes' bfloat16,
+    as TensorFlow hands it out, bit for bit.
     """
     if not isinstance(x, torch.Tensor):
         return np.asarray(x)
-    x = x.detach()
+    x = x.detach().cpu()
     if x.dtype == torch.bfloat16:
-        x = x.float()
-    return x.cpu().numpy()
+        return x.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return x.numpy()
 
 
 def from_numpy(array: Any) -> torch.Tensor:
-    """Return `array` as a CPU torch tensor with numpy's dtype (a copy)."""
-    return torch.from_numpy(np.array(array))
+    """Return `array` as a CPU torch tensor with numpy's dtype (a copy); an array of
+    ml_dtypes' bfloat16 becomes a torch.bfloat16 tensor, bit for bit."""
+    array = np.array(array)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -873,7 +879,7 @@ def _set_linear(linear: nn.Module, weight: np.ndarray, bias: np.ndarray | None =
 
 def _copy_into(parameter: torch.Tensor, array: np.ndarray) -> None:
     with torch.no_grad():
-        parameter.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+        parameter.copy_(from_numpy(array))
 
 
 def value_and_gradients(function, tensors, wrt, layer, cotangent):
