@@ -69,6 +69,10 @@ class Config:
     num_heads: int
     valid_lens: bool
     need_weights: bool
+    # Of the layers, inputs and weights; and where they run: "cpu", or "gpu" (torch's
+    # "cuda", TensorFlow's "/GPU:0")
+    dtype: str = "float32"
+    device: str = "cpu"
 
     @property
     def shape(self) -> str:
@@ -282,6 +286,7 @@ def _weights(config: Config, seed: int = 0) -> dict[str, np.ndarray]:
         key_size=d,
         value_size=d,
         seed=seed,
+        dtype=config.dtype,
     )
 
 
@@ -297,14 +302,18 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     import mha
 
     module = load_backend("torch")
+    device = "cuda" if config.device == "gpu" else "cpu"
     X_np, lens_np = _inputs(config)
-    X = torch.from_numpy(X_np)
-    valid_lens = None if lens_np is None else torch.from_numpy(lens_np)
+    X = torch.from_numpy(X_np).to(device, getattr(torch, config.dtype))
+    valid_lens = None if lens_np is None else torch.from_numpy(lens_np).to(device)
     d, h = config.num_hiddens, config.num_heads
-    ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d).eval()
+    ours = module.MultiHeadAttention(
+        d, h, query_size=d, key_size=d, value_size=d, dtype=config.dtype
+    ).eval()
     mha.set_weights(ours, _weights(config))
+    ours.to(device)
     # The built-ins hold mha's weights, so that every layer computes the same numbers
-    theirs = mha.interop.to_torch(ours, batch_first=True).eval()
+    theirs = mha.interop.to_torch(ours, batch_first=True).to(device).eval()
 
     # Masks are made from valid_lens inside each timed call, as mha makes its own: a batch's
     # lengths change from batch to batch
@@ -312,7 +321,7 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
         # key_padding_mask: True = ignore that key
         if valid_lens is None:
             return None
-        return torch.arange(config.length)[None, :] >= valid_lens[:, None]
+        return torch.arange(config.length, device=device)[None, :] >= valid_lens[:, None]
 
     class SDPAttention(nn.Module):
         """Multi-head self-attention on F.scaled_dot_product_attention, packed projections."""
@@ -332,7 +341,7 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
             output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
             return self.out_proj(output.transpose(1, 2).reshape(b, n, d))
 
-    sdpa = SDPAttention().eval()
+    sdpa = SDPAttention().to(device, X.dtype).eval()
     sdpa.load_state_dict(theirs.state_dict())
 
     def run_ours():
@@ -359,10 +368,15 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
     if not config.need_weights:
         layers["SDPA layer"] = (run_sdpa, sdpa)
 
+    # A GPU runs asynchronously: a timed call ends when the device has finished its work
+    synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
+
     def inference(run):
         def call():
             with torch.no_grad():
-                return run()
+                output = run()
+            synchronize()
+            return output
 
         return call
 
@@ -373,7 +387,9 @@ def _torch_calls(config: Config, mode: str) -> dict[str, dict[str, Callable[[], 
             X.requires_grad_(True)
             try:
                 loss = run().sum()
-                return torch.autograd.grad(loss, [X, *parameters])
+                gradients = torch.autograd.grad(loss, [X, *parameters])
+                synchronize()
+                return gradients
             finally:
                 X.requires_grad_(False)
 
@@ -394,14 +410,19 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
 
     module = load_backend("tensorflow")
     tf = module.tf
+    # Every variable, constant and op on that device: TensorFlow would pick a GPU by itself
+    device = "/GPU:0" if config.device == "gpu" else "/CPU:0"
     X_np, lens_np = _inputs(config)
-    X = tf.constant(X_np)
-    valid_lens = None if lens_np is None else tf.constant(lens_np)
-    d, h = config.num_hiddens, config.num_heads
-    ours = module.MultiHeadAttention(d, h, query_size=d, key_size=d, value_size=d)
-    mha.set_weights(ours, _weights(config))
-    # The built-in holds mha's weights, so that both compute the same numbers
-    theirs = mha.interop.to_keras(ours)
+    with tf.device(device):
+        X = tf.constant(X_np, dtype=config.dtype)
+        valid_lens = None if lens_np is None else tf.constant(lens_np)
+        d, h = config.num_hiddens, config.num_heads
+        ours = module.MultiHeadAttention(
+            d, h, query_size=d, key_size=d, value_size=d, dtype=config.dtype
+        )
+        mha.set_weights(ours, _weights(config))
+        # The built-in holds mha's weights, so that both compute the same numbers
+        theirs = mha.interop.to_keras(ours)
 
     # The mask is made from valid_lens inside each timed call, as mha makes its own
     def attention_mask():
@@ -434,9 +455,15 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
     def compiled(run):
         return tf.function(run) if mode == "tf.function" else run
 
+    # Reading the results to the host (.numpy()) also waits for a GPU to finish the call
     def inference(run):
         run = compiled(run)
-        return lambda: run().numpy()
+
+        def call():
+            with tf.device(device):
+                return run().numpy()
+
+        return call
 
     def training(run, layer):
         def step():
@@ -446,7 +473,12 @@ def _tensorflow_calls(config: Config, mode: str) -> dict[str, dict[str, Callable
             return tape.gradient(loss, [X, *layer.trainable_variables])
 
         step = compiled(step)
-        return lambda: [g.numpy() for g in step()]
+
+        def call():
+            with tf.device(device):
+                return [g.numpy() for g in step()]
+
+        return call
 
     return {
         "forward": {name: inference(run) for name, (run, _) in layers.items()},
@@ -656,13 +688,69 @@ MODES = {
 # Running
 
 
-def configs(shapes: Sequence[tuple[int, int, int, int]]) -> list[Config]:
+def configs(
+    shapes: Sequence[tuple[int, int, int, int]], dtype: str = "float32", device: str = "cpu"
+) -> list[Config]:
     return [
-        Config(*shape, valid_lens=valid_lens, need_weights=need_weights)
+        Config(*shape, valid_lens, need_weights, dtype, device)
         for shape in shapes
         for valid_lens in (False, True)
         for need_weights in (True, False)
     ]
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "gpu")
+
+
+def unsupported(backend: str, dtype: str = "float32", device: str = "cpu") -> str | None:
+    """Why `backend` cannot be benchmarked in `dtype` on `device` here; None when it can."""
+    if backend in ("numpy", "mxnet") and (dtype, device) != ("float32", "cpu"):
+        # numpy's row is a fraction of a float32 product; MXNet 1.9's float16 layers need a
+        # GPU build of MXNet
+        return "benchmarked in float32 on the CPU only"
+    if device == "gpu" and backend == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "torch sees no GPU"
+    if device == "gpu" and backend == "tensorflow":
+        if not load_backend("tensorflow").tf.config.list_physical_devices("GPU"):
+            return "TensorFlow sees no GPU"
+    return None
+
+
+def device_name(device: str, backends: Sequence[str]) -> str:
+    """What `device` is: "cpu", or the GPU's name as torch (else TensorFlow) gives it."""
+    if device == "cpu":
+        return "cpu"
+    if "torch" in backends:
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    tf = load_backend("tensorflow").tf
+    details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+    return details.get("device_name", "GPU")
+
+
+def _peak_mib(backend: str, config: Config, call: Callable[[], Any]) -> float | None:
+    """Peak memory of one call: of the process on the CPU (peak_memory_mib), of the
+    framework's allocator on the GPU, above what it held before the call."""
+    if config.device == "cpu":
+        return peak_memory_mib(call)
+    if backend == "torch":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        call()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    experimental = load_backend("tensorflow").tf.config.experimental
+    experimental.reset_memory_stats("GPU:0")
+    before = experimental.get_memory_info("GPU:0")["current"]
+    call()
+    return (experimental.get_memory_info("GPU:0")["peak"] - before) / 2**20
 
 
 def run(
@@ -671,14 +759,17 @@ def run(
     budget: Budget | None = None,
     memory: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> tuple[list[Result], dict[str, Any]]:
-    """Run the benchmarks; returns the rows and facts about the machine (roofline included)."""
+    """Run the benchmarks; returns the rows and facts about the machine (roofline included).
+    Every backend must support `dtype` on `device` (see `unsupported`)."""
     budget = budget or Budget()
     cases = [
         (backend, mode, config)
         for backend in backends
         for mode in MODES[backend]
-        for config in configs(shapes)
+        for config in configs(shapes, dtype, device)
     ]
     results: list[Result] = []
     roofline = matmul_roofline_gflops(ROOFLINE_SIZE if budget.max_repeats > 3 else 512)
@@ -692,7 +783,7 @@ def run(
             faults: dict[str, list[int]] = {}
             times = _interleaved_times(by_name, budget, faults)
             peaks = {
-                name: peak_memory_mib(call) if memory else None
+                name: _peak_mib(backend, config, call) if memory else None
                 for name, call in by_name.items()
                 if name != ROOFLINE
             }
@@ -706,7 +797,7 @@ def run(
         del calls
     if progress:
         progress(len(cases), len(cases), "done")
-    return results, machine(roofline)
+    return results, machine(roofline, device_name(device, backends))
 
 
 def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
@@ -758,12 +849,13 @@ def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
     ]
 
 
-def machine(roofline: float | None = None) -> dict[str, Any]:
-    """What the numbers were measured on."""
+def machine(roofline: float | None = None, device: str = "cpu") -> dict[str, Any]:
+    """What the numbers were measured on; `device` is "cpu" or the GPU's name."""
     facts: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": _cpu_name(),
         "cpu_count": os.cpu_count(),
+        "device": device,
         "python": platform.python_version(),
         "numpy": np.__version__,
     }
@@ -795,22 +887,26 @@ def run_memory_scaling(
     num_hiddens: int = 512,
     num_heads: int = 8,
     progress: Callable[[int, int, str], None] | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
 ) -> list[dict[str, Any]]:
     """Peak memory of one forward pass (batch 1, need_weights=False) at growing lengths.
 
     mha's torch layer against nn.MultiheadAttention and the SDPA layer. A (length x length)
-    float32 matrix per head would be num_heads * length**2 * 4 bytes: 2 GiB at 8192.
+    matrix per head would be num_heads * length**2 * 4 bytes in float32: 2 GiB at 8192.
     """
+    itemsize = 4 if dtype == "float32" else 2
     rows = []
     for index, length in enumerate(lengths):
         if progress:
             progress(index, len(lengths), f"torch memory at length {length}")
-        config = Config(1, length, num_hiddens, num_heads, valid_lens=True, need_weights=False)
+        config = Config(1, length, num_hiddens, num_heads, True, False, dtype, device)
         calls = _torch_calls(config, "eager")["forward"]
-        row = {"length": length, "one_matrix_per_head_mib": num_heads * length**2 * 4 / 2**20}
+        one_matrix_per_head = num_heads * length**2 * itemsize / 2**20
+        row = {"length": length, "one_matrix_per_head_mib": one_matrix_per_head}
         for name, call in calls.items():
             call()  # warm-up: the allocator's first-use growth is not the layer's
-            row[name] = peak_memory_mib(call)
+            row[name] = _peak_mib("torch", config, call)
         rows.append(row)
     if progress:
         progress(len(lengths), len(lengths), "done")
@@ -914,6 +1010,14 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory calls")
     parser.add_argument(
+        "--dtype", choices=DTYPES, help="of the layers, inputs and weights (default: float32)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        help="where torch and TensorFlow run (default: cpu); numpy and mxnet: cpu only",
+    )
+    parser.add_argument(
         "--report",
         metavar="FILE",
         help="show the tables of a saved JSON report (from --output) instead of running",
@@ -938,6 +1042,17 @@ def execute(arguments, out, err, progress=None) -> int:
     if arguments.report:
         return _show_saved_report(arguments, out)
     names, skipped = select_backends(arguments.backends)
+    dtype, device = arguments.dtype or "float32", arguments.device or "cpu"
+    for name in list(names):
+        reason = unsupported(name, dtype, device)
+        if reason and arguments.backends:
+            raise ValueError(f"--backends {name}: {reason} (asked: {dtype} on the {device})")
+        if reason:
+            names.remove(name)
+            skipped[name] = reason
+    if not names:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        raise ValueError(f"no backend can run in {dtype} on the {device} here ({reasons})")
     if arguments.shapes:
         shapes = _parse_shapes(arguments.shapes)
     else:
@@ -945,11 +1060,13 @@ def execute(arguments, out, err, progress=None) -> int:
     budget = dataclasses.replace(QUICK_BUDGET) if arguments.quick else Budget()
     if arguments.seconds is not None:
         budget.seconds = arguments.seconds
-    results, facts = run(names, shapes, budget, memory=not arguments.no_memory, progress=progress)
+    results, facts = run(
+        names, shapes, budget, not arguments.no_memory, progress, dtype=dtype, device=device
+    )
     memory_rows = None
     if arguments.memory_scaling and "torch" in names:
         lengths = (64, 128) if arguments.quick else (1024, 2048, 4096, 8192)
-        memory_rows = run_memory_scaling(lengths, progress=progress)
+        memory_rows = run_memory_scaling(lengths, progress=progress, dtype=dtype, device=device)
     document = report(results, facts, memory_rows)
     document["skipped"] = skipped
     _write_or_print(document, arguments, out)
@@ -957,7 +1074,16 @@ def execute(arguments, out, err, progress=None) -> int:
 
 
 # Options that choose what to run: they mean nothing with --report
-_RUN_OPTIONS = ("backends", "quick", "shapes", "seconds", "memory_scaling", "no_memory")
+_RUN_OPTIONS = (
+    "backends",
+    "quick",
+    "shapes",
+    "seconds",
+    "memory_scaling",
+    "no_memory",
+    "dtype",
+    "device",
+)
 
 
 def _show_saved_report(arguments, out) -> int:
@@ -991,9 +1117,17 @@ def _write_or_print(document: dict[str, Any], arguments, out) -> None:
         print(json.dumps(document, indent=2), file=out)
         return
     facts = document["machine"]
+    results = [Result.from_dict(row) for row in document["results"]]
     print(
         f"Machine: {facts['processor']}, {facts['cpu_count']} CPU cores; matmul roofline "
         f"{facts['matmul_roofline_gflops']} GFLOP/s (float32)",
+        file=out,
+    )
+    settings = sorted({(r.config.dtype, r.config.device) for r in results})
+    on = {"cpu": "the CPU", "gpu": facts.get("device", "a GPU")}
+    print(
+        "Layers, inputs and weights in "
+        + ", ".join(f"{dtype} on {on[device]}" for dtype, device in settings),
         file=out,
     )
     print(
@@ -1001,7 +1135,6 @@ def _write_or_print(document: dict[str, Any], arguments, out) -> None:
         "An interval that holds 1.0 is a tie.",
         file=out,
     )
-    results = [Result.from_dict(row) for row in document["results"]]
     print(markdown_table(results), file=out)
     print("\n" + "\n".join(summary(results)), file=out)
     if document.get("memory_scaling"):

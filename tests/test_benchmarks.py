@@ -78,6 +78,48 @@ def test_quick_torch_rows_compare_with_both_builtins():
     assert bench.memory_table(rows).splitlines()[0].startswith("| length |")
 
 
+@pytest.mark.torch
+@pytest.mark.tensorflow
+def test_a_bfloat16_run_times_torch_and_tensorflow_and_skips_the_others():
+    backend_module("torch")
+    backend_module("tensorflow")
+    code, out, err = run("--quick", "--dtype", "bfloat16", "--json", "--no-memory")
+    assert code == 0, err
+    document = json.loads(out)
+    rows = document["results"]
+    assert {row["backend"] for row in rows} == {"torch", "tensorflow"}
+    assert {(row["config"]["dtype"], row["config"]["device"]) for row in rows} == {
+        ("bfloat16", "cpu")
+    }
+    assert document["machine"]["device"] == "cpu"
+    skipped = document["skipped"]
+    assert skipped["numpy"] == skipped["mxnet"] == "benchmarked in float32 on the CPU only"
+
+
+def test_a_backend_that_cannot_run_as_asked_is_a_usage_error(monkeypatch):
+    code, _, err = run("--quick", "--backends", "numpy", "--dtype", "bfloat16")
+    assert code == 2 and "--backends numpy: benchmarked in float32 on the CPU only" in err
+    # Where no framework sees a GPU (made so here, whatever the machine), --device gpu has
+    # nothing to run, and says why for each backend
+    if _installed("torch"):
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    if _installed("tensorflow"):
+        tf = backend_module("tensorflow").tf
+        monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [])
+    code, _, err = run("--quick", "--device", "gpu")
+    assert code == 2 and "no backend can run in float32 on the gpu here" in err
+    if _installed("torch"):
+        assert "torch: torch sees no GPU" in err
+
+
+def _installed(name):
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def test_a_bad_backend_or_shape_is_a_usage_error():
     code, _, err = run("--quick", "--backends", "nope")
     assert code == 2 and "nope" in err
@@ -155,6 +197,14 @@ def test_the_summary_counts_each_backends_verdicts():
         "torch, 4 rows against the built-ins: faster 2, tie 1, slower 1",
         "tensorflow, 1 rows against the built-ins: faster 0, tie 0, slower 0, - 1",
     ]
+
+
+def test_a_report_written_before_dtype_and_device_reads_as_float32_on_the_cpu():
+    row = _row("torch", "SDPA layer", (0.9, 0.95)).as_dict()
+    for key in ("dtype", "device"):
+        del row["config"][key]
+    result = bench.Result.from_dict(row)
+    assert (result.config.dtype, result.config.device) == ("float32", "cpu")
 
 
 def test_a_saved_report_is_shown_again_without_running(tmp_path):
@@ -269,21 +319,28 @@ def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
     ],
 )
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_every_timed_layer_computes_what_mha_computes(backend, need_weights):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dtype):
     # A ratio is only fair between layers that do the same work: the built-ins hold mha's
     # weights and make their masks from the same valid_lens inside the timed call, so every
     # timed forward call returns mha's output
     import numpy as np
 
-    backend_module(backend)
-    config = bench.Config(3, 10, 8, 2, valid_lens=True, need_weights=need_weights)
+    module = backend_module(backend)
+    config = bench.Config(3, 10, 8, 2, True, need_weights, dtype)
     calls = bench._CALLS[backend](config, bench.MODES[backend][0])["forward"]
     assert len(calls) == (2 if need_weights or backend == "tensorflow" else 3)
-    outputs = {name: np.asarray(call()) for name, call in calls.items()}
+    outputs = {name: module.to_numpy(call()) for name, call in calls.items()}
+    assert {output.dtype.name for output in outputs.values()} == {dtype}
     _, lens = bench._inputs(config)
     assert lens.min() < 10  # some keys are masked
+    # bfloat16 keeps 8 bits of mantissa: 2^-8 of the scale, should the kernels round apart
+    tolerance = {"float32": 1e-5, "bfloat16": 2**-8}[dtype]
+    expected = outputs["mha"].astype(np.float32)
     for name, output in outputs.items():
-        np.testing.assert_allclose(output, outputs["mha"], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            output.astype(np.float32), expected, rtol=tolerance, atol=tolerance, err_msg=name
+        )
 
 
 def test_page_faults_are_counted_per_call():
