@@ -153,6 +153,22 @@ def torch_module(seed=0, **arguments):
     return module
 
 
+def convert_round_trip(tmp_path, module):
+    """`mha convert` of a module's state_dict: torch -> Keras -> mha checkpoint -> torch.
+    Returns the first conversion's report, the Keras file, the checkpoint and the state_dict
+    read back at the end."""
+    import torch
+
+    source, keras_file = tmp_path / "attention.pt", tmp_path / "attention.weights.h5"
+    checkpoint, back = tmp_path / "attention.safetensors", tmp_path / "back.pth"
+    torch.save(module.state_dict(), source)
+    code, out, err = run("convert", str(source), str(keras_file), "--num-heads", "2")
+    assert code == 0, err
+    assert run("convert", str(keras_file), str(checkpoint))[0] == 0
+    assert run("convert", str(checkpoint), str(back))[0] == 0
+    return out, keras_file, checkpoint, torch.load(back, weights_only=True)
+
+
 @pytest.mark.torch
 @pytest.mark.tensorflow
 @pytest.mark.parametrize("kdim", [None, 5], ids=["packed", "kdim"])
@@ -167,15 +183,8 @@ def test_convert_torch_to_keras_to_mha_and_back(tmp_path, kdim):
     import mha
 
     module = torch_module(kdim=kdim, vdim=kdim)
-    source, keras_file = tmp_path / "attention.pt", tmp_path / "attention.weights.h5"
-    checkpoint, back = tmp_path / "attention.safetensors", tmp_path / "back.pth"
-    torch.save(module.state_dict(), source)
-    code, out, err = run("convert", str(source), str(keras_file), "--num-heads", "2")
-    assert code == 0, err
+    out, keras_file, checkpoint, again = convert_round_trip(tmp_path, module)
     assert "read back: the same weights" in out
-    assert run("convert", str(keras_file), str(checkpoint))[0] == 0
-    assert run("convert", str(checkpoint), str(back))[0] == 0
-    again = torch.load(back, weights_only=True)
     assert again.keys() == module.state_dict().keys()
     assert all(torch.equal(again[k], v) for k, v in module.state_dict().items())
     # The Keras file loads into a Keras layer with Keras's own loader and computes the same
@@ -216,15 +225,8 @@ def test_convert_keeps_bfloat16_bit_for_bit(tmp_path):
     import torch
 
     module = torch_module(seed=3).to(torch.bfloat16)
-    source, keras_file = tmp_path / "attention.pt", tmp_path / "attention.weights.h5"
-    checkpoint, back = tmp_path / "attention.safetensors", tmp_path / "back.pth"
-    torch.save(module.state_dict(), source)
-    code, out, err = run("convert", str(source), str(keras_file), "--num-heads", "2")
-    assert code == 0, err
+    out, keras_file, _, again = convert_round_trip(tmp_path, module)
     assert "bfloat16" in out
-    assert run("convert", str(keras_file), str(checkpoint))[0] == 0
-    assert run("convert", str(checkpoint), str(back))[0] == 0
-    again = torch.load(back, weights_only=True)
     for name, value in module.state_dict().items():
         assert again[name].dtype == torch.bfloat16
         assert torch.equal(again[name].view(torch.int16), value.view(torch.int16)), name
