@@ -319,7 +319,7 @@ def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
     ],
 )
 @pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dtype):
     # A ratio is only fair between layers that do the same work: the built-ins hold mha's
     # weights and make their masks from the same valid_lens inside the timed call, so every
@@ -334,8 +334,9 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     assert {output.dtype.name for output in outputs.values()} == {dtype}
     _, lens = bench._inputs(config)
     assert lens.min() < 10  # some keys are masked
-    # bfloat16 keeps 8 bits of mantissa: 2^-8 of the scale, should the kernels round apart
-    tolerance = {"float32": 1e-5, "bfloat16": 2**-8}[dtype]
+    # bfloat16 keeps 8 bits of mantissa, float16 11: the last bit of the scale, should the
+    # kernels round apart
+    tolerance = {"float32": 1e-5, "bfloat16": 2**-8, "float16": 2**-11}[dtype]
     expected = outputs["mha"].astype(np.float32)
     for name, output in outputs.items():
         np.testing.assert_allclose(
