@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from mha import validation
-from mha.registry import load_backend
+from mha.registry import BackendUnavailableError, load_backend
 from mha.weights import _layer_info, get_weights, set_weights
 
 __all__ = [
@@ -868,7 +868,7 @@ def write_file(
         return
     if num_heads is None:
         raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")
-    layer = layer_from_weights(weights, num_heads, backend="numpy", dropout=dropout)
+    layer = layer_from_weights(weights, num_heads, backend=_carrier(weights), dropout=dropout)
     if kind == "mha":
         from mha.weights import save
 
@@ -877,6 +877,21 @@ def write_file(
         import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
 
         keras.saving.save_weights(to_keras(layer), os.fspath(path), overwrite=True)
+
+
+def _carrier(weights: Mapping[str, np.ndarray]) -> str:
+    """The backend whose layer carries `weights` into a file: numpy, unless numpy does not
+    compute in their dtype (bfloat16); then torch, or TensorFlow without torch."""
+    dtype = np.asarray(weights.get("W_q", np.zeros(0, "float32"))).dtype.name
+    if dtype in validation.BACKEND_DTYPES["numpy"]:
+        return "numpy"
+    for backend in ("torch", "tensorflow"):
+        try:
+            load_backend(backend)
+        except BackendUnavailableError:
+            continue
+        return backend
+    raise ValueError(f"writing {dtype} weights to a file needs torch or tensorflow installed")
 
 
 def convert(

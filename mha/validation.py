@@ -22,6 +22,7 @@ __all__ = [
     "check_add_norm_call",
     "check_additive_args",
     "check_attention_call",
+    "check_backend_dtype",
     "check_dot_product_args",
     "check_dtype",
     "check_masked_softmax_call",
@@ -34,6 +35,13 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The float dtypes each backend computes in: numpy and MXNet 1.9 have no bfloat16 arithmetic
+BACKEND_DTYPES = {
+    "numpy": ("float16", "float32", "float64"),
+    "torch": FLOAT_DTYPES,
+    "tensorflow": FLOAT_DTYPES,
+    "mxnet": ("float16", "float32", "float64"),
+}
 INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
 Shape = tuple[int | None, ...]
@@ -155,6 +163,18 @@ def check_dtype(dtype: Any) -> str:
             f"dtype must be one of {', '.join(FLOAT_DTYPES)}. Received: dtype={dtype!r}"
         )
     return name
+
+
+def check_backend_dtype(dtype: str, backend: str) -> str:
+    """Return `dtype`, a name check_dtype accepted, when `backend` computes in it."""
+    supported = BACKEND_DTYPES[backend]
+    if dtype not in supported:
+        others = [name for name, dtypes in BACKEND_DTYPES.items() if dtype in dtypes]
+        raise ValueError(
+            f"dtype must be one of {', '.join(supported)} in the {backend} backend "
+            f"({dtype} computes in {' and '.join(others)}). Received: dtype={dtype!r}"
+        )
+    return dtype
 
 
 def check_dot_product_args(dropout: Any, dtype: Any) -> str:

@@ -371,3 +371,30 @@ def test_unknown_sizes_of_symbolic_shapes_are_not_errors():
     queries = Symbolic()
     sizes = validation.check_attention_call(queries, queries, queries, dtype="float32")
     assert sizes == (None, 3, 3)
+
+
+LAYERS = {
+    "MultiHeadAttention": (8, 2),
+    "DotProductAttention": (),
+    "AdditiveAttention": (8,),
+    "PositionalEncoding": (8,),
+    "AddNorm": (8,),
+}
+
+
+@pytest.mark.parametrize("class_name", LAYERS)
+def test_bfloat16_only_where_the_backend_computes_in_it(backend, class_name):
+    # numpy and MXNet 1.9 have no bfloat16 arithmetic: a clear error at construction, not
+    # numpy's or MXNet's own error, nor a silent float32 result; torch and TensorFlow build it
+    name = backend.__name__.rsplit(".", 1)[-1]
+    build = getattr(backend, class_name)
+    if name in ("numpy", "mxnet"):
+        message = (
+            f"dtype must be one of float16, float32, float64 in the {name} backend "
+            "(bfloat16 computes in torch and tensorflow). Received: dtype='bfloat16'"
+        )
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build(*LAYERS[class_name], dtype="bfloat16")
+    else:
+        assert build(*LAYERS[class_name], dtype="bfloat16").dtype == "bfloat16"
+    assert build(*LAYERS[class_name], dtype="float16").dtype == "float16"

@@ -196,6 +196,24 @@ def test_bfloat16_files_are_standard_safetensors(tmp_path):
     np.testing.assert_array_equal(tensors["W"].view(np.uint16), bits)
 
 
+@pytest.mark.torch
+def test_a_bfloat16_checkpoint_loads_only_where_bfloat16_computes(tmp_path):
+    from conftest import backend_module
+
+    T = backend_module("torch")
+    layer = T.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, dtype="bfloat16")
+    mha.set_weights(layer, mha.random_weights(layer, seed=2))
+    path = tmp_path / "bf16.safetensors"
+    mha.save(layer, path)
+    again = mha.load(path, backend="torch")
+    for name, value in mha.get_weights(layer).items():
+        np.testing.assert_array_equal(
+            mha.get_weights(again)[name].view(np.uint16), value.view(np.uint16)
+        )
+    with pytest.raises(ValueError, match="in the numpy backend"):
+        mha.load(path, backend="numpy")
+
+
 def test_bfloat16_without_ml_dtypes_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "ml_dtypes", None)  # import fails
     with pytest.raises(ModuleNotFoundError, match="pip install ml_dtypes"):

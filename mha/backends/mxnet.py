@@ -132,13 +132,23 @@ class Layer(nn.HybridBlock):
 
     Subclasses define `forward(...)` with the public call signature: it checks the arguments
     and hands them positionally to `_run`, which runs HybridBlock's own forward (imperative,
-    or the cached graph when hybridized) and so `hybrid_forward(F, ...)`.
+    or the cached graph when hybridized) and so `hybrid_forward(F, ...)`. `dtype` is checked
+    against the dtypes MXNet computes in.
     """
 
     def __init__(self):
         super().__init__()
         self._structure = None
         self._graphs = {}  # structure -> cached graph, for structures traced before
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @dtype.setter
+    def dtype(self, name: str) -> None:
+        # MXNet 1.9 has no bfloat16 arithmetic
+        self._dtype = validation.check_backend_dtype(name, "mxnet")
 
     def __call__(self, *args, **kwargs):
         # Block.__call__ takes positional arguments only

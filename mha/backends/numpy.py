@@ -53,13 +53,23 @@ def from_numpy(array: Any) -> np.ndarray:
 
 
 class Module:
-    """The little of torch.nn.Module the reference needs: a training flag and __call__.
+    """The little of torch.nn.Module the reference needs: a training flag, __call__, and
+    `dtype`, checked against the dtypes numpy computes in.
 
     Setting `training` (or calling `train()` / `eval()`) sets it on every sub-layer too.
     """
 
     def __init__(self):
         self._training = False
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    @dtype.setter
+    def dtype(self, name: str) -> None:
+        # numpy has no bfloat16 arithmetic
+        self._dtype = validation.check_backend_dtype(name, "numpy")
 
     @property
     def training(self) -> bool:
