@@ -958,7 +958,8 @@ def summary(results: Sequence[Result]) -> list[str]:
             against, names = "the built-ins", ["faster", "tie", "slower"]
         names += ["-"] if "-" in verdicts else []
         counts = ", ".join(f"{name} {verdicts.count(name)}" for name in names)
-        lines.append(f"{backend}, {len(verdicts)} rows against {against}: {counts}")
+        rows = f"{len(verdicts)} row" + ("s" if len(verdicts) != 1 else "")
+        lines.append(f"{backend}, {rows} against {against}: {counts}")
     return lines
 
 

@@ -195,7 +195,7 @@ def test_the_summary_counts_each_backends_verdicts():
     assert bench.summary(rows) == [
         "numpy, 2 rows against half the roofline: above half 1, tie with half 0, below half 1",
         "torch, 4 rows against the built-ins: faster 2, tie 1, slower 1",
-        "tensorflow, 1 rows against the built-ins: faster 0, tie 0, slower 0, - 1",
+        "tensorflow, 1 row against the built-ins: faster 0, tie 0, slower 0, - 1",
     ]
 
 
