@@ -606,15 +606,18 @@ def test_torch_compile_matches_eager(T, torch):
 def test_packed_self_attention_compiles_into_one_graph(T, torch):
     # Without gradients, self-attention with packed weights traces whole (fullgraph=True: a
     # graph break is an error), as before the weights were packed. (valid_lens would break
-    # it: their value check reads them.) Expected: the eager call.
+    # it: their value check reads them.) Without masks the call takes the fast path, which
+    # traces whole too. Expected: the eager call.
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     layer.eval()
     X = torch.randn(2, 5, 8)
-    with torch.no_grad():
-        expected = layer(X, X, X, causal=True, need_weights=False)
-        compiled = torch.compile(layer, fullgraph=True)
-        output = compiled(X, X, X, causal=True, need_weights=False)
-    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    for causal in (True, False):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            expected = layer(X, X, X, causal=causal, need_weights=False)
+            compiled = torch.compile(layer, fullgraph=True)
+            output = compiled(X, X, X, causal=causal, need_weights=False)
+        torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -958,3 +961,108 @@ def test_packed_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
         fresh.load_state_dict(state)
         with torch.no_grad():
             assert torch.equal(fresh(X, X, X), expected)
+
+
+def test_fast_path_takes_exactly_the_calls_it_promises(T, torch, monkeypatch):
+    # MultiHeadAttention reads the checks of a plain self-attention call without gradients or
+    # weights in a few steps and runs the fused path's ops. Expected: which calls take it, as
+    # its docstring says, and for every call the NumPy reference.
+    taken = []
+    fast = T.MultiHeadAttention._fast_self_attention
+    monkeypatch.setattr(
+        T.MultiHeadAttention,
+        "_fast_self_attention",
+        lambda self, *args: taken.append(1) or fast(self, *args),
+    )
+    reference = N.MultiHeadAttention(
+        8, H, bias=True, query_size=8, key_size=8, value_size=8, dtype="float64"
+    )
+    layer = T.MultiHeadAttention(
+        8, H, bias=True, query_size=8, key_size=8, value_size=8, dtype="float64"
+    )
+    mha.set_weights(reference, mha.random_weights(reference, seed=3))
+    mha.set_weights(layer, mha.get_weights(reference))
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((B, 5, 8))
+    lens = np.array([0, 2, 5, 9])  # a length 0: that row attends nowhere and is zeroed
+
+    def call(layer, expect_fast, grad=False, separate=False, **keywords):
+        taken.clear()
+        inputs = [T.from_numpy(X)] + [T.from_numpy(X.copy()) for _ in range(2)]
+        if not separate:
+            inputs = inputs[:1] * 3
+        with torch.set_grad_enabled(grad):
+            output = layer(*inputs, **{"need_weights": False, **to_torch(T, keywords)})
+        assert taken == ([1] if expect_fast else [])
+        assert_close(output, reference(X, X, X, **{"need_weights": False, **keywords}), "float64")
+        assert layer.attention_weights is None and layer.attention.attention_weights is None
+
+    call(layer, True)
+    call(layer, True, valid_lens=lens)
+    call(layer, True, valid_lens=lens[1:].repeat(2)[:B])  # every length above 0
+    call(layer, True, valid_lens=lens.astype(np.int32))
+    call(layer, False, valid_lens=lens.astype(np.float64))
+    call(layer, False, valid_lens=np.tile(lens[:, None], (1, 5)))
+    call(layer, False, valid_lens=lens.astype(np.uint8))
+    call(layer, False, grad=True)
+    call(layer, False, separate=True)
+    call(layer, False, causal=True)
+    call(layer, False, mask=rng.random((B, 5, 5)) < 0.7)
+    call(layer, False, window_mask=rng.random((2, 5, 5)) < 0.7)
+    call(layer, False, head_mask=np.array([0.5, 2.0]))
+    taken.clear()
+    with torch.no_grad():
+        layer(*[T.from_numpy(X)] * 3)  # need_weights=True
+    assert taken == []
+    # A lazy layer takes it once its first call has made and packed its weights
+    lazy = T.MultiHeadAttention(8, H, bias=True, dtype="float64")
+    taken.clear()
+    with torch.no_grad():
+        lazy(*[T.from_numpy(X)] * 3, need_weights=False)  # makes the weights, packed
+    assert taken == []
+    mha.set_weights(lazy, mha.get_weights(reference))
+    call(lazy, True, valid_lens=lens)
+    # Weights given other storage are concatenated, still on the fast path
+    layer.W_k.weight.data = layer.W_k.weight.data.clone()
+    call(layer, True, valid_lens=lens)
+    # Dropout applies in training mode, as on the full path
+    layer.train()
+    layer.attention.dropout.p = 0.5
+    taken.clear()
+    with torch.no_grad():
+        output = layer(*[T.from_numpy(X)] * 3, need_weights=False)
+    assert taken == [1]
+    assert not np.allclose(T.to_numpy(output), reference(X, X, X), atol=1e-3)
+
+
+SELF = lambda M: M.MultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)  # noqa: E731
+X3 = _x(2, 3, 4)
+
+# Self-attention calls without weights, which the fast path reads: (id, arguments)
+FAST_PATH_ERROR_CASES = [
+    ("float64", (_x(2, 3, 4, dtype="float64"),) * 3),
+    ("rank_2", (_x(2, 4),) * 3),
+    ("no_positions", (_x(2, 0, 4),) * 3),
+    ("query_size", (_x(2, 3, 5),) * 3),
+    ("valid_lens_shape", (X3, X3, X3, np.array([1, 2, 3]))),
+    ("valid_lens_2d_shape", (X3, X3, X3, np.ones((2, 4), int))),
+    ("valid_lens_bool", (X3, X3, X3, np.array([True, False]))),
+    ("valid_lens_negative", (X3, X3, X3, np.array([1, -2]))),
+    ("valid_lens_negative_int32", (X3, X3, X3, np.array([-3, 2], np.int32))),
+    ("valid_lens_fraction", (X3, X3, X3, np.array([1.5, 2.0], np.float32))),
+]
+
+
+@pytest.mark.parametrize(
+    "arguments", [c[1] for c in FAST_PATH_ERROR_CASES], ids=[c[0] for c in FAST_PATH_ERROR_CASES]
+)
+def test_fast_path_errors_match_numpy(T, torch, arguments):
+    # The calls the fast path reads before it gives a call to the full checks: the errors of
+    # a sized layer without gradients must still be the NumPy backend's
+    keywords = {"need_weights": False}
+    with pytest.raises((TypeError, ValueError)) as expected:
+        _make_and_call(N, np.asarray, SELF, arguments, keywords)
+    with torch.no_grad(), pytest.raises((TypeError, ValueError)) as raised:
+        _make_and_call(T, T.from_numpy, SELF, arguments, keywords)
+    assert type(raised.value) is type(expected.value)
+    assert str(raised.value) == str(expected.value)
