@@ -68,19 +68,23 @@ def dtype_name(x: Any) -> str:
 
 
 def _plain_dtype_name(dtype: Any) -> str:
+    names = _DTYPE_NAMES.setdefault(type(dtype), {})
     try:
-        return _DTYPE_NAMES[dtype]
+        return names[dtype]
     except (KeyError, TypeError):  # TypeError: not hashable
         name = _read_dtype_name(dtype)
     try:
-        _DTYPE_NAMES[dtype] = name
+        names[dtype] = name
     except TypeError:
         pass
     return name
 
 
-# Names already read, by dtype object: reading one parses its text, on every call
-_DTYPE_NAMES: dict[Any, str] = {}
+# Names already read, by type of dtype object, then by dtype object: reading one parses its
+# text, on every call. One table per type: torch.compile traces a lookup in a table of torch
+# dtypes, but not in one that also holds another framework's (TensorFlow's DType has a hash
+# that it cannot trace), and the checks run inside compiled torch code
+_DTYPE_NAMES: dict[type, dict[Any, str]] = {}
 
 
 def _read_dtype_name(dtype: Any) -> str:
