@@ -107,11 +107,15 @@ class Result:
 
     gradients: d sum(output * cotangent) / d input and / d weight, keyed by input names and
     canonical weight names; None when not asked for or when the backend has no autograd.
+    inference: with gradients, the same call made again without recording them (the
+    backend's `without_gradients`), whose output and weights are checked too: some paths
+    run only there; None otherwise, when the one call already ran without gradients.
     """
 
     output: np.ndarray
     attention_weights: np.ndarray | None
     gradients: dict[str, np.ndarray] | None = None
+    inference: Result | None = None
 
 
 @dataclasses.dataclass
@@ -119,7 +123,8 @@ class Row:
     """One line of the agreement table.
 
     output_difference, weights_difference: from the float64 NumPy reference (absolute for
-    float64, relative to the reference's scale otherwise); within TOLERANCES to pass.
+    float64, relative to the reference's scale otherwise), the larger of the calls with and
+    without gradients (Result.inference); within TOLERANCES to pass.
     gradient_difference: from float64 central differences, relative to the gradients' scale;
     within GRADIENT_TOLERANCES. gradient_agreement: from the first autograd backend of the run;
     within TOLERANCES. None where it does not apply.
@@ -169,6 +174,7 @@ def default_cases() -> list[Case]:
             Case("MultiHeadAttention", ("head_mask",), config),
             Case("MultiHeadAttention", ("valid_lens_1d", "no_weights"), config),
             Case("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), config),
+            Case("MultiHeadAttention", ("self", "valid_lens_1d", "no_weights"), config),
             Case(
                 "MultiHeadAttention",
                 ("valid_lens_2d", "mask_3d", "causal", "window_mask", "head_mask"),
@@ -213,6 +219,8 @@ def all_cases() -> list[Case]:
         ("valid_lens_1d", "mask_4d", "head_mask"),
         ("square", "valid_lens_2d", "mask_3d", "causal", "window_mask", "head_mask"),
         ("self",),
+        ("self", "no_weights"),
+        ("self", "valid_lens_1d", "no_weights"),
         ("self", "valid_lens_1d", "mask_4d"),
         ("self", "valid_lens_2d", "causal", "window_mask", "head_mask", "no_weights"),
         ("valid_lens_2d", "mask_4d", "causal", "window_mask", "head_mask", "no_weights"),
@@ -367,24 +375,34 @@ def run_case(
         for key, value in inputs.items()
     }
     layer = build_layer(backend, case, config, weights)
-    if cotangent is not None and hasattr(module, "value_and_gradients"):
-        output, input_gradients, weight_gradients = module.value_and_gradients(
-            lambda arguments: call_layer(module, case, layer, arguments),
-            tensors,
-            differentiable(case),
-            layer,
-            module.from_numpy(cotangent),
-        )
-        gradients = {**input_gradients, **weight_gradients}
-    else:
+
+    def forward() -> Result:
         output = module.to_numpy(call_layer(module, case, layer, tensors))
-        gradients = None
-    attention_weights = getattr(layer, "attention_weights", None)
+        return Result(output, _attention_weights(module, layer))
+
+    if cotangent is None or not hasattr(module, "value_and_gradients"):
+        return forward()
+    with module.without_gradients():
+        inference = forward()
+    output, input_gradients, weight_gradients = module.value_and_gradients(
+        lambda arguments: call_layer(module, case, layer, arguments),
+        tensors,
+        differentiable(case),
+        layer,
+        module.from_numpy(cotangent),
+    )
     return Result(
         output,
-        None if attention_weights is None else module.to_numpy(attention_weights),
-        gradients,
+        _attention_weights(module, layer),
+        {**input_gradients, **weight_gradients},
+        inference,
     )
+
+
+def _attention_weights(module: Any, layer: Any) -> np.ndarray | None:
+    """The layer's attention_weights of its last call as numpy, None when it has none."""
+    attention_weights = getattr(layer, "attention_weights", None)
+    return None if attention_weights is None else module.to_numpy(attention_weights)
 
 
 def finite_difference_gradients(
@@ -522,15 +540,10 @@ def check(
         failure = f"{type(error).__name__}: {error}"
         return Row(case.id, backend, dtype, None, None, None, None, None, False, failure), None
     reference = prepared.reference
-    output_difference = difference(result.output, reference.output, relative)
-    weights_difference = None
-    if reference.attention_weights is not None or result.attention_weights is not None:
-        if result.attention_weights is None or reference.attention_weights is None:
-            weights_difference = float("inf")
-        else:
-            weights_difference = difference(
-                result.attention_weights, reference.attention_weights, relative
-            )
+    # With gradients, the call without them too: the larger of the two differences
+    calls = [result] if result.inference is None else [result, result.inference]
+    output_difference = max(difference(call.output, reference.output, relative) for call in calls)
+    weights_difference = _weights_difference(calls, reference, relative)
     gradient_difference = gradient_agreement = None
     if result.gradients is not None and prepared.numeric_gradients is not None:
         gradient_difference = _gradient_difference(
@@ -555,6 +568,22 @@ def check(
         passed,
     )
     return row, result
+
+
+def _weights_difference(calls: Sequence[Result], reference: Result, relative: bool) -> float | None:
+    """The largest difference of the calls' attention weights from the reference's; None
+    when neither has any, inf when only one side has them."""
+    differences = []
+    for call in calls:
+        if reference.attention_weights is None and call.attention_weights is None:
+            continue
+        if call.attention_weights is None or reference.attention_weights is None:
+            differences.append(float("inf"))
+        else:
+            differences.append(
+                difference(call.attention_weights, reference.attention_weights, relative)
+            )
+    return max(differences, default=None)
 
 
 def compare(

@@ -106,6 +106,27 @@ def test_a_broken_backend_is_caught_and_named(name, monkeypatch):
     assert out.text().strip().endswith(f"disagree, on: {name}.")
 
 
+@pytest.mark.torch
+def test_a_broken_inference_path_is_caught():
+    # The harness checks each autograd backend's forward without gradients too: a mistake
+    # only there (here in torch's fast path for self-attention without weights) fails the
+    # row. Expected: the case passes, then fails once that path is broken.
+    module = backend_module("torch")
+    case = harness.Case("MultiHeadAttention", ("self", "valid_lens_1d", "no_weights"))
+    prepared = harness.prepare(case, dtype="float32", seed=7)
+    row, result = harness.check("torch", prepared)
+    assert row.passed and result.inference is not None and result.gradients is not None
+    fast = module.MultiHeadAttention._fast_self_attention
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            module.MultiHeadAttention,
+            "_fast_self_attention",
+            lambda self, *args: fast(self, *args) * 1.0001,
+        )
+        row, _ = harness.check("torch", prepared)
+    assert not row.passed and row.output_difference > harness.TOLERANCES["float32"]
+
+
 class _Buffer:
     def __init__(self):
         self.parts = []

@@ -904,6 +904,13 @@ def _set_parameter(parameter, value: numpy.ndarray) -> None:
     parameter._finish_deferred_init()
 
 
+def without_gradients():
+    """A context in which calls record no gradients, as inference runs them. Used by
+    mha.harness, which checks the forward there too: some paths run only there.
+    Calls outside autograd.record record nothing; pause() says so."""
+    return mx.autograd.pause()
+
+
 @mx.util.use_np
 def value_and_gradients(function, tensors, wrt, layer, cotangent):
     """Run `function(tensors)` and differentiate sum(output * cotangent) with autograd.

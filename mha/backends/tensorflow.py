@@ -23,6 +23,7 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -724,6 +725,13 @@ def _set_linear(dense: keras.layers.Dense, weight: np.ndarray,
     dense.kernel.assign(weight)
     if bias is not None:
         dense.bias.assign(bias)
+
+
+def without_gradients():
+    """A context in which calls record no gradients, as inference runs them. Used by
+    mha.harness, which checks the forward there too: some paths run only there.
+    Eager calls outside a GradientTape record nothing."""
+    return contextlib.nullcontext()
 
 
 def value_and_gradients(function, tensors, wrt, layer, cotangent):

@@ -935,6 +935,13 @@ def _copy_into(parameter: torch.Tensor, array: np.ndarray) -> None:
         parameter.copy_(from_numpy(array))
 
 
+def without_gradients():
+    """A context in which calls record no gradients, as inference runs them. Used by
+    mha.harness, which checks the forward there too: some paths run only there (the
+    packed weights without a copy, MultiHeadAttention's fast path)."""
+    return torch.no_grad()
+
+
 def value_and_gradients(function, tensors, wrt, layer, cotangent):
     """Run `function(tensors)` and differentiate sum(output * cotangent) with autograd.
 
