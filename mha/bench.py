@@ -56,6 +56,13 @@ __all__ = ["SHAPES", "Config", "Result", "markdown_table", "run", "run_memory_sc
 # (batch_size, length, num_hiddens, num_heads)
 SHAPES = ((32, 64, 256, 8), (8, 512, 512, 8), (1, 4096, 512, 8))
 QUICK_SHAPES = ((2, 16, 32, 4),)
+
+# The fewest rounds whose whole range is a 95% interval of their median: all n rounds lie
+# on one side of it with probability 2 / 2**n, 1/16 for 5 rounds (above 5%), 1/32 for 6
+CONFIDENT_ROUNDS = 6
+# The verdict of a row timed in fewer rounds (a --quick run), whose range is no 95% interval
+TOO_FEW_ROUNDS = "too few rounds"
+
 PASSES = ("forward", "forward+backward")
 
 
@@ -112,9 +119,12 @@ class Result:
         """What the 95% interval of the ratio says. Against a built-in: "faster" when it lies
         below 1.0, "slower" above, "tie" when it holds 1.0 (the run cannot tell the two
         apart). NumPy, whose ratio is the fraction of the roofline reached, against half of
-        it: "above half", "below half" or "tie with half". "-" without an interval."""
+        it: "above half", "below half" or "tie with half". "-" without an interval; "too few
+        rounds" from fewer than CONFIDENT_ROUNDS, whose interval is not a 95% one."""
         if self.ratio_interval is None:
             return "-"
+        if self.repeats < CONFIDENT_ROUNDS:
+            return TOO_FEW_ROUNDS
         low, high = self.ratio_interval
         if self.builtin == ROOFLINE:
             target, names = HALF_ROOFLINE, ("below half", "tie with half", "above half")
@@ -145,7 +155,7 @@ class Budget:
     """How long to measure: at least min_repeats rounds, then stop at max_repeats or seconds."""
 
     warmup: int = 2
-    min_repeats: int = 3
+    min_repeats: int = CONFIDENT_ROUNDS
     max_repeats: int = 200
     seconds: float = 3.0
 
@@ -212,8 +222,9 @@ def paired_ratio_interval(
     the j-th smallest per-round ratio to the j-th largest, which hold the median between them
     with probability 1 - 2 P(Binomial(n, 1/2) < j), for the largest j that keeps this at
     least `confidence` (the 40th to the 61st of 100). With 8 rounds or fewer it is the whole
-    range (which, with 5 or fewer, holds the median with less than that probability). An
-    interval that holds 1.0 is a tie: the two differ by less than the run can tell.
+    range (which, with 5 or fewer, holds the median with less than that probability: no
+    verdict is read from it, see CONFIDENT_ROUNDS). An interval that holds 1.0 is a tie: the
+    two differ by less than the run can tell.
     """
     ratios = sorted(a / b for a, b in zip(ours, theirs, strict=True))
     n = len(ratios)
@@ -956,7 +967,7 @@ def summary(results: Sequence[Result]) -> list[str]:
             against, names = "half the roofline", ["above half", "tie with half", "below half"]
         else:
             against, names = "the built-ins", ["faster", "tie", "slower"]
-        names += ["-"] if "-" in verdicts else []
+        names += [name for name in ("-", TOO_FEW_ROUNDS) if name in verdicts]
         counts = ", ".join(f"{name} {verdicts.count(name)}" for name in names)
         rows = f"{len(verdicts)} row" + ("s" if len(verdicts) != 1 else "")
         lines.append(f"{backend}, {rows} against {against}: {counts}")

@@ -140,7 +140,7 @@ def test_markdown_table_format():
         0.5,
         1.0,
         2.0,
-        5,
+        6,
         ratio_interval=(0.45, 0.55),
     )
     table = bench.markdown_table([result]).splitlines()
@@ -151,11 +151,20 @@ def test_markdown_table_format():
     )
 
 
-def _row(backend, builtin, interval, valid_lens=False):
+def _row(backend, builtin, interval, valid_lens=False, repeats=100):
     config = bench.Config(2, 16, 32, 4, valid_lens=valid_lens, need_weights=False)
     ratio = None if interval is None else sum(interval) / 2
     return bench.Result(
-        backend, "eager", config, "forward", builtin, 1.0, 1.0, ratio, ratio_interval=interval
+        backend,
+        "eager",
+        config,
+        "forward",
+        builtin,
+        1.0,
+        1.0,
+        ratio,
+        repeats=repeats,
+        ratio_interval=interval,
     )
 
 
@@ -182,6 +191,26 @@ def test_the_verdict_is_where_the_interval_lies_against_the_target():
     assert _row("torch", "SDPA layer", None).verdict == "-"
 
 
+def test_no_verdict_is_read_from_fewer_rounds_than_a_95_percent_interval_needs():
+    # The whole range of n rounds misses their median when all n lie on one side of it:
+    # probability 2 / 2**n, worked by hand: 2/32 = 6.25% for 5 rounds, 2/64 = 3.1% for 6
+    assert bench.CONFIDENT_ROUNDS == 6
+    for repeats in range(1, 6):
+        for interval in ((0.90, 0.95), (0.99, 1.01), (1.05, 1.10)):
+            row = _row("torch", "SDPA layer", interval, repeats=repeats)
+            assert row.verdict == "too few rounds", (repeats, interval)
+        assert _row("numpy", bench.ROOFLINE, (0.55, 0.6), repeats=repeats).verdict == (
+            "too few rounds"
+        )
+    assert _row("torch", "SDPA layer", (0.90, 0.95), repeats=6).verdict == "faster"
+    assert _row("torch", "SDPA layer", (1.05, 1.10), repeats=6).verdict == "slower"
+    # The full run times every row in at least that many rounds, however short its budget
+    assert bench.Budget().min_repeats == 6
+    calls = {"mha": lambda: None, "built-in": lambda: None}
+    times = bench._interleaved_times(calls, bench.Budget(warmup=0, seconds=0.0))
+    assert {name: len(seconds) for name, seconds in times.items()} == dict.fromkeys(calls, 6)
+
+
 def test_the_summary_counts_each_backends_verdicts():
     rows = [
         _row("numpy", bench.ROOFLINE, (0.55, 0.60)),
@@ -191,11 +220,14 @@ def test_the_summary_counts_each_backends_verdicts():
         _row("torch", "SDPA layer", (0.99, 1.01)),
         _row("torch", "nn.MultiheadAttention", (1.01, 1.02)),
         _row("tensorflow", "keras MultiHeadAttention", None),
+        _row("mxnet", "d2l Gluon MultiHeadAttention", (0.90, 0.95), repeats=3),
+        _row("mxnet", "d2l Gluon MultiHeadAttention", (0.90, 0.95)),
     ]
     assert bench.summary(rows) == [
         "numpy, 2 rows against half the roofline: above half 1, tie with half 0, below half 1",
         "torch, 4 rows against the built-ins: faster 2, tie 1, slower 1",
         "tensorflow, 1 row against the built-ins: faster 0, tie 0, slower 0, - 1",
+        "mxnet, 2 rows against the built-ins: faster 1, tie 0, slower 0, too few rounds 1",
     ]
 
 
