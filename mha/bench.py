@@ -1144,7 +1144,9 @@ def _write_or_print(document: dict[str, Any], arguments, out) -> None:
     )
     print(
         "ratio = mha / built-in (below 1.0: mha is faster); numpy: fraction of the roofline. "
-        "An interval that holds 1.0 is a tie.",
+        "An interval that holds 1.0 is a tie. Each interval is a 95% one: a row whose layers\n"
+        "truly tie still reads slower in 1 run of 40, so time a row marked slower again on its\n"
+        "own before reading it as slower (benchmarks/README.md, 'Many rows, one chance each').",
         file=out,
     )
     print(markdown_table(results), file=out)
