@@ -250,6 +250,43 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+# glibc's mallopt parameters, and the values `mha bench` fixes them to: the largest mmap
+# threshold glibc takes (32 MiB on 64-bit), and a trim threshold above it
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": 32 * 2**20, "MALLOC_TRIM_THRESHOLD_": 64 * 2**20}
+MALLOC_DEFAULTS = "glibc's defaults (thresholds that move with what was freed before)"
+_steadied: str | None = None  # what steady_allocator did, once it has fixed the thresholds
+
+
+def steady_allocator(fix: bool = True) -> str:
+    """Fix glibc's malloc thresholds for the rest of this process (unless `fix` is False), as
+    the environment variables of STEADY_MALLOC would from its start; returns what the allocator
+    does, for the report. Variables the user has set are left as they are, and a process whose
+    thresholds were fixed keeps them: glibc cannot make them dynamic again.
+
+    By default glibc raises its mmap threshold to the size of each mmap-ed block freed, and its
+    trim threshold to twice that: whether the next large buffer reuses pages the process holds
+    or faults in fresh ones depends on what ran before. Measured with MXNet at (32, 64, 256, 8),
+    that history swung a row's ratio from 0.79 to 1.22 (benchmarks/README.md); with the
+    thresholds fixed, both layers of a row see the same allocator, whatever ran before.
+    """
+    global _steadied
+    given = {name: os.environ[name] for name in STEADY_MALLOC if name in os.environ}
+    if given:
+        return "set from the environment: " + ", ".join(f"{k}={v}" for k, v in given.items())
+    if fix and _steadied is None:
+        try:
+            mallopt = ctypes.CDLL("libc.so.6").mallopt
+        except (OSError, AttributeError):
+            return "the platform's own (not glibc: left as it is)"
+        parameters = (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)
+        values = STEADY_MALLOC.values()
+        if not all(mallopt(p, v) for p, v in zip(parameters, values, strict=True)):
+            return MALLOC_DEFAULTS + "; mallopt refused to fix them"
+        _steadied = "fixed by mha bench: " + ", ".join(f"{k}={v}" for k, v in STEADY_MALLOC.items())
+    return _steadied or MALLOC_DEFAULTS
+
+
 def peak_memory_mib(call: Callable[[], Any]) -> float | None:
     """Growth of the peak resident set during one call, in MiB (None where not measurable).
 
@@ -1030,6 +1067,12 @@ def add_arguments(parser) -> None:
         help="where torch and TensorFlow run (default: cpu); numpy and mxnet: cpu only",
     )
     parser.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="leave glibc's malloc thresholds dynamic, as in a process that does not fix them "
+        "(default: fixed, so that no row depends on what ran before it)",
+    )
+    parser.add_argument(
         "--report",
         metavar="FILE",
         help="show the tables of a saved JSON report (from --output) instead of running",
@@ -1072,6 +1115,7 @@ def execute(arguments, out, err, progress=None) -> int:
     budget = dataclasses.replace(QUICK_BUDGET) if arguments.quick else Budget()
     if arguments.seconds is not None:
         budget.seconds = arguments.seconds
+    allocator = steady_allocator(fix=not arguments.malloc_defaults)
     results, facts = run(
         names, shapes, budget, not arguments.no_memory, progress, dtype=dtype, device=device
     )
@@ -1079,6 +1123,7 @@ def execute(arguments, out, err, progress=None) -> int:
     if arguments.memory_scaling and "torch" in names:
         lengths = (64, 128) if arguments.quick else (1024, 2048, 4096, 8192)
         memory_rows = run_memory_scaling(lengths, progress=progress, dtype=dtype, device=device)
+    facts["malloc"] = allocator
     document = report(results, facts, memory_rows)
     document["skipped"] = skipped
     _write_or_print(document, arguments, out)
@@ -1095,6 +1140,7 @@ _RUN_OPTIONS = (
     "no_memory",
     "dtype",
     "device",
+    "malloc_defaults",
 )
 
 
@@ -1135,6 +1181,8 @@ def _write_or_print(document: dict[str, Any], arguments, out) -> None:
         f"{facts['matmul_roofline_gflops']} GFLOP/s (float32)",
         file=out,
     )
+    if facts.get("malloc"):  # reports written before the allocator was recorded lack it
+        print(f"malloc: {facts['malloc']}", file=out)
     settings = sorted({(r.config.dtype, r.config.device) for r in results})
     on = {"cpu": "the CPU", "gpu": facts.get("device", "a GPU")}
     print(

@@ -6,7 +6,12 @@ No timing is asserted: the numbers depend on the machine and its load.
 import io
 import itertools
 import json
+import os
+import platform
 import statistics
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -392,3 +397,66 @@ def test_page_faults_are_counted_per_call():
     assert len(times["fresh"]) == 3
     assert min(faults["fresh"]) >= 128
     assert statistics.median(faults["nothing"]) < 128
+
+
+# Allocates and frees a 24 MiB buffer four times, in a fresh process, and prints the page
+# faults of each: below glibc's largest mmap threshold (32 MiB), above its starting one
+_REUSE = """
+import resource, sys
+import numpy as np
+from mha import bench
+print(bench.steady_allocator(fix=sys.argv[1] == "fix"))
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buffer = np.ones(6 * 2**20, dtype=np.float32)
+    del buffer
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(*faults)
+"""
+
+
+def test_the_bench_fixes_mallocs_thresholds_so_a_freed_buffer_is_reused():
+    # With glibc's dynamic thresholds, the first 24 MiB buffer is mmap-ed and unmapped, the
+    # threshold rises past it, and the second faults in fresh heap pages; with the thresholds
+    # fixed, the first comes from the heap and stays there for every later one.
+    if platform.libc_ver()[0] != "glibc" or bench.resource is None:
+        pytest.skip("glibc's malloc thresholds only: this platform's allocator is left alone")
+    faults, said = {}, {}
+    environment = {k: v for k, v in os.environ.items() if k not in bench.STEADY_MALLOC}
+    for how in ("fix", "leave"):
+        completed = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_REUSE), how],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=environment,
+        )
+        said[how], counts = completed.stdout.splitlines()
+        faults[how] = [int(count) for count in counts.split()]
+    assert said["fix"].startswith("fixed by mha bench: MALLOC_MMAP_THRESHOLD_=33554432")
+    assert said["leave"] == bench.MALLOC_DEFAULTS
+    # 24 MiB is 6144 pages of 4 KiB, or 12 huge pages of 2 MiB
+    assert min(faults["fix"][0], faults["leave"][0], faults["leave"][1]) >= 12
+    assert max(faults["fix"][1:]) < 12
+
+
+def test_the_report_says_what_malloc_did(monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
+    code, out, err = run("--quick", "--backends", "numpy")
+    assert code == 0, err
+    assert "malloc: set from the environment: MALLOC_TRIM_THRESHOLD_=1000" in out.splitlines()
+    if platform.libc_ver()[0] != "glibc":
+        return  # the rest is about glibc's thresholds
+    # Fixed unless --malloc-defaults, each in a fresh process (once fixed, they stay fixed)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    command = [sys.executable, "-m", "mha", "bench", "--quick", "--backends", "numpy", "--json"]
+    said = {}
+    for option in ("--malloc-defaults", None):
+        completed = subprocess.run(
+            [*command, option] if option else command, capture_output=True, text=True, check=True
+        )
+        said[option] = json.loads(completed.stdout)["machine"]["malloc"]
+    assert said["--malloc-defaults"] == bench.MALLOC_DEFAULTS
+    assert said[None].startswith("fixed by mha bench: MALLOC_MMAP_THRESHOLD_=33554432")
