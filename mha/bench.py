@@ -22,7 +22,8 @@ below 1.0 means mha is faster; each ratio comes with a 95% confidence interval, 
 holds 1.0 is a tie. Every layer holds the same weights, and torch's and Keras's layers make
 their masks from valid_lens inside the timed call, as mha does. Peak memory is the growth of
 the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) during one call:
-it counts every allocator.
+it counts every allocator. `mha bench` fixes glibc's malloc thresholds first (steady_allocator),
+so that no row depends on what the rows before it left in the allocator.
 """
 
 from __future__ import annotations
