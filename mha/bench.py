@@ -900,9 +900,11 @@ def _rows(backend, mode, config, pass_, times, peaks) -> list[Result]:
 
 def machine(roofline: float | None = None, device: str = "cpu") -> dict[str, Any]:
     """What the numbers were measured on; `device` is "cpu" or the GPU's name."""
+    cpuinfo = _read_cpuinfo()
     facts: dict[str, Any] = {
         "platform": platform.platform(),
-        "processor": _cpu_name(),
+        "processor": _cpu_name(cpuinfo),
+        "vector_extensions": _vector_extensions(cpuinfo),
         "cpu_count": os.cpu_count(),
         "device": device,
         "python": platform.python_version(),
@@ -918,13 +920,28 @@ def machine(roofline: float | None = None, device: str = "cpu") -> dict[str, Any
     return facts
 
 
-def _cpu_name() -> str:
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as cpuinfo:
-            match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read(), re.MULTILINE)
-            if match:
-                return match.group(1).strip()
-    return platform.processor() or "unknown"
+def _cpu_name(cpuinfo: str) -> str:
+    match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return match.group(1).strip() if match else platform.processor() or "unknown"
+
+
+# The processor's vector extensions that decide which kernels the frameworks run: two
+# processors of one name ("AMD EPYC") may differ in them, and so may every figure
+VECTOR_EXTENSIONS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "sve")
+
+
+def _vector_extensions(cpuinfo: str) -> list[str]:
+    """Those of VECTOR_EXTENSIONS among the flags of /proc/cpuinfo (x86) or its features
+    (Arm), in that order; none where the platform has no /proc/cpuinfo."""
+    match = re.search(r"^(?:flags|Features)\s*:(.*)$", cpuinfo, re.MULTILINE)
+    flags = set(match.group(1).split()) if match else set()
+    return [name for name in VECTOR_EXTENSIONS if name in flags]
+
+
+def _read_cpuinfo() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        return cpuinfo.read()
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1177,9 +1194,14 @@ def _write_or_print(document: dict[str, Any], arguments, out) -> None:
         return
     facts = document["machine"]
     results = [Result.from_dict(row) for row in document["results"]]
+    extensions = facts.get("vector_extensions")
+    if extensions is None:  # reports written before they were recorded lack them
+        vector = "vector extensions not recorded"
+    else:
+        vector = ", ".join(extensions) or "none of " + ", ".join(VECTOR_EXTENSIONS)
     print(
-        f"Machine: {facts['processor']}, {facts['cpu_count']} CPU cores; matmul roofline "
-        f"{facts['matmul_roofline_gflops']} GFLOP/s (float32)",
+        f"Machine: {facts['processor']} ({vector}), {facts['cpu_count']} CPU cores; matmul "
+        f"roofline {facts['matmul_roofline_gflops']} GFLOP/s (float32)",
         file=out,
     )
     if facts.get("malloc"):  # reports written before the allocator was recorded lack it

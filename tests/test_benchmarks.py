@@ -266,6 +266,50 @@ def test_a_saved_report_is_shown_again_without_running(tmp_path):
     assert "slower in 1 run of 40" in shown
 
 
+# Excerpts of /proc/cpuinfo: an x86 processor with AVX2 but no AVX-512, one with AVX-512
+# and its bfloat16 instructions, and an Arm one
+_CPUINFO = {
+    "avx2": "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx f16c fma avx2 bmi2\n",
+    "avx512": "model name\t: Intel Xeon\nflags\t: avx2 avx512f fma avx512_bf16 amx_bf16\n",
+    "arm": "processor\t: 0\nFeatures\t: fp asimd sve sve2\nCPU implementer\t: 0x41\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "name", "extensions"),
+    [
+        ("avx2", "AMD EPYC", ["avx2", "fma"]),
+        ("avx512", "Intel Xeon", ["avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"]),
+        ("arm", None, ["sve"]),
+        ("", None, []),
+    ],
+)
+def test_the_machine_facts_name_the_processors_vector_extensions(cpuinfo, name, extensions):
+    # Two processors of one name can differ in AVX-512, and TensorFlow's bfloat16 kernels
+    # round differently on the two: the report says which the figures come from
+    text = _CPUINFO.get(cpuinfo, "")
+    assert bench._vector_extensions(text) == extensions
+    if name is not None:
+        assert bench._cpu_name(text) == name
+
+
+def test_the_printed_tables_name_the_vector_extensions(tmp_path):
+    path = tmp_path / "bench.json"
+    code, out, _ = run("--quick", "--backends", "numpy", "--output", str(path))
+    assert code == 0
+    document = json.loads(path.read_text())
+    extensions = document["machine"]["vector_extensions"]
+    assert extensions == bench._vector_extensions(bench._read_cpuinfo())
+    machine_line = next(line for line in out.splitlines() if line.startswith("Machine: "))
+    assert all(name in machine_line for name in extensions)
+    # A report saved before they were recorded still shows
+    del document["machine"]["vector_extensions"]
+    path.write_text(json.dumps(document))
+    code, shown, err = run("--report", str(path))
+    assert code == 0, err
+    assert "(vector extensions not recorded)" in shown
+
+
 def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"rows": []}))
