@@ -18,7 +18,7 @@ import pytest
 
 import mha
 from conftest import backend_module
-from mha import bench, cli
+from mha import bench, cli, harness
 
 pytestmark = pytest.mark.numpy
 
@@ -418,11 +418,12 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     X, lens = bench._inputs(config)
     assert lens.min() < 10  # some keys are masked
     # Each against the float64 NumPy layer on the same inputs and weights, rounded to the
-    # dtype as the timed layers hold them: within 1e-5 of the output's scale in float32, and
-    # two epsilons of the dtype in float16 (10 bits after the point) and bfloat16 (7), as the
-    # harness's float16 tolerance. Two layers that round their intermediates apart may differ
-    # by about an epsilon: without AVX-512, TensorFlow's bfloat16 kernels put mha and Keras
-    # one epsilon apart, each within 1.3 epsilons of the exact output.
+    # dtype as the timed layers hold them, relative to the output's scale: the harness's
+    # tolerances, and for bfloat16, which the harness does not compare, two of its epsilons
+    # (2**-7), as the harness's float16 one is about two of float16's. Two layers that round
+    # their intermediates apart may differ by about an epsilon: without AVX-512, TensorFlow's
+    # bfloat16 kernels put mha and Keras one epsilon apart, each within 1.3 epsilons of the
+    # exact output.
     from mha.backends import numpy as reference
     from mha.weights import numpy_dtype
 
@@ -431,12 +432,9 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     mha.set_weights(exact_layer, {name: w.astype(np.float64) for name, w in weights.items()})
     X = X.astype(numpy_dtype(dtype)).astype(np.float64)
     expected = exact_layer(X, X, X, lens)
-    scale = max(1.0, float(np.abs(expected).max()))
-    tolerance = {"float32": 1e-5, "float16": 2 * 2**-10, "bfloat16": 2 * 2**-7}[dtype] * scale
+    tolerance = harness.TOLERANCES.get(dtype, 2 * 2**-7)
     for name, output in outputs.items():
-        np.testing.assert_allclose(
-            output.astype(np.float64), expected, rtol=0, atol=tolerance, err_msg=name
-        )
+        assert harness.difference(output, expected, relative=True) <= tolerance, name
 
 
 def test_page_faults_are_counted_per_call():
