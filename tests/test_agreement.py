@@ -121,7 +121,7 @@ def test_a_broken_inference_path_is_caught():
         patch.setattr(
             module.MultiHeadAttention,
             "_fast_self_attention",
-            lambda self, *args: fast(self, *args) * 1.0001,
+            lambda self, *args: None if (out := fast(self, *args)) is None else out * 1.0001,
         )
         row, _ = harness.check("torch", prepared)
     assert not row.passed and row.output_difference > harness.TOLERANCES["float32"]
