@@ -859,6 +859,9 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     layer(*(T.from_numpy(X.astype("float32")),) * 3).square().sum().backward()
     torch.optim.SGD(layer.parameters(), lr=0.1).step()
     check()
+    # Transposed through .data: the same place in the packed tensor, other strides
+    layer.W_q.weight.data = layer.W_q.weight.data.t()
+    check()
     # Tied through .data: W_k now shares W_q's storage, and follows it
     layer.W_k.weight.data = layer.W_q.weight.data
     check()
