@@ -3,9 +3,11 @@
 No timing is asserted: the numbers depend on the machine and its load.
 """
 
+import collections
 import io
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -344,21 +346,42 @@ def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
     assert bench.paired_ratio_interval([2.0, 20.0, 4.0], [1.0, 10.0, 2.0]) == (2.0, 2.0)
 
 
-def test_each_call_comes_after_each_other_equally_often():
-    # A call's time depends on the call before it: within rounds, every ordered pair of calls
-    # is adjacent equally often, and every call runs once per round
+@pytest.mark.parametrize("count", [3, 4])
+def test_each_call_comes_after_each_other_equally_often(count):
+    # A call's time depends on the call before it: across the whole sequence, the last call of
+    # a round before the first of the next included, every ordered pair of two different calls
+    # is adjacent equally often and no call follows itself; every call runs once per round and
+    # in each place of a round equally often. Two cycles of every order.
+    names = "abcd"[:count]
+    cycle = math.factorial(count)
     sequence = []
-    calls = {name: (lambda name=name: sequence.append(name)) for name in "abc"}
-    budget = bench.Budget(warmup=0, min_repeats=12, max_repeats=12, seconds=0.0)
+    calls = {name: (lambda name=name: sequence.append(name)) for name in names}
+    budget = bench.Budget(warmup=0, min_repeats=2 * cycle, max_repeats=2 * cycle, seconds=0.0)
     times = bench._interleaved_times(calls, budget)
-    assert {name: len(seconds) for name, seconds in times.items()} == dict.fromkeys("abc", 12)
-    rounds = [sequence[start : start + 3] for start in range(0, len(sequence), 3)]
-    assert all(sorted(order) == list("abc") for order in rounds)
-    pairs = {}
-    for order in rounds:
-        for before, after in itertools.pairwise(order):
-            pairs[before, after] = pairs.get((before, after), 0) + 1
-    assert len(pairs) == 6 and set(pairs.values()) == {4}
+    assert {name: len(seconds) for name, seconds in times.items()} == dict.fromkeys(
+        names, 2 * cycle
+    )
+    rounds = [sequence[start : start + count] for start in range(0, len(sequence), count)]
+    assert all(sorted(order) == list(names) for order in rounds)
+    places = collections.Counter(
+        (place, name) for order in rounds for place, name in enumerate(order)
+    )
+    assert len(places) == count * count and set(places.values()) == {2 * cycle // count}
+    # The sequence repeats: its last call comes before its first
+    pairs = collections.Counter(itertools.pairwise([*sequence, sequence[0]]))
+    assert all(before != after for before, after in pairs)
+    assert len(pairs) == count * (count - 1) and len(set(pairs.values())) == 1
+
+
+def test_two_calls_each_follow_themselves_as_often_as_each_other():
+    # Two calls cannot avoid a call right after itself (or one call always opening the
+    # round): each follows itself once in two rounds, and the other once
+    sequence = []
+    calls = {name: (lambda name=name: sequence.append(name)) for name in "ab"}
+    budget = bench.Budget(warmup=0, min_repeats=8, max_repeats=8, seconds=0.0)
+    bench._interleaved_times(calls, budget)
+    pairs = collections.Counter(itertools.pairwise([*sequence, sequence[0]]))
+    assert pairs == {("a", "b"): 4, ("b", "a"): 4, ("a", "a"): 4, ("b", "b"): 4}
 
 
 @pytest.mark.mxnet
