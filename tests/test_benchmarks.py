@@ -492,24 +492,30 @@ print(*faults)
 """
 
 
+def _allocator_and_faults(script: str, environment: dict, *arguments: str):
+    """Run one of the scripts above in a fresh process: what steady_allocator said, and the
+    page faults of each allocation."""
+    completed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *arguments],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=environment,
+    )
+    said, counts = completed.stdout.splitlines()
+    return said, [int(count) for count in counts.split()]
+
+
 def test_the_bench_fixes_mallocs_thresholds_so_a_freed_buffer_is_reused():
     # With glibc's dynamic thresholds, the first 24 MiB buffer is mmap-ed and unmapped, the
     # threshold rises past it, and the second faults in fresh heap pages; with the thresholds
     # fixed, the first comes from the heap and stays there for every later one.
     if platform.libc_ver()[0] != "glibc" or bench.resource is None:
         pytest.skip("glibc's malloc thresholds only: this platform's allocator is left alone")
-    faults, said = {}, {}
     environment = {k: v for k, v in os.environ.items() if k not in bench.STEADY_MALLOC}
+    said, faults = {}, {}
     for how in ("fix", "leave"):
-        completed = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_REUSE), how],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=environment,
-        )
-        said[how], counts = completed.stdout.splitlines()
-        faults[how] = [int(count) for count in counts.split()]
+        said[how], faults[how] = _allocator_and_faults(_REUSE, environment, how)
     assert said["fix"].startswith("fixed by mha bench: MALLOC_MMAP_THRESHOLD_=33554432")
     assert said["leave"] == bench.MALLOC_DEFAULTS
     # 24 MiB is 6144 pages of 4 KiB, or 12 huge pages of 2 MiB
@@ -552,17 +558,9 @@ def test_the_bench_keeps_one_arena_so_a_buffer_freed_in_a_thread_is_reused():
         "MALLOC_MMAP_THRESHOLD_": str(bench.STEADY_MALLOC["MALLOC_MMAP_THRESHOLD_"]),
         "MALLOC_TRIM_THRESHOLD_": str(bench.STEADY_MALLOC["MALLOC_TRIM_THRESHOLD_"]),
     }
-    faults, said = {}, {}
+    said, faults = {}, {}
     for how, env in (("fixed", environment), ("thresholds only", thresholds_only)):
-        completed = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_THREAD_REUSE)],
-            capture_output=True,
-            text=True,
-            check=True,
-            env=env,
-        )
-        said[how], counts = completed.stdout.splitlines()
-        faults[how] = [int(count) for count in counts.split()]
+        said[how], faults[how] = _allocator_and_faults(_THREAD_REUSE, env)
     assert said["fixed"].endswith("MALLOC_ARENA_MAX=1")
     assert said["thresholds only"].startswith("set from the environment")
     # 24 MiB is 6144 pages of 4 KiB, or 12 huge pages of 2 MiB
