@@ -308,7 +308,7 @@ STEADY_MALLOC = {
 MALLOC_DEFAULTS = (
     "glibc's defaults (thresholds that move with what was freed before, an arena per thread)"
 )
-_steadied: str | None = None  # what steady_allocator did, once it has fixed the thresholds
+_steadied: str | None = None  # what steady_allocator did, once it has fixed the allocator
 
 
 def steady_allocator(fix: bool = True) -> str:

@@ -527,7 +527,7 @@ def test_the_bench_fixes_mallocs_thresholds_so_a_freed_buffer_is_reused():
 # times, in a fresh process, and prints the page faults of each: a thread's arena grows in heaps
 # of 64 MiB, so the third lies in a second heap
 _THREAD_REUSE = """
-import resource, sys, threading
+import resource, threading
 import numpy as np
 from mha import bench
 print(bench.steady_allocator())
