@@ -568,6 +568,44 @@ def test_the_bench_keeps_one_arena_so_a_buffer_freed_in_a_thread_is_reused():
     assert max(faults["fixed"][1:]) < 12
 
 
+# Runs `mha bench --quick` in a fresh process up to the timing, and prints which frameworks
+# were imported when the allocator was fixed and when the timing began
+_ORDER = """
+import json, sys
+from mha import bench, cli
+def imported():
+    return [name for name in ("torch", "tensorflow", "mxnet") if name in sys.modules]
+seen, steady_allocator = {}, bench.steady_allocator
+def fix_allocator(**options):
+    seen["allocator fixed"] = imported()
+    return steady_allocator(**options)
+class Stop(Exception):
+    pass
+def time_layers(*arguments, **options):
+    seen["timing began"] = imported()
+    raise Stop
+bench.steady_allocator, bench.run = fix_allocator, time_layers
+try:
+    cli.main(["bench", "--quick"])
+except Stop:
+    pass
+print(json.dumps(seen))
+"""
+
+
+def test_the_bench_fixes_the_allocator_before_any_framework_is_imported():
+    # A thread keeps the arena it first allocated in, and frameworks start threads when they
+    # are imported: fixed any later, the arenas of those threads would stay as they were
+    completed = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_ORDER)], capture_output=True, text=True, check=True
+    )
+    seen = json.loads(completed.stdout.splitlines()[-1])
+    assert seen["allocator fixed"] == []
+    # and every framework installed here was imported by the time the timing began
+    frameworks = ("torch", "tensorflow", "mxnet")
+    assert seen["timing began"] == [name for name in frameworks if name in mha.available_backends()]
+
+
 def test_the_report_says_what_malloc_did(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
     code, out, err = run("--quick", "--backends", "numpy")
