@@ -13,6 +13,9 @@ process and interleaved (one call of each per round), so that both see the same 
 - numpy: no framework layer, so the forward pass is compared with the FLOP rate of a large
   matrix product (the roofline), timed in the same rounds; `ratio` is the fraction reached.
 
+`--valid-lens`, `--need-weights`, `--pass` and `--mode` run only the rows they select: with
+`--backends` and `--shapes`, one row's configuration, to time it again on its own.
+
 Every layer is self-attention on one input X (batch_size, length, num_hiddens), projections
 without bias, float32, dropout 0. Forward passes run as inference (no gradient tape); the
 backward pass differentiates sum(output) with respect to X and every weight. Each time is the
@@ -789,6 +792,13 @@ MODES = {
     "tensorflow": ("eager",),
     "mxnet": ("imperative", "hybridized"),
 }
+# The passes each backend's calls time: numpy's row is the forward pass against the roofline
+BACKEND_PASSES = {
+    "numpy": ("forward",),
+    "torch": PASSES,
+    "tensorflow": PASSES,
+    "mxnet": PASSES,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,13 +806,17 @@ MODES = {
 
 
 def configs(
-    shapes: Sequence[tuple[int, int, int, int]], dtype: str = "float32", device: str = "cpu"
+    shapes: Sequence[tuple[int, int, int, int]],
+    dtype: str = "float32",
+    device: str = "cpu",
+    valid_lens: Sequence[bool] = (False, True),
+    need_weights: Sequence[bool] = (True, False),
 ) -> list[Config]:
     return [
-        Config(*shape, valid_lens, need_weights, dtype, device)
+        Config(*shape, with_lens, weights, dtype, device)
         for shape in shapes
-        for valid_lens in (False, True)
-        for need_weights in (True, False)
+        for with_lens in valid_lens
+        for weights in need_weights
     ]
 
 
@@ -824,6 +838,15 @@ def unsupported(backend: str, dtype: str = "float32", device: str = "cpu") -> st
     if device == "gpu" and backend == "tensorflow":
         if not load_backend("tensorflow").tf.config.list_physical_devices("GPU"):
             return "TensorFlow sees no GPU"
+    return None
+
+
+def unselected(backend: str, mode: str | None = None, pass_: str | None = None) -> str | None:
+    """Why `backend` has no row in `mode` and `pass_` (None: any); None when it has one."""
+    if mode is not None and mode not in MODES[backend]:
+        return f"has no {mode} mode (its modes: {', '.join(MODES[backend])})"
+    if pass_ is not None and pass_ not in BACKEND_PASSES[backend]:
+        return f"has no {pass_} pass (its passes: {', '.join(BACKEND_PASSES[backend])})"
     return None
 
 
@@ -868,15 +891,22 @@ def run(
     progress: Callable[[int, int, str], None] | None = None,
     dtype: str = "float32",
     device: str = "cpu",
+    valid_lens: Sequence[bool] = (False, True),
+    need_weights: Sequence[bool] = (True, False),
+    passes: Sequence[str] = PASSES,
+    modes: Sequence[str] | None = None,
 ) -> tuple[list[Result], dict[str, Any]]:
     """Run the benchmarks; returns the rows and facts about the machine (roofline included).
-    Every backend must support `dtype` on `device` (see `unsupported`)."""
+    Every backend must support `dtype` on `device` (see `unsupported`). `valid_lens`,
+    `need_weights`, `passes` and `modes` (None: each backend's every mode) select the rows:
+    one row's configuration, timed again on its own, is one of each."""
     budget = budget or Budget()
     cases = [
         (backend, mode, config)
         for backend in backends
         for mode in MODES[backend]
-        for config in configs(shapes, dtype, device)
+        if modes is None or mode in modes
+        for config in configs(shapes, dtype, device, valid_lens, need_weights)
     ]
     results: list[Result] = []
     roofline = matmul_roofline_gflops(ROOFLINE_SIZE if budget.max_repeats > 3 else 512)
@@ -887,6 +917,8 @@ def run(
             progress(index, len(cases), description)
         calls = _CALLS[backend](config, mode)
         for pass_, by_name in calls.items():
+            if pass_ not in passes:
+                continue
             faults: dict[str, list[int]] = {}
             times = _interleaved_times(by_name, budget, faults)
             peaks = {
@@ -1128,6 +1160,29 @@ def add_arguments(parser) -> None:
         help="semicolon-separated B,L,d,h shapes (default: 32,64,256,8;8,512,512,8;1,4096,512,8)",
     )
     parser.add_argument("--seconds", type=float, help="time budget per measurement")
+    # Row selection: one of each times one row's configuration again on its own
+    parser.add_argument(
+        "--valid-lens",
+        choices=("yes", "no"),
+        help="only the rows with (yes) or without (no) valid_lens (default: both)",
+    )
+    parser.add_argument(
+        "--need-weights",
+        choices=("true", "false"),
+        help="only the rows with need_weights True or False (default: both)",
+    )
+    parser.add_argument(
+        "--pass",
+        dest="pass_",
+        choices=PASSES,
+        help="only the forward or the forward+backward rows (default: both)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=sorted({mode for modes in MODES.values() for mode in modes}),
+        help="only the rows of this mode, as the table's mode column names it: MXNet's "
+        "imperative or hybridized (default: every mode)",
+    )
     parser.add_argument(
         "--memory-scaling",
         action="store_true",
@@ -1187,6 +1242,16 @@ def execute(arguments, out, err, progress=None) -> int:
     if not names:
         reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
         raise ValueError(f"no backend can run in {dtype} on the {device} here ({reasons})")
+    for name in list(names):
+        reason = unselected(name, arguments.mode, arguments.pass_)
+        if reason and arguments.backends:
+            raise ValueError(f"--backends {name}: {reason}")
+        if reason:
+            names.remove(name)
+            skipped[name] = reason
+    if not names:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        raise ValueError(f"no backend has the rows asked for ({reasons})")
     if arguments.shapes:
         shapes = _parse_shapes(arguments.shapes)
     else:
@@ -1195,7 +1260,17 @@ def execute(arguments, out, err, progress=None) -> int:
     if arguments.seconds is not None:
         budget.seconds = arguments.seconds
     results, facts = run(
-        names, shapes, budget, not arguments.no_memory, progress, dtype=dtype, device=device
+        names,
+        shapes,
+        budget,
+        not arguments.no_memory,
+        progress,
+        dtype=dtype,
+        device=device,
+        valid_lens=_chosen(arguments.valid_lens, {"no": False, "yes": True}),
+        need_weights=_chosen(arguments.need_weights, {"true": True, "false": False}),
+        passes=_chosen(arguments.pass_, {pass_: pass_ for pass_ in PASSES}),
+        modes=None if arguments.mode is None else (arguments.mode,),
     )
     memory_rows = None
     if arguments.memory_scaling and "torch" in names:
@@ -1208,12 +1283,21 @@ def execute(arguments, out, err, progress=None) -> int:
     return 0
 
 
+def _chosen(option: str | None, values: dict[str, Any]) -> tuple:
+    """The values a row-selection option leaves: all of them when it is not given."""
+    return tuple(values.values()) if option is None else (values[option],)
+
+
 # Options that choose what to run: they mean nothing with --report
 _RUN_OPTIONS = (
     "backends",
     "quick",
     "shapes",
     "seconds",
+    "valid_lens",
+    "need_weights",
+    "pass_",
+    "mode",
     "memory_scaling",
     "no_memory",
     "dtype",
@@ -1228,7 +1312,7 @@ def _show_saved_report(arguments, out) -> int:
     values = {name: getattr(arguments, name) for name in _RUN_OPTIONS}
     given = [name for name, value in values.items() if value is not None and value is not False]
     if given:
-        options = ", ".join("--" + name.replace("_", "-") for name in given)
+        options = ", ".join("--" + name.strip("_").replace("_", "-") for name in given)
         raise ValueError(f"--report shows a saved report and runs nothing: drop {options}")
     try:
         with open(arguments.report) as file:

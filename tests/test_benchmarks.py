@@ -21,7 +21,7 @@ import pytest
 import mha
 from conftest import backend_module
 from mha import bench, cli, harness
-from mha.registry import FRAMEWORKS
+from mha.registry import FRAMEWORKS, select_backends
 
 pytestmark = pytest.mark.numpy
 
@@ -121,6 +121,70 @@ def test_a_backend_that_cannot_run_as_asked_is_a_usage_error(monkeypatch):
     assert code == 2 and "no backend can run in float32 on the gpu here" in err
     if _installed("torch"):
         assert "torch: torch sees no GPU" in err
+
+
+def _rows_of(options):
+    """(backend, mode, valid_lens, need_weights, pass, built-in) of each row of a quick run."""
+    code, out, err = run("--quick", "--json", "--no-memory", *options.split())
+    assert code == 0, err
+    document = json.loads(out)
+    keys = ("valid_lens", "need_weights")
+    rows = [
+        (r["backend"], r["mode"], *(r["config"][key] for key in keys), r["pass"], r["builtin"])
+        for r in document["results"]
+    ]
+    return rows, document, err
+
+
+def test_the_row_options_time_only_the_rows_asked_for():
+    rows, _, err = _rows_of("--backends numpy --valid-lens yes --need-weights false")
+    assert rows == [("numpy", "reference", True, False, "forward", "matmul roofline")]
+    assert "[0/1]" in err  # the progress counts the configurations that run
+    rows, _, _ = _rows_of("--backends numpy --valid-lens no --pass forward")
+    assert sorted(rows) == [
+        ("numpy", "reference", False, False, "forward", "matmul roofline"),
+        ("numpy", "reference", False, True, "forward", "matmul roofline"),
+    ]
+
+
+@pytest.mark.torch
+def test_one_torch_row_alone_is_timed_against_both_builtins():
+    backend_module("torch")
+    options = "--backends torch --valid-lens no --need-weights false --pass forward+backward"
+    rows, _, _ = _rows_of(options)
+    assert sorted(rows) == [
+        ("torch", "eager", False, False, "forward+backward", "SDPA layer"),
+        ("torch", "eager", False, False, "forward+backward", "nn.MultiheadAttention"),
+    ]
+
+
+@pytest.mark.mxnet
+def test_a_mode_runs_only_the_backends_that_have_it():
+    backend_module("mxnet")
+    options = "--mode hybridized --valid-lens yes --need-weights true --pass forward"
+    rows, document, _ = _rows_of(options)
+    assert rows == [("mxnet", "hybridized", True, True, "forward", "d2l Gluon MultiHeadAttention")]
+    # Backends without that mode are not run, and the report says why
+    assert document["skipped"]["numpy"] == "has no hybridized mode (its modes: reference)"
+
+
+def test_a_row_option_that_a_named_backend_lacks_is_a_usage_error():
+    code, _, err = run("--quick", "--backends", "numpy", "--pass", "forward+backward")
+    assert code == 2
+    assert "--backends numpy: has no forward+backward pass (its passes: forward)" in err
+    code, _, err = run("--quick", "--backends", "numpy", "--mode", "hybridized")
+    assert code == 2 and "--backends numpy: has no hybridized mode (its modes: reference)" in err
+    code, _, err = run("--quick", "--backends", "numpy", "--valid-lens", "maybe")
+    assert code == 2 and "--valid-lens" in err
+
+
+def test_each_backend_times_the_passes_it_is_said_to():
+    # BACKEND_PASSES decides which backends a --pass runs: it must say what the calls time
+    config = bench.Config(*bench.QUICK_SHAPES[0], valid_lens=False, need_weights=False)
+    for name in select_backends(None)[0]:
+        backend_module(name)
+        for mode in bench.MODES[name]:
+            assert tuple(bench._CALLS[name](config, mode)) == bench.BACKEND_PASSES[name]
 
 
 def _installed(name):
@@ -324,6 +388,8 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     assert code == 2 and "runs nothing: drop --backends, --quick" in err
     code, _, err = run("--report", str(path), "--seconds", "0")
     assert code == 2 and "drop --seconds" in err
+    code, _, err = run("--report", str(path), "--valid-lens", "no", "--pass", "forward")
+    assert code == 2 and "drop --valid-lens, --pass" in err
 
 
 def test_the_ratio_interval_is_the_median_confidence_interval_by_ranks():
