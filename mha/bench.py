@@ -1232,26 +1232,22 @@ def execute(arguments, out, err, progress=None) -> int:
     allocator = steady_allocator(fix=not arguments.malloc_defaults)
     names, skipped = select_backends(arguments.backends)
     dtype, device = arguments.dtype or "float32", arguments.device or "cpu"
-    for name in list(names):
-        reason = unsupported(name, dtype, device)
-        if reason and arguments.backends:
-            raise ValueError(f"--backends {name}: {reason} (asked: {dtype} on the {device})")
-        if reason:
-            names.remove(name)
-            skipped[name] = reason
-    if not names:
-        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
-        raise ValueError(f"no backend can run in {dtype} on the {device} here ({reasons})")
-    for name in list(names):
-        reason = unselected(name, arguments.mode, arguments.pass_)
-        if reason and arguments.backends:
-            raise ValueError(f"--backends {name}: {reason}")
-        if reason:
-            names.remove(name)
-            skipped[name] = reason
-    if not names:
-        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
-        raise ValueError(f"no backend has the rows asked for ({reasons})")
+    _drop_backends(
+        names,
+        skipped,
+        lambda name: unsupported(name, dtype, device),
+        named=bool(arguments.backends),
+        asked=f" (asked: {dtype} on the {device})",
+        none_left=f"no backend can run in {dtype} on the {device} here",
+    )
+    _drop_backends(
+        names,
+        skipped,
+        lambda name: unselected(name, arguments.mode, arguments.pass_),
+        named=bool(arguments.backends),
+        asked="",
+        none_left="no backend has the rows asked for",
+    )
     if arguments.shapes:
         shapes = _parse_shapes(arguments.shapes)
     else:
@@ -1281,6 +1277,29 @@ def execute(arguments, out, err, progress=None) -> int:
     document["skipped"] = skipped
     _write_or_print(document, arguments, out)
     return 0
+
+
+def _drop_backends(
+    names: list[str],
+    skipped: dict[str, str],
+    reason_of: Callable[[str], str | None],
+    *,
+    named: bool,
+    asked: str,
+    none_left: str,
+) -> None:
+    """Move each backend that `reason_of` gives a reason for from `names` to `skipped`. One
+    named in --backends (`named`) is a usage error instead, and so is none left."""
+    for name in list(names):
+        reason = reason_of(name)
+        if reason and named:
+            raise ValueError(f"--backends {name}: {reason}{asked}")
+        if reason:
+            names.remove(name)
+            skipped[name] = reason
+    if not names:
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        raise ValueError(f"{none_left} ({reasons})")
 
 
 def _chosen(option: str | None, values: dict[str, Any]) -> tuple:
