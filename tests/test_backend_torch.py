@@ -377,6 +377,32 @@ def test_half_precision_runs_close_to_reference(T, torch):
         layer = layer.to(torch.float64)
 
 
+def test_half_precision_self_attention_of_one_example_runs_close_to_reference(T, torch):
+    """One example, one tensor as queries, keys and values: the values reach the product with
+    the weights as views of the packed projection (copied into contiguous heads there), with
+    and without gradients."""
+    reference, layer = (
+        M.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, dtype="float64")
+        for M in (N, T)
+    )
+    weights = mha.random_weights(reference, seed=3)
+    mha.set_weights(reference, weights)
+    mha.set_weights(layer, weights)
+    X = np.random.default_rng(5).standard_normal((1, 6, 8))
+    for valid_lens in (None, np.array([4])):
+        expected = reference(X, X, X, valid_lens)
+        for dtype in (torch.float16, torch.bfloat16):
+            low = layer.to(dtype)
+            inputs_low = T.from_numpy(X).to(dtype)
+            lens = None if valid_lens is None else T.from_numpy(valid_lens)
+            for grad in (False, True):
+                with torch.set_grad_enabled(grad):
+                    output = low(inputs_low, inputs_low, inputs_low, lens)
+                assert output.dtype == dtype
+                np.testing.assert_allclose(T.to_numpy(output.detach()), expected, atol=0.05)
+            layer = layer.to(torch.float64)
+
+
 def test_bfloat16_weights_arrive_bit_for_bit(T, torch):
     """A bfloat16 layer takes and hands out ml_dtypes' bfloat16 weights exactly (numpy has no
     bfloat16 of its own), and computes near the float64 reference with them."""

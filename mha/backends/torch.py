@@ -343,7 +343,11 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
         scores = scores + bias
     # The scores are the caller's own fresh tensor: the mask is added in place
     weights = _softmax(scores, keep, in_place=True)
-    return dropout(weights) @ values, weights if need_weights else None
+    # Values split from a packed projection are rows of a head 3 num_hiddens apart; in
+    # contiguous heads, torch's CPU product for bfloat16 and float16 without instructions for
+    # them took half the time (benchmarks/README.md). matmul copies them so anyway when the
+    # batch is above 1
+    return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
 def _fused_attention(queries, keys, values, keep, bias, dropout, every_row_kept=False):
