@@ -343,10 +343,10 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
         scores = scores + bias
     # The scores are the caller's own fresh tensor: the mask is added in place
     weights = _softmax(scores, keep, in_place=True)
-    # Values split from a packed projection are rows of a head 3 num_hiddens apart; in
-    # contiguous heads, torch's CPU product for bfloat16 and float16 without instructions for
-    # them took half the time (benchmarks/README.md). matmul copies them so anyway when the
-    # batch is above 1
+    # Values split into heads are a head's rows num_hiddens apart (3 num_hiddens from the
+    # packed projection); in contiguous heads, torch's CPU product in bfloat16 and float16,
+    # on a processor without instructions for them, took half the time
+    # (benchmarks/README.md). matmul copies them so anyway when the batch is above 1
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
