@@ -1265,7 +1265,7 @@ def execute(arguments, out, err, progress=None) -> int:
         device=device,
         valid_lens=_chosen(arguments.valid_lens, {"no": False, "yes": True}),
         need_weights=_chosen(arguments.need_weights, {"true": True, "false": False}),
-        passes=_chosen(arguments.pass_, {pass_: pass_ for pass_ in PASSES}),
+        passes=PASSES if arguments.pass_ is None else (arguments.pass_,),
         modes=None if arguments.mode is None else (arguments.mode,),
     )
     memory_rows = None
@@ -1303,7 +1303,7 @@ def _drop_backends(
 
 
 def _chosen(option: str | None, values: dict[str, Any]) -> tuple:
-    """The values a row-selection option leaves: all of them when it is not given."""
+    """The values that --valid-lens or --need-weights leaves: both when it is not given."""
     return tuple(values.values()) if option is None else (values[option],)
 
 
