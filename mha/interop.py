@@ -99,6 +99,8 @@ def _as_numpy(x: Any) -> np.ndarray:
         return x.asnumpy()
     if hasattr(x, "detach"):  # torch
         return load_backend("torch").to_numpy(x).copy()
+    if hasattr(x, "numpy"):  # TensorFlow tensors and Keras variables
+        return np.array(x.numpy())
     return np.array(x)
 
 
