@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from mha import __version__, harness
 from mha.registry import (
     BACKENDS,
-    EXTRAS,
+    INSTALL,
     BackendUnavailableError,
     framework_version,
     load_backend,
@@ -104,7 +104,7 @@ def _info(out) -> int:
             status, detail = "unavailable", str(error)
         else:
             status = "ok"
-            detail = f'pip install "mha[{EXTRAS[name]}]"' if EXTRAS[name] else "always available"
+            detail = INSTALL[name] or "always available"
         print(f"{name:<12} {status:<11} {version:<10} {detail}", file=out)
     return 0
 

@@ -31,12 +31,13 @@ BACKENDS: dict[str, str] = {
 
 ALIASES: dict[str, str] = {"pytorch": "torch", "tf": "tensorflow"}
 
-# Backend name -> the pip extra that installs its framework (numpy needs none).
-EXTRAS: dict[str, str | None] = {
+# Backend name -> the pip command that installs its framework (numpy needs none). TensorFlow
+# has an extra per build, so that neither build is installed over the other.
+INSTALL: dict[str, str | None] = {
     "numpy": None,
-    "torch": "torch",
-    "tensorflow": "tensorflow",
-    "mxnet": "mxnet",
+    "torch": 'pip install "mha[torch]"',
+    "tensorflow": 'pip install "mha[tensorflow]" (or "mha[tensorflow-cpu]", the CPU-only build)',
+    "mxnet": 'pip install "mha[mxnet]" (MXNet 1.9.1 needs numpy < 2)',
 }
 
 # Backend name -> the framework's import name, for versions and messages.
@@ -69,8 +70,8 @@ class BackendUnavailableError(ImportError):
     def __init__(self, backend: str, cause: BaseException | str):
         self.backend = backend
         self.cause = cause
-        extra = EXTRAS.get(backend)
-        hint = f' Install it with: pip install "mha[{extra}]"' if extra else ""
+        command = INSTALL.get(backend)
+        hint = f" Install it with: {command}" if command else ""
         reason = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
         super().__init__(f"The mha backend '{backend}' is not available ({reason}).{hint}")
 
