@@ -1,0 +1,154 @@
+"""Run the whole test suite in each lane, each lane in its own virtual environment.
+
+    python3 lanes.py                           # set up both lanes (once) and run every test in each
+    python3 lanes.py current                   # one lane
+    python3 lanes.py legacy -- -m torch -x     # arguments after -- go to pytest
+    python3 lanes.py --lock current            # regenerate the lane's constraints file
+
+A lane is a set of frameworks that install together, pinned by its constraints file:
+
+- legacy: every backend in one process, MXNet 1.9.1 included, so numpy 1.26 (MXNet's last
+  release predates NumPy 2). Its environment is `.venv`, the README's quick start.
+- current: numpy 2 with the newest torch and TensorFlow that install here; no MXNet.
+  Its environment is `.venv-current`.
+
+Each run installs the project into the lane's environment with the lane's constraints (quick
+when nothing changed) and runs pytest there with MHA_TEST_BACKENDS naming the lane's backends,
+so a backend of the lane that does not import fails its tests. `--lock` installs the lane's
+extras into a new environment with no constraints, that is the newest releases that fit the
+lane, and writes what was installed as the lane's constraints file.
+It uses only the standard library, so that it runs with nothing but Python 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import venv
+
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    environment: str  # folder of the virtual environment, in the repository
+    constraints: str  # the lane's exact versions
+    extras: str  # the extras of mha the lane installs
+    backends: str  # MHA_TEST_BACKENDS: the backends the lane requires
+    # What --lock asks for beyond the extras. torch stays 2.13.0 in both lanes: it is the only
+    # CPU build this project's machines have, and any other release pulls in CUDA wheels.
+    lock: tuple[str, ...]
+
+
+LANES = {
+    "legacy": Lane(
+        environment=".venv",
+        constraints="constraints.txt",
+        extras="torch,tensorflow-cpu,mxnet,test,notebooks",
+        backends="numpy,torch,tensorflow,mxnet",
+        lock=("numpy<2", "torch==2.13.0"),
+    ),
+    "current": Lane(
+        environment=".venv-current",
+        constraints="constraints-current.txt",
+        extras="torch,tensorflow-cpu,test,notebooks",
+        backends="numpy,torch,tensorflow",
+        lock=("numpy>=2", "torch==2.13.0"),
+    ),
+}
+
+
+def python_of(environment: pathlib.Path) -> pathlib.Path:
+    return environment / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def run(*command, **options) -> int:
+    print("+", " ".join(str(part) for part in command), flush=True)
+    return subprocess.run([str(part) for part in command], check=False, **options).returncode
+
+
+def set_up(name: str, lane: Lane) -> pathlib.Path:
+    """The lane's environment with mha installed as the constraints file pins it."""
+    environment = ROOT / lane.environment
+    if not python_of(environment).exists():
+        print(f"== {name}: creating {lane.environment}", flush=True)
+        venv.create(environment, with_pip=True)
+    python = python_of(environment)
+    print(f"== {name}: installing into {lane.environment} (minutes the first time)", flush=True)
+    pins, project = ROOT / lane.constraints, f"{ROOT}[{lane.extras}]"
+    code = run(python, "-m", "pip", "install", "-q", "-c", pins, "-e", project)
+    if code != 0:
+        raise SystemExit(f"{name}: installing the lane failed (pip exited {code})")
+    return python
+
+
+def test(name: str, lane: Lane, pytest_args: list[str]) -> int:
+    python = set_up(name, lane)
+    print(f"== {name}: pytest with MHA_TEST_BACKENDS={lane.backends}", flush=True)
+    environment = {**os.environ, "MHA_TEST_BACKENDS": lane.backends}
+    return run(python, "-m", "pytest", *pytest_args, cwd=ROOT, env=environment)
+
+
+def lock(name: str, lane: Lane) -> None:
+    """Write the lane's constraints file from a new environment of the newest releases."""
+    with tempfile.TemporaryDirectory() as scratch:
+        environment = pathlib.Path(scratch) / "lock"
+        venv.create(environment, with_pip=True)
+        python = python_of(environment)
+        code = run(python, "-m", "pip", "install", "-q", f"{ROOT}[{lane.extras}]", *lane.lock)
+        if code != 0:
+            raise SystemExit(f"{name}: installing the newest releases failed (pip exited {code})")
+        frozen = subprocess.run(
+            [python, "-m", "pip", "freeze", "--exclude", "mha"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    # A local version label (torch's "+cpu") names a wheel that no index serves.
+    pins = [line.split("+")[0] for line in frozen.splitlines() if "==" in line]
+    pins.sort(key=lambda pin: pin.split("==")[0].lower())
+    header = (
+        f"# The {name} lane's exact versions (see lanes.py): python3 lanes.py {name}\n"
+        f"# Regenerate with: python3 lanes.py --lock {name}\n"
+    )
+    target = ROOT / lane.constraints
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(header + "".join(pin + "\n" for pin in pins))
+    os.replace(partial, target)  # the old file stays whole until the new one is
+    print(f"== {name}: wrote {len(pins)} pins to {lane.constraints}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    own, pytest_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "lanes", nargs="*", metavar="LANE", help=f"{' or '.join(LANES)} (default: both)"
+    )
+    parser.add_argument(
+        "--lock", action="store_true", help="regenerate the lanes' constraints files"
+    )
+    options = parser.parse_args(own)
+    unknown = [name for name in options.lanes if name not in LANES]
+    if unknown:
+        parser.error(f"unknown lane {unknown[0]!r}; the lanes are {', '.join(LANES)}")
+    names = options.lanes or list(LANES)
+    if options.lock:
+        for name in names:
+            lock(name, LANES[name])
+        return 0
+    results = {name: test(name, LANES[name], pytest_args) for name in names}
+    verdicts = (f"{name} {'passed' if code == 0 else 'FAILED'}" for name, code in results.items())
+    print("== lanes: " + ", ".join(verdicts))
+    return max(results.values())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

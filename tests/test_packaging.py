@@ -1,0 +1,205 @@
+"""The published extras install into the environments users already have.
+
+pip itself answers, in dry runs with no index (`pip install --dry-run --report`): what would
+`pip install "mha[torch,tensorflow]"` change in this environment, one that already has the
+frameworks of its lane? Nothing but mha, or the extras are pinned where they should be ranges.
+The metadata comes from pyproject.toml as pip builds it now, not from an earlier install.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+from packaging.requirements import Requirement
+
+from conftest import required_backends
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Backend -> the extra that installs its framework. TensorFlow has two, one per build.
+EXTRA_OF_BACKEND = {"torch": "torch", "tensorflow": "tensorflow", "mxnet": "mxnet"}
+TENSORFLOW_BUILDS = {"tensorflow": "tensorflow", "tensorflow-cpu": "tensorflow-cpu"}
+
+
+def pip_install(*arguments, python=None):
+    """`pip install --dry-run --no-index` here, or in the environment of `python`."""
+    target = ["--python", str(python)] if python else []
+    command = [sys.executable, "-m", "pip", *target, "install", "--dry-run", "--no-index"]
+    return subprocess.run(
+        [*command, *arguments], capture_output=True, text=True, check=False, cwd=ROOT
+    )
+
+
+def dry_run(*requirements, python=None):
+    """The packages that `pip install` of `requirements` would install (none: it changes
+    nothing). Without an index, a package that would be downloaded fails the test."""
+    completed = pip_install(
+        "--no-build-isolation", "--report", "-", "-q", *requirements, python=python
+    )
+    assert completed.returncode == 0, f"pip would need to download: {completed.stderr[-2000:]}"
+    return json.loads(completed.stdout)["install"]
+
+
+@pytest.fixture(scope="module")
+def requirements():
+    """{extra: [Requirement]} of mha's metadata, built from pyproject.toml as it is now."""
+    (project,) = dry_run("--no-deps", "-e", ".")
+    by_extra: dict[str, list[Requirement]] = {}
+    for line in project["metadata"]["requires_dist"]:
+        requirement = Requirement(line)
+        extras = [
+            extra
+            for extra in project["metadata"]["provides_extra"]
+            if requirement.marker is not None and requirement.marker.evaluate({"extra": extra})
+        ]
+        for extra in extras or [None]:
+            by_extra.setdefault(extra, []).append(requirement)
+    return by_extra
+
+
+def without_marker(requirement):
+    """The requirement as a user would type it: `name[extras]specifier`."""
+    plain = Requirement(str(requirement))
+    plain.marker = None
+    return str(plain)
+
+
+def installed(name):
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def lane_extras():
+    """The extras that install the frameworks this run requires, TensorFlow's as installed."""
+    extras = [EXTRA_OF_BACKEND[name] for name in required_backends() if name != "numpy"]
+    if "tensorflow" in extras and installed("tensorflow") is None:
+        extras[extras.index("tensorflow")] = "tensorflow-cpu"
+    return extras
+
+
+def test_extras_are_ranges_with_lower_bounds(requirements):
+    for extra in ("torch", "tensorflow", "tensorflow-cpu", "mxnet"):
+        for requirement in requirements[extra]:
+            operators = {spec.operator for spec in requirement.specifier}
+            if extra == "mxnet":  # 1.9.1 is MXNet's last release, and it predates numpy 2
+                assert str(requirement) in (
+                    'mxnet==1.9.1; extra == "mxnet"',
+                    'numpy<2; extra == "mxnet"',
+                )
+            else:
+                assert ">=" in operators and "==" not in operators, f"{extra}: {requirement}"
+    (every,) = requirements["all"]
+    assert every.name == "mha" and every.extras == {"torch", "tensorflow", "mxnet"}
+    # mha itself needs numpy alone, and any numpy from 1.23 on, numpy 2 included
+    (numpy,) = requirements[None]
+    assert numpy.name == "numpy" and numpy.specifier.contains("2.4.0")
+    assert numpy.specifier.contains("1.26.4")
+
+
+def test_each_tensorflow_extra_names_one_build(requirements):
+    # Installing one build over the other would overwrite the user's TensorFlow
+    for extra, build in TENSORFLOW_BUILDS.items():
+        names = {requirement.name for requirement in requirements[extra]}
+        assert build in names and (set(TENSORFLOW_BUILDS.values()) - {build}).isdisjoint(names)
+    # MXNet's numpy < 2 comes only with the mxnet extra (and so with all)
+    for extra in ("torch", "tensorflow", "tensorflow-cpu"):
+        assert "numpy" not in {requirement.name for requirement in requirements[extra]}
+
+
+def test_installing_the_lanes_extras_here_changes_no_package():
+    extras = lane_extras()
+    to_install = dry_run("-e", f".[{','.join(extras)}]")
+    assert [package["metadata"]["name"] for package in to_install] == ["mha"], extras
+
+
+def _environment_like_this_one(tmp_path, rename):
+    """A new environment whose installed packages are this one's, by metadata alone, with the
+    distributions in `rename` installed under another name (a user's other TensorFlow build)."""
+    environment = tmp_path / "environment"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", environment], check=True)
+    python = environment / "bin" / "python"
+    site_packages = pathlib.Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+    for distribution in importlib.metadata.distributions():
+        name = distribution.metadata["Name"]
+        if name == "mha":
+            continue
+        metadata = distribution.read_text("METADATA")
+        new_name = rename.get(name.lower().replace("_", "-"), name)
+        metadata = metadata.replace(f"Name: {name}\n", f"Name: {new_name}\n", 1)
+        folder = site_packages / f"{new_name.replace('-', '_')}-{distribution.version}.dist-info"
+        folder.mkdir()
+        (folder / "METADATA").write_text(metadata)
+    return python
+
+
+@pytest.mark.tensorflow
+def test_a_user_with_the_standard_tensorflow_build_keeps_it(requirements, tmp_path):
+    # This lane has the CPU-only build; the user's environment has the standard one instead
+    if installed("tensorflow-cpu") is None or "tensorflow" not in required_backends():
+        pytest.skip("this lane installs no tensorflow-cpu to stand for the standard build")
+    python = _environment_like_this_one(tmp_path, {"tensorflow-cpu": "tensorflow"})
+    # mha[torch,tensorflow], and mha[all] = mha[torch,tensorflow,mxnet] where MXNet is here
+    extras = [extra.replace("tensorflow-cpu", "tensorflow") for extra in lane_extras()]
+    wanted = {
+        without_marker(requirement) for extra in extras for requirement in requirements[extra]
+    }
+    assert dry_run(*sorted(wanted), python=python) == []
+    # The CPU-only extra would install the other build: the two are not interchangeable
+    completed = pip_install(*map(without_marker, requirements["tensorflow-cpu"]), python=python)
+    assert completed.returncode != 0 and "tensorflow-cpu" in completed.stderr
+
+
+def _load_lanes():
+    spec = importlib.util.spec_from_file_location("lanes", ROOT / "lanes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pins(path):
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def test_each_lanes_constraints_pin_what_the_lane_is():
+    lanes = _load_lanes().LANES
+    assert set(lanes) == {"legacy", "current"}
+    legacy, current = (
+        _pins(ROOT / lanes["legacy"].constraints),
+        _pins(ROOT / lanes["current"].constraints),
+    )
+    assert legacy["numpy"].startswith("1.26.") and legacy["mxnet"] == "1.9.1"
+    assert int(current["numpy"].split(".")[0]) >= 2 and "mxnet" not in current
+    assert legacy["torch"] == current["torch"] == "2.13.0"
+    for lane, pins in (("legacy", legacy), ("current", current)):
+        backends = lanes[lane].backends.split(",")
+        assert ("mxnet" in backends) == ("mxnet" in pins), lane
+        assert {"torch", "tensorflow-cpu"} <= {name.lower().replace("_", "-") for name in pins}
+
+
+def test_ci_runs_the_readmes_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"```sh\n(.*?)\n```", readme, re.S)
+    ci = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert [line.split("  #")[0] for line in ci] == [commands[1]]
+    assert "mha compare" in commands[0]
