@@ -135,10 +135,12 @@ def _environment_like_this_one(tmp_path, rename):
             check=True,
         ).stdout.strip()
     )
+    written = {"mha"}
     for distribution in importlib.metadata.distributions():
         name = distribution.metadata["Name"]
-        if name == "mha":
+        if name in written:  # the first on sys.path is the one imported
             continue
+        written.add(name)
         metadata = distribution.read_text("METADATA")
         new_name = rename.get(name.lower().replace("_", "-"), name)
         metadata = metadata.replace(f"Name: {name}\n", f"Name: {new_name}\n", 1)
@@ -168,6 +170,7 @@ def test_a_user_with_the_standard_tensorflow_build_keeps_it(requirements, tmp_pa
 def _load_lanes():
     spec = importlib.util.spec_from_file_location("lanes", ROOT / "lanes.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
