@@ -70,19 +70,6 @@ def keep_of(
     return keep
 
 
-@pytest.fixture(params=["whole", "softmax row blocks", "attention row blocks"])
-def softmax_blocks(request, monkeypatch):
-    """Run a test with the softmax on the whole scores, then with the paths that large scores
-    take, forced at small sizes: the softmax a row at a time on the thread pool, and
-    dot-product attention a row of scores at a time."""
-    if request.param == "softmax row blocks":
-        monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
-        monkeypatch.setattr(N, "_BLOCK_BYTES", 1)
-    if request.param == "attention row blocks":
-        monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", 1)
-    return request.param
-
-
 # ---------------------------------------------------------------------------------------------
 # masked_softmax
 
@@ -133,7 +120,7 @@ def test_masked_softmax_is_stable_for_large_logits():
     np.testing.assert_allclose(P[0, 0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-6)
 
 
-def test_masked_softmax_float_lengths_and_four_d_scores(softmax_blocks):
+def test_masked_softmax_float_lengths_and_four_d_scores():
     X = np.random.default_rng(4).standard_normal((2, 3, 2, 5))  # (B, heads, Q, K)
     P = mha.masked_softmax(X, np.array([[1.0, 4.0], [5.0, 0.0]]))
     lengths = [[1, 4], [5, 0]]
@@ -144,7 +131,7 @@ def test_masked_softmax_float_lengths_and_four_d_scores(softmax_blocks):
                 np.testing.assert_allclose(P[b, h, i], expected, rtol=1e-12)
 
 
-def test_masked_softmax_does_not_modify_inputs(softmax_blocks):
+def test_masked_softmax_does_not_modify_inputs():
     X = np.random.default_rng(5).standard_normal((2, 2, 3))
     lengths = np.array([1, 2])
     X_before, lengths_before = X.copy(), lengths.copy()
@@ -207,7 +194,7 @@ def _bias_of(window_mask, batch):
 
 
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_dot_product_against_loops(case, softmax_blocks):
+def test_dot_product_against_loops(case):
     rng = np.random.default_rng(20)
     queries, keys, values = (
         rng.standard_normal((3, 4, 6)),
@@ -250,7 +237,7 @@ def test_dot_product_against_loops(case, softmax_blocks):
 
 
 @pytest.mark.parametrize("case", ["none", "valid_lens_2d", "mask_3d", "causal", "combined"])
-def test_additive_against_loops(case, softmax_blocks):
+def test_additive_against_loops(case):
     rng = np.random.default_rng(21)
     queries, keys, values = (
         rng.standard_normal((3, 4, 3)),
@@ -296,7 +283,7 @@ def test_additive_against_loops(case, softmax_blocks):
         np.testing.assert_allclose(layer.attention_weights[b], weights, atol=1e-12)
 
 
-def test_fully_masked_rows_are_zero_without_nan_in_every_dtype(softmax_blocks):
+def test_fully_masked_rows_are_zero_without_nan_in_every_dtype():
     for dtype in ("float16", "float32", "float64"):
         rng = np.random.default_rng(22)
         q = rng.standard_normal((2, 3, 4)).astype(dtype)
@@ -396,7 +383,7 @@ def loop_multihead(
         "combined",
     ],
 )
-def test_multihead_against_loops(case, bias, softmax_blocks):
+def test_multihead_against_loops(case, bias):
     rng = np.random.default_rng(30)
     batch, num_queries, num_keys, num_heads = 3, 4, 5, 3
     queries, keys, values = (
@@ -463,13 +450,13 @@ def test_multihead_against_loops(case, bias, softmax_blocks):
     np.testing.assert_allclose(output, expected, atol=1e-12)
     np.testing.assert_allclose(layer.attention_weights, weights, atol=1e-12)
     assert layer.attention_weights.shape == (batch, num_heads, num_queries, num_keys)
-    # Without the weights: the same output, to rounding (large scores go in blocks then)
+    # Without the weights: the same computation, so the same output exactly
     without = layer(queries, keys, values, masks.get("valid_lens"), **arguments, need_weights=False)
-    np.testing.assert_allclose(without, output, rtol=1e-12, atol=1e-15)
+    np.testing.assert_array_equal(without, output)
     assert layer.attention_weights is None
 
 
-def test_multihead_book_example_shapes_and_need_weights(softmax_blocks):
+def test_multihead_book_example_shapes_and_need_weights():
     layer = mha.MultiHeadAttention(100, 5, 0.5)
     X, Y = np.ones((2, 4, 100), "float32"), np.ones((2, 6, 100), "float32")
     valid_lens = np.array([3, 2])
@@ -479,7 +466,7 @@ def test_multihead_book_example_shapes_and_need_weights(softmax_blocks):
     assert mha.get_weights(layer)["W_q"].shape == (100, 100)  # sizes inferred at the call
     again = layer(X, Y, Y, valid_lens, need_weights=False)
     assert layer.attention_weights is None
-    np.testing.assert_allclose(again, output, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(again, output)
 
 
 def test_dropout_acts_only_when_training_and_is_seedable():
@@ -601,94 +588,23 @@ def test_masked_softmax_properties(batch, num_queries, num_keys, two_d, seed):
     "keep_shape",
     [None, (4, 1, 1, 64), (4, 1, 48, 64), (1, 3, 1, 64), (4, 3, 48, 1), (48, 64), (64,)],
 )
-@pytest.mark.parametrize(
-    ("block_bytes", "blocks"), [(2 * 64 * 8, 4 * 3 * 24), (96 * 64 * 8, 4 * 2)]
-)
-def test_softmax_in_row_blocks_equals_the_whole_and_uses_the_pool(
-    keep_shape, block_bytes, blocks, monkeypatch
-):
-    # Scores of 4 x 3 x 48 x 64 float64 (288 KiB) split into blocks of 2 rows (1 KiB), or of
-    # 2 whole (48, 64) slabs along the heads: every broadcast of keep must pick the block's
-    # own part. Each row takes the same steps either way, so the two agree exactly.
+def test_softmax_with_every_broadcast_of_keep_matches_the_formula(keep_shape):
+    # Scores of 4 x 3 x 48 x 64 float64 against keep-masks that broadcast along different
+    # axes: every row by the formula, and the scores and keep never written.
     rng = np.random.default_rng(40)
     scores = rng.standard_normal((4, 3, 48, 64)) * 5
     keep = None if keep_shape is None else rng.random(keep_shape) < 0.7
     if keep is not None and keep.ndim > 1:
         keep[..., 0, :] = False  # some rows (or all, for a 1-row keep) have no kept key
-    whole = N._softmax(scores, keep)
-    calls = []
-    rows = N._softmax_rows
-    monkeypatch.setattr(N, "_softmax_rows", lambda *a: calls.append(1) or rows(*a))
-    monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
-    monkeypatch.setattr(N, "_BLOCK_BYTES", block_bytes)
-    blocked = N._softmax(scores, keep)
-    assert len(calls) == blocks
-    np.testing.assert_array_equal(blocked, whole)
-    # And both by the formula, row by row
+    scores_before = scores.copy()
+    keep_before = None if keep is None else keep.copy()
+    weights = N._softmax(scores, keep)
+    np.testing.assert_array_equal(scores, scores_before)
+    if keep is not None:
+        np.testing.assert_array_equal(keep, keep_before)
+    assert weights.shape == scores.shape and not np.any(np.isnan(weights))
     kept = np.broadcast_to(True if keep is None else keep, scores.shape)
+    assert np.all(weights[~kept] == 0)
     for index in [(0, 0, 0), (1, 2, 5), (3, 1, 47), (2, 0, 30)]:
         expected = softmax_loop(scores[index].tolist(), kept[index].tolist())
-        np.testing.assert_allclose(blocked[index], expected, rtol=1e-12, atol=1e-300)
-
-
-@pytest.mark.parametrize(
-    "keep_shape", [None, (2, 1, 1, 24), (2, 1, 40, 24), (1, 3, 1, 24), (2, 3, 40, 1), (24,)]
-)
-@pytest.mark.parametrize(
-    ("block_bytes", "blocks"), [(7 * 24 * 8, 2 * 3 * 6), (2 * 40 * 24 * 8, 2 * 2)]
-)
-@pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("scaled", [False, True], ids=["dropout 0", "entries scaled"])
-@pytest.mark.parametrize("split", [False, True], ids=["", "softmax on the pool"])
-def test_dot_product_attention_in_blocks_equals_the_whole(
-    keep_shape, block_bytes, blocks, need_weights, scaled, split, monkeypatch
-):
-    # Without weights, scores of 2 x 3 x 40 x 24 float64 done in blocks of 7 rows of one
-    # head, or of 2 whole heads: each block must take its own rows of the queries, keys,
-    # values, keep and bias, and normalizes its rows after the product with the values. With
-    # weights, they are written whole, in one piece. "entries scaled" stands for dropout in
-    # training, which scales entries (by 0 or 1 / (1 - p)): the division must commute with it
-    rng = np.random.default_rng(41)
-    queries = rng.standard_normal((2, 3, 40, 5))
-    keys = rng.standard_normal((2, 3, 24, 5))
-    values = rng.standard_normal((2, 3, 24, 4))
-    keep = None if keep_shape is None else rng.random(keep_shape) < 0.7
-    if keep is not None and keep.ndim > 1:
-        keep[..., 0, :] = False  # some rows (or all, for a 1-row keep) have no kept key
-    bias = rng.standard_normal((1, 1, 40, 24))
-    dropout = (lambda weights: weights * 2.0) if scaled else N.Dropout(0.0)
-    whole = N._attention_pool(queries @ np.swapaxes(keys, -1, -2), values, keep, bias, dropout)
-    softmax_calls = []
-    softmax = N._softmax
-    monkeypatch.setattr(N, "_softmax", lambda *a, **k: softmax_calls.append(1) or softmax(*a, **k))
-    monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", block_bytes)
-    if split:
-        # Each softmax also in blocks of 2 rows on the thread pool, each with its row sums
-        monkeypatch.setattr(N, "_PARALLEL_BYTES", 0)
-        monkeypatch.setattr(N, "_BLOCK_BYTES", 2 * 24 * 8)
-    output, weights = N._dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights)
-    assert len(softmax_calls) == (1 if need_weights else blocks)
-    np.testing.assert_allclose(output, whole[0], rtol=1e-12, atol=1e-15)
-    if need_weights:
-        np.testing.assert_array_equal(weights, whole[1])
-    else:
-        assert weights is None
-
-
-def test_dot_product_attention_without_weights_never_holds_the_scores(monkeypatch):
-    # 4 MiB of float64 scores in blocks of 64 KiB: without need_weights the call's peak is a
-    # block and the output, not the scores
-    import tracemalloc
-
-    rng = np.random.default_rng(42)
-    queries, keys, values = (rng.standard_normal((1, 2, 512, 8)) for _ in range(3))
-    scores_bytes = 2 * 512 * 512 * 8
-    monkeypatch.setattr(N, "_ATTENTION_BLOCK_BYTES", 1 << 16)
-    peaks = {}
-    for need_weights in (True, False):
-        tracemalloc.start()
-        N._dot_product_pool(queries, keys, values, None, None, N.Dropout(0.0), need_weights)
-        peaks[need_weights] = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert peaks[True] >= scores_bytes  # the measure sees the weights when they are kept
-    assert peaks[False] < scores_bytes / 8
+        np.testing.assert_allclose(weights[index], expected, rtol=1e-12, atol=1e-300)

@@ -11,10 +11,7 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -235,109 +232,24 @@ def _insert_head_axis(x: np.ndarray | None) -> np.ndarray | None:
 # Masked softmax
 
 
-def _softmax(scores: np.ndarray, keep: np.ndarray | None,
-             in_place: bool = False, totals: np.ndarray | None = None) -> np.ndarray:
-    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. Subtracting the row maximum keeps logits of 1e4 finite.
-
-    With `totals` (shape (..., Q, 1)), the rows are left unnormalized and their sums (1 for a
-    row with no kept entry) go there: a caller that multiplies the rows by a matrix divides
-    the smaller product instead, one pass over the scores fewer.
-
-    `in_place` overwrites `scores`, a fresh array of the caller's (no new (..., Q, K) array).
-    Large scores are done a block of rows at a time on every core: numpy's ufuncs release the
-    GIL, and a block's five passes then run in cache instead of in memory. Each row is done by
-    the same steps either way, so the numbers do not depend on the blocks.
-    """
-    if not in_place:
-        scores = scores.copy()
-    keep = _one_axis_per_axis(keep, scores.ndim)
-    blocks = []
-    if scores.nbytes >= _PARALLEL_BYTES and scores.flags.c_contiguous:
-        blocks = list(_row_blocks(scores.shape, scores.itemsize, _BLOCK_BYTES))
-    if len(blocks) < 2:
-        _softmax_rows(scores, keep, totals)
-        return scores
-    tasks = [(scores[index], _block_of(keep, index), None if totals is None else totals[index])
-             for index in blocks]
-    list(_thread_pool().map(lambda task: _softmax_rows(*task), tasks))
-    return scores
-
-
-def _softmax_rows(scores: np.ndarray, keep: np.ndarray | None,
-                  totals: np.ndarray | None = None) -> None:
-    # The steps, in place: masked entries to -inf, minus the row maximum, exp, divided by the sum
-    # (or the sum written to totals)
-    dtype = scores.dtype.type
+def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """Softmax over the last axis on the kept entries (keep broadcastable to scores, or None
+    for all); masked entries and rows with no kept entry are exactly 0. The caller's scores
+    are never written."""
     if keep is not None:
-        np.copyto(scores, dtype(-np.inf), where=~keep)
+        # exp(-inf) = 0: masked entries get exactly 0 weight
+        scores = np.where(keep, scores, scores.dtype.type(-np.inf))
+    # Subtracting the row maximum keeps exp from overflowing: a row's largest entry becomes 1
     row_max = scores.max(axis=-1, keepdims=True)
     if keep is not None:
-        # A fully masked row has max -inf; any finite shift leaves its zeros at zero
+        # A fully masked row has maximum -inf, and -inf - (-inf) is NaN: any finite shift works
         row_max[~np.isfinite(row_max)] = 0
-    scores -= row_max
-    # exp(-inf) = 0: masked entries are exactly 0
-    np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
+    weights = np.exp(scores - row_max)
+    total = weights.sum(axis=-1, keepdims=True)
     if keep is not None:
+        # A row with no kept entry sums to 0: dividing by 1 leaves its zeros, not NaN
         total[total == 0] = 1
-    if totals is None:
-        scores /= total
-    else:
-        totals[...] = total
-
-
-# Scores smaller than this are done in one piece; blocks hold about _BLOCK_BYTES
-_PARALLEL_BYTES = 1 << 22
-_BLOCK_BYTES = 1 << 20
-# Dot-product attention larger than this is done a block of about this many bytes of scores at
-# a time (see _dot_product_pool)
-_ATTENTION_BLOCK_BYTES = 1 << 23
-
-
-def _row_blocks(shape: tuple, itemsize: int, block_bytes: int):
-    """Indices of blocks of whole rows of a C-contiguous array of this shape, about block_bytes
-    each: rows of one (Q, K) slab, or whole slabs along the last leading axis when a slab is
-    smaller. Every index has one entry per axis but the last."""
-    if len(shape) < 2:
-        return
-    *leading, num_rows, num_keys = shape
-    rows = max(1, block_bytes // max(num_keys * itemsize, 1))
-    if rows >= num_rows and leading:
-        slabs = rows // num_rows
-        for outer in np.ndindex(*leading[:-1]):
-            for start in range(0, leading[-1], slabs):
-                yield (*outer, slice(start, start + slabs), slice(None))
-        return
-    for index in np.ndindex(*leading):
-        for start in range(0, num_rows, rows):
-            yield (*index, slice(start, start + rows))
-
-
-def _one_axis_per_axis(x: np.ndarray | None, ndim: int) -> np.ndarray | None:
-    # x, broadcastable to scores of ndim axes, with leading axes of size 1 added up to ndim, so
-    # that a block's index can pick its part (_block_of)
-    return None if x is None else x.reshape((1,) * (ndim - x.ndim) + x.shape)
-
-
-def _block_of(keep: np.ndarray | None, index: tuple) -> np.ndarray | None:
-    # The part of keep that broadcasts against scores[index]: where keep has size 1, an
-    # integer index drops the axis and a slice keeps it
-    if keep is None:
-        return None
-    return keep[tuple((slice(None) if isinstance(i, slice) else 0) if size == 1 else i
-                      for size, i in zip(keep.shape[:-1], index, strict=True))]
-
-
-def _thread_pool() -> ThreadPoolExecutor:
-    # One pool per process: a forked child does not have its parent's threads
-    return _pool_of_process(os.getpid())
-
-
-@functools.cache
-def _pool_of_process(pid: int) -> ThreadPoolExecutor:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return ThreadPoolExecutor(max(1, cores or 1), thread_name_prefix="mha-softmax")
+    return weights / total
 
 
 def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.ndarray:
@@ -366,50 +278,11 @@ def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.nd
 
 
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
-    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
-        scores += bias
-    # The scores are the caller's own fresh array: the softmax overwrites them
-    weights = _softmax(scores, keep, in_place=True)
+        scores = scores + bias
+    weights = _softmax(scores, keep)
     return dropout(weights) @ values, weights if need_weights else None
-
-
-def _dot_product_pool(queries, keys, values, keep, bias, dropout, need_weights=True):
-    """_attention_pool(queries @ keys^T, ...). Without need_weights and with more than
-    _ATTENTION_BLOCK_BYTES of scores, a block of whole rows of about that size at a time, all in
-    one reused buffer: the (..., Q, K) scores are never held whole, and each block's product,
-    softmax and product with the values run while the block is in cache. (With need_weights
-    the weights are written whole anyway, and the blocks cost more than they save.)"""
-    keys = np.swapaxes(keys, -1, -2)
-    *leading, num_queries, _ = queries.shape
-    shape = (*leading, num_queries, keys.shape[-1])
-    dtype = np.result_type(queries, keys)
-    if (need_weights or math.prod(shape) * dtype.itemsize <= _ATTENTION_BLOCK_BYTES
-            or not queries.shape[:-2] == keys.shape[:-2] == values.shape[:-2]):
-        return _attention_pool(queries @ keys, values, keep, bias, dropout, need_weights)
-    keep, bias = _one_axis_per_axis(keep, len(shape)), _one_axis_per_axis(bias, len(shape))
-    output = np.empty((*shape[:-1], values.shape[-1]), np.result_type(dtype, values))
-    scratch = None
-    for index in _row_blocks(shape, dtype.itemsize, _ATTENTION_BLOCK_BYTES):
-        # index picks the block's rows of the scores, queries and output; index[:-1] its
-        # leading axes of the keys and values
-        block_queries = queries[index]
-        block_shape = (*block_queries.shape[:-1], shape[-1])
-        if scratch is None:
-            # Sized by the first block, the largest
-            scratch = np.empty(math.prod(block_shape), dtype)
-        scores = scratch[:math.prod(block_shape)].reshape(block_shape)
-        np.matmul(block_queries, keys[index[:-1]], out=scores)
-        if bias is not None:
-            scores += _block_of(bias, index)
-        # The block's rows are normalized after the product with the values: (rows x value
-        # size) divisions instead of a pass over the block's scores (4% of the call at
-        # (1, 4096, 512, 8)). Dropout scales entries, so it commutes with the division
-        totals = np.empty((*block_shape[:-1], 1), dtype)
-        _softmax(scores, _block_of(keep, index), in_place=True, totals=totals)
-        np.matmul(dropout(scores), values[index[:-1]], out=output[index])
-        output[index] /= totals
-    return output, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,11 +335,11 @@ class DotProductAttention(Module):
         the mask helpers. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
-        # Shape of the scores: (..., no. of queries, no. of keys). Scaling the queries rather
+        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather
         # than the scores touches Q x d numbers instead of Q x K
-        output, self.attention_weights = _dot_product_pool(
-            queries / np.sqrt(queries.dtype.type(d)), keys, values, keep, bias, self.dropout,
-            need_weights,
+        scores = queries / np.sqrt(queries.dtype.type(d)) @ np.swapaxes(keys, -1, -2)
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, need_weights
         )
         return output
 
