@@ -41,7 +41,7 @@ __all__ = [
     "run_case",
 ]
 
-# The agreement every backend must reach against the float64 reference (DESIGN.md,
+# The agreement every backend must reach against the float64 reference (docs/design.md,
 # "Agreement"): float64 in absolute terms, float32 and float16 relative to the scale of the
 # reference (its largest absolute entry, at least 1).
 TOLERANCES: dict[str, float] = {"float64": 1e-10, "float32": 1e-5, "float16": 2e-3}

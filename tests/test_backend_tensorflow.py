@@ -279,7 +279,7 @@ def test_positional_encoding_matches_reference(TF, tf, dtype, num_hiddens):
     tf_layer = TF.PositionalEncoding(num_hiddens, max_len=50, dtype=dtype)
     X = np.random.default_rng(4).standard_normal((2, 9, num_hiddens)).astype(dtype)
     assert_close(TF.to_numpy(tf_layer(TF.from_numpy(X))), numpy_layer(X), dtype)
-    # P is a constant, not a weight, and holds the formula of DESIGN.md
+    # P is a constant, not a weight, and holds the formula of docs/design.md
     assert tf_layer.weights == [] and isinstance(tf_layer.P, tf.Tensor)
     i, j = 7, 2
     P = TF.to_numpy(tf_layer.P)
