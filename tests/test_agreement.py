@@ -109,19 +109,21 @@ def test_a_broken_backend_is_caught_and_named(name, monkeypatch):
 @pytest.mark.torch
 def test_a_broken_inference_path_is_caught():
     # The harness checks each autograd backend's forward without gradients too: a mistake
-    # only there (here in torch's fast path for self-attention without weights) fails the
+    # only there (here a softmax that is wrong only when no gradient is recorded) fails the
     # row. Expected: the case passes, then fails once that path is broken.
     module = backend_module("torch")
-    case = harness.Case("MultiHeadAttention", ("self", "valid_lens_1d", "no_weights"))
+    case = harness.Case("MultiHeadAttention", ("self", "valid_lens_1d"))
     prepared = harness.prepare(case, dtype="float32", seed=7)
     row, result = harness.check("torch", prepared)
     assert row.passed and result.inference is not None and result.gradients is not None
-    fast = module.MultiHeadAttention._fast_self_attention
+    softmax = module._softmax
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            module.MultiHeadAttention,
-            "_fast_self_attention",
-            lambda self, *args: None if (out := fast(self, *args)) is None else out * 1.0001,
+            module,
+            "_softmax",
+            lambda *args, **kwargs: (
+                softmax(*args, **kwargs) * (1.0 if module.torch.is_grad_enabled() else 1.0001)
+            ),
         )
         row, _ = harness.check("torch", prepared)
     assert not row.passed and row.output_difference > harness.TOLERANCES["float32"]
@@ -147,9 +149,8 @@ class _Buffer:
 @pytest.mark.parametrize("name", backend_params())
 def test_new_weights_reach_the_next_call(name):
     # A layer keeps nothing computed from its weights between calls: after set_weights, the
-    # next self-attention call (torch's packed projection without gradients, MXNet's cached
-    # graph when hybridized) computes with the new weights. Expected: the NumPy reference
-    # holding the same weights.
+    # next self-attention call (MXNet's cached graph when hybridized among them) computes with
+    # the new weights. Expected: the NumPy reference holding the same weights.
     backend = backend_module(name)
     X = np.random.default_rng(8).standard_normal((2, 5, 8))
     x = backend.from_numpy(X.astype("float32"))

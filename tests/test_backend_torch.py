@@ -34,7 +34,7 @@ def torch(T):
 
 
 def assert_close(actual, expected, dtype):
-    """DESIGN.md's tolerances: float64 within 1e-10, float32 within 1e-5 of the scale."""
+    """docs/design.md's tolerances: float64 within 1e-10, float32 within 1e-5 of the scale."""
     if hasattr(actual, "detach"):
         actual = actual.detach().cpu().numpy()
     expected = np.asarray(expected)
@@ -201,11 +201,10 @@ def test_multihead_matches_numpy(T, need_weights, dtype, case, shape):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_packed_self_attention_matches_numpy(T, torch, grad, need_weights, dtype, case):
-    # One tensor as queries, keys and values, with every size known: the packed projection,
-    # split into heads by unbind without gradients and by chunk with them. Expected: the
-    # NumPy reference; with gradients, the gradient of the same layer called with three
-    # separate tensors (three products, no packing).
+def test_self_attention_matches_numpy(T, torch, grad, need_weights, dtype, case):
+    # One tensor as queries, keys and values, with and without gradients. Expected: the
+    # NumPy reference; with gradients, the sum of the gradients of the same layer called with
+    # three separate tensors.
     reference = N.MultiHeadAttention(
         8, H, bias=True, query_size=5, key_size=5, value_size=5, dtype=dtype
     )
@@ -220,18 +219,18 @@ def test_packed_self_attention_matches_numpy(T, torch, grad, need_weights, dtype
     X = np.random.default_rng(6).standard_normal((B, 5, 5)).astype(dtype)
     expected = reference(X, X, X, **arguments)
     torch_arguments = to_torch(T, arguments)
-    packed_input = T.from_numpy(X).requires_grad_(grad)
+    one_input = T.from_numpy(X).requires_grad_(grad)
     with torch.set_grad_enabled(grad):
-        output = layer(packed_input, packed_input, packed_input, **torch_arguments)
+        output = layer(one_input, one_input, one_input, **torch_arguments)
     assert_close(output, expected, dtype)
     if need_weights:
         assert_close(layer.attention_weights, reference.attention_weights, dtype)
     if grad:
-        (packed_gradient,) = torch.autograd.grad(output.sum(), packed_input)
+        (one_gradient,) = torch.autograd.grad(output.sum(), one_input)
         separate = [T.from_numpy(X).requires_grad_() for _ in range(3)]
         output = layer(*separate, **torch_arguments)
         expected_gradient = sum(torch.autograd.grad(output.sum(), separate))
-        assert_close(packed_gradient, expected_gradient.detach().numpy(), dtype)
+        assert_close(one_gradient, expected_gradient.detach().numpy(), dtype)
 
 
 def test_fully_masked_rows_are_zero(T):
@@ -379,7 +378,7 @@ def test_half_precision_runs_close_to_reference(T, torch):
 
 def test_half_precision_self_attention_of_one_example_runs_close_to_reference(T, torch):
     """One example, one tensor as queries, keys and values: the values reach the product with
-    the weights as views of the packed projection (copied into contiguous heads there), with
+    the weights as strided views of the projection (copied into contiguous heads there), with
     and without gradients."""
     reference, layer = (
         M.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, dtype="float64")
@@ -577,13 +576,13 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
             need_weights=need_weights,
         )
         assert output.device.type == "meta" and output.shape == (B, 3, 8)
-    # Self-attention without gradients: the packed projection and the unbind split
-    packed = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
-    packed = packed.to("meta")
+    # Self-attention without gradients
+    layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
+    layer = layer.to("meta")
     X = torch.zeros(B, 3, 8, device="meta")
     with torch.no_grad():
         for need_weights in (True, False, True):
-            assert packed(X, X, X, need_weights=need_weights).device.type == "meta"
+            assert layer(X, X, X, need_weights=need_weights).device.type == "meta"
     encoding = T.PositionalEncoding(8, max_len=10).to("meta")
     assert encoding(torch.zeros(2, 3, 8, device="meta")).device.type == "meta"
 
@@ -629,11 +628,10 @@ def test_torch_compile_matches_eager(T, torch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
-def test_packed_self_attention_compiles_into_one_graph(T, torch):
-    # Without gradients, self-attention with packed weights traces whole (fullgraph=True: a
-    # graph break is an error), as before the weights were packed. (valid_lens would break
-    # it: their value check reads them.) Without masks the call takes the fast path, which
-    # traces whole too. Expected: the eager call.
+def test_self_attention_compiles_into_one_graph(T, torch):
+    # Without gradients, self-attention traces whole (fullgraph=True: a graph break is an
+    # error). (valid_lens would break it: their value check reads them.) Expected: the eager
+    # call.
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     layer.eval()
     X = torch.randn(2, 5, 8)
@@ -850,10 +848,10 @@ def test_size_inferred_at_first_call_is_enforced(T):
     assert messages[0] == messages[1] and "query_size=4" in messages[0]
 
 
-def test_packed_self_attention_weights_follow_every_change(T, torch):
-    # Self-attention multiplies by W_q, W_k, W_v packed into one tensor (the parameters are
-    # views of it) or concatenated; each way of changing a weight must reach the next call
-    # without gradients. Expected: the NumPy reference with the layer's weights of the moment.
+def test_self_attention_weights_follow_every_change(T, torch):
+    # Each way of changing a weight must reach the next call without gradients: the layer
+    # keeps nothing computed from its weights. Expected: the NumPy reference with the layer's
+    # weights of the moment.
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
     reference = N.MultiHeadAttention(8, H, bias=True, dtype="float64")
     X = np.random.default_rng(7).standard_normal((3, 5, 8))
@@ -877,15 +875,14 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
         T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8).state_dict()
     )
     check()
-    # While the weights are still views of the packed tensor: through .data, and by an
-    # optimizer's step
+    # Through .data, and by an optimizer's step
     layer.W_k.weight.data.mul_(0.5)
     layer.W_q.bias.data.copy_(torch.arange(8.0))
     check()
     layer(*(T.from_numpy(X.astype("float32")),) * 3).square().sum().backward()
     torch.optim.SGD(layer.parameters(), lr=0.1).step()
     check()
-    # Transposed through .data: the same place in the packed tensor, other strides
+    # Transposed through .data: the same storage, other strides
     layer.W_q.weight.data = layer.W_q.weight.data.t()
     check()
     # Tied through .data: W_k now shares W_q's storage, and follows it
@@ -893,7 +890,7 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     check()
     layer.W_q.weight.data.add_(1.0)
     check()
-    copy = __import__("copy").deepcopy(layer)  # its own tensors, not views of one
+    copy = __import__("copy").deepcopy(layer)
     copy.W_v.weight.data.mul_(3.0)
     layer = copy
     check()
@@ -911,8 +908,7 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     check()
     layer.W_k.weight.data = torch.full((8, 8), 0.25)  # new storage through .data
     check()
-    # A round trip through another dtype, changed on the way: the storage the weights come
-    # back to may sit where the old one was
+    # A round trip through another dtype, changed on the way
     layer.double()
     with torch.no_grad():
         layer.W_q.weight.add_(1.0)
@@ -920,60 +916,15 @@ def test_packed_self_attention_weights_follow_every_change(T, torch):
     check()
     layer.double()  # new storage, new dtype
     check("float64")
-    # With gradients the packed weight is part of the graph: W_q gets its gradient
+    # With gradients W_q gets its gradient
     X64 = T.from_numpy(X)
     layer(X64, X64, X64).sum().backward()
     assert layer.W_q.weight.grad is not None and layer.W_q.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_self_attention_without_gradients_multiplies_by_the_packed_weights(
-    T, torch, bias, monkeypatch, tmp_path
-):
-    # W_q, W_k, W_v are views of one packed tensor wherever the layer makes or converts them,
-    # so self-attention without gradients copies no weight: _concatenate is not called. It
-    # is called again once a weight is given other storage. Expected: the NumPy reference.
-    concatenations = []
-    concatenate = T._concatenate
-    monkeypatch.setattr(T, "_concatenate", lambda t: concatenations.append(1) or concatenate(t))
-    reference = N.MultiHeadAttention(8, H, bias=bias, dtype="float64")
-    X = np.random.default_rng(3).standard_normal((3, 5, 8))
-
-    def check(layer, dtype="float32", copies=0):
-        mha.set_weights(
-            reference, {k: v.astype("float64") for k, v in mha.get_weights(layer).items()}
-        )
-        concatenations.clear()
-        with torch.no_grad():
-            actual = layer(*(T.from_numpy(X.astype(dtype)),) * 3, need_weights=False)
-        assert_close(actual, reference(X, X, X), dtype)
-        assert len(concatenations) == copies
-
-    sized = T.MultiHeadAttention(8, H, bias=bias, query_size=8, key_size=8, value_size=8)
-    check(sized)
-    check(sized.double(), "float64")  # converted: packed again
-    check(sized.float())
-    torch.save(sized, tmp_path / "layer.pt")  # the views are saved as views of one storage
-    check(torch.load(tmp_path / "layer.pt", weights_only=False))
-    lazy = T.MultiHeadAttention(8, H, bias=bias)
-    with torch.no_grad():
-        lazy(*(T.from_numpy(X.astype("float32")),) * 3)  # makes the weights, packed
-    check(lazy)
-    lazy = T.MultiHeadAttention(8, H, bias=bias)
-    mha.set_weights(lazy, mha.random_weights(sized, seed=2))  # makes the weights, packed
-    check(lazy)
-    with torch.no_grad():
-        lazy.W_v.weight.mul_(2.0)
-    check(lazy)
-    lazy.W_v.weight.data = lazy.W_v.weight.data.clone()  # other storage: concatenated
-    check(lazy, copies=1)
-    lazy.double()  # not packed before: stays as the caller left it
-    check(lazy, "float64", copies=1)
-
-
-def test_packed_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
-    # The parameters are views of one tensor: torch.save and safetensors must still write
-    # and read each one. Expected: the same outputs from a fresh layer that loaded them.
+def test_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
+    # torch.save and safetensors write and read each parameter. Expected: the same outputs
+    # from a fresh layer that loaded them.
     import safetensors.torch as safetensors_torch  # a test requirement (pyproject.toml)
 
     layer = T.MultiHeadAttention(8, H, bias=True, query_size=8, key_size=8, value_size=8)
@@ -992,83 +943,11 @@ def test_packed_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
             assert torch.equal(fresh(X, X, X), expected)
 
 
-def test_fast_path_takes_exactly_the_calls_it_promises(T, torch, monkeypatch):
-    # MultiHeadAttention reads the checks of a plain self-attention call without gradients or
-    # weights in a few steps and runs the fused path's ops. Expected: which calls take it, as
-    # its docstring says, and for every call the NumPy reference.
-    taken = []
-    fast = T.MultiHeadAttention._fast_self_attention
-    monkeypatch.setattr(
-        T.MultiHeadAttention,
-        "_fast_self_attention",
-        lambda self, *args: None if (out := fast(self, *args)) is None else taken.append(1) or out,
-    )
-    reference = N.MultiHeadAttention(
-        8, H, bias=True, query_size=8, key_size=8, value_size=8, dtype="float64"
-    )
-    layer = T.MultiHeadAttention(
-        8, H, bias=True, query_size=8, key_size=8, value_size=8, dtype="float64"
-    )
-    mha.set_weights(reference, mha.random_weights(reference, seed=3))
-    mha.set_weights(layer, mha.get_weights(reference))
-    rng = np.random.default_rng(4)
-    X = rng.standard_normal((B, 5, 8))
-    lens = np.array([0, 2, 5, 9])  # a length 0: that row attends nowhere and is zeroed
-
-    def call(layer, expect_fast, grad=False, separate=False, **keywords):
-        taken.clear()
-        inputs = [T.from_numpy(X)] + [T.from_numpy(X.copy()) for _ in range(2)]
-        if not separate:
-            inputs = inputs[:1] * 3
-        with torch.set_grad_enabled(grad):
-            output = layer(*inputs, **{"need_weights": False, **to_torch(T, keywords)})
-        assert taken == ([1] if expect_fast else [])
-        assert_close(output, reference(X, X, X, **{"need_weights": False, **keywords}), "float64")
-        assert layer.attention_weights is None and layer.attention.attention_weights is None
-
-    call(layer, True)
-    call(layer, True, valid_lens=lens)
-    call(layer, True, valid_lens=lens[1:].repeat(2)[:B])  # every length above 0
-    call(layer, True, valid_lens=lens.astype(np.int32))
-    call(layer, False, valid_lens=lens.astype(np.float64))
-    call(layer, False, valid_lens=np.tile(lens[:, None], (1, 5)))
-    call(layer, False, valid_lens=lens.astype(np.uint8))
-    call(layer, False, grad=True)
-    call(layer, False, separate=True)
-    call(layer, False, causal=True)
-    call(layer, False, mask=rng.random((B, 5, 5)) < 0.7)
-    call(layer, False, window_mask=rng.random((2, 5, 5)) < 0.7)
-    call(layer, False, head_mask=np.array([0.5, 2.0]))
-    taken.clear()
-    with torch.no_grad():
-        layer(*[T.from_numpy(X)] * 3)  # need_weights=True
-    assert taken == []
-    # A lazy layer takes it once its first call has made and packed its weights
-    lazy = T.MultiHeadAttention(8, H, bias=True, dtype="float64")
-    taken.clear()
-    with torch.no_grad():
-        lazy(*[T.from_numpy(X)] * 3, need_weights=False)  # makes the weights, packed
-    assert taken == []
-    mha.set_weights(lazy, mha.get_weights(reference))
-    call(lazy, True, valid_lens=lens)
-    # Weights given other storage are concatenated, still on the fast path
-    layer.W_k.weight.data = layer.W_k.weight.data.clone()
-    call(layer, True, valid_lens=lens)
-    # Dropout applies in training mode, as on the full path
-    layer.train()
-    layer.attention.dropout.p = 0.5
-    taken.clear()
-    with torch.no_grad():
-        output = layer(*[T.from_numpy(X)] * 3, need_weights=False)
-    assert taken == [1]
-    assert not np.allclose(T.to_numpy(output), reference(X, X, X), atol=1e-3)
-
-
 SELF = lambda M: M.MultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)  # noqa: E731
 X3 = _x(2, 3, 4)
 
-# Self-attention calls without weights, which the fast path reads: (id, arguments)
-FAST_PATH_ERROR_CASES = [
+# Self-attention calls without weights or gradients, inference's commonest: (id, arguments)
+SELF_ATTENTION_ERROR_CASES = [
     ("float64", (_x(2, 3, 4, dtype="float64"),) * 3),
     ("rank_2", (_x(2, 4),) * 3),
     ("no_positions", (_x(2, 0, 4),) * 3),
@@ -1083,11 +962,12 @@ FAST_PATH_ERROR_CASES = [
 
 
 @pytest.mark.parametrize(
-    "arguments", [c[1] for c in FAST_PATH_ERROR_CASES], ids=[c[0] for c in FAST_PATH_ERROR_CASES]
+    "arguments",
+    [c[1] for c in SELF_ATTENTION_ERROR_CASES],
+    ids=[c[0] for c in SELF_ATTENTION_ERROR_CASES],
 )
-def test_fast_path_errors_match_numpy(T, torch, arguments):
-    # The calls the fast path reads before it gives a call to the full checks: the errors of
-    # a sized layer without gradients must still be the NumPy backend's
+def test_self_attention_errors_without_gradients_match_numpy(T, torch, arguments):
+    # The errors of a sized layer called without gradients are the NumPy backend's
     keywords = {"need_weights": False}
     with pytest.raises((TypeError, ValueError)) as expected:
         _make_and_call(N, np.asarray, SELF, arguments, keywords)

@@ -91,14 +91,6 @@ class Module(nn.Module):
         marker = torch.empty(0, dtype=_TORCH_DTYPES[name])
         self.register_buffer("_dtype_marker", marker, persistent=False)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # attention_weights is set on every call: a plain attribute, set without nn.Module's
-        # search of its parameters, buffers and submodules for the name (a few us a call)
-        if name == "attention_weights":
-            object.__setattr__(self, name, value)
-        else:
-            super().__setattr__(name, value)
-
 
 def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) -> nn.Module:
     """y = x W^T + b: nn.LazyLinear when in_features is None (inferred at the first call)."""
@@ -113,54 +105,21 @@ def _in_features(linear: nn.Module) -> int | None:
     return linear.in_features or None
 
 
-def _concatenate(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # [W_q, W_k, W_v] or [W_q, W_k, W_v, b_q, b_k, b_v] -> packed weight, packed bias or None
-    return torch.cat(tensors[:3]), torch.cat(tensors[3:]) if len(tensors) > 3 else None
-
-
-def _lie_in(tensors: list[torch.Tensor], packed: tuple) -> bool:
-    """Whether W_q, W_k, W_v (then b_q, b_k, b_v) are still the blocks of the packed tensors
-    that `packed` names: (packed weight, packed bias or None, the weights' places in theirs,
-    the biases' places or None, dtype); a place is (byte offsets, shape, strides)."""
-    weight, bias, weight_places, bias_places, dtype = packed
-    return _blocks_of(tensors[:3], weight, *weight_places, dtype) and (
-        bias is None or _blocks_of(tensors[3:], bias, *bias_places, dtype)
-    )
-
-
-def _blocks_of(tensors: list[torch.Tensor], packed: torch.Tensor, offsets: tuple,
-               shape: torch.Size, stride: tuple, dtype: torch.dtype) -> bool:
-    # The packed tensor holds that memory, so no other tensor can sit there: the same place,
-    # shape, strides and dtype are the same numbers. Offsets, not addresses: a layer saved and
-    # loaded whole keeps its views of one storage, at other addresses. Written out for three
-    # tensors: this runs on every call, and right after a large product a loop or a
-    # comprehension over them took 0.3% more of the forward at (32, 64, 256, 8)
-    q, k, v = tensors
-    base = packed.data_ptr()
-    return ((q.data_ptr() - base, k.data_ptr() - base, v.data_ptr() - base) == offsets
-            and q.shape == k.shape == v.shape == shape
-            and q.stride() == k.stride() == v.stride() == stride
-            and q.dtype == k.dtype == v.dtype == dtype)
-
-
 # ---------------------------------------------------------------------------------------------
 # Masks
 
 
-def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> float | int | None:
+def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
     # The one check that needs values: non-negative whole numbers (.item() waits for the
-    # device, as any value check must). Returns the smallest length, None without any: above
-    # 0, no row of a mask made of lengths alone is empty
+    # device, as any value check must)
     if valid_lens is None or valid_lens.numel() == 0:
-        return None
+        return
     non_integer = None
     if valid_lens.is_floating_point():
         fractional = valid_lens != torch.floor(valid_lens)
         if fractional.any():
             non_integer = valid_lens[fractional][0].item()
-    smallest = valid_lens.min().item()
-    validation.check_valid_lens_values(smallest, non_integer)
-    return smallest
+    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
 
 
 def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -227,19 +186,6 @@ def _insert_head_axis(x: torch.Tensor | None) -> torch.Tensor | None:
     return x.unsqueeze(1)
 
 
-# The dtypes of valid_lens that MultiHeadAttention's fast path takes: the integer tensors
-# that torch.tensor and torch.randint make by default, and int32
-_LENGTH_DTYPES = (torch.int64, torch.int32)
-
-
-def _every_row_kept(smallest_length: float | int | None, mask: Any, window_mask: Any) -> bool:
-    """Whether every query keeps a key, known without reading the mask: lengths (whose
-    smallest the value check has read) and the causal mask keep key 0 of every row unless a
-    length is 0. Saves the check of each row of the mask: two ops and a host read per call."""
-    lengths_kept = smallest_length is None or smallest_length > 0
-    return lengths_kept and mask is None and window_mask is None
-
-
 # ---------------------------------------------------------------------------------------------
 # Masked softmax
 
@@ -249,51 +195,27 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None,
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
     entry are exactly 0. torch.softmax subtracts the row maximum, so logits of 1e4 stay finite.
 
-    Written with torch's fused softmax on scores plus an additive -inf mask, as
-    nn.MultiheadAttention does, rather than the reference's steps (four fewer passes over the
-    scores): a row with no kept key would be all -inf, NaN in softmax, so it keeps every key
-    (finite values and gradients) and is zeroed after. `in_place` adds the mask into `scores`,
-    a fresh tensor of the caller's (no new (..., Q, K) tensor), and on the CPU without
-    gradients writes the weights over it too.
+    `in_place` overwrites `scores`, a fresh tensor of the caller's: on the CPU a new
+    (..., Q, K) tensor is fresh pages to fault in. The softmax itself is written over the
+    scores only where autograd does not need them.
     """
-    if keep is None:
-        return _softmax_last_axis(scores, in_place)
-    additive, attended = _additive_mask(keep, scores.dtype, scores.device)
-    scores = scores.add_(additive) if in_place else scores + additive
-    weights = _softmax_last_axis(scores, in_place)
+    attended = None
+    if keep is not None:
+        keep, attended = _keep_every_row(keep)
+        # exp(-inf) = 0: masked entries, and their gradients, are exactly 0
+        fill = scores.masked_fill_ if in_place else scores.masked_fill
+        scores = fill(~keep, float("-inf"))
+    if in_place and not scores.requires_grad:
+        weights = torch.softmax(scores, dim=-1, out=scores)
+    else:
+        weights = torch.softmax(scores, dim=-1)
     return weights if attended is None else torch.where(attended, weights, 0.0)
 
 
-def _softmax_last_axis(scores: torch.Tensor, in_place: bool) -> torch.Tensor:
-    """torch's fused softmax over the last axis; with `in_place`, on CPU tensors that need no
-    gradient, written over the scores: a new (..., Q, K) tensor on the CPU is fresh pages to
-    fault in (the product and the softmax at (8, 4096, 4096): 0.28 s in place against 0.42 s).
-    Each row is read whole before it is written, so the numbers are the same."""
-    if (in_place and scores.device.type == "cpu" and not scores.requires_grad
-            and not torch.compiler.is_compiling()):
-        return torch._softmax(scores, -1, False, out=scores)
-    return torch.softmax(scores, dim=-1)
-
-
-def _additive_mask(keep: torch.Tensor, dtype: torch.dtype, device: torch.device,
-                   every_row_kept: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """keep -> (additive, attended): 0 where a key is kept, -inf where it is masked.
-
-    A row with no kept key keeps every key instead (finite values and gradients) and must be
-    zeroed after the softmax where `attended` is False; attended is None when no row can be
-    empty, or when the caller knows (`every_row_kept`). Shapes: keep's, with 1 keys for
-    attended; small, as keep broadcasts over heads. exp(-inf) = 0 for masked entries, whose
-    gradient is then exactly 0.
-    """
-    keep, attended = (keep, None) if every_row_kept else _keep_every_row(keep)
-    additive = torch.zeros(keep.shape, dtype=dtype, device=device)
-    return additive.masked_fill_(~keep, float("-inf")), attended
-
-
 def _keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A row with no kept key would be all -inf, NaN in softmax and in some fused kernels: it
-    keeps every key instead. Returns (keep, attended): attended, (..., Q or 1, 1), marks the
-    rows to zero afterwards; None when no row can be empty."""
+    """A row with no kept key would be all -inf, NaN in softmax and in fused kernels: it keeps
+    every key instead. Returns (keep, attended): attended, (..., Q or 1, 1), marks the rows to
+    zero afterwards; None when no row is empty."""
     attended = keep.any(dim=-1, keepdim=True)
     if not _may_have_empty_rows(attended):
         return keep, None
@@ -301,12 +223,9 @@ def _keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def _may_have_empty_rows(attended: torch.Tensor) -> bool:
-    """Whether a row has no kept key, or might: zeroing such rows is a pass over the weights.
-
-    On the CPU, one host read of the small `attended` is free and skips that pass when every
-    row has a key; elsewhere (GPU, meta, a graph being compiled) the answer is yes without
-    reading, so that no call waits for the device.
-    """
+    """Whether a row has no kept key, or might. On the CPU one host read of the small
+    `attended` answers it; elsewhere (GPU, meta, a graph being compiled) the answer is yes
+    without reading, so that no call waits for the device."""
     if attended.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     return not bool(attended.all())
@@ -341,16 +260,14 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
-    # The scores are the caller's own fresh tensor: the mask is added in place
+    # The scores are the caller's own fresh tensor: the softmax overwrites them
     weights = _softmax(scores, keep, in_place=True)
-    # Values split into heads are a head's rows num_hiddens apart (3 num_hiddens from the
-    # packed projection); in contiguous heads, torch's CPU product in bfloat16 and float16,
-    # on a processor without instructions for them, took half the time
-    # (benchmarks/README.md). matmul copies them so anyway when the batch is above 1
+    # Values split into heads have rows num_hiddens apart, and torch's CPU product in bfloat16
+    # and float16 is far slower on such rows than on contiguous ones
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
-def _fused_attention(queries, keys, values, keep, bias, dropout, every_row_kept=False):
+def _fused_attention(queries, keys, values, keep, bias, dropout):
     """What DotProductAttention.attend computes, by F.scaled_dot_product_attention.
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
@@ -358,7 +275,7 @@ def _fused_attention(queries, keys, values, keep, bias, dropout, every_row_kept=
     is 1 / sqrt(d) with d the last axis of the queries, as ours.
     """
     attended = None
-    if keep is not None and not every_row_kept:
+    if keep is not None:
         # Rows with no kept key attend to every key (finite values and gradients), and their
         # output is zeroed after, as _softmax does
         keep, attended = _keep_every_row(keep)
@@ -369,35 +286,33 @@ def _fused_attention(queries, keys, values, keep, bias, dropout, every_row_kept=
     output = F.scaled_dot_product_attention(
         queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p
     )
-    if attended is None:
-        return output
-    return torch.where(attended, output, 0.0)
+    return output if attended is None else torch.where(attended, output, 0.0)
 
 
 def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
-    """Whether keep, as an additive mask, can be the bias of one batched product: one mask
+    """Whether keep, as an additive mask, can be the input of one batched product: one mask
     for every leading index, or one mask row per leading index (lengths, key padding)."""
     if keep.dim() > queries.dim():
         return False
     return all(size == 1 for size in keep.shape[:-2]) or keep.shape[-2] == 1
 
 
-def _product_plus(additive: torch.Tensor | None, queries: torch.Tensor,
-                  keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """additive + scale * queries @ keys^T in one torch.baddbmm over the leading axes
-    flattened: the scale is applied inside the product (no pass over the queries) and keys
-    are copied once into rows, not gathered transposed."""
+def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """scale * queries @ keys^T, -inf where keep is False, in one torch.baddbmm over the
+    leading axes flattened. Shape: (..., no. of queries, no. of keys)."""
     *leading, num_queries, d = queries.shape
     num_keys = keys.shape[-2]
-    size = math.prod(leading)
-    queries = queries.reshape(size, num_queries, d)
-    keys = keys.reshape(size, num_keys, d).transpose(1, 2)
-    if additive is None:
+    queries = queries.reshape(-1, num_queries, d)
+    keys = keys.reshape(-1, num_keys, d).transpose(1, 2)
+    if keep is None:
         # beta=0: the zero input is not read, only broadcast
         scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0, alpha=scale)
         return scores.view(*leading, num_queries, num_keys)
-    # Shape of additive: (1 or size, 1 or no. of queries, 1 or no. of keys)
-    additive = additive.reshape((1,) * (queries.dim() - additive.dim()) + additive.shape)
+    # Shape of additive: keep's, then (1 or leading size, 1 or no. of queries, no. of keys)
+    additive = torch.zeros(keep.shape, dtype=queries.dtype, device=queries.device)
+    additive = additive.masked_fill_(~keep, float("-inf"))
+    additive = additive.reshape((1,) * (len(leading) + 2 - additive.dim()) + additive.shape)
     if any(n != 1 for n in additive.shape[:-2]):
         additive = additive.expand(*leading, *additive.shape[-2:])
     additive = additive.reshape(-1, *additive.shape[-2:])
@@ -442,50 +357,39 @@ class DotProductAttention(Module):
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
         )
-        smallest_length = _check_valid_lens_values(valid_lens)
+        _check_valid_lens_values(valid_lens)
         keep, bias = _attention_masks(
             batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
             device=queries.device,
         )
-        every_row_kept = _every_row_kept(smallest_length, mask, window_mask)
-        return self.attend(queries, keys, values, keep, bias, every_row_kept=every_row_kept)
+        return self.attend(queries, keys, values, keep, bias)
 
-    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               every_row_kept=False):
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        the mask helpers; `every_row_kept` when the caller knows that keep has a kept key in
-        every row. MultiHeadAttention calls this with a head axis. Without need_weights,
-        torch's fused kernel computes the same numbers.
+        _attention_masks. MultiHeadAttention calls this with a head axis. Without
+        need_weights, torch's fused kernel computes the same numbers.
         """
         if not need_weights:
             self.attention_weights = None
-            return _fused_attention(
-                queries, keys, values, keep, bias, self.dropout, every_row_kept
-            )
+            return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         d = queries.shape[-1]
         if bias is None and (keep is None or _mask_fits_product(keep, queries)):
-            # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm),
-            # and the product is scaled there: two passes fewer. Shape of scores:
-            # (..., no. of queries, no. of keys)
-            additive, attended = None, None
-            if keep is not None:
-                additive, attended = _additive_mask(
-                    keep, queries.dtype, queries.device, every_row_kept
-                )
-            scores = _product_plus(additive, queries, keys, 1 / math.sqrt(d))
+            # The mask is added inside the scaled product, as nn.MultiheadAttention does
+            # (baddbmm): a pass over the scores fewer, forward and backward
+            keep, attended = (None, None) if keep is None else _keep_every_row(keep)
+            scores = _masked_product(keep, queries, keys, 1 / math.sqrt(d))
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
-                output = torch.where(attended, output, 0.0)
-                weights = torch.where(attended, weights, 0.0)
+                output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
             self.attention_weights = weights
             return output
-        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
-        # the scores touches Q x d numbers instead of Q x K
+        # Shape of scores: (..., no. of queries, no. of keys). The queries are scaled rather
+        # than the scores: Q x d numbers instead of Q x K
         scores = (queries / math.sqrt(d)) @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights
+            scores, values, keep, bias, self.dropout
         )
         return output
 
@@ -588,117 +492,38 @@ class MultiHeadAttention(Module):
         self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
         self.attention_weights = None
-        # (packed weight, packed bias or None, places of W_q, W_k, W_v in them, dtype), or
-        # None: see _lie_in
-        self._in_projection = None
-        self._pack_in_projection()
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True):
-        if (queries is keys is values and need_weights is False and mask is None
-                and causal is False and window_mask is None and head_mask is None
-                and not torch.is_grad_enabled()):
-            # The commonest inference call, in a few lines of Python: see _fast_self_attention
-            output = self._fast_self_attention(queries, valid_lens)
-            if output is not None:
-                return output
-        # Submodules read from nn.Module's table: this runs on every call, and each read
-        # through nn.Module.__getattr__ costs about 0.5 us
-        modules = self._modules
-        query_size = _in_features(modules["W_q"])
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             dtype=self.dtype, num_heads=self.num_heads,
-            sizes=(("queries", "query_size", query_size),
-                   ("keys", "key_size", _in_features(modules["W_k"])),
-                   ("values", "value_size", _in_features(modules["W_v"]))),
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k)),
+                   ("values", "value_size", _in_features(self.W_v))),
         )
-        smallest_length = _check_valid_lens_values(valid_lens)
+        _check_valid_lens_values(valid_lens)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         keep, bias = _attention_masks(
             batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
             multihead=True, device=queries.device,
         )
-        every_row_kept = _every_row_kept(smallest_length, mask, window_mask)
-        if query_size is None and queries is keys is values:
-            # A lazy layer's first self-attention: its weights are made here, and packed
-            query_size = self._make_packed_weights(queries)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
-        # num_hiddens / num_heads)
-        if queries is keys is values and query_size is not None:
-            # Self-attention: one packed (3 num_hiddens x in) product instead of three, as
-            # nn.MultiheadAttention does. Each output column is the same dot product as before.
-            weight, in_bias = self._packed_in_projection()
-            packed = F.linear(queries, weight, in_bias)
-            if packed.requires_grad:
-                # Split by chunk, whose backward is one concatenation (the split below copies
-                # the gradient once more: 1.00 against 0.97 of the SDPA layer forward and
-                # backward at (32, 64, 256, 8))
-                queries, keys, values = map(self.transpose_qkv, packed.chunk(3, dim=-1))
-            else:
-                # One view and one permute split all three into heads: the views that
-                # transpose_qkv makes, in four ops fewer
-                packed = packed.view(batch_size, num_queries, 3, self.num_heads, -1)
-                packed = packed.permute(2, 0, 3, 1, 4)
-                queries, keys, values = packed.unbind()
-        else:
-            queries = self.transpose_qkv(self.W_q(queries))
-            keys = self.transpose_qkv(self.W_k(keys))
-            values = self.transpose_qkv(self.W_v(values))
+        # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
+        # no. of queries or keys, num_hiddens / num_heads)
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        attention = modules["attention"]
-        output = attention.attend(queries, keys, values, keep, bias, need_weights, every_row_kept)
-        self.attention_weights = attention.attention_weights
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             output = output * head_mask.to(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
         return self.W_o(output_concat)
-
-    def _fast_self_attention(self, X: Any, valid_lens: Any) -> torch.Tensor | None:
-        """forward(X, X, X, valid_lens, need_weights=False) without gradients, in far fewer
-        Python steps: the same ops as forward. None for a call whose checks are not known to
-        pass from a few reads, which forward then takes the full way (its checks word the
-        errors). Known to pass: X a plain 3-D tensor of the layer's dtype, holding a position,
-        whose last axis is the input size of W_q, W_k and W_v, all made and packed; valid_lens
-        None or (batch_size,) int64 or int32.
-
-        Python steps cost more between large kernels than their warm time: after a product
-        of megabytes the objects they read are out of the caches, and the argument checks
-        took 55 us instead of 5. This path took the forward at (32, 64, 256, 8) to 0.995 of
-        the full path's time (benchmarks/README.md).
-        """
-        if type(X) is not torch.Tensor or X.dim() != 3 or self._in_projection is None:
-            return None
-        batch_size, num_queries, size = X.shape
-        modules = self._modules
-        if (num_queries == 0 or X.dtype != self._buffers["_dtype_marker"].dtype
-                or not size == modules["W_q"].in_features == modules["W_k"].in_features
-                == modules["W_v"].in_features):
-            return None
-        keep, every_row_kept = None, True
-        if valid_lens is not None:
-            if not (type(valid_lens) is torch.Tensor and valid_lens.dim() == 1
-                    and valid_lens.shape[0] == batch_size and valid_lens.dtype in _LENGTH_DTYPES):
-                return None
-            every_row_kept = _every_row_kept(_check_valid_lens_values(valid_lens), None, None)
-            # Shape of keep: (batch_size, 1, 1, no. of keys)
-            keep = _length_mask(valid_lens, num_queries).unsqueeze(1)
-        weight, in_bias = self._packed_in_projection()
-        packed = F.linear(X, weight, in_bias).view(batch_size, num_queries, 3, self.num_heads, -1)
-        queries, keys, values = packed.permute(2, 0, 3, 1, 4).unbind()
-        attention = modules["attention"]
-        output = _fused_attention(
-            queries, keys, values, keep, None, attention._modules["dropout"], every_row_kept
-        )
-        if self.attention_weights is not None or attention.attention_weights is not None:
-            # Written only after a call that kept weights: reads cost less than writes
-            self.attention_weights = attention.attention_weights = None
-        # transpose_output, inline: (batch_size, no. of queries, num_hiddens)
-        return modules["W_o"](output.transpose(1, 2).reshape(batch_size, num_queries, -1))
 
     def transpose_qkv(self, X: torch.Tensor) -> torch.Tensor:
         """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
@@ -709,88 +534,6 @@ class MultiHeadAttention(Module):
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = X.permute(0, 2, 1, 3)
         return X.reshape(X.shape[0], X.shape[1], -1)
-
-    def _packed_in_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """W_q, W_k and W_v (and their biases) concatenated: (3 num_hiddens, in).
-
-        Without gradients, while the parameters are still the views that _pack_in_projection
-        made, this is the packed tensor itself: no copy. Otherwise the concatenation is made
-        per call (with gradients it is part of the graph). A copy kept between calls would
-        miss a change made in place through `.data`, which no version counter records; a
-        write into a view is a write into the packed tensor.
-        """
-        tensors = self._in_projection_tensors()
-        packed = self._in_projection
-        # Traced by torch.compile, the concatenation is part of the graph: data_ptr (in
-        # _lie_in) would break the graph
-        if (packed is not None and not torch.is_grad_enabled()
-                and not torch.compiler.is_compiling() and _lie_in(tensors, packed)):
-            return packed[0], packed[1]
-        return _concatenate(tensors)
-
-    def _in_projection_tensors(self) -> list[torch.Tensor]:
-        """[W_q, W_k, W_v], then [b_q, b_k, b_v] with bias: the parameters themselves."""
-        # Read from nn.Module's own tables: this runs on every call, and each attribute read
-        # through nn.Module.__getattr__ costs about 0.5 us
-        # (and spelled out: two comprehensions took 1 us warm)
-        modules = self._modules
-        q, k, v = (modules["W_q"]._parameters, modules["W_k"]._parameters,
-                   modules["W_v"]._parameters)
-        if self.bias:
-            return [q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"]]
-        return [q["weight"], k["weight"], v["weight"]]
-
-    def _pack_in_projection(self) -> None:
-        """Make W_q, W_k and W_v (and their biases) views of one packed tensor.
-
-        The parameters stay the same objects; only their storage moves, values unchanged.
-        Called only where the layer itself makes or converts these weights (construction,
-        weights made by a lazy layer, `.to()` and the like), never on weights a caller has
-        pointed elsewhere: that would untie weights the caller tied.
-        """
-        self._in_projection = None
-        sizes = {_in_features(self._modules[name]) for name in ("W_q", "W_k", "W_v")}
-        if None in sizes or len(sizes) > 1:
-            return  # weights not made yet, or of input sizes that cannot be stacked
-        tensors = self._in_projection_tensors()
-        with torch.no_grad():
-            packed = _concatenate(tensors)
-        places = []
-        for whole, group in zip(packed, (tensors[:3], tensors[3:]), strict=True):
-            if whole is None:
-                places.append(None)
-                continue
-            blocks = whole.chunk(3)
-            for tensor, block in zip(group, blocks, strict=True):
-                tensor.data = block
-            offsets = tuple(block.data_ptr() - whole.data_ptr() for block in blocks)
-            places.append((offsets, blocks[0].shape, blocks[0].stride()))
-        self._in_projection = (*packed, *places, packed[0].dtype)
-
-    def _make_packed_weights(self, X: torch.Tensor) -> int | None:
-        """Make the lazy W_q, W_k, W_v for inputs like X, packed; returns the input size.
-
-        Only when all three are lazy: a weight already made may be one a caller has set.
-        """
-        linears = [self._modules[name] for name in ("W_q", "W_k", "W_v")]
-        if any(_in_features(linear) is not None for linear in linears):
-            return _in_features(linears[0])
-        for linear in linears:
-            linear.initialize_parameters(X)  # nn.LazyLinear: reads the last axis of X
-        self._pack_in_projection()
-        return _in_features(linears[0])
-
-    def _apply(self, fn, recurse=True):
-        # .to(), .double(), .cuda() and the like give W_q, W_k and W_v new tensors: packed
-        # again if they were packed before; else the old packed tensor is let go
-        packed = self._in_projection
-        was_packed = packed is not None and _lie_in(self._in_projection_tensors(), packed)
-        super()._apply(fn, recurse)
-        if not was_packed:
-            self._in_projection = None
-        elif not _lie_in(self._in_projection_tensors(), packed):
-            self._pack_in_projection()
-        return self
 
 
 class PositionalEncoding(Module):
@@ -929,11 +672,8 @@ def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
     hooks holding them see the new values).
     """
     if isinstance(layer, MultiHeadAttention):
-        lazy = all(_in_features(p) is None for p in (layer.W_q, layer.W_k, layer.W_v))
         for k, projection in _projections(layer).items():
             _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
-        if lazy:
-            layer._pack_in_projection()  # weights made here: pack them
     elif isinstance(layer, AdditiveAttention):
         _set_linear(layer.W_q, weights["W_q"])
         _set_linear(layer.W_k, weights["W_k"])
@@ -960,8 +700,7 @@ def _copy_into(parameter: torch.Tensor, array: np.ndarray) -> None:
 
 def without_gradients():
     """A context in which calls record no gradients, as inference runs them. Used by
-    mha.harness, which checks the forward there too: some paths run only there (the
-    packed weights without a copy, MultiHeadAttention's fast path)."""
+    mha.harness, which checks the forward there too."""
     return torch.no_grad()
 
 
