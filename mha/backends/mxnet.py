@@ -380,19 +380,14 @@ def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: boo
     backend does, rather than the reference's steps: a row with no kept key would be all -inf,
     NaN in softmax, so it keeps every key (finite values and gradients) and is zeroed after.
 
-    The mask's form follows what MXNet 1.9 does fast on the CPU (measured on (32, 8, 64, 64)
-    scores, a mask from lengths): forward only, the small mask added with broadcasting takes
-    4 ms, against 10 ms for MXNet's length-masked softmax (npx.softmax with use_length) and
-    24 ms for a where() over the scores. Recording, the backward of a broadcasting add or
-    product reduces over the broadcast axes, even for a mask that needs no gradient (18 ms
-    forward and backward): the mask is broadcast to the scores' shape first (6 ms, against
-    65 ms for where()), or, with `recording` and valid_lens alone, `_attention_masks` gives
-    `_Lengths` for the length-masked softmax (10 ms, and 229 ms against 254 ms at
-    (8, 8, 512, 512)). `in_place` overwrites `scores`, a fresh array of the caller's, with the
-    mask and then the weights, when run imperatively without recording: MXNet does not pool
-    CPU memory, so every new (..., Q, K) array is fresh pages to fault in (at
-    (1, 8, 4096, 4096), the product and the softmax take 0.49 s in place against 0.75 s, and
-    the add 0.2 s less).
+    The mask's form follows what MXNet 1.9 does fast on the CPU: the small mask added with
+    broadcasting, rather than its length-masked softmax or a where() over the scores. While
+    recording, the backward of a broadcasting add reduces over the broadcast axes even for a
+    mask that needs no gradient, so the mask is broadcast to the scores' shape first, or, with
+    `recording` and valid_lens alone, `_attention_masks` gives `_Lengths` for the
+    length-masked softmax. `in_place` overwrites `scores`, a fresh array of the caller's, with
+    the mask and then the weights, when run imperatively without recording: MXNet does not
+    pool CPU memory, so every new (..., Q, K) array is fresh pages to fault in.
     """
     in_place = in_place and _imperative(scores, recording)
     # In place, the weights are written over the scores
