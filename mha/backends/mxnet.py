@@ -14,8 +14,9 @@ inferred at the first call, or from the first weights loaded with `mha.set_weigh
 Hybridization: call arguments are keywords (Gluon 1.x blocks take positional ones only), so
 each block's `forward` checks them on the NDArrays, notes the call's structure (which masks are
 given, their rank and kind), and passes them on positionally; None is a valid input of a
-hybridized Gluon block. A hybridized block keeps one graph, traced again whenever the
-structure changes; the graph does not depend on batch size or sequence lengths. Two limits:
+hybridized Gluon block. A hybridized block keeps one graph per structure of call, each
+traced once (calls that alternate, training and evaluation, switch between them); a graph
+does not depend on batch size or sequence lengths. Two limits:
 the blocks cannot be traced inside a hybridized parent block's graph (their checks and masks
 need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Block`), and a
 hybridized block checks valid_lens values before running the graph, as the imperative one does.
