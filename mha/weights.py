@@ -106,6 +106,53 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
     )
 
 
+def weight_places(class_name: str, bias: bool = False) -> dict[str, tuple[str, str]]:
+    """Where each canonical weight lives in a layer, the same in every backend.
+
+    Canonical name -> (the attribute of the sub-layer that holds it, the kind of parameter):
+    a dense layer's "kernel" (canonically (in, out)) and "bias", a layer norm's "scale" and
+    "shift". Each backend's PARAMETERS says how its framework keeps each kind. Kernels come
+    first: written in this order, a lazy sub-layer makes its parameters before its bias is set.
+    """
+    if class_name == "MultiHeadAttention":
+        places = {f"W_{k}": (f"W_{k}", "kernel") for k in "qkvo"}
+        if bias:
+            places.update({f"b_{k}": (f"W_{k}", "bias") for k in "qkvo"})
+        return places
+    if class_name == "AdditiveAttention":
+        return {name: (name, "kernel") for name in ("W_q", "W_k", "w_v")}
+    if class_name == "AddNorm":
+        return {"gamma": ("ln", "scale"), "beta": ("ln", "shift")}
+    return {}
+
+
+def canonical_parameters(
+    layer: Any, parameters: Mapping[str, tuple[str, bool]]
+) -> dict[str, tuple[Any, bool]]:
+    """Canonical name -> (the framework's parameter that holds it, whether it holds it
+    transposed), for a layer of the backend whose PARAMETERS table is `parameters`."""
+    places = _weight_places_of(layer)
+    return {
+        name: (getattr(getattr(layer, sublayer), parameters[kind][0]), parameters[kind][1])
+        for name, (sublayer, kind) in places.items()
+    }
+
+
+def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
+    class_name = _layer_class_name(layer)
+    return weight_places(class_name, class_name == "MultiHeadAttention" and layer.bias)
+
+
+def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:
+    parameters = canonical_parameters(layer, backend.PARAMETERS)
+    return {name: backend.read_parameter(*held) for name, held in parameters.items()}
+
+
+def _import_weights(backend: Any, layer: Any, arrays: Mapping[str, np.ndarray]) -> None:
+    for name, (sublayer, kind) in _weight_places_of(layer).items():
+        backend.write_parameter(getattr(layer, sublayer), kind, arrays[name])
+
+
 def _describe_layer(class_name: str, config: Mapping[str, Any]) -> str:
     arguments = ", ".join(
         f"{key}={config[key]!r}" for key in LAYER_CLASSES[class_name] if key in config
@@ -208,7 +255,7 @@ def get_weights(layer: Any) -> dict[str, np.ndarray]:
             f"{', '.join(unknown)} unknown. Call the layer once, pass the sizes to its "
             "constructor, or load weights with mha.set_weights."
         )
-    return backend.export_weights(layer)
+    return _export_weights(backend, layer)
 
 
 def set_weights(layer: Any, weights: Mapping[str, np.ndarray]) -> None:
@@ -225,7 +272,7 @@ def set_weights(layer: Any, weights: Mapping[str, np.ndarray]) -> None:
     problems, arrays = _find_problems(class_name, config, weights)
     if problems:
         _raise_problems("set_weights", class_name, config, problems)
-    backend.import_weights(layer, arrays)
+    _import_weights(backend, layer, arrays)
 
 
 def random_weights(
@@ -363,7 +410,7 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
     problems.extend(more)
     if problems:
         _raise_problems(f"load_weights({os.fspath(path)!r})", class_name, config, problems)
-    load_backend(backend_of(layer)).import_weights(layer, arrays)
+    _import_weights(load_backend(backend_of(layer)), layer, arrays)
 
 
 class Checkpoint(NamedTuple):
@@ -489,7 +536,7 @@ def load(path: str | os.PathLike, backend: str | None = None) -> Any:
     class_name, config = checkpoint.class_name, checkpoint.config
     layer = build_layer(module, class_name, config)
     if checkpoint.weights:
-        module.import_weights(layer, checkpoint.weights)
+        _import_weights(module, layer, checkpoint.weights)
     return layer
 
 

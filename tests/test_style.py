@@ -28,10 +28,8 @@ MIRRORED = (
     "PositionalEncoding",
     "AddNorm",
     "layer_config",
-    "_projections",
-    "_canonical_parameters",
-    "export_weights",
-    "import_weights",
+    "read_parameter",
+    "write_parameter",
 )
 
 

@@ -60,6 +60,19 @@ def test_weights_compute_x_at_W_plus_b():
     np.testing.assert_allclose(layer.W_o(np.eye(8)), w["W_o"] + w["b_o"], atol=1e-14)
 
 
+def test_add_norm_weights_are_the_scale_and_the_shift(backend):
+    # A hand-worked case in every backend: gamma scales and beta shifts the normalized sum
+    layer = backend.AddNorm(4, dtype="float64")
+    gamma, beta = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0.0, 10.0, 20.0, 30.0])
+    mha.set_weights(layer, {"gamma": gamma, "beta": beta})
+    X, Y = np.array([[[1.0, 2.0, 3.0, 4.0]]]), np.zeros((1, 1, 4))
+    # mean 2.5, variance 1.25
+    expected = (X - 2.5) / np.sqrt(1.25 + 1e-5) * gamma + beta
+    output = backend.to_numpy(layer(backend.from_numpy(X), backend.from_numpy(Y)))
+    np.testing.assert_allclose(output, expected, atol=1e-12)
+    np.testing.assert_array_equal(mha.get_weights(layer)["gamma"], gamma)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_get_set_round_trip(bias):
     source = make_mha(bias=bias)

@@ -44,6 +44,7 @@ from mxnet.gluon import nn
 
 from mha import validation
 from mha.encoding import sinusoid_table
+from mha.weights import canonical_parameters
 
 __all__ = [
     "AddNorm",
@@ -838,65 +839,27 @@ def layer_config(layer: Layer) -> dict[str, Any]:
     raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
 
 
-def _projections(layer: Layer) -> dict[str, nn.Dense]:
-    if isinstance(layer, MultiHeadAttention):
-        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
-    return {}
+# How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
+# and whether it holds the canonical array transposed (Dense keeps W as (out, in))
+PARAMETERS = {"kernel": ("weight", True), "bias": ("bias", False),
+              "scale": ("gamma", False), "shift": ("beta", False)}
 
 
-def _value(parameter) -> numpy.ndarray:
-    # The first copy, wherever the parameter lives
-    return parameter.list_data()[0].asnumpy()
-
-
-def _canonical_parameters(layer: Layer) -> dict[str, tuple[Any, bool]]:
-    """Canonical name -> (the Parameter that holds it, whether it is stored transposed)."""
-    # Gluon keeps Dense weights as (out_features, in_features): transposed
-    if isinstance(layer, MultiHeadAttention):
-        parameters = {f"W_{k}": (p.weight, True) for k, p in _projections(layer).items()}
-        if layer.bias:
-            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
-        return parameters
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": (layer.W_q.weight, True), "W_k": (layer.W_k.weight, True),
-                "w_v": (layer.w_v.weight, True)}
-    if isinstance(layer, AddNorm):
-        return {"gamma": (layer.ln.gamma, False), "beta": (layer.ln.beta, False)}
-    return {}
-
-
-def export_weights(layer: Layer) -> dict[str, numpy.ndarray]:
-    """The canonical weights of `layer` as fresh numpy arrays (W transposed to (in, out))."""
-    return {name: _value(value).T.copy() if transposed else _value(value)
-            for name, (value, transposed) in _canonical_parameters(layer).items()}
+def read_parameter(parameter, transposed: bool) -> numpy.ndarray:
+    """A fresh numpy copy of a Gluon Parameter (its first copy, wherever it lives), in the
+    canonical layout."""
+    value = parameter.list_data()[0].asnumpy()
+    return value.T.copy() if transposed else value
 
 
 @mx.util.use_np
-def import_weights(layer: Layer, weights: dict[str, numpy.ndarray]) -> None:
-    """Copy checked canonical weights into `layer`, creating deferred parameters as needed."""
-    if isinstance(layer, MultiHeadAttention):
-        for k, projection in _projections(layer).items():
-            _set_dense(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
-    elif isinstance(layer, AdditiveAttention):
-        _set_dense(layer.W_q, weights["W_q"])
-        _set_dense(layer.W_k, weights["W_k"])
-        _set_dense(layer.w_v, weights["w_v"])
-    elif isinstance(layer, AddNorm):
-        _set_parameter(layer.ln.gamma, weights["gamma"])
-        _set_parameter(layer.ln.beta, weights["beta"])
-
-
-def _set_dense(dense: nn.Dense, weight: numpy.ndarray, bias: numpy.ndarray | None = None):
-    # Canonical (in, out) -> Gluon's (out, in)
-    _set_parameter(dense.weight, weight.T)
-    if bias is not None:
-        _set_parameter(dense.bias, bias)
-
-
-def _set_parameter(parameter, value: numpy.ndarray) -> None:
-    # set_data on a deferred parameter fixes its shape and keeps the value for the deferred
-    # initialization, which is finished here so that the weights can be read back at once
-    parameter.set_data(from_numpy(numpy.ascontiguousarray(value)))
+def write_parameter(sublayer: nn.HybridBlock, kind: str, value: numpy.ndarray) -> None:
+    """Copy a canonical array into the sub-layer's Parameter of that kind. set_data on a
+    deferred Parameter fixes its shape; its deferred initialization is finished here so that
+    the weights can be read back at once."""
+    name, transposed = PARAMETERS[kind]
+    parameter = getattr(sublayer, name)
+    parameter.set_data(from_numpy(numpy.ascontiguousarray(value.T if transposed else value)))
     parameter._finish_deferred_init()
 
 
@@ -920,7 +883,7 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
         tensors[name] = tensors[name].copy()
         tensors[name].attach_grad()
     # Parameters have grad_req "write": backward overwrites their gradients
-    parameters = {} if layer is None else _canonical_parameters(layer)
+    parameters = {} if layer is None else canonical_parameters(layer, PARAMETERS)
     with mx.autograd.record(train_mode=False):
         output = function(tensors)
         loss = (output * cotangent).sum()

@@ -572,52 +572,24 @@ def layer_config(layer: Module) -> dict[str, Any]:
     raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
 
 
-def _projections(layer: Module) -> dict[str, Linear]:
-    if isinstance(layer, MultiHeadAttention):
-        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
-    return {}
+# How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
+# and whether it holds the canonical array transposed (Linear keeps W as (in, out))
+PARAMETERS = {"kernel": ("weight", False), "bias": ("bias", False),
+              "scale": ("gamma", False), "shift": ("beta", False)}
 
 
-def _canonical_parameters(layer: Module) -> dict[str, tuple[np.ndarray, bool]]:
-    """Canonical name -> (the array that holds it, whether it is stored transposed)."""
-    if isinstance(layer, MultiHeadAttention):
-        parameters = {f"W_{k}": (p.weight, False) for k, p in _projections(layer).items()}
-        if layer.bias:
-            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
-        return parameters
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": (layer.W_q.weight, False), "W_k": (layer.W_k.weight, False),
-                "w_v": (layer.w_v.weight, False)}
-    if isinstance(layer, AddNorm):
-        return {"gamma": (layer.ln.gamma, False), "beta": (layer.ln.beta, False)}
-    return {}
+def read_parameter(parameter: np.ndarray, transposed: bool) -> np.ndarray:
+    """A fresh numpy copy of a parameter, in the canonical layout."""
+    return (parameter.T if transposed else parameter).copy()
 
 
-def export_weights(layer: Module) -> dict[str, np.ndarray]:
-    """The canonical weights of `layer` as fresh numpy arrays."""
-    return {name: (value.T if transposed else value).copy()
-            for name, (value, transposed) in _canonical_parameters(layer).items()}
-
-
-def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
-    """Copy checked canonical weights into `layer`, creating lazy weights as needed."""
-    if isinstance(layer, MultiHeadAttention):
-        for k, projection in _projections(layer).items():
-            _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
-    elif isinstance(layer, AdditiveAttention):
-        _set_linear(layer.W_q, weights["W_q"])
-        _set_linear(layer.W_k, weights["W_k"])
-        _set_linear(layer.w_v, weights["w_v"])
-    elif isinstance(layer, AddNorm):
-        layer.ln.gamma = weights["gamma"].copy()
-        layer.ln.beta = weights["beta"].copy()
-
-
-def _set_linear(linear: Linear, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
-    linear.in_features = weight.shape[0]
-    linear.weight = weight.copy()
-    if bias is not None:
-        linear.bias = bias.copy()
+def write_parameter(sublayer: Module, kind: str, value: np.ndarray) -> None:
+    """Copy a canonical array into the sub-layer's parameter of that kind; a kernel also
+    gives a lazy Linear its input size."""
+    name, transposed = PARAMETERS[kind]
+    if kind == "kernel":
+        sublayer.in_features = value.shape[0]
+    setattr(sublayer, name, (value.T if transposed else value).copy())
 
 
 # NumPy has no autograd, so there is no value_and_gradients here: mha.harness differentiates

@@ -31,6 +31,7 @@ import numpy as np
 
 from mha import validation
 from mha.encoding import sinusoid_table
+from mha.weights import canonical_parameters
 
 _KERAS_BACKEND = os.environ.get("KERAS_BACKEND", "").strip().lower()
 if _KERAS_BACKEND not in ("", "tensorflow"):
@@ -672,59 +673,25 @@ def layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
     raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
 
 
-def _projections(layer: keras.layers.Layer) -> dict[str, keras.layers.Dense]:
-    if isinstance(layer, MultiHeadAttention):
-        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
-    return {}
+# How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
+# and whether it holds the canonical array transposed (Dense keeps its kernel as (in, out))
+PARAMETERS = {"kernel": ("kernel", False), "bias": ("bias", False),
+              "scale": ("gamma", False), "shift": ("beta", False)}
 
 
-def _canonical_parameters(layer: keras.layers.Layer) -> dict[str, tuple[Any, bool]]:
-    """Canonical name -> (the variable that holds it, whether it is stored transposed)."""
-    # Keras keeps Dense kernels as (in, out): the canonical layout
-    if isinstance(layer, MultiHeadAttention):
-        parameters = {f"W_{k}": (p.kernel, False) for k, p in _projections(layer).items()}
-        if layer.bias:
-            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
-        return parameters
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": (layer.W_q.kernel, False), "W_k": (layer.W_k.kernel, False),
-                "w_v": (layer.w_v.kernel, False)}
-    if isinstance(layer, AddNorm):
-        return {"gamma": (layer.ln.gamma, False), "beta": (layer.ln.beta, False)}
-    return {}
+def read_parameter(parameter, transposed: bool) -> np.ndarray:
+    """A fresh numpy copy of a parameter (a Keras variable), in the canonical layout."""
+    value = np.array(parameter.numpy(), copy=True)
+    return value.T.copy() if transposed else value
 
 
-def export_weights(layer: keras.layers.Layer) -> dict[str, np.ndarray]:
-    """The canonical weights of `layer` as fresh numpy arrays."""
-    return {name: _copy(value).T.copy() if transposed else _copy(value)
-            for name, (value, transposed) in _canonical_parameters(layer).items()}
-
-
-def import_weights(layer: keras.layers.Layer, weights: dict[str, np.ndarray]) -> None:
-    """Copy checked canonical weights into `layer`, creating lazy weights as needed."""
-    if isinstance(layer, MultiHeadAttention):
-        for k, projection in _projections(layer).items():
-            _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
-    elif isinstance(layer, AdditiveAttention):
-        _set_linear(layer.W_q, weights["W_q"])
-        _set_linear(layer.W_k, weights["W_k"])
-        _set_linear(layer.w_v, weights["w_v"])
-    elif isinstance(layer, AddNorm):
-        layer.ln.gamma.assign(weights["gamma"])
-        layer.ln.beta.assign(weights["beta"])
-
-
-def _copy(variable) -> np.ndarray:
-    return np.array(variable.numpy(), copy=True)
-
-
-def _set_linear(dense: keras.layers.Dense, weight: np.ndarray,
-                bias: np.ndarray | None = None) -> None:
-    if not dense.built:
-        dense.build((None, weight.shape[0]))
-    dense.kernel.assign(weight)
-    if bias is not None:
-        dense.bias.assign(bias)
+def write_parameter(sublayer: keras.layers.Layer, kind: str, value: np.ndarray) -> None:
+    """Copy a canonical array into the sub-layer's variable of that kind, building a Dense
+    that is not built yet from the kernel's input size."""
+    name, transposed = PARAMETERS[kind]
+    if kind == "kernel" and not sublayer.built:
+        sublayer.build((None, value.shape[0]))
+    getattr(sublayer, name).assign(value.T if transposed else value)
 
 
 def without_gradients():
@@ -742,7 +709,7 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
         canonical names in the canonical layout), all numpy arrays. Used by mha.harness.
     """
     tensors = dict(tensors)
-    parameters = {} if layer is None else _canonical_parameters(layer)
+    parameters = {} if layer is None else canonical_parameters(layer, PARAMETERS)
     with tf.GradientTape() as tape:
         for name in wrt:
             tape.watch(tensors[name])

@@ -21,7 +21,7 @@ from torch import nn
 
 from mha import validation
 from mha.encoding import sinusoid_table
-from mha.weights import numpy_dtype
+from mha.weights import canonical_parameters, numpy_dtype
 
 __all__ = [
     "AddNorm",
@@ -637,65 +637,27 @@ def layer_config(layer: Module) -> dict[str, Any]:
     raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
 
 
-def _projections(layer: Module) -> dict[str, nn.Module]:
-    if isinstance(layer, MultiHeadAttention):
-        return {"q": layer.W_q, "k": layer.W_k, "v": layer.W_v, "o": layer.W_o}
-    return {}
+# How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
+# and whether it holds the canonical array transposed (nn.Linear keeps W as (out, in))
+PARAMETERS = {"kernel": ("weight", True), "bias": ("bias", False),
+              "scale": ("weight", False), "shift": ("bias", False)}
 
 
-def _canonical_parameters(layer: Module) -> dict[str, tuple[torch.Tensor, bool]]:
-    """Canonical name -> (the parameter that holds it, whether it is stored transposed)."""
-    # torch keeps Linear weights as (out_features, in_features): transposed
-    if isinstance(layer, MultiHeadAttention):
-        parameters = {f"W_{k}": (p.weight, True) for k, p in _projections(layer).items()}
-        if layer.bias:
-            parameters.update({f"b_{k}": (p.bias, False) for k, p in _projections(layer).items()})
-        return parameters
-    if isinstance(layer, AdditiveAttention):
-        return {"W_q": (layer.W_q.weight, True), "W_k": (layer.W_k.weight, True),
-                "w_v": (layer.w_v.weight, True)}
-    if isinstance(layer, AddNorm):
-        return {"gamma": (layer.ln.weight, False), "beta": (layer.ln.bias, False)}
-    return {}
+def read_parameter(parameter: torch.Tensor, transposed: bool) -> np.ndarray:
+    """A fresh numpy copy of a parameter, in the canonical layout."""
+    return (to_numpy(parameter).T if transposed else to_numpy(parameter)).copy()
 
 
-def export_weights(layer: Module) -> dict[str, np.ndarray]:
-    """The canonical weights of `layer` as fresh numpy arrays (W transposed to (in, out))."""
-    return {name: (to_numpy(value).T if transposed else to_numpy(value)).copy()
-            for name, (value, transposed) in _canonical_parameters(layer).items()}
-
-
-def import_weights(layer: Module, weights: dict[str, np.ndarray]) -> None:
-    """Copy checked canonical weights into `layer`, creating lazy weights as needed.
-
-    The parameters keep their device and dtype and stay the same objects (optimizers and
-    hooks holding them see the new values).
-    """
-    if isinstance(layer, MultiHeadAttention):
-        for k, projection in _projections(layer).items():
-            _set_linear(projection, weights[f"W_{k}"], weights.get(f"b_{k}"))
-    elif isinstance(layer, AdditiveAttention):
-        _set_linear(layer.W_q, weights["W_q"])
-        _set_linear(layer.W_k, weights["W_k"])
-        _set_linear(layer.w_v, weights["w_v"])
-    elif isinstance(layer, AddNorm):
-        _copy_into(layer.ln.weight, weights["gamma"])
-        _copy_into(layer.ln.bias, weights["beta"])
-
-
-def _set_linear(linear: nn.Module, weight: np.ndarray, bias: np.ndarray | None = None) -> None:
-    if _in_features(linear) is None:
-        # Materialize the lazy parameters in place; only the shape of this input is read
-        linear.initialize_parameters(torch.empty(0, weight.shape[0], device="meta"))
-    # torch keeps weight as (out_features, in_features)
-    _copy_into(linear.weight, weight.T)
-    if bias is not None:
-        _copy_into(linear.bias, bias)
-
-
-def _copy_into(parameter: torch.Tensor, array: np.ndarray) -> None:
+def write_parameter(sublayer: nn.Module, kind: str, value: np.ndarray) -> None:
+    """Copy a canonical array into the sub-layer's parameter of that kind, making a lazy
+    nn.LazyLinear's parameters first. The parameter keeps its device and dtype and stays the
+    same object (optimizers and hooks holding it see the new values)."""
+    name, transposed = PARAMETERS[kind]
+    if kind == "kernel" and _in_features(sublayer) is None:
+        # Only the shape of this input is read
+        sublayer.initialize_parameters(torch.empty(0, value.shape[0], device="meta"))
     with torch.no_grad():
-        parameter.copy_(from_numpy(array))
+        getattr(sublayer, name).copy_(from_numpy(value.T if transposed else value))
 
 
 def without_gradients():
@@ -714,7 +676,7 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
     tensors = dict(tensors)
     for name in wrt:
         tensors[name] = tensors[name].detach().clone().requires_grad_(True)
-    parameters = {} if layer is None else _canonical_parameters(layer)
+    parameters = {} if layer is None else canonical_parameters(layer, PARAMETERS)
     output = function(tensors)
     loss = (output * cotangent).sum()
     sources = [tensors[name] for name in wrt] + [value for value, _ in parameters.values()]
