@@ -106,6 +106,29 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
     )
 
 
+# The sub-layer whose input size each size argument is
+_SIZE_OF = {"query_size": "W_q", "key_size": "W_k", "value_size": "W_v"}
+
+
+def read_config(layer: Any, input_size: Any, dropout_rate: Any) -> dict[str, Any]:
+    """The constructor arguments of `layer`, with sizes inferred so far (None while unknown).
+
+    The layers of every backend keep their other arguments as attributes of the same names;
+    the backend says how to read a sub-layer's input size and a dropout layer's rate.
+    """
+    class_name = _layer_class_name(layer)
+    config = {}
+    for key in LAYER_CLASSES[class_name]:
+        if key == "dropout":
+            owner = layer.attention if class_name == "MultiHeadAttention" else layer
+            config[key] = dropout_rate(owner.dropout)
+        elif key in _SIZE_OF:
+            config[key] = input_size(getattr(layer, _SIZE_OF[key]))
+        else:
+            config[key] = getattr(layer, key)
+    return config
+
+
 def weight_places(class_name: str, bias: bool = False) -> dict[str, tuple[str, str]]:
     """Where each canonical weight lives in a layer, the same in every backend.
 

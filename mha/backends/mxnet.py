@@ -44,7 +44,7 @@ from mxnet.gluon import nn
 
 from mha import validation
 from mha.encoding import sinusoid_table
-from mha.weights import canonical_parameters
+from mha.weights import canonical_parameters, read_config
 
 __all__ = [
     "AddNorm",
@@ -819,24 +819,7 @@ def _rate(dropout: nn.Dropout) -> float:
 
 def layer_config(layer: Layer) -> dict[str, Any]:
     """The constructor arguments of `layer`, with sizes inferred so far."""
-    if isinstance(layer, MultiHeadAttention):
-        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
-                "dropout": _rate(layer.attention.dropout), "bias": layer.bias,
-                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
-                "value_size": _in_features(layer.W_v), "dtype": layer.dtype}
-    if isinstance(layer, AdditiveAttention):
-        return {"num_hiddens": layer.num_hiddens, "dropout": _rate(layer.dropout),
-                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
-                "dtype": layer.dtype}
-    if isinstance(layer, DotProductAttention):
-        return {"dropout": _rate(layer.dropout), "dtype": layer.dtype}
-    if isinstance(layer, PositionalEncoding):
-        return {"num_hiddens": layer.num_hiddens, "dropout": _rate(layer.dropout),
-                "max_len": layer.max_len, "dtype": layer.dtype}
-    if isinstance(layer, AddNorm):
-        return {"num_hiddens": layer.num_hiddens, "dropout": _rate(layer.dropout),
-                "eps": layer.eps, "dtype": layer.dtype}
-    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+    return read_config(layer, _in_features, _rate)
 
 
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,

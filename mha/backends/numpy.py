@@ -18,6 +18,7 @@ import numpy as np
 
 from mha import validation
 from mha.encoding import sinusoid_table
+from mha.weights import read_config
 
 __all__ = [
     "AddNorm",
@@ -537,7 +538,7 @@ class AddNorm(Module):
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.eps = num_hiddens, eps
         self.dropout = Dropout(dropout)
         self.ln = LayerNorm(num_hiddens, eps, self.dtype)
 
@@ -552,24 +553,7 @@ class AddNorm(Module):
 
 def layer_config(layer: Module) -> dict[str, Any]:
     """The constructor arguments of `layer`, with sizes inferred so far."""
-    if isinstance(layer, MultiHeadAttention):
-        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
-                "dropout": layer.attention.dropout.p, "bias": layer.bias,
-                "query_size": layer.W_q.in_features, "key_size": layer.W_k.in_features,
-                "value_size": layer.W_v.in_features, "dtype": layer.dtype}
-    if isinstance(layer, AdditiveAttention):
-        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
-                "query_size": layer.W_q.in_features, "key_size": layer.W_k.in_features,
-                "dtype": layer.dtype}
-    if isinstance(layer, DotProductAttention):
-        return {"dropout": layer.dropout.p, "dtype": layer.dtype}
-    if isinstance(layer, PositionalEncoding):
-        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
-                "max_len": layer.max_len, "dtype": layer.dtype}
-    if isinstance(layer, AddNorm):
-        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
-                "eps": layer.ln.eps, "dtype": layer.dtype}
-    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+    return read_config(layer, lambda linear: linear.in_features, lambda dropout: dropout.p)
 
 
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,

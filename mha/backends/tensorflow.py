@@ -31,7 +31,7 @@ import numpy as np
 
 from mha import validation
 from mha.encoding import sinusoid_table
-from mha.weights import canonical_parameters
+from mha.weights import canonical_parameters, read_config
 
 _KERAS_BACKEND = os.environ.get("KERAS_BACKEND", "").strip().lower()
 if _KERAS_BACKEND not in ("", "tensorflow"):
@@ -627,7 +627,7 @@ class AddNorm(keras.layers.Layer):
                  dtype: str = "float32", **kwargs):
         dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
         super().__init__(dtype=dtype, **kwargs)
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.eps = num_hiddens, eps
         self.supports_masking = True  # a Keras padding mask on X passes through
         self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
         # axis=-1 stays -1 after build: the same gamma and beta serve inputs of any rank
@@ -653,24 +653,7 @@ class AddNorm(keras.layers.Layer):
 
 def layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
     """The constructor arguments of `layer`, with sizes inferred so far."""
-    if isinstance(layer, MultiHeadAttention):
-        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
-                "dropout": float(layer.attention.dropout.rate), "bias": layer.bias,
-                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
-                "value_size": _in_features(layer.W_v), "dtype": layer.dtype}
-    if isinstance(layer, AdditiveAttention):
-        return {"num_hiddens": layer.num_hiddens, "dropout": float(layer.dropout.rate),
-                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
-                "dtype": layer.dtype}
-    if isinstance(layer, DotProductAttention):
-        return {"dropout": float(layer.dropout.rate), "dtype": layer.dtype}
-    if isinstance(layer, PositionalEncoding):
-        return {"num_hiddens": layer.num_hiddens, "dropout": float(layer.dropout.rate),
-                "max_len": layer.max_len, "dtype": layer.dtype}
-    if isinstance(layer, AddNorm):
-        return {"num_hiddens": layer.num_hiddens, "dropout": float(layer.dropout.rate),
-                "eps": layer.ln.epsilon, "dtype": layer.dtype}
-    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+    return read_config(layer, _in_features, lambda dropout: float(dropout.rate))
 
 
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,

@@ -21,7 +21,7 @@ from torch import nn
 
 from mha import validation
 from mha.encoding import sinusoid_table
-from mha.weights import canonical_parameters, numpy_dtype
+from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
     "AddNorm",
@@ -602,7 +602,7 @@ class AddNorm(Module):
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.eps = num_hiddens, eps
         self.dropout = nn.Dropout(dropout)
         self.ln = nn.LayerNorm(num_hiddens, eps=eps, dtype=_TORCH_DTYPES[self.dtype])
 
@@ -617,24 +617,7 @@ class AddNorm(Module):
 
 def layer_config(layer: Module) -> dict[str, Any]:
     """The constructor arguments of `layer`, with sizes inferred so far."""
-    if isinstance(layer, MultiHeadAttention):
-        return {"num_hiddens": layer.num_hiddens, "num_heads": layer.num_heads,
-                "dropout": layer.attention.dropout.p, "bias": layer.bias,
-                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
-                "value_size": _in_features(layer.W_v), "dtype": layer.dtype}
-    if isinstance(layer, AdditiveAttention):
-        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
-                "query_size": _in_features(layer.W_q), "key_size": _in_features(layer.W_k),
-                "dtype": layer.dtype}
-    if isinstance(layer, DotProductAttention):
-        return {"dropout": layer.dropout.p, "dtype": layer.dtype}
-    if isinstance(layer, PositionalEncoding):
-        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
-                "max_len": layer.max_len, "dtype": layer.dtype}
-    if isinstance(layer, AddNorm):
-        return {"num_hiddens": layer.num_hiddens, "dropout": layer.dropout.p,
-                "eps": layer.ln.eps, "dtype": layer.dtype}
-    raise TypeError(f"Not an mha layer: {type(layer).__qualname__}")
+    return read_config(layer, _in_features, lambda dropout: dropout.p)
 
 
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
