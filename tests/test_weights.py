@@ -49,6 +49,16 @@ def test_canonical_names_and_shapes():
     assert W.weight_shapes("PositionalEncoding", {"num_hiddens": 4}) == {}
 
 
+def test_every_canonical_weight_has_a_place():
+    # The names weight_shapes gives are the names weight_places says where to find, in order
+    for class_name in W.LAYER_CLASSES:
+        for bias in (False, True):
+            config = {**CONFIG, "bias": bias}
+            assert list(W.weight_places(class_name, bias)) == list(
+                W.weight_shapes(class_name, config)
+            ), (class_name, bias)
+
+
 def test_weights_compute_x_at_W_plus_b():
     layer = make_mha(bias=True, dtype="float64")
     w = mha.random_weights(layer, seed=5)
