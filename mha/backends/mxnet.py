@@ -832,7 +832,7 @@ def read_parameter(parameter, transposed: bool) -> numpy.ndarray:
     """A fresh numpy copy of a Gluon Parameter (its first copy, wherever it lives), in the
     canonical layout."""
     value = parameter.list_data()[0].asnumpy()
-    return value.T.copy() if transposed else value
+    return (value.T if transposed else value).copy()
 
 
 @mx.util.use_np

@@ -664,8 +664,8 @@ PARAMETERS = {"kernel": ("kernel", False), "bias": ("bias", False),
 
 def read_parameter(parameter, transposed: bool) -> np.ndarray:
     """A fresh numpy copy of a parameter (a Keras variable), in the canonical layout."""
-    value = np.array(parameter.numpy(), copy=True)
-    return value.T.copy() if transposed else value
+    value = parameter.numpy()
+    return (value.T if transposed else value).copy()
 
 
 def write_parameter(sublayer: keras.layers.Layer, kind: str, value: np.ndarray) -> None:

@@ -628,7 +628,8 @@ PARAMETERS = {"kernel": ("weight", True), "bias": ("bias", False),
 
 def read_parameter(parameter: torch.Tensor, transposed: bool) -> np.ndarray:
     """A fresh numpy copy of a parameter, in the canonical layout."""
-    return (to_numpy(parameter).T if transposed else to_numpy(parameter)).copy()
+    value = to_numpy(parameter)
+    return (value.T if transposed else value).copy()
 
 
 def write_parameter(sublayer: nn.Module, kind: str, value: np.ndarray) -> None:
