@@ -30,7 +30,9 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from typing import Any, NamedTuple
 
 import numpy
@@ -43,7 +45,9 @@ import mxnet as mx
 from mxnet.gluon import nn
 
 from mha import validation
+from mha.docstrings import documented
 from mha.encoding import sinusoid_table
+from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
 __all__ = [
@@ -124,10 +128,6 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
     )
 
 
-# What Gluon's HybridBlock keeps of its traced graph (MXNet 1.9.1)
-_GRAPH_STATE = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", "_out_format")
-
-
 @mx.util.use_np
 class Layer(nn.HybridBlock):
     """A HybridBlock called with keyword arguments, whose graph follows the call's structure.
@@ -141,7 +141,7 @@ class Layer(nn.HybridBlock):
     def __init__(self):
         super().__init__()
         self._structure = None
-        self._graphs = {}  # structure -> cached graph, for structures traced before
+        self._lock = threading.RLock()
 
     @property
     def dtype(self) -> str:
@@ -170,24 +170,13 @@ class Layer(nn.HybridBlock):
             )
 
     def _run(self, call: _Call, *inputs):
-        if call != self._structure:
-            # The cached graph was traced for another structure of the call: it is kept, and
-            # the graph of this structure is taken back if it was traced before (calls that
-            # alternate, training and evaluation for one, trace each structure once)
-            if self._cached_op is not None:
-                self._graphs[self._structure] = {a: getattr(self, a) for a in _GRAPH_STATE}
-            state = self._graphs.pop(call, {})
-            nn.HybridBlock._clear_cached_op(self)
-            for attribute, value in state.items():
-                setattr(self, attribute, value)
-            self._structure = call
-        return nn.HybridBlock.forward(self, *inputs)
-
-    def _clear_cached_op(self):
-        # Gluon clears the graph when it is no longer valid (hybridize, cast, a new child):
-        # the graphs kept for other structures are no longer valid either
-        super()._clear_cached_op()
-        vars(self).get("_graphs", {}).clear()
+        # hybrid_forward reads the call's structure from the layer: one call at a time, and a
+        # hybridized layer traces its graph again when the structure differs from the last
+        with self._lock:
+            if call != self._structure:
+                self._clear_cached_op()
+                self._structure = call
+            return nn.HybridBlock.forward(self, *inputs)
 
 
 @mx.util.use_np
@@ -246,13 +235,6 @@ def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> None:
     validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
 
 
-def _both(a, b):
-    # Logical and of two broadcastable keep-masks (MXNet 1.9 has no logical_and for bool)
-    if a is None:
-        return b
-    return (a * b) != 0
-
-
 def _length_mask(F, valid_lens, key_positions, dtype: str):
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
@@ -261,23 +243,61 @@ def _length_mask(F, valid_lens, key_positions, dtype: str):
     return key_positions < lengths
 
 
+class _Masks(Masks):
+    """mha.masks' rules in MXNet. F is mx.nd, or mx.sym while a graph is traced, which knows
+    no sizes: positions are made from the inputs (so they live on their context), and ranks
+    and dtypes are read from the call's structure."""
+
+    def __init__(self, F, queries, keys, call: _Call):
+        self.F, self.queries, self.keys, self.call = F, queries, keys, call
+
+    @functools.cached_property
+    def key_positions(self):
+        return _positions(self.F, self.keys, 1, self.call.dtype)
+
+    def length_mask(self, valid_lens):
+        return _length_mask(self.F, valid_lens, self.key_positions, self.call.dtype)
+
+    def causal_mask(self):
+        query_positions = _positions(self.F, self.queries, 1, self.call.dtype)
+        return self.F.np.expand_dims(query_positions, -1) >= self.key_positions
+
+    def windows(self, window_mask):
+        batch_positions = _positions(self.F, self.queries, 0, self.call.dtype)
+        window_index = self.F.np.mod(batch_positions, self.call.num_windows).astype("int32")
+        return self.F.np.take(window_mask, window_index, axis=0)
+
+    def rank(self, mask):
+        return self.call.mask_ndim
+
+    def is_bool(self, windows):
+        return self.call.window_is_bool
+
+    def isneginf(self, x):
+        return self.F.np.isneginf(x)
+
+    def zeros_where(self, blocked, x):
+        return self.F.np.where(blocked, self.F.np.zeros_like(x), x)
+
+    def both(self, a, b):
+        # MXNet 1.9 has no logical_and for bool
+        return (a * b) != 0
+
+    def negate(self, a):
+        return self.F.np.logical_not(a)
+
+    def expand_dims(self, x, axis):
+        return self.F.np.expand_dims(x, axis)
+
+
 def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Call,
                      multihead: bool = False, num_heads: int = 1):
-    """Combine every given mask into (keep, bias).
-
-    keep: boolean, True where a key is attended, broadcastable to the scores; None when
-    every key is attended. bias: an additive float window mask with its -inf entries moved
-    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
-    `multihead` (batch_size, num_heads, no. of queries, no. of keys). Every array is made from
-    the inputs, so it lives on their context.
+    """(keep, bias) of mha.masks for the call.
 
     When autograd records the call and valid_lens is the only mask, keep is instead a
     `_Lengths`: the lengths, one per row of the scores, for MXNet's fused length-masked
     softmax, whose backward is cheaper than that of an added mask (see `_softmax`).
     """
-    keep = bias = None
-    # Each mask with its rank, to insert the head axis at the right place
-    masks = []
     if valid_lens is not None and call.recording and _only_valid_lens(call):
         # Shape of lengths: (batch_size, no. of queries), or with multihead
         # (batch_size, num_heads, no. of queries)
@@ -291,40 +311,8 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Cal
         if multihead:
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
-    key_positions = _positions(F, keys, 1, call.dtype)
-    if valid_lens is not None:
-        masks.append((_length_mask(F, valid_lens, key_positions, call.dtype), 3))
-    if mask is not None and call.mask_ndim <= 3:
-        masks.append((mask, call.mask_ndim))
-    if call.causal:
-        # Query i attends to keys j <= i (top-left aligned when Q != K)
-        query_positions = _positions(F, queries, 1, call.dtype)
-        masks.append((F.np.expand_dims(query_positions, -1) >= key_positions, 2))
-    if window_mask is not None:
-        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
-        batch_positions = _positions(F, queries, 0, call.dtype)
-        window_index = F.np.mod(batch_positions, call.num_windows).astype("int32")
-        windows = F.np.take(window_mask, window_index, axis=0)
-        if call.window_is_bool:
-            masks.append((windows, 3))
-        else:
-            blocked = F.np.isneginf(windows)
-            masks.append((F.np.logical_not(blocked), 3))
-            bias = F.np.where(blocked, F.np.zeros_like(windows), windows)
-    ndim = max((n for _, n in masks), default=0)
-    for each, _ in masks:
-        keep = _both(keep, each)
-    if multihead:
-        # Every 1-D to 3-D mask applies to all heads: insert the head axis
-        keep = _insert_head_axis(F, keep, ndim)
-        bias = _insert_head_axis(F, bias, 3)
-        if mask is not None and call.mask_ndim == 4:
-            keep = _both(keep, mask)
-    elif keep is not None:
-        # One axis per axis of the scores (_softmax broadcasts keep like them when recording)
-        for _ in range(3 - ndim):
-            keep = F.np.expand_dims(keep, 0)
-    return keep, bias
+    masks = _Masks(F, queries, keys, call)
+    return masks.combine(valid_lens, mask, call.causal, window_mask, multihead)
 
 
 def _only_valid_lens(call: _Call) -> bool:
@@ -359,15 +347,6 @@ def _known_row_lengths(valid_lens, num_queries: int, num_keys: int, num_heads: i
         return mx.np.broadcast_to(lengths.reshape(batch_size, -1), (batch_size, num_queries))
     shape = (batch_size, num_heads, num_queries)
     return mx.np.broadcast_to(lengths.reshape(batch_size, 1, -1), shape)
-
-
-def _insert_head_axis(F, x, ndim: int):
-    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
-    if x is None:
-        return None
-    for _ in range(3 - ndim):
-        x = F.np.expand_dims(x, 0)
-    return F.np.expand_dims(x, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,6 +443,7 @@ def _may_have_empty_rows(attended) -> bool:
     return attended.size > 0 and attended.min().item() == 0
 
 
+@documented
 @mx.util.use_np
 def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) -> mx.np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
@@ -511,6 +491,7 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
 # Layers
 
 
+@documented
 @mx.util.use_np
 class DotProductAttention(Layer):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
@@ -574,22 +555,10 @@ class DotProductAttention(Layer):
         return _attention_pool(F, scores, values, keep, bias, self.dropout, call)
 
 
+@documented
 @mx.util.use_np
 class AdditiveAttention(Layer):
-    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
-
-    Args:
-        num_hiddens: size of the hidden layer that queries and keys are projected to.
-        dropout: dropout rate on the attention weights (when training).
-        query_size, key_size: input sizes; None infers them at the first call.
-        dtype: "float32" (default), "float64" or "float16".
-
-    Call arguments: as DotProductAttention; queries and keys may differ in size.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
-    """
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k)."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
                  key_size: int | None = None, dtype: str = "float32"):
@@ -634,33 +603,10 @@ class AdditiveAttention(Layer):
         return _attention_pool(F, scores, values, keep, bias, self.dropout, self._structure)
 
 
+@documented
 @mx.util.use_np
 class MultiHeadAttention(Layer):
-    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
-
-    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
-    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
-    by W_o.
-
-    Args:
-        num_hiddens: size of the projections and of the output.
-        num_heads: number of heads; must divide num_hiddens.
-        dropout: dropout rate on the attention weights (when training).
-        bias: whether the four projections have biases.
-        query_size, key_size, value_size: input sizes; None infers them at the first call.
-        dtype: "float32" (default), "float64" or "float16".
-
-    Call arguments:
-        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
-        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
-            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
-        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
-        need_weights: when False, `attention_weights` is None.
-
-    Returns:
-        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
-        (batch_size, num_heads, no. of queries, no. of keys).
-    """
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel."""
 
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
@@ -734,24 +680,10 @@ class MultiHeadAttention(Layer):
         return F.npx.reshape(X, (-2, -2, -1))
 
 
+@documented
 @mx.util.use_np
 class PositionalEncoding(Layer):
-    """Add the sinusoidal positional encoding P to X, then dropout.
-
-    Args:
-        num_hiddens: feature size of X (odd sizes work).
-        dropout: dropout rate on X + P (when training).
-        max_len: the longest sequence the layer accepts.
-        dtype: "float32" (default), "float64" or "float16".
-
-    Call arguments:
-        X: (batch_size, no. of steps <= max_len, num_hiddens).
-
-    Returns:
-        X + P[:, :no. of steps, :], of X's shape. `P` is a constant (1, max_len, num_hiddens),
-        computed in float64 and cast once; it is a plain array, not a Parameter, and reaches a
-        hybridized graph as an input, sliced to X's length and on X's context.
-    """
+    """Add the sinusoidal positional encoding P to X, then dropout."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32"):
@@ -773,21 +705,13 @@ class PositionalEncoding(Layer):
         return self.dropout(X + P)
 
 
+@documented
 @mx.util.use_np
 class AddNorm(Layer):
     """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
 
-    Args:
-        num_hiddens: size of the last axis.
-        dropout: dropout rate on Y (when training).
-        eps: added to the variance; the same in every backend.
-        dtype: "float32" (default), "float64" or "float16".
-
-    Call arguments:
-        X, Y: the same shape (..., num_hiddens).
-
-    Returns:
-        The normalized sum, of X's shape.
+    P is a plain array, not a Parameter: it reaches a hybridized graph as an input,
+    sliced to X's length and on X's context.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,

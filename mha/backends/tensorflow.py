@@ -30,7 +30,9 @@ from typing import Any
 import numpy as np
 
 from mha import validation
+from mha.docstrings import documented
 from mha.encoding import sinusoid_table
+from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
 _KERAS_BACKEND = os.environ.get("KERAS_BACKEND", "").strip().lower()
@@ -156,58 +158,41 @@ def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
     return tf.range(num_keys, dtype=compare_dtype) < lengths
 
 
-def _attention_masks(
-    batch_size,
-    num_queries,
-    num_keys,
-    valid_lens: tf.Tensor | None,
-    mask: tf.Tensor | None,
-    causal: bool,
-    window_mask: tf.Tensor | None,
-    multihead: bool = False,
-) -> tuple[tf.Tensor | None, tf.Tensor | None]:
-    """Combine every given mask into (keep, bias).
+class _Masks(Masks):
+    """mha.masks' rules in TensorFlow, for the scores of one call; sizes may be tensors."""
 
-    keep: boolean, True where a key is attended, broadcastable to the scores; None when
-    every key is attended. bias: an additive float window mask with its -inf entries moved
-    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
-    `multihead` (batch_size, num_heads, no. of queries, no. of keys). Sizes may be tensors.
-    """
-    keep = bias = None
-    masks = []
-    if valid_lens is not None:
-        masks.append(_length_mask(valid_lens, num_keys))
-    if mask is not None and mask.shape.rank <= 3:
-        masks.append(mask)
-    if causal:
-        # Query i attends to keys j <= i (top-left aligned when Q != K)
-        masks.append(tf.range(num_queries)[:, None] >= tf.range(num_keys)[None, :])
-    if window_mask is not None:
-        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
-        windows = tf.tile(window_mask, [batch_size // tf.shape(window_mask)[0], 1, 1])
-        if windows.dtype == tf.bool:
-            masks.append(windows)
-        else:
-            blocked = tf.equal(windows, tf.constant(-np.inf, windows.dtype))
-            masks.append(tf.logical_not(blocked))
-            bias = tf.where(blocked, tf.zeros_like(windows), windows)
-    for each in masks:
-        keep = each if keep is None else tf.logical_and(keep, each)
-    if multihead:
-        # Every 1-D to 3-D mask applies to all heads: insert the head axis
-        keep, bias = _insert_head_axis(keep), _insert_head_axis(bias)
-        if mask is not None and mask.shape.rank == 4:
-            keep = mask if keep is None else tf.logical_and(keep, mask)
-    return keep, bias
+    def __init__(self, batch_size, num_queries, num_keys):
+        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
 
+    def length_mask(self, valid_lens):
+        return _length_mask(valid_lens, self.num_keys)
 
-def _insert_head_axis(x: tf.Tensor | None) -> tf.Tensor | None:
-    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
-    if x is None:
-        return None
-    for _ in range(3 - x.shape.rank):
-        x = x[None]
-    return x[:, None]
+    def causal_mask(self):
+        return tf.range(self.num_queries)[:, None] >= tf.range(self.num_keys)[None, :]
+
+    def windows(self, window_mask):
+        return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
+
+    def rank(self, mask):
+        return mask.shape.rank
+
+    def is_bool(self, windows):
+        return windows.dtype == tf.bool
+
+    def isneginf(self, x):
+        return tf.equal(x, tf.constant(-np.inf, x.dtype))
+
+    def zeros_where(self, blocked, x):
+        return tf.where(blocked, tf.zeros_like(x), x)
+
+    def both(self, a, b):
+        return tf.logical_and(a, b)
+
+    def negate(self, a):
+        return tf.logical_not(a)
+
+    def expand_dims(self, x, axis):
+        return tf.expand_dims(x, axis)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +225,7 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
     return weights * tf.cast(attended, weights.dtype)
 
 
+@documented
 def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tensor:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
 
@@ -301,6 +287,7 @@ class _AttentionLayer(keras.layers.Layer):
         return None
 
 
+@documented
 @keras.utils.register_keras_serializable(package="mha")
 class DotProductAttention(_AttentionLayer):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
@@ -348,9 +335,8 @@ class DotProductAttention(_AttentionLayer):
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, training=None):
         batch_size, num_queries, _ = _dims(queries)
-        keep, bias = _attention_masks(
-            batch_size, num_queries, _dims(keys)[1], valid_lens, mask, causal, window_mask
-        )
+        masks = _Masks(batch_size, num_queries, _dims(keys)[1])
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
         return self.attend(queries, keys, values, keep, bias, training=training)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
@@ -374,22 +360,13 @@ class DotProductAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+@documented
 @keras.utils.register_keras_serializable(package="mha")
 class AdditiveAttention(_AttentionLayer):
     """Additive attention: scores w_v^T tanh(W_q q + W_k k).
 
-    Args:
-        num_hiddens: size of the hidden layer that queries and keys are projected to.
-        dropout: dropout rate on the attention weights (when training).
-        query_size, key_size: input sizes; None infers them at the first call.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-        **kwargs: passed to keras.layers.Layer (name, trainable).
-
-    Call arguments: as DotProductAttention; queries and keys may differ in size.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
@@ -428,9 +405,8 @@ class AdditiveAttention(_AttentionLayer):
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, training=None):
         batch_size, num_queries, _ = _dims(queries)
-        keep, bias = _attention_masks(
-            batch_size, num_queries, _dims(keys)[1], valid_lens, mask, causal, window_mask
-        )
+        masks = _Masks(batch_size, num_queries, _dims(keys)[1])
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -447,34 +423,13 @@ class AdditiveAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+@documented
 @keras.utils.register_keras_serializable(package="mha")
 class MultiHeadAttention(_AttentionLayer):
     """Multi-head attention: num_heads scaled dot-product attentions in parallel.
 
-    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
-    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
-    by W_o.
-
-    Args:
-        num_hiddens: size of the projections and of the output.
-        num_heads: number of heads; must divide num_hiddens.
-        dropout: dropout rate on the attention weights (when training).
-        bias: whether the four projections have biases.
-        query_size, key_size, value_size: input sizes; None infers them at the first call.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-        **kwargs: passed to keras.layers.Layer (name, trainable).
-
-    Call arguments:
-        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
-        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
-            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
-        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
-        need_weights: when False, `attention_weights` is None.
-        training: whether dropout acts.
-
-    Returns:
-        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
-        (batch_size, num_heads, no. of queries, no. of keys).
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
     """
 
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
@@ -524,10 +479,8 @@ class MultiHeadAttention(_AttentionLayer):
         batch_size, num_queries, _ = _dims(queries)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        keep, bias = _attention_masks(
-            batch_size, num_queries, _dims(keys)[1], valid_lens, mask, causal, window_mask,
-            multihead=True,
-        )
+        masks = _Masks(batch_size, num_queries, _dims(keys)[1])
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         # The projections call the Dense kernels directly (see _apply_dense)
@@ -561,24 +514,13 @@ class MultiHeadAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+@documented
 @keras.utils.register_keras_serializable(package="mha")
 class PositionalEncoding(keras.layers.Layer):
     """Add the sinusoidal positional encoding P to X, then dropout.
 
-    Args:
-        num_hiddens: feature size of X (odd sizes work).
-        dropout: dropout rate on X + P (when training).
-        max_len: the longest sequence the layer accepts.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-        **kwargs: passed to keras.layers.Layer (name, trainable).
-
-    Call arguments:
-        X: (batch_size, no. of steps <= max_len, num_hiddens).
-        training: whether dropout acts.
-
-    Returns:
-        X + P[:, :no. of steps, :], of X's shape. `P` is a constant (1, max_len, num_hiddens),
-        computed in float64 and cast once; not a weight.
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
@@ -604,23 +546,13 @@ class PositionalEncoding(keras.layers.Layer):
         return {**super().get_config(), **layer_config(self)}
 
 
+@documented
 @keras.utils.register_keras_serializable(package="mha")
 class AddNorm(keras.layers.Layer):
     """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
 
-    Args:
-        num_hiddens: size of the last axis.
-        dropout: dropout rate on Y (when training).
-        eps: added to the variance; the same in every backend.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-        **kwargs: passed to keras.layers.Layer (name, trainable).
-
-    Call arguments:
-        X, Y: the same shape (..., num_hiddens).
-        training: whether dropout acts.
-
-    Returns:
-        The normalized sum, of X's shape.
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
@@ -652,7 +584,11 @@ class AddNorm(keras.layers.Layer):
 
 
 def layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
-    """The constructor arguments of `layer`, with sizes inferred so far."""
+    """The constructor arguments of `layer`, with sizes inferred so far.
+
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
+    """
     return read_config(layer, _in_features, lambda dropout: float(dropout.rate))
 
 

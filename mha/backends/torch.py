@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha import validation
+from mha.docstrings import documented
 from mha.encoding import sinusoid_table
+from mha.masks import Masks
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
@@ -130,60 +132,43 @@ def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     return torch.arange(num_keys, device=valid_lens.device) < lengths
 
 
-def _attention_masks(
-    batch_size: int,
-    num_queries: int,
-    num_keys: int,
-    valid_lens: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    causal: bool,
-    window_mask: torch.Tensor | None,
-    multihead: bool = False,
-    *,
-    device: torch.device,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Combine every given mask into (keep, bias).
+class _Masks(Masks):
+    """mha.masks' rules in torch, for the scores of one call, on the inputs' device."""
 
-    keep: boolean, True where a key is attended, broadcastable to the scores; None when
-    every key is attended. bias: an additive float window mask with its -inf entries moved
-    into `keep`, or None. The scores are (batch_size, no. of queries, no. of keys), or with
-    `multihead` (batch_size, num_heads, no. of queries, no. of keys). `device` is the inputs'.
-    """
-    keep = bias = None
-    masks = []
-    if valid_lens is not None:
-        masks.append(_length_mask(valid_lens, num_keys))
-    if mask is not None and mask.ndim <= 3:
-        masks.append(mask)
-    if causal:
-        # Query i attends to keys j <= i (top-left aligned when Q != K)
-        masks.append(torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril())
-    if window_mask is not None:
-        # Example b uses window b mod num_windows; shape (batch_size, Q, K)
-        windows = window_mask.repeat(batch_size // window_mask.shape[0], 1, 1)
-        if windows.dtype == torch.bool:
-            masks.append(windows)
-        else:
-            blocked = torch.isneginf(windows)
-            masks.append(~blocked)
-            bias = torch.where(blocked, 0.0, windows)
-    for each in masks:
-        keep = each if keep is None else keep & each
-    if multihead:
-        # Every 1-D to 3-D mask applies to all heads: insert the head axis
-        keep, bias = _insert_head_axis(keep), _insert_head_axis(bias)
-        if mask is not None and mask.ndim == 4:
-            keep = mask if keep is None else keep & mask
-    return keep, bias
+    def __init__(self, batch_size: int, num_queries: int, num_keys: int, device: torch.device):
+        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
+        self.device = device
 
+    def length_mask(self, valid_lens):
+        return _length_mask(valid_lens, self.num_keys)
 
-def _insert_head_axis(x: torch.Tensor | None) -> torch.Tensor | None:
-    # (..., Q, K) broadcastable to (B, Q, K) -> (B or 1, 1, Q or 1, K or 1)
-    if x is None:
-        return None
-    if x.ndim < 3:
-        x = x.reshape((1,) * (3 - x.ndim) + tuple(x.shape))
-    return x.unsqueeze(1)
+    def causal_mask(self):
+        ones = torch.ones(self.num_queries, self.num_keys, dtype=torch.bool, device=self.device)
+        return ones.tril()
+
+    def windows(self, window_mask):
+        return window_mask.repeat(self.batch_size // window_mask.shape[0], 1, 1)
+
+    def rank(self, mask):
+        return mask.ndim
+
+    def is_bool(self, windows):
+        return windows.dtype == torch.bool
+
+    def isneginf(self, x):
+        return torch.isneginf(x)
+
+    def zeros_where(self, blocked, x):
+        return torch.where(blocked, 0.0, x)
+
+    def both(self, a, b):
+        return a & b
+
+    def negate(self, a):
+        return ~a
+
+    def expand_dims(self, x, axis):
+        return x.unsqueeze(axis)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,6 +216,7 @@ def _may_have_empty_rows(attended: torch.Tensor) -> bool:
     return not bool(attended.all())
 
 
+@documented
 def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
 
@@ -324,6 +310,7 @@ def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torc
 # Layers
 
 
+@documented
 class DotProductAttention(Module):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
 
@@ -358,17 +345,15 @@ class DotProductAttention(Module):
             window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
-        keep, bias = _attention_masks(
-            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
-            device=queries.device,
-        )
+        masks = _Masks(batch_size, num_queries, num_keys, queries.device)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        _attention_masks. MultiHeadAttention calls this with a head axis. Without
+        _Masks.combine. MultiHeadAttention calls this with a head axis. Without
         need_weights, torch's fused kernel computes the same numbers.
         """
         if not need_weights:
@@ -394,21 +379,9 @@ class DotProductAttention(Module):
         return output
 
 
+@documented
 class AdditiveAttention(Module):
-    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
-
-    Args:
-        num_hiddens: size of the hidden layer that queries and keys are projected to.
-        dropout: dropout rate on the attention weights (when training).
-        query_size, key_size: input sizes; None infers them at the first call.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-
-    Call arguments: as DotProductAttention; queries and keys may differ in size.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
-    """
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k)."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
                  key_size: int | None = None, dtype: str = "float32"):
@@ -432,10 +405,8 @@ class AdditiveAttention(Module):
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
-        keep, bias = _attention_masks(
-            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
-            device=queries.device,
-        )
+        masks = _Masks(batch_size, num_queries, num_keys, queries.device)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -449,33 +420,9 @@ class AdditiveAttention(Module):
         return output
 
 
+@documented
 class MultiHeadAttention(Module):
-    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
-
-    Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
-    blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
-    by W_o.
-
-    Args:
-        num_hiddens: size of the projections and of the output.
-        num_heads: number of heads; must divide num_hiddens.
-        dropout: dropout rate on the attention weights (when training).
-        bias: whether the four projections have biases.
-        query_size, key_size, value_size: input sizes; None infers them at the first call.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-
-    Call arguments:
-        queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
-        mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
-            (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
-        head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
-        need_weights: when False, `attention_weights` is None and the attention runs in
-            F.scaled_dot_product_attention.
-
-    Returns:
-        (batch_size, no. of queries, num_hiddens); `attention_weights` holds
-        (batch_size, num_heads, no. of queries, no. of keys).
-    """
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel."""
 
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
@@ -506,10 +453,8 @@ class MultiHeadAttention(Module):
         _check_valid_lens_values(valid_lens)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        keep, bias = _attention_masks(
-            batch_size, num_queries, num_keys, valid_lens, mask, causal, window_mask,
-            multihead=True, device=queries.device,
-        )
+        masks = _Masks(batch_size, num_queries, num_keys, queries.device)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
         # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
         # no. of queries or keys, num_hiddens / num_heads)
         queries = self.transpose_qkv(self.W_q(queries))
@@ -536,21 +481,11 @@ class MultiHeadAttention(Module):
         return X.reshape(X.shape[0], X.shape[1], -1)
 
 
+@documented
 class PositionalEncoding(Module):
     """Add the sinusoidal positional encoding P to X, then dropout.
 
-    Args:
-        num_hiddens: feature size of X (odd sizes work).
-        dropout: dropout rate on X + P (when training).
-        max_len: the longest sequence the layer accepts.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-
-    Call arguments:
-        X: (batch_size, no. of steps <= max_len, num_hiddens).
-
-    Returns:
-        X + P[:, :no. of steps, :], of X's shape. `P` is a non-persistent buffer
-        (1, max_len, num_hiddens), computed in float64 and cast once.
+    Without need_weights the attention runs in F.scaled_dot_product_attention.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
@@ -582,20 +517,11 @@ class PositionalEncoding(Module):
         return self
 
 
+@documented
 class AddNorm(Module):
     """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
 
-    Args:
-        num_hiddens: size of the last axis.
-        dropout: dropout rate on Y (when training).
-        eps: added to the variance; the same in every backend.
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-
-    Call arguments:
-        X, Y: the same shape (..., num_hiddens).
-
-    Returns:
-        The normalized sum, of X's shape.
+    P is a non-persistent buffer, cast again from float64 by `.to(dtype)`.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,

@@ -1,0 +1,119 @@
+"""The arguments, call arguments and results of the public layers, written once.
+
+Every backend's `masked_softmax` and layers take the same arguments and give the same results,
+so their docstrings share these sections: a backend's own docstring says what the object is
+and what its framework adds, and `@documented` appends the shared part, so that `help()`
+shows the whole contract in every backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_DTYPE = """dtype: "float32" (default), "float64", "float16", or "bfloat16" where the
+        framework computes in it (torch and TensorFlow)."""
+
+SECTIONS = {
+    "masked_softmax": """
+Args:
+    X: scores of shape (batch_size, ..., no. of queries, no. of keys).
+    valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
+        holding integers. A length larger than the number of keys keeps every key.
+
+Returns:
+    An array of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
+    every other row sums to 1.
+""",
+    "DotProductAttention": f"""
+Args:
+    dropout: dropout rate on the attention weights (when training).
+    {_DTYPE}
+
+Call arguments:
+    queries: (batch_size, no. of queries, d).
+    keys: (batch_size, no. of keys, d).
+    values: (batch_size, no. of keys, value_size).
+    valid_lens: None, (batch_size,) or (batch_size, no. of queries).
+    mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
+    causal: query i attends to keys j <= i.
+    window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+
+Returns:
+    (batch_size, no. of queries, value_size); `attention_weights` holds
+    (batch_size, no. of queries, no. of keys).
+""",
+    "AdditiveAttention": f"""
+Args:
+    num_hiddens: size of the hidden layer that queries and keys are projected to.
+    dropout: dropout rate on the attention weights (when training).
+    query_size, key_size: input sizes; None infers them at the first call.
+    {_DTYPE}
+
+Call arguments: as DotProductAttention; queries and keys may differ in size.
+
+Returns:
+    (batch_size, no. of queries, value_size); `attention_weights` holds
+    (batch_size, no. of queries, no. of keys).
+""",
+    "MultiHeadAttention": f"""
+Queries, keys and values are projected to num_hiddens, split into num_heads contiguous
+blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
+by W_o.
+
+Args:
+    num_hiddens: size of the projections and of the output.
+    num_heads: number of heads; must divide num_hiddens.
+    dropout: dropout rate on the attention weights (when training).
+    bias: whether the four projections have biases.
+    query_size, key_size, value_size: input sizes; None infers them at the first call.
+    {_DTYPE}
+
+Call arguments:
+    queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
+    mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
+        (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
+    head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
+    need_weights: when False, `attention_weights` is None.
+
+Returns:
+    (batch_size, no. of queries, num_hiddens); `attention_weights` holds
+    (batch_size, num_heads, no. of queries, no. of keys).
+""",
+    "PositionalEncoding": f"""
+Args:
+    num_hiddens: feature size of X (odd sizes work).
+    dropout: dropout rate on X + P (when training).
+    max_len: the longest sequence the layer accepts.
+    {_DTYPE}
+
+Call arguments:
+    X: (batch_size, no. of steps <= max_len, num_hiddens).
+
+Returns:
+    X + P[:, :no. of steps, :], of X's shape. `P` (1, max_len, num_hiddens) is computed in
+    float64 and cast once to the layer's dtype; it is not a weight.
+""",
+    "AddNorm": f"""
+Args:
+    num_hiddens: size of the last axis.
+    dropout: dropout rate on Y (when training).
+    eps: added to the variance; the same in every backend.
+    {_DTYPE}
+
+Call arguments:
+    X, Y: the same shape (..., num_hiddens).
+
+Returns:
+    The normalized sum, of X's shape.
+""",
+}
+
+
+def documented(obj: T) -> T:
+    """Append the shared sections of `obj`'s name to its own docstring."""
+    own = inspect.cleandoc(obj.__doc__ or "")
+    obj.__doc__ = f"{own}\n{SECTIONS[obj.__name__]}"
+    return obj
