@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+from conftest import backend_module
+from mha.docstrings import SECTIONS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BACKENDS = ROOT / "mha" / "backends"
 
@@ -69,3 +72,27 @@ def test_ruff_format():
         check=False,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet"])
+def test_every_public_object_documents_the_shared_contract(name):
+    # Written once in mha.docstrings, appended to each backend's own line by @documented
+    source = (BACKENDS / f"{name}.py").read_text()
+    tree = ast.parse(source)
+    documented = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.ClassDef)
+        and any(ast.unparse(d) == "documented" for d in node.decorator_list)
+    }
+    assert documented == set(SECTIONS)
+    module = backend_module(name)
+    for public in SECTIONS:
+        doc = getattr(module, public).__doc__
+        assert SECTIONS[public].strip() in doc
+        assert (
+            doc.splitlines()[0]
+            == ast.get_docstring(
+                next(n for n in tree.body if getattr(n, "name", None) == public)
+            ).splitlines()[0]
+        )

@@ -446,17 +446,7 @@ def _may_have_empty_rows(attended) -> bool:
 @documented
 @mx.util.use_np
 def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) -> mx.np.ndarray:
-    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
-
-    Args:
-        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
-            holding integers. A length larger than the number of keys keeps every key.
-
-    Returns:
-        An array of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
-        every other row sums to 1.
-    """
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
     validation.check_masked_softmax_call(X, valid_lens)
     _check_valid_lens_values(valid_lens)
     F, dtype = mx.nd, numpy.dtype(X.dtype).name
@@ -494,25 +484,7 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
 @documented
 @mx.util.use_np
 class DotProductAttention(Layer):
-    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
-
-    Args:
-        dropout: dropout rate on the attention weights (when training).
-        dtype: "float32" (default), "float64" or "float16".
-
-    Call arguments:
-        queries: (batch_size, no. of queries, d).
-        keys: (batch_size, no. of keys, d).
-        values: (batch_size, no. of keys, value_size).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
-        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
-        causal: query i attends to keys j <= i.
-        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
-    """
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
         super().__init__()
@@ -683,7 +655,11 @@ class MultiHeadAttention(Layer):
 @documented
 @mx.util.use_np
 class PositionalEncoding(Layer):
-    """Add the sinusoidal positional encoding P to X, then dropout."""
+    """Add the sinusoidal positional encoding P to X, then dropout.
+
+    P is a plain array, not a Parameter: it reaches a hybridized graph as an input,
+    sliced to X's length and on X's context.
+    """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32"):
@@ -708,11 +684,7 @@ class PositionalEncoding(Layer):
 @documented
 @mx.util.use_np
 class AddNorm(Layer):
-    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
-
-    P is a plain array, not a Parameter: it reaches a hybridized graph as an input,
-    sliced to X's length and on X's context.
-    """
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
                  dtype: str = "float32"):

@@ -241,17 +241,7 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
 
 @documented
 def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.ndarray:
-    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
-
-    Args:
-        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
-            holding integers. A length larger than the number of keys keeps every key.
-
-    Returns:
-        An array of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
-        every other row sums to 1.
-    """
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
     validation.check_masked_softmax_call(X, valid_lens)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
@@ -279,25 +269,7 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
 
 @documented
 class DotProductAttention(Module):
-    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
-
-    Args:
-        dropout: dropout rate on the attention weights (when training).
-        dtype: "float32" (default), "float64" or "float16".
-
-    Call arguments:
-        queries: (batch_size, no. of queries, d).
-        keys: (batch_size, no. of keys, d).
-        values: (batch_size, no. of keys, value_size).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
-        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
-        causal: query i attends to keys j <= i.
-        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
-    """
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
         super().__init__()

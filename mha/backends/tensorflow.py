@@ -227,17 +227,7 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
 
 @documented
 def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tensor:
-    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
-
-    Args:
-        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
-            holding integers. A length larger than the number of keys keeps every key.
-
-    Returns:
-        A tensor of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
-        every other row sums to 1.
-    """
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
     validation.check_masked_softmax_call(X, valid_lens)
     _check_valid_lens_values(valid_lens)
     X = tf.convert_to_tensor(X)
@@ -292,24 +282,8 @@ class _AttentionLayer(keras.layers.Layer):
 class DotProductAttention(_AttentionLayer):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
 
-    Args:
-        dropout: dropout rate on the attention weights (when training).
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-        **kwargs: passed to keras.layers.Layer (name, trainable).
-
-    Call arguments:
-        queries: (batch_size, no. of queries, d).
-        keys: (batch_size, no. of keys, d).
-        values: (batch_size, no. of keys, value_size).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
-        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
-        causal: query i attends to keys j <= i.
-        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
-        training: whether dropout acts.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
     """
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32", **kwargs):
@@ -584,11 +558,7 @@ class AddNorm(keras.layers.Layer):
 
 
 def layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
-    """The constructor arguments of `layer`, with sizes inferred so far.
-
-    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
-    call's `training` decides dropout.
-    """
+    """The constructor arguments of `layer`, with sizes inferred so far."""
     return read_config(layer, _in_features, lambda dropout: float(dropout.rate))
 
 

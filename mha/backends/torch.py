@@ -218,17 +218,7 @@ def _may_have_empty_rows(attended: torch.Tensor) -> bool:
 
 @documented
 def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row.
-
-    Args:
-        X: scores of shape (batch_size, ..., no. of queries, no. of keys).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
-            holding integers. A length larger than the number of keys keeps every key.
-
-    Returns:
-        A tensor of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
-        every other row sums to 1.
-    """
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
     validation.check_masked_softmax_call(X, valid_lens)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
@@ -312,25 +302,7 @@ def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torc
 
 @documented
 class DotProductAttention(Module):
-    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
-
-    Args:
-        dropout: dropout rate on the attention weights (when training).
-        dtype: "float32" (default), "float64", "float16" or "bfloat16".
-
-    Call arguments:
-        queries: (batch_size, no. of queries, d).
-        keys: (batch_size, no. of keys, d).
-        values: (batch_size, no. of keys, value_size).
-        valid_lens: None, (batch_size,) or (batch_size, no. of queries).
-        mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
-        causal: query i attends to keys j <= i.
-        window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
-
-    Returns:
-        (batch_size, no. of queries, value_size); `attention_weights` holds
-        (batch_size, no. of queries, no. of keys).
-    """
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
     def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
         super().__init__()
@@ -422,7 +394,10 @@ class AdditiveAttention(Module):
 
 @documented
 class MultiHeadAttention(Module):
-    """Multi-head attention: num_heads scaled dot-product attentions in parallel."""
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
+
+    Without need_weights the attention runs in F.scaled_dot_product_attention.
+    """
 
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
@@ -485,7 +460,7 @@ class MultiHeadAttention(Module):
 class PositionalEncoding(Module):
     """Add the sinusoidal positional encoding P to X, then dropout.
 
-    Without need_weights the attention runs in F.scaled_dot_product_attention.
+    P is a non-persistent buffer, cast again from float64 by `.to(dtype)`.
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
@@ -519,10 +494,7 @@ class PositionalEncoding(Module):
 
 @documented
 class AddNorm(Module):
-    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
-
-    P is a non-persistent buffer, cast again from float64 by `.to(dtype)`.
-    """
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
                  dtype: str = "float32"):
