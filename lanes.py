@@ -8,8 +8,9 @@
 A lane is a set of frameworks that install together, pinned by its constraints file:
 
 - legacy: every backend in one process, MXNet 1.9.1 included, so numpy 1.26 (MXNet's last
-  release predates NumPy 2). Its environment is `.venv`, the README's quick start.
-- current: numpy 2 with the newest torch and TensorFlow that install here; no MXNet.
+  release predates NumPy 2) and the newest JAX and Flax that install beside it (jax 0.7.1).
+  Its environment is `.venv`, the README's quick start.
+- current: numpy 2 with the newest torch, TensorFlow, JAX and Flax that install here; no MXNet.
   Its environment is `.venv-current`.
 
 Each run installs the project into the lane's environment with the lane's constraints (quick
@@ -49,15 +50,15 @@ LANES = {
     "legacy": Lane(
         environment=".venv",
         constraints="constraints.txt",
-        extras="torch,tensorflow-cpu,mxnet,test,notebooks",
-        backends="numpy,torch,tensorflow,mxnet",
+        extras="torch,tensorflow-cpu,mxnet,jax,test,notebooks",
+        backends="numpy,torch,tensorflow,mxnet,jax",
         lock=("numpy<2", "torch==2.13.0"),
     ),
     "current": Lane(
         environment=".venv-current",
         constraints="constraints-current.txt",
-        extras="torch,tensorflow-cpu,test,notebooks",
-        backends="numpy,torch,tensorflow",
+        extras="torch,tensorflow-cpu,jax,test,notebooks",
+        backends="numpy,torch,tensorflow,jax",
         lock=("numpy>=2", "torch==2.13.0"),
     ),
 }

@@ -43,8 +43,8 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mha",
-        description="Attention layers of Dive into Deep Learning in NumPy, PyTorch, TensorFlow "
-        "and MXNet, with proof that they compute the same numbers.",
+        description="Attention layers of Dive into Deep Learning in NumPy, PyTorch, TensorFlow, "
+        "MXNet and JAX, with proof that they compute the same numbers.",
     )
     parser.add_argument("--version", action="version", version=f"mha {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -84,9 +84,10 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser(
             "bench",
             help="time MultiHeadAttention against each framework's own attention layer",
-            description="Time the forward and forward+backward passes and the peak memory of "
-            "mha's MultiHeadAttention side by side with each framework's own layer; print a "
-            "markdown table of medians and ratios (mha / built-in).",
+            description="Time the forward and forward+backward passes of mha's "
+            "MultiHeadAttention side by side with each framework's own layer, one call of each "
+            "per round; print a markdown table of medians and ratios (mha / built-in), each "
+            "ratio with a 95% interval.",
         )
     )
     _add_file_commands(commands)
@@ -136,6 +137,11 @@ def _compare(arguments, out, err) -> int:
         names, skipped = select_backends(arguments.backends)
     except (ValueError, BackendUnavailableError) as error:
         raise _UsageError(str(error)) from None
+    if "jax" in names and arguments.dtype == "float64":
+        # JAX computes in float64 only in its 64-bit mode; this process is the command's own
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
     shapes = harness.Shapes(
         batch_size=arguments.batch_size,
         num_queries=arguments.num_queries,
@@ -229,11 +235,12 @@ def _add_file_commands(commands) -> None:
     kinds = "; ".join(FILE_KINDS.values())
     convert = commands.add_parser(
         "convert",
-        help="convert MultiHeadAttention weights between mha, torch and Keras files",
+        help="convert MultiHeadAttention weights between mha, torch, Keras and Flax files",
         description="Convert MultiHeadAttention weights from SRC to DST, the kinds told by the "
         f"file names: {kinds}. The configuration is read off the weights; a torch state_dict "
         "does not tell the number of heads, so give --num-heads with one. DST is read back and "
-        "must give the same weights. Exit 0 on success, 1 when a file cannot be read or the "
+        "must give the same weights before it replaces a file already there (a failure leaves DST "
+        "as it was). Exit 0 on success, 1 when a file cannot be read or the "
         "destination cannot express the layer, 2 on a usage error.",
     )
     convert.add_argument("source", metavar="SRC")
@@ -274,7 +281,7 @@ def _file_command(arguments, out, err) -> int:
             f"{paths[0]} is a torch state_dict, which does not tell the number of heads: "
             "give --num-heads"
         )
-    needed = {"mha": None, "torch": "torch", "keras": "tensorflow"}
+    needed = {"mha": None, "torch": "torch", "keras": "tensorflow", "flax": "jax"}
     for kind in kinds:
         if needed[kind] is not None:
             try:

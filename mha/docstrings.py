@@ -14,7 +14,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 _DTYPE = """dtype: "float32" (default), "float64", "float16", or "bfloat16" where the
-        framework computes in it (torch and TensorFlow)."""
+        framework computes in it (torch, TensorFlow and JAX)."""
 
 SECTIONS = {
     "masked_softmax": """

@@ -62,10 +62,13 @@ from mha.weights import _layer_info, get_weights, set_weights
 
 __all__ = [
     "FILE_KINDS",
+    "canonical_from_flax",
     "canonical_from_keras",
     "canonical_from_torch",
     "convert",
     "file_kind",
+    "flax_params",
+    "from_flax",
     "from_keras",
     "from_keras_masks",
     "from_torch",
@@ -73,6 +76,8 @@ __all__ = [
     "keras_weights",
     "layer_from_weights",
     "read_file",
+    "to_flax",
+    "to_flax_masks",
     "to_keras",
     "to_keras_masks",
     "to_torch",
@@ -698,17 +703,227 @@ def from_keras_masks(
 
 
 # ---------------------------------------------------------------------------------------------
-# Files: an mha checkpoint, a torch state_dict, a Keras weights file
+# Flax: nnx.MultiHeadAttention, and Linen's MultiHeadDotProductAttention parameters
+
+_FLAX_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "out"}
+
+
+def flax_params(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, dict]:
+    """Canonical weights as the parameters of Flax's multi-head attention, the same in NNX's
+    MultiHeadAttention and Linen's MultiHeadDotProductAttention (Keras's layout, nested).
+
+    Returns:
+        {"query": {"kernel": (query_size, num_heads, p), "bias": (num_heads, p)}, "key": ...,
+        "value": ..., "out": {"kernel": (num_heads, p, num_hiddens), "bias": (num_hiddens,)}},
+        p = num_hiddens / num_heads; biases only when the weights have them. Linen's
+        `module.apply({"params": flax_params(...)}, ...)` takes it as it is.
+    """
+    flat = keras_weights(weights, num_heads)
+    params: dict[str, dict] = {}
+    for k, keras_name in _KERAS_PROJECTIONS.items():
+        for variable in ("kernel", "bias"):
+            if f"{keras_name}/{variable}" in flat:
+                params.setdefault(_FLAX_PROJECTIONS[k], {})[variable] = flat[
+                    f"{keras_name}/{variable}"
+                ]
+    return params
+
+
+def canonical_from_flax(
+    source: Any,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Canonical weights and config (num_heads included) of Flax's multi-head attention.
+
+    Args:
+        source: a `flax.nnx.MultiHeadAttention`, or the parameters of one or of Linen's
+            `MultiHeadDotProductAttention` (a nested dict, "params" at the top or not).
+
+    Raises:
+        ValueError: parameters that are not those of Flax's multi-head attention, or a layer
+            with no mha equivalent (an output size other than num_heads * head size, a value
+            head size other than the key's, normalize_qk, a decoding cache).
+    """
+    params, problems = _flax_params_of(source), []
+    found = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+    if not isinstance(params, Mapping) or set(params) != set(_FLAX_PROJECTIONS.values()):
+        raise ValueError(
+            "Expected Flax multi-head attention parameters: query, key, value and out, each "
+            f"with a kernel (and a bias). Found: {found}"
+        )
+    kernels, biases = {}, {}
+    for k, name in _FLAX_PROJECTIONS.items():
+        entry = params[name]
+        if not isinstance(entry, Mapping) or not {"kernel"} <= set(entry) <= {"kernel", "bias"}:
+            got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+            raise ValueError(f"Flax parameters {name!r} must hold kernel (and bias). Found: {got}")
+        kernels[k] = _as_numpy(entry["kernel"])
+        if "bias" in entry:
+            biases[k] = _as_numpy(entry["bias"])
+    if any(kernels[k].ndim != 3 for k in "qkvo"):
+        shapes = ", ".join(f"{_FLAX_PROJECTIONS[k]} {kernels[k].shape}" for k in "qkvo")
+        raise ValueError(
+            "Flax multi-head attention kernels are (in, heads, head size) and out (heads, head "
+            f"size, out). Found: {shapes}"
+        )
+    num_heads, head_size = kernels["q"].shape[1:]
+    if any(kernels[k].shape[1:] != (num_heads, head_size) for k in "kv"):
+        problems.append(
+            "query, key and value have different heads or head sizes: "
+            + ", ".join(f"{_FLAX_PROJECTIONS[k]} {kernels[k].shape[1:]}" for k in "qkv")
+        )
+    num_hiddens = num_heads * head_size
+    if kernels["o"].shape != (num_heads, head_size, num_hiddens):
+        problems.append(
+            f"out kernel {kernels['o'].shape}: mha's output size is num_heads * head size "
+            f"= {num_hiddens} (out_features = qkv_features)"
+        )
+    if biases and set(biases) != set("qkvo"):
+        problems.append(f"biases on {sorted(_FLAX_PROJECTIONS[k] for k in biases)} only")
+    if problems:
+        raise ValueError(
+            "This Flax multi-head attention has no mha equivalent:\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], num_hiddens) for k in "qkv"}
+    weights["W_o"] = kernels["o"].reshape(num_hiddens, num_hiddens)
+    for k in biases:
+        weights[f"b_{k}"] = biases[k].reshape(num_hiddens)
+    weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
+    config = {
+        "num_hiddens": num_hiddens,
+        "num_heads": num_heads,
+        "dropout": float(getattr(source, "dropout_rate", 0.0)),
+        "bias": bool(biases),
+        "query_size": weights["W_q"].shape[0],
+        "key_size": weights["W_k"].shape[0],
+        "value_size": weights["W_v"].shape[0],
+        "dtype": validation.check_dtype(weights["W_o"].dtype.name),
+    }
+    return weights, config
+
+
+def _flax_params_of(source: Any) -> Any:
+    """The nested parameters of an nnx.MultiHeadAttention, or `source` itself (a dict)."""
+    if isinstance(source, Mapping):
+        return source["params"] if set(source) == {"params"} else source
+    from flax import nnx
+
+    if not isinstance(source, nnx.MultiHeadAttention):
+        raise TypeError(
+            "Expected a flax.nnx.MultiHeadAttention or a dict of its parameters. Received: "
+            f"{type(source).__qualname__}"
+        )
+    unsupported = []
+    if source.normalize_qk:
+        unsupported.append("normalize_qk=True (mha does not normalize queries and keys)")
+    if getattr(source, "decode", False):
+        unsupported.append("decode=True (mha has no decoding cache)")
+    if unsupported:
+        raise ValueError(
+            "This flax.nnx.MultiHeadAttention has no mha equivalent:\n"
+            + "\n".join(f"  - {problem}" for problem in unsupported)
+        )
+    params = {}
+    for name in _FLAX_PROJECTIONS.values():
+        dense = getattr(source, name)
+        params[name] = {"kernel": dense.kernel.value}
+        if getattr(dense, "bias", None) is not None:
+            params[name]["bias"] = dense.bias.value
+    return params
+
+
+def to_flax(layer: Any, *, rngs: Any = None) -> Any:
+    """A `flax.nnx.MultiHeadAttention` computing what the mha `layer` does.
+
+    Args:
+        layer: an mha MultiHeadAttention of any backend, with its weights created.
+        rngs: the new module's `nnx.Rngs` (its dropout stream); nnx.Rngs(0) when None.
+
+    Returns:
+        MultiHeadAttention(num_heads, in_features=query_size, qkv_features=num_hiddens,
+        out_features=num_hiddens, in_kv_features=key_size, use_bias=bias, dropout_rate,
+        dtype) holding the layer's weights. Flax takes `module(query, key, value, mask=...)`
+        with mask True = attend (see `to_flax_masks`).
+
+    Raises:
+        ValueError: key_size differs from value_size (Flax has one size for both).
+    """
+    from flax import nnx
+
+    config, weights = _multihead_config(layer)
+    if config["key_size"] != config["value_size"]:
+        raise ValueError(
+            "flax.nnx.MultiHeadAttention has one input size for keys and values "
+            f"(in_kv_features). Received: key_size={config['key_size']}, "
+            f"value_size={config['value_size']}"
+        )
+    dtype = config["dtype"]
+    module = nnx.MultiHeadAttention(
+        config["num_heads"],
+        config["query_size"],
+        qkv_features=config["num_hiddens"],
+        out_features=config["num_hiddens"],
+        in_kv_features=config["key_size"],
+        dtype=dtype,
+        param_dtype=dtype,
+        dropout_rate=config["dropout"],
+        use_bias=config["bias"],
+        decode=False,
+        rngs=nnx.Rngs(0) if rngs is None else rngs,
+    )
+    for name, variables in flax_params(weights, config["num_heads"]).items():
+        dense = getattr(module, name)
+        for variable, value in variables.items():
+            getattr(dense, variable).value = load_backend("jax").from_numpy(value)
+    return module
+
+
+def from_flax(source: Any, *, backend: str | None = None) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: current) from Flax's multi-head
+    attention: an `nnx.MultiHeadAttention`, or the parameters of one or of Linen's
+    `MultiHeadDotProductAttention` (the number of heads is read from the kernels' shapes).
+
+    Raises:
+        ValueError: see `canonical_from_flax`.
+    """
+    weights, config = canonical_from_flax(source)
+    return layer_from_weights(
+        weights, config["num_heads"], backend=backend, dropout=config["dropout"]
+    )
+
+
+def to_flax_masks(
+    valid_lens: Any = None,
+    mask: Any = None,
+    causal: bool = False,
+    *,
+    num_queries: int,
+    num_keys: int,
+) -> dict[str, Any]:
+    """Flax's `mask` argument equivalent to mha's masks: {"mask": a boolean numpy array
+    (B or 1, num_heads or 1, Q, K), True = attend}, or {} when no mask is given.
+
+    Flax gives a query with no key to attend the mean of the values, mha gives zeros: compare
+    the two only on rows with a key.
+    """
+    keep = _keep_mask(valid_lens, mask, causal, num_queries, num_keys)
+    return {} if keep is None else {"mask": np.ascontiguousarray(keep)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Files: an mha checkpoint, a torch state_dict, a Keras weights file, Flax parameters
 
 FILE_KINDS = {
     "mha": "mha checkpoint (.safetensors)",
     "torch": "torch.nn.MultiheadAttention state_dict (.pt, .pth)",
     "keras": "Keras MultiHeadAttention weights (.weights.h5)",
+    "flax": "Flax multi-head attention parameters (.msgpack, flax.serialization)",
 }
+_SUFFIXES = {"mha": ".safetensors", "torch": ".pt", "keras": ".weights.h5", "flax": ".msgpack"}
 
 
 def file_kind(path: str | os.PathLike) -> str:
-    """ "mha", "torch" or "keras", from the file name's ending (see FILE_KINDS).
+    """ "mha", "torch", "keras" or "flax", from the file name's ending (see FILE_KINDS).
 
     Raises:
         ValueError: any other ending (a Keras file must end in .weights.h5, as Keras asks).
@@ -720,6 +935,8 @@ def file_kind(path: str | os.PathLike) -> str:
         return "torch"
     if name.endswith(".weights.h5"):
         return "keras"
+    if name.endswith(".msgpack"):
+        return "flax"
     raise ValueError(
         f"cannot tell the kind of {os.fspath(path)!r} from its name. Use "
         + ", ".join(FILE_KINDS.values())
@@ -763,6 +980,8 @@ def read_file(
     elif kind == "torch":
         weights, config = canonical_from_torch(_load_torch_file(name))
         config.update(num_heads=None, dropout=0.0)
+    elif kind == "flax":
+        weights, config = canonical_from_flax(_load_flax_file(name))
     else:
         weights, config = canonical_from_keras(_load_keras_file(name))
     if num_heads is not None:
@@ -801,6 +1020,21 @@ def _load_torch_file(name: str) -> dict[str, Any]:
             f"Received: {type(state).__name__}"
         )
     return dict(state)
+
+
+def _load_flax_file(name: str) -> Any:
+    from flax import serialization
+
+    with open(name, "rb") as file:
+        content = file.read()
+    try:
+        params = serialization.msgpack_restore(content)
+    except Exception as error:  # msgpack raises its own kinds for every way bytes can be wrong
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        raise ValueError(
+            f"{name} is not a flax.serialization msgpack file: {type(error).__name__}: {message}"
+        ) from None
+    return params
 
 
 def _load_keras_file(name: str) -> Any:
@@ -854,31 +1088,70 @@ def write_file(
     num_heads: int | None = None,
     dropout: float = 0.0,
 ) -> None:
-    """Write canonical MultiHeadAttention weights as the file kind of `path`.
+    """Write canonical MultiHeadAttention weights as the file kind of `path`, atomically.
 
     An mha checkpoint holds the weights, class and config; a torch file the module's
     state_dict, saved with `torch.save`; a Keras file the layer's weights, saved with
-    `keras.saving.save_weights`. num_heads is needed for the mha and Keras kinds.
+    `keras.saving.save_weights`; a Flax file the parameters (`flax_params`) as
+    `flax.serialization.msgpack_serialize` writes them. num_heads is needed for every kind
+    but torch's. The file is written beside `path` and read back as the same weights, bit for
+    bit, before it replaces `path`: on any failure `path` is left as it was.
     """
+    from mha.files import write_atomically
+
     kind = file_kind(path)
-    if kind == "torch":
-        import torch
-
-        state = torch_state_dict(weights)
-        from_numpy = load_backend("torch").from_numpy
-        torch.save({key: from_numpy(value) for key, value in state.items()}, path)
-        return
-    if num_heads is None:
+    if kind != "torch" and num_heads is None:
         raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")
-    layer = layer_from_weights(weights, num_heads, backend=_carrier(weights), dropout=dropout)
-    if kind == "mha":
-        from mha.weights import save
 
-        save(layer, path)
-    else:
-        import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
+    def write(temporary: str) -> None:
+        if kind == "torch":
+            import torch
 
-        keras.saving.save_weights(to_keras(layer), os.fspath(path), overwrite=True)
+            from_numpy = load_backend("torch").from_numpy
+            state = torch_state_dict(weights)
+            torch.save({key: from_numpy(value) for key, value in state.items()}, temporary)
+        elif kind == "flax":
+            from flax import serialization
+
+            with open(temporary, "wb") as file:
+                file.write(serialization.msgpack_serialize(flax_params(weights, num_heads)))
+        else:
+            layer = layer_from_weights(
+                weights, num_heads, backend=_carrier(weights), dropout=dropout
+            )
+            if kind == "mha":
+                from mha.weights import save
+
+                save(layer, temporary)
+            else:
+                import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
+
+                keras.saving.save_weights(to_keras(layer), temporary, overwrite=True)
+
+    def check(temporary: str) -> None:
+        again, _ = read_file(temporary, num_heads=num_heads)
+        if not _same_weights(again, weights):
+            raise ValueError(f"{os.fspath(path)} would not read back as the same weights")
+
+    def write_or_say_why(temporary: str) -> None:
+        try:
+            write(temporary)
+        except (ValueError, TypeError):
+            raise
+        except Exception as error:  # the frameworks' writers raise their own kinds
+            message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise OSError(f"writing {os.fspath(path)} failed: {message}") from error
+
+    write_atomically(path, write_or_say_why, suffix=_SUFFIXES[kind], check=check)
+
+
+def _same_weights(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
+    # Bit for bit: NaN equals the same NaN, and -0.0 differs from 0.0
+    def bits(x):
+        x = np.asarray(x)
+        return x.shape, x.dtype, np.ascontiguousarray(x).tobytes()
+
+    return set(a) == set(b) and all(bits(a[key]) == bits(b[key]) for key in a)
 
 
 def _carrier(weights: Mapping[str, np.ndarray]) -> str:
@@ -902,9 +1175,11 @@ def convert(
     """Convert a MultiHeadAttention file to another kind, and check it by reading it back.
 
     The kinds (see `file_kind`): an mha checkpoint (.safetensors), a torch
-    nn.MultiheadAttention state_dict (.pt, .pth) and Keras MultiHeadAttention weights
-    (.weights.h5). The config is inferred from the weights; a torch file does not tell the
-    number of heads, so `num_heads` is needed when converting one to another kind.
+    nn.MultiheadAttention state_dict (.pt, .pth), Keras MultiHeadAttention weights
+    (.weights.h5) and Flax multi-head attention parameters (.msgpack). The config is inferred
+    from the weights; a torch file does not tell the number of heads, so `num_heads` is needed
+    when converting one to another kind. The destination is replaced only once the new file
+    reads back as the same weights, bit for bit; on any failure it is left as it was.
 
     Example:
         >>> mha.interop.convert("attention.pt", "attention.weights.h5", num_heads=4)
@@ -924,9 +1199,4 @@ def convert(
             "heads: give num_heads"
         )
     write_file(destination, weights, num_heads=config["num_heads"], dropout=config["dropout"])
-    again, _ = read_file(destination, num_heads=config["num_heads"])
-    if set(again) != set(weights) or any(
-        not np.array_equal(again[key], weights[key]) for key in weights
-    ):
-        raise ValueError(f"{os.fspath(destination)} does not read back as the same weights")
     return config

@@ -27,6 +27,7 @@ BACKENDS: dict[str, str] = {
     "torch": "mha.backends.torch",
     "tensorflow": "mha.backends.tensorflow",
     "mxnet": "mha.backends.mxnet",
+    "jax": "mha.backends.jax",
 }
 
 ALIASES: dict[str, str] = {"pytorch": "torch", "tf": "tensorflow"}
@@ -38,6 +39,7 @@ INSTALL: dict[str, str | None] = {
     "torch": 'pip install "mha[torch]"',
     "tensorflow": 'pip install "mha[tensorflow]" (or "mha[tensorflow-cpu]", the CPU-only build)',
     "mxnet": 'pip install "mha[mxnet]" (MXNet 1.9.1 needs numpy < 2)',
+    "jax": 'pip install "mha[jax]"',
 }
 
 # Backend name -> the framework's import name, for versions and messages.
@@ -46,6 +48,7 @@ FRAMEWORKS: dict[str, str] = {
     "torch": "torch",
     "tensorflow": "tensorflow",
     "mxnet": "mxnet",
+    "jax": "jax",
 }
 
 # The names every backend module exports, with the same signatures.

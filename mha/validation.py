@@ -41,6 +41,7 @@ BACKEND_DTYPES = {
     "torch": FLOAT_DTYPES,
     "tensorflow": FLOAT_DTYPES,
     "mxnet": ("float16", "float32", "float64"),
+    "jax": FLOAT_DTYPES,
 }
 INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 
@@ -174,9 +175,10 @@ def check_backend_dtype(dtype: str, backend: str) -> str:
     supported = BACKEND_DTYPES[backend]
     if dtype not in supported:
         others = [name for name, dtypes in BACKEND_DTYPES.items() if dtype in dtypes]
+        others = ", ".join(others[:-1]) + " and " + others[-1] if len(others) > 1 else others[0]
         raise ValueError(
             f"dtype must be one of {', '.join(supported)} in the {backend} backend "
-            f"({dtype} computes in {' and '.join(others)}). Received: dtype={dtype!r}"
+            f"({dtype} computes in {others}). Received: dtype={dtype!r}"
         )
     return dtype
 

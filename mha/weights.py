@@ -23,13 +23,13 @@ import json
 import math
 import os
 import struct
-import tempfile
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from mha import validation
+from mha.files import write_atomically
 from mha.registry import backend_of, load_backend
 
 __all__ = [
@@ -606,19 +606,15 @@ def write_safetensors(
         offset += len(data)
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks
-    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".mha-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
+
+    def write(temporary: str) -> None:
+        with open(temporary, "wb") as file:
             file.write(struct.pack("<Q", len(encoded)))
             file.write(encoded)
             for blob in blobs:
                 file.write(blob)
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+
+    write_atomically(path, write)
 
 
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -633,16 +629,19 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         return ValueError(f"{name} is not a valid safetensors file: {reason}")
 
     with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size < 8:
+            raise corrupt(f"it has {size} bytes, fewer than the 8-byte header size")
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        # The header's size is checked against the file's before anything more is read
+        if header_size > _MAX_HEADER_BYTES:
+            raise corrupt(f"its header claims {header_size} bytes (limit {_MAX_HEADER_BYTES})")
+        if 8 + header_size > size:
+            raise corrupt(
+                f"it is truncated: the header needs {header_size} bytes, {size - 8} remain"
+            )
+        file.seek(0)
         content = file.read()
-    if len(content) < 8:
-        raise corrupt(f"it has {len(content)} bytes, fewer than the 8-byte header size")
-    (header_size,) = struct.unpack("<Q", content[:8])
-    if header_size > _MAX_HEADER_BYTES:
-        raise corrupt(f"its header claims {header_size} bytes (limit {_MAX_HEADER_BYTES})")
-    if 8 + header_size > len(content):
-        raise corrupt(
-            f"it is truncated: the header needs {header_size} bytes, {len(content) - 8} remain"
-        )
     try:
         header = json.loads(content[8 : 8 + header_size].decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as error:

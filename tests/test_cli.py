@@ -23,7 +23,7 @@ def test_info_lists_every_backend():
     code, out, _ = run("info")
     assert code == 0
     lines = out.splitlines()
-    for name in ("numpy", "torch", "tensorflow", "mxnet"):
+    for name in ("numpy", "torch", "tensorflow", "mxnet", "jax"):
         line = next(line for line in lines if line.startswith(name + " "))
         assert (" ok " in line) or ("unavailable" in line and "pip install" in line)
     numpy_line = next(line for line in lines if line.startswith("numpy "))

@@ -24,7 +24,7 @@ from conftest import required_backends
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # Backend -> the extra that installs its framework. TensorFlow has two, one per build.
-EXTRA_OF_BACKEND = {"torch": "torch", "tensorflow": "tensorflow", "mxnet": "mxnet"}
+EXTRA_OF_BACKEND = {"torch": "torch", "tensorflow": "tensorflow", "mxnet": "mxnet", "jax": "jax"}
 TENSORFLOW_BUILDS = {"tensorflow": "tensorflow", "tensorflow-cpu": "tensorflow-cpu"}
 
 
@@ -87,7 +87,7 @@ def lane_extras():
 
 
 def test_extras_are_ranges_with_lower_bounds(requirements):
-    for extra in ("torch", "tensorflow", "tensorflow-cpu", "mxnet"):
+    for extra in ("torch", "tensorflow", "tensorflow-cpu", "mxnet", "jax"):
         for requirement in requirements[extra]:
             operators = {spec.operator for spec in requirement.specifier}
             if extra == "mxnet":  # 1.9.1 is MXNet's last release, and it predates numpy 2
@@ -98,7 +98,7 @@ def test_extras_are_ranges_with_lower_bounds(requirements):
             else:
                 assert ">=" in operators and "==" not in operators, f"{extra}: {requirement}"
     (every,) = requirements["all"]
-    assert every.name == "mha" and every.extras == {"torch", "tensorflow", "mxnet"}
+    assert every.name == "mha" and every.extras == {"torch", "tensorflow", "mxnet", "jax"}
     # mha itself needs numpy alone, and any numpy from 1.23 on, numpy 2 included
     (numpy,) = requirements[None]
     assert numpy.name == "numpy" and numpy.specifier.contains("2.4.0")
@@ -111,7 +111,7 @@ def test_each_tensorflow_extra_names_one_build(requirements):
         names = {requirement.name for requirement in requirements[extra]}
         assert build in names and (set(TENSORFLOW_BUILDS.values()) - {build}).isdisjoint(names)
     # MXNet's numpy < 2 comes only with the mxnet extra (and so with all)
-    for extra in ("torch", "tensorflow", "tensorflow-cpu"):
+    for extra in ("torch", "tensorflow", "tensorflow-cpu", "jax"):
         assert "numpy" not in {requirement.name for requirement in requirements[extra]}
 
 
@@ -193,7 +193,12 @@ def test_each_lanes_constraints_pin_what_the_lane_is():
     for lane, pins in (("legacy", legacy), ("current", current)):
         backends = lanes[lane].backends.split(",")
         assert ("mxnet" in backends) == ("mxnet" in pins), lane
-        assert {"torch", "tensorflow-cpu"} <= {name.lower().replace("_", "-") for name in pins}
+        assert {"torch", "tensorflow-cpu", "jax", "flax"} <= {
+            name.lower().replace("_", "-") for name in pins
+        }
+        assert "jax" in backends, lane
+    # jax 0.7.1 is the newest that installs beside numpy 1.26 (and so beside MXNet)
+    assert legacy["jax"] == "0.7.1" and legacy["flax"] == "0.12.0"
 
 
 def test_ci_runs_the_readmes_test_command():

@@ -52,7 +52,7 @@ def test_environment_variable_with_unknown_name_lists_valid_names():
     completed = run_python("import mha; mha.get_backend()", MHA_BACKEND="theano")
     assert completed.returncode != 0
     assert "ValueError: MHA_BACKEND is not valid" in completed.stderr
-    for name in ("numpy", "torch", "tensorflow", "mxnet", "pytorch", "tf"):
+    for name in ("numpy", "torch", "tensorflow", "mxnet", "jax", "pytorch", "tf"):
         assert name in completed.stderr
     assert "'theano'" in completed.stderr
 

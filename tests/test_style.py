@@ -40,7 +40,7 @@ def top_level_names(path):
     return [node.name for node in tree.body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
 
 
-@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet"])
+@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet", "jax"])
 def test_backend_modules_define_the_shared_names_in_the_same_order(name):
     names = top_level_names(BACKENDS / f"{name}.py")
     present = [n for n in names if n in MIRRORED]
@@ -74,7 +74,7 @@ def test_ruff_format():
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
-@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet"])
+@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet", "jax"])
 def test_every_public_object_documents_the_shared_contract(name):
     # Written once in mha.docstrings, appended to each backend's own line by @documented
     source = (BACKENDS / f"{name}.py").read_text()

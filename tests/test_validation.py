@@ -391,7 +391,7 @@ def test_bfloat16_only_where_the_backend_computes_in_it(backend, class_name):
     if name in ("numpy", "mxnet"):
         message = (
             f"dtype must be one of float16, float32, float64 in the {name} backend "
-            "(bfloat16 computes in torch and tensorflow). Received: dtype='bfloat16'"
+            "(bfloat16 computes in torch, tensorflow and jax). Received: dtype='bfloat16'"
         )
         with pytest.raises(ValueError, match=re.escape(message)):
             build(*LAYERS[class_name], dtype="bfloat16")

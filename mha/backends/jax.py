@@ -1,0 +1,611 @@
+"""The JAX backend, with Flax NNX.
+
+The NumPy reference (mha/backends/numpy.py) written with jax.numpy: the same definitions in
+the same order, so that the two files read side by side. The layers are `flax.nnx.Module`s:
+`module.train()` / `.eval()` decide dropout (a new layer trains, as in Flax), parameters and
+dropout draw from the `rngs` a layer is given (`nnx.Rngs(0)` when none is), and every layer
+runs under `nnx.jit` with the same numbers. The checks that need values (valid_lens are
+non-negative whole numbers) run when the call is eager, as under TensorFlow's tf.function;
+shapes and dtypes are checked always.
+
+`attention_weights` is a data attribute of the layer: after an eager call, and after a call
+under `nnx.jit`, which carries the layer's new state out of the compiled function, it holds
+the weights of the last call. float64 needs JAX's 64-bit mode (`jax.config.update(
+"jax_enable_x64", True)`, or JAX_ENABLE_X64=1): without it a float64 layer or array is an
+error, never float32 in disguise.
+
+Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
+keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mha import validation
+from mha.docstrings import documented
+from mha.encoding import sinusoid_table
+from mha.masks import Masks
+from mha.weights import canonical_parameters, read_config
+
+__all__ = [
+    "AddNorm",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "from_numpy",
+    "masked_softmax",
+    "to_numpy",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+
+
+def _require_x64(dtype: Any) -> None:
+    if np.dtype(dtype) == np.float64 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "float64 needs JAX's 64-bit mode, which is off: without it JAX computes in "
+            "float32. Turn it on before making arrays, with "
+            'jax.config.update("jax_enable_x64", True) or JAX_ENABLE_X64=1'
+        )
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Return `x` as a numpy array (a copy on the host); bfloat16 stays ml_dtypes' bfloat16."""
+    return np.asarray(x)
+
+
+def from_numpy(array: Any) -> jax.Array:
+    """Return `array` as a JAX array with numpy's dtype (float64 only in 64-bit mode)."""
+    array = np.array(array)
+    _require_x64(array.dtype)
+    return jnp.asarray(array)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks: Flax provides Dropout and LayerNorm; the dense layer here may be lazy
+
+_DTYPES = {
+    "float16": jnp.float16,
+    "bfloat16": jnp.bfloat16,
+    "float32": jnp.float32,
+    "float64": jnp.float64,
+}
+
+
+def _rngs(rngs: nnx.Rngs | None) -> nnx.Rngs:
+    # The seeded default: layers made without rngs draw the same numbers every run
+    return nnx.Rngs(0) if rngs is None else rngs
+
+
+class _Linear(nnx.Module):
+    """y = x @ kernel + bias, kernel (in_features, out_features), uniform in
+    +-1/sqrt(in_features) as torch.nn.Linear; in_features None: inferred at the first call."""
+
+    def __init__(
+        self, out_features: int, bias: bool, in_features: int | None, dtype: str, rngs: nnx.Rngs
+    ):
+        self.out_features, self.use_bias, self.dtype = out_features, bias, dtype
+        self.in_features = None
+        self.kernel = nnx.data(None)
+        self.bias = nnx.data(None)
+        # The key the parameters are drawn with, made now so that lazy layers are repeatable
+        self.key = nnx.data(rngs.params())
+        if in_features is not None:
+            self.initialize(in_features)
+
+    def initialize(self, in_features: int) -> None:
+        bound = 1.0 / math.sqrt(in_features)
+        kernel_key, bias_key = jax.random.split(self.key)
+        dtype = _DTYPES[self.dtype]
+        self.in_features = in_features
+        self.kernel = nnx.Param(
+            jax.random.uniform(kernel_key, (in_features, self.out_features), dtype, -bound, bound)
+        )
+        if self.use_bias:
+            self.bias = nnx.Param(
+                jax.random.uniform(bias_key, (self.out_features,), dtype, -bound, bound)
+            )
+
+    def __call__(self, X: jax.Array) -> jax.Array:
+        if self.kernel is None:
+            self.initialize(X.shape[-1])
+        Y = X @ self.kernel.value
+        return Y if self.bias is None else Y + self.bias.value
+
+
+def _in_features(linear: _Linear) -> int | None:
+    return linear.in_features
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def _check_valid_lens_values(valid_lens: jax.Array | None) -> None:
+    # The one check that needs values: non-negative whole numbers. A traced call (jit, grad
+    # of a jitted function) has no values to read.
+    if valid_lens is None or isinstance(valid_lens, jax.core.Tracer) or valid_lens.size == 0:
+        return
+    values = np.asarray(valid_lens)
+    non_integer = None
+    if values.dtype.kind == "f":
+        fractional = values != np.floor(values)
+        if fractional.any():
+            non_integer = values[fractional][0].item()
+    validation.check_valid_lens_values(values.min().item(), non_integer)
+
+
+def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
+    """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
+    (batch_size, no. of queries, no. of keys) for 2-D."""
+    # Lengths past the last key keep every key: clipped first, in their own dtype, so that
+    # any length of any dtype (uint64 included) compares exactly as an int32
+    top = (
+        num_keys if valid_lens.dtype.kind == "f" else min(num_keys, jnp.iinfo(valid_lens.dtype).max)
+    )
+    lengths = jnp.minimum(valid_lens, top).astype(jnp.int32)
+    # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+    lengths = lengths.reshape(valid_lens.shape[0], -1, 1)
+    return jnp.arange(num_keys, dtype=jnp.int32) < lengths
+
+
+class _Masks(Masks):
+    """mha.masks' rules in jax.numpy, for the scores of one call."""
+
+    def __init__(self, batch_size: int, num_queries: int, num_keys: int):
+        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
+
+    def length_mask(self, valid_lens):
+        return _length_mask(valid_lens, self.num_keys)
+
+    def causal_mask(self):
+        return jnp.tri(self.num_queries, self.num_keys, dtype=bool)
+
+    def windows(self, window_mask):
+        return jnp.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
+
+    def rank(self, mask):
+        return mask.ndim
+
+    def is_bool(self, windows):
+        return windows.dtype == jnp.bool_
+
+    def isneginf(self, x):
+        return jnp.isneginf(x)
+
+    def zeros_where(self, blocked, x):
+        return jnp.where(blocked, jnp.zeros((), x.dtype), x)
+
+    def both(self, a, b):
+        return a & b
+
+    def negate(self, a):
+        return ~a
+
+    def expand_dims(self, x, axis):
+        return jnp.expand_dims(x, axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked softmax
+
+
+def _softmax(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
+    entry are exactly 0. jax.nn.softmax subtracts the row maximum, so logits of 1e4 stay
+    finite. A row with no kept key would be all -inf, NaN in softmax: it keeps every key
+    (finite values and gradients) and is zeroed after. Whatever a masked score holds (NaN
+    included) is replaced, so it reaches neither the weights nor the gradients."""
+    if keep is None:
+        return jax.nn.softmax(scores, axis=-1)
+    # Shape of attended: keep's, with 1 key
+    attended = keep.any(axis=-1, keepdims=True)
+    keep = keep | ~attended
+    weights = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    return jnp.where(attended, weights, jnp.zeros((), weights.dtype))
+
+
+@documented
+def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
+    validation.check_masked_softmax_call(X, valid_lens)
+    _check_valid_lens_values(valid_lens)
+    if valid_lens is None:
+        return _softmax(X, None)
+    # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
+    # middle axis of X so that it broadcasts against X
+    keep = _length_mask(valid_lens, X.shape[-1])
+    if X.ndim == 2:
+        keep = keep[:, 0, :]
+    keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
+    return _softmax(X, keep)
+
+
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
+    """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(scores, keep)
+    return dropout(weights) @ values, weights if need_weights else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+@documented
+class DotProductAttention(nnx.Module):
+    """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V.
+
+    `rngs` (keyword) gives dropout its random stream; nnx.Rngs(0) when None.
+    """
+
+    def __init__(
+        self, dropout: float = 0.0, *, dtype: str = "float32", rngs: nnx.Rngs | None = None
+    ):
+        self.dtype = _checked_dtype(validation.check_dot_product_args(dropout, dtype))
+        self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
+        self.attention_weights = nnx.data(None)
+
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False, window_mask=None
+    ):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            mask=mask,
+            causal=causal,
+            window_mask=window_mask,
+            dtype=self.dtype,
+            same_query_key_size=True,
+        )
+        _check_valid_lens_values(valid_lens)
+        masks = _Masks(batch_size, num_queries, num_keys)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        return self.attend(queries, keys, values, keep, bias)
+
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+        """Attention on prepared inputs with any leading axes (no checks).
+
+        queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
+        _Masks.combine. MultiHeadAttention calls this with a head axis.
+        """
+        d = queries.shape[-1]
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = (queries / math.sqrt(d)) @ jnp.swapaxes(keys, -1, -2)
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, need_weights
+        )
+        return output
+
+
+@documented
+class AdditiveAttention(nnx.Module):
+    """Additive attention: scores w_v^T tanh(W_q q + W_k k).
+
+    `rngs` (keyword) gives the parameters and dropout their random streams; nnx.Rngs(0) when
+    None.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        dtype: str = "float32",
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.dtype = _checked_dtype(
+            validation.check_additive_args(num_hiddens, dropout, query_size, key_size, dtype)
+        )
+        rngs = _rngs(rngs)
+        self.num_hiddens = num_hiddens
+        self.W_q = _Linear(num_hiddens, False, query_size, self.dtype, rngs)
+        self.W_k = _Linear(num_hiddens, False, key_size, self.dtype, rngs)
+        self.w_v = _Linear(1, False, num_hiddens, self.dtype, rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.attention_weights = nnx.data(None)
+
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False, window_mask=None
+    ):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            mask=mask,
+            causal=causal,
+            window_mask=window_mask,
+            dtype=self.dtype,
+            sizes=(
+                ("queries", "query_size", _in_features(self.W_q)),
+                ("keys", "key_size", _in_features(self.W_k)),
+            ),
+        )
+        _check_valid_lens_values(valid_lens)
+        masks = _Masks(batch_size, num_queries, num_keys)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
+        # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
+        # (batch_size, no. of queries, no. of keys, num_hiddens)
+        features = jnp.tanh(queries[:, :, None, :] + keys[:, None, :, :])
+        # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
+        scores = self.w_v(features)[..., 0]
+        output, self.attention_weights = _attention_pool(scores, values, keep, bias, self.dropout)
+        return output
+
+
+@documented
+class MultiHeadAttention(nnx.Module):
+    """Multi-head attention: num_heads scaled dot-product attentions in parallel.
+
+    `rngs` (keyword) gives the parameters and dropout their random streams; nnx.Rngs(0) when
+    None.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: int | None = None,
+        key_size: int | None = None,
+        value_size: int | None = None,
+        dtype: str = "float32",
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.dtype = _checked_dtype(
+            validation.check_multihead_args(
+                num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+            )
+        )
+        rngs = _rngs(rngs)
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.attention = DotProductAttention(dropout, dtype=self.dtype, rngs=rngs)
+        self.W_q = _Linear(num_hiddens, bias, query_size, self.dtype, rngs)
+        self.W_k = _Linear(num_hiddens, bias, key_size, self.dtype, rngs)
+        self.W_v = _Linear(num_hiddens, bias, value_size, self.dtype, rngs)
+        self.W_o = _Linear(num_hiddens, bias, num_hiddens, self.dtype, rngs)
+        self.attention_weights = nnx.data(None)
+
+    def __call__(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        mask=None,
+        causal=False,
+        window_mask=None,
+        head_mask=None,
+        need_weights=True,
+    ):
+        batch_size, num_queries, num_keys = validation.check_attention_call(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            mask=mask,
+            causal=causal,
+            window_mask=window_mask,
+            head_mask=head_mask,
+            need_weights=need_weights,
+            dtype=self.dtype,
+            num_heads=self.num_heads,
+            sizes=(
+                ("queries", "query_size", _in_features(self.W_q)),
+                ("keys", "key_size", _in_features(self.W_k)),
+                ("values", "value_size", _in_features(self.W_v)),
+            ),
+        )
+        _check_valid_lens_values(valid_lens)
+        # Shape of keep and bias: broadcastable to
+        # (batch_size, num_heads, no. of queries, no. of keys)
+        masks = _Masks(batch_size, num_queries, num_keys)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
+        # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
+        # no. of queries or keys, num_hiddens / num_heads)
+        queries = self.transpose_qkv(self.W_q(queries))
+        keys = self.transpose_qkv(self.W_k(keys))
+        values = self.transpose_qkv(self.W_v(values))
+        # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        self.attention_weights = self.attention.attention_weights
+        if head_mask is not None:
+            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
+            output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))
+        # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
+        output_concat = self.transpose_output(output)
+        return self.W_o(output_concat)
+
+    def transpose_qkv(self, X: jax.Array) -> jax.Array:
+        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        return X.transpose(0, 2, 1, 3)
+
+    def transpose_output(self, X: jax.Array) -> jax.Array:
+        """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
+        X = X.transpose(0, 2, 1, 3)
+        return X.reshape(X.shape[0], X.shape[1], -1)
+
+
+@documented
+class PositionalEncoding(nnx.Module):
+    """Add the sinusoidal positional encoding P to X, then dropout.
+
+    P is a constant of the layer's sizes and dtype, not part of its state; `rngs` (keyword)
+    gives dropout its random stream, nnx.Rngs(0) when None.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        dtype: str = "float32",
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.dtype = _checked_dtype(
+            validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
+
+    @property
+    def P(self) -> jax.Array:
+        return _table(self.max_len, self.num_hiddens, self.dtype)
+
+    def __call__(self, X: jax.Array) -> jax.Array:
+        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        X = X + self.P[:, : X.shape[1], :]
+        return self.dropout(X)
+
+
+@functools.cache
+def _table(max_len: int, num_hiddens: int, dtype: str) -> jax.Array:
+    # Computed in float64 and cast once, per size and dtype
+    return jnp.asarray(sinusoid_table(max_len, num_hiddens).astype(dtype))
+
+
+@documented
+class AddNorm(nnx.Module):
+    """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
+
+    `rngs` (keyword) gives dropout its random stream; nnx.Rngs(0) when None.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        eps: float = 1e-5,
+        dtype: str = "float32",
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.dtype = _checked_dtype(
+            validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        )
+        rngs = _rngs(rngs)
+        self.num_hiddens, self.eps = num_hiddens, eps
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        # Flax's fast variance, E[x^2] - E[x]^2, loses digits that the reference keeps
+        self.ln = nnx.LayerNorm(
+            num_hiddens,
+            epsilon=eps,
+            dtype=_DTYPES[self.dtype],
+            param_dtype=_DTYPES[self.dtype],
+            use_fast_variance=False,
+            rngs=rngs,
+        )
+
+    def __call__(self, X: jax.Array, Y: jax.Array) -> jax.Array:
+        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        return self.ln(self.dropout(Y) + X)
+
+
+def _checked_dtype(dtype: str) -> str:
+    _require_x64(dtype)
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical weights (used by mha.get_weights / mha.set_weights; see mha/weights.py)
+
+
+def layer_config(layer: nnx.Module) -> dict[str, Any]:
+    """The constructor arguments of `layer`, with sizes inferred so far."""
+    return read_config(layer, _in_features, lambda dropout: dropout.rate)
+
+
+# How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
+# and whether it holds the canonical array transposed (_Linear keeps the kernel as (in, out))
+PARAMETERS = {
+    "kernel": ("kernel", False),
+    "bias": ("bias", False),
+    "scale": ("scale", False),
+    "shift": ("bias", False),
+}
+
+
+def read_parameter(parameter: nnx.Param, transposed: bool) -> np.ndarray:
+    """A fresh numpy copy of a parameter, in the canonical layout."""
+    value = np.array(parameter.value)
+    return value.T.copy() if transposed else value
+
+
+def write_parameter(sublayer: nnx.Module, kind: str, value: np.ndarray) -> None:
+    """Set the sub-layer's parameter of that kind to a canonical array, making a lazy
+    _Linear's parameters first. The parameter stays the same nnx.Param object."""
+    name, transposed = PARAMETERS[kind]
+    if kind == "kernel" and _in_features(sublayer) is None:
+        sublayer.initialize(value.shape[0])
+    parameter = getattr(sublayer, name)
+    parameter.value = jnp.asarray(value.T if transposed else value, parameter.value.dtype)
+
+
+def without_gradients():
+    """A context in which calls record no gradients: JAX records none outside jax.grad."""
+    return contextlib.nullcontext()
+
+
+def value_and_gradients(function, tensors, wrt, layer, cotangent):
+    """Run `function(tensors)` and differentiate sum(output * cotangent) with jax.grad.
+
+    Flax modules are not mutated inside another trace: the differentiated function calls a
+    layer merged inside it from the traced weights (`function(tensors, other=layer)`), as
+    nnx.grad does. The layer itself is then called once more, eagerly, so that it keeps the
+    concrete attention_weights of this call.
+
+    Returns:
+        (output, input gradients keyed by the names in `wrt`, weight gradients keyed by
+        canonical names in the canonical layout), all numpy arrays. Used by mha.harness.
+    """
+    if layer is not None:
+        graphdef, weights, rest = nnx.split(layer, nnx.Param, ...)
+    else:
+        weights = {}
+
+    def loss(inputs, weights):
+        arguments = {**tensors, **inputs}
+        if layer is None:
+            output = function(arguments)
+        else:
+            output = function(arguments, other=nnx.merge(graphdef, weights, rest))
+        return jnp.sum(output * cotangent), output
+
+    (_, output), (input_gradients, weight_gradients) = jax.value_and_grad(
+        loss, argnums=(0, 1), has_aux=True
+    )({name: tensors[name] for name in wrt}, weights)
+    if layer is not None:
+        function(tensors)
+        # The gradients have the weights' structure: a layer holding them names them
+        gradients = canonical_parameters(nnx.merge(graphdef, weight_gradients, rest), PARAMETERS)
+        weight_gradients = {name: read_parameter(*held) for name, held in gradients.items()}
+    return (
+        to_numpy(output),
+        {name: to_numpy(g) for name, g in input_gradients.items()},
+        weight_gradients,
+    )

@@ -1,0 +1,287 @@
+"""What only the JAX backend promises: Flax NNX modules that run under nnx.jit and jax.jit with
+the eager numbers, Flax's training flag and rngs, and float64 only in JAX's 64-bit mode.
+
+Agreement with the reference (every layer, mask and dtype, gradients included) is
+tests/test_agreement.py's, through mha.harness.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module
+from mha.backends import numpy as N
+
+pytestmark = pytest.mark.jax
+
+B, Q, K, D, H = 2, 4, 6, 8, 2
+
+
+@pytest.fixture(scope="module")
+def J():
+    return backend_module("jax")
+
+
+@pytest.fixture(scope="module")
+def jax():
+    import jax
+
+    return jax
+
+
+@pytest.fixture(scope="module")
+def nnx():
+    from flax import nnx
+
+    return nnx
+
+
+def inputs(dtype="float64", seed=0):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((B, Q, D)).astype(dtype),
+        rng.standard_normal((B, K, D)).astype(dtype),
+        rng.standard_normal((B, K, D)).astype(dtype),
+    )
+
+
+def pair(J, dtype="float64"):
+    """A JAX MultiHeadAttention and the reference with the same weights."""
+    reference = N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype=dtype)
+    layer = J.MultiHeadAttention(D, H, dtype=dtype)
+    mha.set_weights(layer, mha.get_weights(reference))
+    return layer, reference
+
+
+CALLS = {
+    "none": {},
+    "valid_lens": {"valid_lens": np.array([0, 4])},
+    "valid_lens_2d": {"valid_lens": np.array([[1, 2, 0, 6], [6, 5, 4, 3]])},
+    "causal": {"causal": True},
+    "mask_4d": {"mask": np.arange(H * K).reshape(1, H, 1, K) % 3 != 0},
+    "window_additive": {
+        "window_mask": np.where(np.eye(Q, K, dtype=bool), -np.inf, 0.5).reshape(1, Q, K)
+    },
+    "head_mask": {"head_mask": np.array([1.0, 0.0])},
+    "no_weights": {"valid_lens": np.array([2, 0]), "need_weights": False},
+}
+
+
+def as_jax(J, kwargs):
+    return {k: J.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_nnx_jit_gives_the_eager_numbers_and_the_weights(J, nnx, call):
+    layer, reference = pair(J)
+    q, k, v = inputs()
+    kwargs = CALLS[call]
+    static = {key: value for key, value in kwargs.items() if not isinstance(value, np.ndarray)}
+    arrays = {key: value for key, value in kwargs.items() if isinstance(value, np.ndarray)}
+
+    @nnx.jit
+    def run(layer, q, k, v, arrays):
+        return layer(q, k, v, **arrays, **static)
+
+    output = run(layer, J.from_numpy(q), J.from_numpy(k), J.from_numpy(v), as_jax(J, arrays))
+    expected = reference(q, k, v, **kwargs)
+    np.testing.assert_allclose(J.to_numpy(output), expected, rtol=0, atol=1e-12)
+    if kwargs.get("need_weights", True):
+        # nnx.jit carries the layer's new state, attention_weights included, out of the call
+        np.testing.assert_allclose(
+            J.to_numpy(layer.attention_weights), reference.attention_weights, atol=1e-12
+        )
+    else:
+        assert layer.attention_weights is None
+
+
+def test_jax_jit_over_split_and_merge(J, jax, nnx):
+    # The functional style: the layer as (graphdef, state), the weights read from the state
+    layer, reference = pair(J)
+    q, k, v = inputs()
+    graphdef, state = nnx.split(layer)
+
+    @jax.jit
+    def run(state, q, k, v, valid_lens):
+        layer = nnx.merge(graphdef, state)
+        output = layer(q, k, v, valid_lens=valid_lens)
+        # attention_weights, None before the first call, changes the graph: return both
+        return output, nnx.split(layer)
+
+    lens = np.array([3, 1])
+    output, split = run(state, *map(J.from_numpy, (q, k, v)), J.from_numpy(lens))
+    np.testing.assert_allclose(J.to_numpy(output), reference(q, k, v, valid_lens=lens), atol=1e-12)
+    layer = nnx.merge(*split)
+    np.testing.assert_allclose(
+        J.to_numpy(layer.attention_weights), reference.attention_weights, atol=1e-12
+    )
+
+
+def test_every_layer_runs_under_nnx_jit(J, nnx):
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((B, Q, D))
+    for name, args in (
+        ("DotProductAttention", ()),
+        ("AdditiveAttention", (5,)),
+        ("PositionalEncoding", (D,)),
+        ("AddNorm", (D,)),
+    ):
+        reference = getattr(N, name)(*args, dtype="float64")
+        layer = getattr(J, name)(*args, dtype="float64")
+        call = (X, X) if name == "AddNorm" else (X,) if name == "PositionalEncoding" else (X, X, X)
+        expected = reference(*call)  # makes the reference's lazy weights
+        weights = mha.get_weights(reference)
+        if weights:
+            mha.set_weights(layer, weights)
+        output = nnx.jit(lambda layer, *xs: layer(*xs))(layer, *map(J.from_numpy, call))
+        np.testing.assert_allclose(J.to_numpy(output), expected, atol=1e-12, err_msg=name)
+
+
+def test_sizes_are_inferred_at_the_first_call_under_nnx_jit(J, nnx):
+    layer = J.MultiHeadAttention(D, H, dtype="float64")
+    q, k, v = inputs()
+    nnx.jit(lambda layer, q, k, v: layer(q, k, v))(layer, *map(J.from_numpy, (q, k, v)))
+    weights = mha.get_weights(layer)
+    assert {name: w.shape for name, w in weights.items()} == {
+        name: (D, D) for name in ("W_q", "W_k", "W_v", "W_o")
+    }
+    reference = N.MultiHeadAttention(D, H, dtype="float64")
+    mha.set_weights(reference, weights)
+    np.testing.assert_allclose(
+        J.to_numpy(layer(*map(J.from_numpy, (q, k, v)))), reference(q, k, v), atol=1e-12
+    )
+
+
+def test_value_checks_run_eagerly_and_shape_checks_always(J, nnx):
+    layer, _ = pair(J)
+    q, k, v = map(J.from_numpy, inputs())
+    with pytest.raises(ValueError, match="valid_lens must be non-negative"):
+        layer(q, k, v, valid_lens=J.from_numpy(np.array([2, -1])))
+    jitted = nnx.jit(lambda layer, q, k, v, lens: layer(q, k, v, valid_lens=lens))
+    # Under jit the values are not known: a negative length keeps no key, as length 0 does
+    output = jitted(layer, q, k, v, J.from_numpy(np.array([2, -1])))
+    zero = jitted(layer, q, k, v, J.from_numpy(np.array([2, 0])))
+    np.testing.assert_array_equal(J.to_numpy(output), J.to_numpy(zero))
+    with pytest.raises(ValueError, match="valid_lens"):
+        jitted(layer, q, k, v, J.from_numpy(np.array([1, 2, 3])))
+
+
+def test_training_flag_and_rngs(J, nnx):
+    q, k, v = map(J.from_numpy, inputs("float32"))
+
+    def layer(seed):
+        return J.MultiHeadAttention(D, H, dropout=0.5, rngs=nnx.Rngs(seed))
+
+    a, b = layer(0), layer(0)
+    # A new layer trains, as in Flax: dropout draws from its rngs, the same for the same seed
+    out_a, out_b = a(q, k, v), b(q, k, v)
+    np.testing.assert_array_equal(J.to_numpy(out_a), J.to_numpy(out_b))
+    assert not np.allclose(J.to_numpy(a(q, k, v)), J.to_numpy(out_a))  # a new draw per call
+    a.eval()
+    first, second = J.to_numpy(a(q, k, v)), J.to_numpy(a(q, k, v))
+    np.testing.assert_array_equal(first, second)
+    reference = N.MultiHeadAttention(D, H, dtype="float32")
+    mha.set_weights(reference, mha.get_weights(a))
+    np.testing.assert_allclose(first, reference(*map(np.asarray, (q, k, v))), atol=2e-6)
+    # Without rngs a layer draws from nnx.Rngs(0): the same weights every time
+    sizes = {"query_size": D, "key_size": D, "value_size": D}
+    weights = [mha.get_weights(J.MultiHeadAttention(D, H, **sizes)) for _ in range(2)]
+    np.testing.assert_array_equal(weights[0]["W_q"], weights[1]["W_q"])
+    other = mha.get_weights(J.MultiHeadAttention(D, H, **sizes, rngs=nnx.Rngs(1)))
+    assert not np.array_equal(weights[0]["W_q"], other["W_q"])
+
+
+def test_gradients_through_every_mask_are_finite_under_jit(J, jax, nnx):
+    layer, _ = pair(J)
+    q, k, v = map(J.from_numpy, inputs())
+    for call in CALLS.values():
+        arrays = as_jax(J, call)
+
+        @nnx.jit
+        def grads(layer, q, arrays=arrays):
+            def loss(layer, q):
+                return layer(q, k, v, **arrays).sum()
+
+            return nnx.grad(loss, argnums=(0, 1))(layer, q)
+
+        layer_grads, q_grad = grads(layer, q)
+        assert np.isfinite(J.to_numpy(q_grad)).all()
+        for leaf in jax.tree_util.tree_leaves(nnx.state(layer_grads, nnx.Param)):
+            assert np.isfinite(np.asarray(leaf)).all()
+
+
+def test_a_nan_at_a_masked_key_stays_out(J):
+    layer, reference = pair(J)
+    q, k, v = inputs()
+    poisoned = k.copy()
+    poisoned[0, 5] = np.nan
+    for kwargs in ({"valid_lens": np.array([5, 6])}, {"mask": np.arange(K) < 5}):
+        output = J.to_numpy(layer(*map(J.from_numpy, (q, poisoned, v)), **as_jax(J, kwargs)))
+        np.testing.assert_allclose(output, reference(q, k, v, **kwargs), atol=1e-12)
+
+
+def test_state_holds_the_weights_and_not_the_table(J, nnx):
+    layer, _ = pair(J)
+    params = nnx.state(layer, nnx.Param)
+    assert len(jax_leaves(params)) == 4
+    encoding = J.PositionalEncoding(D, max_len=50, dtype="float64")
+    assert jax_leaves(nnx.state(encoding, nnx.Param)) == []
+    assert encoding.P.shape == (1, 50, D)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_bfloat16_runs_close_to_the_reference(J):
+    layer, reference = pair(J, "float32")
+    bf16 = J.MultiHeadAttention(D, H, dtype="bfloat16")
+    weights = mha.get_weights(layer)
+    mha.set_weights(
+        bf16,
+        {
+            name: w.astype(J.to_numpy(J.from_numpy(w).astype("bfloat16")).dtype)
+            for name, w in weights.items()
+        },
+    )
+    q, k, v = inputs("float32")
+    output = bf16(*(J.from_numpy(x).astype("bfloat16") for x in (q, k, v)))
+    assert str(output.dtype) == "bfloat16"
+    np.testing.assert_allclose(
+        np.asarray(output, dtype=np.float32), reference(q, k, v), atol=0.1, rtol=0.05
+    )
+
+
+def test_float64_without_64_bit_mode_is_an_error():
+    # A fresh process: JAX reads its mode when it is first imported
+    code = """
+import numpy as np
+from mha.backends import jax as J
+layer = J.MultiHeadAttention(8, 2, query_size=8, dtype="float32")
+x = J.from_numpy(np.ones((1, 3, 8), "float32"))
+assert layer(x, x, x).dtype == np.float32
+for make in (lambda: J.MultiHeadAttention(8, 2, dtype="float64"),
+             lambda: J.from_numpy(np.ones(3))):
+    try:
+        make()
+    except ValueError as error:
+        assert "jax_enable_x64" in str(error), error
+    else:
+        raise AssertionError("float64 without 64-bit mode was accepted")
+print("ok")
+"""
+    environment = {**os.environ, "JAX_ENABLE_X64": "0"}
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=False,
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]

@@ -1,0 +1,126 @@
+"""Files are written so that nothing a user had is lost: a failed `mha convert` or `mha.save`
+leaves the destination as it was, permissions are kept, and weights holding NaN convert."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mha
+from mha import interop
+from mha.backends import numpy as N
+
+D, H = 8, 2
+
+
+def saved(tmp_path, name="a.safetensors", query_size=D, nan=False):
+    layer = N.MultiHeadAttention(D, H, bias=True, query_size=query_size, key_size=D, value_size=D)
+    if nan:
+        weights = mha.get_weights(layer)
+        weights["W_q"][0, 0] = np.nan
+        mha.set_weights(layer, weights)
+    path = tmp_path / name
+    mha.save(layer, path)
+    return path
+
+
+def mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.torch
+def test_a_failed_convert_leaves_the_destination_as_it_was(tmp_path):
+    pytest.importorskip("torch")
+    old = tmp_path / "old.pt"
+    interop.convert(saved(tmp_path, "good.safetensors"), old)
+    before = old.read_bytes()
+    # torch's layer cannot hold a query size other than num_hiddens: nothing is written
+    with pytest.raises(ValueError, match="query"):
+        interop.convert(saved(tmp_path, "wide.safetensors", query_size=5), old)
+    assert old.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "good.safetensors",
+        "old.pt",
+        "wide.safetensors",
+    ]
+
+
+@pytest.mark.parametrize("ending", [".safetensors", ".pt", ".msgpack"])
+def test_a_full_disk_leaves_the_destination_as_it_was(tmp_path, ending):
+    needs = {".pt": "torch", ".msgpack": "flax"}
+    if ending in needs:
+        pytest.importorskip(needs[ending])
+    source = saved(tmp_path)
+    destination = tmp_path / f"old{ending}"
+    interop.convert(source, destination)
+    before = destination.read_bytes()
+    # The next file may grow to 64 bytes only, as on a disk that is full
+    code = (
+        "import resource, sys\n"
+        "from mha import cli\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))\n"
+        f"sys.exit(cli.main(['convert', {str(source)!r}, {str(destination)!r}]))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+    assert completed.returncode == 1, completed.stderr[-2000:]
+    assert completed.stderr.count("\n") == 1 and "error" in completed.stderr
+    assert destination.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
+
+
+def test_destinations_that_cannot_be_written_are_one_error_line(tmp_path):
+    source = saved(tmp_path)
+    (tmp_path / "folder.safetensors").mkdir()
+    for destination, reason in (
+        (tmp_path / "folder.safetensors", "is a directory"),
+        (tmp_path / "missing" / "b.safetensors", "does not exist"),
+    ):
+        completed = subprocess.run(
+            [sys.executable, "-m", "mha", "convert", str(source), str(destination)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert completed.returncode == 1 and reason in completed.stderr
+        assert completed.stderr.count("\n") == 1, completed.stderr
+
+
+def test_permissions_are_kept_and_new_files_follow_the_umask(tmp_path):
+    path = saved(tmp_path)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert mode(path) == 0o666 & ~umask
+    os.chmod(path, 0o640)
+    mha.save(N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), path)
+    assert mode(path) == 0o640
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(b"")
+    os.chmod(copy, 0o604)
+    interop.convert(path, copy)
+    assert mode(copy) == 0o604
+
+
+def test_weights_holding_nan_convert_bit_for_bit(tmp_path):
+    source = saved(tmp_path, nan=True)
+    destination = tmp_path / "b.safetensors"
+    interop.convert(source, destination)
+    a, _ = interop.read_file(source)
+    b, _ = interop.read_file(destination)
+    assert np.isnan(b["W_q"][0, 0])
+    for name in a:
+        assert a[name].tobytes() == b[name].tobytes()
+
+
+def test_a_header_larger_than_the_file_is_refused_before_reading_it(tmp_path):
+    path = tmp_path / "hostile.safetensors"
+    path.write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="header claims"):
+        mha.load(path)
+    path.write_bytes((1000).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="truncated"):
+        mha.load(path)

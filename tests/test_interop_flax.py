@@ -1,0 +1,170 @@
+"""Flax's own multi-head attention (NNX's MultiHeadAttention, Linen's
+MultiHeadDotProductAttention) into every mha backend and back, judged by Flax's own outputs;
+and Flax's msgpack parameter files through `mha convert`."""
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params
+from mha import interop
+from mha.backends import numpy as N
+
+pytestmark = pytest.mark.jax
+
+B, Q, K, D, H = 2, 3, 5, 8, 2
+
+
+@pytest.fixture(scope="module")
+def flax():
+    backend_module("jax")
+    import flax
+
+    return flax
+
+
+def inputs(seed=0, key_size=D):
+    rng = np.random.default_rng(seed)
+    return (
+        rng.standard_normal((B, Q, D)).astype("float32"),
+        rng.standard_normal((B, K, key_size)).astype("float32"),
+        rng.standard_normal((B, K, key_size)).astype("float32"),
+    )
+
+
+# Masks under which every query keeps a key: Flax gives a query with none the mean of the
+# values, mha gives zeros
+MASKS = {
+    "none": {},
+    "valid_lens": {"valid_lens": np.array([2, 5])},
+    "causal": {"causal": True},
+    "mask": {"mask": np.arange(Q * K).reshape(1, Q, K) % 4 != 1},
+}
+
+
+def flax_call(module, q, k, v, masks):
+    import jax.numpy as jnp
+
+    flax_masks = interop.to_flax_masks(**masks, num_queries=Q, num_keys=K)
+    mask = {name: jnp.asarray(value) for name, value in flax_masks.items()}
+    return np.asarray(module(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), **mask))
+
+
+def mha_call(layer, q, k, v, masks):
+    module = backend_module(mha.registry.backend_of(layer))
+    arguments = {
+        name: module.from_numpy(value) if isinstance(value, np.ndarray) else value
+        for name, value in masks.items()
+    }
+    output = layer(*map(module.from_numpy, (q, k, v)), **arguments)
+    return module.to_numpy(output)
+
+
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("name", backend_params())
+def test_nnx_multihead_attention_into_every_backend(flax, name, bias, masks):
+    from flax import nnx
+
+    module = nnx.MultiHeadAttention(
+        H,
+        D,
+        qkv_features=D,
+        out_features=D,
+        in_kv_features=6,
+        use_bias=bias,
+        decode=False,
+        deterministic=True,
+        rngs=nnx.Rngs(3),
+    )
+    if bias:  # Flax starts biases at zero: make them count
+        for projection in (module.query, module.key, module.value, module.out):
+            shape = projection.bias.value.shape
+            values = 0.1 * (1 + np.arange(np.prod(shape))).reshape(shape)
+            projection.bias.value = projection.bias.value + values.astype("float32")
+    layer = interop.from_flax(module, backend=name)
+    assert mha.get_weights(layer)["W_k"].shape == (6, D)
+    q, k, v = inputs(key_size=6)
+    expected = flax_call(module, q, k, v, MASKS[masks])
+    np.testing.assert_allclose(mha_call(layer, q, k, v, MASKS[masks]), expected, atol=2e-5)
+
+
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("name", backend_params())
+def test_every_backend_to_nnx(flax, name, masks):
+    module = backend_module(name)
+    reference = N.MultiHeadAttention(D, H, bias=True, query_size=D, key_size=D, value_size=D)
+    layer = module.MultiHeadAttention(D, H, bias=True)
+    mha.set_weights(layer, mha.get_weights(reference))
+    builtin = interop.to_flax(layer)
+    builtin.eval()
+    q, k, v = inputs(1)
+    np.testing.assert_allclose(
+        flax_call(builtin, q, k, v, MASKS[masks]), reference(q, k, v, **MASKS[masks]), atol=2e-5
+    )
+
+
+def test_linen_parameters_both_ways(flax):
+    import jax
+    import jax.numpy as jnp
+    from flax import linen
+
+    module = linen.MultiHeadDotProductAttention(num_heads=H, qkv_features=D, out_features=D)
+    q, k, v = inputs(2)
+    params = module.init(jax.random.PRNGKey(0), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+    params = jax.tree_util.tree_map(lambda x: x + 0.01, params)  # non-zero biases
+    expected = np.asarray(module.apply(params, *map(jnp.asarray, (q, k, v))))
+    # The whole variables dict ({"params": ...}) or the params alone
+    for source in (params, params["params"]):
+        layer = interop.from_flax(source, backend="numpy")
+        np.testing.assert_allclose(layer(q, k, v), expected, atol=2e-5)
+    # And back: mha's weights as Linen parameters give mha's output
+    weights = mha.get_weights(layer)
+    again = interop.flax_params(weights, H)
+    output = module.apply({"params": again}, *map(jnp.asarray, (q, k, v)))
+    np.testing.assert_allclose(np.asarray(output), layer(q, k, v), atol=2e-5)
+
+
+def test_what_flax_layers_mha_cannot_hold_is_an_error(flax):
+    from flax import nnx
+
+    normalized = nnx.MultiHeadAttention(H, D, normalize_qk=True, decode=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="normalize_qk"):
+        interop.from_flax(normalized)
+    wide = nnx.MultiHeadAttention(
+        H, D, qkv_features=D, out_features=12, decode=False, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(ValueError, match="output size"):
+        interop.from_flax(wide)
+    with pytest.raises(ValueError, match=r"Found: \['query', 'value'\]"):
+        interop.from_flax(
+            {"query": {"kernel": np.zeros((D, H, 4))}, "value": {"kernel": np.zeros((D, H, 4))}}
+        )
+    with pytest.raises(TypeError, match=r"flax\.nnx\.MultiHeadAttention"):
+        interop.from_flax(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    layer = N.MultiHeadAttention(D, H, query_size=D, key_size=4, value_size=6)
+    with pytest.raises(ValueError, match="in_kv_features"):
+        interop.to_flax(layer)
+
+
+def test_convert_through_a_flax_msgpack_file(flax, tmp_path):
+    from flax import serialization
+
+    reference = N.MultiHeadAttention(D, H, bias=True, query_size=D, key_size=D, value_size=D)
+    mha.save(reference, tmp_path / "a.safetensors")
+    interop.convert(tmp_path / "a.safetensors", tmp_path / "a.msgpack")
+    # What Flax itself reads from the file: the parameters of its layer
+    params = serialization.msgpack_restore((tmp_path / "a.msgpack").read_bytes())
+    assert params["query"]["kernel"].shape == (D, H, D // H)
+    assert params["out"]["kernel"].shape == (H, D // H, D)
+    interop.convert(tmp_path / "a.msgpack", tmp_path / "b.safetensors")
+    back = mha.load(tmp_path / "b.safetensors")
+    for name, value in mha.get_weights(reference).items():
+        np.testing.assert_array_equal(mha.get_weights(back)[name], value)
+
+
+def test_a_foreign_msgpack_file_is_one_error(flax, tmp_path):
+    bad = tmp_path / "bad.msgpack"
+    bad.write_bytes(b"\xc1not msgpack at all")
+    with pytest.raises(ValueError, match=r"not a flax\.serialization msgpack file"):
+        interop.read_file(bad)
