@@ -205,15 +205,16 @@ class _Masks(Masks):
 def _softmax(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
     entry are exactly 0. jax.nn.softmax subtracts the row maximum, so logits of 1e4 stay
-    finite. A row with no kept key would be all -inf, NaN in softmax: it keeps every key
-    (finite values and gradients) and is zeroed after. Whatever a masked score holds (NaN
+    finite. A row with no kept key would be all -inf, NaN in softmax: its scores become 0
+    (finite values and gradients) and it is zeroed after. Whatever a masked score holds (NaN
     included) is replaced, so it reaches neither the weights nor the gradients."""
     if keep is None:
         return jax.nn.softmax(scores, axis=-1)
-    # Shape of attended: keep's, with 1 key
+    # Shape of attended and fill: keep's, with 1 key
     attended = keep.any(axis=-1, keepdims=True)
-    keep = keep | ~attended
-    weights = jax.nn.softmax(jnp.where(keep, scores, -jnp.inf), axis=-1)
+    # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
+    fill = jnp.where(attended, -jnp.inf, 0).astype(scores.dtype)
+    weights = jax.nn.softmax(jnp.where(keep, scores, fill), axis=-1)
     return jnp.where(attended, weights, jnp.zeros((), weights.dtype))
 
 

@@ -357,44 +357,41 @@ def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: boo
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
     entry are exactly 0. npx.softmax subtracts the row maximum, so logits of 1e4 stay finite.
 
-    Written with MXNet's fused softmax on scores plus an additive -inf mask, as torch's
-    backend does, rather than the reference's steps: a row with no kept key would be all -inf,
-    NaN in softmax, so it keeps every key (finite values and gradients) and is zeroed after.
-
-    The mask's form follows what MXNet 1.9 does fast on the CPU: the small mask added with
-    broadcasting, rather than its length-masked softmax or a where() over the scores. While
-    recording, the backward of a broadcasting add reduces over the broadcast axes even for a
-    mask that needs no gradient, so the mask is broadcast to the scores' shape first, or, with
-    `recording` and valid_lens alone, `_attention_masks` gives `_Lengths` for the
-    length-masked softmax. `in_place` overwrites `scores`, a fresh array of the caller's, with
-    the mask and then the weights, when run imperatively without recording: MXNet does not
-    pool CPU memory, so every new (..., Q, K) array is fresh pages to fault in.
+    Written with MXNet's fused softmax on the scores with -inf at masked entries, rather than
+    the reference's steps: a row with no kept key would be all -inf, NaN in softmax, so its
+    scores become 0 (finite values and gradients) and it is zeroed after. The fill replaces
+    what a masked score held (one where() over the scores), so a masked key holding NaN or
+    inf stays out. With `recording` and valid_lens alone, `_attention_masks` gives `_Lengths`
+    for MXNet's length-masked softmax, whose backward is cheaper. `in_place` writes the
+    weights over `scores`, a fresh array of the caller's, when run imperatively without
+    recording: MXNet does not pool CPU memory, so every new (..., Q, K) array is fresh pages.
     """
     in_place = in_place and _imperative(scores, recording)
-    # In place, the weights are written over the scores
-    out = {"out": scores} if in_place else {}
     if keep is None:
-        return F.npx.softmax(scores, axis=-1, **out)
+        # In place, the weights are written over the scores
+        return F.npx.softmax(scores, axis=-1, **({"out": scores} if in_place else {}))
     if isinstance(keep, _Lengths):
         # Entries at or past a row's length are exactly 0, with gradient 0, and a row of
         # length 0 is all 0 with gradient 0
         return F.npx.softmax(scores, keep.lengths, axis=-1, use_length=True)
-    additive, attended = _additive_mask(F, keep, dtype)
+    # Shape of attended and fill: keep's, with 1 key; attended is 1 or 0 in the dtype (MXNet
+    # 1.9.1 has no any() for bool)
+    attended = keep.astype(dtype).max(axis=-1, keepdims=True)
+    # log(0) = -inf where a row keeps a key, log(1) = 0 where it keeps none
+    fill = F.np.log(1 - attended)
     if recording:
-        additive = _broadcast_like(F, additive, scores)
-        attended = None if attended is None else _broadcast_like(F, attended, scores)
-    if in_place:
-        scores += additive
-    else:
-        scores = scores + additive
-    weights = F.npx.softmax(scores, axis=-1, **out)
-    if attended is None:
+        # MXNet's backward of a broadcast operand reduces over its broadcast axes, even for
+        # one that needs no gradient: the small arrays are broadcast to the scores' shape
+        keep, fill = _broadcast_like(F, keep, scores), _broadcast_like(F, fill, scores)
+    scores = F.np.where(keep, scores, fill)
+    weights = F.npx.softmax(scores, axis=-1, **({"out": scores} if in_place else {}))
+    if not _may_have_empty_rows(attended):
         return weights
     # The weights are finite: a product by 0 or 1 zeroes the empty rows exactly
     if in_place:
         weights *= attended
         return weights
-    return weights * attended
+    return weights * (_broadcast_like(F, attended, scores) if recording else attended)
 
 
 def _imperative(scores, recording: bool) -> bool:
@@ -406,30 +403,6 @@ def _broadcast_like(F, x, like):
     # numpy's broadcast_to needs the shape, which a graph being traced does not know: the
     # legacy operator, on legacy views of both
     return F.broadcast_like(x.as_nd_ndarray(), like.as_nd_ndarray()).as_np_ndarray()
-
-
-def _additive_mask(F, keep, dtype: str):
-    """keep -> (additive, attended): 0 where a key is kept, -inf where it is masked.
-
-    A row with no kept key keeps every key instead (finite values and gradients) and must be
-    zeroed after the softmax where `attended` is 0; attended is None when no row can be
-    empty. Shapes: keep's, with 1 keys for attended; small, as keep broadcasts over heads.
-    exp(-inf) = 0 for masked entries, whose gradient is then exactly 0.
-    """
-    keep, attended = _keep_every_row(F, keep, dtype)
-    # log(1) = 0 where a key is kept, log(0) = -inf where it is masked: one op on keep
-    return F.np.log(keep.astype(dtype)), attended
-
-
-def _keep_every_row(F, keep, dtype: str):
-    """A row with no kept key would be all -inf, NaN in softmax: it keeps every key instead.
-    Returns (keep, attended): attended, 1 or 0 in `dtype` of shape (..., Q or 1, 1), marks
-    the rows to zero afterwards; None when no row can be empty."""
-    # As numbers: MXNet 1.9.1 has no any() or logical_or for bool
-    attended = keep.astype(dtype).max(axis=-1, keepdims=True)
-    if not _may_have_empty_rows(attended):
-        return keep, None
-    return (keep + (attended == 0)) != 0, attended
 
 
 def _may_have_empty_rows(attended) -> bool:

@@ -118,8 +118,11 @@ class Linear(Module):
         if self.weight is None:
             self.initialize(X.shape[-1])
         # One (rows x in) @ (in x out) product over every leading axis: numpy would otherwise
-        # loop over the batch, one smaller product per example
-        Y = (X.reshape(-1, X.shape[-1]) @ self.weight).reshape(*X.shape[:-1], self.out_features)
+        # loop over the batch, one smaller product per example. Padding rows may hold inf,
+        # whose NaN products the masks keep out, so they do not warn
+        with np.errstate(invalid="ignore"):
+            Y = X.reshape(-1, X.shape[-1]) @ self.weight
+        Y = Y.reshape(*X.shape[:-1], self.out_features)
         if self.bias is not None:
             Y += self.bias
         return Y
@@ -297,7 +300,10 @@ class DotProductAttention(Module):
         d = queries.shape[-1]
         # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather
         # than the scores touches Q x d numbers instead of Q x K
-        scores = queries / np.sqrt(queries.dtype.type(d)) @ np.swapaxes(keys, -1, -2)
+        # A masked key may hold anything (padding): its NaN or inf scores are replaced by the
+        # mask, so their arithmetic does not warn
+        with np.errstate(invalid="ignore"):
+            scores = queries / np.sqrt(queries.dtype.type(d)) @ np.swapaxes(keys, -1, -2)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights
         )

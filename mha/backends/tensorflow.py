@@ -203,20 +203,20 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
     """Softmax over the last axis on the kept entries; masked entries and rows with no kept
     entry are exactly 0. tf.nn.softmax subtracts the row maximum, so logits of 1e4 stay finite.
 
-    Written with TensorFlow's fused softmax on scores plus an additive -inf mask, as Keras
-    does with its large negative, rather than the reference's steps (four fewer passes over the
-    scores): a row with no kept key would be all -inf, NaN in softmax, so it keeps every key
-    (finite values and gradients) and is zeroed after. Gradients: exp(-inf) = 0 gives masked
-    entries a gradient of exactly 0, and the zeroed rows get 0, so no NaN flows back.
+    Written with TensorFlow's fused softmax on the scores with -inf at masked entries, rather
+    than the reference's steps (four fewer passes over the scores): a row with no kept key
+    would be all -inf, NaN in softmax, so its scores become 0 (finite values and gradients)
+    and it is zeroed after. The fill replaces a masked score rather than being added to it, so
+    a masked key holding NaN or inf stays out. Gradients: exp(-inf) = 0 gives masked entries a
+    gradient of exactly 0, and the zeroed rows get 0, so no NaN flows back.
     """
     if keep is None:
         return tf.nn.softmax(scores, axis=-1)
-    # Shape of attended and additive: keep's, with 1 keys for attended; small, as keep
-    # broadcasts over heads
+    # Shape of attended and fill: keep's, with 1 key; small, as keep broadcasts over heads
     attended = tf.reduce_any(keep, axis=-1, keepdims=True)
-    keep = tf.logical_or(keep, tf.logical_not(attended))
-    additive = tf.where(keep, tf.zeros([], scores.dtype), tf.constant(-np.inf, scores.dtype))
-    weights = tf.nn.softmax(scores + additive, axis=-1)
+    # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
+    fill = tf.where(attended, tf.constant(-np.inf, scores.dtype), tf.zeros([], scores.dtype))
+    weights = tf.nn.softmax(tf.where(keep, scores, fill), axis=-1)
     # Zeroing the rows with no kept key is a pass over the weights. Eagerly on the CPU, one
     # host read of the small `attended` is free and skips it when every row has a key;
     # elsewhere (GPU, graphs) it always runs, so that no call waits for the device

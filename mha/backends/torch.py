@@ -186,10 +186,15 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None,
     """
     attended = None
     if keep is not None:
-        keep, attended = _keep_every_row(keep)
-        # exp(-inf) = 0: masked entries, and their gradients, are exactly 0
+        attended = keep.any(dim=-1, keepdim=True)
+        attended = None if not _may_have_empty_rows(attended) else attended
+        # exp(-inf) = 0: masked entries, and their gradients, are exactly 0. The -inf replaces
+        # what a masked score held, so a masked key holding NaN or inf stays out
         fill = scores.masked_fill_ if in_place else scores.masked_fill
         scores = fill(~keep, float("-inf"))
+        if attended is not None:
+            # A row with no kept key, all -inf, would be NaN: a row of zeros, zeroed after
+            scores = scores.masked_fill_(~attended, 0.0)
     if in_place and not scores.requires_grad:
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:
@@ -265,6 +270,33 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     return output if attended is None else torch.where(attended, output, 0.0)
 
 
+def _why_not_fused(keys: torch.Tensor, keep: torch.Tensor | None) -> str | None:
+    """Why F.scaled_dot_product_attention cannot compute this call, or None when it can."""
+    if keep is not None and not _all_finite(keys):
+        return "a key holds NaN or inf: the kernel adds the mask to its score, giving NaN"
+    return None
+
+
+def _why_not_masked_product(queries, keys, keep, bias) -> str | None:
+    """Why the mask cannot be added inside the scaled product, or None when it can."""
+    if bias is not None:
+        return "an additive window mask is added to the scores on its own"
+    if keep is not None and not _mask_fits_product(keep, queries):
+        return "the mask varies along the leading axes and along the queries"
+    if keep is not None and not _all_finite(keys):
+        return "a key holds NaN or inf: added to the mask, its score would stay NaN"
+    return None
+
+
+def _all_finite(keys: torch.Tensor) -> bool:
+    """Whether every key is finite. On the CPU one read answers it (a pass over the keys, not
+    the scores); elsewhere and while compiling the answer is yes without reading, so that no
+    call waits for the device: there a masked key holding NaN or inf can reach the output."""
+    if keys.device.type != "cpu" or torch.compiler.is_compiling():
+        return True
+    return bool(torch.isfinite(keys).all())
+
+
 def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
     """Whether keep, as an additive mask, can be the input of one batched product: one mask
     for every leading index, or one mask row per leading index (lengths, key padding)."""
@@ -326,13 +358,14 @@ class DotProductAttention(Module):
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         _Masks.combine. MultiHeadAttention calls this with a head axis. Without
-        need_weights, torch's fused kernel computes the same numbers.
+        need_weights, torch's fused kernel computes the same numbers where it can (see
+        _why_not_fused).
         """
-        if not need_weights:
+        if not need_weights and _why_not_fused(keys, keep) is None:
             self.attention_weights = None
             return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         d = queries.shape[-1]
-        if bias is None and (keep is None or _mask_fits_product(keep, queries)):
+        if _why_not_masked_product(queries, keys, keep, bias) is None:
             # The mask is added inside the scaled product, as nn.MultiheadAttention does
             # (baddbmm): a pass over the scores fewer, forward and backward
             keep, attended = (None, None) if keep is None else _keep_every_row(keep)
@@ -340,13 +373,13 @@ class DotProductAttention(Module):
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
                 output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
-            self.attention_weights = weights
+            self.attention_weights = weights if need_weights else None
             return output
         # Shape of scores: (..., no. of queries, no. of keys). The queries are scaled rather
         # than the scores: Q x d numbers instead of Q x K
         scores = (queries / math.sqrt(d)) @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout
+            scores, values, keep, bias, self.dropout, need_weights
         )
         return output
 

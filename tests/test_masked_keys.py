@@ -1,0 +1,65 @@
+"""Whatever a masked key holds stays out: NaN or inf in a key that a mask excludes changes no
+output of a query that does not attend to it, in every backend, under every kind of mask.
+
+Padding positions of real batches hold anything; masked keys get exactly zero weight.
+"""
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params
+from mha.backends import numpy as N
+
+B, Q, K, D, H = 2, 5, 5, 8, 2
+LAST = K - 1  # the key that holds the poison
+
+MASKS = {
+    "valid_lens": {"valid_lens": np.array([LAST, 2])},
+    "valid_lens_2d": {"valid_lens": np.array([[1, 2, 3, 4, 4], [4, 3, 2, 1, 0]])},
+    "mask": {"mask": np.arange(K) != LAST},
+    "causal": {"causal": True},
+    "window_bool": {"window_mask": np.tri(Q, K, dtype=bool)[None]},
+    "window_additive": {"window_mask": np.where(np.tri(Q, K, dtype=bool), 0.25, -np.inf)[None]},
+}
+
+
+def layers(module, multihead):
+    if not multihead:
+        return N.DotProductAttention(dtype="float64"), module.DotProductAttention(dtype="float64")
+    reference = N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype="float64")
+    layer = module.MultiHeadAttention(D, H, dtype="float64")
+    mha.set_weights(layer, mha.get_weights(reference))
+    return reference, layer
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize(
+    "kind", ["dot", "multihead", "multihead_no_weights"], ids=lambda kind: kind
+)
+@pytest.mark.parametrize("name", backend_params())
+def test_a_masked_key_holding_anything_changes_nothing(name, kind, masks, poison):
+    module = backend_module(name)
+    reference, layer = layers(module, kind != "dot")
+    rng = np.random.default_rng(0)
+    queries, keys, values = (rng.standard_normal((B, n, D)) for n in (Q, K, K))
+    kwargs = MASKS[masks]
+    expected = reference(queries, keys, values, **kwargs)
+    weights = reference.attention_weights
+    # Rows that give key LAST no weight (in every head)
+    masked = weights[..., LAST] == 0
+    rows = masked.all(axis=1) if weights.ndim == 4 else masked
+    assert rows.any()
+    poisoned = keys.copy()
+    poisoned[:, LAST] = poison
+    extra = {"need_weights": False} if kind == "multihead_no_weights" else {}
+    arguments = {
+        k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
+    }
+    output = layer(*map(module.from_numpy, (queries, poisoned, values)), **arguments, **extra)
+    output = module.to_numpy(output)
+    np.testing.assert_allclose(output[rows], expected[rows], rtol=0, atol=1e-12)
+    if not extra:
+        got = module.to_numpy(layer.attention_weights)
+        np.testing.assert_allclose(got[..., LAST][masked], 0, atol=0)
