@@ -75,9 +75,22 @@ def to_numpy(x: Any) -> numpy.ndarray:
 
 
 def from_numpy(array: Any) -> mx.np.ndarray:
-    """Return `array` as an `mx.np.ndarray` of the same dtype, on the current context."""
+    """Return `array` as an `mx.np.ndarray` of the same dtype, on the current context.
+
+    Raises:
+        TypeError: a dtype MXNet 1.9 has no arrays of (int16, uint16, uint32, uint64).
+    """
     array = numpy.asarray(array)
+    if array.dtype.name not in _MXNET_DTYPES:
+        raise TypeError(
+            f"MXNet has no {array.dtype.name} arrays; convert to one of "
+            f"{', '.join(_MXNET_DTYPES)} first"
+        )
     return mx.np.array(array, dtype=array.dtype)
+
+
+# The dtypes of MXNet 1.9's numpy arrays
+_MXNET_DTYPES = ("bool", "int8", "uint8", "int32", "int64", "float16", "float32", "float64")
 
 
 # ---------------------------------------------------------------------------------------------

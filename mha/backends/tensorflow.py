@@ -151,8 +151,10 @@ def _check_valid_lens_values(valid_lens) -> None:
 def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
-    # Compared in 64 bits: exact for every whole number a length can be, of any dtype
-    compare_dtype = tf.float64 if valid_lens.dtype.is_floating else tf.int64
+    # Compared in 64 bits: int64 for the integers that fit it, float64 for floats and uint64
+    # (exact to 2**53, far past any number of keys; as int64, 2**64 - 1 would be -1)
+    wide = valid_lens.dtype.is_floating or valid_lens.dtype == tf.uint64
+    compare_dtype = tf.float64 if wide else tf.int64
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
     lengths = tf.reshape(tf.cast(valid_lens, compare_dtype), [tf.shape(valid_lens)[0], -1, 1])
     return tf.range(num_keys, dtype=compare_dtype) < lengths

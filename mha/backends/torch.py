@@ -111,11 +111,20 @@ def _in_features(linear: nn.Module) -> int | None:
 # Masks
 
 
+def _comparable(valid_lens: torch.Tensor) -> torch.Tensor:
+    # torch has no min or comparison for uint16 to uint64: such lengths are read as float64,
+    # exact to 2**53, far past any number of keys
+    if valid_lens.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        return valid_lens.to(torch.float64)
+    return valid_lens
+
+
 def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
     # The one check that needs values: non-negative whole numbers (.item() waits for the
     # device, as any value check must)
     if valid_lens is None or valid_lens.numel() == 0:
         return
+    valid_lens = _comparable(valid_lens)
     non_integer = None
     if valid_lens.is_floating_point():
         fractional = valid_lens != torch.floor(valid_lens)
@@ -128,7 +137,7 @@ def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = valid_lens.reshape(valid_lens.shape[0], -1, 1)
+    lengths = _comparable(valid_lens).reshape(valid_lens.shape[0], -1, 1)
     return torch.arange(num_keys, device=valid_lens.device) < lengths
 
 
