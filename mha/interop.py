@@ -1019,6 +1019,29 @@ def _load_torch_file(name: str) -> dict[str, Any]:
             f"{name} does not hold a state_dict (a dict of tensors). "
             f"Received: {type(state).__name__}"
         )
+    for key, value in state.items():
+        # Only plain dense float tensors are weights mha reads
+        kind = (
+            "a sparse"
+            if value.layout != torch.strided
+            else "a quantized"
+            if value.is_quantized
+            else "a meta (data-less)"
+            if value.device.type == "meta"
+            else None
+        )
+        if kind is None and value.dtype not in (
+            torch.float16,
+            torch.bfloat16,
+            torch.float32,
+            torch.float64,
+        ):
+            kind = f"a {str(value.dtype).removeprefix('torch.')}"
+        if kind is not None:
+            raise ValueError(
+                f"{name} holds {kind} tensor at {key!r}; mha reads dense float16, bfloat16, "
+                "float32 and float64 weights"
+            )
     return dict(state)
 
 
@@ -1044,6 +1067,18 @@ def _load_keras_file(name: str) -> Any:
 
     try:
         with h5py.File(name, "r") as file:
+            entries = [
+                file[f"{dense}/vars/{i}"]
+                for dense in _KERAS_DENSE.values()
+                for i in (0, 1)
+                if f"{dense}/vars/{i}" in file
+            ]
+            if not all(isinstance(entry, h5py.Dataset) for entry in entries):
+                raise ValueError("its weight entries are not arrays")
+            # Every array is read whole: together they must fit in the file that holds them
+            declared = sum(entry.size * entry.dtype.itemsize for entry in entries)
+            if declared > os.path.getsize(name):
+                raise ValueError(f"its arrays declare {declared} bytes, more than the file has")
             shapes = {k: tuple(file[f"{dense}/vars/0"].shape) for k, dense in _KERAS_DENSE.items()}
             query = file["query_dense/vars/0"]
             # Keras stores bfloat16 as 2 raw bytes per number and names the dtype in an
@@ -1051,7 +1086,7 @@ def _load_keras_file(name: str) -> Any:
             dtype = query.attrs.get("dtype", query.dtype.name)
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             bias = "query_dense/vars/1" in file
-    except (OSError, KeyError) as error:
+    except (OSError, KeyError, TypeError, ValueError) as error:
         raise ValueError(
             f"{name} is not a Keras MultiHeadAttention weights file (as written by "
             f"keras.saving.save_weights): {error}"

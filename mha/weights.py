@@ -514,10 +514,23 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         _CONFIG_CHECKS[class_name](*(config[key] for key in expected))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} has an invalid config for {class_name}: {error}") from None
+    if class_name == "PositionalEncoding":
+        # Its table is made from the config alone: a few bytes of file must not ask for TiBs
+        size = config["max_len"] * config["num_hiddens"]
+        if size > _MAX_TABLE_SIZE:
+            raise ValueError(
+                f"{name} asks for a positional table of max_len * num_hiddens = {size} numbers, "
+                f"more than a file may ask for ({_MAX_TABLE_SIZE}); build the layer with "
+                "these arguments yourself if you mean it"
+            )
     problems, arrays = _find_problems(class_name, config, tensors)
     if problems:
         _raise_problems(f"read_checkpoint({name!r})", class_name, config, problems)
     return Checkpoint(class_name, config, arrays, metadata)
+
+
+# The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
+_MAX_TABLE_SIZE = 2**27
 
 
 def build_layer(module: Any, class_name: str, config: Mapping[str, Any]) -> Any:
