@@ -120,6 +120,17 @@ def _require_tensor(name: str, x: Any) -> None:
         )
 
 
+def _require_framework(tensor_type: Any, **tensors: Any) -> None:
+    """Each given tensor is one of the layer's framework (`tensor_type`): another framework's
+    tensor is a TypeError here rather than an internal error in the first operation."""
+    for name, x in tensors.items():
+        if x is not None and _is_tensor(x) and not isinstance(x, tensor_type):
+            raise TypeError(
+                f"{name} must be an array or tensor of the layer's framework. "
+                f"Received: {name} of type {type(x).__module__}.{type(x).__qualname__}"
+            )
+
+
 def _same(a: int | None, b: int | None) -> bool:
     """Sizes agree, or one of them is not known yet (symbolic shapes)."""
     return a is None or b is None or a == b
@@ -392,6 +403,7 @@ def check_attention_call(
     sizes: Sequence[tuple[str, str, int | None]] = (),
     same_query_key_size: bool = False,
     num_heads: int | None = None,
+    tensor_type: Any = object,
 ) -> tuple[int | None, int | None, int | None]:
     """Check the call of an attention layer; returns (batch_size, no. of queries, no. of keys).
 
@@ -400,7 +412,18 @@ def check_attention_call(
             last axis of the argument must have that size when it is known.
         same_query_key_size: queries and keys must share their last axis (dot product).
         num_heads: set for multi-head attention; allows 4-D masks and `head_mask`.
+        tensor_type: the type (or types) of the layer's framework's tensors.
     """
+    _require_framework(
+        tensor_type,
+        queries=queries,
+        keys=keys,
+        values=values,
+        valid_lens=valid_lens,
+        mask=mask,
+        window_mask=window_mask,
+        head_mask=head_mask,
+    )
     # Self-attention passes one tensor three times: it is checked once
     q_shape = _check_input("queries", queries, dtype)
     k_shape = q_shape if keys is queries else _check_input("keys", keys, dtype)
@@ -452,8 +475,9 @@ def check_attention_call(
     return batch_size, num_queries, num_keys
 
 
-def check_masked_softmax_call(X: Any, valid_lens: Any = None) -> None:
+def check_masked_softmax_call(X: Any, valid_lens: Any = None, *, tensor_type: Any = object) -> None:
     """Check masked_softmax(X, valid_lens): X (batch_size, ..., no. of queries, no. of keys)."""
+    _require_framework(tensor_type, X=X, valid_lens=valid_lens)
     _require_tensor("X", X)
     shape = shape_of(X)
     if dtype_name(X) not in FLOAT_DTYPES:
@@ -479,8 +503,11 @@ def check_masked_softmax_call(X: Any, valid_lens: Any = None) -> None:
     _check_valid_lens(valid_lens, shape[0], shape[-2])
 
 
-def check_positional_encoding_call(X: Any, num_hiddens: int, max_len: int, dtype: str) -> None:
+def check_positional_encoding_call(
+    X: Any, num_hiddens: int, max_len: int, dtype: str, *, tensor_type: Any = object
+) -> None:
     """Check PositionalEncoding's call: X (batch_size, no. of steps <= max_len, num_hiddens)."""
+    _require_framework(tensor_type, X=X)
     shape = _check_input("X", X, dtype)
     _check_size("X", X, shape, "num_hiddens", num_hiddens)
     if shape[1] is not None and shape[1] > max_len:
@@ -490,8 +517,11 @@ def check_positional_encoding_call(X: Any, num_hiddens: int, max_len: int, dtype
         )
 
 
-def check_add_norm_call(X: Any, Y: Any, num_hiddens: int, dtype: str) -> None:
+def check_add_norm_call(
+    X: Any, Y: Any, num_hiddens: int, dtype: str, *, tensor_type: Any = object
+) -> None:
     """Check AddNorm's call: X and Y of the same shape, last axis num_hiddens."""
+    _require_framework(tensor_type, X=X, Y=Y)
     for name, tensor in (("X", X), ("Y", Y)):
         _require_tensor(name, tensor)
         if dtype_name(tensor) != dtype:

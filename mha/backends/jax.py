@@ -132,6 +132,11 @@ def _in_features(linear: _Linear) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # Masks
 
+# The tensors a layer of this backend takes; another framework's is a TypeError
+# numpy arrays are taken as jax.numpy takes them
+_TENSOR_TYPES = (jax.Array, np.ndarray)
+
+
 
 def _check_valid_lens_values(valid_lens: jax.Array | None) -> None:
     # The one check that needs values: non-negative whole numbers. A traced call (jit, grad
@@ -157,7 +162,7 @@ def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
     )
     lengths = jnp.minimum(valid_lens, top).astype(jnp.int32)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = lengths.reshape(valid_lens.shape[0], -1, 1)
+    lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
     return jnp.arange(num_keys, dtype=jnp.int32) < lengths
 
 
@@ -221,7 +226,7 @@ def _softmax(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
 @documented
 def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None) -> jax.Array:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -271,7 +276,7 @@ class DotProductAttention(nnx.Module):
             mask=mask,
             causal=causal,
             window_mask=window_mask,
-            dtype=self.dtype,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
@@ -334,7 +339,7 @@ class AdditiveAttention(nnx.Module):
             mask=mask,
             causal=causal,
             window_mask=window_mask,
-            dtype=self.dtype,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             sizes=(
                 ("queries", "query_size", _in_features(self.W_q)),
                 ("keys", "key_size", _in_features(self.W_k)),
@@ -412,7 +417,7 @@ class MultiHeadAttention(nnx.Module):
             window_mask=window_mask,
             head_mask=head_mask,
             need_weights=need_weights,
-            dtype=self.dtype,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads,
             sizes=(
                 ("queries", "query_size", _in_features(self.W_q)),
@@ -442,13 +447,13 @@ class MultiHeadAttention(nnx.Module):
 
     def transpose_qkv(self, X: jax.Array) -> jax.Array:
         """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, self.num_hiddens // self.num_heads)
         return X.transpose(0, 2, 1, 3)
 
     def transpose_output(self, X: jax.Array) -> jax.Array:
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = X.transpose(0, 2, 1, 3)
-        return X.reshape(X.shape[0], X.shape[1], -1)
+        return X.reshape(X.shape[0], X.shape[1], self.num_hiddens)
 
 
 @documented
@@ -479,7 +484,9 @@ class PositionalEncoding(nnx.Module):
         return _table(self.max_len, self.num_hiddens, self.dtype)
 
     def __call__(self, X: jax.Array) -> jax.Array:
-        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
 
@@ -523,7 +530,9 @@ class AddNorm(nnx.Module):
         )
 
     def __call__(self, X: jax.Array, Y: jax.Array) -> jax.Array:
-        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        validation.check_add_norm_call(
+            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         return self.ln(self.dropout(Y) + X)
 
 

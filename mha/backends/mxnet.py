@@ -114,7 +114,7 @@ class _Call(NamedTuple):
 
     dtype: str
     d: int | None = None  # feature size of queries and keys, for the 1/sqrt(d) scale
-    valid_lens: bool = False
+    valid_lens_ndim: int | None = None
     mask_ndim: int | None = None
     causal: bool = False
     num_windows: int | None = None
@@ -130,7 +130,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
     return _Call(
         dtype=dtype,
         d=d,
-        valid_lens=valid_lens is not None,
+        valid_lens_ndim=None if valid_lens is None else valid_lens.ndim,
         mask_ndim=None if mask is None else mask.ndim,
         causal=causal,
         num_windows=None if window_mask is None else window_mask.shape[0],
@@ -218,6 +218,12 @@ def _in_features(dense: nn.Dense) -> int | None:
     return int(in_features) if in_features > 0 else None
 
 
+def _empty(like, *shape):
+    # MXNet 1.9's kernels crash on an empty batch (a segfault, or a failure in a later
+    # operation): the empty result is made directly, on the input's context
+    return mx.np.zeros(shape, dtype=like.dtype, ctx=like.ctx)
+
+
 def _position_dtype(dtype: str) -> str:
     # Positions are counted in the layer's dtype, except float16 that is exact to 2048 only
     return "float32" if dtype == "float16" else dtype
@@ -232,6 +238,10 @@ def _positions(F, x, axis: int, dtype: str):
 
 # ---------------------------------------------------------------------------------------------
 # Masks
+
+# The tensors a layer of this backend takes; another framework's is a TypeError
+_TENSOR_TYPES = mx.np.ndarray
+
 
 
 def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> None:
@@ -248,12 +258,13 @@ def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> None:
     validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
 
 
-def _length_mask(F, valid_lens, key_positions, dtype: str):
+def _length_mask(F, valid_lens, ndim: int, key_positions, dtype: str):
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
-    (batch_size, no. of queries, no. of keys) for 2-D."""
+    (batch_size, no. of queries, no. of keys) for 2-D (`ndim`, known while tracing too)."""
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = F.npx.reshape(valid_lens, (-2, -1, 1)).astype(_position_dtype(dtype))
-    return key_positions < lengths
+    lengths = F.np.expand_dims(valid_lens, -1)
+    lengths = F.np.expand_dims(lengths, -1) if ndim == 1 else lengths
+    return key_positions < lengths.astype(_position_dtype(dtype))
 
 
 class _Masks(Masks):
@@ -269,7 +280,8 @@ class _Masks(Masks):
         return _positions(self.F, self.keys, 1, self.call.dtype)
 
     def length_mask(self, valid_lens):
-        return _length_mask(self.F, valid_lens, self.key_positions, self.call.dtype)
+        ndim, dtype = self.call.valid_lens_ndim, self.call.dtype
+        return _length_mask(self.F, valid_lens, ndim, self.key_positions, dtype)
 
     def causal_mask(self):
         query_positions = _positions(self.F, self.queries, 1, self.call.dtype)
@@ -320,7 +332,8 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Cal
             return _Lengths(lengths), None
         key_positions = _positions(F, keys, 1, call.dtype)
         query_positions = _positions(F, queries, 1, call.dtype)
-        lengths = _row_lengths(F, valid_lens, key_positions, query_positions, call.dtype)
+        lengths = _row_lengths(F, valid_lens, call.valid_lens_ndim, key_positions,
+                               query_positions, call.dtype)
         if multihead:
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
@@ -339,11 +352,12 @@ class _Lengths(NamedTuple):
     lengths: Any
 
 
-def _row_lengths(F, valid_lens, key_positions, query_positions, dtype: str):
+def _row_lengths(F, valid_lens, ndim: int, key_positions, query_positions, dtype: str):
     """valid_lens (batch_size,) or (batch_size, no. of queries) -> (batch_size, no. of queries)
     int32 lengths, clipped to the number of keys (npx.softmax reads past the row otherwise)."""
     # Shape of lengths: (batch_size, 1 or no. of queries), then broadcast over the queries
-    lengths = F.npx.reshape(valid_lens, (-2, -1)).astype(_position_dtype(dtype))
+    lengths = F.np.expand_dims(valid_lens, -1) if ndim == 1 else valid_lens
+    lengths = lengths.astype(_position_dtype(dtype))
     lengths = lengths + F.np.zeros_like(query_positions)
     # The number of keys, as an array: the graph does not depend on sizes
     num_keys = F.np.sum(F.np.ones_like(key_positions), keepdims=True)
@@ -356,10 +370,12 @@ def _known_row_lengths(valid_lens, num_queries: int, num_keys: int, num_heads: i
     run imperatively."""
     batch_size = valid_lens.shape[0]
     lengths = mx.np.minimum(valid_lens, num_keys).astype("int32")
+    # Shape of lengths: (batch_size, 1 or no. of queries)
+    lengths = lengths[:, None] if lengths.ndim == 1 else lengths
     if num_heads is None:
-        return mx.np.broadcast_to(lengths.reshape(batch_size, -1), (batch_size, num_queries))
+        return mx.np.broadcast_to(lengths, (batch_size, num_queries))
     shape = (batch_size, num_heads, num_queries)
-    return mx.np.broadcast_to(lengths.reshape(batch_size, 1, -1), shape)
+    return mx.np.broadcast_to(lengths[:, None, :], shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,7 +449,7 @@ def _may_have_empty_rows(attended) -> bool:
 @mx.util.use_np
 def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) -> mx.np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
     _check_valid_lens_values(valid_lens)
     F, dtype = mx.nd, numpy.dtype(X.dtype).name
     recording = mx.autograd.is_recording()
@@ -442,7 +458,7 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) ->
     # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
     # middle axis of X so that it broadcasts against X
     key_positions = mx.np.arange(X.shape[-1], dtype=_position_dtype(dtype), ctx=X.ctx)
-    keep = _length_mask(F, valid_lens, key_positions, dtype)
+    keep = _length_mask(F, valid_lens, valid_lens.ndim, key_positions, dtype)
     if X.ndim == 2:
         keep = keep[:, 0, :]
     keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
@@ -483,9 +499,13 @@ class DotProductAttention(Layer):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask)
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
+        if queries.shape[0] == 0:
+            self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
+            return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
                                window_mask)
         output, self.attention_weights = self._run(
@@ -537,11 +557,14 @@ class AdditiveAttention(Layer):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask)
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
+        if queries.shape[0] == 0:
+            self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
+            return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask)
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask
@@ -589,12 +612,17 @@ class MultiHeadAttention(Layer):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, num_heads=self.num_heads,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
         _check_valid_lens_values(valid_lens)
+        if queries.shape[0] == 0:
+            shape = (0, self.num_heads, queries.shape[1], keys.shape[1])
+            weights = _empty(queries, *shape) if need_weights else None
+            self.attention_weights = self.attention.attention_weights = weights
+            return _empty(queries, 0, queries.shape[1], self.num_hiddens)
         call = _call_structure(self.dtype, self.num_hiddens // self.num_heads, valid_lens,
                                mask, causal, window_mask, head_mask, need_weights)
         outputs = self._run(
@@ -629,13 +657,13 @@ class MultiHeadAttention(Layer):
 
     def transpose_qkv(self, F, X):
         """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = F.npx.reshape(X, (-2, -2, self.num_heads, -1))
+        X = F.npx.reshape(X, (-2, -2, self.num_heads, self.num_hiddens // self.num_heads))
         return F.np.transpose(X, (0, 2, 1, 3))
 
     def transpose_output(self, F, X):
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = F.np.transpose(X, (0, 2, 1, 3))
-        return F.npx.reshape(X, (-2, -2, -1))
+        return F.npx.reshape(X, (-2, -2, self.num_hiddens))
 
 
 @documented
@@ -659,7 +687,9 @@ class PositionalEncoding(Layer):
 
     def forward(self, X):
         self._require_ndarrays(X)
-        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         P = self.P[:, : X.shape[1], :].as_in_context(X.ctx)
         return self._run(_call_structure(self.dtype), X, P)
 
@@ -684,7 +714,11 @@ class AddNorm(Layer):
 
     def forward(self, X, Y):
         self._require_ndarrays(X, Y)
-        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        validation.check_add_norm_call(
+            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        if X.size == 0:
+            return _empty(X, *X.shape)
         return self._run(_call_structure(self.dtype), X, Y)
 
     def hybrid_forward(self, F, X, Y):

@@ -160,6 +160,10 @@ class LayerNorm(Module):
 # ---------------------------------------------------------------------------------------------
 # Masks
 
+# The tensors a layer of this backend takes; another framework's is a TypeError
+_TENSOR_TYPES = np.ndarray
+
+
 
 def _check_valid_lens_values(valid_lens: np.ndarray | None) -> None:
     # The one check that needs values: non-negative whole numbers.
@@ -177,7 +181,7 @@ def _length_mask(valid_lens: np.ndarray, num_keys: int) -> np.ndarray:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = valid_lens.reshape(valid_lens.shape[0], -1, 1)
+    lengths = valid_lens[:, None, None] if valid_lens.ndim == 1 else valid_lens[:, :, None]
     return np.arange(num_keys) < lengths
 
 
@@ -245,7 +249,7 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
 @documented
 def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -284,7 +288,8 @@ class DotProductAttention(Module):
                 window_mask=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
@@ -331,7 +336,7 @@ class AdditiveAttention(Module):
                 window_mask=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", self.W_q.in_features),
                    ("keys", "key_size", self.W_k.in_features)),
         )
@@ -376,7 +381,7 @@ class MultiHeadAttention(Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, num_heads=self.num_heads,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
             sizes=(("queries", "query_size", self.W_q.in_features),
                    ("keys", "key_size", self.W_k.in_features),
                    ("values", "value_size", self.W_v.in_features)),
@@ -403,13 +408,13 @@ class MultiHeadAttention(Module):
 
     def transpose_qkv(self, X: np.ndarray) -> np.ndarray:
         """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, self.num_hiddens // self.num_heads)
         return X.transpose(0, 2, 1, 3)
 
     def transpose_output(self, X: np.ndarray) -> np.ndarray:
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = X.transpose(0, 2, 1, 3)
-        return X.reshape(X.shape[0], X.shape[1], -1)
+        return X.reshape(X.shape[0], X.shape[1], self.num_hiddens)
 
 
 @documented
@@ -427,7 +432,9 @@ class PositionalEncoding(Module):
         self.P = sinusoid_table(max_len, num_hiddens).astype(self.dtype)
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
 
@@ -445,7 +452,9 @@ class AddNorm(Module):
         self.ln = LayerNorm(num_hiddens, eps, self.dtype)
 
     def forward(self, X: np.ndarray, Y: np.ndarray) -> np.ndarray:
-        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        validation.check_add_norm_call(
+            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         return self.ln(self.dropout(Y) + X)
 
 

@@ -127,6 +127,11 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Masks
 
+# The tensors a layer of this backend takes; another framework's is a TypeError
+# numpy arrays are taken as Keras layers take them
+_TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable, keras.KerasTensor, np.ndarray)
+
+
 
 def _check_valid_lens_values(valid_lens) -> None:
     # The one check that needs values: non-negative whole numbers. Values exist only when
@@ -156,7 +161,8 @@ def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
     wide = valid_lens.dtype.is_floating or valid_lens.dtype == tf.uint64
     compare_dtype = tf.float64 if wide else tf.int64
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = tf.reshape(tf.cast(valid_lens, compare_dtype), [tf.shape(valid_lens)[0], -1, 1])
+    lengths = tf.cast(valid_lens, compare_dtype)
+    lengths = lengths[:, None, None] if lengths.shape.rank == 1 else lengths[:, :, None]
     return tf.range(num_keys, dtype=compare_dtype) < lengths
 
 
@@ -230,7 +236,7 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
 @documented
 def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tensor:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
     _check_valid_lens_values(valid_lens)
     X = tf.convert_to_tensor(X)
     if valid_lens is None:
@@ -299,7 +305,8 @@ class DotProductAttention(_AttentionLayer):
                  window_mask=None, training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         queries, keys, values, valid_lens, mask, window_mask = _as_tensors(
@@ -367,7 +374,7 @@ class AdditiveAttention(_AttentionLayer):
                  window_mask=None, training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
@@ -437,7 +444,7 @@ class MultiHeadAttention(_AttentionLayer):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, num_heads=self.num_heads,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
@@ -510,7 +517,9 @@ class PositionalEncoding(keras.layers.Layer):
         self.built = True  # P is a constant, not a weight
 
     def __call__(self, X, training=None):
-        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         (X,) = _as_tensors(X)
         return super().__call__(X, training=training)
 
@@ -544,7 +553,9 @@ class AddNorm(keras.layers.Layer):
         self.built = True
 
     def __call__(self, X, Y, training=None):
-        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        validation.check_add_norm_call(
+            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         X, Y = _as_tensors(X, Y)
         return super().__call__(X, Y, training=training)
 

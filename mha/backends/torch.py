@@ -110,6 +110,10 @@ def _in_features(linear: nn.Module) -> int | None:
 # ---------------------------------------------------------------------------------------------
 # Masks
 
+# The tensors a layer of this backend takes; another framework's is a TypeError
+_TENSOR_TYPES = torch.Tensor
+
+
 
 def _comparable(valid_lens: torch.Tensor) -> torch.Tensor:
     # torch has no min or comparison for uint16 to uint64: such lengths are read as float64,
@@ -137,7 +141,8 @@ def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = _comparable(valid_lens).reshape(valid_lens.shape[0], -1, 1)
+    lengths = _comparable(valid_lens)
+    lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
     return torch.arange(num_keys, device=valid_lens.device) < lengths
 
 
@@ -233,7 +238,7 @@ def _may_have_empty_rows(attended: torch.Tensor) -> bool:
 @documented
 def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -320,8 +325,8 @@ def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torc
     leading axes flattened. Shape: (..., no. of queries, no. of keys)."""
     *leading, num_queries, d = queries.shape
     num_keys = keys.shape[-2]
-    queries = queries.reshape(-1, num_queries, d)
-    keys = keys.reshape(-1, num_keys, d).transpose(1, 2)
+    queries = queries.reshape(math.prod(leading), num_queries, d)
+    keys = keys.reshape(math.prod(leading), num_keys, d).transpose(1, 2)
     if keep is None:
         # beta=0: the zero input is not read, only broadcast
         scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0, alpha=scale)
@@ -332,7 +337,7 @@ def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torc
     additive = additive.reshape((1,) * (len(leading) + 2 - additive.dim()) + additive.shape)
     if any(n != 1 for n in additive.shape[:-2]):
         additive = additive.expand(*leading, *additive.shape[-2:])
-    additive = additive.reshape(-1, *additive.shape[-2:])
+    additive = additive.reshape(math.prod(additive.shape[:-2]), *additive.shape[-2:])
     scores = torch.baddbmm(additive, queries, keys, alpha=scale)
     return scores.view(*leading, num_queries, num_keys)
 
@@ -355,7 +360,8 @@ class DotProductAttention(Module):
                 window_mask=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, same_query_key_size=True,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
@@ -414,7 +420,7 @@ class AdditiveAttention(Module):
                 window_mask=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype,
+            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
@@ -462,7 +468,7 @@ class MultiHeadAttention(Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, num_heads=self.num_heads,
+            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
@@ -489,13 +495,13 @@ class MultiHeadAttention(Module):
 
     def transpose_qkv(self, X: torch.Tensor) -> torch.Tensor:
         """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, -1)
+        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, self.num_hiddens // self.num_heads)
         return X.permute(0, 2, 1, 3)
 
     def transpose_output(self, X: torch.Tensor) -> torch.Tensor:
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = X.permute(0, 2, 1, 3)
-        return X.reshape(X.shape[0], X.shape[1], -1)
+        return X.reshape(X.shape[0], X.shape[1], self.num_hiddens)
 
 
 @documented
@@ -516,7 +522,9 @@ class PositionalEncoding(Module):
         self.register_buffer("P", self._table(_TORCH_DTYPES[self.dtype]), persistent=False)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        validation.check_positional_encoding_call(X, self.num_hiddens, self.max_len, self.dtype)
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
 
@@ -547,7 +555,9 @@ class AddNorm(Module):
         self.ln = nn.LayerNorm(num_hiddens, eps=eps, dtype=_TORCH_DTYPES[self.dtype])
 
     def forward(self, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-        validation.check_add_norm_call(X, Y, self.num_hiddens, self.dtype)
+        validation.check_add_norm_call(
+            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
         return self.ln(self.dropout(Y) + X)
 
 
