@@ -388,6 +388,59 @@ def _mxnet_calls(config: Config, mode: str) -> Calls:
     return _passes(layers, forward, backward)
 
 
+def _jax_calls(config: Config, mode: str) -> Calls:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import mha
+
+    X_np, lens_np = _inputs(config)
+    X = jnp.asarray(X_np, config.dtype)
+    valid_lens = None if lens_np is None else jnp.asarray(lens_np.astype("int32"))
+    n = config.length
+    ours = _mha_layer("jax", config)
+    theirs = mha.interop.to_flax(ours)
+    ours.eval(), theirs.eval()
+
+    def keep(lens):  # Flax's mask (True = attend), made inside the call as mha makes its own
+        return None if lens is None else (jnp.arange(n) < lens[:, None])[:, None, None, :]
+
+    def call_ours(layer, X, lens):
+        return layer(X, X, X, lens, need_weights=config.need_weights)
+
+    def call_theirs(layer, X, lens):  # with weights, Flax sows them; they are taken each call
+        output = layer(X, X, X, mask=keep(lens), sow_weights=config.need_weights)
+        nnx.pop(layer, nnx.Intermediate)
+        return output
+
+    def call_dpa(layer, X, lens):  # Flax's weights on jax.nn.dot_product_attention
+        q, k, v = (getattr(layer, p)(X) for p in ("query", "key", "value"))
+        output = jax.nn.dot_product_attention(q, k, v, mask=keep(lens))
+        return layer.out(output)
+
+    layers = {"mha": (call_ours, ours), "nnx.MultiHeadAttention": (call_theirs, theirs)}
+    if not config.need_weights:  # dot_product_attention cannot return the weights
+        layers["dot_product_attention layer"] = (call_dpa, theirs)
+    # Jitted on both sides; a timed call ends when its results are ready
+    forwards = {name: nnx.jit(call) for name, (call, _) in layers.items()}
+    backwards = {
+        name: nnx.jit(
+            nnx.grad(lambda layer, X, lens, call=call: call(layer, X, lens).sum(), argnums=(0, 1))
+        )
+        for name, (call, _) in layers.items()
+    }
+    names = {id(call): name for name, (call, _) in layers.items()}
+
+    def forward(call, layer):
+        return forwards[names[id(call)]](layer, X, valid_lens).block_until_ready()
+
+    def backward(call, layer):
+        return jax.block_until_ready(backwards[names[id(call)]](layer, X, valid_lens))
+
+    return _passes(layers, forward, backward)
+
+
 def _torch_sees_gpu() -> bool:
     import torch
 
@@ -415,6 +468,7 @@ BENCHES = {
     "torch": Bench(_torch_calls, dtypes=DTYPES, gpu=_torch_sees_gpu),
     "tensorflow": Bench(_tensorflow_calls, dtypes=DTYPES, gpu=_tensorflow_sees_gpu),
     "mxnet": Bench(_mxnet_calls, ("imperative", "hybridized")),  # MXNet 1.9: float16 on GPU only
+    "jax": Bench(_jax_calls, ("jit",), dtypes=DTYPES),
 }
 
 

@@ -184,12 +184,13 @@ def test_a_mode_runs_only_the_backends_that_have_it():
 
 @pytest.mark.torch
 @pytest.mark.tensorflow
-def test_a_bfloat16_run_times_torch_and_tensorflow_and_skips_the_others():
+def test_a_bfloat16_run_times_torch_tensorflow_and_jax_and_skips_the_others():
     backend_module("torch")
     backend_module("tensorflow")
+    backend_module("jax")
     document, _ = _quick_rows("--dtype", "bfloat16", "--pass", "forward", "--valid-lens", "yes")
     rows = document["results"]
-    assert {row["backend"] for row in rows} == {"torch", "tensorflow"}
+    assert {row["backend"] for row in rows} == {"torch", "tensorflow", "jax"}
     assert {(row["config"]["dtype"], row["config"]["device"]) for row in rows} == {
         ("bfloat16", "cpu")
     }

@@ -117,6 +117,8 @@ class _Linear(nnx.Module):
             self.bias = nnx.Param(
                 jax.random.uniform(bias_key, (self.out_features,), dtype, -bound, bound)
             )
+        # Used once: a layer's state holds its parameters, and no key beside them
+        self.key = None
 
     def __call__(self, X: jax.Array) -> jax.Array:
         if self.kernel is None:
