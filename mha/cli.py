@@ -40,6 +40,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2**32 - 1. Received: {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mha",
@@ -67,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
         "does not import is an error)",
     )
     compare.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    compare.add_argument("--seed", type=int, default=0, help="seed of weights and inputs")
+    compare.add_argument(
+        "--seed", type=_seed, default=0, help="seed of weights and inputs (0 to 2**32 - 1)"
+    )
     defaults = harness.Shapes()
     for field in ("batch_size", "num_queries", "num_keys", "num_hiddens", "num_heads"):
         compare.add_argument(

@@ -464,6 +464,12 @@ def _read_mha_file(
             f"{os.fspath(path)} is a safetensors file but not one written by "
             "mha.save_weights (its metadata has no mha class and config)"
         )
+    if metadata.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
+        raise ValueError(
+            f"{os.fspath(path)} is an mha file of format version "
+            f"{metadata['format_version']!r}; this mha reads version {FORMAT_VERSION!r} "
+            "(a newer mha wrote it?)"
+        )
     class_name = metadata["class"]
     if class_name not in LAYER_CLASSES:
         raise ValueError(
@@ -630,6 +636,15 @@ def write_safetensors(
     write_atomically(path, write)
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # A key given twice would leave the last one silently winning: the file is refused
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"it names {', '.join(map(repr, twice))} more than once")
+    return dict(pairs)
+
+
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read a safetensors file into numpy arrays and its string metadata.
 
@@ -656,7 +671,9 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         file.seek(0)
         content = file.read()
     try:
-        header = json.loads(content[8 : 8 + header_size].decode("utf-8"))
+        header = json.loads(
+            content[8 : 8 + header_size].decode("utf-8"), object_pairs_hook=_unique_keys
+        )
     except (UnicodeDecodeError, ValueError) as error:
         raise corrupt(f"its header is not JSON ({error})") from None
     if not isinstance(header, dict):

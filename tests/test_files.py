@@ -188,3 +188,44 @@ def test_torch_files_of_foreign_tensors_are_one_error(tmp_path, kind):
     torch.save({"in_proj_weight": tensor, "out_proj.weight": torch.ones(D, D)}, path)
     with pytest.raises(ValueError, match="mha reads dense float"):
         interop.read_file(path, num_heads=H)
+
+
+def test_a_header_naming_a_key_twice_or_a_newer_format_is_refused(tmp_path):
+    import json
+    import struct
+
+    from mha.weights import FORMAT, write_safetensors
+
+    path = saved(tmp_path)
+    content = path.read_bytes()
+    (size,) = struct.unpack("<Q", content[:8])
+    header = content[8 : 8 + size].decode()
+    # A second __metadata__ object, which the reference parser refuses: the last would win
+    doubled = header.replace("{", '{"__metadata__":{"format":"other"},', 1).encode()
+    doubled += b" " * (-len(doubled) % 8)
+    path.write_bytes(struct.pack("<Q", len(doubled)) + doubled + content[8 + size :])
+    with pytest.raises(ValueError, match="'__metadata__' more than once"):
+        mha.load(path)
+    newer = tmp_path / "newer.safetensors"
+    config = {"num_hiddens": 4, "dropout": 0.0, "max_len": 8, "dtype": "float32"}
+    metadata = {
+        "format": FORMAT,
+        "format_version": "2",
+        "class": "PositionalEncoding",
+        "config": json.dumps(config),
+    }
+    write_safetensors(newer, {}, metadata)
+    with pytest.raises(ValueError, match="format version '2'"):
+        mha.load(newer)
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "x"])
+def test_compare_with_a_bad_seed_is_a_usage_error(seed):
+    completed = subprocess.run(
+        [sys.executable, "-m", "mha", "compare", "--backends", "numpy", "--seed", seed],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert completed.returncode == 2 and "--seed" in completed.stderr
+    assert "Traceback" not in completed.stderr
