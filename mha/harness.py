@@ -3,7 +3,8 @@
 This module owns the question "do the backends compute the same numbers?", so that the tests,
 `mha compare` and the notebooks all ask it the same way. The reference is always the NumPy
 backend run in float64; every backend (NumPy itself included) runs in the dtype asked for and
-is compared with it.
+is compared with it. It also owns the error table (ERRORS, `raised`): every bad input raises
+the NumPy backend's exception, with its message, in every backend.
 
     >>> from mha import harness
     >>> rows = harness.compare(backends=["numpy"], dtype="float32")
@@ -13,6 +14,7 @@ is compared with it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -24,9 +26,11 @@ from mha.registry import load_backend, normalize_backend_name
 from mha.weights import random_weights, set_weights
 
 __all__ = [
+    "ERRORS",
     "GRADIENT_TOLERANCES",
     "TOLERANCES",
     "Case",
+    "ErrorCase",
     "Prepared",
     "Result",
     "Row",
@@ -38,6 +42,7 @@ __all__ = [
     "difference",
     "make_inputs",
     "prepare",
+    "raised",
     "run_case",
 ]
 
@@ -53,13 +58,14 @@ GRADIENT_TOLERANCES: dict[str, float] = {"float64": 1e-7, "float32": 1e-5, "floa
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """Input sizes for a comparison run."""
+    """Input sizes for a comparison run (keys smaller than queries, so that additive attention
+    and the projections see three different input sizes)."""
 
     batch_size: int = 4
     num_queries: int = 5
     num_keys: int = 7
     query_size: int = 6
-    key_size: int = 6
+    key_size: int = 5
     value_size: int = 3
     num_hiddens: int = 8
     num_heads: int = 2
@@ -67,12 +73,21 @@ class Shapes:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One layer (or masked_softmax) with one combination of masks.
+    """One layer (or masked_softmax) with one combination of masks and input variants.
 
-    masks: names from MASKS ("valid_lens_1d", "valid_lens_2d", "mask_2d", "mask_3d",
-    "mask_4d", "causal", "window_mask", "head_mask", "no_weights"), "square" for as many
-    keys as queries, and "self" for self-attention: one tensor passed as queries, keys and
-    values (the same object, so that fast paths for self-attention are exercised).
+    masks: names from MASKS. The masks: "valid_lens_1d", "valid_lens_2d" (lengths of 0, 1,
+    the number of keys and more), "mask_1d" (keys), "mask_2d" (queries x keys), "mask_keys"
+    (batch x 1 x keys, key padding), "mask_3d", "mask_4d", "mask_4d_heads" (1 x heads x 1 x
+    keys), "mask_4d_batch" (batch x 1 x queries x keys), "causal", "window_mask" (additive:
+    finite biases and -inf), "window_bool", "head_mask" (heads,), "head_mask_2d" (batch x
+    heads), "head_mask_bool" (batch x heads, boolean), "no_weights" (need_weights=False).
+    Every boolean mask but mask_1d and mask_4d_heads, and every window, leaves one row with no
+    key. The variants: "square" for as many keys as queries, "tall" for fewer keys than
+    queries, "self" for self-attention (one tensor passed as queries, keys and values, the
+    same object, so that fast paths for self-attention are exercised), "lens_float" and
+    "lens_int32" for valid_lens of those dtypes (int64 otherwise), "rank_2" and "rank_4" for
+    the scores of masked_softmax and the inputs of AddNorm (rank 3 otherwise).
+    config: constructor arguments that override the ones made from the Shapes.
     """
 
     layer: str
@@ -88,16 +103,28 @@ class Case:
 
 MASKS = (
     "square",
+    "tall",
     "self",
     "valid_lens_1d",
     "valid_lens_2d",
+    "lens_float",
+    "lens_int32",
+    "mask_1d",
     "mask_2d",
+    "mask_keys",
     "mask_3d",
     "mask_4d",
+    "mask_4d_heads",
+    "mask_4d_batch",
     "causal",
     "window_mask",
+    "window_bool",
     "head_mask",
+    "head_mask_2d",
+    "head_mask_bool",
     "no_weights",
+    "rank_2",
+    "rank_4",
 )
 
 
@@ -128,6 +155,9 @@ class Row:
     gradient_difference: from float64 central differences, relative to the gradients' scale;
     within GRADIENT_TOLERANCES. gradient_agreement: from the first autograd backend of the run;
     within TOLERANCES. None where it does not apply.
+    zero_difference: the largest absolute value of the output and attention weights where the
+    reference's are exactly 0 (masked keys, rows with no key to attend); must be 0, since
+    docs/design.md promises exact zeros there. A NaN anywhere counts as an infinite difference.
     """
 
     case: str
@@ -140,6 +170,7 @@ class Row:
     gradient_agreement: float | None
     passed: bool
     error: str | None = None
+    zero_difference: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -187,10 +218,21 @@ def default_cases() -> list[Case]:
 
 def all_cases() -> list[Case]:
     """The full matrix the test suite runs: every layer, every mask kind alone, and the
-    combinations, with as many keys as queries and with fewer queries than keys."""
+    combinations, with as many keys as queries, with fewer queries than keys and with more;
+    every kind of valid_lens and boolean mask, and the input ranks masked_softmax and AddNorm
+    take."""
     cases = [
         Case("masked_softmax", masks)
-        for masks in ((), ("valid_lens_1d",), ("valid_lens_2d",), ("square", "valid_lens_2d"))
+        for masks in (
+            (),
+            ("valid_lens_1d",),
+            ("valid_lens_2d",),
+            ("square", "valid_lens_2d"),
+            ("rank_2",),
+            ("rank_2", "valid_lens_1d", "lens_float"),
+            ("rank_4", "valid_lens_1d"),
+            ("rank_4", "valid_lens_2d", "lens_int32"),
+        )
     ]
     single = (
         (),
@@ -206,8 +248,18 @@ def all_cases() -> list[Case]:
         ("square", "valid_lens_2d", "mask_2d", "causal", "window_mask"),
         ("self", "valid_lens_1d", "mask_3d"),
     )
+    # Each layer once: the other mask kinds, dtypes of valid_lens, and more queries than keys
+    more = (
+        ("mask_1d",),
+        ("mask_keys",),
+        ("window_bool",),
+        ("valid_lens_1d", "lens_float"),
+        ("valid_lens_2d", "lens_int32", "window_bool"),
+        ("tall", "causal"),
+        ("tall", "valid_lens_1d", "mask_keys", "causal", "window_mask"),
+    )
     for layer in ("DotProductAttention", "AdditiveAttention"):
-        cases += [Case(layer, masks) for masks in single]
+        cases += [Case(layer, masks) for masks in (*single, *more)]
     multihead = (
         *single,
         ("mask_4d",),
@@ -227,61 +279,139 @@ def all_cases() -> list[Case]:
     )
     for bias in (False, True):
         cases += [Case("MultiHeadAttention", masks, {"bias": bias}) for masks in multihead]
-    return [*cases, Case("PositionalEncoding"), Case("AddNorm")]
+    # The masks above on every path of multi-head attention (with and without weights), once
+    multihead_more = (
+        *more,
+        ("mask_4d_heads",),
+        ("mask_4d_batch",),
+        ("head_mask_2d",),
+        ("head_mask_bool",),
+        ("mask_2d", "no_weights"),
+        ("mask_keys", "window_mask", "no_weights"),
+        ("valid_lens_1d", "lens_float", "window_bool", "no_weights"),
+        ("tall", "causal", "no_weights"),
+        ("valid_lens_2d", "mask_4d_batch", "causal", "window_bool", "head_mask_2d"),
+        ("self", "mask_keys", "window_bool", "head_mask_bool", "no_weights"),
+    )
+    cases += [Case("MultiHeadAttention", masks, {"bias": True}) for masks in multihead_more]
+    return [
+        *cases,
+        Case("PositionalEncoding"),
+        Case("PositionalEncoding", (), {"num_hiddens": 7}),  # odd: the last column a sine
+        Case("AddNorm"),
+        Case("AddNorm", ("rank_2",)),
+        Case("AddNorm", ("rank_4",), {"eps": 1e-3}),
+    ]
 
 
 def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, Any]:
     """Seeded numpy inputs for `case`: tensors in `dtype`, masks and lengths as they are.
 
-    valid_lens hold lengths of 0 (a fully masked row), 1, exactly the number of keys and more.
+    valid_lens hold lengths of 0 (a fully masked row), 1, exactly the number of keys and more;
+    every boolean mask but mask_1d and mask_4d_heads, and every window, has a row with no key.
     """
     rng = np.random.default_rng(seed)
     s = shapes
-    # "square" cases have as many keys as queries (causal masks differ when they do not)
-    num_keys = s.num_queries if {"square", "self"} & set(case.masks) else s.num_keys
+    masks = set(case.masks)
+    num_queries = s.num_queries
+    num_keys = s.num_keys
+    if {"square", "self"} & masks:  # causal masks differ when the counts differ
+        num_keys = num_queries
+    elif "tall" in masks:  # queries past the last key attend to every key under causal
+        num_keys = max(1, num_queries - 2)
+    num_hiddens = case.config.get("num_hiddens", s.num_hiddens)
 
     def normal(*shape):
         return rng.standard_normal(shape).astype(dtype)
 
+    def keep(*shape, p=0.8, empty=None):
+        # Kept with probability p; `empty` indexes a row that then keeps no key
+        kept = rng.random(shape) < p
+        if empty is not None:
+            kept[empty] = False
+        return kept
+
+    # A row with no key among the queries of one example when it has more than one query (one
+    # example among several for key padding), so that the other rows still attend
+    empty_query = 1 if num_queries > 1 else None
+    empty_example = min(2, s.batch_size - 1) if s.batch_size > 1 else None
     inputs: dict[str, Any] = {}
     if case.layer == "masked_softmax":
-        inputs["X"] = normal(s.batch_size, s.num_queries, num_keys)
+        shape = {
+            "rank_2": (s.batch_size, num_keys),
+            "rank_4": (s.batch_size, s.num_heads, num_queries, num_keys),
+        }
+        rank = next((key for key in shape if key in masks), None)
+        inputs["X"] = normal(*shape.get(rank, (s.batch_size, num_queries, num_keys)))
     elif case.layer == "PositionalEncoding":
-        inputs["X"] = normal(s.batch_size, s.num_queries, s.num_hiddens)
+        inputs["X"] = normal(s.batch_size, num_queries, num_hiddens)
     elif case.layer == "AddNorm":
-        inputs["X"] = normal(s.batch_size, s.num_queries, s.num_hiddens)
-        inputs["Y"] = normal(s.batch_size, s.num_queries, s.num_hiddens)
+        shape = {
+            "rank_2": (s.batch_size, num_hiddens),
+            "rank_4": (s.batch_size, 2, num_queries, num_hiddens),
+        }
+        rank = next((key for key in shape if key in masks), None)
+        shape = shape.get(rank, (s.batch_size, num_queries, num_hiddens))
+        inputs["X"] = normal(*shape)
+        inputs["Y"] = normal(*shape)
     else:
         query_size = s.key_size if case.layer == "DotProductAttention" else s.query_size
-        inputs["queries"] = normal(s.batch_size, s.num_queries, query_size)
-        if "self" not in case.masks:  # self-attention: queries serve as keys and values
+        inputs["queries"] = normal(s.batch_size, num_queries, query_size)
+        if "self" not in masks:  # self-attention: queries serve as keys and values
             inputs["keys"] = normal(s.batch_size, num_keys, s.key_size)
             inputs["values"] = normal(s.batch_size, num_keys, s.value_size)
     # Lengths of 0 (nothing attended), 1, exactly K, and more than K (everything) among them
     extremes = np.array([0, 1, num_keys, num_keys + 3])
-    lengths = rng.integers(1, num_keys + 1, size=(s.batch_size, s.num_queries))
+    lengths = rng.integers(1, num_keys + 1, size=(s.batch_size, num_queries))
     lengths[:, 0] = np.resize(extremes, s.batch_size)
     lengths[0, -1] = num_keys + 3
-    if "valid_lens_1d" in case.masks:
+    if "valid_lens_1d" in masks:
         inputs["valid_lens"] = lengths[:, 0].copy()
-    if "valid_lens_2d" in case.masks:
+    if "valid_lens_2d" in masks:
         inputs["valid_lens"] = lengths
-    if "mask_2d" in case.masks:
-        inputs["mask"] = rng.random((s.num_queries, num_keys)) < 0.8
-    if "mask_3d" in case.masks:
-        inputs["mask"] = rng.random((s.batch_size, s.num_queries, num_keys)) < 0.8
-    if "mask_4d" in case.masks:
-        inputs["mask"] = rng.random((s.batch_size, s.num_heads, s.num_queries, num_keys)) < 0.8
-    if "causal" in case.masks:
+    if "valid_lens" in inputs and "lens_float" in masks:
+        inputs["valid_lens"] = inputs["valid_lens"].astype(np.float32)
+    if "valid_lens" in inputs and "lens_int32" in masks:
+        inputs["valid_lens"] = inputs["valid_lens"].astype(np.int32)
+    if "mask_1d" in masks:
+        inputs["mask"] = keep(num_keys, p=0.6)
+        inputs["mask"][0] = True  # never empty: a 1-D mask applies to every row
+    if "mask_2d" in masks:
+        inputs["mask"] = keep(num_queries, num_keys, empty=empty_query)
+    if "mask_keys" in masks:  # key padding: every query of an example keeps the same keys
+        inputs["mask"] = keep(s.batch_size, 1, num_keys, empty=empty_example)
+    if "mask_3d" in masks:
+        rows = None if empty_query is None else (-1, empty_query)
+        inputs["mask"] = keep(s.batch_size, num_queries, num_keys, empty=rows)
+    if "mask_4d" in masks:
+        rows = None if empty_query is None else (0, -1, empty_query)
+        inputs["mask"] = keep(s.batch_size, s.num_heads, num_queries, num_keys, empty=rows)
+    if "mask_4d_heads" in masks:
+        inputs["mask"] = keep(1, s.num_heads, 1, num_keys, p=0.7)
+    if "mask_4d_batch" in masks:
+        rows = None if empty_query is None else (0, 0, empty_query)
+        inputs["mask"] = keep(s.batch_size, 1, num_queries, num_keys, empty=rows)
+    if "causal" in masks:
         inputs["causal"] = True
-    if "window_mask" in case.masks:
-        # Swin style: 0 where attended, -inf where not; two windows when the batch allows
-        num_windows = 2 if s.batch_size % 2 == 0 else 1
-        blocked = rng.random((num_windows, s.num_queries, num_keys)) < 0.3
-        inputs["window_mask"] = np.where(blocked, -np.inf, 0.0).astype(dtype)
-    if "head_mask" in case.masks:
+    # Swin style: one window per example b mod num_windows, two windows when the batch allows
+    num_windows = 2 if s.batch_size % 2 == 0 else 1
+    rows = None if empty_query is None else (-1, empty_query)
+    if "window_mask" in masks:
+        # Additive: a bias where attended (a relative position bias), -inf where not
+        blocked = ~keep(num_windows, num_queries, num_keys, p=0.7)
+        if rows is not None:
+            blocked[rows] = True
+        bias = 0.5 * rng.standard_normal(blocked.shape)
+        inputs["window_mask"] = np.where(blocked, -np.inf, bias).astype(dtype)
+    if "window_bool" in masks:
+        inputs["window_mask"] = keep(num_windows, num_queries, num_keys, p=0.7, empty=rows)
+    if "head_mask" in masks:
         inputs["head_mask"] = rng.random(s.num_heads).astype(dtype)
-    if "no_weights" in case.masks:
+    if "head_mask_2d" in masks:
+        inputs["head_mask"] = rng.standard_normal((s.batch_size, s.num_heads)).astype(dtype)
+    if "head_mask_bool" in masks:
+        inputs["head_mask"] = keep(s.batch_size, s.num_heads, p=0.5)
+    if "no_weights" in masks:
         inputs["need_weights"] = False
     return inputs
 
@@ -362,12 +492,17 @@ def run_case(
     weights: Mapping[str, np.ndarray],
     config: Mapping[str, Any],
     cotangent: np.ndarray | None = None,
+    transform: Callable[[Any], Any] | None = None,
 ) -> Result:
     """Build `case.layer` in `backend` with `weights`, call it on `inputs`, return numpy.
 
     With a `cotangent` (an array of the output's shape) and a backend with autograd, also
     returns the gradients of sum(output * cotangent) with respect to the inputs and to every
     weight, the latter in canonical names and layout.
+
+    transform: called with the built layer, returns what is called instead (a compiled or
+    hybridized layer: the framework's own ways of running it); the layer itself still holds
+    the weights and attention_weights. Not for masked_softmax.
     """
     module = load_backend(backend)
     tensors = {
@@ -375,9 +510,10 @@ def run_case(
         for key, value in inputs.items()
     }
     layer = build_layer(backend, case, config, weights)
+    called = layer if transform is None else transform(layer)
 
     def forward() -> Result:
-        output = module.to_numpy(call_layer(module, case, layer, tensors))
+        output = module.to_numpy(call_layer(module, case, called, tensors))
         return Result(output, _attention_weights(module, layer))
 
     if cotangent is None or not hasattr(module, "value_and_gradients"):
@@ -385,7 +521,11 @@ def run_case(
     with module.without_gradients():
         inference = forward()
     output, input_gradients, weight_gradients = module.value_and_gradients(
-        lambda arguments: call_layer(module, case, layer, arguments),
+        # A backend may call another layer holding the same weights (JAX: a copy made inside
+        # its trace, since Flax modules are not mutated across traces)
+        lambda arguments, other=None: call_layer(
+            module, case, called if other is None else other, arguments
+        ),
         tensors,
         differentiable(case),
         layer,
@@ -445,7 +585,7 @@ def finite_difference_gradients(
 
 def difference(actual: np.ndarray, reference: np.ndarray, relative: bool) -> float:
     """The largest absolute difference, divided when `relative` by the reference's scale (its
-    largest absolute entry, at least 1). Different shapes give infinity."""
+    largest absolute entry, at least 1). Different shapes and NaN give infinity."""
     actual = np.asarray(actual, dtype=np.float64)
     reference = np.asarray(reference, dtype=np.float64)
     if actual.shape != reference.shape:
@@ -453,6 +593,8 @@ def difference(actual: np.ndarray, reference: np.ndarray, relative: bool) -> flo
     if actual.size == 0:
         return 0.0
     error = float(np.max(np.abs(actual - reference)))
+    if np.isnan(error):  # a NaN is no number: never within a tolerance
+        return float("inf")
     if not relative:
         return error
     return error / max(1.0, float(np.max(np.abs(reference))))
@@ -519,13 +661,17 @@ def prepare(
 
 
 def check(
-    backend: str, prepared: Prepared, anchor: Result | None = None
+    backend: str,
+    prepared: Prepared,
+    anchor: Result | None = None,
+    transform: Callable[[Any], Any] | None = None,
 ) -> tuple[Row, Result | None]:
     """Run a prepared case on `backend` and compare it with the reference.
 
     Args:
         anchor: another autograd backend's result for the same case; this backend's gradients
             must agree with its gradients.
+        transform: as run_case's (the layer compiled or hybridized by the framework).
 
     Returns:
         The Row, and the Result (None when the backend raised).
@@ -533,8 +679,16 @@ def check(
     case, dtype = prepared.case, prepared.dtype
     relative = dtype != "float64"
     try:
+        # transform only when given: run_case's six-argument form stays the common one
+        extra = {} if transform is None else {"transform": transform}
         result = run_case(
-            backend, case, prepared.inputs, prepared.weights, prepared.config, prepared.cotangent
+            backend,
+            case,
+            prepared.inputs,
+            prepared.weights,
+            prepared.config,
+            prepared.cotangent,
+            **extra,
         )
     except Exception as error:  # a crash is a disagreement, reported with its cause
         failure = f"{type(error).__name__}: {error}"
@@ -544,6 +698,7 @@ def check(
     calls = [result] if result.inference is None else [result, result.inference]
     output_difference = max(difference(call.output, reference.output, relative) for call in calls)
     weights_difference = _weights_difference(calls, reference, relative)
+    zero_difference = _zero_difference(calls, reference)
     gradient_difference = gradient_agreement = None
     if result.gradients is not None and prepared.numeric_gradients is not None:
         gradient_difference = _gradient_difference(
@@ -555,6 +710,7 @@ def check(
         max(output_difference, weights_difference or 0.0, gradient_agreement or 0.0)
         <= TOLERANCES[dtype]
         and (gradient_difference or 0.0) <= GRADIENT_TOLERANCES[dtype]
+        and zero_difference == 0.0
     )
     row = Row(
         case.id,
@@ -566,8 +722,25 @@ def check(
         gradient_difference,
         gradient_agreement,
         passed,
+        zero_difference=zero_difference,
     )
     return row, result
+
+
+def _zero_difference(calls: Sequence[Result], reference: Result) -> float:
+    """The largest absolute value the calls give where the reference's output or attention
+    weights are exactly 0 (inf for a NaN there); 0.0 when they keep every zero."""
+    largest = 0.0
+    pairs = [(reference.output, call.output) for call in calls]
+    if reference.attention_weights is not None:
+        pairs += [(reference.attention_weights, call.attention_weights) for call in calls]
+    for expected, actual in pairs:
+        if actual is None or np.shape(actual) != np.shape(expected):
+            continue  # counted as a difference of the output or weights already
+        zeros = np.asarray(actual, dtype=np.float64)[np.asarray(expected) == 0]
+        if zeros.size:
+            largest = max(largest, float(np.max(np.nan_to_num(np.abs(zeros), nan=np.inf))))
+    return largest
 
 
 def _weights_difference(calls: Sequence[Result], reference: Result, relative: bool) -> float | None:
@@ -630,3 +803,207 @@ def compare(
     if progress is not None:
         progress(total, total, "done")
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The error table: every bad input raises the same exception, with the same message, in every
+# backend (the NumPy backend's is the expected one; tests/test_validation.py spells out its
+# messages)
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCase:
+    """One bad input.
+
+    layer: (class name, args, kwargs) of the layer to build, or None for masked_softmax.
+    args, kwargs: the call's; numpy arrays among them become the backend's tensors (one tensor
+        per array, so that an array passed three times is self-attention's one tensor). args
+        None: building the layer must raise.
+    first: arguments of a call made first, which must succeed (a lazy layer infers its sizes).
+    weights: canonical weights given to mha.set_weights instead of a call.
+    without_gradients: the call runs in the backend's `without_gradients()`, where it has one,
+        as inference runs it.
+    """
+
+    layer: tuple[str, tuple[Any, ...], Mapping[str, Any]] | None
+    args: tuple[Any, ...] | None = None
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    first: tuple[Any, ...] | None = None
+    weights: Mapping[str, Any] | None = None
+    without_gradients: bool = False
+
+
+def raised(backend: str, case: ErrorCase) -> tuple[type[BaseException], str] | None:
+    """The type and message of the exception `case` raises on `backend`; None if none."""
+    module = load_backend(backend)
+    tensors: dict[int, Any] = {}
+
+    def tensor(value: Any) -> Any:
+        if not isinstance(value, np.ndarray):
+            return value
+        if id(value) not in tensors:
+            tensors[id(value)] = module.from_numpy(value)
+        return tensors[id(value)]
+
+    inference = contextlib.nullcontext()
+    if case.without_gradients and hasattr(module, "without_gradients"):
+        inference = module.without_gradients()
+    try:
+        args = None if case.args is None else [tensor(value) for value in case.args]
+        kwargs = {key: tensor(value) for key, value in case.kwargs.items()}
+        if case.layer is None:
+            module.masked_softmax(*args, **kwargs)
+            return None
+        class_name, layer_args, layer_kwargs = case.layer
+        layer = getattr(module, class_name)(*layer_args, **layer_kwargs)
+        if case.first is not None:
+            layer(*[tensor(value) for value in case.first])
+        if case.weights is not None:
+            set_weights(layer, dict(case.weights))
+        if args is not None:
+            with inference:
+                layer(*args, **kwargs)
+    except Exception as error:  # the type is compared too: any exception is an answer
+        return type(error), str(error)
+    return None
+
+
+def _zeros(*shape: int, dtype: str = "float32") -> np.ndarray:
+    return np.zeros(shape, dtype=dtype)
+
+
+def _error_table() -> dict[str, ErrorCase]:
+    B, Q, K = 2, 3, 5
+    f = _zeros
+    qkv = (f(B, Q, 4), f(B, K, 4), f(B, K, 6))
+    mha = ("MultiHeadAttention", (8, 2), {"query_size": 4, "key_size": 4, "value_size": 6})
+    dot = ("DotProductAttention", (), {})
+    add = ("AdditiveAttention", (8,), {"query_size": 4, "key_size": 4})
+    # Self-attention: one array as queries, keys and values, in a sized layer
+    own = ("MultiHeadAttention", (4, 2), {"query_size": 4, "key_size": 4, "value_size": 4})
+    x = f(B, Q, 4)
+    weights = random_weights(
+        "MultiHeadAttention", num_hiddens=8, num_heads=2, query_size=4, key_size=4, value_size=6
+    )
+    # Four problems: one missing, one unexpected, one transposed, one of the wrong shape
+    bad_weights = {**weights, "W_q": weights["W_q"].T, "W_o": weights["W_o"][:, :3]}
+    bad_weights["W_x"] = bad_weights.pop("W_v")
+
+    def build(class_name, *args, **kwargs):
+        return ErrorCase((class_name, args, kwargs))
+
+    def call(layer, *args, **kwargs):
+        return ErrorCase(layer, args, kwargs)
+
+    def inference(*args, **kwargs):
+        return ErrorCase(own, args, {"need_weights": False, **kwargs}, without_gradients=True)
+
+    return {
+        # constructors
+        "num_hiddens zero": build("MultiHeadAttention", 0, 1),
+        "num_hiddens float": build("AdditiveAttention", 2.5),
+        "num_heads negative": build("MultiHeadAttention", 8, -2),
+        "num_heads zero": build("MultiHeadAttention", 8, 0),
+        "not divisible": build("MultiHeadAttention", 100, 3),
+        "dropout one": build("DotProductAttention", 1.0),
+        "dropout negative": build("PositionalEncoding", 4, -0.1),
+        "bias not bool": build("MultiHeadAttention", 8, 2, bias=1),
+        "query_size zero": build("MultiHeadAttention", 8, 2, query_size=0),
+        "query_size negative (additive)": build("AdditiveAttention", 4, query_size=-1),
+        "max_len zero": build("PositionalEncoding", 4, max_len=0),
+        "eps negative": build("AddNorm", 4, eps=-1e-5),
+        "eps zero": build("AddNorm", 4, eps=0.0),
+        "dtype unknown": build("DotProductAttention", dtype="int32"),
+        "dtype unknown (additive)": build("AdditiveAttention", 4, dtype="int32"),
+        # inputs
+        "queries rank 2": call(mha, f(Q, 4), *qkv[1:]),
+        "keys rank 4": call(mha, qkv[0], f(B, K, 4, 1), qkv[2]),
+        "queries wrong dtype": call(mha, f(B, Q, 4, dtype="float64"), *qkv[1:]),
+        "values integer": call(dot, *qkv[:2], f(B, K, 6, dtype="int64")),
+        "batch sizes differ": call(mha, qkv[0], f(3, K, 4), qkv[2]),
+        "keys and values lengths differ": call(mha, *qkv[:2], f(B, 4, 6)),
+        "no keys": call(dot, qkv[0], f(B, 0, 4), f(B, 0, 6)),
+        "no queries": call(mha, f(B, 0, 4), *qkv[1:]),
+        "query_size mismatch": call(mha, f(B, Q, 5), *qkv[1:]),
+        "value_size mismatch": call(mha, *qkv[:2], f(B, K, 7)),
+        "key_size mismatch (additive)": call(add, qkv[0], f(B, K, 3), qkv[2]),
+        "dot product sizes differ": call(dot, qkv[0], f(B, K, 3), qkv[2]),
+        "queries not a tensor": call(dot, [[1.0]], *qkv[1:]),
+        "size inferred at the first call": ErrorCase(
+            ("MultiHeadAttention", (8, 2), {}), (f(B, Q, 5), *qkv[1:]), first=qkv
+        ),
+        # valid_lens
+        "valid_lens wrong batch": call(mha, *qkv, valid_lens=np.array([1, 2, 3])),
+        "valid_lens rank 3": call(mha, *qkv, valid_lens=np.ones((B, Q, 1), "int64")),
+        "valid_lens bool": call(dot, *qkv, valid_lens=np.array([True, False])),
+        "valid_lens negative": call(mha, *qkv, valid_lens=np.array([2, -1])),
+        "valid_lens negative int32": call(dot, *qkv, valid_lens=np.array([-3, 2], "int32")),
+        "valid_lens negative float": call(add, *qkv, valid_lens=np.array([2.0, -3.0], "float32")),
+        "valid_lens fractional": call(mha, *qkv, valid_lens=np.array([2.0, 1.5])),
+        "valid_lens 2-D wrong queries": call(dot, *qkv, valid_lens=np.ones((B, Q + 1), "int32")),
+        # masks
+        "mask not bool": call(mha, *qkv, mask=f(Q, K)),
+        "mask wrong keys": call(mha, *qkv, mask=np.ones((Q, K - 1), bool)),
+        "mask wrong queries": call(dot, *qkv, mask=np.ones((B, Q + 1, K), bool)),
+        "mask 4-D wrong heads": call(mha, *qkv, mask=np.ones((B, 3, Q, K), bool)),
+        "mask 4-D wrong batch": call(mha, *qkv, mask=np.ones((3, 2, Q, K), bool)),
+        "mask 4-D on single head": call(dot, *qkv, mask=np.ones((B, 1, Q, K), bool)),
+        "mask 5-D": call(mha, *qkv, mask=np.ones((1, B, 2, Q, K), bool)),
+        "causal not bool": call(dot, *qkv, causal="yes"),
+        "causal int": call(mha, *qkv, causal=1),
+        "need_weights not bool": call(mha, *qkv, need_weights=None),
+        "window_mask rank 2": call(mha, *qkv, window_mask=np.ones((Q, K), bool)),
+        "window_mask not a batch divisor": call(mha, *qkv, window_mask=np.ones((3, Q, K), bool)),
+        "window_mask wrong keys": call(add, *qkv, window_mask=np.ones((1, Q, K + 1), bool)),
+        "window_mask integer": call(mha, *qkv, window_mask=np.ones((1, Q, K), "int32")),
+        "window_mask float64": call(dot, *qkv, window_mask=f(1, Q, K, dtype="float64")),
+        "head_mask wrong size": call(mha, *qkv, head_mask=f(3)),
+        "head_mask wrong dtype": call(mha, *qkv, head_mask=f(2, dtype="float64")),
+        "head_mask integer": call(mha, *qkv, head_mask=np.ones(2, "int64")),
+        "head_mask 2-D wrong batch": call(mha, *qkv, head_mask=f(3, 2)),
+        # masked_softmax, PositionalEncoding, AddNorm
+        "masked_softmax integer scores": call(None, np.ones((B, Q), "int64")),
+        "masked_softmax rank 1": call(None, np.ones(3, "float32")),
+        "masked_softmax not a tensor": call(None, "scores"),
+        "masked_softmax no keys": call(None, f(B, Q, 0)),
+        "masked_softmax wrong lengths": call(None, f(B, Q, K), np.array([1, 2, 3])),
+        "masked_softmax 2-D lengths of rank 2": call(None, f(B, K), np.ones((B, Q), "int64")),
+        "masked_softmax negative": call(None, f(B, Q, K), np.array([1, -1])),
+        "masked_softmax fractional": call(None, f(B, Q, K), np.array([0.5, 1.0])),
+        "sequence longer than max_len": call(
+            ("PositionalEncoding", (4,), {"max_len": 2}), f(B, Q, 4)
+        ),
+        "encoding size mismatch": call(("PositionalEncoding", (5,), {}), f(B, Q, 4)),
+        "add_norm shapes differ": call(("AddNorm", (4,), {}), f(B, Q, 4), f(B, 2, 4)),
+        "add_norm wrong dtype": call(
+            ("AddNorm", (4,), {}), f(B, Q, 4), f(B, Q, 4, dtype="float64")
+        ),
+        "add_norm rank 1": call(("AddNorm", (4,), {}), f(4), f(4)),
+        # mha.set_weights: every problem listed, with the layer's config (sizes inferred so
+        # far, None while lazy)
+        "set_weights problems": ErrorCase(mha, weights=bad_weights),
+        "set_weights problems (lazy)": ErrorCase(
+            ("MultiHeadAttention", (8, 2), {"query_size": 4}), weights=bad_weights
+        ),
+        # Self-attention without weights or gradients, inference's commonest call
+        "self wrong dtype (inference)": inference(*(f(B, Q, 4, dtype="float64"),) * 3),
+        "self rank 2 (inference)": inference(*(f(B, 4),) * 3),
+        "self no positions (inference)": inference(*(f(B, 0, 4),) * 3),
+        "self query_size mismatch (inference)": inference(*(f(B, Q, 5),) * 3),
+        "self valid_lens wrong batch (inference)": inference(x, x, x, np.array([1, 2, 3])),
+        "self valid_lens 2-D wrong queries (inference)": inference(
+            x, x, x, np.ones((B, Q + 1), "int64")
+        ),
+        "self valid_lens bool (inference)": inference(x, x, x, np.array([True, False])),
+        "self valid_lens negative (inference)": inference(x, x, x, np.array([1, -2])),
+        "self valid_lens negative int32 (inference)": inference(
+            x, x, x, np.array([-3, 2], "int32")
+        ),
+        "self valid_lens fractional (inference)": inference(
+            x, x, x, np.array([1.5, 2.0], "float32")
+        ),
+    }
+
+
+# id -> the bad input; tests/test_errors.py runs every one on every backend
+ERRORS: dict[str, ErrorCase] = _error_table()

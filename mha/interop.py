@@ -826,9 +826,9 @@ def _flax_params_of(source: Any) -> Any:
     params = {}
     for name in _FLAX_PROJECTIONS.values():
         dense = getattr(source, name)
-        params[name] = {"kernel": dense.kernel.value}
+        params[name] = {"kernel": dense.kernel[...]}
         if getattr(dense, "bias", None) is not None:
-            params[name]["bias"] = dense.bias.value
+            params[name]["bias"] = dense.bias[...]
     return params
 
 
@@ -874,7 +874,7 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
     for name, variables in flax_params(weights, config["num_heads"]).items():
         dense = getattr(module, name)
         for variable, value in variables.items():
-            getattr(dense, variable).value = load_backend("jax").from_numpy(value)
+            getattr(dense, variable)[...] = load_backend("jax").from_numpy(value)
     return module
 
 

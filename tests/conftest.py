@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
+from mha import harness
 from mha.registry import BACKENDS, BackendUnavailableError, load_backend, normalize_backend_name
+
+# The tests compare float64 layers in every backend: JAX computes in float64 only in its 64-bit
+# mode, read when JAX is first imported (tests of the mode being off run in a subprocess)
+os.environ.setdefault("JAX_ENABLE_X64", "1")
 
 
 def required_backends() -> list[str]:
@@ -39,6 +44,19 @@ def backend_module(name: str):
         if name in required_backends():
             pytest.fail(f"required backend {name!r} does not import: {error}", pytrace=False)
         pytest.skip(str(error))
+
+
+def assert_agrees(actual, expected, dtype: str) -> None:
+    """`actual` (numpy) within docs/design.md's agreement of `expected`, as mha.harness
+    measures it: float64 within 1e-10 absolute, float32 within 1e-5 and float16 within 2e-3
+    of the expected scale; NaN never agrees. For the framework-only tests of the backend files
+    (compiled, hybridized, cast, reloaded layers); the agreement matrix is mha.harness's."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    error = harness.difference(actual, expected, relative=dtype != "float64")
+    assert error <= harness.TOLERANCES[dtype], (
+        f"differs by {error} from the expected (tolerance {harness.TOLERANCES[dtype]}, {dtype})"
+    )
 
 
 @pytest.fixture(params=backend_params())

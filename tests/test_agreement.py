@@ -1,8 +1,11 @@
 """Every backend computes the NumPy reference's numbers, from one weight set and the same inputs.
 
-Parametrized over backend x layer and masks x dtype through mha.harness, the one place that
-asks the question (tolerances included). Gradients are compared with float64 central
-differences of the reference and, between autograd backends, with each other.
+Parametrized over backend x layer and masks x dtype through mha.harness, the one agreement
+matrix (cases, inputs and tolerances included): the backend files hold no other. Gradients are
+compared with float64 central differences of the reference and, between autograd backends,
+with each other; the forward pass runs with and without gradients; masked keys and rows with
+no key must give exactly 0. Beside it, one hand-worked case no random input reaches: logits
+of 1e4.
 """
 
 import contextlib
@@ -63,6 +66,7 @@ def test_backend_agrees_with_the_reference(name, case, dtype):
 @pytest.mark.torch
 @pytest.mark.tensorflow
 @pytest.mark.mxnet
+@pytest.mark.jax
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
 def test_autograd_backends_agree_with_each_other(case, dtype):
@@ -80,6 +84,35 @@ def test_autograd_backends_agree_with_each_other(case, dtype):
             assert error <= harness.TOLERANCES[dtype], (
                 f"d/d{key} of {case.id}: {name} differs from {first} by {error}"
             )
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_masked_softmax_of_large_logits_by_hand(name):
+    # Logits of 1e4 overflow exp() unless the row maximum is subtracted, and a masked logit of
+    # 1e4 must not count. Worked by hand: lengths 2 keep [1e4, -1e4] -> [1, 0] and [0, 0] ->
+    # [1/2, 1/2]; length 0 gives zeros. Gradient of sum(P * C) per row: P * (C - sum(P * C)),
+    # with C = [1, 2, 3, 4]: [0, 0, 0, 0] and [-1/4, 1/4, 0, 0]; zero for the row of length 0.
+    module = backend_module(name)
+    X = np.array([[[1e4, -1e4, 0.0, 5e3], [0.0, 0.0, 5.0, 1e4]]] * 2, "float32")
+    valid_lens = np.array([2, 0])
+    expected = np.zeros((2, 2, 4), "float32")
+    expected[0, 0, 0] = 1.0
+    expected[0, 1, :2] = 0.5
+    tensors = {"X": module.from_numpy(X), "valid_lens": module.from_numpy(valid_lens)}
+    output = module.masked_softmax(tensors["X"], tensors["valid_lens"])
+    np.testing.assert_allclose(module.to_numpy(output), expected, rtol=0, atol=1e-7)
+    if hasattr(module, "value_and_gradients"):
+        cotangent = np.broadcast_to(np.arange(1.0, 5.0, dtype="float32"), X.shape).copy()
+        _, gradients, _ = module.value_and_gradients(
+            lambda t: module.masked_softmax(t["X"], t["valid_lens"]),
+            tensors,
+            ("X",),
+            None,
+            module.from_numpy(cotangent),
+        )
+        gradient = np.zeros((2, 2, 4), "float32")
+        gradient[0, 1, :2] = [-0.25, 0.25]
+        np.testing.assert_allclose(gradients["X"], gradient, rtol=0, atol=1e-7)
 
 
 def _perturbed(original):

@@ -1,8 +1,11 @@
-"""The TensorFlow / Keras backend against the NumPy reference.
+"""What only the TensorFlow / Keras backend promises; the agreement with the NumPy reference
+(every layer, mask combination and dtype, gradients from tf.GradientTape against the
+reference's finite differences) is tests/test_agreement.py's, through mha.harness, and the
+error table tests/test_errors.py's.
 
-Every layer and mask combination under shared weights (float32 and float64), gradients from
-tf.GradientTape against central finite differences of the reference, Keras conventions
-(.keras files, Sequential and functional models, jit_compile), and the error table.
+Here: half precision and float lengths, the `training` argument, lazy Dense layers and Keras
+variables, Keras conventions (get_config, functional, Sequential and subclassed models, .keras
+files, fit), tf.function and jit_compile, and Keras configured for another backend.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module
+from conftest import assert_agrees, backend_module
 from mha.backends import numpy as reference
 
 pytestmark = pytest.mark.tensorflow
@@ -34,16 +37,6 @@ def tf(TF):
     import tensorflow
 
     return tensorflow
-
-
-def assert_close(actual, expected, dtype):
-    """float64 within 1e-10 absolute; float32 within 1e-5 of the output's scale."""
-    actual, expected = np.asarray(actual, dtype=np.float64), np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape
-    assert np.isfinite(actual).all()
-    scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
-    tolerance = 1e-10 if dtype == "float64" else 1e-5 * scale
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,122 +77,6 @@ def inputs(dtype, num_queries=Q, num_keys=K, seed=1):
     )
 
 
-def mask_cases(num_queries, num_keys, dtype, multihead):
-    """name -> (valid_lens, keyword arguments) as numpy arrays."""
-    rng = np.random.default_rng(2)
-    keep3 = rng.random((B, num_queries, num_keys)) < 0.6
-    additive = rng.standard_normal((2, num_queries, num_keys)).astype(dtype)
-    additive[rng.random(additive.shape) < 0.3] = -np.inf
-    additive[0, 0, :] = -np.inf  # one fully blocked row
-    cases = {
-        "none": (None, {}),
-        "valid_lens_1d": (np.array([0, 2, num_keys + 4, 1]), {}),
-        "valid_lens_2d": (rng.integers(0, num_keys + 2, (B, num_queries)), {}),
-        "valid_lens_float": (np.array([3.0, 0.0, 1.0, 100.0], dtype=dtype), {}),
-        "mask_1d": (None, {"mask": np.array([True, False] * num_keys)[:num_keys]}),
-        "mask_2d": (None, {"mask": keep3[0]}),
-        "mask_3d": (None, {"mask": keep3}),
-        "mask_3d_broadcast": (None, {"mask": keep3[:, :1, :]}),
-        "causal": (None, {"causal": True}),
-        "window_bool": (None, {"window_mask": keep3[:2]}),
-        "window_additive": (None, {"window_mask": additive}),
-        "fully_masked_rows": (None, {"mask": np.zeros((B, num_queries, num_keys), bool)}),
-        "combined": (
-            np.array([1, 0, 4, 9]),
-            {
-                "mask": keep3[:, :1, :] | np.eye(num_queries, num_keys, dtype=bool),
-                "causal": True,
-                "window_mask": additive,
-            },
-        ),
-    }
-    if multihead:
-        keep4 = rng.random((B, NUM_HEADS, num_queries, num_keys)) < 0.6
-        head_mask = np.array([1.0, 0.0], dtype=dtype)
-        cases.update(
-            {
-                "mask_4d": (None, {"mask": keep4}),
-                "mask_4d_broadcast": (None, {"mask": keep4[:1, :, :1, :]}),
-                "mask_4d_batch_only": (None, {"mask": keep4[:, :1]}),
-                "head_mask_1d": (None, {"head_mask": head_mask}),
-                "head_mask_2d": (None, {"head_mask": rng.random((B, NUM_HEADS)).astype(dtype)}),
-                "head_mask_bool": (None, {"head_mask": np.array([False, True])}),
-                "need_weights_false": (np.array([0, 2, 3, 9]), {"need_weights": False}),
-                "combined_heads": (
-                    np.array([2, 0, 4, 9]),
-                    {
-                        "mask": keep4,
-                        "causal": True,
-                        "window_mask": additive,
-                        "head_mask": head_mask,
-                    },
-                ),
-            }
-        )
-    return cases
-
-
-def _all_cases():
-    params = []
-    for class_name in CONFIGS:
-        multihead = class_name == "MultiHeadAttention"
-        for shape_name, num_queries, num_keys in (("QneK", Q, K), ("QeqK", K, K), ("QgtK", K, Q)):
-            names = mask_cases(num_queries, num_keys, "float64", multihead)
-            for case in names:
-                if shape_name != "QneK" and case not in ("causal", "combined", "none"):
-                    continue
-                params.append((class_name, shape_name, num_queries, num_keys, case))
-    return params
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(
-    "class_name,shape_name,num_queries,num_keys,case",
-    _all_cases(),
-    ids=[f"{c[0]}-{c[1]}-{c[4]}" for c in _all_cases()],
-)
-def test_attention_matches_reference(
-    TF, class_name, shape_name, num_queries, num_keys, case, dtype
-):
-    numpy_layer, tf_layer = make_pair(TF, class_name, dtype)
-    queries, keys, values = inputs(dtype, num_queries, num_keys)
-    multihead = class_name == "MultiHeadAttention"
-    valid_lens, kwargs = mask_cases(num_queries, num_keys, dtype, multihead)[case]
-    expected = numpy_layer(queries, keys, values, valid_lens, **kwargs)
-    tf_kwargs = {k: TF.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-    tf_valid_lens = None if valid_lens is None else TF.from_numpy(valid_lens)
-    output = tf_layer(
-        TF.from_numpy(queries),
-        TF.from_numpy(keys),
-        TF.from_numpy(values),
-        tf_valid_lens,
-        **tf_kwargs,
-    )
-    assert_close(TF.to_numpy(output), expected, dtype)
-    if kwargs.get("need_weights", True):
-        assert_close(TF.to_numpy(tf_layer.attention_weights), numpy_layer.attention_weights, dtype)
-        expected_shape = (
-            (B, NUM_HEADS, num_queries, num_keys) if multihead else (B, num_queries, num_keys)
-        )
-        assert tuple(tf_layer.attention_weights.shape) == expected_shape
-    else:
-        assert tf_layer.attention_weights is None
-
-
-def test_fully_masked_rows_are_zero(TF):
-    # Independent of the reference: a row with no attended key gives zero weights and output
-    _, layer = make_pair(TF, "MultiHeadAttention", "float64", bias=True)
-    queries, keys, values = inputs("float64")
-    output = layer(queries, keys, values, np.array([0, 1, 0, 2]))
-    weights = TF.to_numpy(layer.attention_weights)
-    assert (weights[[0, 2]] == 0).all()
-    np.testing.assert_array_equal(
-        TF.to_numpy(output)[[0, 2]], np.broadcast_to(TF.to_numpy(layer.W_o.bias), (2, Q, 8))
-    )
-    assert (weights[1, :, :, 1:] == 0).all()
-    np.testing.assert_allclose(weights[1, :, :, 0], 1.0)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_masked_rows(TF, tf, dtype):
     layer = TF.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, dtype=dtype)
@@ -231,76 +108,13 @@ def test_float16_matches_reference(TF):
 
 
 # ---------------------------------------------------------------------------------------------
-# masked_softmax
+# PositionalEncoding and the training argument
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(
-    "shape,valid_lens",
-    [
-        ((B, K), None),
-        ((B, K), np.array([0, 1, 5, 9])),
-        ((B, Q, K), np.array([0, 1, 5, 9])),
-        ((B, Q, K), np.array([[0, 1, 2], [3, 4, 5], [9, 0, 1], [2, 2, 2]])),
-        ((B, 2, Q, K), np.array([0, 1, 5, 9])),
-        ((B, 2, Q, K), np.array([[0, 1, 2], [3, 4, 5], [9, 0, 1], [2, 2, 2]])),
-        ((B, Q, K), np.array([0.0, 2.0, 3.0, 1e9])),
-        ((B, Q, K), np.array([1, 2, 3, 4], dtype=np.uint8)),
-    ],
-)
-def test_masked_softmax_matches_reference(TF, shape, valid_lens, dtype):
-    X = np.random.default_rng(3).standard_normal(shape).astype(dtype)
-    expected = reference.masked_softmax(X, valid_lens)
-    tf_valid_lens = None if valid_lens is None else TF.from_numpy(valid_lens)
-    assert_close(TF.to_numpy(TF.masked_softmax(TF.from_numpy(X), tf_valid_lens)), expected, dtype)
-
-
-def test_masked_softmax_large_logits_and_gradients(TF, tf):
-    X = tf.constant([[[1e4, -1e4, 0.0, 5e3]]] * 2, dtype=tf.float32)
-    valid_lens = tf.constant([3, 0])
-    with tf.GradientTape() as tape:
-        tape.watch(X)
-        Y = TF.masked_softmax(X, valid_lens)
-        loss = tf.reduce_sum(Y * tf.constant([1.0, 2.0, 3.0, 4.0]))
-    gradient = TF.to_numpy(tape.gradient(loss, X))
-    np.testing.assert_array_equal(TF.to_numpy(Y), [[[1, 0, 0, 0]], [[0, 0, 0, 0]]])
-    assert np.isfinite(gradient).all()
-    assert (gradient[1] == 0).all()
-
-
-# ---------------------------------------------------------------------------------------------
-# PositionalEncoding and AddNorm
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("num_hiddens", [6, 7])
-def test_positional_encoding_matches_reference(TF, tf, dtype, num_hiddens):
-    numpy_layer = reference.PositionalEncoding(num_hiddens, max_len=50, dtype=dtype)
-    tf_layer = TF.PositionalEncoding(num_hiddens, max_len=50, dtype=dtype)
-    X = np.random.default_rng(4).standard_normal((2, 9, num_hiddens)).astype(dtype)
-    assert_close(TF.to_numpy(tf_layer(TF.from_numpy(X))), numpy_layer(X), dtype)
-    # P is a constant, not a weight, and holds the formula of docs/design.md
-    assert tf_layer.weights == [] and isinstance(tf_layer.P, tf.Tensor)
-    i, j = 7, 2
-    P = TF.to_numpy(tf_layer.P)
-    np.testing.assert_allclose(
-        P[0, i, 2 * j], np.sin(i / 10000 ** (2 * j / num_hiddens)), atol=1e-6
-    )
-    np.testing.assert_allclose(
-        P[0, i, 2 * j + 1], np.cos(i / 10000 ** (2 * j / num_hiddens)), atol=1e-6
-    )
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("shape", [(5, 6), (2, 3, 6), (2, 2, 3, 6)])
-def test_add_norm_matches_reference(TF, dtype, shape):
-    numpy_layer, tf_layer = make_pair(TF, "AddNorm", dtype, num_hiddens=6, eps=1e-3)
-    rng = np.random.default_rng(5)
-    X, Y = (rng.standard_normal(shape).astype(dtype) for _ in range(2))
-    assert_close(
-        TF.to_numpy(tf_layer(TF.from_numpy(X), TF.from_numpy(Y))), numpy_layer(X, Y), dtype
-    )
-    assert tf_layer.ln.epsilon == 1e-3
+def test_positional_table_is_a_constant_not_a_weight(TF, tf):
+    layer = TF.PositionalEncoding(7, max_len=50, dtype="float64")
+    assert layer.weights == [] and isinstance(layer.P, tf.Tensor)
+    assert TF.to_numpy(layer.P).shape == (1, 50, 7)
 
 
 def test_dropout_follows_training_argument(TF, tf):
@@ -317,7 +131,7 @@ def test_dropout_follows_training_argument(TF, tf):
     numpy_layer, layer = make_pair(TF, "MultiHeadAttention", "float32", dropout=0.5)
     queries, keys, values = inputs("float32")
     evaluation = TF.to_numpy(layer(queries, keys, values))
-    assert_close(evaluation, numpy_layer(queries, keys, values), "float32")
+    assert_agrees(evaluation, numpy_layer(queries, keys, values), "float32")
     weights_before = TF.to_numpy(layer.attention_weights)
     training = TF.to_numpy(layer(queries, keys, values, training=True))
     assert not np.allclose(training, evaluation)
@@ -327,112 +141,6 @@ def test_dropout_follows_training_argument(TF, tf):
     add_norm = TF.AddNorm(8, dropout=0.5)
     Y = np.random.default_rng(0).standard_normal((2, 50, 8)).astype(np.float32)
     assert not np.allclose(TF.to_numpy(add_norm(X, Y, training=True)), TF.to_numpy(add_norm(X, Y)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Gradients: tf.GradientTape against central finite differences of the reference (float64)
-
-
-def _finite_differences(function, arrays, step=1e-6):
-    """d function() / d each array, by central differences (arrays are perturbed in place)."""
-    gradients = []
-    for array in arrays:
-        gradient = np.zeros_like(array)
-        for index in np.ndindex(array.shape):
-            original = array[index]
-            array[index] = original + step
-            plus = function()
-            array[index] = original - step
-            minus = function()
-            array[index] = original
-            gradient[index] = (plus - minus) / (2 * step)
-        gradients.append(gradient)
-    return gradients
-
-
-GRADIENT_CASES = [
-    ("MultiHeadAttention", {"bias": True}, np.array([0, 2, 9, 1]), {"causal": True}),
-    (
-        "MultiHeadAttention",
-        {},
-        None,
-        {
-            "mask": np.array([[True, False, True, True, False]] * Q),
-            "head_mask": np.array([0.5, 2.0]),
-        },
-    ),
-    ("AdditiveAttention", {}, np.array([[0, 1, 2], [5, 0, 3], [1, 1, 1], [9, 9, 0]]), {}),
-    ("DotProductAttention", {}, np.array([0, 3, 0, 2]), {"causal": True}),
-]
-
-
-@pytest.mark.parametrize(
-    "class_name,config,valid_lens,kwargs",
-    GRADIENT_CASES,
-    ids=[f"{c[0]}-{i}" for i, c in enumerate(GRADIENT_CASES)],
-)
-def test_gradients_match_finite_differences(TF, tf, class_name, config, valid_lens, kwargs):
-    dtype = "float64"
-    numpy_layer, tf_layer = make_pair(TF, class_name, dtype, **config)
-    queries, keys, values = inputs(dtype)
-    rng = np.random.default_rng(6)
-    probe_shape = numpy_layer(queries, keys, values, valid_lens, **kwargs).shape
-    probe = rng.standard_normal(probe_shape)
-    weights = mha.get_weights(numpy_layer)
-
-    def loss():
-        mha.set_weights(numpy_layer, weights)
-        return float((numpy_layer(queries, keys, values, valid_lens, **kwargs) * probe).sum())
-
-    names = sorted(weights)
-    expected = _finite_differences(loss, [queries, keys, values] + [weights[n] for n in names])
-
-    variables = {name: _variable(tf_layer, name) for name in names}
-    tensors = [tf.constant(x) for x in (queries, keys, values)]
-    with tf.GradientTape() as tape:
-        tape.watch(tensors)
-        output = tf_layer(*tensors, valid_lens, **kwargs)
-        tf_loss = tf.reduce_sum(output * probe)
-    gradients = tape.gradient(tf_loss, tensors + [variables[n] for n in names])
-    for name, gradient, finite in zip(
-        ["queries", "keys", "values", *names], gradients, expected, strict=True
-    ):
-        gradient = TF.to_numpy(tf.convert_to_tensor(gradient))
-        assert np.isfinite(gradient).all(), name
-        np.testing.assert_allclose(gradient, finite, atol=1e-7, err_msg=name)
-    if valid_lens is not None and valid_lens.ndim == 1:
-        # Examples with valid_len 0 attend nothing: zero gradients, finite and exact
-        empty = valid_lens == 0
-        for gradient in gradients[:3]:
-            assert (TF.to_numpy(gradient)[empty] == 0).all()
-
-
-def _variable(layer, name):
-    """The Keras variable that holds canonical weight `name`."""
-    if name in ("gamma", "beta"):
-        return getattr(layer.ln, name)
-    dense = getattr(layer, name if name in ("W_q", "W_k", "W_v", "W_o", "w_v") else "W_" + name[-1])
-    return dense.kernel if name[0] in "Ww" else dense.bias
-
-
-def test_add_norm_gradients_match_finite_differences(TF, tf):
-    numpy_layer, tf_layer = make_pair(TF, "AddNorm", "float64", num_hiddens=5)
-    rng = np.random.default_rng(7)
-    X, Y, probe = (rng.standard_normal((2, 3, 5)) for _ in range(3))
-    weights = mha.get_weights(numpy_layer)
-
-    def loss():
-        mha.set_weights(numpy_layer, weights)
-        return float((numpy_layer(X, Y) * probe).sum())
-
-    expected = _finite_differences(loss, [X, Y, weights["gamma"], weights["beta"]])
-    tensors = [tf.constant(X), tf.constant(Y)]
-    with tf.GradientTape() as tape:
-        tape.watch(tensors)
-        tf_loss = tf.reduce_sum(tf_layer(*tensors) * probe)
-    gradients = tape.gradient(tf_loss, [*tensors, tf_layer.ln.gamma, tf_layer.ln.beta])
-    for gradient, finite in zip(gradients, expected, strict=True):
-        np.testing.assert_allclose(TF.to_numpy(tf.convert_to_tensor(gradient)), finite, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +176,7 @@ def test_lazy_layer_weights_and_config(TF):
         np.testing.assert_array_equal(value, weights[name])
     rng = np.random.default_rng(0)
     queries, keys, values = (rng.standard_normal((2, 3, n)).astype(np.float32) for n in (D, 4, V))
-    assert_close(
+    assert_agrees(
         TF.to_numpy(layer(queries, keys, values)), numpy_layer(queries, keys, values), "float32"
     )
 
@@ -552,7 +260,7 @@ def test_functional_model_saves_and_loads(TF, tf, tmp_path):
     attention = model.get_layer("attention")
     numpy_attention = reference.MultiHeadAttention(8, 2, bias=True)
     mha.set_weights(numpy_attention, mha.get_weights(attention))
-    assert_close(
+    assert_agrees(
         TF.to_numpy(attention(queries, keys, values, valid_lens, causal=True)),
         numpy_attention(queries, keys, values, valid_lens, causal=True),
         "float32",
@@ -584,7 +292,7 @@ def test_sequential_model_saves_and_loads(TF, tmp_path):
     reference_output = reference.PositionalEncoding(7, max_len=12)(
         X @ TF.to_numpy(dense.kernel) + TF.to_numpy(dense.bias)
     )
-    assert_close(expected, reference_output, "float32")
+    assert_agrees(expected, reference_output, "float32")
     path = tmp_path / "sequential.keras"
     model.save(path)
     np.testing.assert_array_equal(TF.to_numpy(keras.models.load_model(path)(X)), expected)
@@ -642,10 +350,10 @@ def test_tf_function(TF, tf, jit_compile):
 
     output, weights = attend(queries, keys, values, valid_lens)
     kwargs = {"mask": mask, "causal": True, "window_mask": window_mask, "head_mask": head_mask}
-    assert_close(
+    assert_agrees(
         TF.to_numpy(output), numpy_layer(queries, keys, values, valid_lens, **kwargs), "float32"
     )
-    assert_close(TF.to_numpy(weights), numpy_layer.attention_weights, "float32")
+    assert_agrees(TF.to_numpy(weights), numpy_layer.attention_weights, "float32")
 
     # Unknown batch and sequence sizes: shapes are checked on what is known
     spec = [
@@ -660,122 +368,11 @@ def test_tf_function(TF, tf, jit_compile):
         jit_compile=jit_compile,
     )
     queries, keys, values = inputs("float32")
-    assert_close(
+    assert_agrees(
         TF.to_numpy(dynamic(queries, keys, values, valid_lens)),
         numpy_layer(queries, keys, values, valid_lens, causal=True),
         "float32",
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Errors: the same type and message as the reference
-
-
-def _error_cases():
-    f32 = np.zeros((B, Q, D), np.float32)
-    keys = np.zeros((B, K, D), np.float32)
-    values = np.zeros((B, K, V), np.float32)
-    constructors = [
-        ("MultiHeadAttention", (100, 3), {}),
-        ("MultiHeadAttention", (8, 0), {}),
-        ("MultiHeadAttention", (8, 2), {"bias": 1}),
-        ("MultiHeadAttention", (8, 2), {"dtype": "int32"}),
-        ("DotProductAttention", (1.5,), {}),
-        ("AdditiveAttention", (4,), {"query_size": -1}),
-        ("PositionalEncoding", (4,), {"max_len": 0}),
-        ("AddNorm", (4,), {"eps": 0.0}),
-    ]
-    cases = [(f"new-{n}-{i}", n, a, k, None) for i, (n, a, k) in enumerate(constructors)]
-    mh = ("MultiHeadAttention", (8, 2), {})
-    calls = [
-        (mh, (f32[0], keys, values), {}),
-        (mh, (f32.astype(np.float64), keys, values), {}),
-        (mh, (f32, keys[:2], values), {}),
-        (mh, (f32, keys, values[:, :2]), {}),
-        (mh, (f32, keys, values, np.array([1, -2, 0, 1])), {}),
-        (mh, (f32, keys, values, np.array([1.0, 2.5, 0.0, 1.0])), {}),
-        (mh, (f32, keys, values, np.array([1, 2])), {}),
-        (mh, (f32, keys, values, np.zeros((B, Q), np.complex64)), {}),
-        (mh, (f32, keys, values), {"mask": np.ones((Q, K), np.int32)}),
-        (mh, (f32, keys, values), {"mask": np.ones((3, 2, Q, K), bool)}),
-        (mh, (f32, keys, values), {"mask": np.ones((1, 1, 1, Q, K), bool)}),
-        (mh, (f32, keys, values), {"causal": 1}),
-        (mh, (f32, keys, values), {"need_weights": None}),
-        (mh, (f32, keys, values), {"window_mask": np.ones((3, Q, K), bool)}),
-        (mh, (f32, keys, values), {"window_mask": np.ones((2, K, Q), bool)}),
-        (mh, (f32, keys, values), {"window_mask": np.ones((2, Q, K), np.float64)}),
-        (mh, (f32, keys, values), {"head_mask": np.ones(3, np.float32)}),
-        (mh, (f32, keys, values), {"head_mask": np.ones((2, 2), np.int64)}),
-        (mh, ([[1.0]], keys, values), {}),
-        (("MultiHeadAttention", (8, 2), {"query_size": 5}), (f32, keys, values), {}),
-        (("DotProductAttention", (), {}), (f32, keys[:, :, :2], values), {}),
-        (
-            ("DotProductAttention", (), {}),
-            (f32, keys, values),
-            {"mask": np.ones((B, 2, Q, K), bool)},
-        ),
-        (("AdditiveAttention", (4,), {"key_size": 5}), (f32, keys, values), {}),
-        (("PositionalEncoding", (D,), {"max_len": 2}), (f32,), {}),
-        (("PositionalEncoding", (5,), {}), (f32,), {}),
-        (("AddNorm", (D,), {}), (f32, f32[:, :2]), {}),
-        (("AddNorm", (D,), {}), (f32, f32.astype(np.float64)), {}),
-        (("AddNorm", (D,), {}), (f32[0, 0], f32[0, 0]), {}),
-    ]
-    for i, ((name, args, config), call_args, call_kwargs) in enumerate(calls):
-        cases.append((f"call-{name}-{i}", name, args, config, (call_args, call_kwargs)))
-    return cases
-
-
-@pytest.mark.parametrize(
-    "case,class_name,args,config,call", _error_cases(), ids=[c[0] for c in _error_cases()]
-)
-def test_errors_match_reference(TF, case, class_name, args, config, call):
-    errors = []
-    for backend in (reference, TF):
-        with pytest.raises((ValueError, TypeError)) as error:
-            layer = getattr(backend, class_name)(*args, **config)
-            call_args, call_kwargs = call
-            layer(*call_args, **call_kwargs)
-        errors.append(error.value)
-    assert type(errors[1]) is type(errors[0])
-    assert str(errors[1]) == str(errors[0])
-
-
-@pytest.mark.parametrize(
-    "X,valid_lens",
-    [
-        (np.zeros((2, 3), np.int32), None),
-        (np.zeros(3, np.float32), None),
-        (np.zeros((2, 3), np.float32), np.zeros((2, 2), np.int32)),
-        (np.zeros((2, 3, 4), np.float32), np.array([1, 2, 3])),
-        (np.zeros((2, 3, 4), np.float32), np.array([1, -1])),
-        (np.zeros((2, 3, 4), np.float32), np.array([1.5, 1.0])),
-        ("scores", None),
-    ],
-)
-def test_masked_softmax_errors_match_reference(TF, X, valid_lens):
-    errors = []
-    for backend in (reference, TF):
-        with pytest.raises((ValueError, TypeError)) as error:
-            backend.masked_softmax(X, valid_lens)
-        errors.append(error.value)
-    assert type(errors[1]) is type(errors[0]) and str(errors[1]) == str(errors[0])
-
-
-def test_set_weights_errors_match_reference(TF):
-    weights = mha.random_weights(
-        "MultiHeadAttention", num_hiddens=8, num_heads=2, query_size=D, key_size=D, value_size=V
-    )
-    weights["W_o"] = weights["W_o"][:, :3]
-    weights["W_x"] = weights.pop("W_v")
-    errors = []
-    for backend in (reference, TF):
-        layer = backend.MultiHeadAttention(8, 2, query_size=D)
-        with pytest.raises(ValueError) as error:
-            mha.set_weights(layer, weights)
-        errors.append(str(error.value))
-    assert errors[0] == errors[1]
-    assert "3 problems" in errors[1]
 
 
 def test_keras_configured_for_another_backend(TF):

@@ -1,9 +1,11 @@
-"""The PyTorch backend against the NumPy reference, and the torch-only promises.
+"""What only the PyTorch backend promises; the agreement with the NumPy reference (every layer,
+mask combination and dtype, gradients and the forward without gradients) is
+tests/test_agreement.py's, through mha.harness, and the error table tests/test_errors.py's.
 
-Every layer and mask combination is compared with mha.backends.numpy under the same canonical
-weights (float64 within 1e-10, float32 within 1e-5 of the output's scale); gradients are
-checked by finite differences (torch.autograd.gradcheck); errors must carry the NumPy
-backend's exact messages.
+Here: the fused kernel's path surviving kernels that give NaN, torch.autograd.gradcheck,
+half precision and bfloat16, train() / eval(), inputs left untouched (version counters), the
+meta device, torch.compile, lazy modules, state_dict and torch.save, .to() / .double(), and
+every way of changing a parameter reaching the next call.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module
+from conftest import assert_agrees, backend_module
+from mha import harness
 from mha.backends import numpy as N
 from mha.encoding import sinusoid_table
 
 pytestmark = pytest.mark.torch
 
-B, H = 4, 2  # batch size and number of heads of the agreement tests
-SHAPES = {"Q5K5": (5, 5), "Q3K6": (3, 6), "Q6K4": (6, 4)}
+B, H = 4, 2  # batch size and number of heads
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +35,6 @@ def torch(T):
     return T.torch
 
 
-def assert_close(actual, expected, dtype):
-    """docs/design.md's tolerances: float64 within 1e-10, float32 within 1e-5 of the scale."""
-    if hasattr(actual, "detach"):
-        actual = actual.detach().cpu().numpy()
-    expected = np.asarray(expected)
-    assert actual.shape == expected.shape
-    assert np.isfinite(actual).all()
-    if dtype == "float64":
-        atol = 1e-10
-    else:
-        atol = 1e-5 * (float(np.abs(expected).max()) or 1.0)
-    np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=0, atol=atol)
-
-
-# ---------------------------------------------------------------------------------------------
 # Layers built on both backends with the same weights
 
 
@@ -90,7 +77,7 @@ def to_torch(T, arguments: dict) -> dict:
     return {k: T.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arguments.items()}
 
 
-# Every mask kind and combination: name -> f(rng, Q, K, dtype) -> call keywords (numpy)
+# Masks for the tests of inputs left untouched
 def _bools(rng, shape, p=0.7):
     return rng.random(shape) < p
 
@@ -102,258 +89,58 @@ def _window_additive(rng, Q, K, dtype):
     return window.astype(dtype)
 
 
-def _mask_with_empty_row(rng, Q, K):
-    mask = _bools(rng, (Q, K))
-    mask[1, :] = False
-    return mask
+# ---------------------------------------------------------------------------------------------
+# The fused kernel's path
 
 
-def _window_with_empty_row(rng, Q, K):
-    window = _bools(rng, (2, Q, K))
-    window[0, 1, :] = False
-    return window
-
-
-MASK_CASES = {
-    "none": lambda rng, Q, K, dtype: {},
-    "valid_lens_1d": lambda rng, Q, K, dtype: {"valid_lens": np.array([0, 2, K + 3, K])},
-    # Lengths above 0 (alone or with the causal mask) keep a key in every row, which the
-    # layers then do not check
-    "valid_lens_positive": lambda rng, Q, K, dtype: {"valid_lens": np.array([1, 2, K + 3, K])},
-    "causal_valid_lens_positive": lambda rng, Q, K, dtype: {
-        "valid_lens": np.array([K, 1, 2, K + 1]),
-        "causal": True,
-    },
-    "valid_lens_2d": lambda rng, Q, K, dtype: {
-        "valid_lens": np.concatenate([np.zeros((1, Q), int), rng.integers(0, K + 3, (B - 1, Q))])
-    },
-    "mask_1d": lambda rng, Q, K, dtype: {"mask": np.arange(K) % 2 == 0},
-    "mask_2d_empty_row": lambda rng, Q, K, dtype: {"mask": _mask_with_empty_row(rng, Q, K)},
-    "mask_3d": lambda rng, Q, K, dtype: {"mask": _bools(rng, (B, Q, K))},
-    "mask_3d_broadcast": lambda rng, Q, K, dtype: {"mask": _bools(rng, (B, 1, K))},
-    "mask_all_false": lambda rng, Q, K, dtype: {"mask": np.zeros((B, Q, K), bool)},
-    "causal": lambda rng, Q, K, dtype: {"causal": True},
-    "window_bool": lambda rng, Q, K, dtype: {"window_mask": _bools(rng, (2, Q, K))},
-    "window_bool_empty_row": lambda rng, Q, K, dtype: {
-        "valid_lens": np.array([1, 2, K, K]),
-        "window_mask": _window_with_empty_row(rng, Q, K),
-    },
-    "window_additive": lambda rng, Q, K, dtype: {"window_mask": _window_additive(rng, Q, K, dtype)},
-    "combined": lambda rng, Q, K, dtype: {
-        "valid_lens": np.array([1, 0, K + 1, 3]),
-        "mask": _bools(rng, (B, Q, K), 0.8),
-        "causal": True,
-        "window_mask": _window_additive(rng, Q, K, dtype),
-    },
-}
-MULTIHEAD_CASES = {
-    "mask_4d": lambda rng, Q, K, dtype: {"mask": _bools(rng, (B, H, Q, K))},
-    "mask_4d_broadcast": lambda rng, Q, K, dtype: {"mask": _bools(rng, (1, H, 1, K))},
-    "head_mask_1d": lambda rng, Q, K, dtype: {"head_mask": np.array([0.5, -2.0], dtype)},
-    "head_mask_2d_bool": lambda rng, Q, K, dtype: {"head_mask": _bools(rng, (B, H), 0.5)},
-    "combined_multihead": lambda rng, Q, K, dtype: {
-        "valid_lens": rng.integers(0, K + 2, (B, Q)),
-        "mask": _bools(rng, (B, 1, Q, K), 0.8),
-        "causal": True,
-        "window_mask": _bools(rng, (2, Q, K), 0.8),
-        "head_mask": np.array([1.0, 0.25], dtype),
-    },
-}
-
-
-def compare_attention(T, kind, dtype, num_queries, num_keys, arguments):
-    reference, layer = pair(T, kind, dtype)
-    queries, keys, values = inputs(num_queries, num_keys, dtype, kind)
-    expected = reference(queries, keys, values, **arguments)
-    torch_arguments = to_torch(T, arguments)
-    output = layer(*map(T.from_numpy, (queries, keys, values)), **torch_arguments)
-    assert_close(output, expected, dtype)
-    if arguments.get("need_weights", True):
-        weights = T.to_numpy(layer.attention_weights)
-        assert_close(weights, reference.attention_weights, dtype)
-        # Masked keys get exactly zero weight
-        assert (weights[reference.attention_weights == 0] == 0).all()
-    else:
-        assert layer.attention_weights is None
-    return expected
-
-
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-@pytest.mark.parametrize("case", MASK_CASES)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("kind", ["dot", "additive"])
-def test_attention_matches_numpy(T, kind, dtype, case, shape):
-    arguments = MASK_CASES[case](np.random.default_rng(2), *shape, dtype)
-    compare_attention(T, kind, dtype, *shape, arguments)
-
-
-@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
-@pytest.mark.parametrize("case", [*MASK_CASES, *MULTIHEAD_CASES])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
-def test_multihead_matches_numpy(T, need_weights, dtype, case, shape):
-    cases = {**MASK_CASES, **MULTIHEAD_CASES}
-    arguments = cases[case](np.random.default_rng(3), *shape, dtype)
-    compare_attention(T, "multihead", dtype, *shape, {**arguments, "need_weights": need_weights})
-
-
-@pytest.mark.parametrize("case", [*MASK_CASES, *MULTIHEAD_CASES])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
-@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_self_attention_matches_numpy(T, torch, grad, need_weights, dtype, case):
-    # One tensor as queries, keys and values, with and without gradients. Expected: the
-    # NumPy reference; with gradients, the sum of the gradients of the same layer called with
-    # three separate tensors.
-    reference = N.MultiHeadAttention(
-        8, H, bias=True, query_size=5, key_size=5, value_size=5, dtype=dtype
-    )
-    layer = T.MultiHeadAttention(
-        8, H, bias=True, query_size=5, key_size=5, value_size=5, dtype=dtype
-    )
-    weights = mha.random_weights(reference, seed=4)
-    mha.set_weights(reference, weights)
-    mha.set_weights(layer, weights)
-    cases = {**MASK_CASES, **MULTIHEAD_CASES}
-    arguments = {**cases[case](np.random.default_rng(5), 5, 5, dtype), "need_weights": need_weights}
-    X = np.random.default_rng(6).standard_normal((B, 5, 5)).astype(dtype)
-    expected = reference(X, X, X, **arguments)
-    torch_arguments = to_torch(T, arguments)
-    one_input = T.from_numpy(X).requires_grad_(grad)
-    with torch.set_grad_enabled(grad):
-        output = layer(one_input, one_input, one_input, **torch_arguments)
-    assert_close(output, expected, dtype)
-    if need_weights:
-        assert_close(layer.attention_weights, reference.attention_weights, dtype)
-    if grad:
-        (one_gradient,) = torch.autograd.grad(output.sum(), one_input)
-        separate = [T.from_numpy(X).requires_grad_() for _ in range(3)]
-        output = layer(*separate, **torch_arguments)
-        expected_gradient = sum(torch.autograd.grad(output.sum(), separate))
-        assert_close(one_gradient, expected_gradient.detach().numpy(), dtype)
-
-
-def test_fully_masked_rows_are_zero(T):
-    """Independent of the reference: an example with valid_len 0 gives zero weights, and
-    multi-head output b_o there (fused path included)."""
-    _, layer = pair(T, "multihead", "float64")
-    queries, keys, values = (T.from_numpy(x) for x in inputs(3, 6, "float64"))
-    valid_lens = T.from_numpy(np.array([0, 6, 0, 2]))
-    b_o = mha.get_weights(layer)["b_o"]
-    for need_weights in (True, False):
-        output = T.to_numpy(layer(queries, keys, values, valid_lens, need_weights=need_weights))
-        np.testing.assert_array_equal(output[[0, 2]], np.broadcast_to(b_o, (2, 3, 8)))
-        assert not np.allclose(output[1], b_o)
-    dot = T.DotProductAttention(dtype="float64")
-    output = dot(T.from_numpy(inputs(3, 6, "float64", "dot")[0]), keys, values, valid_lens)
-    assert (T.to_numpy(output)[[0, 2]] == 0).all()
-    assert (T.to_numpy(dot.attention_weights)[[0, 2]] == 0).all()
-
-
-def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch):
+@pytest.mark.parametrize(
+    "masks",
+    [
+        ("mask_3d", "no_weights"),
+        ("mask_4d", "window_mask", "no_weights"),
+        # A window alone, with lengths above 0, can still empty a row
+        ("valid_lens_2d", "window_bool", "no_weights"),
+    ],
+    ids="+".join,
+)
+def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, masks):
     """Some SDPA kernels give NaN for a row with no kept key (torch 2.13's CPU kernels give 0):
-    under such a kernel the fused path still gives zero rows and finite gradients."""
+    under such a kernel the fused path still computes the reference's numbers, zero rows
+    included, with finite gradients that match the reference's finite differences."""
 
     def naive_attention(queries, keys, values, attn_mask=None, dropout_p=0.0):
         scores = queries @ keys.transpose(-1, -2) / queries.shape[-1] ** 0.5
-        if attn_mask.dtype == torch.bool:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
+        elif attn_mask is not None:
             scores = scores + attn_mask
         return torch.softmax(scores, dim=-1) @ values  # NaN where a row is all -inf
 
-    monkeypatch.setattr(T.F, "scaled_dot_product_attention", naive_attention)
-    reference, layer = pair(T, "multihead", "float64")
-    arrays = inputs(3, 6, "float64")
-    queries, keys, values = (T.from_numpy(x).requires_grad_(True) for x in arrays)
-    mask = np.ones((B, 3, 6), bool)
-    mask[1, 2] = mask[3] = False
-    rng = np.random.default_rng(9)
-    for arguments in (
-        {"mask": mask},
-        {"mask": mask, "window_mask": _window_additive(rng, 3, 6, "float64")},
-        # A window alone, with lengths above 0, can still empty a row
-        {"valid_lens": np.array([6, 1, 2, 3]), "window_mask": _window_with_empty_row(rng, 3, 6)},
-    ):
-        expected = reference(*arrays, **arguments)
-        output = layer(queries, keys, values, **to_torch(T, arguments), need_weights=False)
-        assert_close(output, expected, "float64")
-        for x in (queries, keys, values):
-            x.grad = None
-        output.sum().backward()
-        assert all(torch.isfinite(x.grad).all() for x in (queries, keys, values))
-        if "mask" in arguments:
-            assert (queries.grad[3] == 0).all()  # example 3 keeps no key
+    prepared = harness.prepare(harness.Case("MultiHeadAttention", masks), dtype="float64")
+    calls = []
 
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return naive_attention(*args, **kwargs)
 
-def test_causal_and_window_rules(T, torch):
-    """Independent checks: causal is top-left aligned; example b uses window b mod 2."""
-    layer = T.DotProductAttention(dtype="float64")
-    queries, keys, values = (T.from_numpy(x) for x in inputs(3, 6, "float64", "dot"))
-    layer(queries, keys, values, causal=True)
-    weights = T.to_numpy(layer.attention_weights)
-    allowed = np.arange(6)[None, :] <= np.arange(3)[:, None]
-    assert (weights[:, ~allowed] == 0).all() and (weights[:, allowed] > 0).all()
-    window = np.random.default_rng(0).random((2, 3, 6)) < 0.6
-    window[:, :, 0] = True
-    layer(queries, keys, values, window_mask=T.from_numpy(window))
-    weights = T.to_numpy(layer.attention_weights)
-    for b in range(B):
-        assert ((weights[b] > 0) == window[b % 2]).all()
+    monkeypatch.setattr(T.F, "scaled_dot_product_attention", counted)
+    row, _ = harness.check("torch", prepared)
+    assert calls, "the fused path was not taken"
+    assert row.passed, row
 
 
 # ---------------------------------------------------------------------------------------------
-# masked_softmax, PositionalEncoding, AddNorm
+# PositionalEncoding
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(
-    "x_shape, lens",
-    [
-        ((4, 6), None),
-        ((4, 6), np.array([0, 3, 9, 6])),
-        ((4, 3, 6), np.array([0, 3, 9, 6])),
-        ((4, 3, 6), np.array([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 1, 1]])),
-        ((4, 2, 3, 6), np.array([[0, 1, 2], [3, 4, 5], [6, 7, 0], [1, 1, 1]])),
-        ((4, 2, 3, 6), np.array([2, 0, 5, 1])),
-    ],
-)
-def test_masked_softmax_matches_numpy(T, dtype, x_shape, lens):
-    X = (np.random.default_rng(4).standard_normal(x_shape) * 3).astype(dtype)
-    expected = N.masked_softmax(X, lens)
-    output = T.masked_softmax(T.from_numpy(X), None if lens is None else T.from_numpy(lens))
-    assert_close(output, expected, dtype)
-    assert (T.to_numpy(output)[expected == 0] == 0).all()
-
-
-def test_masked_softmax_by_hand_and_large_logits(T, torch):
-    X = torch.tensor([[[1e4, 0.0, -1e4], [0.0, 0.0, 5.0]]] * 2, dtype=torch.float32)
-    X.requires_grad_(True)
-    output = T.masked_softmax(X, torch.tensor([2, 0]))
-    expected = np.zeros((2, 2, 3), np.float32)
-    expected[0, 0] = [1.0, 0.0, 0.0]
-    expected[0, 1] = [0.5, 0.5, 0.0]
-    np.testing.assert_array_equal(T.to_numpy(output), expected)
-    output.sum().backward()
-    assert torch.isfinite(X.grad).all() and (X.grad[1] == 0).all()
-
-
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_positional_encoding_matches_numpy(T, dtype):
-    reference, layer = build(N, "encoding", dtype), build(T, "encoding", dtype)
-    X = np.random.default_rng(5).standard_normal((2, 11, 7)).astype(dtype)
-    assert_close(layer(T.from_numpy(X)), reference(X), dtype)
+def test_positional_table_is_a_buffer_outside_the_state_dict(T):
+    layer = build(T, "encoding", "float64")
     assert "P" in dict(layer.named_buffers()) and "P" not in layer.state_dict()
-    np.testing.assert_array_equal(T.to_numpy(layer.P), sinusoid_table(20, 7).astype(dtype))
+    np.testing.assert_array_equal(T.to_numpy(layer.P), sinusoid_table(20, 7))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_add_norm_matches_numpy(T, dtype):
-    reference, layer = pair(T, "addnorm", dtype)
-    rng = np.random.default_rng(6)
-    X, Y = (rng.standard_normal((2, 3, 7)).astype(dtype) for _ in range(2))
-    assert_close(layer(T.from_numpy(X), T.from_numpy(Y)), reference(X, Y), dtype)
-    assert layer.ln.eps == 1e-5
+# ---------------------------------------------------------------------------------------------
+# Half precision
 
 
 def test_half_precision_runs_close_to_reference(T, torch):
@@ -509,7 +296,7 @@ def test_dropout_follows_train_and_eval(T, torch):
     queries, keys, values = (T.from_numpy(x) for x in inputs(3, 6, "float32"))
     expected = reference(*(T.to_numpy(x) for x in (queries, keys, values)))
     layer.eval()
-    assert_close(layer(queries, keys, values), expected, "float32")
+    assert_agrees(T.to_numpy(layer(queries, keys, values)), expected, "float32")
     eval_weights = layer.attention_weights
     layer.train()
     assert layer.attention.training
@@ -518,7 +305,7 @@ def test_dropout_follows_train_and_eval(T, torch):
         assert not np.allclose(T.to_numpy(output), expected, atol=1e-3)
     layer(queries, keys, values)
     # attention_weights are taken before dropout
-    assert_close(layer.attention_weights, T.to_numpy(eval_weights), "float32")
+    assert_agrees(T.to_numpy(layer.attention_weights), T.to_numpy(eval_weights), "float32")
 
     encoding = T.PositionalEncoding(7, 0.5, max_len=20).train()
     X = torch.randn(2, 5, 7)
@@ -587,21 +374,6 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
     assert encoding(torch.zeros(2, 3, 8, device="meta")).device.type == "meta"
 
 
-@pytest.mark.parametrize("dtype", ["int64", "int32", "float32", "float64"])
-def test_valid_lens_dtypes(T, torch, dtype):
-    reference, layer = pair(T, "multihead", "float32")
-    queries, keys, values = inputs(3, 6, "float32")
-    lens = np.array([[0, 1, 2], [7, 6, 5], [3, 3, 3], [0, 0, 1]])
-    expected = reference(queries, keys, values, lens)
-    valid_lens = torch.from_numpy(lens.astype(dtype))
-    output = layer(*map(T.from_numpy, (queries, keys, values)), valid_lens)
-    assert_close(output, expected, "float32")
-    softmax = T.masked_softmax(torch.ones(4, 3, 6), valid_lens)
-    expected = N.masked_softmax(np.ones((4, 3, 6), np.float32), lens)
-    assert_close(softmax, expected, "float32")
-    assert (T.to_numpy(softmax)[expected == 0] == 0).all()
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 def test_torch_compile_matches_eager(T, torch):
     class Block(torch.nn.Module):
@@ -662,8 +434,8 @@ def test_weights_before_the_first_call(T, torch):
     assert T.layer_config(lazy)["query_size"] == 5
     assert all(np.array_equal(v, weights[k]) for k, v in mha.get_weights(lazy).items())
     queries, keys, values = inputs(3, 6, "float32")
-    assert_close(
-        lazy(*map(T.from_numpy, (queries, keys, values))),
+    assert_agrees(
+        T.to_numpy(lazy(*map(T.from_numpy, (queries, keys, values)))),
         T.to_numpy(sized(*map(T.from_numpy, (queries, keys, values)))),
         "float32",
     )
@@ -672,8 +444,8 @@ def test_weights_before_the_first_call(T, torch):
     reference, _ = pair(T, "additive", "float32")
     mha.set_weights(additive, mha.get_weights(reference))
     queries, keys, values = inputs(3, 6, "float32", "additive")
-    assert_close(
-        additive(*map(T.from_numpy, (queries, keys, values))),
+    assert_agrees(
+        T.to_numpy(additive(*map(T.from_numpy, (queries, keys, values)))),
         reference(queries, keys, values),
         "float32",
     )
@@ -686,15 +458,7 @@ def test_save_in_torch_load_in_numpy(T, tmp_path):
     mha.load_weights(reference, tmp_path / "weights.safetensors")
     queries, keys, values = inputs(3, 6, "float64")
     output = layer(*map(T.from_numpy, (queries, keys, values)), causal=True)
-    assert_close(output, reference(queries, keys, values, causal=True), "float64")
-
-
-def test_set_weights_rejects_bad_weights(T):
-    layer = build(T, "multihead", "float32")
-    weights = mha.get_weights(layer)
-    weights["W_q"] = weights["W_q"].T
-    with pytest.raises(ValueError, match="W_q has shape"):
-        mha.set_weights(layer, weights)
+    assert_agrees(T.to_numpy(output), reference(queries, keys, values, causal=True), "float64")
 
 
 def test_state_dict_round_trip(T):
@@ -705,7 +469,8 @@ def test_state_dict_round_trip(T):
     expected = layer(queries, keys, values, causal=True)
     for fresh in (build(T, "multihead", "float32"), T.MultiHeadAttention(8, H, bias=True)):
         fresh.load_state_dict(state)
-        assert_close(fresh(queries, keys, values, causal=True), T.to_numpy(expected), "float64")
+        actual = T.to_numpy(fresh(queries, keys, values, causal=True))
+        assert_agrees(actual, T.to_numpy(expected), "float64")
     _, add_norm = pair(T, "addnorm", "float32", seed=3)
     fresh = T.AddNorm(7)
     fresh.load_state_dict(add_norm.state_dict())
@@ -724,9 +489,8 @@ def test_to_float64(T, torch):
     mha.set_weights(wide, weights)
     queries, keys, values = inputs(3, 6, "float64")
     expected = wide(queries, keys, values, causal=True)
-    assert_close(
-        layer(*map(T.from_numpy, (queries, keys, values)), causal=True), expected, "float64"
-    )
+    output = layer(*map(T.from_numpy, (queries, keys, values)), causal=True)
+    assert_agrees(T.to_numpy(output), expected, "float64")
     with pytest.raises(TypeError, match="must have the layer's dtype float64"):
         layer(*(T.from_numpy(x.astype("float32")) for x in (queries, keys, values)))
     lazy = T.AdditiveAttention(8).double()
@@ -756,98 +520,6 @@ def test_layers_are_modules(T, torch):
         assert mha.MultiHeadAttention is T.MultiHeadAttention
 
 
-# ---------------------------------------------------------------------------------------------
-# Errors: the same type and message as the NumPy backend
-
-
-def _x(*shape, dtype="float32"):
-    return np.zeros(shape, dtype)
-
-
-QKV = (_x(2, 3, 4),) * 3
-DOT = lambda M: M.DotProductAttention()  # noqa: E731
-MULTIHEAD = lambda M: M.MultiHeadAttention(4, 2)  # noqa: E731
-SOFTMAX = lambda M: M.masked_softmax  # noqa: E731
-
-# (id, make, arguments, keywords): make(M) builds the layer (or raises) for backend module M;
-# it is then called with the numpy arrays among the arguments converted to M's tensors
-ERROR_CASES = [
-    ("heads_not_dividing", lambda M: M.MultiHeadAttention(100, 3), None, {}),
-    ("zero_hiddens", lambda M: M.MultiHeadAttention(0, 1), None, {}),
-    ("dropout_one", lambda M: M.DotProductAttention(1.0), None, {}),
-    ("bad_dtype", lambda M: M.AdditiveAttention(4, dtype="int32"), None, {}),
-    ("bias_not_bool", lambda M: M.MultiHeadAttention(4, 2, bias="yes"), None, {}),
-    ("negative_query_size", lambda M: M.MultiHeadAttention(4, 2, query_size=-1), None, {}),
-    ("encoding_max_len", lambda M: M.PositionalEncoding(4, max_len=0), None, {}),
-    ("add_norm_eps", lambda M: M.AddNorm(4, eps=0.0), None, {}),
-    ("list_input", DOT, ([[1.0]], _x(1, 1, 1), _x(1, 1, 1)), {}),
-    ("rank_2_queries", DOT, (_x(2, 3), _x(2, 3, 3), _x(2, 3, 3)), {}),
-    ("float64_input", DOT, (_x(2, 3, 4, dtype="float64"),) * 3, {}),
-    ("batch_mismatch", DOT, (_x(2, 3, 4), _x(3, 3, 4), _x(3, 3, 4)), {}),
-    ("keys_values", DOT, (_x(2, 3, 4), _x(2, 3, 4), _x(2, 5, 4)), {}),
-    ("dot_sizes", DOT, (_x(2, 3, 4), _x(2, 3, 5), _x(2, 3, 5)), {}),
-    ("query_size", lambda M: M.MultiHeadAttention(4, 2, query_size=3), QKV, {}),
-    ("valid_lens_shape", DOT, (*QKV, np.array([1, 2, 3])), {}),
-    ("valid_lens_bool", DOT, (*QKV, np.array([True, False])), {}),
-    ("valid_lens_negative", DOT, (*QKV, np.array([1, -2])), {}),
-    ("valid_lens_negative_float", DOT, (*QKV, np.array([1.0, -2.0], np.float32)), {}),
-    ("valid_lens_fraction", DOT, (*QKV, np.array([1.5, 2.0], np.float32)), {}),
-    ("valid_lens_negative_int32", DOT, (*QKV, np.array([-3, 2], np.int32)), {}),
-    ("mask_not_bool", DOT, QKV, {"mask": _x(2, 3, 3)}),
-    ("mask_shape", DOT, QKV, {"mask": np.ones((2, 4, 3), bool)}),
-    ("mask_4d_single_head", DOT, QKV, {"mask": np.ones((2, 1, 3, 3), bool)}),
-    ("mask_4d_heads", MULTIHEAD, QKV, {"mask": np.ones((2, 3, 3, 3), bool)}),
-    ("causal_not_bool", DOT, QKV, {"causal": 1}),
-    ("need_weights_not_bool", MULTIHEAD, QKV, {"need_weights": None}),
-    ("window_windows", DOT, QKV, {"window_mask": _x(3, 3, 3)}),
-    ("window_dtype", DOT, QKV, {"window_mask": _x(1, 3, 3, dtype="float64")}),
-    ("window_shape", DOT, QKV, {"window_mask": _x(2, 3)}),
-    ("head_mask_single_head", DOT, QKV, {"head_mask": _x(2)}),
-    ("head_mask_shape", MULTIHEAD, QKV, {"head_mask": _x(3)}),
-    ("head_mask_dtype", MULTIHEAD, QKV, {"head_mask": np.ones(2, int)}),
-    ("encoding_too_long", lambda M: M.PositionalEncoding(4, max_len=2), (_x(1, 3, 4),), {}),
-    ("encoding_size", lambda M: M.PositionalEncoding(4), (_x(1, 3, 5),), {}),
-    ("add_norm_shapes", lambda M: M.AddNorm(4), (_x(2, 3, 4), _x(2, 2, 4)), {}),
-    ("add_norm_dtype", lambda M: M.AddNorm(4), (_x(2, 3, 4), _x(2, 3, 4, dtype="float64")), {}),
-    ("softmax_int", SOFTMAX, (np.zeros((2, 3), int),), {}),
-    ("softmax_rank", SOFTMAX, (_x(3),), {}),
-    ("softmax_2d_lens", SOFTMAX, (_x(2, 3), np.ones((2, 3), int)), {}),
-    ("softmax_negative", SOFTMAX, (_x(2, 3), np.array([1, -1])), {}),
-    ("softmax_fraction", SOFTMAX, (_x(2, 3), np.array([0.5, 1.0])), {}),
-]
-
-
-def _make_and_call(M, convert, make, arguments, keywords):
-    target = make(M)
-    if arguments is not None:
-        tensor = lambda v: convert(v) if isinstance(v, np.ndarray) else v  # noqa: E731
-        target(*map(tensor, arguments), **{k: tensor(v) for k, v in keywords.items()})
-
-
-@pytest.mark.parametrize(
-    "make, arguments, keywords", [c[1:] for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES]
-)
-def test_errors_match_numpy(T, make, arguments, keywords):
-    with pytest.raises((TypeError, ValueError)) as expected:
-        _make_and_call(N, np.asarray, make, arguments, keywords)
-    with pytest.raises((TypeError, ValueError)) as raised:
-        _make_and_call(T, T.from_numpy, make, arguments, keywords)
-    assert type(raised.value) is type(expected.value)
-    assert str(raised.value) == str(expected.value)
-
-
-def test_size_inferred_at_first_call_is_enforced(T):
-    """After a lazy layer inferred query_size=4, other sizes raise the numpy message."""
-    messages = []
-    for M, t in ((N, np.asarray), (T, T.from_numpy)):
-        layer = M.MultiHeadAttention(4, 2)
-        layer(*[t(_x(2, 3, 4))] * 3)
-        with pytest.raises(ValueError) as raised:
-            layer(t(_x(2, 3, 5)), t(_x(2, 3, 4)), t(_x(2, 3, 4)))
-        messages.append(str(raised.value))
-    assert messages[0] == messages[1] and "query_size=4" in messages[0]
-
-
 def test_self_attention_weights_follow_every_change(T, torch):
     # Each way of changing a weight must reach the next call without gradients: the layer
     # keeps nothing computed from its weights. Expected: the NumPy reference with the layer's
@@ -862,7 +534,7 @@ def test_self_attention_weights_follow_every_change(T, torch):
         )
         with torch.no_grad():
             actual = layer(*(T.from_numpy(X.astype(dtype)),) * 3)
-        assert_close(actual, reference(X, X, X), dtype)
+        assert_agrees(T.to_numpy(actual), reference(X, X, X), dtype)
 
     check()
     mha.set_weights(layer, mha.random_weights(layer, seed=1))  # copy_ in place
@@ -941,37 +613,3 @@ def test_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
         fresh.load_state_dict(state)
         with torch.no_grad():
             assert torch.equal(fresh(X, X, X), expected)
-
-
-SELF = lambda M: M.MultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)  # noqa: E731
-X3 = _x(2, 3, 4)
-
-# Self-attention calls without weights or gradients, inference's commonest: (id, arguments)
-SELF_ATTENTION_ERROR_CASES = [
-    ("float64", (_x(2, 3, 4, dtype="float64"),) * 3),
-    ("rank_2", (_x(2, 4),) * 3),
-    ("no_positions", (_x(2, 0, 4),) * 3),
-    ("query_size", (_x(2, 3, 5),) * 3),
-    ("valid_lens_shape", (X3, X3, X3, np.array([1, 2, 3]))),
-    ("valid_lens_2d_shape", (X3, X3, X3, np.ones((2, 4), int))),
-    ("valid_lens_bool", (X3, X3, X3, np.array([True, False]))),
-    ("valid_lens_negative", (X3, X3, X3, np.array([1, -2]))),
-    ("valid_lens_negative_int32", (X3, X3, X3, np.array([-3, 2], np.int32))),
-    ("valid_lens_fraction", (X3, X3, X3, np.array([1.5, 2.0], np.float32))),
-]
-
-
-@pytest.mark.parametrize(
-    "arguments",
-    [c[1] for c in SELF_ATTENTION_ERROR_CASES],
-    ids=[c[0] for c in SELF_ATTENTION_ERROR_CASES],
-)
-def test_self_attention_errors_without_gradients_match_numpy(T, torch, arguments):
-    # The errors of a sized layer called without gradients are the NumPy backend's
-    keywords = {"need_weights": False}
-    with pytest.raises((TypeError, ValueError)) as expected:
-        _make_and_call(N, np.asarray, SELF, arguments, keywords)
-    with torch.no_grad(), pytest.raises((TypeError, ValueError)) as raised:
-        _make_and_call(T, T.from_numpy, SELF, arguments, keywords)
-    assert type(raised.value) is type(expected.value)
-    assert str(raised.value) == str(expected.value)

@@ -75,3 +75,95 @@ def test_a_backend_that_crashes_is_a_failed_row(monkeypatch):
     rows = harness.compare(["numpy"], cases=[harness.Case("AddNorm")])
     assert [row.passed for row in rows] == [False]
     assert rows[0].error == "RuntimeError: kaboom"
+
+
+def test_nan_never_agrees():
+    reference = np.array([1.0, 2.0])
+    assert harness.difference(np.array([1.0, np.nan]), reference, relative=False) == float("inf")
+    assert harness.difference(np.array([np.nan, 2.0]), reference, relative=True) == float("inf")
+
+
+def test_a_masked_key_with_a_tiny_weight_fails(monkeypatch):
+    # docs/design.md promises masked keys exactly 0: 1e-30 there is within every tolerance,
+    # and still fails the row, as zero_difference
+    original = harness.run_case
+
+    def leaking(backend, case, inputs, weights, config, cotangent=None):
+        result = original(backend, case, inputs, weights, config, cotangent)
+        if config["dtype"] == "float32":
+            result.attention_weights = np.where(
+                result.attention_weights == 0, 1e-30, result.attention_weights
+            )
+        return result
+
+    case = harness.Case("DotProductAttention", ("valid_lens_1d",))
+    assert harness.compare(["numpy"], cases=[case])[0].zero_difference == 0.0
+    monkeypatch.setattr(harness, "run_case", leaking)
+    (row,) = harness.compare(["numpy"], cases=[case])
+    assert row.weights_difference <= harness.TOLERANCES["float32"]
+    assert 0 < row.zero_difference < 1e-29 and not row.passed
+
+
+@pytest.mark.parametrize(
+    "mask, key, shape",
+    [
+        ("mask_1d", "mask", (7,)),
+        ("mask_2d", "mask", (5, 7)),
+        ("mask_keys", "mask", (4, 1, 7)),
+        ("mask_3d", "mask", (4, 5, 7)),
+        ("mask_4d", "mask", (4, 2, 5, 7)),
+        ("mask_4d_heads", "mask", (1, 2, 1, 7)),
+        ("mask_4d_batch", "mask", (4, 1, 5, 7)),
+        ("window_mask", "window_mask", (2, 5, 7)),
+        ("window_bool", "window_mask", (2, 5, 7)),
+        ("head_mask", "head_mask", (2,)),
+        ("head_mask_2d", "head_mask", (4, 2)),
+        ("head_mask_bool", "head_mask", (4, 2)),
+    ],
+)
+def test_every_mask_kind_has_its_shape_and_an_empty_row(mask, key, shape):
+    # Expected: the shapes of Case's docstring (Shapes(): batch 4, 5 queries, 7 keys, 2
+    # heads); every mask of queries x keys but mask_1d and mask_4d_heads has a row with no key
+    # kept, and every mask keeps some key
+    value = harness.make_inputs(
+        harness.Case("MultiHeadAttention", (mask,)), harness.Shapes(), "float32", 0
+    )[key]
+    assert value.shape == shape
+    if key == "head_mask":
+        return
+    kept = value if value.dtype == bool else value != -np.inf
+    assert kept.any()
+    if mask not in ("mask_1d", "mask_4d_heads"):
+        assert not kept.any(axis=-1).all()
+    if mask == "window_mask":  # a bias besides -inf: finite values other than 0
+        assert np.any(np.isfinite(value) & (value != 0))
+
+
+def test_shape_and_dtype_variants():
+    shapes = harness.Shapes()
+
+    def inputs(*masks, layer="DotProductAttention"):
+        return harness.make_inputs(harness.Case(layer, masks), shapes, "float32", 0)
+
+    assert inputs("tall")["keys"].shape[1] < inputs("tall")["queries"].shape[1]
+    assert inputs("square")["keys"].shape[1] == inputs("square")["queries"].shape[1]
+    assert "keys" not in inputs("self")
+    assert inputs("valid_lens_1d", "lens_float")["valid_lens"].dtype == np.float32
+    assert inputs("valid_lens_2d", "lens_int32")["valid_lens"].dtype == np.int32
+    assert inputs("rank_2", layer="masked_softmax")["X"].shape == (4, 7)
+    assert inputs("rank_4", layer="masked_softmax")["X"].shape == (4, 2, 5, 7)
+    assert inputs("rank_4", layer="AddNorm")["Y"].shape == (4, 2, 5, 8)
+
+
+def test_all_cases_use_only_known_masks_and_are_distinct():
+    cases = harness.all_cases()
+    assert len({case.id for case in cases}) == len(cases)
+    assert {mask for case in cases for mask in case.masks} == set(harness.MASKS)
+
+
+def test_raised_gives_the_type_and_message_or_none():
+    # Expected: the NumPy backend's own error for a bad constructor; None for a good layer
+    # (which tests/test_errors.py then reports as a failure, not an agreement)
+    error_type, message = harness.raised("numpy", harness.ERRORS["num_heads zero"])
+    assert error_type is ValueError and "num_heads" in message and "Received" in message
+    assert harness.raised("numpy", harness.ErrorCase(("DotProductAttention", (), {}))) is None

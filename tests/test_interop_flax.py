@@ -66,6 +66,8 @@ def mha_call(layer, q, k, v, masks):
 def test_nnx_multihead_attention_into_every_backend(flax, name, bias, masks):
     from flax import nnx
 
+    backend_module(name)
+
     module = nnx.MultiHeadAttention(
         H,
         D,
@@ -79,9 +81,9 @@ def test_nnx_multihead_attention_into_every_backend(flax, name, bias, masks):
     )
     if bias:  # Flax starts biases at zero: make them count
         for projection in (module.query, module.key, module.value, module.out):
-            shape = projection.bias.value.shape
+            shape = projection.bias[...].shape
             values = 0.1 * (1 + np.arange(np.prod(shape))).reshape(shape)
-            projection.bias.value = projection.bias.value + values.astype("float32")
+            projection.bias[...] = projection.bias[...] + values.astype("float32")
     layer = interop.from_flax(module, backend=name)
     assert mha.get_weights(layer)["W_k"].shape == (6, D)
     q, k, v = inputs(key_size=6)

@@ -123,8 +123,8 @@ class _Linear(nnx.Module):
     def __call__(self, X: jax.Array) -> jax.Array:
         if self.kernel is None:
             self.initialize(X.shape[-1])
-        Y = X @ self.kernel.value
-        return Y if self.bias is None else Y + self.bias.value
+        Y = X @ self.kernel[...]
+        return Y if self.bias is None else Y + self.bias[...]
 
 
 def _in_features(linear: _Linear) -> int | None:
@@ -564,7 +564,7 @@ PARAMETERS = {
 
 def read_parameter(parameter: nnx.Param, transposed: bool) -> np.ndarray:
     """A fresh numpy copy of a parameter, in the canonical layout."""
-    value = np.array(parameter.value)
+    value = np.array(parameter[...])
     return value.T.copy() if transposed else value
 
 
@@ -575,7 +575,7 @@ def write_parameter(sublayer: nnx.Module, kind: str, value: np.ndarray) -> None:
     if kind == "kernel" and _in_features(sublayer) is None:
         sublayer.initialize(value.shape[0])
     parameter = getattr(sublayer, name)
-    parameter.value = jnp.asarray(value.T if transposed else value, parameter.value.dtype)
+    parameter[...] = jnp.asarray(value.T if transposed else value, parameter[...].dtype)
 
 
 def without_gradients():

@@ -14,8 +14,9 @@ inferred at the first call, or from the first weights loaded with `mha.set_weigh
 Hybridization: call arguments are keywords (Gluon 1.x blocks take positional ones only), so
 each block's `forward` checks them on the NDArrays, notes the call's structure (which masks are
 given, their rank and kind), and passes them on positionally; None is a valid input of a
-hybridized Gluon block. A hybridized block keeps one graph per structure of call, each
-traced once (calls that alternate, training and evaluation, switch between them); a graph
+hybridized Gluon block. A hybridized block traces its graph again when a call's structure
+differs from the previous call's (as Gluon does when a block changes), and a layer takes one
+call at a time, so that threads sharing it each get their own masks and result; a graph
 does not depend on batch size or sequence lengths. Two limits:
 the blocks cannot be traced inside a hybridized parent block's graph (their checks and masks
 need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Block`), and a
