@@ -1000,13 +1000,12 @@ def read_file(
 
 
 def _load_torch_file(name: str) -> dict[str, Any]:
-    import pickle
 
     import torch
 
     try:
         state = torch.load(name, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as error:
+    except Exception as error:  # torch's restricted unpickler raises many kinds on bad bytes
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         raise ValueError(
             f"{name} is not a torch state_dict file that loads with weights_only=True "
@@ -1057,6 +1056,10 @@ def _load_flax_file(name: str) -> Any:
         raise ValueError(
             f"{name} is not a flax.serialization msgpack file: {type(error).__name__}: {message}"
         ) from None
+    if not isinstance(params, Mapping):
+        raise ValueError(
+            f"{name} holds a {type(params).__name__}, not the parameters of a Flax layer (a map)"
+        )
     return params
 
 

@@ -372,6 +372,10 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
             assert layer(X, X, X, need_weights=need_weights).device.type == "meta"
     encoding = T.PositionalEncoding(8, max_len=10).to("meta")
     assert encoding(torch.zeros(2, 3, 8, device="meta")).device.type == "meta"
+    # valid_lens on the meta device have no values to check: the call runs
+    lengths = torch.zeros(B, dtype=torch.int64, device="meta")
+    assert layer(X, X, X, valid_lens=lengths).shape == (B, 3, 8)
+    assert T.masked_softmax(torch.zeros(B, 3, 6, device="meta"), lengths).device.type == "meta"
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")

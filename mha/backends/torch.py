@@ -126,8 +126,8 @@ def _comparable(valid_lens: torch.Tensor) -> torch.Tensor:
 def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
     # The one check that needs values: non-negative whole numbers (.item() waits for the
     # device, as any value check must)
-    if valid_lens is None or valid_lens.numel() == 0:
-        return
+    if valid_lens is None or valid_lens.numel() == 0 or valid_lens.device.type == "meta":
+        return  # a meta tensor has a shape and no values
     valid_lens = _comparable(valid_lens)
     non_integer = None
     if valid_lens.is_floating_point():
