@@ -52,7 +52,8 @@ LANES = {
         constraints="constraints.txt",
         extras="torch,tensorflow-cpu,mxnet,jax,test,notebooks",
         backends="numpy,torch,tensorflow,mxnet,jax",
-        lock=("numpy<2", "torch==2.13.0"),
+        # jax 0.7.2 and later need numpy 2
+        lock=("numpy<2", "torch==2.13.0", "jax<0.7.2"),
     ),
     "current": Lane(
         environment=".venv-current",

@@ -198,7 +198,7 @@ def test_each_lanes_constraints_pin_what_the_lane_is():
         }
         assert "jax" in backends, lane
     # jax 0.7.1 is the newest that installs beside numpy 1.26 (and so beside MXNet)
-    assert legacy["jax"] == "0.7.1" and legacy["flax"] == "0.12.0"
+    assert legacy["jax"] == "0.7.1" and legacy["flax"].startswith("0.12.")
 
 
 def test_ci_runs_the_readmes_test_command():
