@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import mha
 from mha import interop
 from mha.backends import numpy as N
-from mha.weights import read_safetensors
+from mha.weights import LAYER_CLASSES, read_safetensors
 
 FUZZ = settings(
     max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -77,25 +77,14 @@ def test_any_json_header(tmp_path, header, tail):
 @FUZZ
 @given(
     config=st.dictionaries(
+        # Every constructor argument of every layer, and one that none takes
         st.sampled_from(
-            [
-                "num_hiddens",
-                "num_heads",
-                "dropout",
-                "bias",
-                "query_size",
-                "key_size",
-                "value_size",
-                "dtype",
-                "max_len",
-                "eps",
-                "extra",
-            ]
+            [*sorted({key for keys in LAYER_CLASSES.values() for key in keys}), "extra"]
         ),
         JSON,
         max_size=9,
     ),
-    name=st.sampled_from(["MultiHeadAttention", "PositionalEncoding", "AddNorm", "Nope"]),
+    name=st.sampled_from([*LAYER_CLASSES, "Nope"]),
 )
 def test_any_config_in_an_mha_file(tmp_path, config, name):
     from mha.weights import FORMAT, write_safetensors

@@ -84,6 +84,12 @@ _DTYPES = {
 }
 
 
+def _checked_dtype(dtype: str) -> str:
+    # A layer's dtype, refused where JAX would compute in float32 instead
+    _require_x64(dtype)
+    return dtype
+
+
 def _rngs(rngs: nnx.Rngs | None) -> nnx.Rngs:
     # The seeded default: layers made without rngs draw the same numbers every run
     return nnx.Rngs(0) if rngs is None else rngs
@@ -536,11 +542,6 @@ class AddNorm(nnx.Module):
             X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
         )
         return self.ln(self.dropout(Y) + X)
-
-
-def _checked_dtype(dtype: str) -> str:
-    _require_x64(dtype)
-    return dtype
 
 
 # ---------------------------------------------------------------------------------------------
