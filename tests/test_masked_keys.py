@@ -63,3 +63,51 @@ def test_a_masked_key_holding_anything_changes_nothing(name, kind, masks, poison
     if not extra:
         got = module.to_numpy(layer.attention_weights)
         np.testing.assert_allclose(got[..., LAST][masked], 0, atol=0)
+
+
+# What an attended score holds decides its row: softmax of a row with a NaN, a +inf, or only
+# -inf among its kept entries is undefined, and every backend gives NaN in the whole row, as
+# the frameworks' softmax does; a -inf beside finite kept entries just gets weight 0.
+NAN_ROW = [np.nan] * 4
+ATTENDED = {
+    "nan": ([np.nan, 1.0, 2.0, 3.0], 3, NAN_ROW),
+    "+inf": ([np.inf, 1.0, 2.0, 3.0], 3, NAN_ROW),
+    "two +inf": ([np.inf, np.inf, 2.0, 3.0], None, NAN_ROW),
+    "only -inf kept": ([-np.inf, -np.inf, 1.0, 2.0], 2, NAN_ROW),
+    "only -inf, no mask": ([-np.inf] * 4, None, NAN_ROW),
+    "-inf beside a finite": ([-np.inf, 0.0, 1.0, 2.0], 2, [0.0, 1.0, 0.0, 0.0]),
+    "no kept key": ([np.inf, np.nan, -np.inf, 1.0], 0, [0.0] * 4),
+}
+
+
+@pytest.mark.parametrize("case", ATTENDED)
+@pytest.mark.parametrize("name", backend_params())
+def test_a_row_with_nan_or_inf_at_attended_scores(name, case):
+    module = backend_module(name)
+    row, length, expected = ATTENDED[case]
+    X = module.from_numpy(np.array([[row]]))
+    valid_lens = None if length is None else module.from_numpy(np.array([length]))
+    got = module.to_numpy(module.masked_softmax(X, valid_lens))
+    np.testing.assert_array_equal(got[0, 0], expected)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("kind", ["dot", "multihead", "multihead_no_weights"])
+@pytest.mark.parametrize("name", backend_params())
+def test_an_attended_key_holding_nan_or_inf_makes_its_rows_nan(name, kind, poison):
+    module = backend_module(name)
+    _, layer = layers(module, kind != "dot")
+    rng = np.random.default_rng(1)
+    queries, keys, values = (rng.standard_normal((B, n, D)) for n in (Q, K, K))
+    keys[:, LAST] = poison
+    # Key LAST is attended by every query of example 0 and by none of example 1
+    valid_lens = np.array([K, LAST])
+    extra = {"need_weights": False} if kind == "multihead_no_weights" else {}
+    output = module.to_numpy(layer(*map(module.from_numpy, (queries, keys, values)),
+                                   module.from_numpy(valid_lens), **extra))
+    assert np.isnan(output[0]).all()
+    assert np.isfinite(output[1]).all()
+    if not extra:
+        weights = module.to_numpy(layer.attention_weights)
+        assert np.isnan(weights[0]).all()
+        assert np.isfinite(weights[1]).all()

@@ -236,9 +236,12 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     # Subtracting the row maximum keeps exp from overflowing: a row's largest entry becomes 1
     row_max = scores.max(axis=-1, keepdims=True)
     if keep is not None:
-        # A fully masked row has maximum -inf, and -inf - (-inf) is NaN: any finite shift works
-        row_max[~np.isfinite(row_max)] = 0
-    weights = np.exp(scores - row_max)
+        # A row with no kept entry has maximum -inf, and -inf - (-inf) is NaN: any finite
+        # shift works. A kept +inf, or kept entries all -inf, give NaN, as softmax does
+        row_max = np.where(keep.any(axis=-1, keepdims=True), row_max, scores.dtype.type(0))
+    # A row whose maximum is +inf or -inf is undefined: inf - inf gives its NaN, unwarned
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(scores - row_max)
     total = weights.sum(axis=-1, keepdims=True)
     if keep is not None:
         # A row with no kept entry sums to 0: dividing by 1 leaves its zeros, not NaN
