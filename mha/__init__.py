@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Imports no framework: mha.interop imports torch or TensorFlow inside its functions.
-from mha import interop
+# Imports no framework: mha.interop, porting and golden import frameworks inside their functions.
+from mha import golden, interop, porting
 from mha.config import get_backend, set_backend, use_backend
 from mha.registry import (
     PUBLIC_NAMES,
@@ -48,10 +48,12 @@ __all__ = [
     "from_numpy",
     "get_backend",
     "get_weights",
+    "golden",
     "interop",
     "load",
     "load_weights",
     "masked_softmax",
+    "porting",
     "random_weights",
     "save",
     "save_weights",

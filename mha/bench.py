@@ -406,18 +406,23 @@ def _jax_calls(config: Config, mode: str) -> Calls:
     def keep(lens):  # Flax's mask (True = attend), made inside the call as mha makes its own
         return None if lens is None else (jnp.arange(n) < lens[:, None])[:, None, None, :]
 
+    # Each call returns (output, what else leaves it): the weights leave both layers' calls,
+    # mha's as the layer's state, Flax's sown ones popped and returned
     def call_ours(layer, X, lens):
-        return layer(X, X, X, lens, need_weights=config.need_weights)
+        return layer(X, X, X, lens, need_weights=config.need_weights), None
 
-    def call_theirs(layer, X, lens):  # with weights, Flax sows them; they are taken each call
+    def call_theirs(layer, X, lens):
         output = layer(X, X, X, mask=keep(lens), sow_weights=config.need_weights)
-        nnx.pop(layer, nnx.Intermediate)
-        return output
+        return output, nnx.pop(layer, nnx.Intermediate)
 
     def call_dpa(layer, X, lens):  # Flax's weights on jax.nn.dot_product_attention
         q, k, v = (getattr(layer, p)(X) for p in ("query", "key", "value"))
         output = jax.nn.dot_product_attention(q, k, v, mask=keep(lens))
-        return layer.out(output)
+        return layer.out(output), None
+
+    def summed(result):
+        output, taken = result
+        return output.sum(), taken
 
     layers = {"mha": (call_ours, ours), "nnx.MultiHeadAttention": (call_theirs, theirs)}
     if not config.need_weights:  # dot_product_attention cannot return the weights
@@ -426,14 +431,18 @@ def _jax_calls(config: Config, mode: str) -> Calls:
     forwards = {name: nnx.jit(call) for name, (call, _) in layers.items()}
     backwards = {
         name: nnx.jit(
-            nnx.grad(lambda layer, X, lens, call=call: call(layer, X, lens).sum(), argnums=(0, 1))
+            nnx.grad(
+                lambda layer, X, lens, call=call: summed(call(layer, X, lens)),
+                argnums=(0, 1),
+                has_aux=True,
+            )
         )
         for name, (call, _) in layers.items()
     }
     names = {id(call): name for name, (call, _) in layers.items()}
 
     def forward(call, layer):
-        return forwards[names[id(call)]](layer, X, valid_lens).block_until_ready()
+        return jax.block_until_ready(forwards[names[id(call)]](layer, X, valid_lens))[0]
 
     def backward(call, layer):
         return jax.block_until_ready(backwards[names[id(call)]](layer, X, valid_lens))

@@ -1,4 +1,5 @@
-"""The `mha` command: `mha info`, `mha compare`, `mha convert`, `mha inspect` and `mha bench`.
+"""The `mha` command: `mha info`, `mha compare`, `mha verify`, `mha convert`, `mha inspect` and
+`mha bench`.
 
 Exit codes: 0 when everything agrees, 1 on any disagreement, 2 on a usage error (including a
 backend named with --backends that does not import). `mha convert` and `mha inspect` exit 1
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +39,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
@@ -89,6 +101,32 @@ def _parser() -> argparse.ArgumentParser:
             help=f"default {getattr(defaults, field)}",
         )
     compare.add_argument("--json", action="store_true", help="print the rows as JSON")
+    compare.add_argument(
+        "--record",
+        metavar="CASES.safetensors",
+        help="also write the run's cases, as the first backend computes them (its gradients "
+        "too where it has autograd), for `mha verify` on any machine",
+    )
+
+    verify = commands.add_parser(
+        "verify",
+        help="run recorded cases on every backend and compare with the recorded numbers",
+        description="Run the cases of a golden-case file (written by `mha compare --record` "
+        "or mha.golden.record) on each backend and compare outputs, attention weights and "
+        "gradients with the recorded ones. Exit 0 when all agree within tolerance, 1 "
+        "otherwise, 2 on a usage error.",
+    )
+    verify.add_argument("path", metavar="CASES.safetensors")
+    verify.add_argument(
+        "--backends",
+        help="comma-separated backends (default: every installed one; a named backend that "
+        "does not import is an error)",
+    )
+    verify.add_argument(
+        "--dtype",
+        choices=("float32", "float64"),
+        help="the dtype to run in (default: each case's own)",
+    )
 
     from mha import bench
 
@@ -169,6 +207,21 @@ def _compare(arguments, out, err) -> int:
         progress=_progress(err),
     )
     passed = all(row.passed for row in rows)
+    if arguments.record:
+        from mha import golden
+
+        try:
+            golden.record_run(
+                arguments.record,
+                names[0],
+                dtype=arguments.dtype,
+                seed=arguments.seed,
+                shapes=shapes,
+                progress=_progress(err),
+            )
+        except (ValueError, OSError) as error:
+            print(f"mha compare: error: {error}", file=err)
+            return 1
     if arguments.json:
         report = {
             "passed": passed,
@@ -181,14 +234,69 @@ def _compare(arguments, out, err) -> int:
         }
         print(json.dumps(report, indent=2), file=out)
         return 0 if passed else 1
-    tolerance = harness.TOLERANCES[arguments.dtype]
-    gradient_tolerance = harness.GRADIENT_TOLERANCES[arguments.dtype]
-    scale = "absolute" if arguments.dtype == "float64" else "relative to the output's scale"
-    autograd = [row.backend for row in rows if row.gradient_difference is not None]
-    anchor = autograd[0] if autograd else None
+    _print_rows(
+        rows,
+        names,
+        skipped,
+        arguments.dtype,
+        out,
+        f"Largest differences from the NumPy reference in float64 ({arguments.dtype} "
+        f"runs, seed {arguments.seed}).",
+    )
+    if arguments.record:
+        print(
+            f"Recorded {len(harness.default_cases())} cases as {names[0]} computes them: "
+            f"{arguments.record}",
+            file=out,
+        )
+    return 0 if passed else 1
+
+
+def _verify(arguments, out, err) -> int:
+    import os
+
+    from mha import golden
+
+    if not os.path.isfile(arguments.path):
+        raise _UsageError(f"{arguments.path} does not exist or is not a file")
+    try:
+        names, skipped = select_backends(arguments.backends)
+    except (ValueError, BackendUnavailableError) as error:
+        raise _UsageError(str(error)) from None
+    try:
+        cases = golden.read(arguments.path)
+    except ValueError as error:
+        print(f"mha verify: error: {error}", file=err)
+        return 1
+    rows = golden.verify(cases, names, arguments.dtype, progress=_progress(err))
+    recorded = sorted({case.recorded_with for case in cases if case.recorded_with})
+    dtype = arguments.dtype or (cases[0].dtype if cases else "float32")
+    _print_rows(
+        rows,
+        names,
+        skipped,
+        dtype,
+        out,
+        f"Largest differences from the numbers recorded in {arguments.path} "
+        f"({', '.join(recorded) or 'recorded elsewhere'}; {len(cases)} cases).",
+        gradients="grad~rec",
+    )
+    return 0 if all(row.passed for row in rows) else 1
+
+
+def _print_rows(rows, names, skipped, dtype, out, title, gradients=None) -> None:
+    """The agreement table of `mha compare` and `mha verify`."""
+    tolerance = harness.TOLERANCES[dtype]
+    gradient_tolerance = harness.GRADIENT_TOLERANCES[dtype]
+    scale = "absolute" if dtype == "float64" else "relative to the output's scale"
+    autograd = [
+        row.backend
+        for row in rows
+        if row.gradient_difference is not None or row.gradient_agreement is not None
+    ]
+    anchor = autograd[0] if autograd and gradients is None else None
     print(
-        f"Largest differences from the NumPy reference in float64 ({arguments.dtype} runs, "
-        f"seed {arguments.seed}).\n"
+        f"{title}\n"
         f"  output, weights: the layer's output and attention_weights, tolerance "
         f"{tolerance:.0e} {scale}",
         file=out,
@@ -200,10 +308,18 @@ def _compare(arguments, out, err) -> int:
             f"  grad~{anchor}: gradients against {anchor}'s, tolerance {tolerance:.0e}",
             file=out,
         )
-    width = max(len(row.case) for row in rows)
+    elif gradients is not None and autograd:
+        print(
+            f"  {gradients}: gradients against the recorded ones, tolerance {tolerance:.0e} "
+            "relative",
+            file=out,
+        )
+    width = max([len(row.case) for row in rows] + [13])
     columns = f"{'output':>8}  {'weights':>8}"
     if anchor is not None:
         columns += f"  {'grad~fd':>8}  {'grad~' + anchor:>10}"
+    elif gradients is not None and autograd:
+        columns += f"  {gradients:>10}"
     header = f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  {columns}  result"
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -215,6 +331,8 @@ def _compare(arguments, out, err) -> int:
             values += (
                 f"  {_format(row.gradient_difference):>8}  {_format(row.gradient_agreement):>10}"
             )
+        elif gradients is not None and autograd:
+            values += f"  {_format(row.gradient_agreement):>10}"
         line = f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  {values}  {result}"
         if row.error:
             line += f"  ({row.error})"
@@ -222,14 +340,13 @@ def _compare(arguments, out, err) -> int:
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}", file=out)
     failures = sum(not row.passed for row in rows)
-    if passed:
+    if not failures:
         print(f"All {len(rows)} comparisons agree on {', '.join(names)}.", file=out)
     else:
         failing = sorted({row.backend for row in rows if not row.passed})
         print(
             f"{failures} of {len(rows)} comparisons disagree, on: {', '.join(failing)}.", file=out
         )
-    return 0 if passed else 1
 
 
 def _bench(arguments, out, err) -> int:
@@ -262,6 +379,7 @@ def _add_file_commands(commands) -> None:
         type=_positive_int,
         help="number of heads (needed for a torch state_dict source)",
     )
+    _add_port_arguments(convert)
     inspect = commands.add_parser(
         "inspect",
         help="print the class, config and weight shapes of a checkpoint",
@@ -270,6 +388,23 @@ def _add_file_commands(commands) -> None:
     inspect.add_argument("path", metavar="PATH")
     inspect.add_argument(
         "--num-heads", type=_positive_int, help="number of heads, for a torch state_dict"
+    )
+    _add_port_arguments(inspect)
+
+
+def _add_port_arguments(parser) -> None:
+    parser.add_argument(
+        "--prefix",
+        metavar="MODULE.PATH",
+        help="read SRC as a whole model's weights (.pt, .pth, .safetensors, .msgpack) and take "
+        "the attention layer under this path, e.g. bert.encoder.layer.0.attention; the "
+        "layout (BERT, ViT, Llama, BART, T5, timm, GPT-2, Keras, Flax, torch) is recognized "
+        "from the names there ('' for a file holding one layer)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=_finite_float,
+        help="the score scale, when the model's differs from its layout's default",
     )
 
 
@@ -287,8 +422,13 @@ def _file_command(arguments, out, err) -> int:
         raise _UsageError(str(error)) from None
     if not os.path.isfile(paths[0]):
         raise _UsageError(f"{paths[0]} does not exist or is not a file")
+    porting = arguments.prefix is not None
+    if porting and kinds[0] == "keras":
+        raise _UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
+    if not porting and arguments.scale is not None and kinds[0] != "mha":
+        raise _UsageError("--scale goes with --prefix, or with an mha checkpoint")
     torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
-    if torch_source and arguments.num_heads is None:
+    if torch_source and not porting and arguments.num_heads is None:
         raise _UsageError(
             f"{paths[0]} is a torch state_dict, which does not tell the number of heads: "
             "give --num-heads"
@@ -302,18 +442,50 @@ def _file_command(arguments, out, err) -> int:
                 raise _UsageError(f"{interop.FILE_KINDS[kind]} files need {error}") from None
     try:
         if arguments.command == "inspect":
+            if porting:
+                return _inspect_port(paths[0], arguments, out)
             return _inspect(paths[0], kinds[0], arguments.num_heads, out)
-        config = interop.convert(*paths, num_heads=arguments.num_heads)
+        config = interop.convert(
+            *paths, num_heads=arguments.num_heads, prefix=arguments.prefix, scale=arguments.scale
+        )
     except (ValueError, OSError) as error:
         print(f"mha {arguments.command}: error: {error}", file=err)
         return 1
+    layout, left_out = config.pop("layout", None), config.pop("left_out", None)
     described = ", ".join(f"{key}={value!r}" for key, value in config.items())
+    source = (
+        f"{arguments.prefix!r} of {paths[0]} ({layout})"
+        if porting
+        else f"{paths[0]} ({interop.FILE_KINDS[kinds[0]]})"
+    )
     print(
-        f"{paths[0]} ({interop.FILE_KINDS[kinds[0]]}) -> {paths[1]} "
-        f"({interop.FILE_KINDS[kinds[1]]})\n"
+        f"{source} -> {paths[1]} ({interop.FILE_KINDS[kinds[1]]})\n"
         f"MultiHeadAttention({described}); read back: the same weights",
         file=out,
     )
+    if left_out:
+        print(f"left out (not attention weights): {', '.join(left_out)}", file=out)
+    return 0
+
+
+def _inspect_port(path: str, arguments, out) -> int:
+    from mha import interop, porting
+
+    port = porting.canonical_from_state_dict(
+        interop.read_state(path),
+        arguments.prefix,
+        num_heads=arguments.num_heads,
+        scale=arguments.scale,
+    )
+    print(f"{path}, under {arguments.prefix!r}: {port.layout}", file=out)
+    print("class: MultiHeadAttention (config inferred from the weights)", file=out)
+    print(f"config: {json.dumps(port.config, sort_keys=True)}", file=out)
+    print("weights:", file=out)
+    for name, value in port.weights.items():
+        print(f"  {name:<4} {tuple(value.shape)!s:<12} {value.dtype}", file=out)
+    print(f"read: {', '.join(port.used)}", file=out)
+    if port.left_out:
+        print(f"left out (not attention weights): {', '.join(port.left_out)}", file=out)
     return 0
 
 
@@ -358,6 +530,8 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
             return _file_command(arguments, out, err)
         if arguments.command == "bench":
             return _bench(arguments, out, err)
+        if arguments.command == "verify":
+            return _verify(arguments, out, err)
         return _compare(arguments, out, err)
     except _UsageError as error:
         print(f"mha {arguments.command}: error: {error}", file=err)

@@ -13,6 +13,10 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+_EMPTY_ROWS = """empty_rows: what a query with no key to attend gets: "zeros" (default;
+        weights and attention output 0) or "uniform" (weights 1 / no. of keys over every key,
+        as d2l, Keras's default path, JAX and Flax give)."""
+
 _DTYPE = """dtype: "float32" (default), "float64", "float16", or "bfloat16" where the
         framework computes in it (torch, TensorFlow and JAX)."""
 
@@ -22,14 +26,18 @@ Args:
     X: scores of shape (batch_size, ..., no. of queries, no. of keys).
     valid_lens: None, (batch_size,) or (batch_size, no. of queries); integers, or floats
         holding integers. A length larger than the number of keys keeps every key.
+    empty_rows: "zeros" (default): a row with valid_len 0 is all 0; "uniform": it is
+        1 / no. of keys everywhere, as d2l's -1e6 fill gives.
 
 Returns:
-    An array of X's shape: masked entries are exactly 0, a row with valid_len 0 is all 0,
-    every other row sums to 1.
+    An array of X's shape: masked entries are exactly 0, a row with valid_len 0 as
+    empty_rows says, every other row sums to 1.
 """,
     "DotProductAttention": f"""
 Args:
     dropout: dropout rate on the attention weights (when training).
+    scale: the factor of the scores; None is 1 / sqrt(d).
+    {_EMPTY_ROWS}
     {_DTYPE}
 
 Call arguments:
@@ -40,6 +48,9 @@ Call arguments:
     mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
     causal: query i attends to keys j <= i.
     window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+    attn_bias: added to the scores (a relative position bias, ALiBi), of the layer's
+        dtype, broadcastable to (batch_size, no. of queries, no. of keys); its -inf entries
+        exclude their key exactly, as a float window_mask's do.
 
 Returns:
     (batch_size, no. of queries, value_size); `attention_weights` holds
@@ -50,6 +61,7 @@ Args:
     num_hiddens: size of the hidden layer that queries and keys are projected to.
     dropout: dropout rate on the attention weights (when training).
     query_size, key_size: input sizes; None infers them at the first call.
+    {_EMPTY_ROWS}
     {_DTYPE}
 
 Call arguments: as DotProductAttention; queries and keys may differ in size.
@@ -67,19 +79,27 @@ Args:
     num_hiddens: size of the projections and of the output.
     num_heads: number of heads; must divide num_hiddens.
     dropout: dropout rate on the attention weights (when training).
-    bias: whether the four projections have biases.
+    bias: whether the query, key and value projections have biases.
     query_size, key_size, value_size: input sizes; None infers them at the first call.
+    out_bias: whether the output projection W_o has a bias; None follows `bias`.
+    out_features: the output size, W_o being (num_hiddens, out_features); None is
+        num_hiddens.
+    scale: the factor of the scores; None is 1 / sqrt(num_hiddens / num_heads).
+    {_EMPTY_ROWS}
     {_DTYPE}
 
 Call arguments:
     queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
     mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
         (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
+    attn_bias: added to the scores, of the layer's dtype; as `mask`, 1-D to 3-D applies
+        to every head and 4-D is per head (T5's relative bias: (1, num_heads, Q, K)); its
+        -inf entries exclude their key exactly.
     head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
     need_weights: when False, `attention_weights` is None.
 
 Returns:
-    (batch_size, no. of queries, num_hiddens); `attention_weights` holds
+    (batch_size, no. of queries, out_features); `attention_weights` holds
     (batch_size, num_heads, no. of queries, no. of keys).
 """,
     "PositionalEncoding": f"""

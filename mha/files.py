@@ -9,6 +9,7 @@ that does not pass) leaves the destination as it was and removes the temporary f
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -31,15 +32,26 @@ def write_atomically(
     *,
     suffix: str = ".tmp",
     check: Callable[[str], None] | None = None,
+    size: int | None = None,
 ) -> None:
     """Write a file through `write(temporary_path)`, then `check(temporary_path)`, then move it
     over `path`. `suffix` ends the temporary file's name (some writers ask for an ending).
+
+    `size`, about the bytes the file will take, is checked against the free space first: a
+    writer that runs out of disk may crash the process (h5py does) before it can clean up.
 
     The new file keeps the permissions of the file it replaces; a new file gets those of any
     file the process creates (0666 less the umask), not the private 0600 of a temporary file.
     """
     name = check_destination(path)
     directory = os.path.dirname(os.path.abspath(name))
+    if size is not None:
+        free = shutil.disk_usage(directory).free
+        if free < size:
+            raise OSError(
+                f"not enough free space to write {name}: it takes about {size} bytes and "
+                f"{free} are free; {name} is left as it was"
+            )
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".mha-", suffix=suffix)
     os.close(handle)
     try:

@@ -80,7 +80,9 @@ class Case:
     (batch x 1 x keys, key padding), "mask_3d", "mask_4d", "mask_4d_heads" (1 x heads x 1 x
     keys), "mask_4d_batch" (batch x 1 x queries x keys), "causal", "window_mask" (additive:
     finite biases and -inf), "window_bool", "head_mask" (heads,), "head_mask_2d" (batch x
-    heads), "head_mask_bool" (batch x heads, boolean), "no_weights" (need_weights=False).
+    heads), "head_mask_bool" (batch x heads, boolean), "attn_bias" (batch x queries x keys,
+    finite and -inf, a row all -inf), "attn_bias_4d" (1 x heads x queries x keys, finite, as
+    T5's), "no_weights" (need_weights=False).
     Every boolean mask but mask_1d and mask_4d_heads, and every window, leaves one row with no
     key. The variants: "square" for as many keys as queries, "tall" for fewer keys than
     queries, "self" for self-attention (one tensor passed as queries, keys and values, the
@@ -122,6 +124,8 @@ MASKS = (
     "head_mask",
     "head_mask_2d",
     "head_mask_bool",
+    "attn_bias",
+    "attn_bias_4d",
     "no_weights",
     "rank_2",
     "rank_4",
@@ -212,8 +216,35 @@ def default_cases() -> list[Case]:
                 config,
             ),
         ]
+    cases += [Case("MultiHeadAttention", masks, config) for masks, config in _OPTIONS]
+    cases += [Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25})]
+    cases += [Case(layer, masks, config) for layer, masks, config in _EMPTY_ROWS_AND_BIASES]
     cases += [Case("PositionalEncoding"), Case("AddNorm")]
     return cases
+
+
+# A row with no key taking uniform weights, and biases added to the scores, on each layer
+_UNIFORM = {"empty_rows": "uniform"}
+_EMPTY_ROWS_AND_BIASES = (
+    ("masked_softmax", ("valid_lens_2d",), _UNIFORM),
+    ("DotProductAttention", ("valid_lens_1d",), _UNIFORM),
+    ("AdditiveAttention", ("mask_3d",), _UNIFORM),
+    ("MultiHeadAttention", ("valid_lens_1d",), _UNIFORM),
+    ("MultiHeadAttention", ("mask_4d", "no_weights"), _UNIFORM),
+    ("DotProductAttention", ("attn_bias",), {}),
+    ("AdditiveAttention", ("valid_lens_1d", "attn_bias"), {}),
+    ("MultiHeadAttention", ("valid_lens_1d", "attn_bias_4d"), {"scale": 1.0}),
+    ("MultiHeadAttention", ("attn_bias", "no_weights"), {}),
+)
+
+
+# The layer options beside bias, each on a path that reads it (the fused path without weights)
+_OPTIONS = (
+    (("valid_lens_1d",), {"out_bias": True}),
+    (("causal",), {"bias": True, "out_bias": False, "out_features": 5}),
+    (("valid_lens_1d",), {"scale": 1.0}),
+    (("valid_lens_1d", "no_weights"), {"scale": 1.0, "out_features": 3}),
+)
 
 
 def all_cases() -> list[Case]:
@@ -294,6 +325,24 @@ def all_cases() -> list[Case]:
         ("self", "mask_keys", "window_bool", "head_mask_bool", "no_weights"),
     )
     cases += [Case("MultiHeadAttention", masks, {"bias": True}) for masks in multihead_more]
+    cases += [Case("MultiHeadAttention", masks, config) for masks, config in _OPTIONS]
+    cases += [
+        Case("MultiHeadAttention", ("self", "causal", "no_weights"), {"scale": 0.5}),
+        Case("MultiHeadAttention", ("mask_4d", "window_mask"), {"scale": 2.0, "out_bias": True}),
+        Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25}),
+        Case("DotProductAttention", ("mask_3d", "window_mask"), {"scale": 1.0}),
+    ]
+    cases += [Case(layer, masks, config) for layer, masks, config in _EMPTY_ROWS_AND_BIASES]
+    cases += [
+        Case("masked_softmax", ("rank_4", "valid_lens_1d"), _UNIFORM),
+        Case("DotProductAttention", ("square", "causal", "window_mask"), _UNIFORM),
+        Case("AdditiveAttention", ("valid_lens_2d", "window_bool"), _UNIFORM),
+        Case("MultiHeadAttention", ("self", "valid_lens_2d", "causal", "no_weights"), _UNIFORM),
+        Case("MultiHeadAttention", ("valid_lens_2d", "mask_4d", "head_mask"), _UNIFORM),
+        Case("DotProductAttention", ("valid_lens_2d", "attn_bias", "window_mask"), _UNIFORM),
+        Case("MultiHeadAttention", ("mask_4d", "attn_bias_4d", "causal", "no_weights"), {}),
+        Case("MultiHeadAttention", ("self", "attn_bias", "window_bool"), {"bias": True}),
+    ]
     return [
         *cases,
         Case("PositionalEncoding"),
@@ -411,6 +460,16 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
         inputs["head_mask"] = rng.standard_normal((s.batch_size, s.num_heads)).astype(dtype)
     if "head_mask_bool" in masks:
         inputs["head_mask"] = keep(s.batch_size, s.num_heads, p=0.5)
+    if "attn_bias" in masks:
+        # Added to the scores (ALiBi, a relative bias), its -inf entries excluding keys, and
+        # every key of one row
+        bias = 0.5 * rng.standard_normal((s.batch_size, num_queries, num_keys))
+        bias[~keep(s.batch_size, num_queries, num_keys, p=0.8, empty=rows)] = -np.inf
+        inputs["attn_bias"] = bias.astype(dtype)
+    if "attn_bias_4d" in masks:  # one bias per head, as T5's relative position bias
+        inputs["attn_bias"] = rng.standard_normal((1, s.num_heads, num_queries, num_keys)).astype(
+            dtype
+        )
     if "no_weights" in masks:
         inputs["need_weights"] = False
     return inputs
@@ -470,14 +529,15 @@ def build_layer(backend: str, case: Case, config: Mapping[str, Any], weights=Non
 def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) -> Any:
     """Call `layer` (or the backend's masked_softmax) on the case's tensors."""
     if case.layer == "masked_softmax":
-        return module.masked_softmax(tensors["X"], tensors.get("valid_lens"))
+        options = {key: case.config[key] for key in ("empty_rows",) if key in case.config}
+        return module.masked_softmax(tensors["X"], tensors.get("valid_lens"), **options)
     if case.layer == "PositionalEncoding":
         return layer(tensors["X"])
     if case.layer == "AddNorm":
         return layer(tensors["X"], tensors["Y"])
     arguments = {
         key: tensors[key]
-        for key in ("mask", "causal", "window_mask", "head_mask", "need_weights")
+        for key in ("mask", "causal", "window_mask", "head_mask", "need_weights", "attn_bias")
         if key in tensors
     }
     queries = tensors["queries"]
@@ -908,6 +968,12 @@ def _error_table() -> dict[str, ErrorCase]:
         "dropout one": build("DotProductAttention", 1.0),
         "dropout negative": build("PositionalEncoding", 4, -0.1),
         "bias not bool": build("MultiHeadAttention", 8, 2, bias=1),
+        "out_bias not bool": build("MultiHeadAttention", 8, 2, out_bias="no"),
+        "out_features zero": build("MultiHeadAttention", 8, 2, out_features=0),
+        "scale not finite": build("MultiHeadAttention", 8, 2, scale=float("inf")),
+        "scale not a number": build("DotProductAttention", scale="0.5"),
+        "empty_rows unknown": build("MultiHeadAttention", 8, 2, empty_rows="nan"),
+        "empty_rows not a string": build("AdditiveAttention", 4, empty_rows=0),
         "query_size zero": build("MultiHeadAttention", 8, 2, query_size=0),
         "query_size negative (additive)": build("AdditiveAttention", 4, query_size=-1),
         "max_len zero": build("PositionalEncoding", 4, max_len=0),
@@ -949,6 +1015,11 @@ def _error_table() -> dict[str, ErrorCase]:
         "mask 4-D wrong batch": call(mha, *qkv, mask=np.ones((3, 2, Q, K), bool)),
         "mask 4-D on single head": call(dot, *qkv, mask=np.ones((B, 1, Q, K), bool)),
         "mask 5-D": call(mha, *qkv, mask=np.ones((1, B, 2, Q, K), bool)),
+        "attn_bias bool": call(dot, *qkv, attn_bias=np.ones((B, Q, K), bool)),
+        "attn_bias wrong dtype": call(mha, *qkv, attn_bias=f(B, Q, K, dtype="float64")),
+        "attn_bias wrong keys": call(add, *qkv, attn_bias=f(B, Q, K + 1)),
+        "attn_bias 4-D wrong heads": call(mha, *qkv, attn_bias=f(1, 3, Q, K)),
+        "attn_bias 4-D on single head": call(dot, *qkv, attn_bias=f(1, 1, Q, K)),
         "causal not bool": call(dot, *qkv, causal="yes"),
         "causal int": call(mha, *qkv, causal=1),
         "need_weights not bool": call(mha, *qkv, need_weights=None),

@@ -29,9 +29,11 @@ scores by 1/sqrt(p), as mha does.
 What the built-in layers cannot express raises ValueError before anything is built:
 - torch: the query size must equal embed_dim (mha's query_size = num_hiddens); `add_bias_kv`
   and `add_zero_attn` have no mha equivalent.
-- keras: mha has one head size and maps num_hiddens to num_hiddens, so a Keras layer converts
-  when value_dim = key_dim, output_shape = num_heads * key_dim, attention over axis 1 of rank-3
-  inputs, and no sliding window. Every mha MultiHeadAttention converts to Keras.
+- keras: mha has one head size, so a Keras layer converts when value_dim = key_dim, with
+  attention over axis 1 of rank-3 inputs, one output axis (output_shape other than
+  num_heads * key_dim becomes out_features) and no sliding window.
+- mha's options the built-in layers do not have (a score scale, an output bias apart from the
+  others, and for torch another output size) are a ValueError naming them.
 
 Masks (the mask helpers return keyword arguments ready for the target call):
 - torch's boolean masks mean the opposite of mha's: True = NOT allowed. `to_torch_masks` turns
@@ -41,8 +43,9 @@ Masks (the mask helpers return keyword arguments ready for the target call):
   `use_causal_mask` (top-left aligned in both). Keras has no per-head mask.
 
 Rows with no allowed key: mha gives all-zero weights and an all-zero attention output (the
-layer output is b_o). torch gives NaN in the output and the weights of such a row; Keras 3
-gives zero weights, as mha does. Compare the frameworks only on rows with at least one key.
+layer output is b_o), or uniform weights with empty_rows="uniform". torch's layer gives NaN
+with weights and zeros without; Keras 3 gives zero weights with return_attention_scores=True
+and uniform ones on its default path (docs/porting.md has the table).
 
 Frameworks are imported inside the functions that need them: importing this module imports
 none.
@@ -109,14 +112,19 @@ def _as_numpy(x: Any) -> np.ndarray:
     return np.array(x)
 
 
-def _multihead_config(layer: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _multihead_config(
+    layer: Any, target: str, other_sizes: bool = False
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The config and weights of an mha MultiHeadAttention that `target` can hold."""
     _, class_name, config = _layer_info(layer)
     if class_name != "MultiHeadAttention":
         raise TypeError(
             f"Expected an mha MultiHeadAttention. Received: an mha {class_name}; only "
             "multi-head attention has a built-in counterpart in torch and Keras"
         )
-    return config, get_weights(layer)
+    weights = get_weights(layer)
+    _plain(weights, config["scale"], target, other_sizes)
+    return config, weights
 
 
 def layer_from_weights(
@@ -125,17 +133,20 @@ def layer_from_weights(
     *,
     backend: str | None = None,
     dropout: float = 0.0,
+    scale: float | None = None,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding `weights`.
 
-    The config is read off the canonical weights: num_hiddens and the input sizes from the
-    shapes, bias from the presence of b_q, dtype from W_q's dtype.
+    The config is read off the canonical weights: num_hiddens, out_features and the input
+    sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o, dtype
+    from W_q's dtype.
 
     Args:
         weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o).
         num_heads: the number of heads (weights cannot tell it).
         backend: an mha backend name; None is the current backend.
         dropout: the new layer's dropout rate.
+        scale: the score scale (weights cannot tell it); None is 1 / sqrt(head size).
     """
     from mha.config import get_backend
 
@@ -147,18 +158,41 @@ def layer_from_weights(
         described = ", ".join(f"{name} {shapes[name]}" for name in ("W_q", "W_k", "W_v", "W_o"))
         raise ValueError(f"MultiHeadAttention weights must be matrices. Received: {described}")
     module = load_backend(backend if backend is not None else get_backend())
+    num_hiddens, out_features = shapes["W_o"]
+    bias, out_bias = "b_q" in weights, "b_o" in weights
     layer = module.MultiHeadAttention(
-        shapes["W_o"][0],
+        num_hiddens,
         num_heads,
         dropout,
-        "b_q" in weights,
+        bias,
         query_size=shapes["W_q"][0],
         key_size=shapes["W_k"][0],
         value_size=shapes["W_v"][0],
+        out_bias=None if out_bias == bias else out_bias,
+        out_features=None if out_features == num_hiddens else out_features,
+        scale=scale,
         dtype=validation.check_dtype(np.asarray(weights["W_q"]).dtype.name),
     )
     set_weights(layer, {name: np.asarray(value) for name, value in weights.items()})
     return layer
+
+
+def _plain(
+    weights: Mapping[str, np.ndarray], scale: float | None, target: str, other_sizes: bool = False
+) -> None:
+    """Raise ValueError where `target` (a framework's layer) cannot hold what mha's
+    options add: a score scale, an output bias apart from the others, and unless
+    `other_sizes` (Keras's output_shape, Flax's out_features), another output size."""
+    problems = []
+    if scale is not None:
+        problems.append(f"a score scale of its own (scale={scale!r})")
+    if ("b_q" in weights) != ("b_o" in weights):
+        problems.append("an output bias without input biases, or the other way round")
+    W_o = np.shape(weights["W_o"])
+    if W_o[0] != W_o[1] and not other_sizes:
+        problems.append(f"an output size other than num_hiddens (W_o {W_o})")
+    if problems:
+        raise ValueError(f"{target} has no equivalent of " + "; ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,6 +208,7 @@ def torch_state_dict(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     Raises:
         ValueError: the query size differs from num_hiddens (torch's query size is embed_dim).
     """
+    _plain(weights, None, "torch.nn.MultiheadAttention")
     W_q, W_k, W_v, W_o = (np.asarray(weights[name]) for name in ("W_q", "W_k", "W_v", "W_o"))
     num_hiddens = W_o.shape[0]
     if W_q.shape[0] != num_hiddens:
@@ -289,7 +324,7 @@ def to_torch(layer: Any, *, batch_first: bool = True) -> Any:
     """
     import torch
 
-    config, weights = _multihead_config(layer)
+    config, weights = _multihead_config(layer, "torch.nn.MultiheadAttention")
     state = torch_state_dict(weights)  # raises for query_size != num_hiddens
     module = torch.nn.MultiheadAttention(
         config["num_hiddens"],
@@ -499,7 +534,8 @@ def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str
         "attention_output/bias": (num_hiddens,)}, p = num_hiddens / num_heads; biases only
         when the weights have them. The names are Keras's variable paths below the layer.
     """
-    num_hiddens = np.shape(weights["W_o"])[0]
+    _plain(weights, None, "keras.layers.MultiHeadAttention", other_sizes=True)
+    num_hiddens, out_features = np.shape(weights["W_o"])
     if num_hiddens % num_heads:
         raise ValueError(
             "num_hiddens must be divisible by num_heads. "
@@ -514,7 +550,7 @@ def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str
         if f"b_{k}" in weights:
             result[f"{name}/bias"] = np.asarray(weights[f"b_{k}"]).reshape(num_heads, head_size)
     result["attention_output/kernel"] = np.asarray(weights["W_o"]).reshape(
-        num_heads, head_size, num_hiddens
+        num_heads, head_size, out_features
     )
     if "b_o" in weights:
         result["attention_output/bias"] = np.asarray(weights["b_o"])
@@ -565,22 +601,19 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
     if getattr(layer, "_sliding_window", None) is not None:
         problems.append("a sliding window has no mha equivalent")
     output = kernels["o"]
-    if output.ndim != 3 or output.shape[2] != num_heads * key_dim:
-        problems.append(
-            f"its output size is {output.shape[2:]}; mha's output size is num_heads * key_dim "
-            f"= {num_heads * key_dim} (build it with output_shape={num_heads * key_dim})"
-        )
+    if output.ndim != 3:
+        problems.append(f"its output has the shape {output.shape[2:]}; mha's has one axis")
     if problems:
         raise ValueError(
             "This keras.layers.MultiHeadAttention has no mha equivalent:\n"
             + "\n".join(f"  - {problem}" for problem in problems)
         )
-    num_hiddens = num_heads * key_dim
+    num_hiddens, out_features = num_heads * key_dim, output.shape[2]
     weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], num_hiddens) for k in "qkv"}
-    weights["W_o"] = output.reshape(num_hiddens, num_hiddens)
+    weights["W_o"] = output.reshape(num_hiddens, out_features)
     if layer.use_bias:
         for k in "qkvo":
-            weights[f"b_{k}"] = _as_numpy(_keras_dense(layer, k).bias).reshape(num_hiddens)
+            weights[f"b_{k}"] = _as_numpy(_keras_dense(layer, k).bias).reshape(-1)
     weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
     config = {
         "num_hiddens": num_hiddens,
@@ -591,6 +624,7 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
         "key_size": weights["W_k"].shape[0],
         "value_size": weights["W_v"].shape[0],
         "dtype": validation.check_dtype(weights["W_o"].dtype.name),
+        "out_features": None if out_features == num_hiddens else out_features,
     }
     return weights, config
 
@@ -609,7 +643,7 @@ def to_keras(layer: Any) -> Any:
     """
     import tensorflow as tf
 
-    config, weights = _multihead_config(layer)
+    config, weights = _multihead_config(layer, "keras.layers.MultiHeadAttention", True)
     num_hiddens, num_heads = config["num_hiddens"], config["num_heads"]
     head_size = num_hiddens // num_heads
     builtin = tf.keras.layers.MultiHeadAttention(
@@ -618,7 +652,7 @@ def to_keras(layer: Any) -> Any:
         value_dim=head_size,
         dropout=config["dropout"],
         use_bias=config["bias"],
-        output_shape=num_hiddens,
+        output_shape=config["out_features"] or num_hiddens,
         dtype=config["dtype"],
     )
     builtin.build(
@@ -772,10 +806,10 @@ def canonical_from_flax(
             + ", ".join(f"{_FLAX_PROJECTIONS[k]} {kernels[k].shape[1:]}" for k in "qkv")
         )
     num_hiddens = num_heads * head_size
-    if kernels["o"].shape != (num_heads, head_size, num_hiddens):
+    if kernels["o"].shape[:2] != (num_heads, head_size):
         problems.append(
-            f"out kernel {kernels['o'].shape}: mha's output size is num_heads * head size "
-            f"= {num_hiddens} (out_features = qkv_features)"
+            f"out kernel {kernels['o'].shape}: expected (num_heads, head size, out) = "
+            f"({num_heads}, {head_size}, out)"
         )
     if biases and set(biases) != set("qkvo"):
         problems.append(f"biases on {sorted(_FLAX_PROJECTIONS[k] for k in biases)} only")
@@ -785,9 +819,10 @@ def canonical_from_flax(
             + "\n".join(f"  - {problem}" for problem in problems)
         )
     weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], num_hiddens) for k in "qkv"}
-    weights["W_o"] = kernels["o"].reshape(num_hiddens, num_hiddens)
+    out_features = kernels["o"].shape[-1]
+    weights["W_o"] = kernels["o"].reshape(num_hiddens, out_features)
     for k in biases:
-        weights[f"b_{k}"] = biases[k].reshape(num_hiddens)
+        weights[f"b_{k}"] = biases[k].reshape(-1)
     weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
     config = {
         "num_hiddens": num_hiddens,
@@ -798,6 +833,7 @@ def canonical_from_flax(
         "key_size": weights["W_k"].shape[0],
         "value_size": weights["W_v"].shape[0],
         "dtype": validation.check_dtype(weights["W_o"].dtype.name),
+        "out_features": None if out_features == num_hiddens else out_features,
     }
     return weights, config
 
@@ -850,7 +886,7 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
     """
     from flax import nnx
 
-    config, weights = _multihead_config(layer)
+    config, weights = _multihead_config(layer, "Flax's multi-head attention", True)
     if config["key_size"] != config["value_size"]:
         raise ValueError(
             "flax.nnx.MultiHeadAttention has one input size for keys and values "
@@ -862,7 +898,7 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         config["num_heads"],
         config["query_size"],
         qkv_features=config["num_hiddens"],
-        out_features=config["num_hiddens"],
+        out_features=config["out_features"] or config["num_hiddens"],
         in_kv_features=config["key_size"],
         dtype=dtype,
         param_dtype=dtype,
@@ -984,6 +1020,14 @@ def read_file(
         weights, config = canonical_from_flax(_load_flax_file(name))
     else:
         weights, config = canonical_from_keras(_load_keras_file(name))
+    # The options the frameworks' layers do not have, at their defaults
+    config = {
+        "out_bias": None,
+        "out_features": None,
+        "scale": None,
+        "empty_rows": "zeros",
+        **config,
+    }
     if num_heads is not None:
         if config["num_heads"] is not None and config["num_heads"] != num_heads:
             raise ValueError(
@@ -999,8 +1043,9 @@ def read_file(
     return weights, {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
 
 
-def _load_torch_file(name: str) -> dict[str, Any]:
-
+def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:
+    """The state_dict of a torch file; with only_weights, every tensor must be a dense float
+    one (a whole model's file also holds integer buffers: mha.porting checks what it uses)."""
     import torch
 
     try:
@@ -1018,7 +1063,7 @@ def _load_torch_file(name: str) -> dict[str, Any]:
             f"{name} does not hold a state_dict (a dict of tensors). "
             f"Received: {type(state).__name__}"
         )
-    for key, value in state.items():
+    for key, value in state.items() if only_weights else ():
         # Only plain dense float tensors are weights mha reads
         kind = (
             "a sparse"
@@ -1125,6 +1170,7 @@ def write_file(
     *,
     num_heads: int | None = None,
     dropout: float = 0.0,
+    scale: float | None = None,
 ) -> None:
     """Write canonical MultiHeadAttention weights as the file kind of `path`, atomically.
 
@@ -1140,6 +1186,8 @@ def write_file(
     kind = file_kind(path)
     if kind != "torch" and num_heads is None:
         raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")
+    if kind != "mha":
+        _plain(weights, scale, FILE_KINDS[kind], other_sizes=kind != "torch")
 
     def write(temporary: str) -> None:
         if kind == "torch":
@@ -1155,7 +1203,7 @@ def write_file(
                 file.write(serialization.msgpack_serialize(flax_params(weights, num_heads)))
         else:
             layer = layer_from_weights(
-                weights, num_heads, backend=_carrier(weights), dropout=dropout
+                weights, num_heads, backend=_carrier(weights), dropout=dropout, scale=scale
             )
             if kind == "mha":
                 from mha.weights import save
@@ -1180,7 +1228,9 @@ def write_file(
             message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
             raise OSError(f"writing {os.fspath(path)} failed: {message}") from error
 
-    write_atomically(path, write_or_say_why, suffix=_SUFFIXES[kind], check=check)
+    # The numbers, and room for each kind's headers and index (Keras's HDF5 the largest)
+    size = sum(np.asarray(value).nbytes for value in weights.values()) + 2**16
+    write_atomically(path, write_or_say_why, suffix=_SUFFIXES[kind], check=check, size=size)
 
 
 def _same_weights(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:
@@ -1208,7 +1258,12 @@ def _carrier(weights: Mapping[str, np.ndarray]) -> str:
 
 
 def convert(
-    source: str | os.PathLike, destination: str | os.PathLike, *, num_heads: int | None = None
+    source: str | os.PathLike,
+    destination: str | os.PathLike,
+    *,
+    num_heads: int | None = None,
+    prefix: str | None = None,
+    scale: float | None = None,
 ) -> dict[str, Any]:
     """Convert a MultiHeadAttention file to another kind, and check it by reading it back.
 
@@ -1219,22 +1274,67 @@ def convert(
     when converting one to another kind. The destination is replaced only once the new file
     reads back as the same weights, bit for bit; on any failure it is left as it was.
 
+    With `prefix`, the source is a whole model's weights (a torch state_dict .pt/.pth, a
+    safetensors file such as a Hugging Face model.safetensors, or Flax .msgpack parameters)
+    and the attention layer under `prefix` is taken, in any layout `mha.porting` reads.
+
     Example:
         >>> mha.interop.convert("attention.pt", "attention.weights.h5", num_heads=4)
+        >>> mha.interop.convert("bert.pt", "layer0.safetensors", num_heads=12,
+        ...                     prefix="bert.encoder.layer.0.attention")
 
     Returns:
-        The config of the converted layer.
+        The config of the converted layer; with `prefix`, also "layout" (the layout found)
+        and "left_out" (the names under the prefix that are not attention weights).
 
     Raises:
         ValueError: a file that cannot be read, a configuration the destination cannot express
             (e.g. a query size other than num_hiddens for torch), num_heads missing, or a
             destination that does not read back as the same weights.
     """
-    weights, config = read_file(source, num_heads=num_heads)
+    extra = {}
+    if prefix is not None:
+        from mha import porting
+
+        port = porting.canonical_from_state_dict(
+            read_state(source), prefix, num_heads=num_heads, scale=scale
+        )
+        weights, config = port.weights, port.config
+        extra = {"layout": port.layout, "left_out": port.left_out}
+    else:
+        weights, config = read_file(source, num_heads=num_heads)
+        if scale is not None:
+            config["scale"] = scale
     if config["num_heads"] is None and file_kind(destination) != "torch":
         raise ValueError(
             f"{os.fspath(source)} is a torch state_dict, which does not tell the number of "
             "heads: give num_heads"
         )
-    write_file(destination, weights, num_heads=config["num_heads"], dropout=config["dropout"])
-    return config
+    write_file(
+        destination,
+        weights,
+        num_heads=config["num_heads"],
+        dropout=config["dropout"],
+        scale=config["scale"],
+    )
+    return {**config, **extra}
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Every array of a whole model's weights file, by name: a torch state_dict (.pt, .pth,
+    loaded with weights_only=True), a safetensors file, or Flax parameters (.msgpack,
+    flattened with "."). Only data is read, never code."""
+    from mha.porting import flatten
+
+    kind, name = file_kind(path), os.fspath(path)
+    if kind == "torch":
+        return _load_torch_file(name, only_weights=False)
+    if kind == "flax":
+        return flatten(_load_flax_file(name))
+    if kind == "mha":
+        from mha.weights import read_safetensors
+
+        return read_safetensors(path)[0]
+    raise ValueError(
+        f"{name}: a whole model's weights are read from .pt, .pth, .safetensors or .msgpack files"
+    )

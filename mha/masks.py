@@ -1,27 +1,39 @@
 """The mask rules, written once for every backend.
 
-A call may give any of valid_lens, a boolean keep-mask, `causal` and a window mask. They
-combine into one boolean `keep`, True where a query attends to a key, and an additive `bias`
-(the finite entries of a float window mask, its -inf entries being moved into `keep`). Both
+A call may give any of valid_lens, a boolean keep-mask, `causal`, a window mask and an
+additive attn_bias. They combine into one boolean `keep`, True where a query attends to a key,
+and an additive `bias` (the finite entries of a float window mask and of attn_bias, their -inf
+entries being moved into `keep`). Both
 have the scores' rank, (batch_size, no. of queries, no. of keys) or with heads
 (batch_size, num_heads, no. of queries, no. of keys), each axis that size or 1, so that they
 broadcast against the scores; None means no such mask.
 
 `Masks.combine` holds the rules: which masks there are, the shape each one has, and where
 the head axis goes. A backend subclasses `Masks` with the few array operations the rules need,
-in its framework (see `_Masks` in each module of mha/backends).
+in its framework (see `_Masks` in each module of mha/backends); the ones that are Python's
+operators on every framework's tensors are written here.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
 class Masks:
     """The mask rules; subclasses give the array operations below, for one call's sizes."""
 
+    def __init__(self, batch_size: Any, num_queries: Any, num_keys: Any):
+        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
+
     def combine(
-        self, valid_lens: Any, mask: Any, causal: bool, window_mask: Any, multihead: bool = False
+        self,
+        valid_lens: Any,
+        mask: Any,
+        causal: bool,
+        window_mask: Any,
+        multihead: bool = False,
+        attn_bias: Any = None,
     ) -> tuple[Any, Any]:
         """(keep, bias) for the given masks; see the module's docstring."""
         keep = bias = None
@@ -44,15 +56,28 @@ class Masks:
             else:
                 blocked = self.isneginf(windows)
                 masks.append((self.negate(blocked), 3))
-                bias = self.zeros_where(blocked, windows)
+                bias = self.to_scores(self.zeros_where(blocked, windows), 3, multihead)
         rank = 0  # of keep: the largest of its masks'
         for each, each_rank in masks:
             keep = each if keep is None else self.both(keep, each)
             rank = max(rank, each_rank)
-        keep, bias = self.to_scores(keep, rank, multihead), self.to_scores(bias, 3, multihead)
+        keep = self.to_scores(keep, rank, multihead)
+        # A 4-D mask or attn_bias is (batch_size, num_heads, Q, K), each axis broadcastable;
+        # a bias, like a float window, excludes its -inf entries exactly and adds the others
+        with_heads = []
         if multihead and mask is not None and self.rank(mask) == 4:
-            # A 4-D mask is (batch_size, num_heads, Q, K), each axis broadcastable
-            keep = mask if keep is None else self.both(keep, mask)
+            with_heads.append(mask)
+        if attn_bias is not None:
+            blocked = self.isneginf(attn_bias)
+            rank = self.rank(attn_bias)
+            if rank < 4:
+                blocked = self.to_scores(blocked, rank, multihead)
+                attn_bias = self.to_scores(attn_bias, rank, multihead)
+            with_heads.append(self.negate(blocked))
+            attn_bias = self.zeros_where(blocked, attn_bias)
+            bias = attn_bias if bias is None else bias + attn_bias
+        for each in with_heads:
+            keep = each if keep is None else self.both(keep, each)
         return keep, bias
 
     def to_scores(self, x: Any, rank: int, multihead: bool) -> Any:
@@ -79,26 +104,28 @@ class Masks:
         b mod num_windows."""
         raise NotImplementedError
 
-    def rank(self, mask: Any) -> int:
-        """The number of axes of the user's keep-mask."""
-        raise NotImplementedError
-
     def is_bool(self, windows: Any) -> bool:
-        raise NotImplementedError
-
-    def isneginf(self, x: Any) -> Any:
         raise NotImplementedError
 
     def zeros_where(self, blocked: Any, x: Any) -> Any:
         """x with 0 where `blocked` is True."""
         raise NotImplementedError
 
-    def both(self, a: Any, b: Any) -> Any:
-        """Logical and of two broadcastable boolean masks."""
-        raise NotImplementedError
-
-    def negate(self, a: Any) -> Any:
-        raise NotImplementedError
-
     def expand_dims(self, x: Any, axis: int) -> Any:
         raise NotImplementedError
+
+    # Python's operators, the same on every framework's tensors
+
+    def rank(self, mask: Any) -> int:
+        """The number of axes of the user's keep-mask."""
+        return len(mask.shape)
+
+    def isneginf(self, x: Any) -> Any:
+        return x == -math.inf
+
+    def both(self, a: Any, b: Any) -> Any:
+        """Logical and of two broadcastable boolean masks."""
+        return a & b
+
+    def negate(self, a: Any) -> Any:
+        return ~a

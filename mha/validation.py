@@ -16,7 +16,10 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 __all__ = [
+    "EMPTY_ROWS",
     "FLOAT_DTYPES",
     "check_add_norm_args",
     "check_add_norm_call",
@@ -25,6 +28,7 @@ __all__ = [
     "check_backend_dtype",
     "check_dot_product_args",
     "check_dtype",
+    "check_empty_rows",
     "check_masked_softmax_call",
     "check_multihead_args",
     "check_positional_encoding_args",
@@ -194,20 +198,30 @@ def check_backend_dtype(dtype: str, backend: str) -> str:
     return dtype
 
 
-def check_dot_product_args(dropout: Any, dtype: Any) -> str:
+def check_dot_product_args(
+    dropout: Any, dtype: Any, scale: Any = None, empty_rows: Any = "zeros"
+) -> str:
     """Check DotProductAttention's constructor; returns the dtype name."""
     _check_dropout(dropout)
+    _check_scale(scale)
+    check_empty_rows(empty_rows)
     return check_dtype(dtype)
 
 
 def check_additive_args(
-    num_hiddens: Any, dropout: Any, query_size: Any, key_size: Any, dtype: Any
+    num_hiddens: Any,
+    dropout: Any,
+    query_size: Any,
+    key_size: Any,
+    dtype: Any,
+    empty_rows: Any = "zeros",
 ) -> str:
     """Check AdditiveAttention's constructor; returns the dtype name."""
     _check_positive_int("num_hiddens", num_hiddens)
     _check_dropout(dropout)
     _check_optional_positive_int("query_size", query_size)
     _check_optional_positive_int("key_size", key_size)
+    check_empty_rows(empty_rows)
     return check_dtype(dtype)
 
 
@@ -220,6 +234,10 @@ def check_multihead_args(
     key_size: Any,
     value_size: Any,
     dtype: Any,
+    out_bias: Any = None,
+    out_features: Any = None,
+    scale: Any = None,
+    empty_rows: Any = "zeros",
 ) -> str:
     """Check MultiHeadAttention's constructor; returns the dtype name."""
     _check_positive_int("num_hiddens", num_hiddens)
@@ -234,7 +252,37 @@ def check_multihead_args(
     _check_optional_positive_int("query_size", query_size)
     _check_optional_positive_int("key_size", key_size)
     _check_optional_positive_int("value_size", value_size)
+    if out_bias is not None:
+        _check_bool("out_bias", out_bias)
+    _check_optional_positive_int("out_features", out_features)
+    _check_scale(scale)
+    check_empty_rows(empty_rows)
     return check_dtype(dtype)
+
+
+EMPTY_ROWS = ("zeros", "uniform")
+
+
+def check_empty_rows(empty_rows: Any) -> None:
+    """What a query with no key gets: "zeros" (weights and output 0) or "uniform" (weights
+    1 / no. of keys over every key, as a fill of equal large negative scores gives)."""
+    if not isinstance(empty_rows, str) or empty_rows not in EMPTY_ROWS:
+        raise ValueError(
+            f"empty_rows must be one of {', '.join(map(repr, EMPTY_ROWS))}. "
+            f"Received: empty_rows={empty_rows!r}"
+        )
+
+
+def _check_scale(scale: Any) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(
+            f"scale must be None or a number. Received: scale={scale!r} of type "
+            f"{type(scale).__name__}"
+        )
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite. Received: scale={scale!r}")
 
 
 def check_positional_encoding_args(num_hiddens: Any, dropout: Any, max_len: Any, dtype: Any) -> str:
@@ -305,18 +353,20 @@ def _check_valid_lens(valid_lens: Any, batch_size: int | None, num_queries: int 
         )
 
 
-def check_valid_lens_values(smallest: Any, non_integer: Any = None) -> None:
-    """Check the values of valid_lens, read by the backend with its own ops.
-
-    Args:
-        smallest: the smallest entry of valid_lens (a Python number), or None when empty.
-        non_integer: one entry that is not a whole number, or None when every entry is.
-    """
-    if non_integer is not None:
-        raise ValueError(
-            f"valid_lens must hold whole numbers. Received: valid_lens containing {non_integer!r}"
-        )
-    if smallest is not None and smallest < 0:
+def check_valid_lens_values(values: np.ndarray) -> None:
+    """Check the values of valid_lens, read into numpy by the backend: non-negative whole
+    numbers. Only an eager call has values; the backends skip this in traced ones."""
+    if values.size == 0:
+        return
+    if values.dtype.kind not in "iub":
+        fractional = values != np.floor(values)
+        if fractional.any():
+            raise ValueError(
+                "valid_lens must hold whole numbers. Received: valid_lens containing "
+                f"{values[fractional][0].item()!r}"
+            )
+    smallest = values.min().item()
+    if smallest < 0:
         raise ValueError(
             f"valid_lens must be non-negative. Received: valid_lens containing {smallest!r}"
         )
@@ -328,10 +378,24 @@ def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
         raise TypeError(
             f"mask must be a boolean keep-mask (True = attend). Received: {_describe('mask', mask)}"
         )
-    shape = shape_of(mask)
+    _check_broadcast("mask", mask, target, allow_heads)
+
+
+def _check_attn_bias(attn_bias: Any, target: Shape, allow_heads: bool, dtype: str) -> None:
+    _require_tensor("attn_bias", attn_bias)
+    if dtype_name(attn_bias) != dtype:
+        raise TypeError(
+            f"attn_bias must have the layer's dtype {dtype} (it is added to the scores). "
+            f"Received: {_describe('attn_bias', attn_bias)}"
+        )
+    _check_broadcast("attn_bias", attn_bias, target, allow_heads)
+
+
+def _check_broadcast(name: str, tensor: Any, target: Shape, allow_heads: bool) -> None:
+    shape = shape_of(tensor)
     per_example = (target[0], target[-2], target[-1])
     if allow_heads and len(shape) == 4:
-        # Only a 4-D mask has a head axis, so a batch axis is never read as a head axis
+        # Only a 4-D tensor has a head axis, so a batch axis is never read as a head axis
         fits = _broadcastable(shape, target)
     else:
         fits = 1 <= len(shape) <= 3 and _broadcastable(shape, per_example)
@@ -342,7 +406,9 @@ def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
                 ", or 4-D to (batch_size, num_heads, no. of queries, no. of keys) = "
                 f"{_format_shape(target)}"
             )
-        raise ValueError(f"mask must broadcast to {expected}. Received: {_describe('mask', mask)}")
+        raise ValueError(
+            f"{name} must broadcast to {expected}. Received: {_describe(name, tensor)}"
+        )
 
 
 def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype: str) -> None:
@@ -399,6 +465,7 @@ def check_attention_call(
     window_mask: Any = None,
     head_mask: Any = None,
     need_weights: Any = True,
+    attn_bias: Any = None,
     dtype: str,
     sizes: Sequence[tuple[str, str, int | None]] = (),
     same_query_key_size: bool = False,
@@ -423,6 +490,7 @@ def check_attention_call(
         mask=mask,
         window_mask=window_mask,
         head_mask=head_mask,
+        attn_bias=attn_bias,
     )
     # Self-attention passes one tensor three times: it is checked once
     q_shape = _check_input("queries", queries, dtype)
@@ -460,12 +528,14 @@ def check_attention_call(
         _check_valid_lens(valid_lens, batch_size, num_queries)
     _check_bool("causal", causal)
     _check_bool("need_weights", need_weights)
+    if num_heads is None:
+        target = (batch_size, num_queries, num_keys)
+    else:
+        target = (batch_size, num_heads, num_queries, num_keys)
     if mask is not None:
-        if num_heads is None:
-            target = (batch_size, num_queries, num_keys)
-        else:
-            target = (batch_size, num_heads, num_queries, num_keys)
         _check_mask(mask, target, allow_heads=num_heads is not None)
+    if attn_bias is not None:
+        _check_attn_bias(attn_bias, target, num_heads is not None, dtype)
     if window_mask is not None:
         _check_window_mask(window_mask, batch_size, num_queries, num_keys, dtype)
     if head_mask is not None:
@@ -475,9 +545,12 @@ def check_attention_call(
     return batch_size, num_queries, num_keys
 
 
-def check_masked_softmax_call(X: Any, valid_lens: Any = None, *, tensor_type: Any = object) -> None:
+def check_masked_softmax_call(
+    X: Any, valid_lens: Any = None, *, tensor_type: Any = object, empty_rows: Any = "zeros"
+) -> None:
     """Check masked_softmax(X, valid_lens): X (batch_size, ..., no. of queries, no. of keys)."""
     _require_framework(tensor_type, X=X, valid_lens=valid_lens)
+    check_empty_rows(empty_rows)
     _require_tensor("X", X)
     shape = shape_of(X)
     if dtype_name(X) not in FLOAT_DTYPES:

@@ -4,8 +4,9 @@ The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computin
 `y = x @ W + b`, with W of shape (in, out), whatever layout the framework keeps internally:
 
     MultiHeadAttention   W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
-                         W_v (value_size, num_hiddens), W_o (num_hiddens, num_hiddens),
-                         and with bias=True also b_q, b_k, b_v, b_o (num_hiddens,)
+                         W_v (value_size, num_hiddens), W_o (num_hiddens, out_features);
+                         with bias=True also b_q, b_k, b_v (num_hiddens,), and with
+                         out_bias (None: bias) b_o (out_features,)
     AdditiveAttention    W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
                          w_v (num_hiddens, 1)
     AddNorm              gamma (num_hiddens,), beta (num_hiddens,)
@@ -51,8 +52,15 @@ __all__ = [
 
 # Layer class -> the names of its constructor arguments, in signature order.
 LAYER_CLASSES: dict[str, tuple[str, ...]] = {
-    "DotProductAttention": ("dropout", "dtype"),
-    "AdditiveAttention": ("num_hiddens", "dropout", "query_size", "key_size", "dtype"),
+    "DotProductAttention": ("dropout", "dtype", "scale", "empty_rows"),
+    "AdditiveAttention": (
+        "num_hiddens",
+        "dropout",
+        "query_size",
+        "key_size",
+        "dtype",
+        "empty_rows",
+    ),
     "MultiHeadAttention": (
         "num_hiddens",
         "num_heads",
@@ -62,6 +70,10 @@ LAYER_CLASSES: dict[str, tuple[str, ...]] = {
         "key_size",
         "value_size",
         "dtype",
+        "out_bias",
+        "out_features",
+        "scale",
+        "empty_rows",
     ),
     "PositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
     "AddNorm": ("num_hiddens", "dropout", "eps", "dtype"),
@@ -80,14 +92,17 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
     """
     if class_name == "MultiHeadAttention":
         n = config["num_hiddens"]
+        out = config.get("out_features") or n
         shapes = {
             "W_q": (config.get("query_size"), n),
             "W_k": (config.get("key_size"), n),
             "W_v": (config.get("value_size"), n),
-            "W_o": (n, n),
+            "W_o": (n, out),
         }
         if config.get("bias", False):
-            shapes.update({"b_q": (n,), "b_k": (n,), "b_v": (n,), "b_o": (n,)})
+            shapes.update({"b_q": (n,), "b_k": (n,), "b_v": (n,)})
+        if _out_bias(config.get("bias", False), config.get("out_bias")):
+            shapes["b_o"] = (out,)
         return shapes
     if class_name == "AdditiveAttention":
         n = config["num_hiddens"]
@@ -129,7 +144,14 @@ def read_config(layer: Any, input_size: Any, dropout_rate: Any) -> dict[str, Any
     return config
 
 
-def weight_places(class_name: str, bias: bool = False) -> dict[str, tuple[str, str]]:
+def _out_bias(bias: bool, out_bias: bool | None) -> bool:
+    # Whether W_o has a bias: out_bias, or bias when out_bias is None
+    return bias if out_bias is None else out_bias
+
+
+def weight_places(
+    class_name: str, bias: bool = False, out_bias: bool | None = None
+) -> dict[str, tuple[str, str]]:
     """Where each canonical weight lives in a layer, the same in every backend.
 
     Canonical name -> (the attribute of the sub-layer that holds it, the kind of parameter):
@@ -140,7 +162,9 @@ def weight_places(class_name: str, bias: bool = False) -> dict[str, tuple[str, s
     if class_name == "MultiHeadAttention":
         places = {f"W_{k}": (f"W_{k}", "kernel") for k in "qkvo"}
         if bias:
-            places.update({f"b_{k}": (f"W_{k}", "bias") for k in "qkvo"})
+            places.update({f"b_{k}": (f"W_{k}", "bias") for k in "qkv"})
+        if _out_bias(bias, out_bias):
+            places["b_o"] = ("W_o", "bias")
         return places
     if class_name == "AdditiveAttention":
         return {name: (name, "kernel") for name in ("W_q", "W_k", "w_v")}
@@ -163,7 +187,9 @@ def canonical_parameters(
 
 def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
     class_name = _layer_class_name(layer)
-    return weight_places(class_name, class_name == "MultiHeadAttention" and layer.bias)
+    if class_name != "MultiHeadAttention":
+        return weight_places(class_name)
+    return weight_places(class_name, layer.bias, layer.out_bias)
 
 
 def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:
@@ -504,6 +530,8 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     name = os.fspath(path)
     class_name, config, tensors, metadata = _read_mha_file(path)
     expected = LAYER_CLASSES[class_name]
+    # A file written before an argument existed has that argument's default
+    config = {**{k: v for k, v in _ADDED_LATER.items() if k in expected}, **config}
     unknown = sorted(set(config) - set(expected))
     missing = [key for key in expected if key not in config]
     if unknown or missing:
@@ -534,6 +562,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         _raise_problems(f"read_checkpoint({name!r})", class_name, config, problems)
     return Checkpoint(class_name, config, arrays, metadata)
 
+
+# Arguments added after the first files were written, with their defaults
+_ADDED_LATER = {"out_bias": None, "out_features": None, "scale": None, "empty_rows": "zeros"}
 
 # The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
 _MAX_TABLE_SIZE = 2**27
@@ -633,7 +664,7 @@ def write_safetensors(
             for blob in blobs:
                 file.write(blob)
 
-    write_atomically(path, write)
+    write_atomically(path, write, size=8 + len(encoded) + offset)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

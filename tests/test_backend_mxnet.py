@@ -375,6 +375,8 @@ def test_layer_config_of_every_layer(MX):
     assert MX.layer_config(MX.DotProductAttention(0.25, dtype="float64")) == {
         "dropout": 0.25,
         "dtype": "float64",
+        "scale": None,
+        "empty_rows": "zeros",
     }
     assert MX.layer_config(MX.PositionalEncoding(6, 0.1, 20)) == {
         "num_hiddens": 6,

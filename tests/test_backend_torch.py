@@ -108,8 +108,9 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, masks)
     under such a kernel the fused path still computes the reference's numbers, zero rows
     included, with finite gradients that match the reference's finite differences."""
 
-    def naive_attention(queries, keys, values, attn_mask=None, dropout_p=0.0):
-        scores = queries @ keys.transpose(-1, -2) / queries.shape[-1] ** 0.5
+    def naive_attention(queries, keys, values, attn_mask=None, dropout_p=0.0, scale=None):
+        scale = queries.shape[-1] ** -0.5 if scale is None else scale
+        scores = queries @ keys.transpose(-1, -2) * scale
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         elif attn_mask is not None:

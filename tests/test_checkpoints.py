@@ -20,6 +20,10 @@ CONFIG = {
     "key_size": 5,
     "value_size": 4,
     "dtype": "float32",
+    "out_bias": None,
+    "out_features": None,
+    "scale": None,
+    "empty_rows": "zeros",
 }
 
 

@@ -319,6 +319,10 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
         "key_size": 5,
         "value_size": 4,
         "dtype": "float32",
+        "out_bias": None,
+        "out_features": None,
+        "scale": None,
+        "empty_rows": "zeros",
     }
     shapes = dict(line.split(maxsplit=1) for line in out.split("weights:\n", 1)[1].splitlines())
     assert shapes["W_q"].split()[:2] == ["(6,", "8)"] and shapes["b_o"].split() == [

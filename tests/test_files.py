@@ -73,6 +73,32 @@ def test_a_full_disk_leaves_the_destination_as_it_was(tmp_path, ending):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
 
 
+@pytest.mark.parametrize("ending", [".safetensors", ".weights.h5"])
+def test_a_disk_without_room_is_refused_before_writing(tmp_path, ending, monkeypatch):
+    # Keras's HDF5 writer crashes the process on a full disk, before anything can clean up:
+    # the free space is checked first, for every kind
+    if ending == ".weights.h5":
+        pytest.importorskip("tensorflow")
+    source = saved(tmp_path)
+    destination = tmp_path / f"old{ending}"
+    interop.convert(source, destination)
+    before = destination.read_bytes()
+    import shutil
+    import types
+
+    room = types.SimpleNamespace(total=100, used=90, free=10)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: room)
+    with pytest.raises(OSError, match="not enough free space"):
+        interop.convert(source, destination)
+    with pytest.raises(OSError, match="not enough free space"):
+        mha.save(
+            N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D),
+            destination if ending == ".safetensors" else tmp_path / "new.safetensors",
+        )
+    assert destination.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
+
+
 def test_destinations_that_cannot_be_written_are_one_error_line(tmp_path):
     source = saved(tmp_path)
     (tmp_path / "folder.safetensors").mkdir()

@@ -224,6 +224,10 @@ def test_torch_to_mha(torch, name, config, dtype):
         "key_size": key_size,
         "value_size": value_size,
         "dtype": dtype,
+        "out_bias": None,
+        "out_features": None,
+        "scale": None,
+        "empty_rows": "zeros",
     }
     rng = np.random.default_rng(3)
     tensors = inputs(config, dtype, rng)
@@ -429,6 +433,19 @@ def test_keras_weights_layout(keras):
 
 
 @pytest.mark.tensorflow
+def test_a_keras_layer_with_another_output_size_converts_with_out_features(keras):
+    # Keras's output_shape defaults to the query's size, here 4, while its heads give 2 * 3
+    source = keras.layers.MultiHeadAttention(2, 3, dtype="float64")
+    x = np.random.default_rng(0).standard_normal((2, 5, 4))
+    expected = np.asarray(source(x, x))
+    layer = interop.from_keras(source, backend="numpy")
+    assert (layer.num_hiddens, layer.out_features) == (6, 4)
+    np.testing.assert_allclose(layer(x, x, x), expected, rtol=0, atol=1e-7)
+    again = interop.to_keras(layer)
+    np.testing.assert_allclose(np.asarray(again(x, x)), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.tensorflow
 def test_what_mha_cannot_take_from_keras(keras):
     def built(**arguments):
         layer = keras.layers.MultiHeadAttention(**arguments)
@@ -437,8 +454,8 @@ def test_what_mha_cannot_take_from_keras(keras):
 
     with pytest.raises(ValueError, match="value_dim=3 differs from key_dim=2"):
         interop.from_keras(built(num_heads=2, key_dim=2, value_dim=3))
-    with pytest.raises(ValueError, match="output size"):
-        interop.from_keras(built(num_heads=2, key_dim=3))  # output_shape defaults to 4
+    with pytest.raises(ValueError, match="has the shape"):
+        interop.from_keras(built(num_heads=2, key_dim=3, output_shape=(2, 2)))
     with pytest.raises(ValueError, match="not built"):
         interop.from_keras(keras.layers.MultiHeadAttention(2, 2))
     with pytest.raises(ValueError, match="per-head mask"):

@@ -136,8 +136,14 @@ def test_what_flax_layers_mha_cannot_hold_is_an_error(flax):
     wide = nnx.MultiHeadAttention(
         H, D, qkv_features=D, out_features=12, decode=False, rngs=nnx.Rngs(0)
     )
-    with pytest.raises(ValueError, match="output size"):
-        interop.from_flax(wide)
+    # Another output size converts, with out_features
+    x = np.random.default_rng(0).standard_normal((2, 3, D)).astype("float32")
+    layer = interop.from_flax(wide, backend="numpy")
+    assert layer.out_features == 12
+    np.testing.assert_allclose(layer(x, x, x), np.asarray(wide(x, x, x)), atol=2e-5)
+    np.testing.assert_allclose(
+        np.asarray(interop.to_flax(layer)(x, x, x)), layer(x, x, x), atol=2e-5
+    )
     with pytest.raises(ValueError, match=r"Found: \['query', 'value'\]"):
         interop.from_flax(
             {"query": {"kernel": np.zeros((D, H, 4))}, "value": {"kernel": np.zeros((D, H, 4))}}

@@ -103,8 +103,11 @@ def test_an_attended_key_holding_nan_or_inf_makes_its_rows_nan(name, kind, poiso
     # Key LAST is attended by every query of example 0 and by none of example 1
     valid_lens = np.array([K, LAST])
     extra = {"need_weights": False} if kind == "multihead_no_weights" else {}
-    output = module.to_numpy(layer(*map(module.from_numpy, (queries, keys, values)),
-                                   module.from_numpy(valid_lens), **extra))
+    output = module.to_numpy(
+        layer(
+            *map(module.from_numpy, (queries, keys, values)), module.from_numpy(valid_lens), **extra
+        )
+    )
     assert np.isnan(output[0]).all()
     assert np.isfinite(output[1]).all()
     if not extra:

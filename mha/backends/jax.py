@@ -8,11 +8,11 @@ runs under `nnx.jit` with the same numbers. The checks that need values (valid_l
 non-negative whole numbers) run when the call is eager, as under TensorFlow's tf.function;
 shapes and dtypes are checked always.
 
-`attention_weights` is a data attribute of the layer: after an eager call, and after a call
-under `nnx.jit`, which carries the layer's new state out of the compiled function, it holds
-the weights of the last call. float64 needs JAX's 64-bit mode (`jax.config.update(
-"jax_enable_x64", True)`, or JAX_ENABLE_X64=1): without it a float64 layer or array is an
-error, never float32 in disguise.
+`attention_weights` is a data attribute of the layer (MultiHeadAttention's reads its inner
+attention's): after an eager call, and after a call under `nnx.jit`, which carries the layer's
+new state out of the compiled function, it holds the weights of the last call. float64 needs
+JAX's 64-bit mode (`jax.config.update("jax_enable_x64", True)`, or JAX_ENABLE_X64=1): without
+it a float64 layer or array is an error, never float32 in disguise.
 
 Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
 keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
@@ -129,7 +129,11 @@ class _Linear(nnx.Module):
     def __call__(self, X: jax.Array) -> jax.Array:
         if self.kernel is None:
             self.initialize(X.shape[-1])
-        Y = X @ self.kernel[...]
+        # One 2-D product over all leading axes: the kernel's gradient is then X^T @ dY on the
+        # flattened arrays, without the transposed copy of dY that a 3-D product's gradient makes
+        leading = X.shape[:-1]
+        Y = X.reshape(math.prod(leading), X.shape[-1]) @ self.kernel[...]
+        Y = Y.reshape(*leading, self.out_features)
         return Y if self.bias is None else Y + self.bias[...]
 
 
@@ -145,19 +149,11 @@ def _in_features(linear: _Linear) -> int | None:
 _TENSOR_TYPES = (jax.Array, np.ndarray)
 
 
-
 def _check_valid_lens_values(valid_lens: jax.Array | None) -> None:
     # The one check that needs values: non-negative whole numbers. A traced call (jit, grad
     # of a jitted function) has no values to read.
-    if valid_lens is None or isinstance(valid_lens, jax.core.Tracer) or valid_lens.size == 0:
-        return
-    values = np.asarray(valid_lens)
-    non_integer = None
-    if values.dtype.kind == "f":
-        fractional = values != np.floor(values)
-        if fractional.any():
-            non_integer = values[fractional][0].item()
-    validation.check_valid_lens_values(values.min().item(), non_integer)
+    if valid_lens is not None and not isinstance(valid_lens, jax.core.Tracer):
+        validation.check_valid_lens_values(np.asarray(valid_lens))
 
 
 def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
@@ -177,9 +173,6 @@ def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
 class _Masks(Masks):
     """mha.masks' rules in jax.numpy, for the scores of one call."""
 
-    def __init__(self, batch_size: int, num_queries: int, num_keys: int):
-        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
-
     def length_mask(self, valid_lens):
         return _length_mask(valid_lens, self.num_keys)
 
@@ -189,23 +182,11 @@ class _Masks(Masks):
     def windows(self, window_mask):
         return jnp.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
 
-    def rank(self, mask):
-        return mask.ndim
-
     def is_bool(self, windows):
         return windows.dtype == jnp.bool_
 
-    def isneginf(self, x):
-        return jnp.isneginf(x)
-
     def zeros_where(self, blocked, x):
         return jnp.where(blocked, jnp.zeros((), x.dtype), x)
-
-    def both(self, a, b):
-        return a & b
-
-    def negate(self, a):
-        return ~a
 
     def expand_dims(self, x, axis):
         return jnp.expand_dims(x, axis)
@@ -215,12 +196,13 @@ class _Masks(Masks):
 # Masked softmax
 
 
-def _softmax(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
-    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. jax.nn.softmax subtracts the row maximum, so logits of 1e4 stay
-    finite. A row with no kept key would be all -inf, NaN in softmax: its scores become 0
-    (finite values and gradients) and it is zeroed after. Whatever a masked score holds (NaN
-    included) is replaced, so it reaches neither the weights nor the gradients."""
+def _softmax(scores: jax.Array, keep: jax.Array | None, empty_rows: str = "zeros") -> jax.Array:
+    """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
+    with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. jax.nn.softmax
+    subtracts the row maximum, so logits of 1e4 stay finite. A row with no kept key would be
+    all -inf, NaN in softmax: its scores become 0 (finite values and gradients, uniform
+    weights) and it is zeroed after unless empty_rows says uniform. Whatever a masked score
+    holds (NaN included) is replaced, so it reaches neither the weights nor the gradients."""
     if keep is None:
         return jax.nn.softmax(scores, axis=-1)
     # Shape of attended and fill: keep's, with 1 key
@@ -228,13 +210,17 @@ def _softmax(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
     # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
     fill = jnp.where(attended, -jnp.inf, 0).astype(scores.dtype)
     weights = jax.nn.softmax(jnp.where(keep, scores, fill), axis=-1)
+    if empty_rows == "uniform":
+        return weights
     return jnp.where(attended, weights, jnp.zeros((), weights.dtype))
 
 
 @documented
-def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None) -> jax.Array:
+def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None, *,
+                   empty_rows: str = "zeros") -> jax.Array:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
+                                         empty_rows=empty_rows)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -244,14 +230,15 @@ def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None) -> jax.Arr
     if X.ndim == 2:
         keep = keep[:, 0, :]
     keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
-    return _softmax(X, keep)
+    return _softmax(X, keep, empty_rows)
 
 
-def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
+                    empty_rows="zeros"):
     """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
-    weights = _softmax(scores, keep)
+    weights = _softmax(scores, keep, empty_rows)
     return dropout(weights) @ values, weights if need_weights else None
 
 
@@ -267,14 +254,19 @@ class DotProductAttention(nnx.Module):
     """
 
     def __init__(
-        self, dropout: float = 0.0, *, dtype: str = "float32", rngs: nnx.Rngs | None = None
+        self, dropout: float = 0.0, *, scale: float | None = None, empty_rows: str = "zeros",
+        dtype: str = "float32", rngs: nnx.Rngs | None = None
     ):
-        self.dtype = _checked_dtype(validation.check_dot_product_args(dropout, dtype))
+        self.dtype = _checked_dtype(
+            validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
+        )
+        self.scale, self.empty_rows = scale, empty_rows
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
         self.attention_weights = nnx.data(None)
 
     def __call__(
-        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False, window_mask=None
+        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+        window_mask=None, attn_bias=None
     ):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries,
@@ -284,12 +276,13 @@ class DotProductAttention(nnx.Module):
             mask=mask,
             causal=causal,
             window_mask=window_mask,
+            attn_bias=attn_bias,
             dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
@@ -299,10 +292,12 @@ class DotProductAttention(nnx.Module):
         _Masks.combine. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
+        # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
+        queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         # Shape of scores: (..., no. of queries, no. of keys)
-        scores = (queries / math.sqrt(d)) @ jnp.swapaxes(keys, -1, -2)
+        scores = queries @ jnp.swapaxes(keys, -1, -2)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights
+            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
         return output
 
@@ -322,14 +317,17 @@ class AdditiveAttention(nnx.Module):
         *,
         query_size: int | None = None,
         key_size: int | None = None,
+        empty_rows: str = "zeros",
         dtype: str = "float32",
         rngs: nnx.Rngs | None = None,
     ):
         self.dtype = _checked_dtype(
-            validation.check_additive_args(num_hiddens, dropout, query_size, key_size, dtype)
+            validation.check_additive_args(
+                num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+            )
         )
         rngs = _rngs(rngs)
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.W_q = _Linear(num_hiddens, False, query_size, self.dtype, rngs)
         self.W_k = _Linear(num_hiddens, False, key_size, self.dtype, rngs)
         self.w_v = _Linear(1, False, num_hiddens, self.dtype, rngs)
@@ -337,7 +335,8 @@ class AdditiveAttention(nnx.Module):
         self.attention_weights = nnx.data(None)
 
     def __call__(
-        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False, window_mask=None
+        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+        window_mask=None, attn_bias=None
     ):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries,
@@ -347,6 +346,7 @@ class AdditiveAttention(nnx.Module):
             mask=mask,
             causal=causal,
             window_mask=window_mask,
+            attn_bias=attn_bias,
             dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             sizes=(
                 ("queries", "query_size", _in_features(self.W_q)),
@@ -355,7 +355,7 @@ class AdditiveAttention(nnx.Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -363,7 +363,9 @@ class AdditiveAttention(nnx.Module):
         features = jnp.tanh(queries[:, :, None, :] + keys[:, None, :, :])
         # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
         scores = self.w_v(features)[..., 0]
-        output, self.attention_weights = _attention_pool(scores, values, keep, bias, self.dropout)
+        output, self.attention_weights = _attention_pool(
+            scores, values, keep, bias, self.dropout, empty_rows=self.empty_rows
+        )
         return output
 
 
@@ -385,22 +387,31 @@ class MultiHeadAttention(nnx.Module):
         query_size: int | None = None,
         key_size: int | None = None,
         value_size: int | None = None,
+        out_bias: bool | None = None,
+        out_features: int | None = None,
+        scale: float | None = None,
+        empty_rows: str = "zeros",
         dtype: str = "float32",
         rngs: nnx.Rngs | None = None,
     ):
         self.dtype = _checked_dtype(
             validation.check_multihead_args(
-                num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+                num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
+                out_bias, out_features, scale, empty_rows,
             )
         )
         rngs = _rngs(rngs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
-        self.attention = DotProductAttention(dropout, dtype=self.dtype, rngs=rngs)
+        self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
+        self.empty_rows = empty_rows
+        self.attention = DotProductAttention(
+            dropout, scale=scale, empty_rows=empty_rows, dtype=self.dtype, rngs=rngs
+        )
         self.W_q = _Linear(num_hiddens, bias, query_size, self.dtype, rngs)
         self.W_k = _Linear(num_hiddens, bias, key_size, self.dtype, rngs)
         self.W_v = _Linear(num_hiddens, bias, value_size, self.dtype, rngs)
-        self.W_o = _Linear(num_hiddens, bias, num_hiddens, self.dtype, rngs)
-        self.attention_weights = nnx.data(None)
+        self.W_o = _Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
+                           num_hiddens, self.dtype, rngs)
 
     def __call__(
         self,
@@ -414,6 +425,7 @@ class MultiHeadAttention(nnx.Module):
         window_mask=None,
         head_mask=None,
         need_weights=True,
+        attn_bias=None,
     ):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries,
@@ -425,6 +437,7 @@ class MultiHeadAttention(nnx.Module):
             window_mask=window_mask,
             head_mask=head_mask,
             need_weights=need_weights,
+            attn_bias=attn_bias,
             dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads,
             sizes=(
@@ -437,7 +450,8 @@ class MultiHeadAttention(nnx.Module):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias)
         # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
         # no. of queries or keys, num_hiddens / num_heads)
         queries = self.transpose_qkv(self.W_q(queries))
@@ -445,13 +459,21 @@ class MultiHeadAttention(nnx.Module):
         values = self.transpose_qkv(self.W_v(values))
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
-        self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
         return self.W_o(output_concat)
+
+    # The weights are held once, by self.attention: nnx.jit carries one array out, not a copy
+    @property
+    def attention_weights(self) -> jax.Array | None:
+        return self.attention.attention_weights
+
+    @attention_weights.setter
+    def attention_weights(self, weights: jax.Array | None) -> None:
+        self.attention.attention_weights = weights
 
     def transpose_qkv(self, X: jax.Array) -> jax.Array:
         """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""

@@ -122,12 +122,15 @@ class _Call(NamedTuple):
     window_is_bool: bool = True
     head_mask_ndim: int | None = None
     need_weights: bool = True
+    attn_bias_ndim: int | None = None
+    empty_rows: str = "zeros"  # the layer's: the fast paths a row with no key allows
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
-                    head_mask=None, need_weights=True) -> _Call:
+                    head_mask=None, need_weights=True, attn_bias=None,
+                    empty_rows="zeros") -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -138,6 +141,8 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         window_is_bool=window_mask is None or validation.dtype_name(window_mask) == "bool",
         head_mask_ndim=None if head_mask is None else head_mask.ndim,
         need_weights=need_weights,
+        attn_bias_ndim=None if attn_bias is None else attn_bias.ndim,
+        empty_rows=empty_rows,
         recording=mx.autograd.is_recording(),
     )
 
@@ -244,19 +249,11 @@ def _positions(F, x, axis: int, dtype: str):
 _TENSOR_TYPES = mx.np.ndarray
 
 
-
 def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> None:
     # The one check that needs values: non-negative whole numbers. It reads values from
     # NDArrays only; symbols (a graph being traced) have none.
-    if valid_lens is None or not isinstance(valid_lens, mx.np.ndarray) or valid_lens.size == 0:
-        return
-    non_integer = None
-    if numpy.dtype(valid_lens.dtype).kind == "f":
-        fractional = (valid_lens != mx.np.floor(valid_lens)).reshape(-1)
-        if fractional.any():
-            first = int(fractional.astype("int32").argmax())
-            non_integer = valid_lens.reshape(-1)[first].item()
-    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+    if isinstance(valid_lens, mx.np.ndarray):
+        validation.check_valid_lens_values(valid_lens.asnumpy())
 
 
 def _length_mask(F, valid_lens, ndim: int, key_positions, dtype: str):
@@ -273,8 +270,9 @@ class _Masks(Masks):
     no sizes: positions are made from the inputs (so they live on their context), and ranks
     and dtypes are read from the call's structure."""
 
-    def __init__(self, F, queries, keys, call: _Call):
+    def __init__(self, F, queries, keys, call: _Call, attn_bias=None):
         self.F, self.queries, self.keys, self.call = F, queries, keys, call
+        self.attn_bias = attn_bias
 
     @functools.cached_property
     def key_positions(self):
@@ -294,7 +292,8 @@ class _Masks(Masks):
         return self.F.np.take(window_mask, window_index, axis=0)
 
     def rank(self, mask):
-        return self.call.mask_ndim
+        # The user's keep-mask or attn_bias (never the same tensor: one bool, one float)
+        return self.call.attn_bias_ndim if mask is self.attn_bias else self.call.mask_ndim
 
     def is_bool(self, windows):
         return self.call.window_is_bool
@@ -316,21 +315,17 @@ class _Masks(Masks):
         return self.F.np.expand_dims(x, axis)
 
 
-def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Call,
+def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias, call: _Call,
                      multihead: bool = False, num_heads: int = 1):
     """(keep, bias) of mha.masks for the call.
 
-    When autograd records the call and valid_lens is the only mask, keep is instead a
-    `_Lengths`: the lengths, one per row of the scores, for MXNet's fused length-masked
+    When autograd records the call and valid_lens is the only mask (see `_by_lengths`), keep
+    is instead a `_Lengths`: the lengths, one per row of the scores, for MXNet's fused length-masked
     softmax, whose backward is cheaper than that of an added mask (see `_softmax`).
     """
-    if valid_lens is not None and call.recording and _only_valid_lens(call):
+    if _by_lengths(valid_lens, call):
         # Shape of lengths: (batch_size, no. of queries), or with multihead
         # (batch_size, num_heads, no. of queries)
-        if isinstance(valid_lens, mx.np.ndarray):
-            lengths = _known_row_lengths(valid_lens, queries.shape[1], keys.shape[1],
-                                         num_heads if multihead else None)
-            return _Lengths(lengths), None
         key_positions = _positions(F, keys, 1, call.dtype)
         query_positions = _positions(F, queries, 1, call.dtype)
         lengths = _row_lengths(F, valid_lens, call.valid_lens_ndim, key_positions,
@@ -338,12 +333,21 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call: _Cal
         if multihead:
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
-    masks = _Masks(F, queries, keys, call)
-    return masks.combine(valid_lens, mask, call.causal, window_mask, multihead)
+    masks = _Masks(F, queries, keys, call, attn_bias)
+    return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias)
 
 
-def _only_valid_lens(call: _Call) -> bool:
-    return call.mask_ndim is None and not call.causal and call.num_windows is None
+def _by_lengths(valid_lens, call: _Call) -> bool:
+    # Length masking in npx.softmax gives the weights and gradients of the keep mask
+    return (
+        valid_lens is not None  # lengths to mask by
+        and call.recording  # a backward follows, cheaper than that of where() over the scores
+        and call.mask_ndim is None  # no other mask to combine with the lengths
+        and not call.causal
+        and call.num_windows is None
+        and call.attn_bias_ndim is None  # its -inf entries are a mask, and it adds to the scores
+        and call.empty_rows == "zeros"  # npx.softmax makes a row of length 0 all 0, not uniform
+    )
 
 
 class _Lengths(NamedTuple):
@@ -365,36 +369,25 @@ def _row_lengths(F, valid_lens, ndim: int, key_positions, query_positions, dtype
     return F.np.minimum(lengths, num_keys).astype("int32")
 
 
-def _known_row_lengths(valid_lens, num_queries: int, num_keys: int, num_heads: int | None):
-    """What _row_lengths gives (then repeated over num_heads when given), from arrays whose
-    sizes are known: four operators instead of twelve, each of which costs tens of us when
-    run imperatively."""
-    batch_size = valid_lens.shape[0]
-    lengths = mx.np.minimum(valid_lens, num_keys).astype("int32")
-    # Shape of lengths: (batch_size, 1 or no. of queries)
-    lengths = lengths[:, None] if lengths.ndim == 1 else lengths
-    if num_heads is None:
-        return mx.np.broadcast_to(lengths, (batch_size, num_queries))
-    shape = (batch_size, num_heads, num_queries)
-    return mx.np.broadcast_to(lengths[:, None, :], shape)
-
-
 # ---------------------------------------------------------------------------------------------
 # Masked softmax
 
 
-def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: bool = False):
-    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. npx.softmax subtracts the row maximum, so logits of 1e4 stay finite.
+def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: bool = False,
+             empty_rows: str = "zeros"):
+    """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
+    with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. npx.softmax subtracts
+    the row maximum, so logits of 1e4 stay finite.
 
     Written with MXNet's fused softmax on the scores with -inf at masked entries, rather than
     the reference's steps: a row with no kept key would be all -inf, NaN in softmax, so its
-    scores become 0 (finite values and gradients) and it is zeroed after. The fill replaces
-    what a masked score held (one where() over the scores), so a masked key holding NaN or
-    inf stays out. With `recording` and valid_lens alone, `_attention_masks` gives `_Lengths`
-    for MXNet's length-masked softmax, whose backward is cheaper. `in_place` writes the
-    weights over `scores`, a fresh array of the caller's, when run imperatively without
-    recording: MXNet does not pool CPU memory, so every new (..., Q, K) array is fresh pages.
+    scores become 0 (finite values and gradients, uniform weights) and it is zeroed after
+    unless empty_rows says uniform. The fill replaces what a masked score held (one where()
+    over the scores), so a masked key holding NaN or inf stays out. With `recording` and
+    valid_lens alone (see `_by_lengths`), `_attention_masks` gives `_Lengths` for MXNet's
+    length-masked softmax, whose backward is cheaper. `in_place` writes the weights over
+    `scores`, a fresh array of the caller's, when run imperatively without recording: MXNet
+    does not pool CPU memory, so every new (..., Q, K) array is fresh pages.
     """
     in_place = in_place and _imperative(scores, recording)
     if keep is None:
@@ -409,48 +402,40 @@ def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: boo
     attended = keep.astype(dtype).max(axis=-1, keepdims=True)
     # log(0) = -inf where a row keeps a key, log(1) = 0 where it keeps none
     fill = F.np.log(1 - attended)
-    if recording:
-        # MXNet's backward of a broadcast operand reduces over its broadcast axes, even for
-        # one that needs no gradient: the small arrays are broadcast to the scores' shape
-        keep, fill = _broadcast_like(F, keep, scores), _broadcast_like(F, fill, scores)
     scores = F.np.where(keep, scores, fill)
     weights = F.npx.softmax(scores, axis=-1, **({"out": scores} if in_place else {}))
-    if not _may_have_empty_rows(attended):
+    if empty_rows == "uniform" or not _may_have_empty_rows(attended):
         return weights
     # The weights are finite: a product by 0 or 1 zeroes the empty rows exactly
     if in_place:
         weights *= attended
         return weights
-    return weights * (_broadcast_like(F, attended, scores) if recording else attended)
+    return weights * attended
 
 
 def _imperative(scores, recording: bool) -> bool:
-    # Arrays, not a graph being traced, and no autograd record that in-place writes would break
-    return not recording and isinstance(scores, mx.np.ndarray)
-
-
-def _broadcast_like(F, x, like):
-    # numpy's broadcast_to needs the shape, which a graph being traced does not know: the
-    # legacy operator, on legacy views of both
-    return F.broadcast_like(x.as_nd_ndarray(), like.as_nd_ndarray()).as_np_ndarray()
+    # Writing over the scores is safe: they are the caller's fresh array, read by nothing after
+    return (
+        isinstance(scores, mx.np.ndarray)  # arrays, not a graph being traced
+        and not recording  # autograd keeps the operators' inputs for the backward
+    )
 
 
 def _may_have_empty_rows(attended) -> bool:
-    """Whether a row has no kept key, or might: zeroing such rows is a pass over the weights.
-
-    Run imperatively, one read of the small `attended` is cheap and skips that pass when
-    every row has a key; in a graph being traced (a symbol) the answer is yes without reading.
-    """
-    if not isinstance(attended, mx.np.ndarray):
-        return True
-    return attended.size > 0 and attended.min().item() == 0
+    # Zeroing the rows with no kept key, a pass over the weights, changes none when none is
+    return (
+        not isinstance(attended, mx.np.ndarray)  # a graph being traced: no values to read
+        or (attended.size > 0 and attended.min().item() == 0)  # one read of a small array
+    )
 
 
 @documented
 @mx.util.use_np
-def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) -> mx.np.ndarray:
+def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None, *,
+                   empty_rows: str = "zeros") -> mx.np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
+                                         empty_rows=empty_rows)
     _check_valid_lens_values(valid_lens)
     F, dtype = mx.nd, numpy.dtype(X.dtype).name
     recording = mx.autograd.is_recording()
@@ -463,7 +448,7 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None) ->
     if X.ndim == 2:
         keep = keep[:, 0, :]
     keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
-    return _softmax(F, X, keep, dtype, recording)
+    return _softmax(F, X, keep, dtype, recording, empty_rows=empty_rows)
 
 
 def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
@@ -472,9 +457,9 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
     if bias is not None and _imperative(scores, call.recording):
         scores += bias
     elif bias is not None:
-        # Broadcast first when recording, as _softmax does with its mask
-        scores = scores + (_broadcast_like(F, bias, scores) if call.recording else bias)
-    weights = _softmax(F, scores, keep, call.dtype, call.recording, in_place=True)
+        scores = scores + bias
+    weights = _softmax(F, scores, keep, call.dtype, call.recording, in_place=True,
+                       empty_rows=call.empty_rows)
     # Gluon's Dropout copies its input when its rate is 0: a pass over the weights, skipped
     dropped = weights if _rate(dropout) == 0 else dropout(weights)
     return F.npx.batch_dot(dropped, values), weights if call.need_weights else None
@@ -489,34 +474,37 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
 class DotProductAttention(Layer):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
-    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
+    def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype)
+        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
+        self.scale, self.empty_rows = scale, empty_rows
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None):
-        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask)
+                window_mask=None, attn_bias=None):
+        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, attn_bias)
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            same_query_key_size=True,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         if queries.shape[0] == 0:
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
-                               window_mask)
+                               window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows)
         output, self.attention_weights = self._run(
-            call, queries, keys, values, valid_lens, mask, window_mask
+            call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         return output
 
-    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask):
+    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
+                       attn_bias):
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
-                                      self._structure)
+                                      attn_bias, self._structure)
         return self.attend(F, queries, keys, values, self._structure, keep, bias)
 
     def attend(self, F, queries, keys, values, call: _Call, keep=None, bias=None):
@@ -527,10 +515,14 @@ class DotProductAttention(Layer):
         records. MultiHeadAttention calls this with a head axis. Returns (output, weights),
         weights None unless call.need_weights.
         """
-        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
-        # the scores touches Q x d numbers instead of Q x K; npx.batch_dot is MXNet's batched
+        # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
+        if self.scale is None:
+            queries = queries / math.sqrt(call.d)
+        else:
+            queries = queries * self.scale
+        # Shape of scores: (..., no. of queries, no. of keys). npx.batch_dot is MXNet's batched
         # GEMM, faster than np.matmul on 4-D arrays and free of its transposed copy of keys
-        scores = F.npx.batch_dot(queries / math.sqrt(call.d), keys, transpose_b=True)
+        scores = F.npx.batch_dot(queries, keys, transpose_b=True)
         return _attention_pool(F, scores, values, keep, bias, self.dropout, call)
 
 
@@ -540,12 +532,13 @@ class AdditiveAttention(Layer):
     """Additive attention: scores w_v^T tanh(W_q q + W_k k)."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
-                 key_size: int | None = None, dtype: str = "float32"):
+                 key_size: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
         )
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.W_q = _dense(num_hiddens, False, query_size, self.dtype)
         self.W_k = _dense(num_hiddens, False, key_size, self.dtype)
         self.w_v = _dense(1, False, num_hiddens, self.dtype)
@@ -554,11 +547,12 @@ class AdditiveAttention(Layer):
         self.initialize(_LinearInit())
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None):
-        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask)
+                window_mask=None, attn_bias=None):
+        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, attn_bias)
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
@@ -566,15 +560,17 @@ class AdditiveAttention(Layer):
         if queries.shape[0] == 0:
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
-        call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask)
+        call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask,
+                               attn_bias=attn_bias, empty_rows=self.empty_rows)
         output, self.attention_weights = self._run(
-            call, queries, keys, values, valid_lens, mask, window_mask
+            call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         return output
 
-    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask):
+    def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
+                       attn_bias):
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
-                                      self._structure)
+                                      attn_bias, self._structure)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -593,27 +589,36 @@ class MultiHeadAttention(Layer):
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
                  key_size: int | None = None, value_size: int | None = None,
+                 out_bias: bool | None = None, out_features: int | None = None,
+                 scale: float | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
+            out_bias, out_features, scale, empty_rows,
         )
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
-        self.attention = DotProductAttention(dropout, dtype=self.dtype)
+        self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
+        self.empty_rows = empty_rows
+        self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
+                                             dtype=self.dtype)
         self.W_q = _dense(num_hiddens, bias, query_size, self.dtype)
         self.W_k = _dense(num_hiddens, bias, key_size, self.dtype)
         self.W_v = _dense(num_hiddens, bias, value_size, self.dtype)
-        self.W_o = _dense(num_hiddens, bias, num_hiddens, self.dtype)
+        self.W_o = _dense(out_features or num_hiddens, bias if out_bias is None else out_bias,
+                          num_hiddens, self.dtype)
         self.attention_weights = None
         self.initialize(_LinearInit())
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, head_mask=None, need_weights=True):
-        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, head_mask)
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None):
+        self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, head_mask,
+                               attn_bias)
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
+            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
@@ -623,23 +628,24 @@ class MultiHeadAttention(Layer):
             shape = (0, self.num_heads, queries.shape[1], keys.shape[1])
             weights = _empty(queries, *shape) if need_weights else None
             self.attention_weights = self.attention.attention_weights = weights
-            return _empty(queries, 0, queries.shape[1], self.num_hiddens)
+            return _empty(queries, 0, queries.shape[1], self.out_features or self.num_hiddens)
         call = _call_structure(self.dtype, self.num_hiddens // self.num_heads, valid_lens,
-                               mask, causal, window_mask, head_mask, need_weights)
+                               mask, causal, window_mask, head_mask, need_weights, attn_bias,
+                               self.empty_rows)
         outputs = self._run(
-            call, queries, keys, values, valid_lens, mask, window_mask, head_mask
+            call, queries, keys, values, valid_lens, mask, window_mask, head_mask, attn_bias
         )
         output, weights = outputs if need_weights else (outputs, None)
         self.attention_weights = self.attention.attention_weights = weights
         return output
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
-                       head_mask):
+                       head_mask, attn_bias):
         call = self._structure
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask, call,
-                                      multihead=True, num_heads=self.num_heads)
+        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
+                                      attn_bias, call, multihead=True, num_heads=self.num_heads)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         queries = self.transpose_qkv(F, self.W_q(queries))

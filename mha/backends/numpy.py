@@ -164,17 +164,10 @@ class LayerNorm(Module):
 _TENSOR_TYPES = np.ndarray
 
 
-
 def _check_valid_lens_values(valid_lens: np.ndarray | None) -> None:
-    # The one check that needs values: non-negative whole numbers.
-    if valid_lens is None or valid_lens.size == 0:
-        return
-    non_integer = None
-    if valid_lens.dtype.kind == "f":
-        fractional = valid_lens != np.floor(valid_lens)
-        if fractional.any():
-            non_integer = valid_lens[fractional][0].item()
-    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+    # The one check that needs values: non-negative whole numbers
+    if valid_lens is not None:
+        validation.check_valid_lens_values(valid_lens)
 
 
 def _length_mask(valid_lens: np.ndarray, num_keys: int) -> np.ndarray:
@@ -188,9 +181,6 @@ def _length_mask(valid_lens: np.ndarray, num_keys: int) -> np.ndarray:
 class _Masks(Masks):
     """mha.masks' rules in numpy, for the scores of one call."""
 
-    def __init__(self, batch_size: int, num_queries: int, num_keys: int):
-        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
-
     def length_mask(self, valid_lens):
         return _length_mask(valid_lens, self.num_keys)
 
@@ -200,23 +190,11 @@ class _Masks(Masks):
     def windows(self, window_mask):
         return np.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
 
-    def rank(self, mask):
-        return mask.ndim
-
     def is_bool(self, windows):
         return windows.dtype == np.bool_
 
-    def isneginf(self, x):
-        return np.isneginf(x)
-
     def zeros_where(self, blocked, x):
         return np.where(blocked, x.dtype.type(0), x)
-
-    def both(self, a, b):
-        return a & b
-
-    def negate(self, a):
-        return ~a
 
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
@@ -226,10 +204,10 @@ class _Masks(Masks):
 # Masked softmax
 
 
-def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zeros") -> np.ndarray:
     """Softmax over the last axis on the kept entries (keep broadcastable to scores, or None
-    for all); masked entries and rows with no kept entry are exactly 0. The caller's scores
-    are never written."""
+    for all); masked entries are exactly 0, and rows with no kept entry 0 or, with
+    empty_rows="uniform", 1 / no. of keys. The caller's scores are never written."""
     if keep is not None:
         # exp(-inf) = 0: masked entries get exactly 0 weight
         scores = np.where(keep, scores, scores.dtype.type(-np.inf))
@@ -246,13 +224,20 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     if keep is not None:
         # A row with no kept entry sums to 0: dividing by 1 leaves its zeros, not NaN
         total[total == 0] = 1
-    return weights / total
+    weights = weights / total
+    if keep is not None and empty_rows == "uniform":
+        # A row with no kept entry weighs every entry alike, as a fill of equal scores does
+        uniform = weights.dtype.type(1 / weights.shape[-1])
+        weights = np.where(keep.any(axis=-1, keepdims=True), weights, uniform)
+    return weights
 
 
 @documented
-def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.ndarray:
+def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None, *,
+                   empty_rows: str = "zeros") -> np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
+                                         empty_rows=empty_rows)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -262,14 +247,15 @@ def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None) -> np.nd
     if X.ndim == 2:
         keep = keep[:, 0, :]
     keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
-    return _softmax(X, keep)
+    return _softmax(X, keep, empty_rows)
 
 
-def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
+                    empty_rows="zeros"):
     """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
-    weights = _softmax(scores, keep)
+    weights = _softmax(scores, keep, empty_rows)
     return dropout(weights) @ values, weights if need_weights else None
 
 
@@ -281,22 +267,24 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
 class DotProductAttention(Module):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
-    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
+    def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype)
+        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
+        self.scale, self.empty_rows = scale, empty_rows
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None):
+                window_mask=None, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            same_query_key_size=True,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
@@ -306,14 +294,18 @@ class DotProductAttention(Module):
         the mask helpers. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
-        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather
-        # than the scores touches Q x d numbers instead of Q x K
-        # A masked key may hold anything (padding): its NaN or inf scores are replaced by the
-        # mask, so their arithmetic does not warn
+        # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
+        if self.scale is None:
+            queries = queries / np.sqrt(queries.dtype.type(d))
+        else:
+            queries = queries * queries.dtype.type(self.scale)
+        # Shape of scores: (..., no. of queries, no. of keys). A masked key may hold anything
+        # (padding): its NaN or inf scores are replaced by the mask, so their arithmetic does
+        # not warn
         with np.errstate(invalid="ignore"):
-            scores = queries / np.sqrt(queries.dtype.type(d)) @ np.swapaxes(keys, -1, -2)
+            scores = queries @ np.swapaxes(keys, -1, -2)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights
+            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
         return output
 
@@ -323,12 +315,13 @@ class AdditiveAttention(Module):
     """Additive attention: scores w_v^T tanh(W_q q + W_k k)."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
-                 key_size: int | None = None, dtype: str = "float32"):
+                 key_size: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
         )
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.W_q = Linear(num_hiddens, False, query_size, self.dtype)
         self.W_k = Linear(num_hiddens, False, key_size, self.dtype)
         self.w_v = Linear(1, False, num_hiddens, self.dtype)
@@ -336,16 +329,17 @@ class AdditiveAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None):
+                window_mask=None, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", self.W_q.in_features),
                    ("keys", "key_size", self.W_k.in_features)),
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -354,7 +348,7 @@ class AdditiveAttention(Module):
         # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
         scores = self.w_v(features)[..., 0]
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout
+            scores, values, keep, bias, self.dropout, empty_rows=self.empty_rows
         )
         return output
 
@@ -366,25 +360,33 @@ class MultiHeadAttention(Module):
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
                  key_size: int | None = None, value_size: int | None = None,
+                 out_bias: bool | None = None, out_features: int | None = None,
+                 scale: float | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
+            out_bias, out_features, scale, empty_rows,
         )
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
-        self.attention = DotProductAttention(dropout, dtype=self.dtype)
+        self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
+        self.empty_rows = empty_rows
+        self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
+                                             dtype=self.dtype)
         self.W_q = Linear(num_hiddens, bias, query_size, self.dtype)
         self.W_k = Linear(num_hiddens, bias, key_size, self.dtype)
         self.W_v = Linear(num_hiddens, bias, value_size, self.dtype)
-        self.W_o = Linear(num_hiddens, bias, num_hiddens, self.dtype)
+        self.W_o = Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
+                          num_hiddens, self.dtype)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, head_mask=None, need_weights=True):
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
+            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads,
             sizes=(("queries", "query_size", self.W_q.in_features),
                    ("keys", "key_size", self.W_k.in_features),
                    ("values", "value_size", self.W_v.in_features)),
@@ -393,7 +395,8 @@ class MultiHeadAttention(Module):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         queries = self.transpose_qkv(self.W_q(queries))

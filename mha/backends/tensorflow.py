@@ -132,7 +132,6 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
 _TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable, keras.KerasTensor, np.ndarray)
 
 
-
 def _check_valid_lens_values(valid_lens) -> None:
     # The one check that needs values: non-negative whole numbers. Values exist only when
     # executing eagerly; in tf.function graphs and functional models they are symbolic.
@@ -140,17 +139,7 @@ def _check_valid_lens_values(valid_lens) -> None:
         return
     if isinstance(valid_lens, keras.KerasTensor) or tf.is_symbolic_tensor(valid_lens):
         return
-    # One read of the values (an eager tensor's shape is static), checked in numpy: the
-    # lengths are few, and each TensorFlow op read back separately costs more than the check
-    values = np.asarray(tf.convert_to_tensor(valid_lens))
-    if values.size == 0:
-        return
-    non_integer = None
-    if values.dtype.kind not in "iub":
-        fractional = values != np.floor(values)
-        if fractional.any():
-            non_integer = values[fractional][0].item()
-    validation.check_valid_lens_values(values.min().item(), non_integer)
+    validation.check_valid_lens_values(np.asarray(tf.convert_to_tensor(valid_lens)))
 
 
 def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
@@ -169,9 +158,6 @@ def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
 class _Masks(Masks):
     """mha.masks' rules in TensorFlow, for the scores of one call; sizes may be tensors."""
 
-    def __init__(self, batch_size, num_queries, num_keys):
-        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
-
     def length_mask(self, valid_lens):
         return _length_mask(valid_lens, self.num_keys)
 
@@ -181,23 +167,11 @@ class _Masks(Masks):
     def windows(self, window_mask):
         return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
 
-    def rank(self, mask):
-        return mask.shape.rank
-
     def is_bool(self, windows):
         return windows.dtype == tf.bool
 
-    def isneginf(self, x):
-        return tf.equal(x, tf.constant(-np.inf, x.dtype))
-
     def zeros_where(self, blocked, x):
         return tf.where(blocked, tf.zeros_like(x), x)
-
-    def both(self, a, b):
-        return tf.logical_and(a, b)
-
-    def negate(self, a):
-        return tf.logical_not(a)
 
     def expand_dims(self, x, axis):
         return tf.expand_dims(x, axis)
@@ -207,16 +181,18 @@ class _Masks(Masks):
 # Masked softmax
 
 
-def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
-    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. tf.nn.softmax subtracts the row maximum, so logits of 1e4 stay finite.
+def _softmax(scores: tf.Tensor, keep: tf.Tensor | None, empty_rows: str = "zeros") -> tf.Tensor:
+    """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
+    with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. tf.nn.softmax
+    subtracts the row maximum, so logits of 1e4 stay finite.
 
     Written with TensorFlow's fused softmax on the scores with -inf at masked entries, rather
     than the reference's steps (four fewer passes over the scores): a row with no kept key
-    would be all -inf, NaN in softmax, so its scores become 0 (finite values and gradients)
-    and it is zeroed after. The fill replaces a masked score rather than being added to it, so
-    a masked key holding NaN or inf stays out. Gradients: exp(-inf) = 0 gives masked entries a
-    gradient of exactly 0, and the zeroed rows get 0, so no NaN flows back.
+    would be all -inf, NaN in softmax, so its scores become 0 (finite values and gradients,
+    uniform weights) and it is zeroed after unless empty_rows says uniform. The fill replaces
+    a masked score rather than being added to it, so a masked key holding NaN or inf stays
+    out. Gradients: exp(-inf) = 0 gives masked entries a gradient of exactly 0, and the
+    zeroed rows get 0, so no NaN flows back.
     """
     if keep is None:
         return tf.nn.softmax(scores, axis=-1)
@@ -225,18 +201,26 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
     # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
     fill = tf.where(attended, tf.constant(-np.inf, scores.dtype), tf.zeros([], scores.dtype))
     weights = tf.nn.softmax(tf.where(keep, scores, fill), axis=-1)
-    # Zeroing the rows with no kept key is a pass over the weights. Eagerly on the CPU, one
-    # host read of the small `attended` is free and skips it when every row has a key;
-    # elsewhere (GPU, graphs) it always runs, so that no call waits for the device
-    if tf.executing_eagerly() and "CPU" in attended.device and bool(tf.reduce_all(attended)):
+    if empty_rows == "uniform" or not _may_have_empty_rows(attended):
         return weights
     return weights * tf.cast(attended, weights.dtype)
 
 
+def _may_have_empty_rows(attended: tf.Tensor) -> bool:
+    # Zeroing the rows with no kept key, a pass over the weights, changes none when none is
+    return (
+        not tf.executing_eagerly()  # a graph: no values to read
+        or "CPU" not in attended.device  # on a device, a read would wait for it
+        or not bool(tf.reduce_all(attended))  # one read of a small tensor
+    )
+
+
 @documented
-def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tensor:
+def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None, *,
+                   empty_rows: str = "zeros") -> tf.Tensor:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
+                                         empty_rows=empty_rows)
     _check_valid_lens_values(valid_lens)
     X = tf.convert_to_tensor(X)
     if valid_lens is None:
@@ -248,14 +232,15 @@ def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None) -> tf.Tens
         keep = keep[:, 0, :]
     for _ in range(X.shape.rank - 3):
         keep = keep[:, None]
-    return _softmax(X, keep)
+    return _softmax(X, keep, empty_rows)
 
 
-def _attention_pool(scores, values, keep, bias, dropout, training, need_weights=True):
+def _attention_pool(scores, values, keep, bias, dropout, training, need_weights=True,
+                    empty_rows="zeros"):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
-    weights = _softmax(scores, keep)
+    weights = _softmax(scores, keep, empty_rows)
     return tf.matmul(dropout(weights, training=training), values), (
         weights if need_weights else None
     )
@@ -294,32 +279,34 @@ class DotProductAttention(_AttentionLayer):
     call's `training` decides dropout.
     """
 
-    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32", **kwargs):
-        dtype = validation.check_dot_product_args(dropout, dtype)
+    def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32", **kwargs):
+        dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
         super().__init__(dtype=dtype, **kwargs)
+        self.scale, self.empty_rows = scale, empty_rows
         self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
         self.attention_weights = None
         self.built = True  # no weights
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, training=None):
+                 window_mask=None, attn_bias=None, training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            same_query_key_size=True,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
-        queries, keys, values, valid_lens, mask, window_mask = _as_tensors(
-            queries, keys, values, valid_lens, mask, window_mask
+        queries, keys, values, valid_lens, mask, window_mask, attn_bias = _as_tensors(
+            queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
-                                window_mask=window_mask, training=training)
+                                window_mask=window_mask, attn_bias=attn_bias, training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-             window_mask=None, training=None):
+             window_mask=None, attn_bias=None, training=None):
         batch_size, num_queries, _ = _dims(queries)
         masks = _Masks(batch_size, num_queries, _dims(keys)[1])
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         return self.attend(queries, keys, values, keep, bias, training=training)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
@@ -330,12 +317,15 @@ class DotProductAttention(_AttentionLayer):
         the mask helpers. MultiHeadAttention calls this with a head axis.
         """
         d = _dims(queries)[-1]
-        # Shape of scores: (..., no. of queries, no. of keys). Scaling the queries rather than
-        # the scores touches Q x d numbers instead of Q x K
-        queries = queries / tf.sqrt(tf.cast(d, queries.dtype))
+        # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
+        if self.scale is None:
+            queries = queries / tf.sqrt(tf.cast(d, queries.dtype))
+        else:
+            queries = queries * tf.constant(self.scale, queries.dtype)
+        # Shape of scores: (..., no. of queries, no. of keys)
         scores = tf.matmul(queries, keys, transpose_b=True)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, training, need_weights
+            scores, values, keep, bias, self.dropout, training, need_weights, self.empty_rows
         )
         return output
 
@@ -353,10 +343,13 @@ class AdditiveAttention(_AttentionLayer):
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
-                 key_size: int | None = None, dtype: str = "float32", **kwargs):
-        dtype = validation.check_additive_args(num_hiddens, dropout, query_size, key_size, dtype)
+                 key_size: int | None = None, empty_rows: str = "zeros", dtype: str = "float32",
+                 **kwargs):
+        dtype = validation.check_additive_args(
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+        )
         super().__init__(dtype=dtype, **kwargs)
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.W_q = _projection(num_hiddens, False, query_size, dtype)
         self.W_k = _projection(num_hiddens, False, key_size, dtype)
         self.w_v = _projection(1, False, num_hiddens, dtype)
@@ -371,25 +364,26 @@ class AdditiveAttention(_AttentionLayer):
                 dense.build((None, shape[-1]))
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, training=None):
+                 window_mask=None, attn_bias=None, training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
-        queries, keys, values, valid_lens, mask, window_mask = _as_tensors(
-            queries, keys, values, valid_lens, mask, window_mask
+        queries, keys, values, valid_lens, mask, window_mask, attn_bias = _as_tensors(
+            queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
-                                window_mask=window_mask, training=training)
+                                window_mask=window_mask, attn_bias=attn_bias, training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-             window_mask=None, training=None):
+             window_mask=None, attn_bias=None, training=None):
         batch_size, num_queries, _ = _dims(queries)
         masks = _Masks(batch_size, num_queries, _dims(keys)[1])
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -398,7 +392,7 @@ class AdditiveAttention(_AttentionLayer):
         # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
         scores = self.w_v(features)[..., 0]
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, training
+            scores, values, keep, bias, self.dropout, training, empty_rows=self.empty_rows
         )
         return output
 
@@ -418,17 +412,24 @@ class MultiHeadAttention(_AttentionLayer):
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
                  key_size: int | None = None, value_size: int | None = None,
+                 out_bias: bool | None = None, out_features: int | None = None,
+                 scale: float | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32", **kwargs):
         dtype = validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
+            out_bias, out_features, scale, empty_rows,
         )
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
-        self.attention = DotProductAttention(dropout, dtype=dtype)
+        self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
+        self.empty_rows = empty_rows
+        self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
+                                             dtype=dtype)
         self.W_q = _projection(num_hiddens, bias, query_size, dtype)
         self.W_k = _projection(num_hiddens, bias, key_size, dtype)
         self.W_v = _projection(num_hiddens, bias, value_size, dtype)
-        self.W_o = _projection(num_hiddens, bias, num_hiddens, dtype)
+        self.W_o = _projection(out_features or num_hiddens,
+                               bias if out_bias is None else out_bias, num_hiddens, dtype)
         self.attention_weights = None
         self.built = self.W_q.built and self.W_k.built and self.W_v.built
 
@@ -440,30 +441,35 @@ class MultiHeadAttention(_AttentionLayer):
                 dense.build((None, shape[-1]))
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, head_mask=None, need_weights=True, training=None):
+                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+                 training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
+            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
         _check_valid_lens_values(valid_lens)
-        queries, keys, values, valid_lens, mask, window_mask, head_mask = _as_tensors(
-            queries, keys, values, valid_lens, mask, window_mask, head_mask
+        queries, keys, values, valid_lens, mask, window_mask, head_mask, attn_bias = _as_tensors(
+            queries, keys, values, valid_lens, mask, window_mask, head_mask, attn_bias
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
-                                need_weights=need_weights, training=training)
+                                need_weights=need_weights, attn_bias=attn_bias,
+                                training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-             window_mask=None, head_mask=None, need_weights=True, training=None):
+             window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+             training=None):
         batch_size, num_queries, _ = _dims(queries)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, _dims(keys)[1])
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
         # num_hiddens / num_heads)
         # The projections call the Dense kernels directly (see _apply_dense)

@@ -114,34 +114,26 @@ def _in_features(linear: nn.Module) -> int | None:
 _TENSOR_TYPES = torch.Tensor
 
 
-
-def _comparable(valid_lens: torch.Tensor) -> torch.Tensor:
-    # torch has no min or comparison for uint16 to uint64: such lengths are read as float64,
-    # exact to 2**53, far past any number of keys
-    if valid_lens.dtype in (torch.uint16, torch.uint32, torch.uint64):
-        return valid_lens.to(torch.float64)
-    return valid_lens
-
-
 def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
-    # The one check that needs values: non-negative whole numbers (.item() waits for the
-    # device, as any value check must)
-    if valid_lens is None or valid_lens.numel() == 0 or valid_lens.device.type == "meta":
-        return  # a meta tensor has a shape and no values
-    valid_lens = _comparable(valid_lens)
-    non_integer = None
-    if valid_lens.is_floating_point():
-        fractional = valid_lens != torch.floor(valid_lens)
-        if fractional.any():
-            non_integer = valid_lens[fractional][0].item()
-    validation.check_valid_lens_values(valid_lens.min().item(), non_integer)
+    # The one check that needs values: non-negative whole numbers (reading them waits for the
+    # device, as any value check must). A meta tensor has a shape and no values.
+    if valid_lens is None or valid_lens.device.type == "meta":
+        return
+    values = valid_lens.detach().cpu()
+    # numpy has no bfloat16; float64 holds every float16 and bfloat16 exactly
+    values = values.double() if values.is_floating_point() else values
+    validation.check_valid_lens_values(values.numpy())
 
 
 def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
+    # torch has no comparison for uint16 to uint64: such lengths are compared as float64,
+    # exact to 2**53, far past any number of keys
+    lengths = valid_lens
+    if lengths.dtype in (torch.uint16, torch.uint32, torch.uint64):
+        lengths = lengths.to(torch.float64)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = _comparable(valid_lens)
     lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
     return torch.arange(num_keys, device=valid_lens.device) < lengths
 
@@ -150,7 +142,7 @@ class _Masks(Masks):
     """mha.masks' rules in torch, for the scores of one call, on the inputs' device."""
 
     def __init__(self, batch_size: int, num_queries: int, num_keys: int, device: torch.device):
-        self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
+        super().__init__(batch_size, num_queries, num_keys)
         self.device = device
 
     def length_mask(self, valid_lens):
@@ -163,23 +155,11 @@ class _Masks(Masks):
     def windows(self, window_mask):
         return window_mask.repeat(self.batch_size // window_mask.shape[0], 1, 1)
 
-    def rank(self, mask):
-        return mask.ndim
-
     def is_bool(self, windows):
         return windows.dtype == torch.bool
 
-    def isneginf(self, x):
-        return torch.isneginf(x)
-
     def zeros_where(self, blocked, x):
         return torch.where(blocked, 0.0, x)
-
-    def both(self, a, b):
-        return a & b
-
-    def negate(self, a):
-        return ~a
 
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
@@ -189,10 +169,11 @@ class _Masks(Masks):
 # Masked softmax
 
 
-def _softmax(scores: torch.Tensor, keep: torch.Tensor | None,
-             in_place: bool = False) -> torch.Tensor:
-    """Softmax over the last axis on the kept entries; masked entries and rows with no kept
-    entry are exactly 0. torch.softmax subtracts the row maximum, so logits of 1e4 stay finite.
+def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = False,
+             empty_rows: str = "zeros") -> torch.Tensor:
+    """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
+    with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. torch.softmax
+    subtracts the row maximum, so logits of 1e4 stay finite.
 
     `in_place` overwrites `scores`, a fresh tensor of the caller's: on the CPU a new
     (..., Q, K) tensor is fresh pages to fault in. The softmax itself is written over the
@@ -207,13 +188,16 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None,
         fill = scores.masked_fill_ if in_place else scores.masked_fill
         scores = fill(~keep, float("-inf"))
         if attended is not None:
-            # A row with no kept key, all -inf, would be NaN: a row of zeros, zeroed after
+            # A row with no kept key, all -inf, would be NaN: a row of zeros, whose softmax
+            # is uniform, zeroed after unless empty_rows says uniform
             scores = scores.masked_fill_(~attended, 0.0)
     if in_place and not scores.requires_grad:
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:
         weights = torch.softmax(scores, dim=-1)
-    return weights if attended is None else torch.where(attended, weights, 0.0)
+    if attended is None or empty_rows == "uniform":
+        return weights
+    return torch.where(attended, weights, 0.0)
 
 
 def _keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -236,9 +220,11 @@ def _may_have_empty_rows(attended: torch.Tensor) -> bool:
 
 
 @documented
-def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> torch.Tensor:
+def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None, *,
+                   empty_rows: str = "zeros") -> torch.Tensor:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES)
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
+                                         empty_rows=empty_rows)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -248,26 +234,26 @@ def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None) -> t
     if X.ndim == 2:
         keep = keep[:, 0, :]
     keep = keep.reshape(keep.shape[:1] + (1,) * (X.ndim - 3) + keep.shape[1:])
-    return _softmax(X, keep)
+    return _softmax(X, keep, empty_rows=empty_rows)
 
 
-def _attention_pool(scores, values, keep, bias, dropout, need_weights=True):
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empty_rows="zeros"):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
     # The scores are the caller's own fresh tensor: the softmax overwrites them
-    weights = _softmax(scores, keep, in_place=True)
+    weights = _softmax(scores, keep, in_place=True, empty_rows=empty_rows)
     # Values split into heads have rows num_hiddens apart, and torch's CPU product in bfloat16
     # and float16 is far slower on such rows than on contiguous ones
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
-def _fused_attention(queries, keys, values, keep, bias, dropout):
+def _fused_attention(queries, keys, values, keep, bias, dropout, scale=None):
     """What DotProductAttention.attend computes, by F.scaled_dot_product_attention.
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
-    scores, so keep and bias combine into one float mask when both are given. Its default scale
-    is 1 / sqrt(d) with d the last axis of the queries, as ours.
+    scores, so keep and bias combine into one float mask when both are given. Its scale, None
+    for 1 / sqrt(d) with d the last axis of the queries, is ours.
     """
     attended = None
     if keep is not None:
@@ -279,20 +265,25 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
     dropout_p = dropout.p if dropout.training else 0.0
     output = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p
+        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
     )
     return output if attended is None else torch.where(attended, output, 0.0)
 
 
-def _why_not_fused(keys: torch.Tensor, keep: torch.Tensor | None) -> str | None:
+def _why_not_fused(keys: torch.Tensor, keep: torch.Tensor | None,
+                   empty_rows: str) -> str | None:
     """Why F.scaled_dot_product_attention cannot compute this call, or None when it can."""
+    if keep is not None and empty_rows == "uniform":
+        return "a row with no key takes uniform weights, which the kernel does not give"
     if keep is not None and not _all_finite(keys):
         return "a key holds NaN or inf: the kernel adds the mask to its score, giving NaN"
     return None
 
 
-def _why_not_masked_product(queries, keys, keep, bias) -> str | None:
+def _why_not_masked_product(queries, keys, keep, bias, empty_rows) -> str | None:
     """Why the mask cannot be added inside the scaled product, or None when it can."""
+    if keep is not None and empty_rows == "uniform":
+        return "a row with no key takes uniform weights, which the masked product does not give"
     if bias is not None:
         return "an additive window mask is added to the scores on its own"
     if keep is not None and not _mask_fits_product(keep, queries):
@@ -350,22 +341,24 @@ def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torc
 class DotProductAttention(Module):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
-    def __init__(self, dropout: float = 0.0, *, dtype: str = "float32"):
+    def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype)
+        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
+        self.scale, self.empty_rows = scale, empty_rows
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None):
+                window_mask=None, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            same_query_key_size=True,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
@@ -376,25 +369,27 @@ class DotProductAttention(Module):
         need_weights, torch's fused kernel computes the same numbers where it can (see
         _why_not_fused).
         """
-        if not need_weights and _why_not_fused(keys, keep) is None:
+        if not need_weights and _why_not_fused(keys, keep, self.empty_rows) is None:
             self.attention_weights = None
-            return _fused_attention(queries, keys, values, keep, bias, self.dropout)
+            return _fused_attention(queries, keys, values, keep, bias, self.dropout, self.scale)
         d = queries.shape[-1]
-        if _why_not_masked_product(queries, keys, keep, bias) is None:
+        if _why_not_masked_product(queries, keys, keep, bias, self.empty_rows) is None:
             # The mask is added inside the scaled product, as nn.MultiheadAttention does
             # (baddbmm): a pass over the scores fewer, forward and backward
             keep, attended = (None, None) if keep is None else _keep_every_row(keep)
-            scores = _masked_product(keep, queries, keys, 1 / math.sqrt(d))
+            scale = 1 / math.sqrt(d) if self.scale is None else self.scale
+            scores = _masked_product(keep, queries, keys, scale)
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
                 output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
             self.attention_weights = weights if need_weights else None
             return output
-        # Shape of scores: (..., no. of queries, no. of keys). The queries are scaled rather
-        # than the scores: Q x d numbers instead of Q x K
-        scores = (queries / math.sqrt(d)) @ keys.transpose(-1, -2)
+        # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
+        queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
+        # Shape of scores: (..., no. of queries, no. of keys)
+        scores = queries @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights
+            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
         return output
 
@@ -404,12 +399,13 @@ class AdditiveAttention(Module):
     """Additive attention: scores w_v^T tanh(W_q q + W_k k)."""
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
-                 key_size: int | None = None, dtype: str = "float32"):
+                 key_size: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
         )
-        self.num_hiddens = num_hiddens
+        self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.W_q = _linear(num_hiddens, False, query_size, self.dtype)
         self.W_k = _linear(num_hiddens, False, key_size, self.dtype)
         self.w_v = _linear(1, False, num_hiddens, self.dtype)
@@ -417,16 +413,17 @@ class AdditiveAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None):
+                window_mask=None, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
-            window_mask=window_mask, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -435,7 +432,7 @@ class AdditiveAttention(Module):
         # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
         scores = self.w_v(features)[..., 0]
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout
+            scores, values, keep, bias, self.dropout, empty_rows=self.empty_rows
         )
         return output
 
@@ -450,25 +447,33 @@ class MultiHeadAttention(Module):
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
                  bias: bool = False, *, query_size: int | None = None,
                  key_size: int | None = None, value_size: int | None = None,
+                 out_bias: bool | None = None, out_features: int | None = None,
+                 scale: float | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
+            out_bias, out_features, scale, empty_rows,
         )
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
-        self.attention = DotProductAttention(dropout, dtype=self.dtype)
+        self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
+        self.empty_rows = empty_rows
+        self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
+                                             dtype=self.dtype)
         self.W_q = _linear(num_hiddens, bias, query_size, self.dtype)
         self.W_k = _linear(num_hiddens, bias, key_size, self.dtype)
         self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
-        self.W_o = _linear(num_hiddens, bias, num_hiddens, self.dtype)
+        self.W_o = _linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
+                           num_hiddens, self.dtype)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, head_mask=None, need_weights=True):
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES, num_heads=self.num_heads,
+            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
@@ -477,7 +482,8 @@ class MultiHeadAttention(Module):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias)
         # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
         # no. of queries or keys, num_hiddens / num_heads)
         queries = self.transpose_qkv(self.W_q(queries))

@@ -1,0 +1,384 @@
+"""Golden cases: recorded numbers that every backend must reproduce, on any machine or lane.
+
+A case holds a layer (class, config, canonical weights), the arrays and options of one call,
+and the numbers some computation gave for it: the output, the attention weights, and the
+gradients of sum(output * cotangent) where they were recorded. It is a safetensors file, read
+with numpy alone, so that a case recorded with MXNet in one environment verifies with JAX in
+another.
+
+    >>> mha.golden.record("bert.safetensors", [mha.golden.case_of(layer, inputs, output)])
+    >>> rows = mha.golden.verify("bert.safetensors")      # every installed backend
+    >>> mha.golden.verify_layer(layer, inputs, output)    # the same, in one call, no file
+
+`mha compare --record CASES.safetensors` records the run's cases as the first backend named
+computes them; `mha verify CASES.safetensors` runs them again (see docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from mha import harness, validation
+from mha.registry import load_backend
+
+__all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "verify_layer"]
+
+FORMAT = "mha-golden"
+FORMAT_VERSION = "1"
+# The call's options that are not arrays
+_OPTIONS = ("causal", "need_weights")
+# What each layer's call takes as arrays, in harness.call_layer's names
+_ARRAYS = {
+    "masked_softmax": ("X", "valid_lens"),
+    "PositionalEncoding": ("X",),
+    "AddNorm": ("X", "Y"),
+}
+_ATTENTION_ARRAYS = ("queries", "keys", "values", "valid_lens", "mask", "window_mask", "head_mask")
+
+
+@dataclasses.dataclass
+class GoldenCase:
+    """One recorded call and its numbers.
+
+    inputs: the call's arrays (queries, keys, values, valid_lens, masks; X and Y for the other
+    layers) and its options (causal, need_weights), by harness.call_layer's names; self-
+    attention passes queries alone. gradients: keyed by input names and canonical weight
+    names, of sum(output * cotangent); None when not recorded.
+    """
+
+    name: str
+    layer: str
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]
+    inputs: dict[str, Any]
+    output: np.ndarray
+    attention_weights: np.ndarray | None = None
+    cotangent: np.ndarray | None = None
+    gradients: dict[str, np.ndarray] | None = None
+    recorded_with: str = ""
+
+    @property
+    def dtype(self) -> str:
+        return np.asarray(self.output).dtype.name
+
+
+def case_of(
+    layer: Any,
+    inputs: Mapping[str, Any],
+    output: Any,
+    attention_weights: Any = None,
+    *,
+    name: str = "case",
+    recorded_with: str = "",
+) -> GoldenCase:
+    """A case from a user's own mha layer (any backend), the inputs of one call and the
+    numbers expected of it, for example captured from the layer it was ported from.
+
+    inputs: "queries", "keys", "values" (keys and values default to queries), "valid_lens",
+    "mask", "causal", "window_mask", "head_mask", "need_weights"; arrays of any framework.
+    """
+    from mha.interop import _as_numpy
+    from mha.weights import _layer_info, get_weights
+
+    _, class_name, config = _layer_info(layer)
+    known = _ARRAYS.get(class_name, _ATTENTION_ARRAYS) + _OPTIONS
+    unknown = sorted(set(inputs) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{class_name} takes no input {', '.join(unknown)}. Valid: {', '.join(known)}"
+        )
+    arrays = {
+        key: value if key in _OPTIONS else _as_numpy(value)
+        for key, value in inputs.items()
+        if value is not None
+    }
+    return GoldenCase(
+        name,
+        class_name,
+        dict(config),
+        get_weights(layer),
+        arrays,
+        _as_numpy(output),
+        None if attention_weights is None else _as_numpy(attention_weights),
+        recorded_with=recorded_with,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def record(path: str | os.PathLike, cases: Sequence[GoldenCase]) -> None:
+    """Write cases to a safetensors file, atomically (see mha.weights.write_safetensors)."""
+    from mha.weights import write_safetensors
+
+    tensors, described = {}, []
+    for index, case in enumerate(cases):
+        arrays = {
+            f"inputs/{key}": value for key, value in case.inputs.items() if key not in _OPTIONS
+        }
+        arrays.update({f"weights/{key}": value for key, value in case.weights.items()})
+        arrays["output"] = case.output
+        if case.attention_weights is not None:
+            arrays["attention_weights"] = case.attention_weights
+        if case.gradients is not None:
+            arrays["cotangent"] = case.cotangent
+            arrays.update({f"gradients/{key}": value for key, value in case.gradients.items()})
+        tensors.update({f"{index}/{key}": np.asarray(value) for key, value in arrays.items()})
+        described.append(
+            {
+                "name": case.name,
+                "layer": case.layer,
+                "config": case.config,
+                "options": {key: case.inputs[key] for key in _OPTIONS if key in case.inputs},
+                "recorded_with": case.recorded_with,
+            }
+        )
+    write_safetensors(
+        path,
+        tensors,
+        {"format": FORMAT, "format_version": FORMAT_VERSION, "cases": json.dumps(described)},
+    )
+
+
+def read(path: str | os.PathLike) -> list[GoldenCase]:
+    """The cases of a file written by `record` (or `mha compare --record`).
+
+    Raises:
+        ValueError: not a golden-case file, or cases whose arrays are missing.
+    """
+    from mha.weights import LAYER_CLASSES, read_safetensors
+
+    name = os.fspath(path)
+    tensors, metadata = read_safetensors(path)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(
+            f"{name} is not an mha golden-case file (its format is "
+            f"{metadata.get('format')!r}; mha compare --record writes them)"
+        )
+    try:
+        described = json.loads(metadata["cases"])
+        if not isinstance(described, list) or not all(isinstance(d, dict) for d in described):
+            raise ValueError("its case list is not a list of objects")
+        cases = []
+        for index, entry in enumerate(described):
+            layer = entry["layer"]
+            if layer != "masked_softmax" and layer not in LAYER_CLASSES:
+                raise ValueError(f"case {index} names an unknown layer {layer!r}")
+            arrays = {
+                key[len(f"{index}/") :]: value
+                for key, value in tensors.items()
+                if key.startswith(f"{index}/")
+            }
+
+            def group(prefix, arrays=arrays):
+                return {
+                    key[len(prefix) :]: value
+                    for key, value in arrays.items()
+                    if key.startswith(prefix)
+                }
+
+            options = entry.get("options", {})
+            if not all(isinstance(options.get(key, True), bool) for key in _OPTIONS):
+                raise ValueError(f"case {index} has options that are not booleans: {options}")
+            gradients = group("gradients/") or None
+            cases.append(
+                GoldenCase(
+                    str(entry["name"]),
+                    layer,
+                    dict(entry["config"]),
+                    group("weights/"),
+                    {**group("inputs/"), **options},
+                    arrays["output"],
+                    arrays.get("attention_weights"),
+                    arrays.get("cotangent"),
+                    gradients,
+                    str(entry.get("recorded_with", "")),
+                )
+            )
+    except (KeyError, TypeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{name} is not a valid golden-case file: {error!r}") from None
+    except ValueError as error:
+        raise ValueError(f"{name} is not a valid golden-case file: {error}") from None
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording a run and verifying cases
+
+
+def record_run(
+    path: str | os.PathLike,
+    backend: str,
+    cases: Iterable[harness.Case] | None = None,
+    dtype: str = "float32",
+    seed: int = 0,
+    shapes: harness.Shapes | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[GoldenCase]:
+    """Record harness cases (default: mha compare's) as `backend` computes them, with its
+    gradients where it has autograd, and write them to `path`."""
+    from mha.registry import normalize_backend_name
+
+    backend = normalize_backend_name(backend)
+    module = load_backend(backend)
+    cases = list(harness.default_cases() if cases is None else cases)
+    recorded = []
+    for done, case in enumerate(cases):
+        if progress is not None:
+            progress(done, len(cases), f"{case.id} on {backend}")
+        prepared = harness.prepare(case, shapes or harness.Shapes(), dtype, seed, gradients=False)
+        cotangent = None
+        if hasattr(module, "value_and_gradients"):
+            rng = np.random.default_rng(seed + 1)
+            cotangent = rng.standard_normal(prepared.reference.output.shape).astype(dtype)
+        result = harness.run_case(
+            backend, case, prepared.inputs, prepared.weights, prepared.config, cotangent
+        )
+        inputs = dict(prepared.inputs)
+        if "self" in case.masks:
+            inputs = {key: value for key, value in inputs.items() if key not in ("keys", "values")}
+        recorded.append(
+            GoldenCase(
+                case.id,
+                case.layer,
+                dict(prepared.config),
+                dict(prepared.weights),
+                inputs,
+                result.output,
+                result.attention_weights,
+                cotangent,
+                result.gradients,
+                f"{backend} {_version(backend)}",
+            )
+        )
+    record(path, recorded)
+    return recorded
+
+
+def _version(backend: str) -> str:
+    from mha.registry import framework_version
+
+    return framework_version(backend) or ""
+
+
+def verify(
+    source: str | os.PathLike | Sequence[GoldenCase],
+    backends: Sequence[str] | None = None,
+    dtype: str | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[harness.Row]:
+    """Run recorded cases on `backends` (default: every installed one) and compare each
+    backend's numbers with the recorded ones.
+
+    dtype: the dtype to run in (default: each case's own). The tolerance is that of the less
+    precise of the two: float64 within 1e-10 absolute, float32 within 1e-5 of the scale.
+
+    Returns:
+        One harness.Row per case and backend: output_difference, weights_difference, and in
+        gradient_agreement the gradients' difference where the case has gradients and the
+        backend autograd. A backend that raises gives a failed row with the error.
+    """
+    from mha.registry import select_backends
+
+    cases = read(source) if isinstance(source, (str, os.PathLike)) else list(source)
+    names, _ = select_backends(",".join(backends) if backends else None)
+    if "jax" in names and "float64" in {dtype, *(case.dtype for case in cases)}:
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    rows, total = [], len(cases) * len(names)
+    for index, case in enumerate(cases):
+        for position, backend in enumerate(names):
+            if progress is not None:
+                progress(index * len(names) + position, total, f"{case.name} on {backend}")
+            rows.append(_verify_one(case, backend, dtype or case.dtype))
+    return rows
+
+
+def verify_layer(
+    layer: Any,
+    inputs: Mapping[str, Any],
+    output: Any,
+    attention_weights: Any = None,
+    backends: Sequence[str] | None = None,
+    dtype: str | None = None,
+) -> list[harness.Row]:
+    """Prove in one call that `layer`, rebuilt in every backend, gives `output` (and
+    `attention_weights`) on `inputs`: `verify([case_of(layer, inputs, output, ...)])`."""
+    return verify([case_of(layer, inputs, output, attention_weights)], backends, dtype)
+
+
+def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
+    precision = "float64" if {dtype, case.dtype} == {"float64"} else "float32"
+    relative = precision != "float64"
+    try:
+        validation.check_dtype(dtype)
+        config = {**case.config, "dtype": dtype} if "dtype" in case.config else {}
+        inputs = {key: _cast(value, dtype) for key, value in case.inputs.items()}
+        weights = {key: np.asarray(value).astype(dtype) for key, value in case.weights.items()}
+        masks = ("self",) if "keys" not in inputs and "queries" in inputs else ()
+        cotangent = None if case.gradients is None else case.cotangent.astype(dtype)
+        # masked_softmax takes its options (empty_rows) in the call, from the case
+        options = case.config if case.layer == "masked_softmax" else {}
+        layer = harness.Case(case.layer, masks, {k: v for k, v in options.items() if k != "dtype"})
+        result = harness.run_case(backend, layer, inputs, weights, config, cotangent)
+    except Exception as error:  # a crash is a disagreement, reported with its cause
+        return harness.Row(
+            case.name,
+            backend,
+            dtype,
+            None,
+            None,
+            None,
+            None,
+            None,
+            False,
+            f"{type(error).__name__}: {error}",
+        )
+    output_difference = _difference(result.output, case.output, relative)
+    weights_difference = None
+    if case.attention_weights is not None:
+        weights_difference = _difference(result.attention_weights, case.attention_weights, relative)
+    gradient_difference = None
+    if case.gradients is not None and result.gradients is not None:
+        gradient_difference = max(
+            _difference(result.gradients.get(key), value, True)
+            for key, value in case.gradients.items()
+        )
+    passed = (
+        max(output_difference, weights_difference or 0.0, gradient_difference or 0.0)
+        <= harness.TOLERANCES[precision]
+    )
+    return harness.Row(
+        case.name,
+        backend,
+        dtype,
+        tuple(result.output.shape),
+        output_difference,
+        weights_difference,
+        None,
+        gradient_difference,
+        passed,
+    )
+
+
+def _cast(value: Any, dtype: str) -> Any:
+    # Floating arrays (inputs, additive masks) run in the dtype; lengths and masks keep theirs
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return value.astype(dtype)
+    return value
+
+
+def _difference(actual: Any, expected: np.ndarray, relative: bool) -> float:
+    if actual is None or np.shape(actual) != np.shape(expected):
+        return float("inf")
+    return harness.difference(
+        np.asarray(actual, "float64"), np.asarray(expected, "float64"), relative
+    )

@@ -1,0 +1,418 @@
+"""Importers: one attention layer out of a whole model's weights, in the layouts people port.
+
+A model's `state_dict` (or safetensors file, or Flax parameters) holds its attention layers
+among everything else. `from_state_dict(state, prefix, num_heads=...)` finds the layer under
+`prefix`, recognizes its layout from the names there, and builds an mha MultiHeadAttention
+holding the same weights in any backend:
+
+    >>> import mha, transformers
+    >>> bert = transformers.BertModel(transformers.BertConfig())
+    >>> layer = mha.porting.from_state_dict(
+    ...     bert.state_dict(), "encoder.layer.0.attention", num_heads=12, backend="jax")
+
+The layouts (q, k, v, o: the query, key, value and output projections; n = num_hiddens):
+
+    separate Linear layers, weight (out, in) and bias:
+        self.query, self.key, self.value, output.dense         HF BERT, RoBERTa
+        attention.query, attention.key, attention.value,
+            output.dense                                       HF ViT
+        q_proj, k_proj, v_proj, o_proj                         Llama, Mistral, Qwen
+        q_proj, k_proj, v_proj, out_proj                       BART, OPT, Whisper
+        q, k, v, o (no biases, unscaled scores: scale=1)       T5
+    one fused Linear, qkv.weight (3n, in) = [q; k; v], and proj    timm's Attention
+    GPT-2's Conv1D, stored (in, out): c_attn.weight (in, 3n) = [q, k, v], c_proj
+    kernels per head (Keras and Flax): query/kernel (in, heads, head size), its bias
+        (heads, head size), likewise key and value; attention_output/kernel (Keras) or
+        out/kernel (Flax) (heads, head size, out)
+    torch.nn.MultiheadAttention: in_proj_weight or q/k/v_proj_weight, out_proj
+
+Names under the prefix that are not part of the layout (a LayerNorm, T5's relative position
+bias, GPT-2's causal-mask buffer) are reported as left out, never silently used. A prefix
+that matches no layout, or more than one, is an error that lists the names found there and
+the prefixes where a layout is found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mha import validation
+
+__all__ = ["LAYOUTS", "Port", "canonical_from_state_dict", "find_attention", "from_state_dict"]
+
+
+class Layout(NamedTuple):
+    """How one family of models keeps an attention layer's weights."""
+
+    name: str
+    kind: str  # "linear", "fused", "conv1d", "heads" or "torch"
+    paths: Mapping[str, str]  # role (q, k, v, o, or qkv) -> module path under the prefix
+    scale: float | None = None  # None: 1 / sqrt(head size)
+
+
+LAYOUTS = (
+    Layout(
+        "HF BERT/RoBERTa",
+        "linear",
+        {"q": "self.query", "k": "self.key", "v": "self.value", "o": "output.dense"},
+    ),
+    Layout(
+        "HF ViT",
+        "linear",
+        {"q": "attention.query", "k": "attention.key", "v": "attention.value", "o": "output.dense"},
+    ),
+    Layout(
+        "q/k/v/o_proj (Llama, Mistral, Qwen)",
+        "linear",
+        {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"},
+    ),
+    Layout(
+        "q/k/v_proj and out_proj (BART, OPT, Whisper)",
+        "linear",
+        {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"},
+    ),
+    Layout("T5", "linear", {"q": "q", "k": "k", "v": "v", "o": "o"}, scale=1.0),
+    Layout("fused qkv and proj (timm)", "fused", {"qkv": "qkv", "o": "proj"}),
+    Layout("GPT-2 Conv1D (c_attn, c_proj)", "conv1d", {"qkv": "c_attn", "o": "c_proj"}),
+    Layout(
+        "Keras MultiHeadAttention",
+        "heads",
+        {"q": "query", "k": "key", "v": "value", "o": "attention_output"},
+    ),
+    Layout(
+        "Flax multi-head attention", "heads", {"q": "query", "k": "key", "v": "value", "o": "out"}
+    ),
+    Layout("torch.nn.MultiheadAttention", "torch", {"o": "out_proj"}),
+)
+
+# The parameter that marks a module of each kind; its bias sits beside it
+_MARK = {"linear": "weight", "fused": "weight", "conv1d": "weight", "heads": "kernel"}
+
+
+class Port(NamedTuple):
+    """What was imported: canonical weights and config, the layout, and the names of the
+    source under the prefix that were used and that were left out."""
+
+    weights: dict[str, np.ndarray]
+    config: dict[str, Any]
+    layout: str
+    used: list[str]
+    left_out: list[str]
+
+
+def flatten(state: Mapping[str, Any], separator: str = ".") -> dict[str, Any]:
+    """A flat name -> array dict of a state_dict or of nested parameters (Flax), with "/"
+    (Keras's paths) read as ".". Flax's top-level "params" collection is dropped."""
+    if set(state) == {"params"} and isinstance(state["params"], Mapping):
+        state = state["params"]
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                walk(f"{prefix}{separator}{key}" if prefix else str(key), inner)
+        else:
+            flat[prefix.replace("/", separator)] = value
+
+    walk("", state)
+    return flat
+
+
+def _under(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    prefix = prefix.replace("/", ".").strip(".")
+    if not prefix:
+        return dict(state)
+    start = prefix + "."
+    return {name[len(start) :]: value for name, value in state.items() if name.startswith(start)}
+
+
+def _matches(layout: Layout, names: Iterable[str]) -> bool:
+    names = set(names)
+    if layout.kind == "torch":
+        return "out_proj.weight" in names and (
+            "in_proj_weight" in names or "q_proj_weight" in names
+        )
+    return all(f"{path}.{_MARK[layout.kind]}" in names for path in layout.paths.values())
+
+
+def _layout_names(layout: Layout, names: Iterable[str]) -> list[str]:
+    """The names of the layout's parameters among `names`."""
+    if layout.kind == "torch":
+        from mha.interop import _TORCH_WEIGHT_NAMES
+
+        wanted = set(_TORCH_WEIGHT_NAMES)
+    else:
+        wanted = {
+            f"{path}.{p}" for path in layout.paths.values() for p in (_MARK[layout.kind], "bias")
+        }
+    return [name for name in names if name in wanted]
+
+
+def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(prefix, layout name) of every attention layer found in a state_dict, in its order."""
+    state = flatten(state)
+    found, seen = [], set()
+    for name in state:
+        for layout in LAYOUTS:
+            for path in layout.paths.values():
+                tail = f"{path}.{_MARK.get(layout.kind, 'weight')}"
+                if name == tail or name.endswith("." + tail):
+                    prefix = name[: -len(tail)].rstrip(".")
+                    if (prefix, layout.name) not in seen and _matches(
+                        layout, _under(state, prefix)
+                    ):
+                        seen.add((prefix, layout.name))
+                        found.append((prefix, layout.name))
+    return found
+
+
+def canonical_from_state_dict(
+    state: Mapping[str, Any],
+    prefix: str = "",
+    *,
+    num_heads: int | None = None,
+    scale: float | None = None,
+) -> Port:
+    """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`.
+
+    Args:
+        state: a state_dict (name -> tensor of any framework, or numpy array), or nested
+            parameters (Flax).
+        prefix: the attention module's path, e.g. "encoder.layer.0.attention"; "" when the
+            state holds the attention layer alone.
+        num_heads: the number of heads; needed except for kernels per head, which tell it.
+        scale: the score scale, when the model's differs from its layout's (for example
+            GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
+
+    Raises:
+        ValueError: no layout, or more than one, under the prefix (the names found there and
+            the prefixes where a layout is found are listed); weights that do not fit mha's
+            MultiHeadAttention (every problem is listed).
+    """
+    from mha.interop import _as_numpy
+
+    state = flatten(state)
+    names = _under(state, prefix)
+    layouts = [layout for layout in LAYOUTS if _matches(layout, names)]
+    where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
+    if len(layouts) != 1:
+        listed = ", ".join(sorted(names)[:24]) + (" ..." if len(names) > 24 else "")
+        elsewhere = find_attention(state)
+        hint = (
+            "; attention layers were found under "
+            + ", ".join(f"{p!r} ({name})" for p, name in elsewhere[:6])
+            + (f" and {len(elsewhere) - 6} more" if len(elsewhere) > 6 else "")
+            if elsewhere
+            else "; no attention layer of a known layout was found anywhere"
+        )
+        which = (
+            "no known attention layout"
+            if not layouts
+            else "more than one layout: " + ", ".join(layout.name for layout in layouts)
+        )
+        raise ValueError(
+            f"{which} {where}. Found: {listed or 'nothing'}{hint}. "
+            "Known layouts: " + "; ".join(layout.name for layout in LAYOUTS)
+        )
+    layout = layouts[0]
+    used = _layout_names(layout, names)
+    arrays = {}
+    for name in used:
+        try:
+            arrays[name] = _as_numpy(names[name])
+        except Exception as error:  # sparse, quantized or data-less tensors, foreign objects
+            raise ValueError(f"{name} {where} cannot be read as an array: {error}") from None
+        if arrays[name].dtype.name not in validation.FLOAT_DTYPES:
+            raise ValueError(
+                f"{name} {where} holds {arrays[name].dtype.name} numbers; mha "
+                f"reads weights of {', '.join(validation.FLOAT_DTYPES)}"
+            )
+    if layout.kind == "torch":
+        from mha.interop import canonical_from_torch
+
+        weights, config = canonical_from_torch(arrays)
+        config.update(out_bias=None, out_features=None)
+    else:
+        matrices, heads = _READERS[layout.kind](layout, arrays)
+        weights, config = _config(layout, matrices, heads)
+    if config.get("num_heads") is None:
+        config["num_heads"] = num_heads
+    elif num_heads is not None and num_heads != config["num_heads"]:
+        raise ValueError(
+            f"the {layout.name} kernels {where} have {config['num_heads']} heads. "
+            f"Received: num_heads={num_heads}"
+        )
+    if config["num_heads"] is None:
+        raise ValueError(
+            f"the {layout.name} weights {where} do not tell the number of heads: give num_heads"
+        )
+    config["scale"] = layout.scale if scale is None else scale
+    config.setdefault("dropout", 0.0)
+    config.setdefault("empty_rows", "zeros")
+    from mha.weights import LAYER_CLASSES
+
+    # In the constructor's order, which is check_multihead_args's
+    config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
+    validation.check_multihead_args(*config.values())
+    left_out = sorted(set(names) - set(used))
+    return Port(weights, config, layout.name, sorted(used), left_out)
+
+
+def from_state_dict(
+    state: Mapping[str, Any],
+    prefix: str = "",
+    *,
+    num_heads: int | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: the current one) holding the
+    attention layer under `prefix`; see `canonical_from_state_dict` for the arguments."""
+    from mha.config import get_backend
+    from mha.registry import load_backend
+    from mha.weights import build_layer, set_weights
+
+    port = canonical_from_state_dict(state, prefix, num_heads=num_heads, scale=scale)
+    module = load_backend(backend if backend is not None else get_backend())
+    layer = build_layer(module, "MultiHeadAttention", port.config)
+    set_weights(layer, port.weights)
+    return layer
+
+
+def _problem(layout: Layout, problems: list[str]) -> ValueError:
+    return ValueError(
+        f"These {layout.name} weights do not fit mha's MultiHeadAttention:\n"
+        + "\n".join(f"  - {problem}" for problem in problems)
+    )
+
+
+def _matrices(layout: Layout, arrays, role: str, transposed: bool):
+    """(W (in, out), b or None) of one module, read as y = x @ W + b."""
+    path = layout.paths[role]
+    weight = arrays[f"{path}.weight"]
+    if weight.ndim != 2:
+        raise _problem(layout, [f"{path}.weight has shape {weight.shape}; expected a matrix"])
+    bias = arrays.get(f"{path}.bias")
+    return (weight.T if transposed else weight), bias
+
+
+def _split(layout: Layout, role: str, W: np.ndarray, b: np.ndarray | None):
+    """Three equal blocks of the columns of a fused q, k, v projection."""
+    if W.shape[1] % 3:
+        raise _problem(
+            layout,
+            [f"{layout.paths[role]} has {W.shape[1]} outputs, not 3 equal blocks for q, k and v"],
+        )
+    blocks = np.split(W, 3, axis=1)
+    biases = [None] * 3 if b is None else np.split(b, 3)
+    return {k: (blocks[i], biases[i]) for i, k in enumerate("qkv")}
+
+
+def _read_linear(layout: Layout, arrays):
+    # torch's Linear keeps weight (out, in)
+    return {k: _matrices(layout, arrays, k, True) for k in "qkvo"}, None
+
+
+def _read_fused(layout: Layout, arrays):
+    return {
+        **_split(layout, "qkv", *_matrices(layout, arrays, "qkv", True)),
+        "o": _matrices(layout, arrays, "o", True),
+    }, None
+
+
+def _read_conv1d(layout: Layout, arrays):
+    # GPT-2's Conv1D keeps weight (in, out): x @ weight + bias
+    return {
+        **_split(layout, "qkv", *_matrices(layout, arrays, "qkv", False)),
+        "o": _matrices(layout, arrays, "o", False),
+    }, None
+
+
+def _read_heads(layout: Layout, arrays):
+    kernels = {k: arrays[f"{layout.paths[k]}.kernel"] for k in "qkvo"}
+    biases = {k: arrays.get(f"{layout.paths[k]}.bias") for k in "qkvo"}
+    shapes = ", ".join(f"{layout.paths[k]} {kernels[k].shape}" for k in "qkvo")
+    if any(kernels[k].ndim != 3 for k in "qkv") or kernels["o"].ndim < 3:
+        raise _problem(
+            layout,
+            [
+                "kernels are (in, heads, head size) and the output's (heads, "
+                f"head size, out); found {shapes}"
+            ],
+        )
+    heads = kernels["q"].shape[1]
+    if kernels["o"].ndim > 3:
+        raise _problem(layout, [f"an output of {kernels['o'].ndim - 2} axes; mha's has one"])
+    weights = {}
+    for k in "qkv":
+        W, b = kernels[k], biases[k]
+        weights[k] = (W.reshape(W.shape[0], -1), None if b is None else b.reshape(-1))
+    W_o = kernels["o"]
+    weights["o"] = (W_o.reshape(-1, W_o.shape[-1]), biases["o"])
+    if any(kernels[k].shape[1] != heads for k in "kv") or kernels["o"].shape[0] != heads:
+        raise _problem(layout, [f"the kernels have different numbers of heads: {shapes}"])
+    return weights, heads
+
+
+_READERS = {
+    "linear": _read_linear,
+    "fused": _read_fused,
+    "conv1d": _read_conv1d,
+    "heads": _read_heads,
+}
+
+
+def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
+    """mha's config of the (W, b) pairs of q, k, v, o; every problem is listed."""
+    problems = []
+    n = matrices["q"][0].shape[1]
+    for k in "kv":
+        if matrices[k][0].shape[1] != n:
+            problems.append(
+                f"the {k} projection has {matrices[k][0].shape[1]} outputs and the query's {n}: "
+                "grouped-query attention (fewer key and value heads) is not supported yet"
+            )
+    if matrices["o"][0].shape[0] != n:
+        problems.append(
+            f"the output projection takes {matrices['o'][0].shape[0]} inputs; the heads give {n}"
+        )
+    has_bias = {k: matrices[k][1] is not None for k in "qkv"}
+    if len(set(has_bias.values())) > 1:
+        problems.append(
+            "biases on " + ", ".join(k for k in "qkv" if has_bias[k]) + " only; "
+            "mha's q, k and v projections have biases together or not at all"
+        )
+    for k in "qkvo":
+        W, b = matrices[k]
+        if b is not None and b.shape != (W.shape[1],):
+            problems.append(f"the {k} bias has shape {b.shape}; expected ({W.shape[1]},)")
+    dtypes = {array.dtype.name for pair in matrices.values() for array in pair if array is not None}
+    if len(dtypes) > 1:
+        problems.append(f"the tensors have different dtypes: {', '.join(sorted(dtypes))}")
+    if problems:
+        raise _problem(layout, problems)
+    weights = {f"W_{k}": np.ascontiguousarray(matrices[k][0]) for k in "qkvo"}
+    weights.update(
+        {
+            f"b_{k}": np.ascontiguousarray(matrices[k][1])
+            for k in "qkvo"
+            if matrices[k][1] is not None
+        }
+    )
+    bias, out_bias = has_bias["q"], matrices["o"][1] is not None
+    out_features = weights["W_o"].shape[1]
+    config = {
+        "num_hiddens": n,
+        "num_heads": num_heads,
+        "bias": bias,
+        "query_size": weights["W_q"].shape[0],
+        "key_size": weights["W_k"].shape[0],
+        "value_size": weights["W_v"].shape[0],
+        "dtype": validation.check_dtype(weights["W_q"].dtype.name),
+        "out_bias": None if out_bias == bias else out_bias,
+        "out_features": None if out_features == n else out_features,
+    }
+    return weights, config

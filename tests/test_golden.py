@@ -1,0 +1,102 @@
+"""Golden cases: numbers recorded once, verified on every backend, machine and lane.
+
+tests/golden/mxnet-legacy.safetensors was recorded with MXNet in the legacy lane
+(`mha compare --backends mxnet --record ...`); the current lane, which has no MXNet, verifies
+it on its backends, so CI shows a case crossing lanes.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, required_backends
+from mha import cli, golden, harness
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "mxnet-legacy.safetensors"
+CASES = [
+    harness.Case("MultiHeadAttention", ("valid_lens_1d",), {"bias": True}),
+    harness.Case("MultiHeadAttention", ("self", "causal", "no_weights")),
+    harness.Case("DotProductAttention", ("valid_lens_2d", "window_mask")),
+    harness.Case("masked_softmax", ("valid_lens_2d",)),
+    harness.Case("AddNorm"),
+]
+
+
+def recorder() -> str:
+    """An autograd backend this run has, so that gradients are recorded too."""
+    for name in ("torch", "jax", "tensorflow", "mxnet"):
+        if name in required_backends():
+            backend_module(name)
+            return name
+    return "numpy"
+
+
+def test_a_recorded_run_verifies_on_every_backend(tmp_path):
+    path = tmp_path / "cases.safetensors"
+    recorded = golden.record_run(path, recorder(), CASES)
+    again = golden.read(path)
+    assert [case.name for case in again] == [case.id for case in CASES]
+    for a, b in zip(recorded, again, strict=True):
+        np.testing.assert_array_equal(a.output, b.output)
+        assert a.inputs.keys() == b.inputs.keys() and a.config == b.config
+    assert any(case.gradients for case in again) == (recorder() != "numpy")
+    rows = golden.verify(path, required_backends())
+    assert len(rows) == len(CASES) * len(required_backends())
+    assert all(row.passed for row in rows), [row for row in rows if not row.passed]
+
+
+def test_an_altered_number_is_refused(tmp_path, capsys):
+    path = tmp_path / "cases.safetensors"
+    cases = golden.record_run(path, "numpy", CASES[:2])
+    cases[1].output = cases[1].output.copy()
+    cases[1].output[0, 0, 0] += 1e-3  # one number, well above float32's tolerance
+    golden.record(path, cases)
+    rows = golden.verify(path, ["numpy"])
+    assert [row.passed for row in rows] == [True, False]
+    assert cli.main(["verify", str(path), "--backends", "numpy"]) == 1
+    assert "1 of 2 comparisons disagree, on: numpy." in capsys.readouterr().out
+
+
+def test_the_case_recorded_in_the_legacy_lane_verifies_here(capsys):
+    cases = golden.read(GOLDEN)
+    assert {case.recorded_with.split()[0] for case in cases} == {"mxnet"}
+    assert len(cases) == len(harness.default_cases())
+    assert cli.main(["verify", str(GOLDEN), "--backends", ",".join(required_backends())]) == 0
+    out = capsys.readouterr().out
+    assert f"All {len(cases) * len(required_backends())} comparisons agree" in out
+
+
+def test_one_call_proves_a_ported_layer_against_its_source():
+    # torch's own layer gives the expected numbers; mha's import of it must give them in
+    # every backend, and a changed number must fail
+    torch = backend_module("torch").torch
+    torch.manual_seed(0)
+    source = torch.nn.MultiheadAttention(8, 2, batch_first=True).double().eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        expected, weights = source(x, x, x, key_padding_mask=padding, average_attn_weights=False)
+    layer = mha.interop.from_torch(source, backend="numpy")
+    inputs = {"queries": x, "valid_lens": np.array([5, 3])}
+    rows = golden.verify_layer(layer, inputs, expected, weights, backends=required_backends())
+    assert rows and all(row.passed for row in rows), [row for row in rows if not row.passed]
+    assert all(row.output_difference <= 1e-10 for row in rows)
+    changed = expected.clone()
+    changed[1, 2, 3] += 1e-6
+    rows = golden.verify_layer(layer, inputs, changed, backends=["numpy"])
+    assert not rows[0].passed
+
+
+def test_files_that_are_not_cases_are_refused(tmp_path, capsys):
+    layer = backend_module("numpy").MultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)
+    mha.set_weights(layer, mha.random_weights(layer))
+    mha.save(layer, tmp_path / "layer.safetensors")
+    with pytest.raises(ValueError, match="not an mha golden-case file"):
+        golden.read(tmp_path / "layer.safetensors")
+    assert cli.main(["verify", str(tmp_path / "layer.safetensors")]) == 1
+    assert "not an mha golden-case file" in capsys.readouterr().err
+    assert cli.main(["verify", str(tmp_path / "missing.safetensors")]) == 2

@@ -1,0 +1,485 @@
+"""Porting: one attention layer out of a whole model's weights, checked against the model.
+
+The real layers of transformers (BERT, GPT-2, ViT, BART, T5) run in float64 with hooks that
+capture the attention's input and its output projection's output; mha's import of the same
+weights must give that output in every backend. Layouts whose libraries do not install here
+(timm) are checked against their forward written out in torch, and the Keras and Flax
+layouts against Keras's and Flax's own layers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params, required_backends
+from mha import cli, interop, porting
+
+try:
+    import torch
+except ImportError:  # the sources are torch modules; a required torch fails here
+    if "torch" in required_backends():
+        raise
+    pytest.skip("torch is not installed", allow_module_level=True)
+
+TOLERANCE = 1e-10  # float64, as mha.harness holds the backends to the reference
+
+
+def transformers():
+    """transformers is in the test extra: a lane run requires it, elsewhere it may be absent."""
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as error:
+        if os.environ.get("MHA_TEST_BACKENDS"):
+            pytest.fail(f"transformers does not import: {error}", pytrace=False)
+        pytest.skip(str(error))
+
+
+def capture(model, inputs_of, output_of, **call):
+    """Run `model(**call)` and return (the input hidden states of module `inputs_of`, the
+    output of module `output_of`), as float64 numpy arrays."""
+    seen = {}
+
+    def take_input(module, args, kwargs):
+        seen["x"] = args[0] if args else kwargs["hidden_states"]
+
+    def take_output(module, args, output):
+        seen["y"] = output[0] if isinstance(output, tuple) else output
+
+    handles = [
+        inputs_of.register_forward_pre_hook(take_input, with_kwargs=True),
+        output_of.register_forward_hook(take_output),
+    ]
+    with torch.no_grad():
+        model(**call)
+    for handle in handles:
+        handle.remove()
+    return seen["x"].numpy(), seen["y"].numpy()
+
+
+def check_port(name, state, prefix, x, expected, num_heads=None, atol=TOLERANCE, **call):
+    """mha's import of `state` under `prefix`, in backend `name`, gives `expected` on x."""
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, prefix, num_heads=num_heads, backend=name)
+    arguments = {
+        key: module.from_numpy(value) if isinstance(value, np.ndarray) else value
+        for key, value in call.items()
+    }
+    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, **arguments))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    T = transformers()
+    torch.manual_seed(0)
+    config = T.BertConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=32,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
+    model = T.BertModel(config).double().eval()
+    ids = torch.randint(0, 50, (2, 7))
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 4:] = 0
+    attention = model.encoder.layer[1].attention
+    x, y = capture(
+        model, attention.self, attention.output.dense, input_ids=ids, attention_mask=padding
+    )
+    return model.state_dict(), x, y
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_bert_attention_ports_to_every_backend(name, bert):
+    state, x, y = bert
+    check_port(
+        name, state, "encoder.layer.1.attention", x, y, num_heads=4, valid_lens=np.array([7, 4])
+    )
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_gpt2_attention_ports_to_every_backend(name):
+    T = transformers()
+    torch.manual_seed(1)
+    config = T.GPT2Config(n_embd=16, n_head=4, n_layer=2, vocab_size=50, n_positions=32)
+    model = T.GPT2Model(config).double().eval()
+    padding = torch.ones(2, 6, dtype=torch.long)
+    padding[0, 5:] = 0
+    attention = model.h[1].attn
+    x, y = capture(
+        model,
+        attention,
+        attention.c_proj,
+        input_ids=torch.randint(0, 50, (2, 6)),
+        attention_mask=padding,
+    )
+    # Causal, and the padded key out of every row (a padded query still sees the rest)
+    check_port(
+        name,
+        model.state_dict(),
+        "h.1.attn",
+        x,
+        y,
+        num_heads=4,
+        causal=True,
+        valid_lens=np.array([5, 6]),
+    )
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_vit_attention_ports_to_every_backend(name):
+    T = transformers()
+    torch.manual_seed(2)
+    config = T.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_attention_heads=2,
+        num_hidden_layers=1,
+        intermediate_size=32,
+    )
+    model = T.ViTModel(config).double().eval()
+    attention = model.layers[0].attention if hasattr(model, "layers") else None
+    if attention is None:  # transformers 4 names ViT's projections query ... output.dense
+        attention = model.encoder.layer[0].attention
+        inputs_of, output_of = attention.attention, attention.output.dense
+    else:
+        inputs_of, output_of = attention, attention.o_proj
+    x, y = capture(
+        model, inputs_of, output_of, pixel_values=torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    )
+    state = model.state_dict()
+    # The names of ViT checkpoints (transformers 4 and the files it wrote)
+    prefix = "encoder.layer.0.attention"
+    names = {
+        "q": "attention.query",
+        "k": "attention.key",
+        "v": "attention.value",
+        "o": "output.dense",
+    }
+    checkpoint = dict(state)
+    for key, value in state.items():
+        for k, path in names.items():
+            for current in (f"layers.0.attention.{k}_proj.", f"{prefix}.{path}."):
+                if key.startswith(current):
+                    checkpoint[f"{prefix}.{path}.{key[len(current) :]}"] = value
+    assert porting.canonical_from_state_dict(checkpoint, prefix, num_heads=2).layout == "HF ViT"
+    check_port(name, checkpoint, prefix, x, y, num_heads=2)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_bart_attention_ports_to_every_backend(name):
+    T = transformers()
+    torch.manual_seed(3)
+    config = T.BartConfig(
+        d_model=16,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        vocab_size=50,
+        max_position_embeddings=32,
+    )
+    model = T.BartModel(config).double().eval()
+    padding = torch.ones(2, 6, dtype=torch.long)
+    padding[1, 3:] = 0
+    attention = model.encoder.layers[0].self_attn
+    x, y = capture(
+        model.encoder,
+        attention,
+        attention.out_proj,
+        input_ids=torch.randint(3, 50, (2, 6)),
+        attention_mask=padding,
+    )
+    check_port(
+        name,
+        model.state_dict(),
+        "encoder.layers.0.self_attn",
+        x,
+        y,
+        num_heads=4,
+        valid_lens=np.array([6, 3]),
+    )
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_t5_self_attention_is_one_layer(name):
+    # T5 does not scale its scores (the layout imports with scale=1) and adds a relative
+    # position bias per head, which its layer computes from positions: mha takes it as attn_bias
+    T = transformers()
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    torch.manual_seed(4)
+    config = T.T5Config(d_model=16, d_kv=4, num_heads=4, num_layers=1, vocab_size=50)
+    attention = T5Attention(config, has_relative_attention_bias=True).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        y, position_bias = attention(x)[:2]
+    port = porting.canonical_from_state_dict(attention.state_dict(), num_heads=4)
+    assert port.layout == "T5" and port.config["scale"] == 1.0 and not port.config["bias"]
+    assert port.left_out == ["relative_attention_bias.weight"]
+    check_port(
+        name,
+        attention.state_dict(),
+        "",
+        x.numpy(),
+        y.numpy(),
+        num_heads=4,
+        attn_bias=position_bias.numpy(),
+    )
+
+
+class TimmAttention(torch.nn.Module):
+    """timm's vision transformer Attention, its forward as timm writes it (qkv_bias=False,
+    its default: no input biases, a bias on proj)."""
+
+    def __init__(self, dim, num_heads, qkv_bias=False):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = torch.nn.Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        x = attn.softmax(dim=-1) @ v
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("name", backend_params())
+def test_timm_fused_qkv_ports_with_its_biases(name, qkv_bias):
+    torch.manual_seed(5)
+    attention = TimmAttention(12, 3, qkv_bias).double()
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    with torch.no_grad():
+        y = attention(x).numpy()
+    state = {f"blocks.0.attn.{key}": value for key, value in attention.state_dict().items()}
+    port = porting.canonical_from_state_dict(state, "blocks.0.attn", num_heads=3)
+    # The output bias alone when the inputs have none: no zero biases the source never had
+    assert port.config["bias"] is qkv_bias
+    assert sorted(name for name in port.weights if name.startswith("b_")) == (
+        ["b_k", "b_o", "b_q", "b_v"] if qkv_bias else ["b_o"]
+    )
+    check_port(name, state, "blocks.0.attn", x.numpy(), y, num_heads=3)
+
+
+def reference_attention(x, W, b, num_heads, scale=None):
+    """Multi-head self-attention by the formula, in numpy, from canonical matrices."""
+    q, k, v = (x @ W[i] + b.get(i, 0) for i in "qkv")
+    B, N, n = q.shape
+    heads = [a.reshape(B, N, num_heads, -1).transpose(0, 2, 1, 3) for a in (q, k, v)]
+    scale = 1 / np.sqrt(n // num_heads) if scale is None else scale
+    scores = heads[0] @ heads[1].transpose(0, 1, 3, 2) * scale
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = (weights @ heads[2]).transpose(0, 2, 1, 3).reshape(B, N, n)
+    return out @ W["o"] + b.get("o", 0)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_llama_names_without_biases_and_a_wider_output(name):
+    # q_proj..o_proj as Llama keeps them (no biases); o_proj to another size, as T5's inner
+    # dimension may differ from d_model
+    rng = np.random.default_rng(6)
+    W = {
+        "q": rng.standard_normal((10, 8)),
+        "k": rng.standard_normal((10, 8)),
+        "v": rng.standard_normal((10, 8)),
+        "o": rng.standard_normal((8, 6)),
+    }
+    state = {f"model.layers.3.self_attn.{k}_proj.weight": W[k].T for k in "qkvo"}
+    state["model.layers.3.input_layernorm.weight"] = np.ones(10)
+    x = rng.standard_normal((2, 4, 10))
+    port = porting.canonical_from_state_dict(state, "model.layers.3.self_attn", num_heads=2)
+    assert port.layout.startswith("q/k/v/o_proj") and port.config["out_features"] == 6
+    check_port(
+        name, state, "model.layers.3.self_attn", x, reference_attention(x, W, {}, 2), num_heads=2
+    )
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_keras_kernels_port_with_their_heads(name):
+    keras = backend_module("tensorflow").keras
+    source = keras.layers.MultiHeadAttention(3, 4, dtype="float64")
+    x = np.random.default_rng(7).standard_normal((2, 5, 10))
+    y = np.asarray(source(x, x))
+    # Keras's variable paths: query/kernel (in, heads, head size) ... attention_output/kernel
+    state = {variable.path: variable.numpy() for variable in source.weights}
+    port = porting.canonical_from_state_dict(state, source.name)
+    assert port.layout == "Keras MultiHeadAttention" and port.config["num_heads"] == 3
+    check_port(name, state, source.name, x, y)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_flax_kernels_port_with_their_heads(name):
+    backend_module("jax")
+    from flax import nnx
+
+    source = nnx.MultiHeadAttention(
+        2, 8, qkv_features=8, decode=False, param_dtype="float64", dtype="float64", rngs=nnx.Rngs(0)
+    )
+    x = np.random.default_rng(8).standard_normal((2, 5, 8))
+    y = np.asarray(source(x, x, x))
+    state = {
+        ".".join(map(str, path)): value[...]
+        for path, value in nnx.to_flat_state(nnx.state(source, nnx.Param))
+    }
+    port = porting.canonical_from_state_dict(state)
+    assert port.layout == "Flax multi-head attention" and port.config["num_heads"] == 2
+    # Flax's float64 attention is not float64 throughout: it agrees with mha to about 3e-7
+    check_port(name, state, "", x, y, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# What cannot be ported is an error that says what was found
+
+
+def test_an_unknown_prefix_lists_what_is_there_and_where_attention_is():
+    rng = np.random.default_rng(0)
+    state = {
+        f"encoder.{i}.attn.{k}_proj.weight": rng.standard_normal((4, 4))
+        for i in range(2)
+        for k in "qkvo"
+    }
+    with pytest.raises(ValueError) as error:
+        porting.canonical_from_state_dict(state, "encoder", num_heads=2)
+    message = str(error.value)
+    assert "no known attention layout under 'encoder'" in message
+    assert "0.attn.q_proj.weight" in message and "'encoder.1.attn'" in message
+    assert porting.find_attention(state) == [
+        ("encoder.0.attn", "q/k/v/o_proj (Llama, Mistral, Qwen)"),
+        ("encoder.1.attn", "q/k/v/o_proj (Llama, Mistral, Qwen)"),
+    ]
+
+
+def test_two_layouts_under_one_prefix_are_ambiguous():
+    state = {f"{k}_proj.weight": np.eye(4) for k in "qkvo"} | {"out_proj.weight": np.eye(4)}
+    with pytest.raises(ValueError, match=r"more than one layout: q/k/v/o_proj.*out_proj"):
+        porting.canonical_from_state_dict(state, num_heads=2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # Grouped-query attention: fewer key and value heads than query heads
+        (lambda s: s.update({"k_proj.weight": np.zeros((4, 8))}), "grouped-query attention"),
+        (lambda s: s.update({"q_proj.bias": np.zeros(8)}), "biases on q only"),
+        (lambda s: s.update({"v_proj.weight": np.zeros((8, 8), "float32")}), "different dtypes"),
+        (lambda s: s.update({"o_proj.weight": np.zeros((8, 6))}), "output projection takes 6"),
+        (lambda s: s.update({"q_proj.weight": np.zeros((8, 8), "int64")}), "holds int64"),
+    ],
+    ids=["gqa", "some_biases", "dtypes", "output_size", "integers"],
+)
+def test_weights_mha_cannot_hold_are_refused(change, message):
+    state = {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}
+    change(state)
+    with pytest.raises(ValueError, match=message):
+        porting.canonical_from_state_dict(state, num_heads=2)
+
+
+def test_num_heads_is_needed_unless_the_kernels_tell_it():
+    state = {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}
+    with pytest.raises(ValueError, match="do not tell the number of heads"):
+        porting.canonical_from_state_dict(state)
+    with pytest.raises(ValueError, match="num_hiddens must be divisible by num_heads"):
+        porting.canonical_from_state_dict(state, num_heads=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# mha convert / inspect --prefix
+
+
+@pytest.fixture
+def whole_model(tmp_path, bert):
+    from safetensors.numpy import save_file
+
+    state, _, _ = bert
+    torch.save(state, tmp_path / "bert.pt")  # holds an int64 buffer (position_ids) too
+    save_file({key: value.numpy() for key, value in state.items()}, tmp_path / "model.safetensors")
+    return tmp_path, state
+
+
+@pytest.mark.parametrize("source", ["bert.pt", "model.safetensors"])
+def test_convert_takes_one_attention_out_of_a_whole_model(whole_model, source, capsys):
+    folder, state = whole_model
+    destination = folder / "layer.safetensors"
+    code = cli.main(
+        [
+            "convert",
+            str(folder / source),
+            str(destination),
+            "--num-heads",
+            "4",
+            "--prefix",
+            "encoder.layer.0.attention",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "HF BERT/RoBERTa" in out and "left out (not attention weights): output.LayerNorm" in out
+    layer = mha.load(destination, backend="numpy")
+    expected = porting.from_state_dict(
+        state, "encoder.layer.0.attention", num_heads=4, backend="numpy"
+    )
+    for key, value in mha.get_weights(expected).items():
+        np.testing.assert_array_equal(mha.get_weights(layer)[key], value)
+
+
+def test_inspect_prefix_and_a_wrong_prefix(whole_model, capsys):
+    folder, _ = whole_model
+    code = cli.main(
+        [
+            "inspect",
+            str(folder / "model.safetensors"),
+            "--prefix",
+            "encoder.layer.1.attention",
+            "--num-heads",
+            "4",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "HF BERT/RoBERTa" in out
+    config = json.loads(out.split("config: ")[1].splitlines()[0])
+    assert config["num_hiddens"] == 16 and config["num_heads"] == 4 and config["bias"]
+    code = cli.main(
+        [
+            "convert",
+            str(folder / "bert.pt"),
+            str(folder / "x.safetensors"),
+            "--prefix",
+            "encoder",
+            "--num-heads",
+            "4",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 1 and not (folder / "x.safetensors").exists()
+    assert "'encoder.layer.0.attention' (HF BERT/RoBERTa)" in captured.err
+
+
+def test_a_scale_the_destination_cannot_hold_is_refused(whole_model):
+    folder, _ = whole_model
+    with pytest.raises(ValueError, match="no equivalent of a score scale"):
+        interop.convert(
+            folder / "bert.pt",
+            folder / "x.pt",
+            num_heads=4,
+            scale=0.5,
+            prefix="encoder.layer.0.attention",
+        )
+    assert not (folder / "x.pt").exists()
