@@ -34,6 +34,7 @@ the prefixes where a layout is found.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -41,7 +42,14 @@ import numpy as np
 
 from mha import validation
 
-__all__ = ["LAYOUTS", "Port", "canonical_from_state_dict", "find_attention", "from_state_dict"]
+__all__ = [
+    "LAYOUTS",
+    "Port",
+    "canonical_from_state_dict",
+    "find_attention",
+    "from_state_dict",
+    "t5_position_bias",
+]
 
 
 class Layout(NamedTuple):
@@ -416,3 +424,53 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
         "out_features": None if out_features == n else out_features,
     }
     return weights, config
+
+
+def t5_position_bias(
+    embedding: Any,
+    num_queries: int,
+    num_keys: int,
+    *,
+    bidirectional: bool = True,
+    num_buckets: int = 32,
+    max_distance: int = 128,
+) -> np.ndarray:
+    """T5's relative position bias, the `attn_bias` of T5 attention ported to mha.
+
+    T5 adds to the scores of head h a learned number per bucket of the distance from query i
+    to key j: exact buckets for small distances, logarithmic ones up to max_distance, and with
+    `bidirectional` (the encoder) separate buckets for keys after the query. The decoder's
+    self-attention is not bidirectional. The layer that holds `relative_attention_bias.weight`
+    (T5's first layer of a stack) computes it for every layer of that stack.
+
+    Args:
+        embedding: `relative_attention_bias.weight`, (num_buckets, num_heads).
+        num_queries, num_keys: the call's lengths.
+        bidirectional, num_buckets, max_distance: T5's config (`is_decoder` is not
+            bidirectional; `relative_attention_num_buckets`, `relative_attention_max_distance`).
+
+    Returns:
+        (1, num_heads, num_queries, num_keys), in the embedding's dtype.
+    """
+    from mha.interop import _as_numpy
+
+    embedding = _as_numpy(embedding)
+    # Distance from query i to key j: j - i, negative for keys before the query
+    relative = np.arange(num_keys)[None, :] - np.arange(num_queries)[:, None]
+    buckets = np.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative > 0) * num_buckets
+        relative = np.abs(relative)
+    else:
+        relative = -np.minimum(relative, 0)
+    max_exact = num_buckets // 2
+    # Logarithmic buckets past max_exact, computed in float32 as T5 computes them
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.log(relative.astype(np.float32) / np.float32(max_exact))
+        scaled = scaled / np.float32(math.log(max_distance / max_exact))
+        large = max_exact + (scaled * np.float32(num_buckets - max_exact)).astype(np.int64)
+    large = np.minimum(large, num_buckets - 1)
+    buckets += np.where(relative < max_exact, relative, large)
+    # (Q, K, num_heads) -> (1, num_heads, Q, K)
+    return np.ascontiguousarray(embedding[buckets].transpose(2, 0, 1)[None])

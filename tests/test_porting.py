@@ -229,15 +229,38 @@ def test_t5_self_attention_is_one_layer(name):
     port = porting.canonical_from_state_dict(attention.state_dict(), num_heads=4)
     assert port.layout == "T5" and port.config["scale"] == 1.0 and not port.config["bias"]
     assert port.left_out == ["relative_attention_bias.weight"]
-    check_port(
-        name,
-        attention.state_dict(),
-        "",
-        x.numpy(),
-        y.numpy(),
+    # The bias from the left-out table, as T5 computes it: no T5 code needed to run the port
+    bias = porting.t5_position_bias(attention.state_dict()["relative_attention_bias.weight"], 5, 5)
+    np.testing.assert_array_equal(bias, position_bias.numpy())
+    check_port(name, attention.state_dict(), "", x.numpy(), y.numpy(), num_heads=4, attn_bias=bias)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
+def test_t5_position_bias_buckets_distances_as_t5_does(bidirectional):
+    # Long enough for the logarithmic buckets and past max_distance
+    T = transformers()
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    config = T.T5Config(
+        d_model=16,
+        d_kv=4,
         num_heads=4,
-        attn_bias=position_bias.numpy(),
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=20,
+        is_decoder=not bidirectional,
     )
+    attention = T5Attention(config, has_relative_attention_bias=True).double()
+    with torch.no_grad():
+        expected = attention.compute_bias(30, 37).numpy()
+    bias = porting.t5_position_bias(
+        attention.relative_attention_bias.weight,
+        30,
+        37,
+        bidirectional=bidirectional,
+        num_buckets=8,
+        max_distance=20,
+    )
+    np.testing.assert_array_equal(bias, expected)
 
 
 class TimmAttention(torch.nn.Module):
