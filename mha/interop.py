@@ -1020,14 +1020,9 @@ def read_file(
         weights, config = canonical_from_flax(_load_flax_file(name))
     else:
         weights, config = canonical_from_keras(_load_keras_file(name))
-    # The options the frameworks' layers do not have, at their defaults
-    config = {
-        "out_bias": None,
-        "out_features": None,
-        "scale": None,
-        "empty_rows": "zeros",
-        **config,
-    }
+    from mha.weights import OPTION_DEFAULTS
+
+    config = {**OPTION_DEFAULTS, **config}
     if num_heads is not None:
         if config["num_heads"] is not None and config["num_heads"] != num_heads:
             raise ValueError(

@@ -242,7 +242,6 @@ def canonical_from_state_dict(
         from mha.interop import canonical_from_torch
 
         weights, config = canonical_from_torch(arrays)
-        config.update(out_bias=None, out_features=None)
     else:
         matrices, heads = _READERS[layout.kind](layout, arrays)
         weights, config = _config(layout, matrices, heads)
@@ -257,10 +256,10 @@ def canonical_from_state_dict(
         raise ValueError(
             f"the {layout.name} weights {where} do not tell the number of heads: give num_heads"
         )
+    from mha.weights import LAYER_CLASSES, OPTION_DEFAULTS
+
+    config = {**OPTION_DEFAULTS, "dropout": 0.0, **config}
     config["scale"] = layout.scale if scale is None else scale
-    config.setdefault("dropout", 0.0)
-    config.setdefault("empty_rows", "zeros")
-    from mha.weights import LAYER_CLASSES
 
     # In the constructor's order, which is check_multihead_args's
     config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}

@@ -531,7 +531,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     class_name, config, tensors, metadata = _read_mha_file(path)
     expected = LAYER_CLASSES[class_name]
     # A file written before an argument existed has that argument's default
-    config = {**{k: v for k, v in _ADDED_LATER.items() if k in expected}, **config}
+    config = {**{k: v for k, v in OPTION_DEFAULTS.items() if k in expected}, **config}
     unknown = sorted(set(config) - set(expected))
     missing = [key for key in expected if key not in config]
     if unknown or missing:
@@ -563,8 +563,9 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     return Checkpoint(class_name, config, arrays, metadata)
 
 
-# Arguments added after the first files were written, with their defaults
-_ADDED_LATER = {"out_bias": None, "out_features": None, "scale": None, "empty_rows": "zeros"}
+# The options beside the book's arguments, with their defaults: a file written before they
+# existed, and a framework's layer, which has none of them, take these
+OPTION_DEFAULTS = {"out_bias": None, "out_features": None, "scale": None, "empty_rows": "zeros"}
 
 # The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
 _MAX_TABLE_SIZE = 2**27
