@@ -44,6 +44,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "available_backends",
     "from_numpy",
     "get_backend",

@@ -17,6 +17,11 @@ _EMPTY_ROWS = """empty_rows: what a query with no key to attend gets: "zeros" (d
         weights and attention output 0) or "uniform" (weights 1 / no. of keys over every key,
         as d2l, Keras's default path, JAX and Flax give)."""
 
+_SLIDING_WINDOW = """sliding_window: None (default), or keep only the keys within sliding_window - 1
+        positions of the query, |i - j| < sliding_window (query i beside key i, as
+        Keras's symmetric band); with causal=True, the last sliding_window keys up to
+        the query, as Mistral's."""
+
 _DTYPE = """dtype: "float32" (default), "float64", "float16", or "bfloat16" where the
         framework computes in it (torch, TensorFlow and JAX)."""
 
@@ -38,6 +43,7 @@ Args:
     dropout: dropout rate on the attention weights (when training).
     scale: the factor of the scores; None is 1 / sqrt(d).
     {_EMPTY_ROWS}
+    {_SLIDING_WINDOW}
     {_DTYPE}
 
 Call arguments:
@@ -62,6 +68,7 @@ Args:
     dropout: dropout rate on the attention weights (when training).
     query_size, key_size: input sizes; None infers them at the first call.
     {_EMPTY_ROWS}
+    {_SLIDING_WINDOW}
     {_DTYPE}
 
 Call arguments: as DotProductAttention; queries and keys may differ in size.
@@ -86,6 +93,17 @@ Args:
         num_hiddens.
     scale: the factor of the scores; None is 1 / sqrt(num_hiddens / num_heads).
     {_EMPTY_ROWS}
+    {_SLIDING_WINDOW}
+    num_kv_heads: the number of key and value heads (grouped-query attention; 1 is
+        multi-query attention); None is num_heads. Query head h attends with key-value
+        head h // (num_heads / num_kv_heads), as Llama and Keras's GroupQueryAttention
+        group them; W_k and W_v have num_kv_heads * num_hiddens / num_heads columns.
+    rope_theta: the base of rotary position embeddings applied to each head's queries and
+        keys (10000.0 in Llama 2, 500000.0 in Llama 3); None (default) applies none.
+        Queries and keys take positions 0, 1, ... along their axis.
+    rope_interleaved: False (default) rotates feature i with feature i + head size / 2
+        (Hugging Face's convention); True rotates pairs (2i, 2i + 1) (GPT-J, Meta's
+        original Llama).
     {_DTYPE}
 
 Call arguments:
@@ -115,6 +133,26 @@ Call arguments:
 Returns:
     X + P[:, :no. of steps, :], of X's shape. `P` (1, max_len, num_hiddens) is computed in
     float64 and cast once to the layer's dtype; it is not a weight.
+""",
+    "RotaryEmbedding": f"""
+Rotates each pair of features of the row at position p by the angle p * theta^(-2i / d),
+d being num_hiddens and i the pair's index, so that the dot product of a rotated query and
+a rotated key depends on their positions only through p_query - p_key.
+
+Args:
+    num_hiddens: feature size d of X; must be even.
+    theta: the base of the frequencies (10000.0, as Llama 2 and RoFormer).
+    interleaved: False (default) pairs feature i with feature i + d / 2 (Hugging Face's
+        convention); True pairs features 2i and 2i + 1 (GPT-J, Meta's original Llama).
+    {_DTYPE}
+
+Call arguments:
+    X: (..., no. of positions, num_hiddens), e.g. (batch_size, num_heads, n, head size).
+    offset: the position of X's first row (a cache's length when decoding); default 0.
+
+Returns:
+    X rotated, of X's shape. The angles are computed in float64 (float32 for float16 and
+    bfloat16) and their cosines and sines cast to the layer's dtype; there is no weight.
 """,
     "AddNorm": f"""
 Args:

@@ -1,14 +1,14 @@
-"""The sinusoidal positional-encoding table, shared by every backend.
+"""The positional encodings' numbers, shared by every backend.
 
-Computed once in float64 with numpy; each backend casts it to the layer's dtype and keeps it
-as a non-trainable buffer or constant.
+The sinusoidal table and the rotary frequencies are computed once in float64 with numpy; each
+backend casts them and keeps them as non-trainable buffers or constants.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["sinusoid_table"]
+__all__ = ["rotary_angle_dtype", "rotary_frequencies", "sinusoid_table"]
 
 
 def sinusoid_table(max_len: int, num_hiddens: int) -> np.ndarray:
@@ -25,3 +25,16 @@ def sinusoid_table(max_len: int, num_hiddens: int) -> np.ndarray:
     P[0, :, 0::2] = np.sin(angles)
     P[0, :, 1::2] = np.cos(angles[:, : num_hiddens // 2])
     return P
+
+
+def rotary_frequencies(num_hiddens: int, theta: float) -> np.ndarray:
+    """The angle per position of each pair of features, theta^(-2i / num_hiddens) for
+    i = 0, ..., num_hiddens / 2 - 1, of shape (num_hiddens / 2,), in float64."""
+    return 1.0 / np.power(float(theta), np.arange(0, num_hiddens, 2) / num_hiddens)
+
+
+def rotary_angle_dtype(dtype: str) -> str:
+    """The dtype rotary angles (position x frequency) are computed in: float64 for float64
+    layers, else float32, as Hugging Face and Keras compute them; cosines and sines are then
+    cast to the layer's dtype."""
+    return "float64" if dtype == "float64" else "float32"

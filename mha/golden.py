@@ -32,11 +32,12 @@ __all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "v
 FORMAT = "mha-golden"
 FORMAT_VERSION = "1"
 # The call's options that are not arrays
-_OPTIONS = ("causal", "need_weights")
+_OPTIONS = ("causal", "need_weights", "offset")
 # What each layer's call takes as arrays, in harness.call_layer's names
 _ARRAYS = {
     "masked_softmax": ("X", "valid_lens"),
     "PositionalEncoding": ("X",),
+    "RotaryEmbedding": ("X",),
     "AddNorm": ("X", "Y"),
 }
 _ATTENTION_ARRAYS = ("queries", "keys", "values", "valid_lens", "mask", "window_mask", "head_mask")
@@ -185,8 +186,14 @@ def read(path: str | os.PathLike) -> list[GoldenCase]:
                 }
 
             options = entry.get("options", {})
-            if not all(isinstance(options.get(key, True), bool) for key in _OPTIONS):
-                raise ValueError(f"case {index} has options that are not booleans: {options}")
+            # causal and need_weights are booleans, offset a non-negative integer
+            offset = options.get("offset", 0)
+            if not (
+                all(isinstance(options.get(key, True), bool) for key in _OPTIONS[:2])
+                and type(offset) is int
+                and offset >= 0
+            ):
+                raise ValueError(f"case {index} has options of the wrong types: {options}")
             gradients = group("gradients/") or None
             cases.append(
                 GoldenCase(

@@ -88,7 +88,8 @@ class Case:
     queries, "self" for self-attention (one tensor passed as queries, keys and values, the
     same object, so that fast paths for self-attention are exercised), "lens_float" and
     "lens_int32" for valid_lens of those dtypes (int64 otherwise), "rank_2" and "rank_4" for
-    the scores of masked_softmax and the inputs of AddNorm (rank 3 otherwise).
+    the scores of masked_softmax and the inputs of AddNorm (rank 3 otherwise), and "offset"
+    for RotaryEmbedding's positions starting at 3 (its X is (batch, heads, Q, num_hiddens)).
     config: constructor arguments that override the ones made from the Shapes.
     """
 
@@ -129,6 +130,7 @@ MASKS = (
     "no_weights",
     "rank_2",
     "rank_4",
+    "offset",
 )
 
 
@@ -219,6 +221,7 @@ def default_cases() -> list[Case]:
     cases += [Case("MultiHeadAttention", masks, config) for masks, config in _OPTIONS]
     cases += [Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25})]
     cases += [Case(layer, masks, config) for layer, masks, config in _EMPTY_ROWS_AND_BIASES]
+    cases += [Case(layer, masks, config) for layer, masks, config in _MODERN]
     cases += [Case("PositionalEncoding"), Case("AddNorm")]
     return cases
 
@@ -244,6 +247,27 @@ _OPTIONS = (
     (("causal",), {"bias": True, "out_bias": False, "out_features": 5}),
     (("valid_lens_1d",), {"scale": 1.0}),
     (("valid_lens_1d", "no_weights"), {"scale": 1.0, "out_features": 3}),
+)
+
+
+# Grouped-query attention, rotary embeddings and sliding windows, each on the paths with and
+# without weights; 4 query heads share 2 or 1 key-value heads
+_GQA = {"num_heads": 4, "num_kv_heads": 2}
+_MQA = {"num_heads": 4, "num_kv_heads": 1}
+_ROPE = {"rope_theta": 10000.0}
+_MODERN = (
+    ("MultiHeadAttention", ("valid_lens_1d",), _GQA),
+    ("MultiHeadAttention", ("causal", "no_weights"), {**_MQA, "bias": True}),
+    ("MultiHeadAttention", ("valid_lens_2d",), _ROPE),
+    ("MultiHeadAttention", ("self", "causal", "no_weights"), {**_ROPE, "rope_interleaved": True}),
+    # Llama: grouped-query attention with rotary embeddings, causal, with padding
+    ("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), {**_GQA, **_ROPE}),
+    ("MultiHeadAttention", ("square", "causal"), {"sliding_window": 2}),
+    ("MultiHeadAttention", ("mask_3d", "no_weights"), {**_GQA, "sliding_window": 3}),
+    ("DotProductAttention", ("valid_lens_1d",), {"sliding_window": 2}),
+    ("AdditiveAttention", ("causal",), {"sliding_window": 3}),
+    ("RotaryEmbedding", (), {}),
+    ("RotaryEmbedding", ("offset",), {"interleaved": True, "theta": 100.0}),
 )
 
 
@@ -333,6 +357,16 @@ def all_cases() -> list[Case]:
         Case("DotProductAttention", ("mask_3d", "window_mask"), {"scale": 1.0}),
     ]
     cases += [Case(layer, masks, config) for layer, masks, config in _EMPTY_ROWS_AND_BIASES]
+    cases += [Case(layer, masks, config) for layer, masks, config in _MODERN]
+    cases += [
+        Case("MultiHeadAttention", ("tall", "causal"), {**_MQA, **_ROPE, "sliding_window": 2}),
+        Case("MultiHeadAttention", ("self", "valid_lens_2d", "no_weights"), {**_GQA, **_ROPE}),
+        Case("MultiHeadAttention", ("valid_lens_1d", "attn_bias"), {**_GQA, "bias": True}),
+        Case("MultiHeadAttention", ("square",), {"rope_theta": 500000.0, "num_hiddens": 16}),
+        Case("DotProductAttention", ("square", "causal", "window_bool"), {"sliding_window": 1}),
+        Case("AdditiveAttention", ("tall", "valid_lens_2d"), {"sliding_window": 2}),
+        Case("RotaryEmbedding", (), {"num_hiddens": 2}),
+    ]
     cases += [
         Case("masked_softmax", ("rank_4", "valid_lens_1d"), _UNIFORM),
         Case("DotProductAttention", ("square", "causal", "window_mask"), _UNIFORM),
@@ -394,6 +428,10 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
         inputs["X"] = normal(*shape.get(rank, (s.batch_size, num_queries, num_keys)))
     elif case.layer == "PositionalEncoding":
         inputs["X"] = normal(s.batch_size, num_queries, num_hiddens)
+    elif case.layer == "RotaryEmbedding":
+        inputs["X"] = normal(s.batch_size, s.num_heads, num_queries, num_hiddens)
+        if "offset" in masks:
+            inputs["offset"] = 3
     elif case.layer == "AddNorm":
         shape = {
             "rank_2": (s.batch_size, num_hiddens),
@@ -488,7 +526,7 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
             key_size=s.key_size,
             value_size=s.value_size,
         )
-    elif case.layer in ("PositionalEncoding", "AddNorm"):
+    elif case.layer in ("PositionalEncoding", "AddNorm", "RotaryEmbedding"):
         config.update(num_hiddens=s.num_hiddens)
     if "self" in case.masks and "query_size" in config:
         config["key_size"] = config["query_size"]
@@ -509,6 +547,7 @@ def differentiable(case: Case) -> tuple[str, ...]:
 DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
     "masked_softmax": ("X",),
     "PositionalEncoding": ("X",),
+    "RotaryEmbedding": ("X",),
     "AddNorm": ("X", "Y"),
     "DotProductAttention": ("queries", "keys", "values"),
     "AdditiveAttention": ("queries", "keys", "values"),
@@ -533,6 +572,8 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
         return module.masked_softmax(tensors["X"], tensors.get("valid_lens"), **options)
     if case.layer == "PositionalEncoding":
         return layer(tensors["X"])
+    if case.layer == "RotaryEmbedding":
+        return layer(tensors["X"], **({"offset": tensors["offset"]} if "offset" in tensors else {}))
     if case.layer == "AddNorm":
         return layer(tensors["X"], tensors["Y"])
     arguments = {
@@ -981,6 +1022,18 @@ def _error_table() -> dict[str, ErrorCase]:
         "eps zero": build("AddNorm", 4, eps=0.0),
         "dtype unknown": build("DotProductAttention", dtype="int32"),
         "dtype unknown (additive)": build("AdditiveAttention", 4, dtype="int32"),
+        "num_kv_heads zero": build("MultiHeadAttention", 8, 2, num_kv_heads=0),
+        "num_kv_heads not a divisor": build("MultiHeadAttention", 12, 4, num_kv_heads=3),
+        "rope_theta negative": build("MultiHeadAttention", 8, 2, rope_theta=-1.0),
+        "rope_theta not a number": build("MultiHeadAttention", 8, 2, rope_theta="1e4"),
+        "rope odd head size": build("MultiHeadAttention", 6, 2, rope_theta=10000.0),
+        "rope_interleaved not bool": build("MultiHeadAttention", 8, 2, rope_interleaved=1),
+        "sliding_window zero": build("DotProductAttention", sliding_window=0),
+        "sliding_window float": build("MultiHeadAttention", 8, 2, sliding_window=2.0),
+        "sliding_window negative (additive)": build("AdditiveAttention", 4, sliding_window=-1),
+        "rotary odd size": build("RotaryEmbedding", 5),
+        "rotary theta zero": build("RotaryEmbedding", 4, theta=0),
+        "rotary interleaved not bool": build("RotaryEmbedding", 4, interleaved="yes"),
         # inputs
         "queries rank 2": call(mha, f(Q, 4), *qkv[1:]),
         "keys rank 4": call(mha, qkv[0], f(B, K, 4, 1), qkv[2]),
@@ -1050,6 +1103,15 @@ def _error_table() -> dict[str, ErrorCase]:
             ("AddNorm", (4,), {}), f(B, Q, 4), f(B, Q, 4, dtype="float64")
         ),
         "add_norm rank 1": call(("AddNorm", (4,), {}), f(4), f(4)),
+        "rotary rank 1": call(("RotaryEmbedding", (4,), {}), f(4)),
+        "rotary size mismatch": call(("RotaryEmbedding", (4,), {}), f(B, Q, 6)),
+        "rotary wrong dtype": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4, dtype="float64")),
+        "rotary offset negative": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4), offset=-1),
+        "rotary offset float": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4), offset=1.0),
+        "gqa value_size mismatch": call(
+            ("MultiHeadAttention", (8, 4), {"num_kv_heads": 2, "value_size": 6}), *qkv[:2],
+            f(B, K, 5),
+        ),
         # mha.set_weights: every problem listed, with the layer's config (sizes inferred so
         # far, None while lazy)
         "set_weights problems": ErrorCase(mha, weights=bad_weights),

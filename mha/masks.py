@@ -1,7 +1,7 @@
 """The mask rules, written once for every backend.
 
 A call may give any of valid_lens, a boolean keep-mask, `causal`, a window mask and an
-additive attn_bias. They combine into one boolean `keep`, True where a query attends to a key,
+additive attn_bias, and the layer may have a sliding window. They combine into one boolean `keep`, True where a query attends to a key,
 and an additive `bias` (the finite entries of a float window mask and of attn_bias, their -inf
 entries being moved into `keep`). Both
 have the scores' rank, (batch_size, no. of queries, no. of keys) or with heads
@@ -34,6 +34,7 @@ class Masks:
         window_mask: Any,
         multihead: bool = False,
         attn_bias: Any = None,
+        sliding_window: int | None = None,
     ) -> tuple[Any, Any]:
         """(keep, bias) for the given masks; see the module's docstring."""
         keep = bias = None
@@ -48,6 +49,9 @@ class Masks:
         if causal:
             # Query i attends to keys j <= i (top-left aligned when Q != K); shape (Q, K)
             masks.append((self.causal_mask(), 2))
+        if sliding_window is not None:
+            # Query i attends to keys j with |i - j| < sliding_window; shape (Q, K)
+            masks.append((self.band_mask(sliding_window), 2))
         if window_mask is not None:
             # Example b uses window b mod num_windows; shape (batch_size, Q, K)
             windows = self.windows(window_mask)
@@ -97,6 +101,10 @@ class Masks:
 
     def causal_mask(self) -> Any:
         """keep (Q, K): True where key j <= query i."""
+        raise NotImplementedError
+
+    def band_mask(self, width: int) -> Any:
+        """keep (Q, K): True where |i - j| < width, query i beside key i."""
         raise NotImplementedError
 
     def windows(self, window_mask: Any) -> Any:

@@ -58,6 +58,7 @@ PUBLIC_NAMES: tuple[str, ...] = (
     "AdditiveAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "AddNorm",
     "to_numpy",
     "from_numpy",

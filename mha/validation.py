@@ -33,6 +33,8 @@ __all__ = [
     "check_multihead_args",
     "check_positional_encoding_args",
     "check_positional_encoding_call",
+    "check_rotary_args",
+    "check_rotary_call",
     "check_valid_lens_values",
     "dtype_name",
     "shape_of",
@@ -199,12 +201,17 @@ def check_backend_dtype(dtype: str, backend: str) -> str:
 
 
 def check_dot_product_args(
-    dropout: Any, dtype: Any, scale: Any = None, empty_rows: Any = "zeros"
+    dropout: Any,
+    dtype: Any,
+    scale: Any = None,
+    empty_rows: Any = "zeros",
+    sliding_window: Any = None,
 ) -> str:
     """Check DotProductAttention's constructor; returns the dtype name."""
     _check_dropout(dropout)
     _check_scale(scale)
     check_empty_rows(empty_rows)
+    _check_optional_positive_int("sliding_window", sliding_window)
     return check_dtype(dtype)
 
 
@@ -215,6 +222,7 @@ def check_additive_args(
     key_size: Any,
     dtype: Any,
     empty_rows: Any = "zeros",
+    sliding_window: Any = None,
 ) -> str:
     """Check AdditiveAttention's constructor; returns the dtype name."""
     _check_positive_int("num_hiddens", num_hiddens)
@@ -222,6 +230,7 @@ def check_additive_args(
     _check_optional_positive_int("query_size", query_size)
     _check_optional_positive_int("key_size", key_size)
     check_empty_rows(empty_rows)
+    _check_optional_positive_int("sliding_window", sliding_window)
     return check_dtype(dtype)
 
 
@@ -238,6 +247,10 @@ def check_multihead_args(
     out_features: Any = None,
     scale: Any = None,
     empty_rows: Any = "zeros",
+    sliding_window: Any = None,
+    num_kv_heads: Any = None,
+    rope_theta: Any = None,
+    rope_interleaved: Any = False,
 ) -> str:
     """Check MultiHeadAttention's constructor; returns the dtype name."""
     _check_positive_int("num_hiddens", num_hiddens)
@@ -247,6 +260,22 @@ def check_multihead_args(
             "num_hiddens must be divisible by num_heads. "
             f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
         )
+    _check_optional_positive_int("num_kv_heads", num_kv_heads)
+    if num_kv_heads is not None and num_heads % num_kv_heads != 0:
+        raise ValueError(
+            "num_heads must be a multiple of num_kv_heads (each key-value head serves a group "
+            f"of query heads). Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+    _check_optional_positive_int("sliding_window", sliding_window)
+    if rope_theta is not None:
+        _check_rope_theta("rope_theta", rope_theta)
+        if (num_hiddens // num_heads) % 2 != 0:
+            raise ValueError(
+                "rotary embeddings rotate pairs of features: the head size num_hiddens / "
+                "num_heads must be even. "
+                f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+            )
+    _check_bool("rope_interleaved", rope_interleaved)
     _check_dropout(dropout)
     _check_bool("bias", bias)
     _check_optional_positive_int("query_size", query_size)
@@ -283,6 +312,28 @@ def _check_scale(scale: Any) -> None:
         )
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite. Received: scale={scale!r}")
+
+
+def _check_rope_theta(name: str, theta: Any) -> None:
+    if (
+        isinstance(theta, bool)
+        or not isinstance(theta, numbers.Real)
+        or not (math.isfinite(theta) and theta > 0)
+    ):
+        raise ValueError(f"{name} must be a positive number. Received: {name}={theta!r}")
+
+
+def check_rotary_args(num_hiddens: Any, theta: Any, interleaved: Any, dtype: Any) -> str:
+    """Check RotaryEmbedding's constructor; returns the dtype name."""
+    _check_positive_int("num_hiddens", num_hiddens)
+    if num_hiddens % 2 != 0:
+        raise ValueError(
+            "num_hiddens must be even: rotary embeddings rotate pairs of features. "
+            f"Received: num_hiddens={num_hiddens}"
+        )
+    _check_rope_theta("theta", theta)
+    _check_bool("interleaved", interleaved)
+    return check_dtype(dtype)
 
 
 def check_positional_encoding_args(num_hiddens: Any, dropout: Any, max_len: Any, dtype: Any) -> str:
@@ -588,6 +639,26 @@ def check_positional_encoding_call(
             f"X is longer than max_len={max_len}: build the layer with a larger max_len. "
             f"Received: {_describe('X', X)}"
         )
+
+
+def check_rotary_call(
+    X: Any, offset: Any, num_hiddens: int, dtype: str, *, tensor_type: Any = object
+) -> None:
+    """Check RotaryEmbedding's call: X (..., no. of positions, num_hiddens), offset the
+    position of X's first row, a non-negative integer."""
+    _require_framework(tensor_type, X=X)
+    _require_tensor("X", X)
+    shape = shape_of(X)
+    if len(shape) < 2:
+        raise ValueError(
+            "X must have rank 2 or more: (..., no. of positions, num_hiddens). "
+            f"Received: {_describe('X', X)}"
+        )
+    if dtype_name(X) != dtype:
+        raise TypeError(f"X must have the layer's dtype {dtype}. Received: {_describe('X', X)}")
+    _check_size("X", X, shape, "num_hiddens", num_hiddens)
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
+        raise ValueError(f"offset must be a non-negative integer. Received: offset={offset!r}")
 
 
 def check_add_norm_call(

@@ -10,7 +10,10 @@ The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computin
     AdditiveAttention    W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
                          w_v (num_hiddens, 1)
     AddNorm              gamma (num_hiddens,), beta (num_hiddens,)
-    DotProductAttention, PositionalEncoding: {}
+    DotProductAttention, PositionalEncoding, RotaryEmbedding: {}
+
+With num_kv_heads (grouped-query attention), W_k and W_v are (size, num_kv_heads * head size)
+and b_k, b_v (num_kv_heads * head size,), the head size being num_hiddens / num_heads.
 
 Files are safetensors (a JSON header and raw little-endian bytes), read and written here with
 numpy alone (bfloat16 through ml_dtypes, numpy's bfloat16), never with pickle. The header's
@@ -52,7 +55,7 @@ __all__ = [
 
 # Layer class -> the names of its constructor arguments, in signature order.
 LAYER_CLASSES: dict[str, tuple[str, ...]] = {
-    "DotProductAttention": ("dropout", "dtype", "scale", "empty_rows"),
+    "DotProductAttention": ("dropout", "dtype", "scale", "empty_rows", "sliding_window"),
     "AdditiveAttention": (
         "num_hiddens",
         "dropout",
@@ -60,6 +63,7 @@ LAYER_CLASSES: dict[str, tuple[str, ...]] = {
         "key_size",
         "dtype",
         "empty_rows",
+        "sliding_window",
     ),
     "MultiHeadAttention": (
         "num_hiddens",
@@ -74,8 +78,13 @@ LAYER_CLASSES: dict[str, tuple[str, ...]] = {
         "out_features",
         "scale",
         "empty_rows",
+        "sliding_window",
+        "num_kv_heads",
+        "rope_theta",
+        "rope_interleaved",
     ),
     "PositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
+    "RotaryEmbedding": ("num_hiddens", "theta", "interleaved", "dtype"),
     "AddNorm": ("num_hiddens", "dropout", "eps", "dtype"),
 }
 
@@ -93,14 +102,17 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
     if class_name == "MultiHeadAttention":
         n = config["num_hiddens"]
         out = config.get("out_features") or n
+        # Keys and values have num_kv_heads heads of the query heads' size
+        num_kv_heads = config.get("num_kv_heads")
+        kv = n if num_kv_heads is None else n // config["num_heads"] * num_kv_heads
         shapes = {
             "W_q": (config.get("query_size"), n),
-            "W_k": (config.get("key_size"), n),
-            "W_v": (config.get("value_size"), n),
+            "W_k": (config.get("key_size"), kv),
+            "W_v": (config.get("value_size"), kv),
             "W_o": (n, out),
         }
         if config.get("bias", False):
-            shapes.update({"b_q": (n,), "b_k": (n,), "b_v": (n,)})
+            shapes.update({"b_q": (n,), "b_k": (kv,), "b_v": (kv,)})
         if _out_bias(config.get("bias", False), config.get("out_bias")):
             shapes["b_o"] = (out,)
         return shapes
@@ -114,7 +126,7 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
     if class_name == "AddNorm":
         n = config["num_hiddens"]
         return {"gamma": (n,), "beta": (n,)}
-    if class_name in ("DotProductAttention", "PositionalEncoding"):
+    if class_name in ("DotProductAttention", "PositionalEncoding", "RotaryEmbedding"):
         return {}
     raise ValueError(
         f"Unknown layer class. Valid names: {', '.join(LAYER_CLASSES)}. Received: {class_name!r}"
@@ -477,6 +489,7 @@ _CONFIG_CHECKS = {
     "MultiHeadAttention": validation.check_multihead_args,
     "PositionalEncoding": validation.check_positional_encoding_args,
     "AddNorm": validation.check_add_norm_args,
+    "RotaryEmbedding": validation.check_rotary_args,
 }
 
 
@@ -565,7 +578,16 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 # The options beside the book's arguments, with their defaults: a file written before they
 # existed, and a framework's layer, which has none of them, take these
-OPTION_DEFAULTS = {"out_bias": None, "out_features": None, "scale": None, "empty_rows": "zeros"}
+OPTION_DEFAULTS = {
+    "out_bias": None,
+    "out_features": None,
+    "scale": None,
+    "empty_rows": "zeros",
+    "sliding_window": None,
+    "num_kv_heads": None,
+    "rope_theta": None,
+    "rope_interleaved": False,
+}
 
 # The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
 _MAX_TABLE_SIZE = 2**27

@@ -18,7 +18,7 @@ import numpy as np
 
 from mha import validation
 from mha.docstrings import documented
-from mha.encoding import sinusoid_table
+from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
 from mha.weights import read_config
 
@@ -28,6 +28,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "from_numpy",
     "masked_softmax",
     "to_numpy",
@@ -187,6 +188,10 @@ class _Masks(Masks):
     def causal_mask(self):
         return np.tri(self.num_queries, self.num_keys, dtype=bool)
 
+    def band_mask(self, width):
+        offsets = np.arange(self.num_queries)[:, None] - np.arange(self.num_keys)[None, :]
+        return np.abs(offsets) < width
+
     def windows(self, window_mask):
         return np.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
 
@@ -268,10 +273,12 @@ class DotProductAttention(Module):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
-                 empty_rows: str = "zeros", dtype: str = "float32"):
+                 empty_rows: str = "zeros", sliding_window: int | None = None,
+                 dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
-        self.scale, self.empty_rows = scale, empty_rows
+        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows,
+                                                       sliding_window)
+        self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
@@ -284,7 +291,8 @@ class DotProductAttention(Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
@@ -316,12 +324,13 @@ class AdditiveAttention(Module):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
                  key_size: int | None = None, empty_rows: str = "zeros",
-                 dtype: str = "float32"):
+                 sliding_window: int | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
         )
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
+        self.sliding_window = sliding_window
         self.W_q = Linear(num_hiddens, False, query_size, self.dtype)
         self.W_k = Linear(num_hiddens, False, key_size, self.dtype)
         self.w_v = Linear(1, False, num_hiddens, self.dtype)
@@ -339,7 +348,8 @@ class AdditiveAttention(Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -362,20 +372,31 @@ class MultiHeadAttention(Module):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_multihead_args(
             num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows,
+            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
+            rope_theta, rope_interleaved,
         )
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
-        self.empty_rows = empty_rows
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
+        self.rope_interleaved = rope_interleaved
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype)
+        # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
+        head_size = num_hiddens // num_heads
+        kv_hiddens = (num_kv_heads or num_heads) * head_size
+        self.rotary = None if rope_theta is None else RotaryEmbedding(
+            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+        )
         self.W_q = Linear(num_hiddens, bias, query_size, self.dtype)
-        self.W_k = Linear(num_hiddens, bias, key_size, self.dtype)
-        self.W_v = Linear(num_hiddens, bias, value_size, self.dtype)
+        self.W_k = Linear(kv_hiddens, bias, key_size, self.dtype)
+        self.W_v = Linear(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
         self.attention_weights = None
@@ -396,12 +417,20 @@ class MultiHeadAttention(Module):
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
-        # num_hiddens / num_heads)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys))
-        values = self.transpose_qkv(self.W_v(values))
+        keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
+        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        if self.rotary is not None:
+            # Each head's queries and keys turned by their positions 0, 1, ...
+            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+        if num_kv_heads != self.num_heads:
+            # Query head h attends with key-value head h // group, as Llama's repeat_kv
+            group = self.num_heads // num_kv_heads
+            keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
         self.attention_weights = self.attention.attention_weights
@@ -412,9 +441,11 @@ class MultiHeadAttention(Module):
         output_concat = self.transpose_output(output)
         return self.W_o(output_concat)
 
-    def transpose_qkv(self, X: np.ndarray) -> np.ndarray:
-        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, self.num_hiddens // self.num_heads)
+    def transpose_qkv(self, X: np.ndarray, num_heads: int | None = None) -> np.ndarray:
+        """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
+        num_heads being the layer's unless given."""
+        num_heads = num_heads or self.num_heads
+        X = X.reshape(X.shape[0], X.shape[1], num_heads, self.num_hiddens // self.num_heads)
         return X.transpose(0, 2, 1, 3)
 
     def transpose_output(self, X: np.ndarray) -> np.ndarray:
@@ -443,6 +474,46 @@ class PositionalEncoding(Module):
         )
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
+
+
+@documented
+class RotaryEmbedding(Module):
+    """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
+    with the position."""
+
+    def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        angle_dtype = rotary_angle_dtype(self.dtype)
+        self.frequencies = rotary_frequencies(num_hiddens, theta).astype(angle_dtype)
+
+    def forward(self, X: np.ndarray, offset: int = 0) -> np.ndarray:
+        validation.check_rotary_call(
+            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        return self.rotate(X, offset)
+
+    def rotate(self, X: np.ndarray, offset: int = 0) -> np.ndarray:
+        """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
+        checks). MultiHeadAttention calls this on each head's queries and keys."""
+        # Shape of angles, cos and sin: (n, num_hiddens / 2)
+        positions = np.arange(offset, offset + X.shape[-2], dtype=self.frequencies.dtype)
+        angles = positions[:, None] * self.frequencies[None, :]
+        cos, sin = np.cos(angles).astype(X.dtype), np.sin(angles).astype(X.dtype)
+        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
+        half = self.num_hiddens // 2
+        if self.interleaved:
+            x1, x2 = X[..., 0::2], X[..., 1::2]
+        else:
+            x1, x2 = X[..., :half], X[..., half:]
+        # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if self.interleaved:
+            return np.stack([y1, y2], axis=-1).reshape(X.shape)
+        return np.concatenate([y1, y2], axis=-1)
 
 
 @documented
