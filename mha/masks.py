@@ -1,10 +1,10 @@
 """The mask rules, written once for every backend.
 
 A call may give any of valid_lens, a boolean keep-mask, `causal`, a window mask and an
-additive attn_bias, and the layer may have a sliding window. They combine into one boolean `keep`, True where a query attends to a key,
-and an additive `bias` (the finite entries of a float window mask and of attn_bias, their -inf
-entries being moved into `keep`). Both
-have the scores' rank, (batch_size, no. of queries, no. of keys) or with heads
+additive attn_bias, and the layer may have a sliding window. They combine into one boolean
+`keep`, True where a query attends to a key, and an additive `bias` (the finite entries of a
+float window mask and of attn_bias, their -inf entries being moved into `keep`). Both have the
+scores' rank, (batch_size, no. of queries, no. of keys) or with heads
 (batch_size, num_heads, no. of queries, no. of keys), each axis that size or 1, so that they
 broadcast against the scores; None means no such mask.
 
