@@ -406,6 +406,27 @@ def _add_port_arguments(parser) -> None:
         type=_finite_float,
         help="the score scale, when the model's differs from its layout's default",
     )
+    parser.add_argument(
+        "--config",
+        metavar="CONFIG.JSON",
+        help="a Hugging Face config.json: num_attention_heads, rope_theta and sliding_window "
+        "are read from it (the options below override it)",
+    )
+    parser.add_argument(
+        "--rope-theta",
+        type=_finite_float,
+        help="rotary position embeddings of this base (Llama 2: 10000, Llama 3: 500000)",
+    )
+    parser.add_argument(
+        "--rope-interleaved",
+        action="store_true",
+        help="rotate feature pairs (2i, 2i + 1), as GPT-J and Meta's original Llama weights",
+    )
+    parser.add_argument(
+        "--sliding-window",
+        type=_positive_int,
+        help="attend only to keys within this many positions (Mistral's window, with causal)",
+    )
 
 
 def _file_command(arguments, out, err) -> int:
@@ -425,6 +446,9 @@ def _file_command(arguments, out, err) -> int:
     porting = arguments.prefix is not None
     if porting and kinds[0] == "keras":
         raise _UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
+    options = _layer_options(arguments)
+    if options and arguments.command == "inspect" and not porting:
+        raise _UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
     if not porting and arguments.scale is not None and kinds[0] != "mha":
         raise _UsageError("--scale goes with --prefix, or with an mha checkpoint")
     torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
@@ -443,10 +467,14 @@ def _file_command(arguments, out, err) -> int:
     try:
         if arguments.command == "inspect":
             if porting:
-                return _inspect_port(paths[0], arguments, out)
+                return _inspect_port(paths[0], arguments, options, out)
             return _inspect(paths[0], kinds[0], arguments.num_heads, out)
         config = interop.convert(
-            *paths, num_heads=arguments.num_heads, prefix=arguments.prefix, scale=arguments.scale
+            *paths,
+            num_heads=arguments.num_heads,
+            prefix=arguments.prefix,
+            scale=arguments.scale,
+            **options,
         )
     except (ValueError, OSError) as error:
         print(f"mha {arguments.command}: error: {error}", file=err)
@@ -468,7 +496,32 @@ def _file_command(arguments, out, err) -> int:
     return 0
 
 
-def _inspect_port(path: str, arguments, out) -> int:
+def _layer_options(arguments) -> dict:
+    """The layer options of --config, --rope-theta, --rope-interleaved and --sliding-window;
+    num_heads from --config too, unless --num-heads gives it."""
+    from mha import porting
+
+    options = {}
+    if arguments.config is not None:
+        try:
+            options = porting.options_from_config(arguments.config)
+        except ValueError as error:
+            raise _UsageError(str(error)) from None
+        if arguments.num_heads is None:
+            arguments.num_heads = options.get("num_heads")
+        options.pop("num_heads", None)
+    given = {
+        "rope_theta": arguments.rope_theta,
+        "rope_interleaved": arguments.rope_interleaved or None,
+        "sliding_window": arguments.sliding_window,
+    }
+    options.update({key: value for key, value in given.items() if value is not None})
+    if options.get("rope_interleaved") and "rope_theta" not in options:
+        raise _UsageError("--rope-interleaved goes with --rope-theta (or a --config giving it)")
+    return options
+
+
+def _inspect_port(path: str, arguments, options, out) -> int:
     from mha import interop, porting
 
     port = porting.canonical_from_state_dict(
@@ -476,6 +529,7 @@ def _inspect_port(path: str, arguments, out) -> int:
         arguments.prefix,
         num_heads=arguments.num_heads,
         scale=arguments.scale,
+        **options,
     )
     print(f"{path}, under {arguments.prefix!r}: {port.layout}", file=out)
     print("class: MultiHeadAttention (config inferred from the weights)", file=out)

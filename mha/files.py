@@ -85,3 +85,17 @@ def _umask() -> int:
     umask = os.umask(0o022)
     os.umask(umask)
     return umask
+
+
+def read_bytes(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of a small file (a config), its size checked against `limit` first.
+
+    Raises:
+        ValueError: the file holds more than `limit` bytes.
+        OSError: it cannot be read.
+    """
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size > limit:
+            raise ValueError(f"it holds {size} bytes, more than a config may ({limit})")
+        return file.read(limit + 1)[:limit]

@@ -113,9 +113,10 @@ def _as_numpy(x: Any) -> np.ndarray:
 
 
 def _multihead_config(
-    layer: Any, target: str, other_sizes: bool = False
+    layer: Any, target: str, other_sizes: bool = False, has: tuple[str, ...] = ()
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """The config and weights of an mha MultiHeadAttention that `target` can hold."""
+    """The config and weights of an mha MultiHeadAttention that `target` can hold; `has`
+    names the options of mha's that target has too ("num_kv_heads", "sliding_window")."""
     _, class_name, config = _layer_info(layer)
     if class_name != "MultiHeadAttention":
         raise TypeError(
@@ -123,8 +124,18 @@ def _multihead_config(
             "multi-head attention has a built-in counterpart in torch and Keras"
         )
     weights = get_weights(layer)
-    _plain(weights, config["scale"], target, other_sizes)
+    _plain(weights, config["scale"], target, other_sizes, _options_of(config), has)
     return config, weights
+
+
+# The options of mha's MultiHeadAttention that its weights do not tell (num_kv_heads, which
+# they do tell, aside)
+OPTIONS = ("rope_theta", "rope_interleaved", "sliding_window")
+
+
+def _options_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a MultiHeadAttention config that are set (not their defaults)."""
+    return {key: config[key] for key in OPTIONS if config.get(key) not in (None, False)}
 
 
 def layer_from_weights(
@@ -134,12 +145,14 @@ def layer_from_weights(
     backend: str | None = None,
     dropout: float = 0.0,
     scale: float | None = None,
+    **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding `weights`.
 
     The config is read off the canonical weights: num_hiddens, out_features and the input
-    sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o, dtype
-    from W_q's dtype.
+    sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
+    num_kv_heads from W_k's columns (fewer than W_q's: grouped-query attention), dtype from
+    W_q's dtype. `options` are the layer's rope_theta, rope_interleaved and sliding_window.
 
     Args:
         weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o).
@@ -157,9 +170,22 @@ def layer_from_weights(
     if any(len(shapes[name]) != 2 for name in ("W_q", "W_k", "W_v", "W_o")):
         described = ", ".join(f"{name} {shapes[name]}" for name in ("W_q", "W_k", "W_v", "W_o"))
         raise ValueError(f"MultiHeadAttention weights must be matrices. Received: {described}")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown option {', '.join(unknown)}; the options: {', '.join(OPTIONS)}")
     module = load_backend(backend if backend is not None else get_backend())
     num_hiddens, out_features = shapes["W_o"]
     bias, out_bias = "b_q" in weights, "b_o" in weights
+    kv_hiddens = shapes["W_k"][1]
+    num_kv_heads = None
+    if kv_hiddens != num_hiddens:
+        head = num_hiddens // num_heads if num_hiddens % num_heads == 0 else 0
+        num_kv_heads = kv_hiddens // head if head and kv_hiddens % head == 0 else None
+        if num_kv_heads is None or num_heads % num_kv_heads:
+            raise ValueError(
+                f"W_k has {kv_hiddens} columns and W_q {num_hiddens}: with num_heads="
+                f"{num_heads}, that is not a number of key-value heads dividing the query heads"
+            )
     layer = module.MultiHeadAttention(
         num_hiddens,
         num_heads,
@@ -171,18 +197,26 @@ def layer_from_weights(
         out_bias=None if out_bias == bias else out_bias,
         out_features=None if out_features == num_hiddens else out_features,
         scale=scale,
+        num_kv_heads=num_kv_heads,
         dtype=validation.check_dtype(np.asarray(weights["W_q"]).dtype.name),
+        **options,
     )
     set_weights(layer, {name: np.asarray(value) for name, value in weights.items()})
     return layer
 
 
 def _plain(
-    weights: Mapping[str, np.ndarray], scale: float | None, target: str, other_sizes: bool = False
+    weights: Mapping[str, np.ndarray],
+    scale: float | None,
+    target: str,
+    other_sizes: bool = False,
+    options: Mapping[str, Any] | None = None,
+    has: tuple[str, ...] = (),
 ) -> None:
-    """Raise ValueError where `target` (a framework's layer) cannot hold what mha's
-    options add: a score scale, an output bias apart from the others, and unless
-    `other_sizes` (Keras's output_shape, Flax's out_features), another output size."""
+    """Raise ValueError where `target` (a framework's layer, or its file) cannot hold what
+    mha's options add: a score scale, an output bias apart from the others, unless
+    `other_sizes` (Keras's output_shape, Flax's out_features) another output size, rotary
+    embeddings, and unless `has` names them, fewer key-value heads and a sliding window."""
     problems = []
     if scale is not None:
         problems.append(f"a score scale of its own (scale={scale!r})")
@@ -191,6 +225,13 @@ def _plain(
     W_o = np.shape(weights["W_o"])
     if W_o[0] != W_o[1] and not other_sizes:
         problems.append(f"an output size other than num_hiddens (W_o {W_o})")
+    if np.shape(weights["W_k"])[1] != W_o[0] and "num_kv_heads" not in has:
+        problems.append("fewer key-value heads than query heads (grouped-query attention)")
+    for key, value in (options or {}).items():
+        if key == "sliding_window" and "sliding_window" in has:
+            continue
+        if value not in (None, False):
+            problems.append(f"{key}={value!r}")
     if problems:
         raise ValueError(f"{target} has no equivalent of " + "; ".join(problems))
 
@@ -526,15 +567,17 @@ def _float_mask_to_bool(values: np.ndarray, name: str) -> np.ndarray:
 
 
 def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
-    """Canonical weights in the layout of keras MultiHeadAttention's EinsumDense sub-layers.
+    """Canonical weights in the layout of Keras's MultiHeadAttention and GroupQueryAttention
+    EinsumDense sub-layers.
 
     Returns:
         {"query/kernel": (query_size, num_heads, p), "query/bias": (num_heads, p), "key/...",
         "value/...", "attention_output/kernel": (num_heads, p, num_hiddens),
-        "attention_output/bias": (num_hiddens,)}, p = num_hiddens / num_heads; biases only
-        when the weights have them. The names are Keras's variable paths below the layer.
+        "attention_output/bias": (num_hiddens,)}, p = num_hiddens / num_heads; keys and
+        values have num_kv_heads heads where W_k and W_v have fewer columns; biases only when
+        the weights have them. The names are Keras's variable paths below the layer.
     """
-    _plain(weights, None, "keras.layers.MultiHeadAttention", other_sizes=True)
+    _plain(weights, None, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads",))
     num_hiddens, out_features = np.shape(weights["W_o"])
     if num_hiddens % num_heads:
         raise ValueError(
@@ -546,9 +589,9 @@ def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str
     for k in "qkv":
         name = _KERAS_PROJECTIONS[k]
         W = np.asarray(weights[f"W_{k}"])
-        result[f"{name}/kernel"] = W.reshape(W.shape[0], num_heads, head_size)
+        result[f"{name}/kernel"] = W.reshape(W.shape[0], -1, head_size)
         if f"b_{k}" in weights:
-            result[f"{name}/bias"] = np.asarray(weights[f"b_{k}"]).reshape(num_heads, head_size)
+            result[f"{name}/bias"] = np.asarray(weights[f"b_{k}"]).reshape(-1, head_size)
     result["attention_output/kernel"] = np.asarray(weights["W_o"]).reshape(
         num_heads, head_size, out_features
     )
@@ -561,31 +604,40 @@ _KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "
 
 
 def _keras_dense(layer: Any, k: str) -> Any:
-    """The EinsumDense sub-layer of projection k ("q", "k", "v", "o") of a Keras layer."""
-    return getattr(layer, _KERAS_DENSE[k])
+    """The EinsumDense sub-layer of projection k ("q", "k", "v", "o") of a Keras layer
+    (GroupQueryAttention has no public names for them; MultiHeadAttention's are these)."""
+    return getattr(layer, f"_{_KERAS_DENSE[k]}")
 
 
 def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Canonical weights and config (num_heads included) of a built Keras MultiHeadAttention.
+    """Canonical weights and config (num_heads included) of a built Keras MultiHeadAttention
+    or GroupQueryAttention (whose key-value heads become num_kv_heads); a sliding window
+    becomes sliding_window.
 
     Raises:
         ValueError: the layer is not built, or its configuration has no mha equivalent
-            (value_dim != key_dim, output_shape != num_heads * key_dim, attention_axes other
-            than the sequence axis, a sliding window).
+            (value_dim != key_dim, attention_axes other than the sequence axis, a gate).
     """
     import tensorflow as tf
 
-    if not isinstance(layer, tf.keras.layers.MultiHeadAttention):
+    grouped = isinstance(layer, tf.keras.layers.GroupQueryAttention)
+    if not grouped and not isinstance(layer, tf.keras.layers.MultiHeadAttention):
         raise TypeError(
-            f"Expected a keras.layers.MultiHeadAttention. Received: {type(layer).__qualname__}"
+            "Expected a keras.layers.MultiHeadAttention or GroupQueryAttention. "
+            f"Received: {type(layer).__qualname__}"
         )
     if not layer.built:
         raise ValueError(
-            "The Keras MultiHeadAttention is not built, so it has no weights yet: call it once "
-            "or call layer.build(query_shape, value_shape, key_shape)"
+            f"The Keras {type(layer).__name__} is not built, so it has no weights yet: call it "
+            "once or call layer.build(query_shape, value_shape, key_shape)"
         )
-    num_heads, key_dim = layer.num_heads, layer.key_dim
-    value_dim = layer.value_dim if layer.value_dim is not None else key_dim
+    if grouped:
+        num_heads, key_dim, value_dim = layer.num_query_heads, layer.head_dim, layer.head_dim
+        num_kv_heads, sliding_window = layer.num_key_value_heads, layer.sliding_window
+    else:
+        num_heads, key_dim = layer.num_heads, layer.key_dim
+        value_dim = layer.value_dim if layer.value_dim is not None else key_dim
+        num_kv_heads, sliding_window = None, getattr(layer, "_sliding_window", None)
     problems = []
     if value_dim != key_dim:
         problems.append(
@@ -596,20 +648,20 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
         problems.append(
             f"it was built for inputs of rank {kernels['q'].ndim + 0}; mha takes (B, n, d)"
         )
-    if tuple(layer.attention_axes or (1,)) not in ((1,), (-2,)):
+    if not grouped and tuple(layer.attention_axes or (1,)) not in ((1,), (-2,)):
         problems.append(f"attention_axes={layer.attention_axes}; mha attends over axis 1")
-    if getattr(layer, "_sliding_window", None) is not None:
-        problems.append("a sliding window has no mha equivalent")
+    if getattr(layer, "use_gate", False):
+        problems.append("a gate (use_gate=True) has no mha equivalent")
     output = kernels["o"]
     if output.ndim != 3:
         problems.append(f"its output has the shape {output.shape[2:]}; mha's has one axis")
     if problems:
         raise ValueError(
-            "This keras.layers.MultiHeadAttention has no mha equivalent:\n"
+            f"This keras.layers.{type(layer).__name__} has no mha equivalent:\n"
             + "\n".join(f"  - {problem}" for problem in problems)
         )
     num_hiddens, out_features = num_heads * key_dim, output.shape[2]
-    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], num_hiddens) for k in "qkv"}
+    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], -1) for k in "qkv"}
     weights["W_o"] = output.reshape(num_hiddens, out_features)
     if layer.use_bias:
         for k in "qkvo":
@@ -625,36 +677,67 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
         "value_size": weights["W_v"].shape[0],
         "dtype": validation.check_dtype(weights["W_o"].dtype.name),
         "out_features": None if out_features == num_hiddens else out_features,
+        "num_kv_heads": None if num_kv_heads == num_heads else num_kv_heads,
+        "sliding_window": sliding_window,
     }
     return weights, config
 
 
 def to_keras(layer: Any) -> Any:
-    """A built `keras.layers.MultiHeadAttention` computing what the mha `layer` does.
+    """A built Keras layer computing what the mha `layer` does: a
+    `keras.layers.MultiHeadAttention`, or a `GroupQueryAttention` when the layer has fewer
+    key-value heads (num_kv_heads < num_heads).
 
     Args:
         layer: an mha MultiHeadAttention of any backend, with its weights created.
 
     Returns:
         MultiHeadAttention(num_heads, key_dim=value_dim=num_hiddens / num_heads,
-        dropout, use_bias=bias, output_shape=num_hiddens, dtype), built for the layer's input
-        sizes. Keras takes `layer(query, value, key)` (value before key!) and gives per-head
-        weights with `return_attention_scores=True`.
+        dropout, use_bias=bias, output_shape=num_hiddens, sliding_window, dtype), or
+        GroupQueryAttention(head_dim, num_heads, num_kv_heads, dropout, use_bias,
+        sliding_window, dtype), built for the layer's input sizes. Keras takes
+        `layer(query, value, key)` (value before key!) and gives per-head weights with
+        `return_attention_scores=True`.
+
+    Raises:
+        ValueError: what Keras's layers cannot hold (rotary embeddings, a score scale; for
+            GroupQueryAttention an output size other than the query size, which it fixes).
     """
     import tensorflow as tf
 
-    config, weights = _multihead_config(layer, "keras.layers.MultiHeadAttention", True)
+    config, weights = _multihead_config(
+        layer, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads", "sliding_window")
+    )
     num_hiddens, num_heads = config["num_hiddens"], config["num_heads"]
     head_size = num_hiddens // num_heads
-    builtin = tf.keras.layers.MultiHeadAttention(
-        num_heads,
-        head_size,
-        value_dim=head_size,
-        dropout=config["dropout"],
-        use_bias=config["bias"],
-        output_shape=config["out_features"] or num_hiddens,
-        dtype=config["dtype"],
-    )
+    out_features = config["out_features"] or num_hiddens
+    num_kv_heads = config["num_kv_heads"] or num_heads
+    if num_kv_heads != num_heads:
+        if out_features != config["query_size"]:
+            raise ValueError(
+                "keras.layers.GroupQueryAttention's output has the query's size "
+                f"({config['query_size']}); this layer's is {out_features}"
+            )
+        builtin = tf.keras.layers.GroupQueryAttention(
+            head_size,
+            num_heads,
+            num_kv_heads,
+            dropout=config["dropout"],
+            use_bias=config["bias"],
+            sliding_window=config["sliding_window"],
+            dtype=config["dtype"],
+        )
+    else:
+        builtin = tf.keras.layers.MultiHeadAttention(
+            num_heads,
+            head_size,
+            value_dim=head_size,
+            dropout=config["dropout"],
+            use_bias=config["bias"],
+            output_shape=out_features,
+            sliding_window=config["sliding_window"],
+            dtype=config["dtype"],
+        )
     builtin.build(
         (None, None, config["query_size"]),
         (None, None, config["value_size"]),
@@ -668,14 +751,19 @@ def to_keras(layer: Any) -> Any:
 
 
 def from_keras(layer: Any, *, backend: str | None = None) -> Any:
-    """An mha MultiHeadAttention in `backend` (default: current) from a built Keras one.
+    """An mha MultiHeadAttention in `backend` (default: current) from a built Keras
+    MultiHeadAttention or GroupQueryAttention.
 
     Raises:
         ValueError: see `canonical_from_keras`.
     """
     weights, config = canonical_from_keras(layer)
     return layer_from_weights(
-        weights, config["num_heads"], backend=backend, dropout=config["dropout"]
+        weights,
+        config["num_heads"],
+        backend=backend,
+        dropout=config["dropout"],
+        **_options_of(config),
     )
 
 
@@ -800,9 +888,15 @@ def canonical_from_flax(
             f"size, out). Found: {shapes}"
         )
     num_heads, head_size = kernels["q"].shape[1:]
-    if any(kernels[k].shape[1:] != (num_heads, head_size) for k in "kv"):
+    # Keys and values may have fewer heads (num_kv_heads), dividing the query heads
+    num_kv_heads = kernels["k"].shape[1]
+    if (
+        kernels["v"].shape[1:] != kernels["k"].shape[1:]
+        or kernels["k"].shape[2] != head_size
+        or num_heads % num_kv_heads
+    ):
         problems.append(
-            "query, key and value have different heads or head sizes: "
+            "query, key and value have heads or head sizes that do not fit together: "
             + ", ".join(f"{_FLAX_PROJECTIONS[k]} {kernels[k].shape[1:]}" for k in "qkv")
         )
     num_hiddens = num_heads * head_size
@@ -818,7 +912,7 @@ def canonical_from_flax(
             "This Flax multi-head attention has no mha equivalent:\n"
             + "\n".join(f"  - {problem}" for problem in problems)
         )
-    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], num_hiddens) for k in "qkv"}
+    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], -1) for k in "qkv"}
     out_features = kernels["o"].shape[-1]
     weights["W_o"] = kernels["o"].reshape(num_hiddens, out_features)
     for k in biases:
@@ -834,6 +928,7 @@ def canonical_from_flax(
         "value_size": weights["W_v"].shape[0],
         "dtype": validation.check_dtype(weights["W_o"].dtype.name),
         "out_features": None if out_features == num_hiddens else out_features,
+        "num_kv_heads": None if num_kv_heads == num_heads else num_kv_heads,
     }
     return weights, config
 
@@ -882,11 +977,18 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         with mask True = attend (see `to_flax_masks`).
 
     Raises:
-        ValueError: key_size differs from value_size (Flax has one size for both).
+        ValueError: key_size differs from value_size (Flax has one size for both); fewer
+            key-value heads where the installed Flax has no num_kv_heads.
     """
+    import inspect
+
     from flax import nnx
 
-    config, weights = _multihead_config(layer, "Flax's multi-head attention", True)
+    # Flax's num_kv_heads (grouped-query attention) came with Flax 0.12.1
+    grouped = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
+    has = ("num_kv_heads",) if grouped else ()
+    config, weights = _multihead_config(layer, "Flax's multi-head attention", True, has)
+    kv = {"num_kv_heads": config["num_kv_heads"]} if config["num_kv_heads"] else {}
     if config["key_size"] != config["value_size"]:
         raise ValueError(
             "flax.nnx.MultiHeadAttention has one input size for keys and values "
@@ -906,6 +1008,7 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         use_bias=config["bias"],
         decode=False,
         rngs=nnx.Rngs(0) if rngs is None else rngs,
+        **kv,
     )
     for name, variables in flax_params(weights, config["num_heads"]).items():
         dense = getattr(module, name)
@@ -1110,11 +1213,14 @@ def _load_keras_file(name: str) -> Any:
 
     try:
         with h5py.File(name, "r") as file:
+            # GroupQueryAttention's sub-layers are saved under their attribute names
+            grouped = "_query_dense" in file
+            paths = {k: f"_{dense}" if grouped else dense for k, dense in _KERAS_DENSE.items()}
             entries = [
-                file[f"{dense}/vars/{i}"]
-                for dense in _KERAS_DENSE.values()
+                file[f"{path}/vars/{i}"]
+                for path in paths.values()
                 for i in (0, 1)
-                if f"{dense}/vars/{i}" in file
+                if f"{path}/vars/{i}" in file
             ]
             if not all(isinstance(entry, h5py.Dataset) for entry in entries):
                 raise ValueError("its weight entries are not arrays")
@@ -1122,17 +1228,17 @@ def _load_keras_file(name: str) -> Any:
             declared = sum(entry.size * entry.dtype.itemsize for entry in entries)
             if declared > os.path.getsize(name):
                 raise ValueError(f"its arrays declare {declared} bytes, more than the file has")
-            shapes = {k: tuple(file[f"{dense}/vars/0"].shape) for k, dense in _KERAS_DENSE.items()}
-            query = file["query_dense/vars/0"]
+            shapes = {k: tuple(file[f"{path}/vars/0"].shape) for k, path in paths.items()}
+            query = file[f"{paths['q']}/vars/0"]
             # Keras stores bfloat16 as 2 raw bytes per number and names the dtype in an
             # attribute
             dtype = query.attrs.get("dtype", query.dtype.name)
             dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
-            bias = "query_dense/vars/1" in file
+            bias = f"{paths['q']}/vars/1" in file
     except (OSError, KeyError, TypeError, ValueError) as error:
         raise ValueError(
-            f"{name} is not a Keras MultiHeadAttention weights file (as written by "
-            f"keras.saving.save_weights): {error}"
+            f"{name} is not a Keras MultiHeadAttention or GroupQueryAttention weights file (as "
+            f"written by keras.saving.save_weights): {error}"
         ) from None
     if len(shapes["q"]) != 3 or len(shapes["v"]) != 3 or len(shapes["o"]) < 3:
         raise ValueError(
@@ -1141,14 +1247,20 @@ def _load_keras_file(name: str) -> Any:
             f"{shapes['o']}"
         )
     num_heads, key_dim = shapes["q"][1:]
-    layer = tf.keras.layers.MultiHeadAttention(
-        num_heads,
-        key_dim,
-        value_dim=shapes["v"][2],
-        use_bias=bias,
-        output_shape=shapes["o"][2:],
-        dtype=validation.check_dtype(dtype),
-    )
+    if grouped:
+        # GroupQueryAttention's output has the query's size
+        layer = tf.keras.layers.GroupQueryAttention(
+            key_dim, num_heads, shapes["k"][1], use_bias=bias, dtype=validation.check_dtype(dtype)
+        )
+    else:
+        layer = tf.keras.layers.MultiHeadAttention(
+            num_heads,
+            key_dim,
+            value_dim=shapes["v"][2],
+            use_bias=bias,
+            output_shape=shapes["o"][2:],
+            dtype=validation.check_dtype(dtype),
+        )
     layer.build(
         (None, None, shapes["q"][0]), (None, None, shapes["v"][0]), (None, None, shapes["k"][0])
     )
@@ -1166,6 +1278,7 @@ def write_file(
     num_heads: int | None = None,
     dropout: float = 0.0,
     scale: float | None = None,
+    **options: Any,
 ) -> None:
     """Write canonical MultiHeadAttention weights as the file kind of `path`, atomically.
 
@@ -1174,7 +1287,9 @@ def write_file(
     `keras.saving.save_weights`; a Flax file the parameters (`flax_params`) as
     `flax.serialization.msgpack_serialize` writes them. num_heads is needed for every kind
     but torch's. The file is written beside `path` and read back as the same weights, bit for
-    bit, before it replaces `path`: on any failure `path` is left as it was.
+    bit, before it replaces `path`: on any failure `path` is left as it was. `options` (the
+    layer's rope_theta, rope_interleaved, sliding_window) are kept by an mha checkpoint only;
+    fewer key-value heads go into mha and Keras files (GroupQueryAttention's weights).
     """
     from mha.files import write_atomically
 
@@ -1182,7 +1297,8 @@ def write_file(
     if kind != "torch" and num_heads is None:
         raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")
     if kind != "mha":
-        _plain(weights, scale, FILE_KINDS[kind], other_sizes=kind != "torch")
+        has = ("num_kv_heads",) if kind == "keras" else ()
+        _plain(weights, scale, FILE_KINDS[kind], kind != "torch", options, has)
 
     def write(temporary: str) -> None:
         if kind == "torch":
@@ -1198,7 +1314,12 @@ def write_file(
                 file.write(serialization.msgpack_serialize(flax_params(weights, num_heads)))
         else:
             layer = layer_from_weights(
-                weights, num_heads, backend=_carrier(weights), dropout=dropout, scale=scale
+                weights,
+                num_heads,
+                backend=_carrier(weights),
+                dropout=dropout,
+                scale=scale,
+                **{key: value for key, value in options.items() if value not in (None, False)},
             )
             if kind == "mha":
                 from mha.weights import save
@@ -1259,6 +1380,7 @@ def convert(
     num_heads: int | None = None,
     prefix: str | None = None,
     scale: float | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Convert a MultiHeadAttention file to another kind, and check it by reading it back.
 
@@ -1272,6 +1394,8 @@ def convert(
     With `prefix`, the source is a whole model's weights (a torch state_dict .pt/.pth, a
     safetensors file such as a Hugging Face model.safetensors, or Flax .msgpack parameters)
     and the attention layer under `prefix` is taken, in any layout `mha.porting` reads.
+    `options` (rope_theta, rope_interleaved, sliding_window) set what weights do not tell;
+    only an mha checkpoint keeps them.
 
     Example:
         >>> mha.interop.convert("attention.pt", "attention.weights.h5", num_heads=4)
@@ -1292,14 +1416,20 @@ def convert(
         from mha import porting
 
         port = porting.canonical_from_state_dict(
-            read_state(source), prefix, num_heads=num_heads, scale=scale
+            read_state(source), prefix, num_heads=num_heads, scale=scale, **options
         )
         weights, config = port.weights, port.config
         extra = {"layout": port.layout, "left_out": port.left_out}
     else:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"unknown option {', '.join(unknown)}; the options: {', '.join(OPTIONS)}"
+            )
         weights, config = read_file(source, num_heads=num_heads)
         if scale is not None:
             config["scale"] = scale
+        config.update(options)
     if config["num_heads"] is None and file_kind(destination) != "torch":
         raise ValueError(
             f"{os.fspath(source)} is a torch state_dict, which does not tell the number of "
@@ -1311,6 +1441,7 @@ def convert(
         num_heads=config["num_heads"],
         dropout=config["dropout"],
         scale=config["scale"],
+        **{key: config[key] for key in OPTIONS},
     )
     return {**config, **extra}
 

@@ -34,7 +34,9 @@ the prefixes where a layout is found.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -48,6 +50,7 @@ __all__ = [
     "canonical_from_state_dict",
     "find_attention",
     "from_state_dict",
+    "options_from_config",
     "t5_position_bias",
 ]
 
@@ -183,6 +186,7 @@ def canonical_from_state_dict(
     *,
     num_heads: int | None = None,
     scale: float | None = None,
+    **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`.
 
@@ -194,6 +198,10 @@ def canonical_from_state_dict(
         num_heads: the number of heads; needed except for kernels per head, which tell it.
         scale: the score scale, when the model's differs from its layout's (for example
             GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
+        **options: the layer's options that weights do not tell: rope_theta,
+            rope_interleaved, sliding_window (see `options_from_config` for a Hugging Face
+            config). Key and value projections with fewer outputs than the query's give
+            num_kv_heads (grouped-query attention).
 
     Raises:
         ValueError: no layout, or more than one, under the prefix (the names found there and
@@ -202,6 +210,7 @@ def canonical_from_state_dict(
     """
     from mha.interop import _as_numpy
 
+    _check_options(options)
     state = flatten(state)
     names = _under(state, prefix)
     layouts = [layout for layout in LAYOUTS if _matches(layout, names)]
@@ -258,7 +267,10 @@ def canonical_from_state_dict(
         )
     from mha.weights import LAYER_CLASSES, OPTION_DEFAULTS
 
-    config = {**OPTION_DEFAULTS, "dropout": 0.0, **config}
+    kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
+    if kv_hiddens != config["num_hiddens"]:
+        config["num_kv_heads"] = _num_kv_heads(layout, config, kv_hiddens)
+    config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
     config["scale"] = layout.scale if scale is None else scale
 
     # In the constructor's order, which is check_multihead_args's
@@ -275,6 +287,7 @@ def from_state_dict(
     num_heads: int | None = None,
     scale: float | None = None,
     backend: str | None = None,
+    **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding the
     attention layer under `prefix`; see `canonical_from_state_dict` for the arguments."""
@@ -282,11 +295,88 @@ def from_state_dict(
     from mha.registry import load_backend
     from mha.weights import build_layer, set_weights
 
-    port = canonical_from_state_dict(state, prefix, num_heads=num_heads, scale=scale)
+    port = canonical_from_state_dict(state, prefix, num_heads=num_heads, scale=scale, **options)
     module = load_backend(backend if backend is not None else get_backend())
     layer = build_layer(module, "MultiHeadAttention", port.config)
     set_weights(layer, port.weights)
     return layer
+
+
+# The options a port may be given: what the weights alone do not tell
+PORT_OPTIONS = ("rope_theta", "rope_interleaved", "sliding_window")
+
+
+def _check_options(options: Mapping[str, Any]) -> None:
+    unknown = sorted(set(options) - set(PORT_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unknown option {', '.join(unknown)}; a port takes {', '.join(PORT_OPTIONS)}"
+        )
+
+
+def _num_kv_heads(layout: Layout, config: Mapping[str, Any], kv_hiddens: int) -> int:
+    """The number of key-value heads of projections with kv_hiddens outputs."""
+    n, num_heads = config["num_hiddens"], config["num_heads"]
+    head = n // num_heads if n % num_heads == 0 else None
+    if head is None or kv_hiddens % head or num_heads % (kv_hiddens // head):
+        raise _problem(
+            layout,
+            [
+                f"the key and value projections have {kv_hiddens} outputs: with {num_heads} "
+                f"heads of {n} / {num_heads} features, that is not a number of key-value "
+                "heads dividing the query heads"
+            ],
+        )
+    return kv_hiddens // head
+
+
+def options_from_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
+    num_attention_heads, rope_theta (or rope_parameters' rope_theta, as transformers 5
+    writes it) and sliding_window where the model uses them.
+
+    Raises:
+        ValueError: a rope scaling other than the default (linear, dynamic, yarn, llama3:
+            mha's rotary embedding has the plain frequencies only), or an unreadable file.
+    """
+    if not isinstance(config, Mapping):
+        config = _read_json(config)
+    found: dict[str, Any] = {}
+    if config.get("num_attention_heads") is not None:
+        found["num_heads"] = int(config["num_attention_heads"])
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(
+            f"the config's rotary embedding is {kind!r}; mha's has the default frequencies "
+            "only (rope_type 'default')"
+        )
+    if theta is not None and config.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            "the config rotates part of each head (partial_rotary_factor="
+            f"{config['partial_rotary_factor']}); mha's rotary embedding rotates all of it"
+        )
+    if theta is not None:
+        found["rope_theta"] = float(theta)
+    if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
+        found["sliding_window"] = int(config["sliding_window"])
+    return found
+
+
+def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+    from mha.files import read_bytes
+
+    try:
+        value = json.loads(read_bytes(path, _MAX_CONFIG_BYTES))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read the config {os.fspath(path)}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"the config {os.fspath(path)} is not a JSON object")
+    return value
+
+
+_MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB
 
 
 def _problem(layout: Layout, problems: list[str]) -> ValueError:
@@ -359,8 +449,13 @@ def _read_heads(layout: Layout, arrays):
         weights[k] = (W.reshape(W.shape[0], -1), None if b is None else b.reshape(-1))
     W_o = kernels["o"]
     weights["o"] = (W_o.reshape(-1, W_o.shape[-1]), biases["o"])
-    if any(kernels[k].shape[1] != heads for k in "kv") or kernels["o"].shape[0] != heads:
-        raise _problem(layout, [f"the kernels have different numbers of heads: {shapes}"])
+    # Keys and values may have fewer heads (grouped-query attention), of the same size
+    if (
+        kernels["k"].shape[1:] != kernels["v"].shape[1:]
+        or kernels["k"].shape[2] != kernels["q"].shape[2]
+        or kernels["o"].shape[0] != heads
+    ):
+        raise _problem(layout, [f"the kernels' heads do not fit together: {shapes}"])
     return weights, heads
 
 
@@ -376,12 +471,17 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
     """mha's config of the (W, b) pairs of q, k, v, o; every problem is listed."""
     problems = []
     n = matrices["q"][0].shape[1]
-    for k in "kv":
-        if matrices[k][0].shape[1] != n:
-            problems.append(
-                f"the {k} projection has {matrices[k][0].shape[1]} outputs and the query's {n}: "
-                "grouped-query attention (fewer key and value heads) is not supported yet"
-            )
+    # Grouped-query attention: keys and values have fewer heads, of the queries' size
+    kv = matrices["k"][0].shape[1]
+    if matrices["v"][0].shape[1] != kv:
+        problems.append(
+            f"the key projection has {kv} outputs and the value's {matrices['v'][0].shape[1]}; "
+            "mha's keys and values have the same number of heads"
+        )
+    if kv > n:
+        problems.append(
+            f"the key and value projections have {kv} outputs, more than the query's {n}"
+        )
     if matrices["o"][0].shape[0] != n:
         problems.append(
             f"the output projection takes {matrices['o'][0].shape[0]} inputs; the heads give {n}"
@@ -421,6 +521,7 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
         "dtype": validation.check_dtype(weights["W_q"].dtype.name),
         "out_bias": None if out_bias == bias else out_bias,
         "out_features": None if out_features == n else out_features,
+        "kv_hiddens": kv,  # num_kv_heads once num_heads is known
     }
     return weights, config
 

@@ -464,6 +464,94 @@ def test_what_mha_cannot_take_from_keras(keras):
         interop.from_keras(object())
 
 
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("sliding_window", [None, 2])
+@pytest.mark.parametrize("name", backend_params())
+def test_keras_group_query_attention_into_every_backend_and_back(
+    keras, name, sliding_window, dtype
+):
+    # Keras's own GroupQueryAttention (4 query heads on 2 key-value heads) is the judge
+    module = backend_module(name)
+    builtin = keras.layers.GroupQueryAttention(
+        4, 4, 2, use_bias=True, sliding_window=sliding_window, dtype=dtype
+    )
+    rng = np.random.default_rng(7)
+    query = rng.standard_normal((BATCH, QUERIES, 6)).astype(dtype)
+    key = rng.standard_normal((BATCH, KEYS, 5)).astype(dtype)
+    value = rng.standard_normal((BATCH, KEYS, 4)).astype(dtype)
+    builtin(query, value, key)  # builds it
+    randomize_keras(builtin, seed=8)
+    layer = interop.from_keras(builtin, backend=name)
+    config = module.layer_config(layer)
+    assert (config["num_heads"], config["num_kv_heads"]) == (4, 2)
+    assert config["sliding_window"] == sliding_window and config["out_features"] == 6
+    for causal in (False, True):
+        theirs = call_keras(builtin, query, key, value, use_causal_mask=causal)
+        ours = call_mha(module, layer, query, key, value, causal=causal)
+        assert_agree(ours, theirs, dtype)
+    again = interop.to_keras(layer)
+    assert isinstance(again, keras.layers.GroupQueryAttention)
+    assert again.sliding_window == sliding_window
+    np.testing.assert_array_equal(
+        np.asarray(again(query, value, key, use_causal_mask=True)),
+        np.asarray(builtin(query, value, key, use_causal_mask=True)),
+    )
+
+
+@pytest.mark.tensorflow
+def test_a_keras_sliding_window_converts_both_ways(keras):
+    source = keras.layers.MultiHeadAttention(2, 3, sliding_window=2, dtype="float64")
+    x = np.random.default_rng(1).standard_normal((2, 6, 6))
+    expected = np.asarray(source(x, x, use_causal_mask=True))
+    layer = interop.from_keras(source, backend="numpy")
+    assert layer.sliding_window == 2
+    np.testing.assert_allclose(layer(x, x, x, causal=True), expected, rtol=0, atol=1e-7)
+    again = interop.to_keras(layer)
+    np.testing.assert_array_equal(np.asarray(again(x, x, use_causal_mask=True)), expected)
+
+
+@pytest.mark.tensorflow
+def test_what_keras_cannot_hold_of_modern_attention(keras, tmp_path):
+    N = backend_module("numpy")
+    rope = N.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, rope_theta=1e4)
+    with pytest.raises(ValueError, match=r"rope_theta=10000\.0"):
+        interop.to_keras(rope)
+    gqa = N.MultiHeadAttention(8, 4, query_size=6, key_size=6, value_size=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match="GroupQueryAttention's output has the query's size"):
+        interop.to_keras(gqa)
+    gated = keras.layers.GroupQueryAttention(2, 4, 2, use_gate=True)
+    gated.build((None, 3, 8), (None, 3, 8))
+    with pytest.raises(ValueError, match="use_gate"):
+        interop.from_keras(gated)
+    # A sliding window is config, which a weights file does not hold: only mha's keeps it
+    windowed = N.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, sliding_window=3)
+    mha.save(windowed, tmp_path / "w.safetensors")
+    with pytest.raises(ValueError, match="sliding_window=3"):
+        interop.convert(tmp_path / "w.safetensors", tmp_path / "w.weights.h5", num_heads=2)
+    assert not (tmp_path / "w.weights.h5").exists()
+
+
+@pytest.mark.tensorflow
+@pytest.mark.torch
+def test_grouped_query_weights_go_through_keras_files_not_torch_ones(keras, tmp_path):
+    N = backend_module("numpy")
+    layer = N.MultiHeadAttention(
+        8, 4, bias=True, query_size=8, key_size=5, value_size=5, num_kv_heads=1
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=2))
+    mha.save(layer, tmp_path / "g.safetensors")
+    interop.convert(tmp_path / "g.safetensors", tmp_path / "g.weights.h5")
+    weights, config = interop.read_file(tmp_path / "g.weights.h5")
+    assert config["num_kv_heads"] == 1 and weights["W_k"].shape == (5, 2)
+    interop.convert(tmp_path / "g.weights.h5", tmp_path / "back.safetensors")
+    back = mha.load(tmp_path / "back.safetensors", backend="numpy")
+    for key, value in mha.get_weights(layer).items():
+        np.testing.assert_array_equal(mha.get_weights(back)[key], value)
+    with pytest.raises(ValueError, match="fewer key-value heads"):
+        interop.convert(tmp_path / "g.safetensors", tmp_path / "g.pt")
+
+
 # ---------------------------------------------------------------------------------------------
 # The whole trip, and import hygiene
 

@@ -155,6 +155,29 @@ def test_what_flax_layers_mha_cannot_hold_is_an_error(flax):
         interop.to_flax(layer)
 
 
+@pytest.mark.parametrize("name", backend_params())
+def test_flax_num_kv_heads_into_every_backend_and_back(flax, name):
+    import inspect
+
+    from flax import nnx
+
+    if "num_kv_heads" not in inspect.signature(nnx.MultiHeadAttention.__init__).parameters:
+        # Flax 0.12.0 (beside MXNet) has no grouped heads: mha says so instead of guessing
+        layer = N.MultiHeadAttention(D, 4, query_size=D, key_size=D, value_size=D, num_kv_heads=2)
+        with pytest.raises(ValueError, match="fewer key-value heads"):
+            interop.to_flax(layer)
+        return
+    source = nnx.MultiHeadAttention(4, D, num_kv_heads=2, decode=False, rngs=nnx.Rngs(3))
+    q, k, v = inputs(4)
+    layer = interop.from_flax(source, backend=name)
+    assert (layer.num_heads, layer.num_kv_heads) == (4, 2)
+    for masks in MASKS.values():
+        expected = flax_call(source, q, k, v, masks)
+        np.testing.assert_allclose(mha_call(layer, q, k, v, masks), expected, atol=2e-5)
+    again = interop.to_flax(layer)
+    np.testing.assert_allclose(np.asarray(again(q, k, v)), np.asarray(source(q, k, v)), atol=1e-6)
+
+
 def test_convert_through_a_flax_msgpack_file(flax, tmp_path):
     from flax import serialization
 

@@ -399,14 +399,20 @@ def test_two_layouts_under_one_prefix_are_ambiguous():
 @pytest.mark.parametrize(
     "change, message",
     [
-        # Grouped-query attention: fewer key and value heads than query heads
-        (lambda s: s.update({"k_proj.weight": np.zeros((4, 8))}), "grouped-query attention"),
+        # Keys with fewer heads than values, or a head count that does not divide
+        (lambda s: s.update({"k_proj.weight": np.zeros((4, 8))}), "the same number of heads"),
+        (
+            lambda s: s.update(
+                {"k_proj.weight": np.zeros((2, 8)), "v_proj.weight": np.zeros((2, 8))}
+            ),
+            "not a number of key-value heads",
+        ),
         (lambda s: s.update({"q_proj.bias": np.zeros(8)}), "biases on q only"),
         (lambda s: s.update({"v_proj.weight": np.zeros((8, 8), "float32")}), "different dtypes"),
         (lambda s: s.update({"o_proj.weight": np.zeros((8, 6))}), "output projection takes 6"),
         (lambda s: s.update({"q_proj.weight": np.zeros((8, 8), "int64")}), "holds int64"),
     ],
-    ids=["gqa", "some_biases", "dtypes", "output_size", "integers"],
+    ids=["kv_heads_differ", "kv_size", "some_biases", "dtypes", "output_size", "integers"],
 )
 def test_weights_mha_cannot_hold_are_refused(change, message):
     state = {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}
@@ -421,6 +427,181 @@ def test_num_heads_is_needed_unless_the_kernels_tell_it():
         porting.canonical_from_state_dict(state)
     with pytest.raises(ValueError, match="num_hiddens must be divisible by num_heads"):
         porting.canonical_from_state_dict(state, num_heads=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama and Mistral: grouped-query attention, rotary embeddings, sliding windows
+
+
+def _hf_rotary(T, config, positions):
+    """cos and sin of Hugging Face's rotate_half convention, written out in float64 from the
+    formula (transformers computes its own in float32 whatever the model's dtype)."""
+    head = config.hidden_size // config.num_attention_heads
+    theta = config.rope_parameters["rope_theta"]
+    frequencies = 1.0 / theta ** (torch.arange(0, head, 2, dtype=torch.float64) / head)
+    angles = positions[..., None].double() * frequencies
+    embedding = torch.cat([angles, angles], dim=-1)
+    return embedding.cos(), embedding.sin()
+
+
+def _decoder_attention(family, sliding_window=None, seed=6):
+    T = transformers()
+    torch.manual_seed(seed)
+    Config, Model = {
+        "llama": (T.LlamaConfig, T.LlamaModel),
+        "mistral": (T.MistralConfig, T.MistralModel),
+        "qwen2": (T.Qwen2Config, T.Qwen2Model),
+    }[family]
+    extra = {} if sliding_window is None else {"sliding_window": sliding_window}
+    if family == "qwen2" and sliding_window is not None:
+        extra["use_sliding_window"] = True
+    config = Config(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        vocab_size=50,
+        rope_theta=500.0,
+        **extra,
+    )
+    # SDPA computes in the model's dtype; the eager path takes its softmax in float32
+    config._attn_implementation = "sdpa"
+    model = Model(config).double().eval()
+    return T, config, model
+
+
+@pytest.mark.parametrize("name", backend_params())
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_llama_attention_is_one_layer_with_gqa_and_rope(name, family):
+    # Grouped-query attention (4 query heads, 2 key-value heads), rotary embeddings, causal,
+    # and right padding: HF's own attention module and HF's own mask
+    from transformers.masking_utils import create_causal_mask
+
+    T, config, model = _decoder_attention(family)
+    attention = model.layers[0].self_attn
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    padding = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    positions = torch.arange(6)[None].expand(2, 6)
+    mask = create_causal_mask(
+        config=config,
+        inputs_embeds=x,
+        attention_mask=padding,
+        past_key_values=None,
+        position_ids=positions,
+    )
+    with torch.no_grad():
+        expected, _ = attention(
+            x, position_embeddings=_hf_rotary(T, config, positions), attention_mask=mask
+        )
+    options = porting.options_from_config(config.to_dict())
+    assert options == {"num_heads": 4, "rope_theta": 500.0}
+    module = backend_module(name)
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    assert layer.num_kv_heads == 2 and layer.bias == (family == "qwen2")
+    X = module.from_numpy(x.numpy())
+    output = layer(X, X, X, module.from_numpy(np.array([6, 4])), causal=True)
+    np.testing.assert_allclose(module.to_numpy(output), expected.numpy(), rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_mistral_sliding_window_ports(name):
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    T, config, model = _decoder_attention("mistral", sliding_window=3)
+    attention = model.layers[0].self_attn
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    positions = torch.arange(7)[None].expand(2, 7)
+    mask = create_sliding_window_causal_mask(
+        config=config,
+        inputs_embeds=x,
+        attention_mask=torch.ones(2, 7, dtype=torch.long),
+        past_key_values=None,
+        position_ids=positions,
+    )
+    with torch.no_grad():
+        expected, _ = attention(
+            x, position_embeddings=_hf_rotary(T, config, positions), attention_mask=mask
+        )
+    options = porting.options_from_config(config.to_dict())
+    assert options["sliding_window"] == 3
+    module = backend_module(name)
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    X = module.from_numpy(x.numpy())
+    output = layer(X, X, X, causal=True)
+    np.testing.assert_allclose(module.to_numpy(output), expected.numpy(), rtol=0, atol=TOLERANCE)
+
+
+def test_llama_in_float32_with_transformers_own_rotary_embedding():
+    # Transformers' rotary embedding (its frequencies and angles in float32) against mha's
+    T, config, model = _decoder_attention("llama")
+    model = model.float()
+    attention = model.layers[0].self_attn
+    x = torch.randn(1, 9, 16)
+    positions = torch.arange(9)[None]
+    mask = T.masking_utils.create_causal_mask(
+        config=config,
+        inputs_embeds=x,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=positions,
+    )
+    with torch.no_grad():
+        expected, _ = attention(
+            x, position_embeddings=model.rotary_emb(x, positions), attention_mask=mask
+        )
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend="numpy", num_heads=4, rope_theta=500.0
+    )
+    output = layer(*[x.numpy()] * 3, causal=True)
+    np.testing.assert_allclose(output, expected.numpy(), rtol=0, atol=1e-6)
+
+
+def test_convert_a_llama_layer_with_its_config(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    T, config, model = _decoder_attention("llama")
+    save_file(
+        {key: value.numpy() for key, value in model.state_dict().items()},
+        tmp_path / "model.safetensors",
+    )
+    config.to_json_file(tmp_path / "config.json")
+    arguments = ["--prefix", "layers.0.self_attn", "--config", str(tmp_path / "config.json")]
+    source, destination = tmp_path / "model.safetensors", tmp_path / "layer.safetensors"
+    code = cli.main(["convert", str(source), str(destination), *arguments])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "q/k/v/o_proj" in out and "num_kv_heads=2" in out and "rope_theta=500.0" in out
+    checkpoint = mha.weights.read_checkpoint(destination)
+    assert checkpoint.config["num_heads"] == 4 and checkpoint.config["num_kv_heads"] == 2
+    assert checkpoint.config["rope_theta"] == 500.0
+    state = model.state_dict()
+    np.testing.assert_array_equal(
+        checkpoint.weights["W_k"], state["layers.0.self_attn.k_proj.weight"].numpy().T
+    )
+    # The command line overrides the config; a rotary embedding has no torch equivalent
+    code = cli.main(["inspect", str(source), *arguments, "--rope-theta", "10000"])
+    assert code == 0 and '"rope_theta": 10000.0' in capsys.readouterr().out
+    code = cli.main(["convert", str(source), str(tmp_path / "layer.pt"), *arguments])
+    assert code == 1 and "rope_theta=500.0" in capsys.readouterr().err
+    assert not (tmp_path / "layer.pt").exists()
+
+
+def test_options_from_config_reads_a_file_and_refuses_scaled_rope(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_attention_heads": 32, "rope_theta": 10000.0}))
+    assert porting.options_from_config(path) == {"num_heads": 32, "rope_theta": 10000.0}
+    llama3 = {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}
+    with pytest.raises(ValueError, match="'llama3'"):
+        porting.options_from_config(llama3)
+    with pytest.raises(TypeError, match="unknown option rope_base"):
+        porting.canonical_from_state_dict(
+            {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}, num_heads=2, rope_base=1.0
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""Grouped-query attention, rotary embeddings and sliding windows, against their definitions.
+
+mha.harness holds every backend to the NumPy reference; these tests hold the reference (and,
+through the backend fixture, every backend) to independent computations: rotary embeddings
+as complex rotations, grouped-query attention as multi-head attention whose key and value
+heads are copies, a sliding window as the keep-mask it stands for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import assert_agrees
+from mha.backends import numpy as reference
+
+
+def _complex_rotation(X, positions, theta, interleaved):
+    """RoPE as the paper writes it: pair (a, b) is the complex number a + ib, multiplied by
+    exp(i * position * theta^(-2k / d)) for pair k."""
+    d = X.shape[-1]
+    if interleaved:
+        z = X[..., 0::2] + 1j * X[..., 1::2]
+    else:
+        z = X[..., : d // 2] + 1j * X[..., d // 2 :]
+    frequencies = theta ** (-np.arange(d // 2) * 2.0 / d)
+    z = z * np.exp(1j * positions[:, None] * frequencies[None, :])
+    out = np.empty_like(X)
+    if interleaved:
+        out[..., 0::2], out[..., 1::2] = z.real, z.imag
+    else:
+        out[..., : d // 2], out[..., d // 2 :] = z.real, z.imag
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_embedding_is_a_complex_rotation(backend, rng, interleaved):
+    X = rng.standard_normal((2, 3, 5, 8))
+    rotary = backend.RotaryEmbedding(8, 500.0, interleaved=interleaved, dtype="float64")
+    out = backend.to_numpy(rotary(backend.from_numpy(X), offset=4))
+    expected = _complex_rotation(X, np.arange(4, 9, dtype=float), 500.0, interleaved)
+    assert_agrees(out, expected, "float64")
+
+
+def test_rotary_scores_depend_on_relative_positions_only(backend, rng):
+    # <R(p) q, R(s) k> = <R(p + t) q, R(s + t) k>: RoPE's reason for being
+    q, k = rng.standard_normal((1, 1, 8)), rng.standard_normal((1, 1, 8))
+    rotary = backend.RotaryEmbedding(8, dtype="float64")
+
+    def score(p, s):
+        rq = backend.to_numpy(rotary(backend.from_numpy(q), offset=p))
+        rk = backend.to_numpy(rotary(backend.from_numpy(k), offset=s))
+        return float((rq * rk).sum())
+
+    assert abs(score(3, 1) - score(10, 8)) < 1e-12
+    assert abs(score(0, 5) - score(7, 12)) < 1e-12
+    assert abs(score(3, 1) - score(3, 2)) > 1e-3  # and it does depend on the distance
+
+
+def test_rotary_embedding_leaves_position_zero_unchanged(backend, rng):
+    X = rng.standard_normal((2, 1, 6))
+    out = backend.to_numpy(backend.RotaryEmbedding(6, dtype="float64")(backend.from_numpy(X)))
+    np.testing.assert_array_equal(out, X)
+
+
+def _expanded(weights, num_heads, num_kv_heads, num_hiddens):
+    """The multi-head weights equal to grouped-query ones: each key-value head's columns
+    copied to the query heads of its group."""
+    head = num_hiddens // num_heads
+    group = num_heads // num_kv_heads
+    expanded = dict(weights)
+    for name in ("W_k", "W_v", "b_k", "b_v"):
+        if name in weights:
+            blocks = np.split(weights[name], num_kv_heads, axis=-1)
+            expanded[name] = np.concatenate([b for b in blocks for _ in range(group)], axis=-1)
+            assert expanded[name].shape[-1] == head * num_heads
+    return expanded
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_grouped_query_attention_is_multihead_attention_with_shared_heads(
+    backend, rng, num_kv_heads
+):
+    config = dict(
+        num_hiddens=8,
+        num_heads=4,
+        bias=True,
+        query_size=6,
+        key_size=5,
+        value_size=3,
+        dtype="float64",
+    )
+    gqa = mha.random_weights("MultiHeadAttention", num_kv_heads=num_kv_heads, seed=3, **config)
+    assert gqa["W_k"].shape == (5, 2 * num_kv_heads)
+    layer = backend.MultiHeadAttention(num_kv_heads=num_kv_heads, **config)
+    mha.set_weights(layer, gqa)
+    full = reference.MultiHeadAttention(**config)
+    mha.set_weights(full, _expanded(gqa, 4, num_kv_heads, 8))
+    q, k, v = (rng.standard_normal(s) for s in ((2, 4, 6), (2, 7, 5), (2, 7, 3)))
+    valid_lens = np.array([3, 7])
+    out = layer(*map(backend.from_numpy, (q, k, v)), backend.from_numpy(valid_lens))
+    expected = full(q, k, v, valid_lens)
+    assert_agrees(backend.to_numpy(out), expected, "float64")
+    assert_agrees(backend.to_numpy(layer.attention_weights), full.attention_weights, "float64")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_sliding_window_is_its_band_mask(backend, rng, causal):
+    q, k, v = (rng.standard_normal(s) for s in ((2, 6, 4), (2, 6, 4), (2, 6, 3)))
+    i, j = np.arange(6)[:, None], np.arange(6)[None, :]
+    band = np.abs(i - j) < 3
+    if causal:  # Mistral's window: the query and the two keys before it
+        band &= j <= i
+    expected = reference.DotProductAttention(dtype="float64")(q, k, v, mask=band)
+    layer = backend.DotProductAttention(sliding_window=3, dtype="float64")
+    out = layer(*map(backend.from_numpy, (q, k, v)), causal=causal)
+    assert_agrees(backend.to_numpy(out), expected, "float64")
+    kept = backend.to_numpy(layer.attention_weights) > 0
+    np.testing.assert_array_equal(kept, np.broadcast_to(band, kept.shape))
+
+
+def test_rope_in_multihead_attention_rotates_each_heads_queries_and_keys(backend, rng):
+    # Written out: project, split heads, rotate by the complex formula, attend, merge
+    config = dict(
+        num_hiddens=8, num_heads=2, query_size=4, key_size=4, value_size=4, dtype="float64"
+    )
+    weights = mha.random_weights("MultiHeadAttention", seed=5, **config)
+    layer = backend.MultiHeadAttention(rope_theta=100.0, **config)
+    mha.set_weights(layer, weights)
+    X = rng.standard_normal((1, 5, 4))
+    out = backend.to_numpy(layer(*[backend.from_numpy(X)] * 3, causal=True))
+
+    def heads(Y):
+        return Y.reshape(1, 5, 2, 4).transpose(0, 2, 1, 3)
+
+    positions = np.arange(5, dtype=float)
+    q = _complex_rotation(heads(X @ weights["W_q"]), positions, 100.0, False)
+    k = _complex_rotation(heads(X @ weights["W_k"]), positions, 100.0, False)
+    scores = q @ k.swapaxes(-1, -2) / 2.0
+    scores = np.where(np.tri(5, dtype=bool), scores, -np.inf)
+    attention = np.exp(scores - scores.max(-1, keepdims=True))
+    attention /= attention.sum(-1, keepdims=True)
+    merged = (attention @ heads(X @ weights["W_v"])).transpose(0, 2, 1, 3).reshape(1, 5, 8)
+    assert_agrees(out, merged @ weights["W_o"], "float64")
+
+
+def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
+    layer = backend.MultiHeadAttention(
+        8,
+        4,
+        query_size=4,
+        key_size=4,
+        value_size=4,
+        num_kv_heads=2,
+        rope_theta=1e4,
+        rope_interleaved=True,
+        sliding_window=3,
+        dtype="float64",
+    )
+    path = tmp_path / "layer.safetensors"
+    mha.save(layer, path)
+    checkpoint = mha.weights.read_checkpoint(path)
+    assert checkpoint.config["num_kv_heads"] == 2
+    assert checkpoint.config["rope_theta"] == 1e4
+    assert checkpoint.config["rope_interleaved"] is True
+    assert checkpoint.config["sliding_window"] == 3
+    assert checkpoint.weights["W_k"].shape == (4, 4)
+    with mha.use_backend("numpy"):
+        again = mha.load(path)
+    np.testing.assert_array_equal(mha.get_weights(again)["W_v"], checkpoint.weights["W_v"])
