@@ -18,6 +18,7 @@ from typing import Any
 
 # Imports no framework: mha.interop, porting and golden import frameworks inside their functions.
 from mha import golden, interop, porting
+from mha.cache import KVCache
 from mha.config import get_backend, set_backend, use_backend
 from mha.registry import (
     PUBLIC_NAMES,
@@ -42,6 +43,7 @@ __all__ = [
     "AdditiveAttention",
     "BackendUnavailableError",
     "DotProductAttention",
+    "KVCache",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",

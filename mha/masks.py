@@ -23,8 +23,10 @@ from typing import Any
 class Masks:
     """The mask rules; subclasses give the array operations below, for one call's sizes."""
 
-    def __init__(self, batch_size: Any, num_queries: Any, num_keys: Any):
+    def __init__(self, batch_size: Any, num_queries: Any, num_keys: Any, offset: Any = 0):
         self.batch_size, self.num_queries, self.num_keys = batch_size, num_queries, num_keys
+        # The position of the first query: the number of cached keys before this call's
+        self.offset = offset
 
     def combine(
         self,
@@ -47,10 +49,11 @@ class Masks:
             # A keep-mask of 1 to 3 axes, broadcastable to (batch_size, Q, K)
             masks.append((mask, self.rank(mask)))
         if causal:
-            # Query i attends to keys j <= i (top-left aligned when Q != K); shape (Q, K)
+            # Query i, at position offset + i, attends to keys j <= offset + i (top-left
+            # aligned when Q != K and nothing is cached); shape (Q, K)
             masks.append((self.causal_mask(), 2))
         if sliding_window is not None:
-            # Query i attends to keys j with |i - j| < sliding_window; shape (Q, K)
+            # Query i attends to keys j with |offset + i - j| < sliding_window; shape (Q, K)
             masks.append((self.band_mask(sliding_window), 2))
         if window_mask is not None:
             # Example b uses window b mod num_windows; shape (batch_size, Q, K)
@@ -100,11 +103,11 @@ class Masks:
         raise NotImplementedError
 
     def causal_mask(self) -> Any:
-        """keep (Q, K): True where key j <= query i."""
+        """keep (Q, K): True where key j <= offset + query i."""
         raise NotImplementedError
 
     def band_mask(self, width: int) -> Any:
-        """keep (Q, K): True where |i - j| < width, query i beside key i."""
+        """keep (Q, K): True where |offset + i - j| < width, query i beside key offset + i."""
         raise NotImplementedError
 
     def windows(self, window_mask: Any) -> Any:

@@ -517,21 +517,26 @@ def check_attention_call(
     head_mask: Any = None,
     need_weights: Any = True,
     attn_bias: Any = None,
+    cache: Any = None,
     dtype: str,
     sizes: Sequence[tuple[str, str, int | None]] = (),
     same_query_key_size: bool = False,
     num_heads: int | None = None,
+    kv_heads: tuple[int, int] | None = None,
     tensor_type: Any = object,
 ) -> tuple[int | None, int | None, int | None]:
-    """Check the call of an attention layer; returns (batch_size, no. of queries, no. of keys).
+    """Check the call of an attention layer; returns (batch_size, no. of queries, no. of keys),
+    the keys counting the cached ones.
 
     Args:
         sizes: (argument, size name, size) triples, e.g. ("queries", "query_size", 4): the
             last axis of the argument must have that size when it is known.
         same_query_key_size: queries and keys must share their last axis (dot product).
         num_heads: set for multi-head attention; allows 4-D masks and `head_mask`.
+        kv_heads: (num_kv_heads, head size) of multi-head attention, for its `cache`.
         tensor_type: the type (or types) of the layer's framework's tensors.
     """
+    cached = (cache.keys, cache.values) if _is_cache(cache) else (None, None)
     _require_framework(
         tensor_type,
         queries=queries,
@@ -542,6 +547,7 @@ def check_attention_call(
         window_mask=window_mask,
         head_mask=head_mask,
         attn_bias=attn_bias,
+        **{f"cache.{name}": x for name, x in zip(("keys", "values"), cached, strict=True)},
     )
     # Self-attention passes one tensor three times: it is checked once
     q_shape = _check_input("queries", queries, dtype)
@@ -575,6 +581,10 @@ def check_attention_call(
     tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
     for argument, size_name, size in sizes:
         _check_size(argument, *tensors[argument], size_name, size)
+    if cache is not None:
+        if kv_heads is None:
+            raise TypeError("cache is only accepted by MultiHeadAttention")
+        num_keys = _add(num_keys, _check_cache(cache, batch_size, *kv_heads, dtype))
     if valid_lens is not None:
         _check_valid_lens(valid_lens, batch_size, num_queries)
     _check_bool("causal", causal)
@@ -594,6 +604,49 @@ def check_attention_call(
             raise TypeError("head_mask is only accepted by MultiHeadAttention")
         _check_head_mask(head_mask, batch_size, num_heads, dtype)
     return batch_size, num_queries, num_keys
+
+
+def _is_cache(cache: Any) -> bool:
+    from mha.cache import KVCache
+
+    return isinstance(cache, KVCache)
+
+
+def _check_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dtype: str):
+    """The number of cached positions of a KVCache that fits the call and the layer."""
+    if not _is_cache(cache):
+        raise TypeError(
+            "cache must be an mha.KVCache: KVCache() before the first call, then the cache the "
+            f"previous call returned. Received: cache of type {type(cache).__name__}"
+        )
+    if cache.keys is None and cache.values is None:
+        return 0
+    expected = (batch_size, num_kv_heads, None, head_size)
+    shapes = []
+    for name, tensor in (("cache.keys", cache.keys), ("cache.values", cache.values)):
+        _require_tensor(name, tensor)
+        if dtype_name(tensor) != dtype:
+            raise TypeError(
+                f"{name} must have the layer's dtype {dtype}. Received: {_describe(name, tensor)}"
+            )
+        shape = shape_of(tensor)
+        if len(shape) != 4 or not all(map(_same, shape, expected)):
+            raise ValueError(
+                f"{name} must have shape (batch_size, num_kv_heads, no. of positions, head "
+                f"size) = ({batch_size}, {num_kv_heads}, positions, {head_size}). "
+                f"Received: {_describe(name, tensor)}"
+            )
+        shapes.append(shape)
+    if not _same(shapes[0][2], shapes[1][2]):
+        raise ValueError(
+            "cache.keys and cache.values must hold the same positions. Received: "
+            f"{_describe('cache.keys', cache.keys)}, {_describe('cache.values', cache.values)}"
+        )
+    return shapes[0][2]
+
+
+def _add(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a + b
 
 
 def check_masked_softmax_call(

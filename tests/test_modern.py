@@ -169,3 +169,61 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
     with mha.use_backend("numpy"):
         again = mha.load(path)
     np.testing.assert_array_equal(mha.get_weights(again)["W_v"], checkpoint.weights["W_v"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"num_kv_heads": 2, "rope_theta": 100.0},
+        {"num_kv_heads": 1, "rope_theta": 1e4, "rope_interleaved": True, "sliding_window": 3},
+    ],
+    ids=["plain", "llama", "mistral"],
+)
+def test_cached_decoding_equals_full_causal_attention(backend, rng, options):
+    # A prompt of 3 positions, then one position per call, then two at once
+    config = dict(
+        num_hiddens=8,
+        num_heads=4,
+        bias=True,
+        query_size=6,
+        key_size=6,
+        value_size=6,
+        dtype="float64",
+        **options,
+    )
+    weights = mha.random_weights("MultiHeadAttention", seed=9, **config)
+    layer = backend.MultiHeadAttention(**config)
+    mha.set_weights(layer, weights)
+    X = rng.standard_normal((2, 7, 6))
+    valid_lens = np.array([7, 5])  # the second example's last two keys are padding
+    full = reference.MultiHeadAttention(**config)
+    mha.set_weights(full, weights)
+    expected = full(X, X, X, valid_lens, causal=True)
+    cache, outputs = mha.KVCache(), []
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 7)):
+        x = backend.from_numpy(X[:, start:stop])
+        lengths = backend.from_numpy(np.minimum(valid_lens, stop))
+        output, cache = layer(x, x, x, lengths, causal=True, cache=cache)
+        outputs.append(backend.to_numpy(output))
+        assert backend.to_numpy(cache.keys).shape == (2, options.get("num_kv_heads", 4), stop, 2)
+    assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
+    # The last call's weights cover every key so far
+    assert backend.to_numpy(layer.attention_weights).shape == (2, 4, 2, 7)
+
+
+def test_a_cache_that_does_not_fit_is_refused(backend):
+    layer = backend.MultiHeadAttention(
+        8, 4, query_size=8, key_size=8, value_size=8, num_kv_heads=2, dtype="float64"
+    )
+    x = backend.from_numpy(np.zeros((2, 1, 8)))
+    wrong_heads = mha.KVCache(*[backend.from_numpy(np.zeros((2, 4, 3, 2)))] * 2)
+    with pytest.raises(ValueError, match=r"cache\.keys must have shape \(batch_size, num_kv_heads"):
+        layer(x, x, x, cache=wrong_heads)
+    with pytest.raises(TypeError, match="cache must be an mha.KVCache"):
+        layer(x, x, x, cache=(None, None))
+    uneven = mha.KVCache(
+        backend.from_numpy(np.zeros((2, 2, 3, 2))), backend.from_numpy(np.zeros((2, 2, 4, 2)))
+    )
+    with pytest.raises(ValueError, match="the same positions"):
+        layer(x, x, x, cache=uneven)

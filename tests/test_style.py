@@ -28,6 +28,7 @@ MIRRORED = (
     "AdditiveAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "AddNorm",
     "layer_config",
     "read_parameter",

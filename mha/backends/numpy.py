@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mha import validation
+from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
@@ -186,11 +187,12 @@ class _Masks(Masks):
         return _length_mask(valid_lens, self.num_keys)
 
     def causal_mask(self):
-        return np.tri(self.num_queries, self.num_keys, dtype=bool)
+        return np.tri(self.num_queries, self.num_keys, k=self.offset, dtype=bool)
 
     def band_mask(self, width):
-        offsets = np.arange(self.num_queries)[:, None] - np.arange(self.num_keys)[None, :]
-        return np.abs(offsets) < width
+        # Shape of distances: (Q, K), query i being at position offset + i
+        queries = np.arange(self.num_queries)[:, None] + self.offset
+        return np.abs(queries - np.arange(self.num_keys)[None, :]) < width
 
     def windows(self, window_mask):
         return np.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
@@ -402,31 +404,41 @@ class MultiHeadAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, head_mask=None, need_weights=True, attn_bias=None):
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+                cache=None):
+        num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            num_heads=self.num_heads,
+            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", self.W_q.in_features),
                    ("keys", "key_size", self.W_k.in_features),
                    ("values", "value_size", self.W_v.in_features)),
         )
         _check_valid_lens_values(valid_lens)
+        # The positions before this call's: those in the cache
+        offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        masks = _Masks(batch_size, num_queries, num_keys)
+        masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
-        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(self.W_q(queries))
         keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions 0, 1, ...
-            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...
+            queries = self.rotary.rotate(queries, offset)
+            keys = self.rotary.rotate(keys, offset)
+        if cache is not None:
+            # This call's keys and values follow those of the positions before it
+            if cache.keys is not None:
+                keys = np.concatenate([cache.keys, keys], axis=2)
+                values = np.concatenate([cache.values, values], axis=2)
+            cache = KVCache(keys, values)
         if num_kv_heads != self.num_heads:
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             group = self.num_heads // num_kv_heads
@@ -439,7 +451,8 @@ class MultiHeadAttention(Module):
             output = output * head_mask.astype(self.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
-        return self.W_o(output_concat)
+        output = self.W_o(output_concat)
+        return output if cache is None else (output, cache)
 
     def transpose_qkv(self, X: np.ndarray, num_heads: int | None = None) -> np.ndarray:
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
