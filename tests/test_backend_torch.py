@@ -94,21 +94,32 @@ def _window_additive(rng, Q, K, dtype):
 
 
 @pytest.mark.parametrize(
-    "masks",
+    "case",
     [
-        ("mask_3d", "no_weights"),
-        ("mask_4d", "window_mask", "no_weights"),
+        harness.Case("MultiHeadAttention", ("mask_3d", "no_weights")),
+        harness.Case("MultiHeadAttention", ("mask_4d", "window_mask", "no_weights")),
         # A window alone, with lengths above 0, can still empty a row
-        ("valid_lens_2d", "window_bool", "no_weights"),
+        harness.Case("MultiHeadAttention", ("valid_lens_2d", "window_bool", "no_weights")),
+        # Fewer key-value heads than query heads, which the kernel pairs itself (enable_gqa)
+        harness.Case(
+            "MultiHeadAttention",
+            ("valid_lens_1d", "no_weights"),
+            {"num_heads": 4, "num_kv_heads": 2, "sliding_window": 2},
+        ),
     ],
-    ids="+".join,
+    ids=lambda case: case.id,
 )
-def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, masks):
+def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, case):
     """Some SDPA kernels give NaN for a row with no kept key (torch 2.13's CPU kernels give 0):
     under such a kernel the fused path still computes the reference's numbers, zero rows
     included, with finite gradients that match the reference's finite differences."""
 
-    def naive_attention(queries, keys, values, attn_mask=None, dropout_p=0.0, scale=None):
+    def naive_attention(
+        queries, keys, values, attn_mask=None, dropout_p=0.0, scale=None, enable_gqa=False
+    ):
+        if enable_gqa:  # query head h attends with key-value head h // group
+            group = queries.shape[-3] // keys.shape[-3]
+            keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
         scale = queries.shape[-1] ** -0.5 if scale is None else scale
         scores = queries @ keys.transpose(-1, -2) * scale
         if attn_mask is not None and attn_mask.dtype == torch.bool:
@@ -117,7 +128,7 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, masks)
             scores = scores + attn_mask
         return torch.softmax(scores, dim=-1) @ values  # NaN where a row is all -inf
 
-    prepared = harness.prepare(harness.Case("MultiHeadAttention", masks), dtype="float64")
+    prepared = harness.prepare(case, dtype="float64")
     calls = []
 
     def counted(*args, **kwargs):
@@ -419,6 +430,23 @@ def test_self_attention_compiles_into_one_graph(T, torch):
             compiled = torch.compile(layer, fullgraph=True)
             output = compiled(X, X, X, causal=causal, need_weights=False)
         torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
+@pytest.mark.parametrize(
+    "masks", [("self", "valid_lens_1d", "causal"), ("mask_3d", "no_weights")], ids="+".join
+)
+def test_compiled_grouped_rotary_sliding_attention_matches_the_reference(T, torch, masks):
+    # Llama's and Mistral's attention (4 query heads sharing 2 key-value heads, rotary
+    # embeddings, a sliding window), compiled, with and without weights (then the fused
+    # kernel's enable_gqa): the reference's numbers and gradients, as eager gives
+    config = {"num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "sliding_window": 3}
+    prepared = harness.prepare(harness.Case("MultiHeadAttention", masks, config))
+    eager_row, eager = harness.check("torch", prepared)
+    torch._dynamo.reset()
+    row, compiled = harness.check("torch", prepared, transform=torch.compile)
+    assert eager_row.passed and row.passed, (eager_row, row)
+    torch.testing.assert_close(compiled.output, eager.output, atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

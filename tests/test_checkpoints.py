@@ -24,6 +24,10 @@ CONFIG = {
     "out_features": None,
     "scale": None,
     "empty_rows": "zeros",
+    "sliding_window": None,
+    "num_kv_heads": None,
+    "rope_theta": None,
+    "rope_interleaved": False,
 }
 
 

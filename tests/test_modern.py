@@ -220,7 +220,7 @@ def test_a_cache_that_does_not_fit_is_refused(backend):
     wrong_heads = mha.KVCache(*[backend.from_numpy(np.zeros((2, 4, 3, 2)))] * 2)
     with pytest.raises(ValueError, match=r"cache\.keys must have shape \(batch_size, num_kv_heads"):
         layer(x, x, x, cache=wrong_heads)
-    with pytest.raises(TypeError, match="cache must be an mha.KVCache"):
+    with pytest.raises(TypeError, match=r"cache must be an mha\.KVCache"):
         layer(x, x, x, cache=(None, None))
     uneven = mha.KVCache(
         backend.from_numpy(np.zeros((2, 2, 3, 2))), backend.from_numpy(np.zeros((2, 2, 4, 2)))

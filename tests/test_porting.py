@@ -564,7 +564,7 @@ def test_llama_in_float32_with_transformers_own_rotary_embedding():
 def test_convert_a_llama_layer_with_its_config(tmp_path, capsys):
     from safetensors.numpy import save_file
 
-    T, config, model = _decoder_attention("llama")
+    _, config, model = _decoder_attention("llama")
     save_file(
         {key: value.numpy() for key, value in model.state_dict().items()},
         tmp_path / "model.safetensors",

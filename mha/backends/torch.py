@@ -21,7 +21,7 @@ from torch import nn
 
 from mha import validation
 from mha.docstrings import documented
-from mha.encoding import sinusoid_table
+from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
@@ -31,6 +31,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "from_numpy",
     "masked_softmax",
     "to_numpy",
@@ -152,6 +153,11 @@ class _Masks(Masks):
         ones = torch.ones(self.num_queries, self.num_keys, dtype=torch.bool, device=self.device)
         return ones.tril()
 
+    def band_mask(self, width):
+        queries = torch.arange(self.num_queries, device=self.device)
+        keys = torch.arange(self.num_keys, device=self.device)
+        return (queries[:, None] - keys[None, :]).abs() < width
+
     def windows(self, window_mask):
         return window_mask.repeat(self.batch_size // window_mask.shape[0], 1, 1)
 
@@ -253,7 +259,9 @@ def _fused_attention(queries, keys, values, keep, bias, dropout, scale=None):
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
     scores, so keep and bias combine into one float mask when both are given. Its scale, None
-    for 1 / sqrt(d) with d the last axis of the queries, is ours.
+    for 1 / sqrt(d) with d the last axis of the queries, is ours. Keys and values may have
+    fewer heads (axis -3) than the queries, query head h attending with key-value head
+    h // group: its enable_gqa pairs them, or they are repeated first.
     """
     attended = None
     if keep is not None:
@@ -264,8 +272,16 @@ def _fused_attention(queries, keys, values, keep, bias, dropout, scale=None):
     if bias is not None:
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
     dropout_p = dropout.p if dropout.training else 0.0
+    group = queries.shape[-3] // keys.shape[-3] if keys.dim() > 2 else 1
+    # enable_gqa on the CPU, whose fused kernel takes it with a mask too, and elsewhere without
+    # a mask, as Hugging Face's use_gqa_in_sdpa: CUDA's kernels that take a mask do not take
+    # it, and SDPA would fall back to its math kernel
+    enable_gqa = group > 1 and (queries.device.type == "cpu" or attn_mask is None)
+    if group > 1 and not enable_gqa:
+        keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+        enable_gqa=enable_gqa,
     )
     return output if attended is None else torch.where(attended, output, 0.0)
 
@@ -342,10 +358,12 @@ class DotProductAttention(Module):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
-                 empty_rows: str = "zeros", dtype: str = "float32"):
+                 empty_rows: str = "zeros", sliding_window: int | None = None,
+                 dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
-        self.scale, self.empty_rows = scale, empty_rows
+        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows,
+                                                       sliding_window)
+        self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
@@ -358,7 +376,8 @@ class DotProductAttention(Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
@@ -400,12 +419,13 @@ class AdditiveAttention(Module):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
                  key_size: int | None = None, empty_rows: str = "zeros",
-                 dtype: str = "float32"):
+                 sliding_window: int | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
         )
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
+        self.sliding_window = sliding_window
         self.W_q = _linear(num_hiddens, False, query_size, self.dtype)
         self.W_k = _linear(num_hiddens, False, key_size, self.dtype)
         self.w_v = _linear(1, False, num_hiddens, self.dtype)
@@ -423,7 +443,8 @@ class AdditiveAttention(Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -441,7 +462,8 @@ class AdditiveAttention(Module):
 class MultiHeadAttention(Module):
     """Multi-head attention: num_heads scaled dot-product attentions in parallel.
 
-    Without need_weights the attention runs in F.scaled_dot_product_attention.
+    Without need_weights the attention runs in F.scaled_dot_product_attention, which pairs
+    query heads with fewer key-value heads itself (enable_gqa) where its kernels allow.
     """
 
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
@@ -449,20 +471,31 @@ class MultiHeadAttention(Module):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_multihead_args(
             num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows,
+            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
+            rope_theta, rope_interleaved,
         )
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
-        self.empty_rows = empty_rows
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
+        self.rope_interleaved = rope_interleaved
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype)
+        # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
+        head_size = num_hiddens // num_heads
+        kv_hiddens = (num_kv_heads or num_heads) * head_size
+        self.rotary = None if rope_theta is None else RotaryEmbedding(
+            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+        )
         self.W_q = _linear(num_hiddens, bias, query_size, self.dtype)
-        self.W_k = _linear(num_hiddens, bias, key_size, self.dtype)
-        self.W_v = _linear(num_hiddens, bias, value_size, self.dtype)
+        self.W_k = _linear(kv_hiddens, bias, key_size, self.dtype)
+        self.W_v = _linear(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype)
         self.attention_weights = None
@@ -483,12 +516,24 @@ class MultiHeadAttention(Module):
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias)
-        # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
-        # no. of queries or keys, num_hiddens / num_heads)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys))
-        values = self.transpose_qkv(self.W_v(values))
+        keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
+        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        if self.rotary is not None:
+            # Each head's queries and keys turned by their positions 0, 1, ...
+            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+        if num_kv_heads != self.num_heads and (
+            need_weights or _why_not_fused(keys, keep, self.empty_rows) is not None
+        ):
+            # Query head h attends with key-value head h // group, as Llama's repeat_kv
+            # (without weights, attend's fused path pairs them itself: see _fused_attention)
+            group = self.num_heads // num_kv_heads
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
         self.attention_weights = self.attention.attention_weights
@@ -499,9 +544,11 @@ class MultiHeadAttention(Module):
         output_concat = self.transpose_output(output)
         return self.W_o(output_concat)
 
-    def transpose_qkv(self, X: torch.Tensor) -> torch.Tensor:
-        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, self.num_hiddens // self.num_heads)
+    def transpose_qkv(self, X: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
+        num_heads being the layer's unless given."""
+        num_heads = num_heads or self.num_heads
+        X = X.reshape(X.shape[0], X.shape[1], num_heads, self.num_hiddens // self.num_heads)
         return X.permute(0, 2, 1, 3)
 
     def transpose_output(self, X: torch.Tensor) -> torch.Tensor:
@@ -545,6 +592,63 @@ class PositionalEncoding(Module):
         super()._apply(fn, recurse)
         if self.P.dtype != dtype:
             self.P = self._table(self.P.dtype, self.P.device)
+        return self
+
+
+@documented
+class RotaryEmbedding(Module):
+    """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
+    with the position.
+
+    The frequencies are a non-persistent buffer, cast again from float64 by `.to(dtype)`.
+    """
+
+    def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        self.register_buffer("frequencies", self._frequencies(), persistent=False)
+
+    def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        validation.check_rotary_call(
+            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        return self.rotate(X, offset)
+
+    def rotate(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
+        checks). MultiHeadAttention calls this on each head's queries and keys."""
+        # Shape of angles, cos and sin: (n, num_hiddens / 2)
+        positions = torch.arange(offset, offset + X.shape[-2], dtype=self.frequencies.dtype,
+                                 device=X.device)
+        angles = positions[:, None] * self.frequencies[None, :]
+        cos, sin = angles.cos().to(X.dtype), angles.sin().to(X.dtype)
+        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
+        half = self.num_hiddens // 2
+        if self.interleaved:
+            x1, x2 = X[..., 0::2], X[..., 1::2]
+        else:
+            x1, x2 = X[..., :half], X[..., half:]
+        # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if self.interleaved:
+            return torch.stack([y1, y2], dim=-1).reshape(X.shape)
+        return torch.cat([y1, y2], dim=-1)
+
+    def _frequencies(self, device: torch.device | None = None) -> torch.Tensor:
+        # In float64 for a float64 layer, else float32 (mha.encoding.rotary_angle_dtype)
+        frequencies = torch.from_numpy(rotary_frequencies(self.num_hiddens, self.theta))
+        return frequencies.to(device=device, dtype=_TORCH_DTYPES[rotary_angle_dtype(self.dtype)])
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) / .double() / .half() would cast the frequencies with the layer (float16
+        # ones, or float32 values in float64): cast the float64 ones again to the angles' dtype
+        dtype = self.dtype
+        super()._apply(fn, recurse)
+        if self.dtype != dtype:
+            self.frequencies = self._frequencies(self.frequencies.device)
         return self
 
 
