@@ -375,6 +375,53 @@ def test_tf_function(TF, tf, jit_compile):
     )
 
 
+def test_grouped_rotary_sliding_attention_compiles_and_saves(TF, tf, tmp_path):
+    import keras
+
+    # Two key-value heads for four query heads, rotary embeddings and a sliding window
+    options = {"num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "sliding_window": 2}
+    numpy_layer, layer = make_pair(TF, "MultiHeadAttention", "float32", **options)
+    queries, keys, values = inputs("float32", K, K)
+    valid_lens = np.array([0, 2, 5, 4], np.int32)
+    expected = TF.to_numpy(layer(queries, keys, values, valid_lens, causal=True))
+    assert_agrees(expected, numpy_layer(queries, keys, values, valid_lens, causal=True), "float32")
+
+    # XLA compiles the rotation and the repeated heads to the eager numbers
+    compiled = tf.function(lambda *args: layer(*args, causal=True), jit_compile=True)
+    assert_agrees(TF.to_numpy(compiled(queries, keys, values, valid_lens)), expected, "float32")
+
+    # A .keras file keeps the options and the weights
+    symbols = [
+        keras.Input((K, D)),
+        keras.Input((K, D)),
+        keras.Input((K, V)),
+        keras.Input((), dtype="int32"),
+    ]
+    model = keras.Model(symbols, layer(*symbols, causal=True))
+    path = tmp_path / "grouped.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path).layers[-1]
+    assert type(loaded) is TF.MultiHeadAttention
+    assert loaded.get_config() == layer.get_config()
+    assert TF.layer_config(loaded)["num_kv_heads"] == 2
+    np.testing.assert_array_equal(
+        TF.to_numpy(loaded(queries, keys, values, valid_lens, causal=True)), expected
+    )
+
+    # RotaryEmbedding alone: its config rebuilds the same layer
+    rotary = TF.RotaryEmbedding(6, 500000.0, interleaved=True, dtype="float64", name="rope")
+    clone = TF.RotaryEmbedding.from_config(rotary.get_config())
+    assert TF.layer_config(clone) == TF.layer_config(rotary)
+    assert clone.name == "rope"
+    X = np.random.default_rng(3).standard_normal((B, 2, Q, 6))
+    np.testing.assert_array_equal(TF.to_numpy(clone(X, offset=4)), TF.to_numpy(rotary(X, 4)))
+    assert_agrees(
+        TF.to_numpy(clone(X, offset=4)),
+        reference.RotaryEmbedding(6, 500000.0, interleaved=True, dtype="float64")(X, 4),
+        "float64",
+    )
+
+
 def test_keras_configured_for_another_backend(TF):
     # A fresh interpreter: Keras reads KERAS_BACKEND once, at its first import
     code = (

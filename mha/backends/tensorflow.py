@@ -31,7 +31,7 @@ import numpy as np
 
 from mha import validation
 from mha.docstrings import documented
-from mha.encoding import sinusoid_table
+from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
@@ -58,6 +58,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "from_numpy",
     "masked_softmax",
     "to_numpy",
@@ -163,6 +164,10 @@ class _Masks(Masks):
 
     def causal_mask(self):
         return tf.range(self.num_queries)[:, None] >= tf.range(self.num_keys)[None, :]
+
+    def band_mask(self, width):
+        offsets = tf.range(self.num_queries)[:, None] - tf.range(self.num_keys)[None, :]
+        return tf.abs(offsets) < width
 
     def windows(self, window_mask):
         return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
@@ -280,10 +285,12 @@ class DotProductAttention(_AttentionLayer):
     """
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
-                 empty_rows: str = "zeros", dtype: str = "float32", **kwargs):
-        dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
+                 empty_rows: str = "zeros", sliding_window: int | None = None,
+                 dtype: str = "float32", **kwargs):
+        dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows,
+                                                  sliding_window)
         super().__init__(dtype=dtype, **kwargs)
-        self.scale, self.empty_rows = scale, empty_rows
+        self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
         self.attention_weights = None
         self.built = True  # no weights
@@ -306,7 +313,8 @@ class DotProductAttention(_AttentionLayer):
              window_mask=None, attn_bias=None, training=None):
         batch_size, num_queries, _ = _dims(queries)
         masks = _Masks(batch_size, num_queries, _dims(keys)[1])
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias, training=training)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
@@ -343,13 +351,14 @@ class AdditiveAttention(_AttentionLayer):
     """
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
-                 key_size: int | None = None, empty_rows: str = "zeros", dtype: str = "float32",
-                 **kwargs):
+                 key_size: int | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, dtype: str = "float32", **kwargs):
         dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
         )
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
+        self.sliding_window = sliding_window
         self.W_q = _projection(num_hiddens, False, query_size, dtype)
         self.W_k = _projection(num_hiddens, False, key_size, dtype)
         self.w_v = _projection(1, False, num_hiddens, dtype)
@@ -383,7 +392,8 @@ class AdditiveAttention(_AttentionLayer):
              window_mask=None, attn_bias=None, training=None):
         batch_size, num_queries, _ = _dims(queries)
         masks = _Masks(batch_size, num_queries, _dims(keys)[1])
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -414,20 +424,31 @@ class MultiHeadAttention(_AttentionLayer):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32", **kwargs):
         dtype = validation.check_multihead_args(
             num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows,
+            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
+            rope_theta, rope_interleaved,
         )
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
-        self.empty_rows = empty_rows
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
+        self.rope_interleaved = rope_interleaved
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=dtype)
+        # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
+        head_size = num_hiddens // num_heads
+        kv_hiddens = (num_kv_heads or num_heads) * head_size
+        self.rotary = None if rope_theta is None else RotaryEmbedding(
+            head_size, rope_theta, interleaved=rope_interleaved, dtype=dtype
+        )
         self.W_q = _projection(num_hiddens, bias, query_size, dtype)
-        self.W_k = _projection(num_hiddens, bias, key_size, dtype)
-        self.W_v = _projection(num_hiddens, bias, value_size, dtype)
+        self.W_k = _projection(kv_hiddens, bias, key_size, dtype)
+        self.W_v = _projection(kv_hiddens, bias, value_size, dtype)
         self.W_o = _projection(out_features or num_hiddens,
                                bias if out_bias is None else out_bias, num_hiddens, dtype)
         self.attention_weights = None
@@ -469,13 +490,21 @@ class MultiHeadAttention(_AttentionLayer):
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, _dims(keys)[1])
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
-        # num_hiddens / num_heads)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # num_hiddens / num_heads); keys and values have num_kv_heads heads
         # The projections call the Dense kernels directly (see _apply_dense)
+        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(_apply_dense(self.W_q, queries))
-        keys = self.transpose_qkv(_apply_dense(self.W_k, keys))
-        values = self.transpose_qkv(_apply_dense(self.W_v, values))
+        keys = self.transpose_qkv(_apply_dense(self.W_k, keys), num_kv_heads)
+        values = self.transpose_qkv(_apply_dense(self.W_v, values), num_kv_heads)
+        if self.rotary is not None:
+            # Each head's queries and keys turned by their positions 0, 1, ...
+            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+        if num_kv_heads != self.num_heads:
+            # Query head h attends with key-value head h // group, as Llama's repeat_kv
+            group = self.num_heads // num_kv_heads
+            keys, values = tf.repeat(keys, group, axis=1), tf.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights,
                                        training=training)
@@ -487,10 +516,12 @@ class MultiHeadAttention(_AttentionLayer):
         output_concat = self.transpose_output(output)
         return _apply_dense(self.W_o, output_concat)
 
-    def transpose_qkv(self, X: tf.Tensor) -> tf.Tensor:
-        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
+    def transpose_qkv(self, X: tf.Tensor, num_heads: int | None = None) -> tf.Tensor:
+        """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
+        num_heads being the layer's unless given."""
+        num_heads = num_heads or self.num_heads
         batch_size, n, _ = _dims(X)
-        X = tf.reshape(X, [batch_size, n, self.num_heads, self.num_hiddens // self.num_heads])
+        X = tf.reshape(X, [batch_size, n, num_heads, self.num_hiddens // self.num_heads])
         return tf.transpose(X, [0, 2, 1, 3])
 
     def transpose_output(self, X: tf.Tensor) -> tf.Tensor:
@@ -532,6 +563,63 @@ class PositionalEncoding(keras.layers.Layer):
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
         X = X + self.P[:, : _dims(X)[1], :]
         return self.dropout(X, training=training)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+@documented
+@keras.utils.register_keras_serializable(package="mha")
+class RotaryEmbedding(keras.layers.Layer):
+    """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
+    with the position.
+
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable); `offset` is a
+    Python int.
+    """
+
+    def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 dtype: str = "float32", **kwargs):
+        dtype = validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        super().__init__(dtype=dtype, **kwargs)
+        self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+        self.supports_masking = True  # a Keras padding mask on X passes through
+        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        angle_dtype = rotary_angle_dtype(dtype)
+        self.frequencies = tf.cast(tf.constant(rotary_frequencies(num_hiddens, theta)),
+                                   angle_dtype)
+        self.built = True  # the frequencies are a constant, not a weight
+
+    def __call__(self, X, offset=0):
+        validation.check_rotary_call(
+            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        (X,) = _as_tensors(X)
+        return super().__call__(X, offset=offset)
+
+    def call(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
+        return self.rotate(X, offset)
+
+    def rotate(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
+        """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
+        checks). MultiHeadAttention calls this on each head's queries and keys."""
+        # Shape of angles, cos and sin: (n, num_hiddens / 2)
+        n = _dims(X)[-2]
+        positions = tf.cast(tf.range(offset, offset + n), self.frequencies.dtype)
+        angles = positions[:, None] * self.frequencies[None, :]
+        cos, sin = tf.cast(tf.cos(angles), X.dtype), tf.cast(tf.sin(angles), X.dtype)
+        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
+        half = self.num_hiddens // 2
+        if self.interleaved:
+            x1, x2 = X[..., 0::2], X[..., 1::2]
+        else:
+            x1, x2 = X[..., :half], X[..., half:]
+        # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if self.interleaved:
+            # (..., n, num_hiddens / 2, 2) -> (..., n, num_hiddens), pairs side by side again
+            return tf.reshape(tf.stack([y1, y2], axis=-1), _dims(X))
+        return tf.concat([y1, y2], axis=-1)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **layer_config(self)}
