@@ -121,6 +121,72 @@ def test_jax_jit_over_split_and_merge(J, jax, nnx):
     )
 
 
+def test_grouped_rotary_sliding_attention_under_nnx_jit(J, jax, nnx):
+    # Llama-like: 4 query heads sharing 2 key-value heads, rotary embeddings, and a window
+    config = {"num_kv_heads": 2, "rope_theta": 10000.0, "sliding_window": 3, "bias": True}
+    reference = N.MultiHeadAttention(
+        D, 4, query_size=D, key_size=D, value_size=D, dtype="float64", **config
+    )
+    layer = J.MultiHeadAttention(D, 4, dtype="float64", **config)
+    mha.set_weights(layer, mha.get_weights(reference))
+    assert mha.get_weights(layer)["W_k"].shape == (D, D // 2)
+    q, k, v = inputs()
+    lens = np.array([5, 2])
+    x = tuple(map(J.from_numpy, (q, k, v)))
+
+    def loss(layer, q, lens):
+        return (layer(q, *x[1:], valid_lens=lens, causal=True) ** 2).sum()
+
+    eager = J.to_numpy(layer(*x, valid_lens=J.from_numpy(lens), causal=True))
+    expected = reference(q, k, v, valid_lens=lens, causal=True)
+    np.testing.assert_allclose(eager, expected, rtol=0, atol=1e-12)
+    eager_grads = nnx.grad(loss, argnums=(0, 1))(layer, x[0], J.from_numpy(lens))
+
+    @nnx.jit
+    def run(layer, q, k, v, lens):
+        return layer(q, k, v, valid_lens=lens, causal=True)
+
+    output = run(layer, *x, J.from_numpy(lens))
+    np.testing.assert_allclose(J.to_numpy(output), eager, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        J.to_numpy(layer.attention_weights), reference.attention_weights, atol=1e-12
+    )
+    jit_grads = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x[0], J.from_numpy(lens))
+    for got, want in zip(
+        jax.tree_util.tree_leaves(jit_grads), jax.tree_util.tree_leaves(eager_grads), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
+
+
+def test_rotary_embedding_under_jit_at_two_offsets(J, jax, nnx):
+    X = np.random.default_rng(2).standard_normal((B, H, Q, D))
+    for interleaved in (False, True):
+        reference = N.RotaryEmbedding(D, 100.0, interleaved=interleaved, dtype="float64")
+        layer = J.RotaryEmbedding(D, 100.0, interleaved=interleaved, dtype="float64")
+        # offset is a Python int: static under jit, one compilation per offset
+        rotate = nnx.jit(lambda layer, X, offset: layer(X, offset), static_argnums=2)
+        for offset in (0, 5):
+            np.testing.assert_allclose(
+                J.to_numpy(rotate(layer, J.from_numpy(X), offset)),
+                reference(X, offset),
+                rtol=0,
+                atol=1e-12,
+            )
+        # The frequencies are a constant, not state
+        assert jax.tree_util.tree_leaves(nnx.state(layer)) == []
+
+
+def test_constant_tables_first_made_under_jit_stay_concrete(J, nnx):
+    # A size met first inside jit: the cached table and frequencies are arrays, not tracers
+    X = J.from_numpy(np.ones((1, 3, 6)))
+    for layer in (
+        J.PositionalEncoding(6, max_len=37, dtype="float64"),
+        J.RotaryEmbedding(6, 37.0, dtype="float64"),
+    ):
+        jitted = nnx.jit(lambda layer, X: layer(X))(layer, X)
+        np.testing.assert_allclose(J.to_numpy(layer(X)), J.to_numpy(jitted), rtol=0, atol=1e-12)
+
+
 def test_every_layer_runs_under_nnx_jit(J, nnx):
     rng = np.random.default_rng(1)
     X = rng.standard_normal((B, Q, D))

@@ -32,7 +32,7 @@ from flax import nnx
 
 from mha import validation
 from mha.docstrings import documented
-from mha.encoding import sinusoid_table
+from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
@@ -42,6 +42,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "from_numpy",
     "masked_softmax",
     "to_numpy",
@@ -179,6 +180,10 @@ class _Masks(Masks):
     def causal_mask(self):
         return jnp.tri(self.num_queries, self.num_keys, dtype=bool)
 
+    def band_mask(self, width):
+        offsets = jnp.arange(self.num_queries)[:, None] - jnp.arange(self.num_keys)[None, :]
+        return jnp.abs(offsets) < width
+
     def windows(self, window_mask):
         return jnp.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
 
@@ -255,12 +260,13 @@ class DotProductAttention(nnx.Module):
 
     def __init__(
         self, dropout: float = 0.0, *, scale: float | None = None, empty_rows: str = "zeros",
-        dtype: str = "float32", rngs: nnx.Rngs | None = None
+        sliding_window: int | None = None, dtype: str = "float32",
+        rngs: nnx.Rngs | None = None
     ):
         self.dtype = _checked_dtype(
-            validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
+            validation.check_dot_product_args(dropout, dtype, scale, empty_rows, sliding_window)
         )
-        self.scale, self.empty_rows = scale, empty_rows
+        self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
         self.attention_weights = nnx.data(None)
 
@@ -282,7 +288,8 @@ class DotProductAttention(nnx.Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
@@ -318,16 +325,18 @@ class AdditiveAttention(nnx.Module):
         query_size: int | None = None,
         key_size: int | None = None,
         empty_rows: str = "zeros",
+        sliding_window: int | None = None,
         dtype: str = "float32",
         rngs: nnx.Rngs | None = None,
     ):
         self.dtype = _checked_dtype(
             validation.check_additive_args(
-                num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+                num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
             )
         )
         rngs = _rngs(rngs)
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
+        self.sliding_window = sliding_window
         self.W_q = _Linear(num_hiddens, False, query_size, self.dtype, rngs)
         self.W_k = _Linear(num_hiddens, False, key_size, self.dtype, rngs)
         self.w_v = _Linear(1, False, num_hiddens, self.dtype, rngs)
@@ -355,7 +364,8 @@ class AdditiveAttention(nnx.Module):
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
-        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -391,25 +401,38 @@ class MultiHeadAttention(nnx.Module):
         out_features: int | None = None,
         scale: float | None = None,
         empty_rows: str = "zeros",
+        sliding_window: int | None = None,
+        num_kv_heads: int | None = None,
+        rope_theta: float | None = None,
+        rope_interleaved: bool = False,
         dtype: str = "float32",
         rngs: nnx.Rngs | None = None,
     ):
         self.dtype = _checked_dtype(
             validation.check_multihead_args(
                 num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-                out_bias, out_features, scale, empty_rows,
+                out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
+                rope_theta, rope_interleaved,
             )
         )
         rngs = _rngs(rngs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
-        self.empty_rows = empty_rows
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
+        self.rope_interleaved = rope_interleaved
         self.attention = DotProductAttention(
             dropout, scale=scale, empty_rows=empty_rows, dtype=self.dtype, rngs=rngs
         )
+        # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
+        head_size = num_hiddens // num_heads
+        kv_hiddens = (num_kv_heads or num_heads) * head_size
+        self.rotary = None if rope_theta is None else RotaryEmbedding(
+            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+        )
         self.W_q = _Linear(num_hiddens, bias, query_size, self.dtype, rngs)
-        self.W_k = _Linear(num_hiddens, bias, key_size, self.dtype, rngs)
-        self.W_v = _Linear(num_hiddens, bias, value_size, self.dtype, rngs)
+        self.W_k = _Linear(kv_hiddens, bias, key_size, self.dtype, rngs)
+        self.W_v = _Linear(kv_hiddens, bias, value_size, self.dtype, rngs)
         self.W_o = _Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype, rngs)
 
@@ -451,12 +474,20 @@ class MultiHeadAttention(nnx.Module):
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias)
-        # Shape of queries, keys, values after transpose_qkv: (batch_size, num_heads,
-        # no. of queries or keys, num_hiddens / num_heads)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys))
-        values = self.transpose_qkv(self.W_v(values))
+        keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
+        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        if self.rotary is not None:
+            # Each head's queries and keys turned by their positions 0, 1, ...
+            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+        if num_kv_heads != self.num_heads:
+            # Query head h attends with key-value head h // group, as Llama's repeat_kv
+            group = self.num_heads // num_kv_heads
+            keys, values = jnp.repeat(keys, group, axis=1), jnp.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
         if head_mask is not None:
@@ -475,9 +506,11 @@ class MultiHeadAttention(nnx.Module):
     def attention_weights(self, weights: jax.Array | None) -> None:
         self.attention.attention_weights = weights
 
-    def transpose_qkv(self, X: jax.Array) -> jax.Array:
-        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = X.reshape(X.shape[0], X.shape[1], self.num_heads, self.num_hiddens // self.num_heads)
+    def transpose_qkv(self, X: jax.Array, num_heads: int | None = None) -> jax.Array:
+        """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
+        num_heads being the layer's unless given."""
+        num_heads = num_heads or self.num_heads
+        X = X.reshape(X.shape[0], X.shape[1], num_heads, self.num_hiddens // self.num_heads)
         return X.transpose(0, 2, 1, 3)
 
     def transpose_output(self, X: jax.Array) -> jax.Array:
@@ -523,8 +556,72 @@ class PositionalEncoding(nnx.Module):
 
 @functools.cache
 def _table(max_len: int, num_hiddens: int, dtype: str) -> jax.Array:
-    # Computed in float64 and cast once, per size and dtype
-    return jnp.asarray(sinusoid_table(max_len, num_hiddens).astype(dtype))
+    # Computed in float64 and cast once, per size and dtype; a concrete array even when first
+    # asked for under jit, so that the cache never keeps a tracer
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(sinusoid_table(max_len, num_hiddens).astype(dtype))
+
+
+@documented
+class RotaryEmbedding(nnx.Module):
+    """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
+    with the position.
+
+    The frequencies are a constant of the layer's size, base and dtype, not part of its state;
+    the layer has no weights and no randomness.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        theta: float = 10000.0,
+        *,
+        interleaved: bool = False,
+        dtype: str = "float32",
+    ):
+        self.dtype = _checked_dtype(
+            validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        )
+        self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+
+    @property
+    def frequencies(self) -> jax.Array:
+        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        return _frequencies(self.num_hiddens, self.theta, self.dtype)
+
+    def __call__(self, X: jax.Array, offset: int = 0) -> jax.Array:
+        validation.check_rotary_call(
+            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        return self.rotate(X, offset)
+
+    def rotate(self, X: jax.Array, offset: int = 0) -> jax.Array:
+        """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
+        checks). MultiHeadAttention calls this on each head's queries and keys."""
+        # Shape of angles, cos and sin: (n, num_hiddens / 2)
+        positions = jnp.arange(offset, offset + X.shape[-2], dtype=self.frequencies.dtype)
+        angles = positions[:, None] * self.frequencies[None, :]
+        cos, sin = jnp.cos(angles).astype(X.dtype), jnp.sin(angles).astype(X.dtype)
+        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
+        half = self.num_hiddens // 2
+        if self.interleaved:
+            x1, x2 = X[..., 0::2], X[..., 1::2]
+        else:
+            x1, x2 = X[..., :half], X[..., half:]
+        # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if self.interleaved:
+            return jnp.stack([y1, y2], axis=-1).reshape(X.shape)
+        return jnp.concatenate([y1, y2], axis=-1)
+
+
+@functools.cache
+def _frequencies(num_hiddens: int, theta: float, dtype: str) -> jax.Array:
+    # Computed in float64 and cast once to the angles' dtype (float64 for float64 layers, else
+    # float32), concrete as _table's
+    with jax.ensure_compile_time_eval():
+        angle_dtype = rotary_angle_dtype(dtype)
+        return jnp.asarray(rotary_frequencies(num_hiddens, theta).astype(angle_dtype))
 
 
 @documented
