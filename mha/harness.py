@@ -1109,7 +1109,8 @@ def _error_table() -> dict[str, ErrorCase]:
         "rotary offset negative": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4), offset=-1),
         "rotary offset float": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4), offset=1.0),
         "gqa value_size mismatch": call(
-            ("MultiHeadAttention", (8, 4), {"num_kv_heads": 2, "value_size": 6}), *qkv[:2],
+            ("MultiHeadAttention", (8, 4), {"num_kv_heads": 2, "value_size": 6}),
+            *qkv[:2],
             f(B, K, 5),
         ),
         # mha.set_weights: every problem listed, with the layer's config (sizes inferred so

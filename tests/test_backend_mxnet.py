@@ -125,8 +125,8 @@ def test_positional_encoding_table_is_a_cast_constant(MX, mx):
 
 
 def test_float16_runs_and_stays_close(MX):
-    # AddNorm and PositionalEncoding only: MXNet 1.9.1 has float16 matmul and FullyConnected
-    # on GPU only, so the attention layers in float16 need a GPU context
+    # AddNorm, PositionalEncoding and RotaryEmbedding only: MXNet 1.9.1 has float16 matmul and
+    # FullyConnected on GPU only, so the attention layers in float16 need a GPU context
     X = np.random.default_rng(6).standard_normal((B, Q, D))
     add_norm = MX.AddNorm(D, dtype="float16")
     output = add_norm(MX.from_numpy(X.astype("float16")), MX.from_numpy(X.astype("float16")))
@@ -137,6 +137,11 @@ def test_float16_runs_and_stays_close(MX):
     output = encoding(MX.from_numpy(X.astype("float16")))
     expected = NP.PositionalEncoding(D, dtype="float64")(X)
     np.testing.assert_allclose(MX.to_numpy(output), expected, atol=1e-2)
+    rotary = MX.RotaryEmbedding(D, dtype="float16")
+    output = rotary(MX.from_numpy(X.astype("float16")), offset=1000)
+    assert output.dtype == np.float16
+    expected = NP.RotaryEmbedding(D, dtype="float64")(X, 1000)
+    np.testing.assert_allclose(MX.to_numpy(output), expected, atol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,7 +149,8 @@ def test_float16_runs_and_stays_close(MX):
 
 
 # Every structure of call a hybridized block traces: each mask kind, lengths, a window of each
-# kind, head masks, need_weights, self-attention; and PositionalEncoding and AddNorm
+# kind, head masks, need_weights, self-attention, sliding windows, grouped-query attention with
+# rotary embeddings; and PositionalEncoding, RotaryEmbedding and AddNorm
 HYBRID_CASES = [
     harness.Case("DotProductAttention", ("valid_lens_2d", "mask_3d", "window_mask")),
     harness.Case(
@@ -170,7 +176,14 @@ HYBRID_CASES = [
         "MultiHeadAttention",
         ("self", "valid_lens_2d", "causal", "window_mask", "head_mask", "no_weights"),
     ),
+    harness.Case("DotProductAttention", ("valid_lens_1d",), {"sliding_window": 2}),
+    harness.Case(
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {"num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "sliding_window": 2},
+    ),
     harness.Case("PositionalEncoding"),
+    harness.Case("RotaryEmbedding", ("offset",), {"interleaved": True}),
     harness.Case("AddNorm", ("rank_4",), {"eps": 1e-3}),
 ]
 
@@ -232,6 +245,60 @@ def test_hybridized_layer_traces_a_repeated_structure_of_call_once(MX, mx):
     hybrid.hybridize()
     call(hybrid, cases[-1], True)  # the last structure again: traced anew after hybridize()
     assert len(traces) == len(cases) * 2 + 1
+
+
+def test_hybridized_modern_attention_and_rotary_embedding(MX, mx):
+    # Grouped-query attention (4 query heads, 2 key-value heads) with rotary embeddings and a
+    # sliding window: the graph gives the imperative layer's numbers, and under
+    # autograd.record its gradients (valid_lens with a sliding window is not the fused
+    # length-masked path). The rotary frequencies are no Parameter, and a hybridized
+    # RotaryEmbedding takes its offset as an input: two offsets, one graph, numpy's numbers.
+    options = {"num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "sliding_window": 2}
+    imperative, reference = pair(MX, "MultiHeadAttention", "float64", **options)
+    hybrid, _ = pair(MX, "MultiHeadAttention", "float64", **options)
+    hybrid.hybridize()
+    assert isinstance(hybrid.rotary, MX.RotaryEmbedding) and "rotary" in hybrid._children
+    assert {p.split("_")[-1] for p in hybrid.collect_params()} == {"weight", "bias"}
+    args = inputs("float64")
+    kwargs = {"valid_lens": np.array([0, 1, 4, 5])}
+    expected = reference(*args, **kwargs)
+    results = []
+    for layer in (imperative, hybrid):
+        tensors = [MX.from_numpy(a) for a in args]
+        for tensor in tensors:
+            tensor.attach_grad()
+        with mx.autograd.record():
+            output = layer(*tensors, **to_mx(MX, kwargs))
+            (output * output).sum().backward()
+        grads = [MX.to_numpy(t.grad) for t in tensors]
+        grads += [MX.to_numpy(getattr(layer, k).weight.grad()) for k in ("W_q", "W_k", "W_v")]
+        assert_agrees(MX.to_numpy(output), expected, "float64")
+        results.append((MX.to_numpy(output), grads))
+    assert hybrid._cached_op is not None  # the graph really ran
+    (output, grads), (hybrid_output, hybrid_grads) = results
+    np.testing.assert_allclose(hybrid_output, output, rtol=0, atol=1e-12)
+    for actual, wanted in zip(hybrid_grads, grads, strict=True):
+        np.testing.assert_allclose(actual, wanted, rtol=0, atol=1e-12)
+    assert np.abs(grads[2]).max() > 0  # the values' gradient is not trivially zero
+    # RotaryEmbedding: a (batch, heads, n, num_hiddens) input at two offsets
+    X = np.random.default_rng(5).standard_normal((2, 3, 4, D))
+
+    def traced(block):
+        traces = []
+        trace = block.hybrid_forward
+        block.hybrid_forward = lambda F, *args: traces.append(F) or trace(F, *args)
+        return traces
+
+    for interleaved in (False, True):
+        rotary = MX.RotaryEmbedding(D, 100.0, interleaved=interleaved, dtype="float64")
+        rotary.hybridize()
+        assert len(rotary.collect_params().keys()) == 0
+        traces = traced(rotary)
+        numpy_rotary = NP.RotaryEmbedding(D, 100.0, interleaved=interleaved, dtype="float64")
+        for offset in (0, 7):
+            actual = MX.to_numpy(rotary(MX.from_numpy(X), offset=offset))
+            assert_agrees(actual, numpy_rotary(X, offset), "float64")
+        assert traces == [mx.sym]  # one graph, traced once, serves both offsets
 
 
 def test_hybridized_lazy_layer_infers_sizes(MX):
@@ -377,11 +444,18 @@ def test_layer_config_of_every_layer(MX):
         "dtype": "float64",
         "scale": None,
         "empty_rows": "zeros",
+        "sliding_window": None,
     }
     assert MX.layer_config(MX.PositionalEncoding(6, 0.1, 20)) == {
         "num_hiddens": 6,
         "dropout": 0.1,
         "max_len": 20,
+        "dtype": "float32",
+    }
+    assert MX.layer_config(MX.RotaryEmbedding(6, 500000.0, interleaved=True)) == {
+        "num_hiddens": 6,
+        "theta": 500000.0,
+        "interleaved": True,
         "dtype": "float32",
     }
     assert MX.layer_config(MX.AddNorm(6, eps=1e-3)) == {

@@ -23,7 +23,8 @@ need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Bloc
 hybridized block checks valid_lens values before running the graph, as the imperative one does.
 
 float16: MXNet 1.9.1 has float16 matmul and FullyConnected on GPU only, so the attention
-layers run in float16 on a GPU context; AddNorm and PositionalEncoding run on CPU too.
+layers run in float16 on a GPU context; AddNorm, PositionalEncoding and RotaryEmbedding run on
+CPU too.
 
 Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
 keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
@@ -47,7 +48,7 @@ from mxnet.gluon import nn
 
 from mha import validation
 from mha.docstrings import documented
-from mha.encoding import sinusoid_table
+from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
@@ -57,6 +58,7 @@ __all__ = [
     "DotProductAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "RotaryEmbedding",
     "from_numpy",
     "masked_softmax",
     "to_numpy",
@@ -124,13 +126,14 @@ class _Call(NamedTuple):
     need_weights: bool = True
     attn_bias_ndim: int | None = None
     empty_rows: str = "zeros"  # the layer's: the fast paths a row with no key allows
+    sliding_window: int | None = None  # the layer's: the width of its band of keys
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
-                    empty_rows="zeros") -> _Call:
+                    empty_rows="zeros", sliding_window=None) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -143,6 +146,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         need_weights=need_weights,
         attn_bias_ndim=None if attn_bias is None else attn_bias.ndim,
         empty_rows=empty_rows,
+        sliding_window=sliding_window,
         recording=mx.autograd.is_recording(),
     )
 
@@ -275,6 +279,10 @@ class _Masks(Masks):
         self.attn_bias = attn_bias
 
     @functools.cached_property
+    def query_positions(self):
+        return _positions(self.F, self.queries, 1, self.call.dtype)
+
+    @functools.cached_property
     def key_positions(self):
         return _positions(self.F, self.keys, 1, self.call.dtype)
 
@@ -283,8 +291,11 @@ class _Masks(Masks):
         return _length_mask(self.F, valid_lens, ndim, self.key_positions, dtype)
 
     def causal_mask(self):
-        query_positions = _positions(self.F, self.queries, 1, self.call.dtype)
-        return self.F.np.expand_dims(query_positions, -1) >= self.key_positions
+        return self.F.np.expand_dims(self.query_positions, -1) >= self.key_positions
+
+    def band_mask(self, width):
+        offsets = self.F.np.expand_dims(self.query_positions, -1) - self.key_positions
+        return self.F.np.abs(offsets) < width
 
     def windows(self, window_mask):
         batch_positions = _positions(self.F, self.queries, 0, self.call.dtype)
@@ -334,7 +345,8 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
     masks = _Masks(F, queries, keys, call, attn_bias)
-    return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias)
+    return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias,
+                         sliding_window=call.sliding_window)
 
 
 def _by_lengths(valid_lens, call: _Call) -> bool:
@@ -345,6 +357,7 @@ def _by_lengths(valid_lens, call: _Call) -> bool:
         and call.mask_ndim is None  # no other mask to combine with the lengths
         and not call.causal
         and call.num_windows is None
+        and call.sliding_window is None  # a band of keys is another mask
         and call.attn_bias_ndim is None  # its -inf entries are a mask, and it adds to the scores
         and call.empty_rows == "zeros"  # npx.softmax makes a row of length 0 all 0, not uniform
     )
@@ -475,10 +488,12 @@ class DotProductAttention(Layer):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
-                 empty_rows: str = "zeros", dtype: str = "float32"):
+                 empty_rows: str = "zeros", sliding_window: int | None = None,
+                 dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows)
-        self.scale, self.empty_rows = scale, empty_rows
+        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows,
+                                                       sliding_window)
+        self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
@@ -495,7 +510,8 @@ class DotProductAttention(Layer):
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
-                               window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows)
+                               window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows,
+                               sliding_window=self.sliding_window)
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
@@ -533,12 +549,13 @@ class AdditiveAttention(Layer):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
                  key_size: int | None = None, empty_rows: str = "zeros",
-                 dtype: str = "float32"):
+                 sliding_window: int | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
         )
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
+        self.sliding_window = sliding_window
         self.W_q = _dense(num_hiddens, False, query_size, self.dtype)
         self.W_k = _dense(num_hiddens, False, key_size, self.dtype)
         self.w_v = _dense(1, False, num_hiddens, self.dtype)
@@ -561,7 +578,8 @@ class AdditiveAttention(Layer):
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask,
-                               attn_bias=attn_bias, empty_rows=self.empty_rows)
+                               attn_bias=attn_bias, empty_rows=self.empty_rows,
+                               sliding_window=self.sliding_window)
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
@@ -591,20 +609,31 @@ class MultiHeadAttention(Layer):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_multihead_args(
             num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows,
+            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
+            rope_theta, rope_interleaved,
         )
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
-        self.empty_rows = empty_rows
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
+        self.rope_interleaved = rope_interleaved
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype)
+        # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
+        head_size = num_hiddens // num_heads
+        kv_hiddens = (num_kv_heads or num_heads) * head_size
+        self.rotary = None if rope_theta is None else RotaryEmbedding(
+            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+        )
         self.W_q = _dense(num_hiddens, bias, query_size, self.dtype)
-        self.W_k = _dense(num_hiddens, bias, key_size, self.dtype)
-        self.W_v = _dense(num_hiddens, bias, value_size, self.dtype)
+        self.W_k = _dense(kv_hiddens, bias, key_size, self.dtype)
+        self.W_v = _dense(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = _dense(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
         self.attention_weights = None
@@ -631,26 +660,38 @@ class MultiHeadAttention(Layer):
             return _empty(queries, 0, queries.shape[1], self.out_features or self.num_hiddens)
         call = _call_structure(self.dtype, self.num_hiddens // self.num_heads, valid_lens,
                                mask, causal, window_mask, head_mask, need_weights, attn_bias,
-                               self.empty_rows)
-        outputs = self._run(
-            call, queries, keys, values, valid_lens, mask, window_mask, head_mask, attn_bias
-        )
+                               self.empty_rows, self.sliding_window)
+        # The rotary frequencies reach a traced graph as an input, on the queries' context
+        frequencies = None
+        if self.rotary is not None:
+            frequencies = self.rotary.frequencies.as_in_context(queries.ctx)
+        outputs = self._run(call, queries, keys, values, valid_lens, mask, window_mask,
+                            head_mask, attn_bias, frequencies)
         output, weights = outputs if need_weights else (outputs, None)
         self.attention_weights = self.attention.attention_weights = weights
         return output
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
-                       head_mask, attn_bias):
+                       head_mask, attn_bias, frequencies):
         call = self._structure
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
                                       attn_bias, call, multihead=True, num_heads=self.num_heads)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries or keys,
-        # num_hiddens / num_heads)
+        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(F, self.W_q(queries))
-        keys = self.transpose_qkv(F, self.W_k(keys))
-        values = self.transpose_qkv(F, self.W_v(values))
+        keys = self.transpose_qkv(F, self.W_k(keys), num_kv_heads)
+        values = self.transpose_qkv(F, self.W_v(values), num_kv_heads)
+        if self.rotary is not None:
+            # Each head's queries and keys turned by their positions 0, 1, ...
+            queries = self.rotary.rotate(F, queries, frequencies=frequencies)
+            keys = self.rotary.rotate(F, keys, frequencies=frequencies)
+        if num_kv_heads != self.num_heads:
+            # Query head h attends with key-value head h // group, as Llama's repeat_kv
+            group = self.num_heads // num_kv_heads
+            keys, values = F.np.repeat(keys, group, axis=1), F.np.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         output, weights = self.attention.attend(F, queries, keys, values, call, keep, bias)
         if head_mask is not None:
@@ -662,9 +703,11 @@ class MultiHeadAttention(Layer):
         output = self.W_o(output_concat)
         return (output, weights) if call.need_weights else output
 
-    def transpose_qkv(self, F, X):
-        """(batch_size, n, num_hiddens) -> (batch_size, num_heads, n, num_hiddens / num_heads)."""
-        X = F.npx.reshape(X, (-2, -2, self.num_heads, self.num_hiddens // self.num_heads))
+    def transpose_qkv(self, F, X, num_heads=None):
+        """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
+        num_heads being the layer's unless given."""
+        num_heads = num_heads or self.num_heads
+        X = F.npx.reshape(X, (-2, -2, num_heads, self.num_hiddens // self.num_heads))
         return F.np.transpose(X, (0, 2, 1, 3))
 
     def transpose_output(self, F, X):
@@ -702,6 +745,63 @@ class PositionalEncoding(Layer):
 
     def hybrid_forward(self, F, X, P):
         return self.dropout(X + P)
+
+
+@documented
+@mx.util.use_np
+class RotaryEmbedding(Layer):
+    """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
+    with the position.
+
+    The frequencies are a plain array, not a Parameter: they reach a hybridized graph as an
+    input, on X's context, and so does the offset, so that a graph serves every offset.
+    """
+
+    def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        angle_dtype = rotary_angle_dtype(self.dtype)
+        self.frequencies = from_numpy(rotary_frequencies(num_hiddens, theta).astype(angle_dtype))
+
+    def forward(self, X, offset=0):
+        self._require_ndarrays(X)
+        validation.check_rotary_call(
+            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        frequencies = self.frequencies.as_in_context(X.ctx)
+        # Shape of offset: (1,), in the angles' dtype
+        offset = mx.np.full((1,), offset, dtype=frequencies.dtype, ctx=X.ctx)
+        return self._run(_call_structure(self.dtype), X, offset, frequencies)
+
+    def hybrid_forward(self, F, X, offset, frequencies):
+        return self.rotate(F, X, offset, frequencies=frequencies)
+
+    def rotate(self, F, X, offset=0, *, frequencies):
+        """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
+        checks). MultiHeadAttention calls this on each head's queries and keys.
+        frequencies: the layer's, on X's context (an input of the graph being traced)."""
+        # Shape of angles, cos and sin: (n, num_hiddens / 2); positions are counted in the
+        # angles' dtype (float32 for float16)
+        positions = _positions(F, X, -2, self.dtype) + offset
+        angles = F.np.expand_dims(positions, -1) * F.np.expand_dims(frequencies, 0)
+        cos, sin = F.np.cos(angles).astype(self.dtype), F.np.sin(angles).astype(self.dtype)
+        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2). A
+        # traced graph's indexing takes no Ellipsis and knows no rank, so X[..., 0::2] is read
+        # from pairs (..., n, num_hiddens / 2, 2): the codes, read from the right, split the
+        # last axis (-6) into (num_hiddens / 2, 2) and copy every other axis (-4)
+        if self.interleaved:
+            pairs = F.npx.reshape(X, (-4, -1, 2, -6), reverse=True)
+            x1, x2 = (F.np.squeeze(x, axis=-1) for x in F.np.split(pairs, 2, axis=-1))
+        else:
+            x1, x2 = F.np.split(X, 2, axis=-1)
+        # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        if self.interleaved:
+            return F.npx.reshape_like(F.np.stack([y1, y2], axis=-1), X)
+        return F.np.concatenate([y1, y2], axis=-1)
 
 
 @documented
