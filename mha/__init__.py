@@ -44,6 +44,7 @@ __all__ = [
     "BackendUnavailableError",
     "DotProductAttention",
     "KVCache",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",

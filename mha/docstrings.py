@@ -134,6 +134,23 @@ Returns:
     X + P[:, :no. of steps, :], of X's shape. `P` (1, max_len, num_hiddens) is computed in
     float64 and cast once to the layer's dtype; it is not a weight.
 """,
+    "LearnedPositionalEncoding": f"""
+The book's exercise "design a learnable positional encoding": P is a weight of shape
+(max_len, num_hiddens) (canonical name "P"), row i added to the inputs at position i, as
+BERT's and GPT-2's position embeddings; the framework's Embedding layer holds it.
+
+Args:
+    num_hiddens: feature size of X.
+    dropout: dropout rate on X + P (when training).
+    max_len: the longest sequence the layer accepts (the rows of P).
+    {_DTYPE}
+
+Call arguments:
+    X: (batch_size, no. of steps <= max_len, num_hiddens).
+
+Returns:
+    X + P[:no. of steps], of X's shape.
+""",
     "RotaryEmbedding": f"""
 Rotates each pair of features of the row at position p by the angle p * theta^(-2i / d),
 d being num_hiddens and i the pair's index, so that the dot product of a rotated query and

@@ -38,6 +38,7 @@ _ARRAYS = {
     "masked_softmax": ("X", "valid_lens"),
     "PositionalEncoding": ("X",),
     "RotaryEmbedding": ("X",),
+    "LearnedPositionalEncoding": ("X",),
     "AddNorm": ("X", "Y"),
 }
 _ATTENTION_ARRAYS = ("queries", "keys", "values", "valid_lens", "mask", "window_mask", "head_mask")

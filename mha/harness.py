@@ -268,6 +268,7 @@ _MODERN = (
     ("AdditiveAttention", ("causal",), {"sliding_window": 3}),
     ("RotaryEmbedding", (), {}),
     ("RotaryEmbedding", ("offset",), {"interleaved": True, "theta": 100.0}),
+    ("LearnedPositionalEncoding", (), {"max_len": 9}),
 )
 
 
@@ -426,7 +427,7 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
         }
         rank = next((key for key in shape if key in masks), None)
         inputs["X"] = normal(*shape.get(rank, (s.batch_size, num_queries, num_keys)))
-    elif case.layer == "PositionalEncoding":
+    elif case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
         inputs["X"] = normal(s.batch_size, num_queries, num_hiddens)
     elif case.layer == "RotaryEmbedding":
         inputs["X"] = normal(s.batch_size, s.num_heads, num_queries, num_hiddens)
@@ -526,7 +527,12 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
             key_size=s.key_size,
             value_size=s.value_size,
         )
-    elif case.layer in ("PositionalEncoding", "AddNorm", "RotaryEmbedding"):
+    elif case.layer in (
+        "PositionalEncoding",
+        "LearnedPositionalEncoding",
+        "AddNorm",
+        "RotaryEmbedding",
+    ):
         config.update(num_hiddens=s.num_hiddens)
     if "self" in case.masks and "query_size" in config:
         config["key_size"] = config["query_size"]
@@ -548,6 +554,7 @@ DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
     "masked_softmax": ("X",),
     "PositionalEncoding": ("X",),
     "RotaryEmbedding": ("X",),
+    "LearnedPositionalEncoding": ("X",),
     "AddNorm": ("X", "Y"),
     "DotProductAttention": ("queries", "keys", "values"),
     "AdditiveAttention": ("queries", "keys", "values"),
@@ -570,7 +577,7 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
     if case.layer == "masked_softmax":
         options = {key: case.config[key] for key in ("empty_rows",) if key in case.config}
         return module.masked_softmax(tensors["X"], tensors.get("valid_lens"), **options)
-    if case.layer == "PositionalEncoding":
+    if case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
         return layer(tensors["X"])
     if case.layer == "RotaryEmbedding":
         return layer(tensors["X"], **({"offset": tensors["offset"]} if "offset" in tensors else {}))
@@ -1098,6 +1105,10 @@ def _error_table() -> dict[str, ErrorCase]:
             ("PositionalEncoding", (4,), {"max_len": 2}), f(B, Q, 4)
         ),
         "encoding size mismatch": call(("PositionalEncoding", (5,), {}), f(B, Q, 4)),
+        "learned encoding longer than max_len": call(
+            ("LearnedPositionalEncoding", (4,), {"max_len": 2}), f(B, Q, 4)
+        ),
+        "learned encoding max_len zero": build("LearnedPositionalEncoding", 4, max_len=0),
         "add_norm shapes differ": call(("AddNorm", (4,), {}), f(B, Q, 4), f(B, 2, 4)),
         "add_norm wrong dtype": call(
             ("AddNorm", (4,), {}), f(B, Q, 4), f(B, Q, 4, dtype="float64")

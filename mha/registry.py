@@ -58,6 +58,7 @@ PUBLIC_NAMES: tuple[str, ...] = (
     "AdditiveAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "LearnedPositionalEncoding",
     "RotaryEmbedding",
     "AddNorm",
     "to_numpy",

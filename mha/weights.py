@@ -10,6 +10,7 @@ The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computin
     AdditiveAttention    W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
                          w_v (num_hiddens, 1)
     AddNorm              gamma (num_hiddens,), beta (num_hiddens,)
+    LearnedPositionalEncoding  P (max_len, num_hiddens), row i added at position i
     DotProductAttention, PositionalEncoding, RotaryEmbedding: {}
 
 With num_kv_heads (grouped-query attention), W_k and W_v are (size, num_kv_heads * head size)
@@ -84,6 +85,7 @@ LAYER_CLASSES: dict[str, tuple[str, ...]] = {
         "rope_interleaved",
     ),
     "PositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
+    "LearnedPositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
     "RotaryEmbedding": ("num_hiddens", "theta", "interleaved", "dtype"),
     "AddNorm": ("num_hiddens", "dropout", "eps", "dtype"),
 }
@@ -126,6 +128,8 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
     if class_name == "AddNorm":
         n = config["num_hiddens"]
         return {"gamma": (n,), "beta": (n,)}
+    if class_name == "LearnedPositionalEncoding":
+        return {"P": (config.get("max_len", 1000), config["num_hiddens"])}
     if class_name in ("DotProductAttention", "PositionalEncoding", "RotaryEmbedding"):
         return {}
     raise ValueError(
@@ -168,8 +172,9 @@ def weight_places(
 
     Canonical name -> (the attribute of the sub-layer that holds it, the kind of parameter):
     a dense layer's "kernel" (canonically (in, out)) and "bias", a layer norm's "scale" and
-    "shift". Each backend's PARAMETERS says how its framework keeps each kind. Kernels come
-    first: written in this order, a lazy sub-layer makes its parameters before its bias is set.
+    "shift", an embedding's "table" (one row per index). Each backend's PARAMETERS says how
+    its framework keeps each kind. Kernels come first: written in this order, a lazy sub-layer
+    makes its parameters before its bias is set.
     """
     if class_name == "MultiHeadAttention":
         places = {f"W_{k}": (f"W_{k}", "kernel") for k in "qkvo"}
@@ -182,6 +187,8 @@ def weight_places(
         return {name: (name, "kernel") for name in ("W_q", "W_k", "w_v")}
     if class_name == "AddNorm":
         return {"gamma": ("ln", "scale"), "beta": ("ln", "shift")}
+    if class_name == "LearnedPositionalEncoding":
+        return {"P": ("embedding", "table")}
     return {}
 
 
@@ -488,6 +495,7 @@ _CONFIG_CHECKS = {
     "AdditiveAttention": validation.check_additive_args,
     "MultiHeadAttention": validation.check_multihead_args,
     "PositionalEncoding": validation.check_positional_encoding_args,
+    "LearnedPositionalEncoding": validation.check_positional_encoding_args,
     "AddNorm": validation.check_add_norm_args,
     "RotaryEmbedding": validation.check_rotary_args,
 }

@@ -227,3 +227,19 @@ def test_a_cache_that_does_not_fit_is_refused(backend):
     )
     with pytest.raises(ValueError, match="the same positions"):
         layer(x, x, x, cache=uneven)
+
+
+def test_learned_positional_encoding_adds_its_rows(backend, rng, tmp_path):
+    # The book's exercise: P is a weight, row i added at position i
+    layer = backend.LearnedPositionalEncoding(6, max_len=10, dtype="float64")
+    P = rng.standard_normal((10, 6))
+    mha.set_weights(layer, {"P": P})
+    X = rng.standard_normal((3, 4, 6))
+    out = backend.to_numpy(layer(backend.from_numpy(X)))
+    assert_agrees(out, X + P[None, :4], "float64")
+    mha.save(layer, tmp_path / "P.safetensors")
+    with mha.use_backend("numpy"):
+        again = mha.load(tmp_path / "P.safetensors")
+    np.testing.assert_array_equal(mha.get_weights(again)["P"], P)
+    with pytest.raises(ValueError, match="longer than max_len=10"):
+        layer(backend.from_numpy(rng.standard_normal((1, 11, 6))))

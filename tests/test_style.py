@@ -28,6 +28,7 @@ MIRRORED = (
     "AdditiveAttention",
     "MultiHeadAttention",
     "PositionalEncoding",
+    "LearnedPositionalEncoding",
     "RotaryEmbedding",
     "AddNorm",
     "layer_config",

@@ -27,6 +27,7 @@ __all__ = [
     "AddNorm",
     "AdditiveAttention",
     "DotProductAttention",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
@@ -142,6 +143,17 @@ class Dropout(Module):
             return X
         keep = np.random.random_sample(X.shape) >= self.p
         return (X * keep / (1.0 - self.p)).astype(X.dtype)
+
+
+class Embedding(Module):
+    """A table of vectors, one row per index (torch.nn.Embedding), drawn from N(0, 1)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: str):
+        super().__init__()
+        self.weight = np.random.standard_normal((num_embeddings, embedding_dim)).astype(dtype)
+
+    def forward(self, indices: np.ndarray) -> np.ndarray:
+        return self.weight[indices]
 
 
 class LayerNorm(Module):
@@ -490,6 +502,30 @@ class PositionalEncoding(Module):
 
 
 @documented
+class LearnedPositionalEncoding(Module):
+    """Add a learned positional embedding to X, then dropout: P is a weight, one row per
+    position, trained with the rest."""
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = Dropout(dropout)
+        self.embedding = Embedding(max_len, num_hiddens, self.dtype)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
+        P = self.embedding(np.arange(X.shape[1]))[None]
+        return self.dropout(X + P)
+
+
+@documented
 class RotaryEmbedding(Module):
     """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
     with the position."""
@@ -560,7 +596,7 @@ def layer_config(layer: Module) -> dict[str, Any]:
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
 # and whether it holds the canonical array transposed (Linear keeps W as (in, out))
 PARAMETERS = {"kernel": ("weight", False), "bias": ("bias", False),
-              "scale": ("gamma", False), "shift": ("beta", False)}
+              "scale": ("gamma", False), "shift": ("beta", False), "table": ("weight", False)}
 
 
 def read_parameter(parameter: np.ndarray, transposed: bool) -> np.ndarray:
