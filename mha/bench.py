@@ -13,6 +13,10 @@ one call of each per round, so that both see the same machine load:
 - numpy: no layer of its own, so its forward pass is timed against the time its FLOPs take at
   the rate of a float32 matrix product timed in the same rounds (the roofline).
 
+A shape with a fifth number, num_kv_heads, times grouped-query attention: against the SDPA
+layer with `enable_gqa` in torch (torch has no such layer), `keras.layers.GroupQueryAttention`
+and `nnx.MultiHeadAttention(num_kv_heads=...)` where Flax has it; MXNet has none.
+
 A row's ratio is the median over rounds of mha's time over the built-in's in the same round
 (below 1.0: mha is faster), with a 95% interval of that median: one that holds 1.0 is a tie.
 """
@@ -39,8 +43,8 @@ from mha.registry import BACKENDS, BackendUnavailableError, load_backend, select
 
 __all__ = ["BENCHES", "SHAPES", "Bench", "Config", "Result", "markdown_table", "run"]
 
-# (batch_size, length, num_hiddens, num_heads)
-SHAPES = ((32, 64, 256, 8), (8, 512, 512, 8), (1, 4096, 512, 8))
+# (batch_size, length, num_hiddens, num_heads), and num_kv_heads for grouped-query attention
+SHAPES = ((32, 64, 256, 8), (8, 512, 512, 8), (1, 4096, 512, 8), (8, 512, 512, 8, 2))
 QUICK_SHAPES = ((2, 16, 32, 4),)
 PASSES = ("forward", "forward+backward")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -62,15 +66,18 @@ class Config:
     need_weights: bool
     dtype: str = "float32"
     device: str = "cpu"  # or "gpu": torch's "cuda", TensorFlow's "/GPU:0"
+    num_kv_heads: int | None = None  # grouped-query attention
 
     @property
     def shape(self) -> str:
-        return f"({self.batch_size}, {self.length}, {self.num_hiddens}, {self.num_heads})"
+        kv = "" if self.num_kv_heads is None else f", kv {self.num_kv_heads}"
+        return f"({self.batch_size}, {self.length}, {self.num_hiddens}, {self.num_heads}{kv})"
 
     def forward_flops(self) -> float:
         """2 x the multiply-adds of the four projections and the two attention products."""
         b, n, d = self.batch_size, self.length, self.num_hiddens
-        return 2.0 * (4 * b * n * d * d + 2 * b * n * n * d)
+        kv = d // self.num_heads * (self.num_kv_heads or self.num_heads)
+        return 2.0 * (2 * b * n * d * d + 2 * b * n * d * kv + 2 * b * n * n * d)
 
 
 @dataclasses.dataclass
@@ -169,6 +176,7 @@ def _weights(config: Config, seed: int = 0) -> dict[str, np.ndarray]:
 
     d, h = config.num_hiddens, config.num_heads
     sizes = dict(num_hiddens=d, num_heads=h, query_size=d, key_size=d, value_size=d)
+    sizes["num_kv_heads"] = config.num_kv_heads
     return random_weights("MultiHeadAttention", **sizes, seed=seed, dtype=config.dtype)
 
 
@@ -177,7 +185,9 @@ def _mha_layer(backend: str, config: Config):
 
     d, module = config.num_hiddens, load_backend(backend)
     sizes = dict(query_size=d, key_size=d, value_size=d, dtype=config.dtype)
-    layer = module.MultiHeadAttention(d, config.num_heads, **sizes)
+    layer = module.MultiHeadAttention(
+        d, config.num_heads, num_kv_heads=config.num_kv_heads, **sizes
+    )
     mha.set_weights(layer, _weights(config))
     return layer
 
@@ -210,6 +220,8 @@ def _torch_calls(config: Config, mode: str) -> Calls:
     valid_lens = None if lens_np is None else torch.from_numpy(lens_np).to(device)
     b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
     ours = _mha_layer("torch", config).to(device).eval()
+    if config.num_kv_heads is not None:
+        return _torch_gqa_calls(config, ours, X, valid_lens)
     theirs = mha.interop.to_torch(ours, batch_first=True).to(device).eval()
 
     def ignored():  # key_padding_mask, made inside the call as mha makes its own: True = ignore
@@ -248,6 +260,49 @@ def _torch_calls(config: Config, mode: str) -> Calls:
         synchronize()
         return gradients
 
+    return _passes(layers, forward, backward)
+
+
+def _torch_gqa_calls(config: Config, ours, X, valid_lens) -> Calls:
+    """Grouped-query attention: torch has no such layer, so the built-in is the SDPA layer
+    with enable_gqa on mha's weights (nn.Linear layers holding them); it returns no weights,
+    so there are rows without need_weights only."""
+    import torch
+    import torch.nn.functional as F
+
+    if config.need_weights:
+        return {}
+    b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
+    kv = config.num_kv_heads
+    theirs = torch.nn.ModuleDict({name: getattr(ours, name) for name in ("W_q", "W_k", "W_v")})
+    theirs["W_o"] = ours.W_o
+
+    def run_sdpa():
+        keep = None
+        if valid_lens is not None:
+            keep = (torch.arange(n, device=X.device) < valid_lens[:, None])[:, None, None, :]
+        q = theirs["W_q"](X).view(b, n, h, d // h).transpose(1, 2)
+        k, v = (theirs[w](X).view(b, n, kv, d // h).transpose(1, 2) for w in ("W_k", "W_v"))
+        output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+        return theirs["W_o"](output.transpose(1, 2).reshape(b, n, d))
+
+    run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
+    synchronize = torch.cuda.synchronize if X.device.type == "cuda" else lambda: None
+
+    def forward(run, layer):
+        with torch.no_grad():
+            output = run()
+        synchronize()
+        return output
+
+    def backward(run, layer):
+        X.requires_grad_(True)
+        gradients = torch.autograd.grad(run().sum(), [X, *layer.parameters()])
+        X.requires_grad_(False)
+        synchronize()
+        return gradients
+
+    layers = {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
     return _passes(layers, forward, backward)
 
 
@@ -294,7 +349,7 @@ def _tensorflow_calls(config: Config, mode: str) -> Calls:
             loss = tf.reduce_sum(run(training=True))
         return [g.numpy() for g in tape.gradient(loss, [X, *layer.trainable_variables])]
 
-    layers = {"mha": (run_ours, ours), "keras MultiHeadAttention": (run_theirs, theirs)}
+    layers = {"mha": (run_ours, ours), f"keras {type(theirs).__name__}": (run_theirs, theirs)}
     return _passes(layers, forward, backward)
 
 
@@ -450,6 +505,14 @@ def _jax_calls(config: Config, mode: str) -> Calls:
     return _passes(layers, forward, backward)
 
 
+def _flax_has_num_kv_heads() -> bool:
+    import inspect
+
+    from flax import nnx
+
+    return "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
+
+
 def _torch_sees_gpu() -> bool:
     import torch
 
@@ -470,14 +533,17 @@ class Bench:
     passes: tuple[str, ...] = PASSES
     dtypes: tuple[str, ...] = ("float32",)
     gpu: Callable[[], bool] | None = None
+    # Whether the framework has a grouped-query attention layer to time against
+    grouped: Callable[[], bool] = lambda: True
 
 
 BENCHES = {
     "numpy": Bench(_numpy_calls, ("reference",), ("forward",)),
     "torch": Bench(_torch_calls, dtypes=DTYPES, gpu=_torch_sees_gpu),
     "tensorflow": Bench(_tensorflow_calls, dtypes=DTYPES, gpu=_tensorflow_sees_gpu),
-    "mxnet": Bench(_mxnet_calls, ("imperative", "hybridized")),  # MXNet 1.9: float16 on GPU only
-    "jax": Bench(_jax_calls, ("jit",), dtypes=DTYPES),
+    # MXNet 1.9: float16 on GPU only; neither the book nor Gluon has grouped-query attention
+    "mxnet": Bench(_mxnet_calls, ("imperative", "hybridized"), grouped=lambda: False),
+    "jax": Bench(_jax_calls, ("jit",), dtypes=DTYPES, grouped=_flax_has_num_kv_heads),
 }
 
 
@@ -485,11 +551,16 @@ BENCHES = {
 # Running
 
 
-def why_not(backend: str, dtype="float32", device="cpu", mode=None, pass_=None) -> str | None:
-    """Why `backend` has no rows in `dtype` on `device`, `mode` and `pass_` (None: any)."""
+def why_not(
+    backend: str, dtype="float32", device="cpu", mode=None, pass_=None, grouped=False
+) -> str | None:
+    """Why `backend` has no rows in `dtype` on `device`, `mode` and `pass_` (None: any), and
+    with `grouped`, for grouped-query attention alone."""
     entry = BENCHES.get(backend)
     if entry is None:
         return "has no entry in mha.bench.BENCHES"
+    if grouped and not entry.grouped():
+        return "has no grouped-query attention layer to time against"
     if dtype not in entry.dtypes or (device == "gpu" and entry.gpu is None):
         return f"benchmarked in {', '.join(entry.dtypes)} on the CPU only"
     if device == "gpu" and not entry.gpu():
@@ -517,11 +588,12 @@ def run(
     """Time the rows selected; returns them and facts about the machine."""
     budget, facts, results = budget or Budget(), machine(device, backends), []
     cases = [
-        (backend, mode, Config(*shape, lens, weights, dtype, device))
+        (backend, mode, Config(*shape[:4], lens, weights, dtype, device, *shape[4:]))
         for backend in backends
         for mode in BENCHES[backend].modes
         if modes is None or mode in modes
         for shape in shapes
+        if len(shape) == 4 or BENCHES[backend].grouped()
         for lens in valid_lens
         for weights in need_weights
     ]
@@ -599,7 +671,7 @@ def machine(device: str = "cpu", backends: Sequence[str] = ()) -> dict[str, Any]
 def markdown_table(results: Sequence[Result]) -> str:
     """The rows as a markdown table: ratio = mha / built-in, with its 95% interval."""
     lines = [
-        "| backend | mode | (B, L, d, h) | valid_lens | need_weights | pass | built-in "
+        "| backend | mode | (B, L, d, h[, kv]) | valid_lens | need_weights | pass | built-in "
         "| mha ms | built-in ms | ratio | 95% interval | rounds |",
         "|" + "---|" * 12,
     ]
@@ -669,7 +741,7 @@ def add_arguments(parser) -> None:
     add("--json", action="store_true", help="print the report as JSON")
     add("--output", help="also write the JSON report to this file")
     default = ";".join(",".join(map(str, shape)) for shape in SHAPES)
-    add("--shapes", help=f"semicolon-separated B,L,d,h (default: {default})")
+    add("--shapes", help=f"semicolon-separated B,L,d,h[,kv] (default: {default})")
     add("--seconds", type=float, help="time budget of each row's measurement (default: 3)")
     add("--valid-lens", choices=("yes", "no"), help="only the rows with or without valid_lens")
     add("--need-weights", choices=("true", "false"), help="only the rows with need_weights so")
@@ -685,8 +757,16 @@ def _parse_shapes(text: str) -> list[tuple[int, ...]]:
     shapes = []
     for part in text.split(";"):
         shape = tuple(int(v) if v.strip().isdigit() else 0 for v in part.split(","))
-        if len(shape) != 4 or min(shape) <= 0 or shape[2] % shape[3]:
-            raise ValueError(f"a shape is four positive integers B,L,d,h, h dividing d: {part!r}")
+        if (
+            len(shape) not in (4, 5)
+            or min(shape) <= 0
+            or shape[2] % shape[3]
+            or shape[3] % shape[-1]
+        ):
+            raise ValueError(
+                "a shape is four positive integers B,L,d,h, h dividing d, and a fifth for "
+                f"grouped-query attention, the key-value heads, dividing h: {part!r}"
+            )
         shapes.append(shape)
     return shapes
 
@@ -702,8 +782,11 @@ def execute(arguments, out, err, progress=None) -> int:
         return _show_saved_report(arguments, out)
     names, skipped = select_backends(arguments.backends)
     dtype, device = arguments.dtype or "float32", arguments.device or "cpu"
+    shapes = QUICK_SHAPES if arguments.quick else SHAPES
+    shapes = _parse_shapes(arguments.shapes) if arguments.shapes else shapes
+    grouped = all(len(shape) == 5 for shape in shapes)
     for name in list(names):
-        reason = why_not(name, dtype, device, arguments.mode, arguments.pass_)
+        reason = why_not(name, dtype, device, arguments.mode, arguments.pass_, grouped)
         if reason and arguments.backends:
             raise ValueError(f"--backends {name}: {reason}")
         if reason:
@@ -712,8 +795,6 @@ def execute(arguments, out, err, progress=None) -> int:
     if not names:
         reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
         raise ValueError(f"no backend has the rows asked for here ({reasons})")
-    shapes = QUICK_SHAPES if arguments.quick else SHAPES
-    shapes = _parse_shapes(arguments.shapes) if arguments.shapes else shapes
     budget = dataclasses.replace(QUICK_BUDGET if arguments.quick else Budget())
     if arguments.seconds is not None:
         budget.seconds = arguments.seconds

@@ -49,7 +49,7 @@ def test_a_quick_run_prints_a_markdown_table_a_summary_and_progress():
     header = next(line for line in lines if line.startswith("| backend |"))
     columns = [cell.strip() for cell in header.strip("|").split("|")]
     assert columns == [
-        "backend", "mode", "(B, L, d, h)", "valid_lens", "need_weights", "pass", "built-in",
+        "backend", "mode", "(B, L, d, h[, kv])", "valid_lens", "need_weights", "pass", "built-in",
         "mha ms", "built-in ms", "ratio", "95% interval", "rounds",
     ]  # fmt: skip
     rows = [line for line in lines if line.startswith("| numpy |")]
@@ -425,3 +425,24 @@ def test_every_timed_backward_pass_gives_the_gradients_of_every_weight(backend):
             assert len(gradients) == expected, (mode, name)
             assert gradients[0].shape == (2, 6, 8)
             assert all(np.abs(g.astype(np.float32)).sum() > 0 for g in gradients), (mode, name)
+
+
+def test_grouped_query_rows_time_the_frameworks_grouped_layers():
+    # A fifth number in a shape: num_kv_heads. torch has no such layer: its SDPA with
+    # enable_gqa, which returns no weights, is the built-in, so need_weights=False rows only
+    backends = [name for name in ("torch", "tensorflow") if _installed(name)]
+    if not backends:
+        pytest.skip("neither torch nor tensorflow is installed")
+    document, _ = _quick_rows("--backends", ",".join(backends), "--shapes", "2,8,16,4,2")
+    builtins = {(row["backend"], row["builtin"]) for row in document["results"]}
+    expected = {
+        "torch": ("torch", "SDPA layer (enable_gqa)"),
+        "tensorflow": ("tensorflow", "keras GroupedQueryAttention"),
+    }
+    assert builtins == {expected[name] for name in backends}
+    for row in document["results"]:
+        assert row["config"]["num_kv_heads"] == 2
+        assert row["backend"] != "torch" or not row["config"]["need_weights"]
+    if _installed("mxnet"):
+        code, _, err = run("--quick", "--backends", "mxnet", "--shapes", "2,8,16,4,2")
+        assert code == 2 and "no grouped-query attention layer" in err
