@@ -51,6 +51,7 @@ FIGURES = {
         "figure-encoding-columns",
         "figure-binary-analogy",
         "figure-encoding-heatmap",
+        "figure-rotary-scores",
         "figure-scaling",
     ),
     "compare_frameworks": ("figure-agreement", "figure-speed"),
