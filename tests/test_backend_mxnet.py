@@ -5,8 +5,9 @@ tests/test_errors.py's.
 
 Here: hybridized blocks (the harness's cases run through a hybridized block, gradients
 included; a repeated structure of call traced once; lazy sizes; no tracing inside a parent
-graph), float16, train_mode, inputs left untouched, numpy semantics kept inside the blocks,
-contexts, weights and parameter files.
+graph; cached decoding through one graph; the learned positional encoding's embedding),
+float16, train_mode, inputs left untouched, numpy semantics kept inside the blocks, contexts,
+weights and parameter files.
 """
 
 from __future__ import annotations
@@ -301,6 +302,76 @@ def test_hybridized_modern_attention_and_rotary_embedding(MX, mx):
         assert traces == [mx.sym]  # one graph, traced once, serves both offsets
 
 
+def test_hybridized_cached_decoding_equals_full_causal_attention(MX, mx):
+    # Grouped-query attention with rotary embeddings and a sliding window decodes a prompt of 3
+    # positions, then one position per call, through the hybridized graph: the cached keys and
+    # values are its inputs and the offset is counted in it, so every step after the first
+    # reuses one graph. Expected: the reference's full causal attention, and the imperative
+    # layer's numbers and cache at each step.
+    options = {"num_heads": 4, "num_kv_heads": 2, "rope_theta": 100.0, "sliding_window": 3}
+    config = {**options, "num_hiddens": 8, "bias": True, "dtype": "float64"}
+    config.update(query_size=D, key_size=D, value_size=D)
+    weights = mha.random_weights("MultiHeadAttention", seed=2, **config)
+    hybrid, imperative, full = (
+        MX.MultiHeadAttention(**config),
+        MX.MultiHeadAttention(**config),
+        NP.MultiHeadAttention(**config),
+    )
+    for layer in (hybrid, imperative, full):
+        mha.set_weights(layer, weights)
+    hybrid.hybridize()
+    traces = []
+    trace = hybrid.hybrid_forward
+    hybrid.hybrid_forward = lambda F, *args: traces.append(F) or trace(F, *args)
+    X = np.random.default_rng(7).standard_normal((2, 7, D))
+    valid_lens = np.array([7, 5])  # the second example's last two keys are padding
+    expected = full(X, X, X, valid_lens, causal=True)
+    caches, outputs = [mha.KVCache(), mha.KVCache()], []
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+        x = MX.from_numpy(X[:, start:stop])
+        lengths = MX.from_numpy(np.minimum(valid_lens, stop))
+        step = []
+        for i, layer in enumerate((hybrid, imperative)):
+            output, caches[i] = layer(x, x, x, lengths, causal=True, cache=caches[i])
+            step.append(MX.to_numpy(output))
+        np.testing.assert_allclose(step[0], step[1], rtol=0, atol=1e-12)
+        for hybrid_held, held in zip(*caches, strict=True):
+            assert isinstance(hybrid_held, mx.np.ndarray) and hybrid_held.shape == (2, 2, stop, 2)
+            np.testing.assert_allclose(MX.to_numpy(hybrid_held), MX.to_numpy(held), atol=1e-12)
+        outputs.append(step[0])
+    assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
+    assert hybrid.attention_weights.shape == (2, 4, 1, 7)
+    assert traces == [mx.sym, mx.sym]  # the empty cache's graph, then one for every step
+
+
+def test_learned_positional_encoding_hybridized_and_its_gradient(MX, mx):
+    # P is the weight of Gluon's own Embedding: a Parameter, so the hybridized graph reads it
+    # and autograd.record gives it a gradient. Expected: the imperative layer's numbers, and
+    # for sum(output) the batch size in each entry of the first n rows of P, zeros after.
+    layers = [MX.LearnedPositionalEncoding(D, max_len=10, dtype="float64") for _ in range(2)]
+    assert isinstance(layers[0].embedding, mx.gluon.nn.Embedding)
+    P = np.random.default_rng(8).standard_normal((10, D))
+    for layer in layers:
+        mha.set_weights(layer, {"P": P})
+    layers[1].hybridize()
+    X = np.random.default_rng(9).standard_normal((B, Q, D))
+    results = []
+    for layer in layers:
+        with mx.autograd.record():
+            output = layer(MX.from_numpy(X))
+            total = output.sum()
+        total.backward()
+        results.append((MX.to_numpy(output), MX.to_numpy(layer.embedding.weight.grad())))
+    assert layers[1]._cached_op is not None  # the graph really ran
+    (output, grad), (hybrid_output, hybrid_grad) = results
+    np.testing.assert_allclose(hybrid_output, output, rtol=0, atol=1e-12)
+    assert_agrees(output, X + P[None, :Q], "float64")
+    expected = np.zeros((10, D))
+    expected[:Q] = B
+    for gradient in (grad, hybrid_grad):
+        np.testing.assert_array_equal(gradient, expected)
+
+
 def test_hybridized_lazy_layer_infers_sizes(MX):
     layer, reference = pair(MX, "MultiHeadAttention", "float64")
     lazy = MX.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, bias=True, dtype="float64")
@@ -451,6 +522,12 @@ def test_layer_config_of_every_layer(MX):
         "dropout": 0.1,
         "max_len": 20,
         "dtype": "float32",
+    }
+    assert MX.layer_config(MX.LearnedPositionalEncoding(6, 0.1, 20, dtype="float16")) == {
+        "num_hiddens": 6,
+        "dropout": 0.1,
+        "max_len": 20,
+        "dtype": "float16",
     }
     assert MX.layer_config(MX.RotaryEmbedding(6, 500000.0, interleaved=True)) == {
         "num_hiddens": 6,

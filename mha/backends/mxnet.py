@@ -17,14 +17,16 @@ given, their rank and kind), and passes them on positionally; None is a valid in
 hybridized Gluon block. A hybridized block traces its graph again when a call's structure
 differs from the previous call's (as Gluon does when a block changes), and a layer takes one
 call at a time, so that threads sharing it each get their own masks and result; a graph
-does not depend on batch size or sequence lengths. Two limits:
+does not depend on batch size or sequence lengths. A KVCache's keys and values are inputs and
+outputs of MultiHeadAttention's graph, their number of positions the offset counted in it:
+one graph serves every decoding step after the first. Two limits:
 the blocks cannot be traced inside a hybridized parent block's graph (their checks and masks
 need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Block`), and a
 hybridized block checks valid_lens values before running the graph, as the imperative one does.
 
 float16: MXNet 1.9.1 has float16 matmul and FullyConnected on GPU only, so the attention
-layers run in float16 on a GPU context; AddNorm, PositionalEncoding and RotaryEmbedding run on
-CPU too.
+layers run in float16 on a GPU context; AddNorm, PositionalEncoding, LearnedPositionalEncoding
+and RotaryEmbedding run on CPU too.
 
 Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
 keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
@@ -47,6 +49,7 @@ import mxnet as mx
 from mxnet.gluon import nn
 
 from mha import validation
+from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
@@ -56,6 +59,7 @@ __all__ = [
     "AddNorm",
     "AdditiveAttention",
     "DotProductAttention",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
@@ -112,6 +116,20 @@ class _LinearInit(mx.init.Initializer):
         arr[:] = mx.np.random.uniform(-bound, bound, arr.shape, ctx=arr.ctx).astype(arr.dtype)
 
 
+class _InFloat32(mx.init.Initializer):
+    """Another initializer's weights drawn in float32 and cast: under numpy semantics Gluon's
+    initializers fill float32 arrays only."""
+
+    def __init__(self, initializer: mx.init.Initializer):
+        super().__init__()
+        self.initializer = initializer
+
+    def _init_weight(self, name, arr):
+        drawn = mx.np.zeros(arr.shape, dtype="float32", ctx=arr.ctx)
+        self.initializer._init_weight(name, drawn)
+        arr[:] = drawn.astype(arr.dtype)
+
+
 class _Call(NamedTuple):
     """What a call's graph depends on besides the tensors' sizes; a new value retraces."""
 
@@ -127,13 +145,15 @@ class _Call(NamedTuple):
     attn_bias_ndim: int | None = None
     empty_rows: str = "zeros"  # the layer's: the fast paths a row with no key allows
     sliding_window: int | None = None  # the layer's: the width of its band of keys
+    cache: bool = False  # a KVCache is given: the graph returns its keys and values too
+    cached: bool = False  # it holds positions: graph inputs, their number this call's offset
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
-                    empty_rows="zeros", sliding_window=None) -> _Call:
+                    empty_rows="zeros", sliding_window=None, cache=None, offset=0) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -147,6 +167,8 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         attn_bias_ndim=None if attn_bias is None else attn_bias.ndim,
         empty_rows=empty_rows,
         sliding_window=sliding_window,
+        cache=cache is not None,
+        cached=offset > 0,
         recording=mx.autograd.is_recording(),
     )
 
@@ -272,19 +294,23 @@ def _length_mask(F, valid_lens, ndim: int, key_positions, dtype: str):
 class _Masks(Masks):
     """mha.masks' rules in MXNet. F is mx.nd, or mx.sym while a graph is traced, which knows
     no sizes: positions are made from the inputs (so they live on their context), and ranks
-    and dtypes are read from the call's structure."""
+    and dtypes are read from the call's structure.
 
-    def __init__(self, F, queries, keys, call: _Call, attn_bias=None):
+    queries (batch_size, ..., no. of queries, d) and keys (batch_size, ..., no. of keys, d),
+    every key, cached ones included; offset: the number of cached keys, 0 or a (1,) array."""
+
+    def __init__(self, F, queries, keys, call: _Call, attn_bias=None, offset=0):
         self.F, self.queries, self.keys, self.call = F, queries, keys, call
-        self.attn_bias = attn_bias
+        self.attn_bias, self.offset = attn_bias, offset
 
     @functools.cached_property
     def query_positions(self):
-        return _positions(self.F, self.queries, 1, self.call.dtype)
+        # Query i is at position offset + i
+        return _positions(self.F, self.queries, -2, self.call.dtype) + self.offset
 
     @functools.cached_property
     def key_positions(self):
-        return _positions(self.F, self.keys, 1, self.call.dtype)
+        return _positions(self.F, self.keys, -2, self.call.dtype)
 
     def length_mask(self, valid_lens):
         ndim, dtype = self.call.valid_lens_ndim, self.call.dtype
@@ -294,8 +320,9 @@ class _Masks(Masks):
         return self.F.np.expand_dims(self.query_positions, -1) >= self.key_positions
 
     def band_mask(self, width):
-        offsets = self.F.np.expand_dims(self.query_positions, -1) - self.key_positions
-        return self.F.np.abs(offsets) < width
+        # Shape of distances: (Q, K), query i being at position offset + i
+        distances = self.F.np.expand_dims(self.query_positions, -1) - self.key_positions
+        return self.F.np.abs(distances) < width
 
     def windows(self, window_mask):
         batch_positions = _positions(self.F, self.queries, 0, self.call.dtype)
@@ -327,8 +354,8 @@ class _Masks(Masks):
 
 
 def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias, call: _Call,
-                     multihead: bool = False, num_heads: int = 1):
-    """(keep, bias) of mha.masks for the call.
+                     multihead: bool = False, num_heads: int = 1, offset=0):
+    """(keep, bias) of mha.masks for the call; queries and keys as `_Masks` takes them.
 
     When autograd records the call and valid_lens is the only mask (see `_by_lengths`), keep
     is instead a `_Lengths`: the lengths, one per row of the scores, for MXNet's fused length-masked
@@ -337,14 +364,14 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
     if _by_lengths(valid_lens, call):
         # Shape of lengths: (batch_size, no. of queries), or with multihead
         # (batch_size, num_heads, no. of queries)
-        key_positions = _positions(F, keys, 1, call.dtype)
-        query_positions = _positions(F, queries, 1, call.dtype)
+        key_positions = _positions(F, keys, -2, call.dtype)
+        query_positions = _positions(F, queries, -2, call.dtype)
         lengths = _row_lengths(F, valid_lens, call.valid_lens_ndim, key_positions,
                                query_positions, call.dtype)
         if multihead:
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
-    masks = _Masks(F, queries, keys, call, attn_bias)
+    masks = _Masks(F, queries, keys, call, attn_bias, offset)
     return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias,
                          sliding_window=call.sliding_window)
 
@@ -355,6 +382,7 @@ def _by_lengths(valid_lens, call: _Call) -> bool:
         valid_lens is not None  # lengths to mask by
         and call.recording  # a backward follows, cheaper than that of where() over the scores
         and call.mask_ndim is None  # no other mask to combine with the lengths
+        # Lengths count the cached keys too; causal, like the band, moves with their offset
         and not call.causal
         and call.num_windows is None
         and call.sliding_window is None  # a band of keys is another mask
@@ -640,44 +668,59 @@ class MultiHeadAttention(Layer):
         self.initialize(_LinearInit())
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, head_mask=None, need_weights=True, attn_bias=None):
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+                cache=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, head_mask,
                                attn_bias)
-        validation.check_attention_call(
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        head_size = self.num_hiddens // self.num_heads
+        batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            num_heads=self.num_heads,
+            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads, kv_heads=(num_kv_heads, head_size),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
         _check_valid_lens_values(valid_lens)
-        if queries.shape[0] == 0:
-            shape = (0, self.num_heads, queries.shape[1], keys.shape[1])
+        # The positions before this call's: those in the cache
+        offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        if batch_size == 0:
+            shape = (0, self.num_heads, num_queries, num_keys)
             weights = _empty(queries, *shape) if need_weights else None
             self.attention_weights = self.attention.attention_weights = weights
-            return _empty(queries, 0, queries.shape[1], self.out_features or self.num_hiddens)
-        call = _call_structure(self.dtype, self.num_hiddens // self.num_heads, valid_lens,
-                               mask, causal, window_mask, head_mask, need_weights, attn_bias,
-                               self.empty_rows, self.sliding_window)
+            output = _empty(queries, 0, num_queries, self.out_features or self.num_hiddens)
+            if cache is not None:
+                cache = KVCache(*[_empty(queries, 0, num_kv_heads, num_keys, head_size)] * 2)
+            return output if cache is None else (output, cache)
+        call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
+                               head_mask, need_weights, attn_bias, self.empty_rows,
+                               self.sliding_window, cache, offset)
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
             frequencies = self.rotary.frequencies.as_in_context(queries.ctx)
+        # So do the cached keys and values, so that one graph serves every decoding step
+        cached = (cache.keys, cache.values) if call.cached else (None, None)
         outputs = self._run(call, queries, keys, values, valid_lens, mask, window_mask,
-                            head_mask, attn_bias, frequencies)
-        output, weights = outputs if need_weights else (outputs, None)
+                            head_mask, attn_bias, frequencies, *cached)
+        # The graph's outputs: output, then the weights and the cache's keys and values
+        output, *outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+        weights = outputs.pop(0) if need_weights else None
         self.attention_weights = self.attention.attention_weights = weights
-        return output
+        if cache is not None:
+            cache = KVCache(*outputs)
+        return output if cache is None else (output, cache)
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
-                       head_mask, attn_bias, frequencies):
+                       head_mask, attn_bias, frequencies, cached_keys, cached_values):
         call = self._structure
-        # Shape of keep and bias: broadcastable to
-        # (batch_size, num_heads, no. of queries, no. of keys)
-        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
-                                      attn_bias, call, multihead=True, num_heads=self.num_heads)
+        # The positions before this call's, counted in the graph: a (1,) array, or 0
+        offset = 0
+        if call.cached:
+            cached_positions = _positions(F, cached_keys, 2, self.dtype)
+            offset = F.np.sum(F.np.ones_like(cached_positions), keepdims=True)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         num_kv_heads = self.num_kv_heads or self.num_heads
@@ -685,9 +728,21 @@ class MultiHeadAttention(Layer):
         keys = self.transpose_qkv(F, self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(F, self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions 0, 1, ...
-            queries = self.rotary.rotate(F, queries, frequencies=frequencies)
-            keys = self.rotary.rotate(F, keys, frequencies=frequencies)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...
+            queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies)
+            keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies)
+        if call.cached:
+            # This call's keys and values follow those of the positions before it
+            keys = F.np.concatenate([cached_keys, keys], axis=2)
+            values = F.np.concatenate([cached_values, values], axis=2)
+        # Shape of keep and bias: broadcastable to
+        # (batch_size, num_heads, no. of queries, no. of keys); made here, the graph knowing
+        # the number of keys, cached ones included, from the keys alone
+        keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
+                                      attn_bias, call, multihead=True, num_heads=self.num_heads,
+                                      offset=offset)
+        # The cache holds num_kv_heads heads, before they are repeated
+        cache = (keys, values) if call.cache else ()
         if num_kv_heads != self.num_heads:
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             group = self.num_heads // num_kv_heads
@@ -701,7 +756,8 @@ class MultiHeadAttention(Layer):
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(F, output)
         output = self.W_o(output_concat)
-        return (output, weights) if call.need_weights else output
+        outputs = ((output, weights) if call.need_weights else (output,)) + cache
+        return outputs if len(outputs) > 1 else output
 
     def transpose_qkv(self, F, X, num_heads=None):
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
@@ -744,6 +800,41 @@ class PositionalEncoding(Layer):
         return self._run(_call_structure(self.dtype), X, P)
 
     def hybrid_forward(self, F, X, P):
+        return self.dropout(X + P)
+
+
+@documented
+@mx.util.use_np
+class LearnedPositionalEncoding(Layer):
+    """Add a learned positional embedding to X, then dropout: P is a weight, one row per
+    position, trained with the rest.
+
+    P is the weight of a Gluon Embedding, drawn by Gluon's default initializer (uniform in
+    +-0.07): the rows of positions 0, 1, ... are looked up in the graph, positions made
+    from X.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = nn.Dropout(dropout)
+        self.embedding = nn.Embedding(max_len, num_hiddens, dtype=self.dtype)
+        self.initialize(_InFloat32(mx.init.Uniform()))
+
+    def forward(self, X):
+        self._require_ndarrays(X)
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        return self._run(_call_structure(self.dtype), X)
+
+    def hybrid_forward(self, F, X):
+        # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
+        P = F.np.expand_dims(self.embedding(_positions(F, X, 1, self.dtype)), 0)
         return self.dropout(X + P)
 
 
@@ -848,7 +939,7 @@ def layer_config(layer: Layer) -> dict[str, Any]:
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
 # and whether it holds the canonical array transposed (Dense keeps W as (out, in))
 PARAMETERS = {"kernel": ("weight", True), "bias": ("bias", False),
-              "scale": ("gamma", False), "shift": ("beta", False)}
+              "scale": ("gamma", False), "shift": ("beta", False), "table": ("weight", False)}
 
 
 def read_parameter(parameter, transposed: bool) -> numpy.ndarray:
