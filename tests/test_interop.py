@@ -228,6 +228,10 @@ def test_torch_to_mha(torch, name, config, dtype):
         "out_features": None,
         "scale": None,
         "empty_rows": "zeros",
+        "sliding_window": None,
+        "num_kv_heads": None,
+        "rope_theta": None,
+        "rope_interleaved": False,
     }
     rng = np.random.default_rng(3)
     tensors = inputs(config, dtype, rng)
