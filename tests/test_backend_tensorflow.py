@@ -5,7 +5,8 @@ error table tests/test_errors.py's.
 
 Here: half precision and float lengths, the `training` argument, lazy Dense layers and Keras
 variables, Keras conventions (get_config, functional, Sequential and subclassed models, .keras
-files, fit), tf.function and jit_compile, and Keras configured for another backend.
+files, fit), tf.function and jit_compile, cached decoding under XLA, LearnedPositionalEncoding's
+trainable table, and Keras configured for another backend.
 """
 
 from __future__ import annotations
@@ -218,6 +219,7 @@ def _all_layers(TF, dtype="float32"):
         "AdditiveAttention": TF.AdditiveAttention(5, 0.1, query_size=D, key_size=D, dtype=dtype),
         "MultiHeadAttention": TF.MultiHeadAttention(8, 2, 0.1, True, query_size=D, dtype=dtype),
         "PositionalEncoding": TF.PositionalEncoding(7, 0.1, 30, dtype=dtype),
+        "LearnedPositionalEncoding": TF.LearnedPositionalEncoding(7, 0.1, 30, dtype=dtype),
         "AddNorm": TF.AddNorm(7, 0.1, eps=1e-3, dtype=dtype),
     }
 
@@ -420,6 +422,85 @@ def test_grouped_rotary_sliding_attention_compiles_and_saves(TF, tf, tmp_path):
         reference.RotaryEmbedding(6, 500000.0, interleaved=True, dtype="float64")(X, 4),
         "float64",
     )
+
+
+@pytest.mark.parametrize("reduce_retracing", [False, True], ids=["static", "dynamic"])
+def test_cached_decoding_under_xla(TF, tf, reduce_retracing):
+    # reduce_retracing traces the growing cache with an unknown number of positions, so the
+    # offset of the masks and the rotation is a tensor; otherwise each length is a trace
+    config = dict(
+        num_hiddens=8,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        sliding_window=3,
+        bias=True,
+        query_size=D,
+        key_size=D,
+        value_size=D,
+        dtype="float64",
+    )
+    weights = mha.random_weights("MultiHeadAttention", seed=5, **config)
+    layer = TF.MultiHeadAttention(**config)
+    mha.set_weights(layer, weights)
+    full = reference.MultiHeadAttention(**config)
+    mha.set_weights(full, weights)
+    X = np.random.default_rng(4).standard_normal((2, 7, D))
+    valid_lens = np.array([7, 6])
+    expected = full(X, X, X, valid_lens, causal=True)
+
+    @tf.function(jit_compile=True, reduce_retracing=reduce_retracing)
+    def decode(x, lengths, cache):
+        return layer(x, x, x, lengths, causal=True, cache=cache)
+
+    # A prompt of 3 positions, then one position per call
+    cache, outputs = mha.KVCache(), []
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+        lengths = tf.constant(np.minimum(valid_lens, stop))
+        output, cache = decode(tf.constant(X[:, start:stop]), lengths, cache)
+        outputs.append(TF.to_numpy(output))
+        # The cache is a KVCache of tensors holding the 2 key-value heads, not the 4 repeated
+        assert type(cache) is mha.KVCache
+        assert isinstance(cache.keys, tf.Tensor) and isinstance(cache.values, tf.Tensor)
+        assert tuple(cache.keys.shape) == tuple(cache.values.shape) == (2, 2, stop, 2)
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=0, atol=1e-10)
+
+
+def test_learned_positional_encoding_saves_and_trains(TF, tf, tmp_path):
+    import keras
+
+    # A functional model: Dense, then the learned table added; a .keras file keeps both
+    inputs = keras.Input((5, 6))
+    hidden = keras.layers.Dense(7)(inputs)
+    encoding = TF.LearnedPositionalEncoding(7, 0.1, max_len=9, name="learned")
+    model = keras.Model(inputs, encoding(hidden))
+    assert [w.shape for w in encoding.trainable_weights] == [(9, 7)]
+    X = np.random.default_rng(6).standard_normal((3, 5, 6)).astype(np.float32)
+    expected = TF.to_numpy(model(X))
+    P = mha.get_weights(encoding)["P"]
+    dense = model.layers[1]
+    assert_agrees(
+        expected,
+        X @ TF.to_numpy(dense.kernel) + TF.to_numpy(dense.bias) + P[None, :5],
+        "float32",
+    )
+    path = tmp_path / "learned.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    again = loaded.get_layer("learned")
+    assert type(again) is TF.LearnedPositionalEncoding
+    assert again.get_config() == encoding.get_config()
+    assert TF.layer_config(again) == TF.layer_config(encoding)
+    np.testing.assert_array_equal(mha.get_weights(again)["P"], P)
+    np.testing.assert_array_equal(TF.to_numpy(loaded(X)), expected)
+
+    # P is trained: the rows of the positions seen get the gradient, the others none
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(encoding(tf.constant(np.ones((3, 5, 7), np.float32))))
+    (gradient,) = tape.gradient(loss, encoding.trainable_weights)
+    gradient = TF.to_numpy(tf.convert_to_tensor(gradient))
+    np.testing.assert_array_equal(gradient[:5], np.full((5, 7), 3.0))
+    np.testing.assert_array_equal(gradient[5:], 0.0)
 
 
 def test_keras_configured_for_another_backend(TF):

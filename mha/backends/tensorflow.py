@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from mha import validation
+from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
@@ -56,6 +57,7 @@ __all__ = [
     "AddNorm",
     "AdditiveAttention",
     "DotProductAttention",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
@@ -163,11 +165,14 @@ class _Masks(Masks):
         return _length_mask(valid_lens, self.num_keys)
 
     def causal_mask(self):
-        return tf.range(self.num_queries)[:, None] >= tf.range(self.num_keys)[None, :]
+        # Query i is at position offset + i; the offset may be a scalar tensor
+        queries = tf.range(self.num_queries)[:, None] + self.offset
+        return queries >= tf.range(self.num_keys)[None, :]
 
     def band_mask(self, width):
-        offsets = tf.range(self.num_queries)[:, None] - tf.range(self.num_keys)[None, :]
-        return tf.abs(offsets) < width
+        # Shape of distances: (Q, K), query i being at position offset + i
+        queries = tf.range(self.num_queries)[:, None] + self.offset
+        return tf.abs(queries - tf.range(self.num_keys)[None, :]) < width
 
     def windows(self, window_mask):
         return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
@@ -463,12 +468,13 @@ class MultiHeadAttention(_AttentionLayer):
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                 training=None):
+                 cache=None, training=None):
+        num_kv_heads = self.num_kv_heads or self.num_heads
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            num_heads=self.num_heads,
+            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
@@ -477,30 +483,44 @@ class MultiHeadAttention(_AttentionLayer):
         queries, keys, values, valid_lens, mask, window_mask, head_mask, attn_bias = _as_tensors(
             queries, keys, values, valid_lens, mask, window_mask, head_mask, attn_bias
         )
+        if cache is not None:
+            # A KVCache of tensors (numpy arrays converted), as the call returns it
+            cache = KVCache(*_as_tensors(*cache))
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
-                                need_weights=need_weights, attn_bias=attn_bias,
+                                need_weights=need_weights, attn_bias=attn_bias, cache=cache,
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-             training=None):
+             cache=None, training=None):
+        num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, _ = _dims(queries)
+        # The positions before this call's: those in the cache (a scalar tensor when the
+        # cached length is unknown while tracing)
+        offset = 0 if cache is None or cache.keys is None else _dims(cache.keys)[2]
+        num_keys = offset + _dims(keys)[1]
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        masks = _Masks(batch_size, num_queries, _dims(keys)[1])
+        masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         # The projections call the Dense kernels directly (see _apply_dense)
-        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(_apply_dense(self.W_q, queries))
         keys = self.transpose_qkv(_apply_dense(self.W_k, keys), num_kv_heads)
         values = self.transpose_qkv(_apply_dense(self.W_v, values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions 0, 1, ...
-            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...
+            queries = self.rotary.rotate(queries, offset)
+            keys = self.rotary.rotate(keys, offset)
+        if cache is not None:
+            # This call's keys and values follow those of the positions before it
+            if cache.keys is not None:
+                keys = tf.concat([cache.keys, keys], axis=2)
+                values = tf.concat([cache.values, values], axis=2)
+            cache = KVCache(keys, values)
         if num_kv_heads != self.num_heads:
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             group = self.num_heads // num_kv_heads
@@ -514,7 +534,8 @@ class MultiHeadAttention(_AttentionLayer):
             output = output * tf.cast(head_mask, output.dtype)[..., None, None]
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
-        return _apply_dense(self.W_o, output_concat)
+        output = _apply_dense(self.W_o, output_concat)
+        return output if cache is None else (output, cache)
 
     def transpose_qkv(self, X: tf.Tensor, num_heads: int | None = None) -> tf.Tensor:
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
@@ -570,6 +591,45 @@ class PositionalEncoding(keras.layers.Layer):
 
 @documented
 @keras.utils.register_keras_serializable(package="mha")
+class LearnedPositionalEncoding(keras.layers.Layer):
+    """Add a learned positional embedding to X, then dropout: P is a weight, one row per
+    position, trained with the rest.
+
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout. P is the table of a keras.layers.Embedding, with
+    Keras's initializer (uniform in +-0.05).
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32", **kwargs):
+        dtype = validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
+        super().__init__(dtype=dtype, **kwargs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.supports_masking = True  # a Keras padding mask on X passes through
+        self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
+        # Built now: P exists before the first call, for set_weights and .keras files
+        self.embedding = keras.layers.Embedding(max_len, num_hiddens, dtype=dtype)
+        self.embedding.build()
+        self.built = True
+
+    def __call__(self, X, training=None):
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        (X,) = _as_tensors(X)
+        return super().__call__(X, training=training)
+
+    def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
+        # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
+        P = self.embedding(tf.range(_dims(X)[1]))[None]
+        return self.dropout(X + P, training=training)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
+
+
+@documented
+@keras.utils.register_keras_serializable(package="mha")
 class RotaryEmbedding(keras.layers.Layer):
     """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
     with the position.
@@ -602,7 +662,8 @@ class RotaryEmbedding(keras.layers.Layer):
 
     def rotate(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
-        checks). MultiHeadAttention calls this on each head's queries and keys."""
+        checks). MultiHeadAttention calls this on each head's queries and keys, the offset
+        being the cached length: an int, or a scalar tensor when unknown while tracing."""
         # Shape of angles, cos and sin: (n, num_hiddens / 2)
         n = _dims(X)[-2]
         positions = tf.cast(tf.range(offset, offset + n), self.frequencies.dtype)
@@ -672,7 +733,8 @@ def layer_config(layer: keras.layers.Layer) -> dict[str, Any]:
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
 # and whether it holds the canonical array transposed (Dense keeps its kernel as (in, out))
 PARAMETERS = {"kernel": ("kernel", False), "bias": ("bias", False),
-              "scale": ("gamma", False), "shift": ("beta", False)}
+              "scale": ("gamma", False), "shift": ("beta", False),
+              "table": ("embeddings", False)}
 
 
 def read_parameter(parameter, transposed: bool) -> np.ndarray:
