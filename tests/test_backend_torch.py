@@ -4,8 +4,9 @@ tests/test_agreement.py's, through mha.harness, and the error table tests/test_e
 
 Here: the fused kernel's path surviving kernels that give NaN, torch.autograd.gradcheck,
 half precision and bfloat16, train() / eval(), inputs left untouched (version counters), the
-meta device, torch.compile, lazy modules, state_dict and torch.save, .to() / .double(), and
-every way of changing a parameter reaching the next call.
+meta device, torch.compile (cached decoding included), lazy modules, state_dict and torch.save,
+.to() / .double(), LearnedPositionalEncoding's trainable table, and every way of changing a
+parameter reaching the next call.
 """
 
 from __future__ import annotations
@@ -149,6 +150,31 @@ def test_positional_table_is_a_buffer_outside_the_state_dict(T):
     layer = build(T, "encoding", "float64")
     assert "P" in dict(layer.named_buffers()) and "P" not in layer.state_dict()
     np.testing.assert_array_equal(T.to_numpy(layer.P), sinusoid_table(20, 7))
+
+
+def test_learned_table_is_a_trained_parameter_in_the_state_dict(T, torch):
+    # P is nn.Embedding's weight: a trainable parameter saved as embedding.weight and cast by
+    # .double(); the rows of the positions seen get the gradient, the others none
+    layer = T.LearnedPositionalEncoding(7, max_len=9)
+    assert isinstance(layer.embedding, torch.nn.Embedding)
+    assert [name for name, _ in layer.named_parameters()] == ["embedding.weight"]
+    assert isinstance(layer.embedding.weight, torch.nn.Parameter)
+    assert layer.embedding.weight.requires_grad
+    assert list(layer.state_dict()) == ["embedding.weight"]
+    np.testing.assert_array_equal(
+        mha.get_weights(layer)["P"], T.to_numpy(layer.state_dict()["embedding.weight"])
+    )
+    config = {"num_hiddens": 7, "dropout": 0.0, "max_len": 9, "dtype": "float32"}
+    assert T.layer_config(layer) == config
+    layer = layer.double()
+    assert layer.dtype == "float64" and layer.embedding.weight.dtype == torch.float64
+    layer(torch.ones(3, 5, 7, dtype=torch.float64)).sum().backward()
+    gradient = T.to_numpy(layer.embedding.weight.grad)
+    np.testing.assert_array_equal(gradient[:5], np.full((5, 7), 3.0))
+    np.testing.assert_array_equal(gradient[5:], 0.0)
+    fresh = T.LearnedPositionalEncoding(7, max_len=9, dtype="float64")
+    fresh.load_state_dict(layer.state_dict())
+    np.testing.assert_array_equal(mha.get_weights(fresh)["P"], mha.get_weights(layer)["P"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,6 +473,49 @@ def test_compiled_grouped_rotary_sliding_attention_matches_the_reference(T, torc
     row, compiled = harness.check("torch", prepared, transform=torch.compile)
     assert eager_row.passed and row.passed, (eager_row, row)
     torch.testing.assert_close(compiled.output, eager.output, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
+def test_compiled_cached_decoding_equals_full_causal_attention(T, torch, need_weights):
+    # A prompt of 3 positions, then one position per call, through torch.compile (a graph per
+    # cache length, or one with the length symbolic): the reference's full causal attention.
+    # Without weights the fused kernel gets the causal mask shifted by the cached positions
+    config = dict(
+        num_hiddens=8,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        sliding_window=3,
+        bias=True,
+        query_size=6,
+        key_size=6,
+        value_size=6,
+        dtype="float64",
+    )
+    weights = mha.random_weights("MultiHeadAttention", seed=5, **config)
+    layer = T.MultiHeadAttention(**config)
+    mha.set_weights(layer, weights)
+    full = N.MultiHeadAttention(**config)
+    mha.set_weights(full, weights)
+    X = np.random.default_rng(4).standard_normal((2, 7, 6))
+    valid_lens = np.array([7, 6])
+    torch._dynamo.reset()
+    decode = torch.compile(layer)
+    for lengths in (valid_lens, None):
+        expected = full(X, X, X, lengths, causal=True)
+        cache, outputs = mha.KVCache(), []
+        for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+            x = T.from_numpy(X[:, start:stop])
+            known = None if lengths is None else T.from_numpy(np.minimum(lengths, stop))
+            output, cache = decode(
+                x, x, x, known, causal=True, need_weights=need_weights, cache=cache
+            )
+            outputs.append(T.to_numpy(output))
+            # The cache holds the 2 key-value heads, not the 4 repeated for the queries
+            assert type(cache) is mha.KVCache
+            assert tuple(cache.keys.shape) == tuple(cache.values.shape) == (2, 2, stop, 2)
+        assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
 
 
 # ---------------------------------------------------------------------------------------------

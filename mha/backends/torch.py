@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha import validation
+from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
@@ -29,6 +30,7 @@ __all__ = [
     "AddNorm",
     "AdditiveAttention",
     "DotProductAttention",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
@@ -142,8 +144,9 @@ def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
 class _Masks(Masks):
     """mha.masks' rules in torch, for the scores of one call, on the inputs' device."""
 
-    def __init__(self, batch_size: int, num_queries: int, num_keys: int, device: torch.device):
-        super().__init__(batch_size, num_queries, num_keys)
+    def __init__(self, batch_size: int, num_queries: int, num_keys: int, offset: int = 0, *,
+                 device: torch.device):
+        super().__init__(batch_size, num_queries, num_keys, offset)
         self.device = device
 
     def length_mask(self, valid_lens):
@@ -151,12 +154,13 @@ class _Masks(Masks):
 
     def causal_mask(self):
         ones = torch.ones(self.num_queries, self.num_keys, dtype=torch.bool, device=self.device)
-        return ones.tril()
+        return ones.tril(diagonal=self.offset)
 
     def band_mask(self, width):
-        queries = torch.arange(self.num_queries, device=self.device)
-        keys = torch.arange(self.num_keys, device=self.device)
-        return (queries[:, None] - keys[None, :]).abs() < width
+        # Shape of distances: (Q, K), query i being at position offset + i
+        queries = torch.arange(self.num_queries, device=self.device)[:, None] + self.offset
+        keys = torch.arange(self.num_keys, device=self.device)[None, :]
+        return (queries - keys).abs() < width
 
     def windows(self, window_mask):
         return window_mask.repeat(self.batch_size // window_mask.shape[0], 1, 1)
@@ -375,7 +379,7 @@ class DotProductAttention(Module):
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
-        masks = _Masks(batch_size, num_queries, num_keys, queries.device)
+        masks = _Masks(batch_size, num_queries, num_keys, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
@@ -442,7 +446,7 @@ class AdditiveAttention(Module):
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
-        masks = _Masks(batch_size, num_queries, num_keys, queries.device)
+        masks = _Masks(batch_size, num_queries, num_keys, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
@@ -501,31 +505,41 @@ class MultiHeadAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, head_mask=None, need_weights=True, attn_bias=None):
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+                cache=None):
+        num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            num_heads=self.num_heads,
+            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
         _check_valid_lens_values(valid_lens)
+        # The positions before this call's: those in the cache
+        offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        masks = _Masks(batch_size, num_queries, num_keys, queries.device)
+        masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
-        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(self.W_q(queries))
         keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions 0, 1, ...
-            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...
+            queries = self.rotary.rotate(queries, offset)
+            keys = self.rotary.rotate(keys, offset)
+        if cache is not None:
+            # This call's keys and values follow those of the positions before it
+            if cache.keys is not None:
+                keys = torch.cat([cache.keys, keys], dim=2)
+                values = torch.cat([cache.values, values], dim=2)
+            cache = KVCache(keys, values)
         if num_kv_heads != self.num_heads and (
             need_weights or _why_not_fused(keys, keep, self.empty_rows) is not None
         ):
@@ -542,7 +556,8 @@ class MultiHeadAttention(Module):
             output = output * head_mask.to(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
-        return self.W_o(output_concat)
+        output = self.W_o(output_concat)
+        return output if cache is None else (output, cache)
 
     def transpose_qkv(self, X: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),
@@ -593,6 +608,34 @@ class PositionalEncoding(Module):
         if self.P.dtype != dtype:
             self.P = self._table(self.P.dtype, self.P.device)
         return self
+
+
+@documented
+class LearnedPositionalEncoding(Module):
+    """Add a learned positional embedding to X, then dropout: P is a weight, one row per
+    position, trained with the rest.
+
+    P is the weight of an nn.Embedding, drawn from N(0, 1) as torch initializes one; it is in
+    the state_dict as embedding.weight.
+    """
+
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
+        super().__init__()
+        self.dtype = validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        )
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = nn.Dropout(dropout)
+        self.embedding = nn.Embedding(max_len, num_hiddens, dtype=_TORCH_DTYPES[self.dtype])
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
+        P = self.embedding(torch.arange(X.shape[1], device=X.device))[None]
+        return self.dropout(X + P)
 
 
 @documented
@@ -683,7 +726,7 @@ def layer_config(layer: Module) -> dict[str, Any]:
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
 # and whether it holds the canonical array transposed (nn.Linear keeps W as (out, in))
 PARAMETERS = {"kernel": ("weight", True), "bias": ("bias", False),
-              "scale": ("weight", False), "shift": ("bias", False)}
+              "scale": ("weight", False), "shift": ("bias", False), "table": ("weight", False)}
 
 
 def read_parameter(parameter: torch.Tensor, transposed: bool) -> np.ndarray:
