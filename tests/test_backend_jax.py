@@ -351,3 +351,64 @@ print("ok")
         check=False,
     )
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
+
+
+def test_cached_decoding_under_nnx_jit_gives_full_causal_attention(J, nnx):
+    # Llama- and Mistral-like: a prompt of 3 positions, then one position per jitted call
+    config = dict(
+        num_hiddens=D,
+        num_heads=4,
+        bias=True,
+        query_size=D,
+        key_size=D,
+        value_size=D,
+        num_kv_heads=2,
+        rope_theta=100.0,
+        sliding_window=3,
+        dtype="float64",
+    )
+    reference = N.MultiHeadAttention(**config)
+    layer = J.MultiHeadAttention(**config)
+    mha.set_weights(layer, mha.get_weights(reference))
+    X = np.random.default_rng(3).standard_normal((B, 7, D))
+    expected = reference(X, X, X, causal=True)
+
+    # KVCache is a pytree: it goes in and comes out of nnx.jit, one trace per cached length
+    @nnx.jit
+    def step(layer, x, cache):
+        return layer(x, x, x, causal=True, cache=cache)
+
+    cache, outputs = mha.KVCache(), []
+    for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+        output, cache = step(layer, J.from_numpy(X[:, start:stop]), cache)
+        outputs.append(J.to_numpy(output))
+        # The cache holds the 2 key-value heads, not the 4 query heads they are repeated to
+        assert cache.keys.shape == cache.values.shape == (B, 2, stop, D // 4)
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=0, atol=1e-10)
+    # The last call's weights are the last query's row of the full attention
+    np.testing.assert_allclose(
+        J.to_numpy(layer.attention_weights),
+        reference.attention_weights[:, :, -1:],
+        rtol=0,
+        atol=1e-10,
+    )
+
+
+def test_learned_positional_encoding_trains_its_rows_under_nnx_jit(J, jax, nnx):
+    layer = J.LearnedPositionalEncoding(D, max_len=10, dtype="float64")
+    # P is the one parameter, held by flax's Embed, and the canonical weight "P"
+    (table,) = jax.tree_util.tree_leaves(nnx.state(layer, nnx.Param))
+    assert table.shape == (10, D)
+    np.testing.assert_array_equal(mha.get_weights(layer)["P"], J.to_numpy(table))
+    X = J.from_numpy(np.random.default_rng(4).standard_normal((3, Q, D)))
+
+    @nnx.jit
+    def grads(layer, X):
+        return nnx.grad(lambda layer: layer(X).sum())(layer)
+
+    # Row i is added to each example's position i: its gradient is the batch size for the
+    # first Q rows, and the rows of positions not seen get none
+    (gradient,) = jax.tree_util.tree_leaves(nnx.state(grads(layer, X), nnx.Param))
+    expected = np.zeros((10, D))
+    expected[:Q] = 3.0
+    np.testing.assert_array_equal(np.asarray(gradient), expected)

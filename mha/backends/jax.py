@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from mha import validation
+from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
 from mha.masks import Masks
@@ -40,6 +41,7 @@ __all__ = [
     "AddNorm",
     "AdditiveAttention",
     "DotProductAttention",
+    "LearnedPositionalEncoding",
     "MultiHeadAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
@@ -178,11 +180,12 @@ class _Masks(Masks):
         return _length_mask(valid_lens, self.num_keys)
 
     def causal_mask(self):
-        return jnp.tri(self.num_queries, self.num_keys, dtype=bool)
+        return jnp.tri(self.num_queries, self.num_keys, k=self.offset, dtype=bool)
 
     def band_mask(self, width):
-        offsets = jnp.arange(self.num_queries)[:, None] - jnp.arange(self.num_keys)[None, :]
-        return jnp.abs(offsets) < width
+        # Shape of distances: (Q, K), query i being at position offset + i
+        queries = jnp.arange(self.num_queries)[:, None] + self.offset
+        return jnp.abs(queries - jnp.arange(self.num_keys)[None, :]) < width
 
     def windows(self, window_mask):
         return jnp.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
@@ -384,7 +387,8 @@ class MultiHeadAttention(nnx.Module):
     """Multi-head attention: num_heads scaled dot-product attentions in parallel.
 
     `rngs` (keyword) gives the parameters and dropout their random streams; nnx.Rngs(0) when
-    None.
+    None. A `cache` (mha.KVCache, a pytree) passes in and out of nnx.jit; its length is part
+    of its shape, so a jitted decoding loop traces once per cached length.
     """
 
     def __init__(
@@ -449,7 +453,9 @@ class MultiHeadAttention(nnx.Module):
         head_mask=None,
         need_weights=True,
         attn_bias=None,
+        cache=None,
     ):
+        num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries,
             keys,
@@ -461,8 +467,10 @@ class MultiHeadAttention(nnx.Module):
             head_mask=head_mask,
             need_weights=need_weights,
             attn_bias=attn_bias,
+            cache=cache,
             dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads,
+            kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(
                 ("queries", "query_size", _in_features(self.W_q)),
                 ("keys", "key_size", _in_features(self.W_k)),
@@ -470,20 +478,28 @@ class MultiHeadAttention(nnx.Module):
             ),
         )
         _check_valid_lens_values(valid_lens)
+        # The positions before this call's: those in the cache (a static size, even under jit)
+        offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
-        masks = _Masks(batch_size, num_queries, num_keys)
+        masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
-        num_kv_heads = self.num_kv_heads or self.num_heads
         queries = self.transpose_qkv(self.W_q(queries))
         keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions 0, 1, ...
-            queries, keys = self.rotary.rotate(queries), self.rotary.rotate(keys)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...
+            queries = self.rotary.rotate(queries, offset)
+            keys = self.rotary.rotate(keys, offset)
+        if cache is not None:
+            # This call's keys and values follow those of the positions before it
+            if cache.keys is not None:
+                keys = jnp.concatenate([cache.keys, keys], axis=2)
+                values = jnp.concatenate([cache.values, values], axis=2)
+            cache = KVCache(keys, values)
         if num_kv_heads != self.num_heads:
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             group = self.num_heads // num_kv_heads
@@ -495,7 +511,8 @@ class MultiHeadAttention(nnx.Module):
             output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
-        return self.W_o(output_concat)
+        output = self.W_o(output_concat)
+        return output if cache is None else (output, cache)
 
     # The weights are held once, by self.attention: nnx.jit carries one array out, not a copy
     @property
@@ -560,6 +577,47 @@ def _table(max_len: int, num_hiddens: int, dtype: str) -> jax.Array:
     # asked for under jit, so that the cache never keeps a tracer
     with jax.ensure_compile_time_eval():
         return jnp.asarray(sinusoid_table(max_len, num_hiddens).astype(dtype))
+
+
+@documented
+class LearnedPositionalEncoding(nnx.Module):
+    """Add a learned positional embedding to X, then dropout: P is a weight, one row per
+    position, trained with the rest.
+
+    flax.nnx.Embed holds P as its `embedding` parameter, drawn with Flax's default initializer;
+    `rngs` (keyword) gives it and dropout their random streams, nnx.Rngs(0) when None.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        *,
+        dtype: str = "float32",
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.dtype = _checked_dtype(
+            validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
+        )
+        rngs = _rngs(rngs)
+        self.num_hiddens, self.max_len = num_hiddens, max_len
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.embedding = nnx.Embed(
+            max_len,
+            num_hiddens,
+            dtype=_DTYPES[self.dtype],
+            param_dtype=_DTYPES[self.dtype],
+            rngs=rngs,
+        )
+
+    def __call__(self, X: jax.Array) -> jax.Array:
+        validation.check_positional_encoding_call(
+            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+        )
+        # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
+        P = self.embedding(jnp.arange(X.shape[1]))[None]
+        return self.dropout(X + P)
 
 
 @documented
@@ -679,6 +737,7 @@ PARAMETERS = {
     "bias": ("bias", False),
     "scale": ("scale", False),
     "shift": ("bias", False),
+    "table": ("embedding", False),
 }
 
 
