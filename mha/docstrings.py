@@ -115,10 +115,15 @@ Call arguments:
         -inf entries exclude their key exactly.
     head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
     need_weights: when False, `attention_weights` is None.
+    cache: None, or an `mha.KVCache` for decoding: `KVCache()` at the first call, then the
+        cache the previous call returned. This call's queries and keys take the positions
+        after the cached ones (rotary embeddings, `causal` and a sliding window count from
+        there), and valid_lens and masks cover the cached keys and this call's.
 
 Returns:
-    (batch_size, no. of queries, out_features); `attention_weights` holds
-    (batch_size, num_heads, no. of queries, no. of keys).
+    (batch_size, no. of queries, out_features), and with a cache `(output, cache)`, the cache
+    holding every key and value so far, (batch_size, num_kv_heads, positions, head size)
+    each; `attention_weights` holds (batch_size, num_heads, no. of queries, no. of keys).
 """,
     "PositionalEncoding": f"""
 Args:

@@ -98,3 +98,31 @@ def test_every_public_object_documents_the_shared_contract(name):
                 next(n for n in tree.body if getattr(n, "name", None) == public)
             ).splitlines()[0]
         )
+
+
+# The call of each backend's layers: torch's and MXNet's forward, Keras's and Flax's __call__
+CALLS = {"numpy": "forward", "torch": "forward", "tensorflow": "__call__", "mxnet": "forward",
+         "jax": "__call__"}  # fmt: skip
+# What a framework adds to every layer: Keras's training and **kwargs, Flax's rngs
+FRAMEWORK_ARGUMENTS = {"self", "kwargs", "training", "rngs"}
+
+
+def _parameters(function):
+    import inspect
+
+    return [
+        name for name in inspect.signature(function).parameters if name not in FRAMEWORK_ARGUMENTS
+    ]
+
+
+@pytest.mark.parametrize("name", ["torch", "tensorflow", "mxnet", "jax"])
+def test_every_backend_takes_the_references_arguments_in_its_order(name):
+    reference, module = backend_module("numpy"), backend_module(name)
+    for public in SECTIONS:
+        ours, theirs = getattr(reference, public), getattr(module, public)
+        if not isinstance(ours, type):  # masked_softmax
+            assert _parameters(theirs) == _parameters(ours), public
+            continue
+        assert _parameters(theirs.__init__) == _parameters(ours.__init__), public
+        call = getattr(theirs, CALLS[name])
+        assert _parameters(call) == _parameters(ours.forward), public
