@@ -323,6 +323,10 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
         "out_features": None,
         "scale": None,
         "empty_rows": "zeros",
+        "sliding_window": None,
+        "num_kv_heads": None,
+        "rope_theta": None,
+        "rope_interleaved": False,
     }
     shapes = dict(line.split(maxsplit=1) for line in out.split("weights:\n", 1)[1].splitlines())
     assert shapes["W_q"].split()[:2] == ["(6,", "8)"] and shapes["b_o"].split() == [
