@@ -210,40 +210,17 @@ def _numpy_calls(config: Config, mode: str) -> Calls:
 
 def _torch_calls(config: Config, mode: str) -> Calls:
     import torch
-    import torch.nn.functional as F
-
-    import mha
 
     device = "cuda" if config.device == "gpu" else "cpu"
     X_np, lens_np = _inputs(config)
     X = torch.from_numpy(X_np).to(device, getattr(torch, config.dtype))
     valid_lens = None if lens_np is None else torch.from_numpy(lens_np).to(device)
-    b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
     ours = _mha_layer("torch", config).to(device).eval()
-    if config.num_kv_heads is not None:
-        return _torch_gqa_calls(config, ours, X, valid_lens)
-    theirs = mha.interop.to_torch(ours, batch_first=True).to(device).eval()
-
-    def ignored():  # key_padding_mask, made inside the call as mha makes its own: True = ignore
-        return None if valid_lens is None else torch.arange(n, device=device) >= valid_lens[:, None]
-
-    held = {}  # weights a built-in returns are kept until its next call, as mha keeps its own
-    options = {"need_weights": config.need_weights, "average_attn_weights": False}
-
-    def run_theirs():
-        output, held["weights"] = theirs(X, X, X, key_padding_mask=ignored(), **options)
-        return output
-
-    def run_sdpa():  # nn.MultiheadAttention's weights, packed, on F.scaled_dot_product_attention
-        keep = None if valid_lens is None else ~ignored()[:, None, None, :]
-        qkv = F.linear(X, theirs.in_proj_weight).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
-        output = F.scaled_dot_product_attention(*qkv, attn_mask=keep)
-        return F.linear(output.transpose(1, 2).reshape(b, n, d), theirs.out_proj.weight)
-
     run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
-    layers = {"mha": (run_ours, ours), "nn.MultiheadAttention": (run_theirs, theirs)}
-    if not config.need_weights:  # SDPA cannot return the weights
-        layers["SDPA layer"] = (run_sdpa, theirs)
+    if config.num_kv_heads is not None:
+        layers = _torch_grouped_layers(config, ours, run_ours, X, valid_lens)
+    else:
+        layers = _torch_layers(config, ours, run_ours, X, valid_lens)
     # A GPU runs asynchronously: a timed call ends when the device has finished its work
     synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
 
@@ -260,13 +237,48 @@ def _torch_calls(config: Config, mode: str) -> Calls:
         synchronize()
         return gradients
 
-    return _passes(layers, forward, backward)
+    return _passes(layers, forward, backward) if layers else {}
 
 
-def _torch_gqa_calls(config: Config, ours, X, valid_lens) -> Calls:
+def _torch_layers(config: Config, ours, run_ours, X, valid_lens) -> dict:
+    """mha's layer and torch's: nn.MultiheadAttention holding the same weights, and without
+    need_weights the SDPA layer on its weights."""
+    import torch
+    import torch.nn.functional as F
+
+    import mha
+
+    b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
+    theirs = mha.interop.to_torch(ours, batch_first=True).to(X.device).eval()
+
+    def ignored():  # key_padding_mask, made inside the call as mha makes its own: True = ignore
+        return (
+            None if valid_lens is None else torch.arange(n, device=X.device) >= valid_lens[:, None]
+        )
+
+    held = {}  # weights a built-in returns are kept until its next call, as mha keeps its own
+    options = {"need_weights": config.need_weights, "average_attn_weights": False}
+
+    def run_theirs():
+        output, held["weights"] = theirs(X, X, X, key_padding_mask=ignored(), **options)
+        return output
+
+    def run_sdpa():  # nn.MultiheadAttention's weights, packed, on F.scaled_dot_product_attention
+        keep = None if valid_lens is None else ~ignored()[:, None, None, :]
+        qkv = F.linear(X, theirs.in_proj_weight).view(b, n, 3, h, d // h).permute(2, 0, 3, 1, 4)
+        output = F.scaled_dot_product_attention(*qkv, attn_mask=keep)
+        return F.linear(output.transpose(1, 2).reshape(b, n, d), theirs.out_proj.weight)
+
+    layers = {"mha": (run_ours, ours), "nn.MultiheadAttention": (run_theirs, theirs)}
+    if not config.need_weights:  # SDPA cannot return the weights
+        layers["SDPA layer"] = (run_sdpa, theirs)
+    return layers
+
+
+def _torch_grouped_layers(config: Config, ours, run_ours, X, valid_lens) -> dict:
     """Grouped-query attention: torch has no such layer, so the built-in is the SDPA layer
     with enable_gqa on mha's weights (nn.Linear layers holding them); it returns no weights,
-    so there are rows without need_weights only."""
+    so there are rows without need_weights only (none: an empty dict)."""
     import torch
     import torch.nn.functional as F
 
@@ -286,24 +298,7 @@ def _torch_gqa_calls(config: Config, ours, X, valid_lens) -> Calls:
         output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
         return theirs["W_o"](output.transpose(1, 2).reshape(b, n, d))
 
-    run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
-    synchronize = torch.cuda.synchronize if X.device.type == "cuda" else lambda: None
-
-    def forward(run, layer):
-        with torch.no_grad():
-            output = run()
-        synchronize()
-        return output
-
-    def backward(run, layer):
-        X.requires_grad_(True)
-        gradients = torch.autograd.grad(run().sum(), [X, *layer.parameters()])
-        X.requires_grad_(False)
-        synchronize()
-        return gradients
-
-    layers = {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
-    return _passes(layers, forward, backward)
+    return {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
 
 
 def _tensorflow_calls(config: Config, mode: str) -> Calls:
