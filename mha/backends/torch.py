@@ -119,8 +119,9 @@ _TENSOR_TYPES = torch.Tensor
 
 def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
     # The one check that needs values: non-negative whole numbers (reading them waits for the
-    # device, as any value check must). A meta tensor has a shape and no values.
-    if valid_lens is None or valid_lens.device.type == "meta":
+    # device, as any value check must). A meta tensor has a shape and no values, and neither
+    # has a tensor being traced by torch.export: the exported program does not check them.
+    if valid_lens is None or valid_lens.device.type == "meta" or torch.compiler.is_exporting():
         return
     values = valid_lens.detach().cpu()
     # numpy has no bfloat16; float64 holds every float16 and bfloat16 exactly
@@ -222,8 +223,9 @@ def _keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 
 def _may_have_empty_rows(attended: torch.Tensor) -> bool:
     """Whether a row has no kept key, or might. On the CPU one host read of the small
-    `attended` answers it; elsewhere (GPU, meta, a graph being compiled) the answer is yes
-    without reading, so that no call waits for the device."""
+    `attended` answers it; elsewhere (GPU, meta, a graph being compiled or exported) the answer
+    is yes without reading: no call waits for the device, and no graph keeps one input's answer."""
+    # is_compiling() is True under torch.export too, whose traced tensors have no values
     if attended.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     return not bool(attended.all())
@@ -315,8 +317,10 @@ def _why_not_masked_product(queries, keys, keep, bias, empty_rows) -> str | None
 
 def _all_finite(keys: torch.Tensor) -> bool:
     """Whether every key is finite. On the CPU one read answers it (a pass over the keys, not
-    the scores); elsewhere and while compiling the answer is yes without reading, so that no
-    call waits for the device: there a masked key holding NaN or inf can reach the output."""
+    the scores); elsewhere and while compiling or exporting the answer is yes without reading,
+    so that no call waits for the device: there a masked key holding NaN or inf can reach the
+    output."""
+    # is_compiling() is True under torch.export too, whose traced tensors have no values
     if keys.device.type != "cpu" or torch.compiler.is_compiling():
         return True
     return bool(torch.isfinite(keys).all())
