@@ -61,7 +61,13 @@ import numpy as np
 
 from mha import validation
 from mha.registry import BackendUnavailableError, load_backend
-from mha.weights import _layer_info, get_weights, set_weights
+from mha.weights import (
+    UNTOLD_OPTIONS,
+    _layer_info,
+    check_untold_options,
+    get_weights,
+    set_weights,
+)
 
 __all__ = [
     "FILE_KINDS",
@@ -128,14 +134,9 @@ def _multihead_config(
     return config, weights
 
 
-# The options of mha's MultiHeadAttention that its weights do not tell (num_kv_heads, which
-# they do tell, aside)
-OPTIONS = ("rope_theta", "rope_interleaved", "sliding_window")
-
-
 def _options_of(config: Mapping[str, Any]) -> dict[str, Any]:
     """The options of a MultiHeadAttention config that are set (not their defaults)."""
-    return {key: config[key] for key in OPTIONS if config.get(key) not in (None, False)}
+    return {key: config[key] for key in UNTOLD_OPTIONS if config.get(key) not in (None, False)}
 
 
 def layer_from_weights(
@@ -170,9 +171,7 @@ def layer_from_weights(
     if any(len(shapes[name]) != 2 for name in ("W_q", "W_k", "W_v", "W_o")):
         described = ", ".join(f"{name} {shapes[name]}" for name in ("W_q", "W_k", "W_v", "W_o"))
         raise ValueError(f"MultiHeadAttention weights must be matrices. Received: {described}")
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown option {', '.join(unknown)}; the options: {', '.join(OPTIONS)}")
+    check_untold_options(options)
     module = load_backend(backend if backend is not None else get_backend())
     num_hiddens, out_features = shapes["W_o"]
     bias, out_bias = "b_q" in weights, "b_o" in weights
@@ -1421,11 +1420,7 @@ def convert(
         weights, config = port.weights, port.config
         extra = {"layout": port.layout, "left_out": port.left_out}
     else:
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise TypeError(
-                f"unknown option {', '.join(unknown)}; the options: {', '.join(OPTIONS)}"
-            )
+        check_untold_options(options)
         weights, config = read_file(source, num_heads=num_heads)
         if scale is not None:
             config["scale"] = scale
@@ -1441,7 +1436,7 @@ def convert(
         num_heads=config["num_heads"],
         dropout=config["dropout"],
         scale=config["scale"],
-        **{key: config[key] for key in OPTIONS},
+        **_options_of(config),
     )
     return {**config, **extra}
 

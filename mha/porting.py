@@ -209,8 +209,9 @@ def canonical_from_state_dict(
             MultiHeadAttention (every problem is listed).
     """
     from mha.interop import _as_numpy
+    from mha.weights import check_untold_options
 
-    _check_options(options)
+    check_untold_options(options)
     state = flatten(state)
     names = _under(state, prefix)
     layouts = [layout for layout in LAYOUTS if _matches(layout, names)]
@@ -300,18 +301,6 @@ def from_state_dict(
     layer = build_layer(module, "MultiHeadAttention", port.config)
     set_weights(layer, port.weights)
     return layer
-
-
-# The options a port may be given: what the weights alone do not tell
-PORT_OPTIONS = ("rope_theta", "rope_interleaved", "sliding_window")
-
-
-def _check_options(options: Mapping[str, Any]) -> None:
-    unknown = sorted(set(options) - set(PORT_OPTIONS))
-    if unknown:
-        raise TypeError(
-            f"unknown option {', '.join(unknown)}; a port takes {', '.join(PORT_OPTIONS)}"
-        )
 
 
 def _num_kv_heads(layout: Layout, config: Mapping[str, Any], kv_hiddens: int) -> int:

@@ -597,6 +597,20 @@ OPTION_DEFAULTS = {
     "rope_interleaved": False,
 }
 
+# The options of MultiHeadAttention that its weights do not tell (num_kv_heads they do tell):
+# a port or a conversion is given them
+UNTOLD_OPTIONS = ("rope_theta", "rope_interleaved", "sliding_window")
+
+
+def check_untold_options(options: Mapping[str, Any]) -> None:
+    """Raise TypeError for an option that is not one of UNTOLD_OPTIONS."""
+    unknown = sorted(set(options) - set(UNTOLD_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"unknown option {', '.join(unknown)}; the options: {', '.join(UNTOLD_OPTIONS)}"
+        )
+
+
 # The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
 _MAX_TABLE_SIZE = 2**27
 
