@@ -59,14 +59,22 @@ Shape = tuple[int | None, ...]
 
 
 def shape_of(x: Any) -> Shape:
-    """The shape of a numpy array or framework tensor as a tuple; unknown sizes are None."""
+    """The shape of a numpy array or framework tensor as a tuple; unknown sizes are None, and
+    torch's symbolic sizes (torch.export with dynamic shapes) are left symbolic."""
     shape = x.shape
     if isinstance(shape, tuple) and all(type(d) is int for d in shape):
         # numpy, torch.Size, MXNet: plain ints already (checks run on every call)
         return tuple(shape)
     if hasattr(shape, "as_list"):  # tf.TensorShape, possibly with unknown dimensions
         return tuple(shape.as_list()) if shape.rank is not None else ()
-    return tuple(None if d is None else int(d) for d in shape)
+    return tuple(_size(d) for d in shape)
+
+
+def _size(d: Any) -> Any:
+    if d is None or type(d).__name__ == "SymInt":
+        # torch.export's symbolic sizes stay symbolic: int() would pin the program to the example
+        return d
+    return int(d)
 
 
 def dtype_name(x: Any) -> str:

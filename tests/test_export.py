@@ -1,13 +1,17 @@
-"""torch.export of every layer and mask: the exported program gives the NumPy reference's numbers.
+"""torch.export and ONNX of every layer and mask: the exported program gives the NumPy
+reference's numbers.
 
-Each layer is exported by torch.export.export on one draw of inputs; its program then runs on
-that draw and on a second one of the same shapes, whose values differ and whose row with no key
-to attend is elsewhere, so that nothing read from the first draw's values can stay in the
-program. Both are held to the reference layer holding the same weights, and to the eager call.
-The shapes are static: mha.validation reads every size as an int, which fixes it.
+Each layer is exported on one draw of inputs, by torch.export.export with static shapes, by
+torch.export.export with every size dynamic, and by torch.onnx.export(dynamo=True) with every
+size dynamic, whose model ONNX Runtime runs. The program then runs on that draw and on a second
+one whose values differ, whose row with no key to attend is elsewhere, and whose sizes differ
+where they are dynamic, so that nothing read from the first draw can stay in the program. Both
+are held to the reference layer holding the same weights, and to the eager call.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import numpy as np
 import pytest
@@ -22,8 +26,11 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The tensor attribute:UserWarning"),
 ]
 
-B, Q, K, HEADS, HEAD_SIZE = 2, 3, 4, 4, 2  # batch size, no. of queries and keys, heads
-CACHED = 2  # positions in the non-empty KVCache
+HEADS, HEAD_SIZE = 4, 2
+# (batch size, no. of queries, no. of keys, cached positions) of the two draws of inputs. A
+# program exported with static shapes runs on the first sizes twice; one exported with dynamic
+# shapes, on the second sizes too.
+SIZES = [(2, 3, 4, 2), (3, 5, 6, 3)]
 
 LAYERS = {
     "DotProductAttention": {},
@@ -39,6 +46,10 @@ LAYERS = {
 }
 # Llama's attention: 4 query heads sharing 2 key-value heads, rotary embeddings
 GROUPED = {"num_kv_heads": 2, "rope_theta": 10000.0}
+# The ways a layer leaves Python: torch.export with the example's shapes, torch.export with
+# every size free to change (Dim.AUTO), and the ONNX exporter (which uses torch.export), run by
+# ONNX Runtime, with every size free
+WAYS = ["export", "export-dynamic", "onnx"]
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +61,11 @@ def T():
 # Inputs
 
 
-def _masks(kinds, rng, empty):
-    """The mask arguments of one draw, as numpy arrays: in example `empty`, query 1 attends to
-    no key (every query, for 1-D valid_lens; every example, for the shared boolean window)."""
+def _masks(kinds, rng, empty, sizes):
+    """The mask arguments of one draw of these sizes, as numpy arrays: in example `empty`,
+    query 1 attends to no key (every query, for 1-D valid_lens; every example, for the shared
+    boolean window)."""
+    B, Q, K, cached = sizes
     kwargs = {}
     for kind in kinds:
         if kind == "valid_lens_1d":
@@ -89,8 +102,8 @@ def _masks(kinds, rng, empty):
         elif kind == "empty_cache":
             kwargs["cache"] = mha.KVCache()
         elif kind == "cache":
-            # Keys and values of CACHED positions, with GROUPED's 2 key-value heads
-            shape = (B, GROUPED["num_kv_heads"], CACHED, HEAD_SIZE)
+            # Keys and values of the cached positions, with GROUPED's 2 key-value heads
+            shape = (B, GROUPED["num_kv_heads"], cached, HEAD_SIZE)
             kwargs["cache"] = mha.KVCache(
                 *(rng.standard_normal(shape).astype(np.float32) for _ in range(2))
             )
@@ -99,14 +112,17 @@ def _masks(kinds, rng, empty):
     return kwargs
 
 
-def _draws(shapes, kinds=()):
-    """Two draws of (args, kwargs), numpy float32 inputs of these shapes and the masks of
-    `kinds`: the first with its row of no key in example 0, the second in example 1."""
+def _draws(shapes, kinds, way):
+    """Two draws of (args, kwargs): numpy float32 inputs of the shapes that `shapes` gives for
+    (batch, queries, keys) and the masks of `kinds`, the first with its row of no key in
+    example 0, the second in example 1; of other sizes in the second draw if `way` exports
+    dynamic shapes."""
     draws = []
     for seed in (0, 1):
+        sizes = SIZES[seed if way != "export" else 0]
         rng = np.random.default_rng(seed)
-        args = tuple(rng.standard_normal(shape).astype(np.float32) for shape in shapes)
-        draws.append((args, _masks(kinds, rng, empty=seed)))
+        args = tuple(rng.standard_normal(shape).astype(np.float32) for shape in shapes(*sizes[:3]))
+        draws.append((args, _masks(kinds, rng, seed, sizes)))
     return draws
 
 
@@ -123,9 +139,25 @@ def _to_torch(T, value):
     return value
 
 
+def _free_sizes(T, value):
+    """torch.export's dynamic_shapes for these inputs: every size of every tensor may change."""
+    Dim = T.torch.export.Dim
+    if isinstance(value, T.torch.Tensor):
+        return dict.fromkeys(range(value.dim()), Dim.AUTO)
+    if isinstance(value, mha.KVCache):
+        # The batch and the cached length; the number of key-value heads and the head size are
+        # the layer's (ONNX's grouped-query attention needs them static)
+        return mha.KVCache(*(None if x is None else {0: Dim.AUTO, 2: Dim.AUTO} for x in value))
+    if isinstance(value, tuple):
+        return tuple(_free_sizes(T, x) for x in value)
+    if isinstance(value, dict):
+        return {name: _free_sizes(T, x) for name, x in value.items()}
+    return None
+
+
 def _leaves(output):
     """An output, or (output, KVCache), as a list of arrays."""
-    if isinstance(output, tuple):
+    if isinstance(output, tuple | list):
         return [leaf for each in output for leaf in _leaves(each)]
     return [output]
 
@@ -133,21 +165,63 @@ def _leaves(output):
 # Export and compare
 
 
-def _check_exported(T, layer, reference, draws):
+def _export(T, layer, args, kwargs, way):
+    """`layer` exported the `way` named, as a callable of torch tensors."""
+    if way == "export":
+        return T.torch.export.export(layer, args, kwargs).module()
+    signature = inspect.signature(layer.forward)
+    arguments = signature.bind(*args, **kwargs).arguments
+    dynamic_shapes = {name: _free_sizes(T, value) for name, value in arguments.items()}
+    if way == "export-dynamic":
+        return T.torch.export.export(layer, args, kwargs, dynamic_shapes=dynamic_shapes).module()
+    program = T.torch.onnx.export(
+        layer, args, kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
+    )
+    import onnxruntime  # in the test extra, beside onnx and onnxscript, which the exporter uses
+
+    session = onnxruntime.InferenceSession(
+        program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    names = [each.name for each in session.get_inputs()]
+
+    def run(*args, **kwargs):
+        # The model's inputs are the tensors among the arguments, in the signature's order
+        arguments = signature.bind(*args, **kwargs).arguments
+        tensors = [T.to_numpy(x) for x in _tensors(T, list(arguments.values()))]
+        assert len(tensors) == len(names), names
+        return session.run(None, dict(zip(names, tensors, strict=True)))
+
+    return run
+
+
+def _tensors(T, value):
+    """The torch tensors in `value` (tensors, tuples, lists), in order."""
+    if isinstance(value, T.torch.Tensor):
+        return [value]
+    if isinstance(value, tuple | list):
+        return [tensor for each in value for tensor in _tensors(T, each)]
+    return []
+
+
+def _check_exported(T, layer, reference, draws, way):
     """Export `layer` on the first draw; its program on each draw gives the numbers of
     `reference` (a numpy callable) and of the eager call."""
     args, kwargs = draws[0]
-    program = T.torch.export.export(layer, _to_torch(T, args), _to_torch(T, kwargs)).module()
+    program = _export(T, layer, _to_torch(T, args), _to_torch(T, kwargs), way)
     for args, kwargs in draws:
         torch_args = _to_torch(T, args)
         torch_kwargs = _to_torch(T, kwargs)
-        output = program(*torch_args, **torch_kwargs)
-        expected = reference(*args, **kwargs)
-        actual = _leaves(output)
-        assert len(actual) == len(_leaves(expected))
-        for each, want in zip(actual, _leaves(expected), strict=True):
-            assert_agrees(T.to_numpy(each), want, "float32")
-        T.torch.testing.assert_close(output, layer(*torch_args, **torch_kwargs))
+        actual = _leaves(program(*torch_args, **torch_kwargs))
+        expected = _leaves(reference(*args, **kwargs))
+        eager = _leaves(layer(*torch_args, **torch_kwargs))
+        assert len(actual) == len(expected) == len(eager)
+        for each, want, eager_each in zip(actual, expected, eager, strict=True):
+            assert_agrees(_numpy(T, each), want, "float32")
+            assert_agrees(_numpy(T, each), T.to_numpy(eager_each), "float32")
+
+
+def _numpy(T, value):
+    return value if isinstance(value, np.ndarray) else T.to_numpy(value)
 
 
 def _pair(T, name, config):
@@ -158,9 +232,13 @@ def _pair(T, name, config):
     return layer, reference
 
 
-def _check_attention(T, name, config, kinds):
+def _attention_shapes(B, Q, K):
+    return [(B, Q, 6), (B, K, 6), (B, K, 7)]
+
+
+def _check_attention(T, name, config, kinds, way):
     layer, reference = _pair(T, name, {**LAYERS[name], **config})
-    _check_exported(T, layer, reference, _draws([(B, Q, 6), (B, K, 6), (B, K, 7)], kinds))
+    _check_exported(T, layer, reference, _draws(_attention_shapes, kinds, way), way)
 
 
 ATTENTION_MASKS = [
@@ -174,10 +252,11 @@ ATTENTION_MASKS = [
 ]
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("kinds", ATTENTION_MASKS, ids="+".join)
 @pytest.mark.parametrize("name", LAYERS)
-def test_exported_attention_gives_the_reference(T, name, kinds):
-    _check_attention(T, name, {}, kinds)
+def test_exported_attention_gives_the_reference(T, name, kinds, way):
+    _check_attention(T, name, {}, kinds, way)
 
 
 MULTIHEAD_CASES = {
@@ -198,24 +277,26 @@ MULTIHEAD_CASES = {
 }
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize(("config", "kinds"), MULTIHEAD_CASES.values(), ids=MULTIHEAD_CASES)
-def test_exported_multihead_attention_gives_the_reference(T, config, kinds):
-    _check_attention(T, "MultiHeadAttention", config, kinds)
+def test_exported_multihead_attention_gives_the_reference(T, config, kinds, way):
+    _check_attention(T, "MultiHeadAttention", config, kinds, way)
 
 
 SOFTMAX_CASES = {
-    "no_lens": ((B, Q, K), [], "zeros"),
-    "valid_lens_1d": ((B, Q, K), ["valid_lens_1d"], "zeros"),
-    "valid_lens_2d": ((B, Q, K), ["valid_lens_2d"], "zeros"),
-    "heads+valid_lens_2d": ((B, HEADS, Q, K), ["valid_lens_2d"], "zeros"),
-    "uniform_empty_rows": ((B, Q, K), ["valid_lens_1d"], "uniform"),
+    "no_lens": (lambda B, Q, K: [(B, Q, K)], [], "zeros"),
+    "valid_lens_1d": (lambda B, Q, K: [(B, Q, K)], ["valid_lens_1d"], "zeros"),
+    "valid_lens_2d": (lambda B, Q, K: [(B, Q, K)], ["valid_lens_2d"], "zeros"),
+    "heads+valid_lens_2d": (lambda B, Q, K: [(B, HEADS, Q, K)], ["valid_lens_2d"], "zeros"),
+    "uniform_empty_rows": (lambda B, Q, K: [(B, Q, K)], ["valid_lens_1d"], "uniform"),
 }
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize(
-    ("shape", "kinds", "empty_rows"), SOFTMAX_CASES.values(), ids=SOFTMAX_CASES
+    ("shapes", "kinds", "empty_rows"), SOFTMAX_CASES.values(), ids=SOFTMAX_CASES
 )
-def test_exported_masked_softmax_gives_the_reference(T, shape, kinds, empty_rows):
+def test_exported_masked_softmax_gives_the_reference(T, shapes, kinds, empty_rows, way):
     class MaskedSoftmax(T.torch.nn.Module):
         def forward(self, X, valid_lens=None):
             return T.masked_softmax(X, valid_lens, empty_rows=empty_rows)
@@ -223,7 +304,7 @@ def test_exported_masked_softmax_gives_the_reference(T, shape, kinds, empty_rows
     def reference(X, valid_lens=None):
         return N.masked_softmax(X, valid_lens, empty_rows=empty_rows)
 
-    _check_exported(T, MaskedSoftmax(), reference, _draws([shape], kinds))
+    _check_exported(T, MaskedSoftmax().eval(), reference, _draws(shapes, kinds, way), way)
 
 
 OTHER_CASES = {
@@ -245,18 +326,22 @@ OTHER_CASES = {
 }
 
 
+@pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize(
     ("name", "config", "num_inputs", "kwargs"), OTHER_CASES.values(), ids=OTHER_CASES
 )
-def test_exported_encodings_and_add_norm_give_the_reference(T, name, config, num_inputs, kwargs):
+def test_exported_encodings_and_add_norm_give_the_reference(
+    T, name, config, num_inputs, kwargs, way
+):
     layer, reference = _pair(T, name, config)
-    draws = [(args, kwargs) for args, _ in _draws([(B, 5, 8)] * num_inputs)]
-    _check_exported(T, layer, reference, draws)
+    # Sequences of 5 positions, and 7 in the second draw when sizes are dynamic (max_len 10)
+    draws = _draws(lambda B, Q, K: [(B, Q + 2, 8)] * num_inputs, [], way)
+    _check_exported(T, layer, reference, [(args, kwargs) for args, _ in draws], way)
 
 
 def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     layer, _ = _pair(T, "MultiHeadAttention", LAYERS["MultiHeadAttention"])
-    args, kwargs = _draws([(B, Q, 6), (B, K, 6), (B, K, 7)], ["valid_lens_1d"])[0]
+    args, kwargs = _draws(_attention_shapes, ["valid_lens_1d"], "export")[0]
     args = _to_torch(T, args)
     program = T.torch.export.export(layer, args, _to_torch(T, kwargs)).module()
     negative = T.from_numpy(np.array([-1, 2]))
@@ -266,7 +351,7 @@ def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     ):
         layer(*args, valid_lens=negative)
     with pytest.raises(ValueError, match="valid_lens must be non-negative"):
-        T.masked_softmax(T.from_numpy(np.zeros((B, Q, K), np.float32)), negative)
+        T.masked_softmax(T.from_numpy(np.zeros((2, 3, 4), np.float32)), negative)
     with pytest.raises(ValueError, match="valid_lens must hold whole numbers"):
         layer(*args, valid_lens=T.from_numpy(np.array([1.5, 2.0])))
     # The exported program does not read them (docs/backends.md): such a length keeps no key
