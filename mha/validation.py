@@ -60,7 +60,7 @@ Shape = tuple[int | None, ...]
 
 def shape_of(x: Any) -> Shape:
     """The shape of a numpy array or framework tensor as a tuple; unknown sizes are None, and
-    torch's symbolic sizes (torch.export with dynamic shapes) are left symbolic."""
+    symbolic sizes (torch.export's dynamic shapes, jax.export's symbolic shapes) stay symbolic."""
     shape = x.shape
     if isinstance(shape, tuple) and all(type(d) is int for d in shape):
         # numpy, torch.Size, MXNet: plain ints already (checks run on every call)
@@ -71,10 +71,15 @@ def shape_of(x: Any) -> Shape:
 
 
 def _size(d: Any) -> Any:
-    if d is None or type(d).__name__ == "SymInt":
-        # torch.export's symbolic sizes stay symbolic: int() would pin the program to the example
+    if d is None or type(d).__name__ in _SYMBOLIC_SIZES:
+        # Symbolic sizes stay symbolic: int() would pin torch's program to the example, and
+        # JAX's refuses to become a constant
         return d
     return int(d)
+
+
+# torch.export's size with dynamic shapes, and jax.export's with a symbolic shape
+_SYMBOLIC_SIZES = ("SymInt", "_DimExpr")
 
 
 def dtype_name(x: Any) -> str:
