@@ -3,12 +3,12 @@ numbers.
 
 Each float32 layer is split into its graph and its weights (nnx.split), and a pure function of
 (weights, inputs) that merges the layer and calls it is jitted and exported with jax.export on
-one draw of inputs, with its shapes or with a symbolic batch size. The export is serialized to
-bytes and deserialized, as a deployed program is. The deserialized program then runs on that
-draw and on a second one whose inputs and weights differ, whose row with no key to attend is
-elsewhere, and whose batch is larger where it is symbolic, so that nothing of the first draw
-can stay in the program. Both are held to the float64 NumPy reference holding the same weights,
-within float32's agreement: the output, the attention weights and the KV cache.
+one draw of inputs, with its shapes or with a symbolic batch size and lengths. The export is
+serialized to bytes and deserialized, as a deployed program is. The deserialized program then
+runs on that draw and on a second one whose inputs and weights differ, whose row with no key to
+attend is elsewhere, and whose sizes differ where they are symbolic, so that nothing of the
+first draw can stay in the program. Both are held to the float64 NumPy reference holding the
+same weights, within float32's agreement: the output, the attention weights and the KV cache.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ pytestmark = pytest.mark.jax
 
 HEADS, HEAD_SIZE = 4, 2
 # (batch size, no. of queries, no. of keys, cached positions) of both draws; a program exported
-# with a symbolic batch size runs on a second draw of batch BATCH_2
-SIZES = (2, 3, 4, 2)
-BATCH_2 = 5
+# with symbolic sizes runs on a second draw of SIZES_2. The batch size and the numbers of
+# queries and keys differ from every other size, so that an axis is known by its size.
+SIZES = (2, 3, 5, 2)
+SIZES_2 = (5, 4, 7, 2)
 # The ways the attention layers are exported: with the example's shapes, and with a symbolic
-# batch size (jax.export.symbolic_shape)
-WAYS = ["static", "symbolic-batch"]
+# batch size and numbers of queries and keys (jax.export.symbolic_shape)
+WAYS = ["static", "symbolic"]
 
 LAYERS = {
     "DotProductAttention": {},
@@ -203,29 +204,31 @@ def _assert_results_agree(actual, expected):
 
 def _sizes(way):
     """The sizes of the two draws for the `way` of exporting."""
-    return (SIZES, SIZES) if way == "static" else (SIZES, (BATCH_2, *SIZES[1:]))
+    return (SIZES, SIZES) if way == "static" else (SIZES, SIZES_2)
 
 
-def _with_symbolic_batch(example):
-    """The example's inputs as jax.ShapeDtypeStructs whose first axis is a symbolic size
-    where it is the batch's (a window shared by the batch, a head mask, keep theirs)."""
+def _with_symbolic_sizes(example):
+    """The example's inputs as jax.ShapeDtypeStructs whose sizes are symbolic where they are
+    the batch's (a first axis), the queries' or the keys' (other axes); the rest keep theirs:
+    a window shared by the batch, heads, features, the cached positions."""
     import jax
     from jax import export
 
-    (batch,) = export.symbolic_shape("b")
+    B, Q, K, _ = SIZES
+    batch, queries, keys = export.symbolic_shape("b, q, k")
 
     def struct(x):
-        shape = (batch, *x.shape[1:]) if x.shape[:1] == SIZES[:1] else x.shape
-        return jax.ShapeDtypeStruct(shape, x.dtype)
+        shape = [batch if x.shape[:1] == (B,) else size for size in x.shape[:1]]
+        shape += [{Q: queries, K: keys}.get(size, size) for size in x.shape[1:]]
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
     return jax.tree.map(struct, example)
 
 
 def _check_layer(J, name, config, draws, way="static"):
-    """Export the float32 layer of this class and config on the first draw (on its shapes,
-    with a symbolic batch size as the first axis of every input of the batch's size for the
-    way "symbolic-batch"); the deserialized program on each draw, with new weights for each,
-    gives the numbers of the float64 reference holding those weights."""
+    """Export the float32 layer of this class and config on the first draw (on its shapes, or
+    with symbolic sizes for the way "symbolic"); the deserialized program on each draw, with
+    new weights for each, gives the numbers of the float64 reference holding those weights."""
     layer = getattr(J, name)(**config)
     layer.eval()
     reference = getattr(N, name)(**config, dtype="float64")
@@ -237,8 +240,8 @@ def _check_layer(J, name, config, draws, way="static"):
         arrays, static = _split_arguments(kwargs)
         if program is None:
             example = (args, arrays)
-            if way == "symbolic-batch":
-                example = _with_symbolic_batch(example)
+            if way == "symbolic":
+                example = _with_symbolic_sizes(example)
             program = _deserialized(_layer_program(layer, static), _weights(layer), *example)
         expected = reference(*_float64(args), **_float64(kwargs))
         cache = None

@@ -159,14 +159,17 @@ def _check_valid_lens_values(valid_lens: jax.Array | None) -> None:
         validation.check_valid_lens_values(np.asarray(valid_lens))
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
     # Lengths past the last key keep every key: clipped first, in their own dtype, so that
-    # any length of any dtype (uint64 included) compares exactly as an int32
-    top = (
-        num_keys if valid_lens.dtype.kind == "f" else min(num_keys, jnp.iinfo(valid_lens.dtype).max)
-    )
+    # any length of any dtype (uint64 included) compares exactly as an int32. Integers are
+    # clipped to int32's range, not to num_keys, which may be symbolic (jax.export)
+    kind = valid_lens.dtype.kind
+    top = num_keys if kind == "f" else min(jnp.iinfo(valid_lens.dtype).max, _INT32_MAX)
     lengths = jnp.minimum(valid_lens, top).astype(jnp.int32)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
     lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
