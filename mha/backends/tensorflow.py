@@ -152,9 +152,14 @@ def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
     # (exact to 2**53, far past any number of keys; as int64, 2**64 - 1 would be -1)
     wide = valid_lens.dtype.is_floating or valid_lens.dtype == tf.uint64
     compare_dtype = tf.float64 if wide else tf.int64
-    # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+    # Shape of lengths: (batch_size, 1 or no. of queries, 1). New axes come from expand_dims
+    # (LiteRT's builtin EXPAND_DIMS), not from indexing with None: that StridedSlice has a
+    # LiteRT builtin only while at most one size is unknown, and a model exported with unknown
+    # batch and sequence sizes would need Flex ops, which the LiteRT interpreter does not run
     lengths = tf.cast(valid_lens, compare_dtype)
-    lengths = lengths[:, None, None] if lengths.shape.rank == 1 else lengths[:, :, None]
+    if lengths.shape.rank == 1:
+        lengths = tf.expand_dims(lengths, 1)
+    lengths = tf.expand_dims(lengths, 2)
     return tf.range(num_keys, dtype=compare_dtype) < lengths
 
 
@@ -182,6 +187,12 @@ class _Masks(Masks):
 
     def zeros_where(self, blocked, x):
         return tf.where(blocked, tf.zeros_like(x), x)
+
+    def isneginf(self, x):
+        # Below the dtype's lowest finite number is -inf exactly (NaN is neither). Not
+        # x == -inf: LiteRT's converter stores a constant -inf as that lowest number, so the
+        # -inf entries of a window or attn_bias would go unseen and reach the softmax
+        return x < tf.constant(x.dtype.min, x.dtype)
 
     def expand_dims(self, x, axis):
         return tf.expand_dims(x, axis)
@@ -241,7 +252,7 @@ def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None, *,
     if X.shape.rank == 2:
         keep = keep[:, 0, :]
     for _ in range(X.shape.rank - 3):
-        keep = keep[:, None]
+        keep = tf.expand_dims(keep, 1)  # not keep[:, None]: see _length_mask
     return _softmax(X, keep, empty_rows)
 
 
@@ -400,10 +411,11 @@ class AdditiveAttention(_AttentionLayer):
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
-        # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
+        # After adding axes (by expand_dims, not indexing with None: see _length_mask):
+        # queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
         # (batch_size, no. of queries, no. of keys, num_hiddens)
-        features = tf.tanh(queries[:, :, None, :] + keys[:, None, :, :])
+        features = tf.tanh(tf.expand_dims(queries, 2) + tf.expand_dims(keys, 1))
         # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
         scores = self.w_v(features)[..., 0]
         output, self.attention_weights = _attention_pool(
@@ -635,7 +647,8 @@ class RotaryEmbedding(keras.layers.Layer):
     with the position.
 
     A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable); `offset` is a
-    Python int.
+    Python int. The call takes `training`, which a Keras model passes to each of its layers
+    (in predict, fit and export), and nothing here depends on it.
     """
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
@@ -650,12 +663,12 @@ class RotaryEmbedding(keras.layers.Layer):
                                    angle_dtype)
         self.built = True  # the frequencies are a constant, not a weight
 
-    def __call__(self, X, offset=0):
+    def __call__(self, X, offset=0, training=None):
         validation.check_rotary_call(
             X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
         )
         (X,) = _as_tensors(X)
-        return super().__call__(X, offset=offset)
+        return super().__call__(X, offset=offset, training=training)
 
     def call(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
         return self.rotate(X, offset)

@@ -1,0 +1,491 @@
+"""Keras models holding mha's TensorFlow layers, exported: a SavedModel (keras.Model.export),
+a .keras file and a LiteRT flatbuffer give the float64 NumPy reference's numbers.
+
+One functional model holds every case below (each layer with each of its masks, a KV cache,
+the masked softmax, the positional encodings, the rotary embedding and AddNorm), its outputs
+keyed by case, so that it is exported, saved and converted once. Every size of batch, queries,
+keys and cached positions is left unknown to the model. The artifacts run on two draws of
+inputs: the second's values differ, its row with no key to attend is in another example and
+its sizes differ, so that nothing read from the first draw can stay in them. Each is held to
+the reference layer built in float64 with the same weights, within float32's agreement
+(tests/test_export.py does the same for torch.export and ONNX).
+
+LiteRT is converted with TensorFlow Lite's builtin ops alone (no Select TF ops): the
+interpreter of ai-edge-litert, like tf.lite.Interpreter, runs no Flex op. A .keras file cannot
+hold a call given a KV cache; a test states how loading it fails.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import assert_agrees, backend_module
+from mha.backends import numpy as N
+
+pytestmark = pytest.mark.tensorflow
+
+HEADS, HEAD_SIZE = 4, 2
+# (batch size, no. of queries, no. of keys, cached positions) of the two draws of inputs; no
+# size of one equals the same size of the other, so an axis whose size the draws share is one
+# the model fixes
+SIZES = [(2, 3, 4, 2), (3, 5, 6, 3)]
+
+LAYERS = {
+    "DotProductAttention": {},
+    "AdditiveAttention": {"num_hiddens": 8, "query_size": 6, "key_size": 6},
+    "MultiHeadAttention": {
+        "num_hiddens": HEADS * HEAD_SIZE,
+        "num_heads": HEADS,
+        "bias": True,
+        "query_size": 6,
+        "key_size": 6,
+        "value_size": 7,
+    },
+}
+# Llama's attention: 4 query heads sharing 2 key-value heads, rotary embeddings
+GROUPED = {"num_kv_heads": 2, "rope_theta": 10000.0}
+
+ATTENTION_MASKS = [
+    ["valid_lens_1d"],
+    ["valid_lens_2d"],
+    ["mask_3d"],
+    ["causal", "valid_lens_1d"],
+    ["window_float"],
+    ["window_bool"],
+    ["attn_bias"],
+]
+MULTIHEAD_CASES = {
+    "mask_4d": ({}, ["mask_4d"]),
+    "attn_bias_4d": ({}, ["attn_bias_4d"]),
+    "head_mask_1d": ({}, ["valid_lens_1d", "head_mask_1d"]),
+    "head_mask_2d": ({}, ["mask_3d", "head_mask_2d"]),
+    "no_weights+valid_lens_1d": ({}, ["valid_lens_1d", "no_weights"]),
+    "no_weights+mask_3d": ({}, ["mask_3d", "no_weights"]),
+    "no_weights+window_float": ({}, ["window_float", "no_weights"]),
+    "sliding_window": ({"sliding_window": 2}, ["valid_lens_2d"]),
+    "grouped_rotary": (GROUPED, ["causal", "valid_lens_1d"]),
+    "grouped_rotary+no_weights": (GROUPED, ["causal", "valid_lens_1d", "no_weights"]),
+    "uniform_empty_rows": ({"empty_rows": "uniform"}, ["valid_lens_2d"]),
+    "empty_cache": ({}, ["causal", "valid_lens_1d", "empty_cache"]),
+    "cache": (GROUPED, ["causal", "valid_lens_1d", "cache"]),
+    "cache+no_weights": (GROUPED, ["causal", "valid_lens_1d", "cache", "no_weights"]),
+}
+# Attention cases: id -> (class name, config, mask kinds)
+ATTENTION_CASES = {
+    f"{name}-{'+'.join(kinds)}": (name, LAYERS[name], kinds)
+    for name in LAYERS
+    for kinds in ATTENTION_MASKS
+} | {
+    f"MultiHeadAttention-{case}": (
+        "MultiHeadAttention",
+        {**LAYERS["MultiHeadAttention"], **config},
+        kinds,
+    )
+    for case, (config, kinds) in MULTIHEAD_CASES.items()
+}
+# masked_softmax cases: id -> (the input holding X, mask kinds, empty_rows)
+SOFTMAX_CASES = {
+    "masked_softmax-no_lens": ("scores", [], "zeros"),
+    "masked_softmax-valid_lens_1d": ("scores", ["valid_lens_1d"], "zeros"),
+    "masked_softmax-valid_lens_2d": ("scores", ["valid_lens_2d"], "zeros"),
+    "masked_softmax-heads+valid_lens_2d": ("scores_4d", ["valid_lens_2d"], "zeros"),
+    "masked_softmax-uniform_empty_rows": ("scores", ["valid_lens_1d"], "uniform"),
+}
+# The other layers: id -> (class name, config, inputs, call keywords)
+OTHER_CASES = {
+    "PositionalEncoding": ("PositionalEncoding", {"num_hiddens": 8, "max_len": 10}, 1, {}),
+    "LearnedPositionalEncoding": (
+        "LearnedPositionalEncoding",
+        {"num_hiddens": 8, "max_len": 10},
+        1,
+        {},
+    ),
+    "RotaryEmbedding": ("RotaryEmbedding", {"num_hiddens": 8, "theta": 500.0}, 1, {"offset": 3}),
+    "RotaryEmbedding-interleaved": (
+        "RotaryEmbedding",
+        {"num_hiddens": 8, "interleaved": True},
+        1,
+        {"offset": 3},
+    ),
+    "AddNorm": ("AddNorm", {"num_hiddens": 8}, 2, {}),
+}
+CASES = [*ATTENTION_CASES, *SOFTMAX_CASES, *OTHER_CASES]
+CACHE_CASES = [
+    case for case, (_, _, kinds) in ATTENTION_CASES.items() if any("cache" in k for k in kinds)
+]
+
+# The call argument each kind of mask is given as; the flags are Python values, fixed in the
+# model
+ARGUMENTS = {
+    "valid_lens_1d": "valid_lens",
+    "valid_lens_2d": "valid_lens",
+    "mask_3d": "mask",
+    "mask_4d": "mask",
+    "window_float": "window_mask",
+    "window_bool": "window_mask",
+    "attn_bias": "attn_bias",
+    "attn_bias_4d": "attn_bias",
+    "head_mask_1d": "head_mask",
+    "head_mask_2d": "head_mask",
+}
+FLAGS = {"causal": {"causal": True}, "no_weights": {"need_weights": False}}
+
+# How the model leaves Python and comes back: the model itself (eager), the SavedModel's
+# `serve` endpoint and its serving_default signature (what TensorFlow Serving calls), a .keras
+# file loaded again, and the LiteRT flatbuffer run by the LiteRT interpreter
+WAYS = ["eager", "saved_model", "saved_model_signature", "keras_file", "litert"]
+
+
+@pytest.fixture(scope="module")
+def TF():
+    """The tensorflow backend module; a missing TensorFlow fails here when it is required."""
+    return backend_module("tensorflow")
+
+
+# Inputs
+
+
+def _draw(seed):
+    """One draw of every input as numpy arrays: in example `seed` (0 or 1), query 1 attends to
+    no key (every query, for 1-D valid_lens; the row 1 + seed of the shared boolean window)."""
+    B, Q, K, cached = SIZES[seed]
+    empty = seed
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    arrays = {
+        "queries": normal(B, Q, 6),
+        "keys": normal(B, K, 6),
+        "values": normal(B, K, 7),
+        "scores": normal(B, Q, K),
+        "scores_4d": normal(B, HEADS, Q, K),
+        # Sequences of 5 positions, and 7 in the second draw (max_len 10)
+        "sequence": normal(B, Q + 2, 8),
+        "residual": normal(B, Q + 2, 8),
+    }
+    arrays["valid_lens_1d"] = rng.integers(1, K + 1, B).astype(np.int32)
+    arrays["valid_lens_1d"][empty] = 0
+    arrays["valid_lens_2d"] = rng.integers(1, K + 1, (B, Q)).astype(np.int32)
+    arrays["valid_lens_2d"][empty, 1] = 0
+    for kind, shape in (("mask_3d", (B, Q, K)), ("mask_4d", (B, HEADS, Q, K))):
+        arrays[kind] = rng.random(shape) < 0.7
+        arrays[kind][empty, ..., 1, :] = False
+    window = normal(B, Q, K)
+    window[rng.random(window.shape) < 0.2] = -np.inf
+    window[empty, 1] = -np.inf
+    arrays["window_float"] = window
+    # One window shared by the batch
+    arrays["window_bool"] = rng.random((1, Q, K)) < 0.7
+    arrays["window_bool"][0, 1 + empty] = False
+    for kind, shape in (("attn_bias", (B, Q, K)), ("attn_bias_4d", (B, HEADS, Q, K))):
+        arrays[kind] = normal(*shape)
+        arrays[kind][empty, ..., 1, :] = -np.inf
+    arrays["head_mask_1d"] = rng.random(HEADS).astype(np.float32)
+    arrays["head_mask_2d"] = rng.random((B, HEADS)).astype(np.float32)
+    # Keys and values of the cached positions, with GROUPED's 2 key-value heads
+    arrays["cache_keys"] = normal(B, GROUPED["num_kv_heads"], cached, HEAD_SIZE)
+    arrays["cache_values"] = normal(B, GROUPED["num_kv_heads"], cached, HEAD_SIZE)
+    return arrays
+
+
+DRAWS = [_draw(0), _draw(1)]
+
+
+def _call_arguments(kinds, inputs):
+    """The keyword arguments of a call with the masks of `kinds`, taken from `inputs`."""
+    kwargs = {}
+    for kind in kinds:
+        if kind in FLAGS:
+            kwargs.update(FLAGS[kind])
+        elif kind == "empty_cache":
+            kwargs["cache"] = mha.KVCache()
+        elif kind == "cache":
+            kwargs["cache"] = mha.KVCache(inputs["cache_keys"], inputs["cache_values"])
+        else:
+            kwargs[ARGUMENTS[kind]] = inputs[kind]
+    return kwargs
+
+
+def _leaves(output):
+    """An output, or (output, KVCache), as a list of arrays."""
+    if isinstance(output, tuple | list):
+        return [leaf for each in output for leaf in _leaves(each)]
+    return [output]
+
+
+def _output_names(case, count):
+    """The names of a case's `count` outputs in the model, the SavedModel's signature and
+    LiteRT's."""
+    name = re.sub(r"\W", "_", case)
+    return [f"{name}_{i}" for i in range(count)]
+
+
+def _layer_key(name, config, kinds=()):
+    """The layer a case calls: one per class and config, and another for the calls that
+    return a KV cache. In a functional model, a layer whose later call returns more tensors
+    than its first call leaves those out of the graph (Keras 3.15: "Output ... is not
+    connected to `inputs`")."""
+    return name, tuple(config.items()), any("cache" in kind for kind in kinds)
+
+
+def _float64(arrays):
+    return {
+        name: x.astype(np.float64) if x.dtype == np.float32 else x for name, x in arrays.items()
+    }
+
+
+# The reference
+
+
+def _reference_layers(layers):
+    """The float64 NumPy layer of each TensorFlow layer, with the same weights."""
+    references = {}
+    for key, layer in layers.items():
+        name, config = key[0], dict(key[1])
+        reference = getattr(N, name)(**config, dtype="float64")
+        weights = mha.get_weights(layer)
+        if weights:
+            mha.set_weights(reference, {n: w.astype(np.float64) for n, w in weights.items()})
+        references[key] = reference
+    return references
+
+
+def _assert_has_empty_row(weights, empty_rows):
+    """The draw holds a query attending to no key: a row of zeros, or of 1 / no. of keys."""
+    if empty_rows == "zeros":
+        assert (weights == 0).all(axis=-1).any()
+    else:
+        assert (weights == weights.dtype.type(1 / weights.shape[-1])).all(axis=-1).any()
+
+
+def _reference_outputs(references, arrays):
+    """Every case's output by the float64 reference, on one draw."""
+    arrays = _float64(arrays)
+    outputs = {}
+    for case, (name, config, kinds) in ATTENTION_CASES.items():
+        reference = references[_layer_key(name, config, kinds)]
+        outputs[case] = _leaves(
+            reference(
+                arrays["queries"],
+                arrays["keys"],
+                arrays["values"],
+                **_call_arguments(kinds, arrays),
+            )
+        )
+        if "no_weights" not in kinds:
+            _assert_has_empty_row(reference.attention_weights, config.get("empty_rows", "zeros"))
+    for case, (source, kinds, empty_rows) in SOFTMAX_CASES.items():
+        valid_lens = _call_arguments(kinds, arrays).get("valid_lens")
+        outputs[case] = [N.masked_softmax(arrays[source], valid_lens, empty_rows=empty_rows)]
+        if valid_lens is not None:
+            _assert_has_empty_row(outputs[case][0], empty_rows)
+    for case, (name, config, num_inputs, kwargs) in OTHER_CASES.items():
+        reference = references[_layer_key(name, config)]
+        sequences = [arrays["sequence"], arrays["residual"]][:num_inputs]
+        outputs[case] = [reference(*sequences, **kwargs)]
+    return outputs
+
+
+# The model
+
+
+def _model(TF):
+    """(functional Keras model of every case, the model of the cases a .keras file can hold,
+    the mha layers keyed by _layer_key, the custom objects to load a .keras file with). Each
+    layer is made once, with seeded random weights, and called once per case of its key."""
+    import keras
+
+    class MaskedSoftmax(keras.layers.Layer):
+        """mha's masked_softmax as a layer: a function, it needs real tensors."""
+
+        def __init__(self, empty_rows="zeros", **kwargs):
+            super().__init__(**kwargs)
+            self.empty_rows = empty_rows
+
+        def call(self, X, valid_lens=None):
+            return TF.masked_softmax(X, valid_lens, empty_rows=self.empty_rows)
+
+        def get_config(self):
+            return {**super().get_config(), "empty_rows": self.empty_rows}
+
+    # Every size that differs between the two draws is unknown to the model
+    inputs = {
+        name: keras.Input(
+            batch_shape=tuple(
+                a if a == b else None for a, b in zip(first.shape, second.shape, strict=True)
+            ),
+            dtype=first.dtype.name,
+            name=name,
+        )
+        for (name, first), second in zip(DRAWS[0].items(), DRAWS[1].values(), strict=True)
+    }
+    layers = {}
+
+    def layer(name, config, kinds=()):
+        key = _layer_key(name, config, kinds)
+        if key not in layers:
+            layers[key] = getattr(TF, name)(**config)
+            weights = mha.random_weights(layers[key], seed=len(layers))
+            if weights:
+                mha.set_weights(layers[key], weights)
+        return layers[key]
+
+    outputs = {}
+    for case, (name, config, kinds) in ATTENTION_CASES.items():
+        outputs[case] = layer(name, config, kinds)(
+            inputs["queries"], inputs["keys"], inputs["values"], **_call_arguments(kinds, inputs)
+        )
+    for case, (source, kinds, empty_rows) in SOFTMAX_CASES.items():
+        softmax = MaskedSoftmax(empty_rows)
+        outputs[case] = softmax(inputs[source], **_call_arguments(kinds, inputs))
+    for case, (name, config, num_inputs, kwargs) in OTHER_CASES.items():
+        sequences = [inputs["sequence"], inputs["residual"]][:num_inputs]
+        outputs[case] = layer(name, config)(*sequences, **kwargs)
+    outputs = {case: _leaves(output) for case, output in outputs.items()}
+
+    def named(cases):
+        return {
+            name: leaf
+            for case in cases
+            for name, leaf in zip(
+                _output_names(case, len(outputs[case])), outputs[case], strict=True
+            )
+        }
+
+    model = keras.Model(inputs, named(outputs))
+    # The same layers without the calls given a KV cache, which a .keras file cannot hold
+    # (test_a_keras_file_cannot_hold_a_call_given_a_kv_cache)
+    keras_file_model = keras.Model(
+        {name: x for name, x in inputs.items() if not name.startswith("cache_")},
+        named(case for case in outputs if case not in CACHE_CASES),
+    )
+    return model, keras_file_model, layers, {"MaskedSoftmax": MaskedSoftmax}
+
+
+class _Served:
+    """The model, exported each way on first use, and its outputs on both draws."""
+
+    def __init__(self, TF, directory):
+        self.TF, self.directory = TF, directory
+        self.model, self.keras_file_model, layers, self.custom_objects = _model(TF)
+        references = _reference_layers(layers)
+        self.expected = [_reference_outputs(references, arrays) for arrays in DRAWS]
+        self._outputs = {}
+
+    def outputs(self, way):
+        """[outputs on the first draw, on the second], each keyed by output name."""
+        if way not in self._outputs:
+            # A way that fails fails each of its tests, with its error, once
+            try:
+                run = getattr(self, f"_{way}")()
+                self._outputs[way] = [
+                    {name: self.TF.to_numpy(x) for name, x in run(arrays).items()}
+                    for arrays in DRAWS
+                ]
+            except Exception as error:
+                self._outputs[way] = error
+        if isinstance(self._outputs[way], Exception):
+            raise self._outputs[way]
+        return self._outputs[way]
+
+    def _eager(self):
+        # As inference calls it: Keras passes `training` on to every layer of the model
+        return lambda arrays: self.model(arrays, training=False)
+
+    def _saved_model_path(self):
+        path = self.directory / "saved_model"
+        if not path.exists():
+            self.model.export(path, verbose=False)
+        return path
+
+    def _loaded(self):
+        import tensorflow as tf
+
+        # Kept: the restored functions hold only weak references to its variables
+        self.loaded = tf.saved_model.load(str(self._saved_model_path()))
+        return self.loaded
+
+    def _saved_model(self):
+        return self._loaded().serve
+
+    def _saved_model_signature(self):
+        import tensorflow as tf
+
+        signature = self._loaded().signatures["serving_default"]
+        return lambda arrays: signature(**{name: tf.constant(x) for name, x in arrays.items()})
+
+    def _keras_file(self):
+        import keras
+
+        path = self.directory / "model.keras"
+        self.keras_file_model.save(path)
+        loaded = keras.models.load_model(path, custom_objects=self.custom_objects)
+        names = [x.name for x in self.keras_file_model.inputs]
+        return lambda arrays: loaded({name: arrays[name] for name in names})
+
+    def _litert(self):
+        import tensorflow as tf
+
+        try:
+            from ai_edge_litert.interpreter import Interpreter
+        except ImportError as error:
+            pytest.fail(f"ai-edge-litert (the test extra) does not import: {error}", pytrace=False)
+        # Keras converts its SavedModel with tf.lite.TFLiteConverter; builtin ops only, so that
+        # the converter raises, naming the op, if the model needs another
+        path = self.directory / "model.tflite"
+        self.model.export(
+            path,
+            format="litert",
+            verbose=False,
+            target_spec={"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]},
+        )
+        runner = Interpreter(model_path=str(path)).get_signature_runner()
+        return lambda arrays: runner(**arrays)
+
+
+@pytest.fixture(scope="module")
+def served(TF, tmp_path_factory):
+    return _Served(TF, tmp_path_factory.mktemp("export_tensorflow"))
+
+
+@pytest.mark.parametrize(
+    ("way", "case"),
+    [
+        pytest.param(way, case, id=f"{way}-{case}")
+        for way in WAYS
+        for case in CASES
+        # test_a_keras_file_cannot_hold_a_call_given_a_kv_cache
+        if not (way == "keras_file" and case in CACHE_CASES)
+    ],
+)
+def test_exported_model_gives_the_reference(served, way, case):
+    for outputs, expected in zip(served.outputs(way), served.expected, strict=True):
+        names = _output_names(case, len(expected[case]))
+        for name, want in zip(names, expected[case], strict=True):
+            assert_agrees(outputs[name], want, "float32")
+
+
+def test_a_keras_file_cannot_hold_a_call_given_a_kv_cache(TF, tmp_path):
+    import keras
+
+    # The file keeps the call's keywords, the KVCache (a namedtuple) as a list; the layer,
+    # called again with that list while the file loads, refuses it
+    layer = TF.MultiHeadAttention(**LAYERS["MultiHeadAttention"], **GROUPED)
+    cached = (None, GROUPED["num_kv_heads"], None, HEAD_SIZE)
+    shapes = {"queries": (None, None, 6), "keys": (None, None, 6), "values": (None, None, 7)}
+    shapes |= {"cache_keys": cached, "cache_values": cached}
+    inputs = {name: keras.Input(batch_shape=shape, name=name) for name, shape in shapes.items()}
+    cache = mha.KVCache(inputs["cache_keys"], inputs["cache_values"])
+    output, cache = layer(inputs["queries"], inputs["keys"], inputs["values"], cache=cache)
+    model = keras.Model(inputs, [output, cache.keys, cache.values])
+    model.save(tmp_path / "cached.keras")
+    with pytest.raises(
+        TypeError, match=r"cache must be an mha\.KVCache.*Received: cache of type list"
+    ):
+        keras.models.load_model(tmp_path / "cached.keras")
