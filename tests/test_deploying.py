@@ -42,4 +42,4 @@ def test_example_runs(block, tmp_path, monkeypatch):
 
 def test_page_has_an_example_per_framework():
     imported = {name for block in BLOCKS for name in _backends(block)}
-    assert imported >= {"torch", "jax"}, imported
+    assert imported >= {"torch", "tensorflow", "jax"}, imported
