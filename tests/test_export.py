@@ -18,6 +18,15 @@ import pytest
 
 import mha
 from conftest import assert_agrees, backend_module
+from export_cases import (
+    ATTENTION_MASKS,
+    LAYERS,
+    MULTIHEAD_CASES,
+    OTHER_CASES,
+    SOFTMAX_CASES,
+    attention_shapes,
+    draws,
+)
 from mha.backends import numpy as N
 
 pytestmark = [
@@ -26,26 +35,11 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The tensor attribute:UserWarning"),
 ]
 
-HEADS, HEAD_SIZE = 4, 2
 # (batch size, no. of queries, no. of keys, cached positions) of the two draws of inputs. A
 # program exported with static shapes runs on the first sizes twice; one exported with dynamic
 # shapes, on the second sizes too.
 SIZES = [(2, 3, 4, 2), (3, 5, 6, 3)]
 
-LAYERS = {
-    "DotProductAttention": {},
-    "AdditiveAttention": {"num_hiddens": 8, "query_size": 6, "key_size": 6},
-    "MultiHeadAttention": {
-        "num_hiddens": HEADS * HEAD_SIZE,
-        "num_heads": HEADS,
-        "bias": True,
-        "query_size": 6,
-        "key_size": 6,
-        "value_size": 7,
-    },
-}
-# Llama's attention: 4 query heads sharing 2 key-value heads, rotary embeddings
-GROUPED = {"num_kv_heads": 2, "rope_theta": 10000.0}
 # The ways a layer leaves Python: torch.export with the example's shapes, torch.export with
 # every size free to change (Dim.AUTO), and the ONNX exporter (which uses torch.export), run by
 # ONNX Runtime, with every size free
@@ -61,69 +55,10 @@ def T():
 # Inputs
 
 
-def _masks(kinds, rng, empty, sizes):
-    """The mask arguments of one draw of these sizes, as numpy arrays: in example `empty`,
-    query 1 attends to no key (every query, for 1-D valid_lens; every example, for the shared
-    boolean window)."""
-    B, Q, K, cached = sizes
-    kwargs = {}
-    for kind in kinds:
-        if kind == "valid_lens_1d":
-            kwargs["valid_lens"] = rng.integers(1, K + 1, B)
-            kwargs["valid_lens"][empty] = 0
-        elif kind == "valid_lens_2d":
-            kwargs["valid_lens"] = rng.integers(1, K + 1, (B, Q))
-            kwargs["valid_lens"][empty, 1] = 0
-        elif kind in ("mask_3d", "mask_4d"):
-            shape = (B, Q, K) if kind == "mask_3d" else (B, HEADS, Q, K)
-            kwargs["mask"] = rng.random(shape) < 0.7
-            kwargs["mask"][empty, ..., 1, :] = False
-        elif kind == "causal":
-            kwargs["causal"] = True
-        elif kind == "window_float":
-            window = rng.standard_normal((B, Q, K)).astype(np.float32)
-            window[rng.random(window.shape) < 0.2] = -np.inf
-            window[empty, 1] = -np.inf
-            kwargs["window_mask"] = window
-        elif kind == "window_bool":
-            # One window shared by the batch
-            kwargs["window_mask"] = rng.random((1, Q, K)) < 0.7
-            kwargs["window_mask"][0, 1 + empty] = False
-        elif kind in ("attn_bias", "attn_bias_4d"):
-            shape = (B, Q, K) if kind == "attn_bias" else (B, HEADS, Q, K)
-            bias = rng.standard_normal(shape).astype(np.float32)
-            bias[empty, ..., 1, :] = -np.inf
-            kwargs["attn_bias"] = bias
-        elif kind in ("head_mask_1d", "head_mask_2d"):
-            shape = (HEADS,) if kind == "head_mask_1d" else (B, HEADS)
-            kwargs["head_mask"] = rng.random(shape).astype(np.float32)
-        elif kind == "no_weights":
-            kwargs["need_weights"] = False
-        elif kind == "empty_cache":
-            kwargs["cache"] = mha.KVCache()
-        elif kind == "cache":
-            # Keys and values of the cached positions, with GROUPED's 2 key-value heads
-            shape = (B, GROUPED["num_kv_heads"], cached, HEAD_SIZE)
-            kwargs["cache"] = mha.KVCache(
-                *(rng.standard_normal(shape).astype(np.float32) for _ in range(2))
-            )
-        else:
-            raise AssertionError(kind)
-    return kwargs
-
-
 def _draws(shapes, kinds, way):
-    """Two draws of (args, kwargs): numpy float32 inputs of the shapes that `shapes` gives for
-    (batch, queries, keys) and the masks of `kinds`, the first with its row of no key in
-    example 0, the second in example 1; of other sizes in the second draw if `way` exports
+    """Two draws of export_cases.draws: of other sizes in the second draw if `way` exports
     dynamic shapes."""
-    draws = []
-    for seed in (0, 1):
-        sizes = SIZES[seed if way != "export" else 0]
-        rng = np.random.default_rng(seed)
-        args = tuple(rng.standard_normal(shape).astype(np.float32) for shape in shapes(*sizes[:3]))
-        draws.append((args, _masks(kinds, rng, seed, sizes)))
-    return draws
+    return draws(shapes, kinds, SIZES if way != "export" else [SIZES[0]] * 2)
 
 
 def _to_torch(T, value):
@@ -232,24 +167,9 @@ def _pair(T, name, config):
     return layer, reference
 
 
-def _attention_shapes(B, Q, K):
-    return [(B, Q, 6), (B, K, 6), (B, K, 7)]
-
-
 def _check_attention(T, name, config, kinds, way):
     layer, reference = _pair(T, name, {**LAYERS[name], **config})
-    _check_exported(T, layer, reference, _draws(_attention_shapes, kinds, way), way)
-
-
-ATTENTION_MASKS = [
-    ["valid_lens_1d"],
-    ["valid_lens_2d"],
-    ["mask_3d"],
-    ["causal", "valid_lens_1d"],
-    ["window_float"],
-    ["window_bool"],
-    ["attn_bias"],
-]
+    _check_exported(T, layer, reference, _draws(attention_shapes, kinds, way), way)
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -259,37 +179,10 @@ def test_exported_attention_gives_the_reference(T, name, kinds, way):
     _check_attention(T, name, {}, kinds, way)
 
 
-MULTIHEAD_CASES = {
-    "mask_4d": ({}, ["mask_4d"]),
-    "attn_bias_4d": ({}, ["attn_bias_4d"]),
-    "head_mask_1d": ({}, ["valid_lens_1d", "head_mask_1d"]),
-    "head_mask_2d": ({}, ["mask_3d", "head_mask_2d"]),
-    "no_weights+valid_lens_1d": ({}, ["valid_lens_1d", "no_weights"]),
-    "no_weights+mask_3d": ({}, ["mask_3d", "no_weights"]),
-    "no_weights+window_float": ({}, ["window_float", "no_weights"]),
-    "sliding_window": ({"sliding_window": 2}, ["valid_lens_2d"]),
-    "grouped_rotary": (GROUPED, ["causal", "valid_lens_1d"]),
-    "grouped_rotary+no_weights": (GROUPED, ["causal", "valid_lens_1d", "no_weights"]),
-    "empty_cache": ({}, ["causal", "valid_lens_1d", "empty_cache"]),
-    "cache": (GROUPED, ["causal", "valid_lens_1d", "cache"]),
-    "cache+no_weights": (GROUPED, ["causal", "valid_lens_1d", "cache", "no_weights"]),
-    "uniform_empty_rows": ({"empty_rows": "uniform"}, ["valid_lens_2d"]),
-}
-
-
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize(("config", "kinds"), MULTIHEAD_CASES.values(), ids=MULTIHEAD_CASES)
 def test_exported_multihead_attention_gives_the_reference(T, config, kinds, way):
     _check_attention(T, "MultiHeadAttention", config, kinds, way)
-
-
-SOFTMAX_CASES = {
-    "no_lens": (lambda B, Q, K: [(B, Q, K)], [], "zeros"),
-    "valid_lens_1d": (lambda B, Q, K: [(B, Q, K)], ["valid_lens_1d"], "zeros"),
-    "valid_lens_2d": (lambda B, Q, K: [(B, Q, K)], ["valid_lens_2d"], "zeros"),
-    "heads+valid_lens_2d": (lambda B, Q, K: [(B, HEADS, Q, K)], ["valid_lens_2d"], "zeros"),
-    "uniform_empty_rows": (lambda B, Q, K: [(B, Q, K)], ["valid_lens_1d"], "uniform"),
-}
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -307,25 +200,6 @@ def test_exported_masked_softmax_gives_the_reference(T, shapes, kinds, empty_row
     _check_exported(T, MaskedSoftmax().eval(), reference, _draws(shapes, kinds, way), way)
 
 
-OTHER_CASES = {
-    "PositionalEncoding": ("PositionalEncoding", {"num_hiddens": 8, "max_len": 10}, 1, {}),
-    "LearnedPositionalEncoding": (
-        "LearnedPositionalEncoding",
-        {"num_hiddens": 8, "max_len": 10},
-        1,
-        {},
-    ),
-    "RotaryEmbedding": ("RotaryEmbedding", {"num_hiddens": 8, "theta": 500.0}, 1, {"offset": 3}),
-    "RotaryEmbedding-interleaved": (
-        "RotaryEmbedding",
-        {"num_hiddens": 8, "interleaved": True},
-        1,
-        {"offset": 3},
-    ),
-    "AddNorm": ("AddNorm", {"num_hiddens": 8}, 2, {}),
-}
-
-
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize(
     ("name", "config", "num_inputs", "kwargs"), OTHER_CASES.values(), ids=OTHER_CASES
@@ -341,7 +215,7 @@ def test_exported_encodings_and_add_norm_give_the_reference(
 
 def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     layer, _ = _pair(T, "MultiHeadAttention", LAYERS["MultiHeadAttention"])
-    args, kwargs = _draws(_attention_shapes, ["valid_lens_1d"], "export")[0]
+    args, kwargs = _draws(attention_shapes, ["valid_lens_1d"], "export")[0]
     args = _to_torch(T, args)
     program = T.torch.export.export(layer, args, _to_torch(T, kwargs)).module()
     negative = T.from_numpy(np.array([-1, 2]))

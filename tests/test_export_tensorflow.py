@@ -24,56 +24,24 @@ import pytest
 
 import mha
 from conftest import assert_agrees, backend_module
+from export_cases import (
+    ATTENTION_MASKS,
+    GROUPED,
+    HEAD_SIZE,
+    HEADS,
+    LAYERS,
+    MULTIHEAD_CASES,
+    OTHER_CASES,
+)
 from mha.backends import numpy as N
 
 pytestmark = pytest.mark.tensorflow
 
-HEADS, HEAD_SIZE = 4, 2
 # (batch size, no. of queries, no. of keys, cached positions) of the two draws of inputs; no
 # size of one equals the same size of the other, so an axis whose size the draws share is one
 # the model fixes
 SIZES = [(2, 3, 4, 2), (3, 5, 6, 3)]
 
-LAYERS = {
-    "DotProductAttention": {},
-    "AdditiveAttention": {"num_hiddens": 8, "query_size": 6, "key_size": 6},
-    "MultiHeadAttention": {
-        "num_hiddens": HEADS * HEAD_SIZE,
-        "num_heads": HEADS,
-        "bias": True,
-        "query_size": 6,
-        "key_size": 6,
-        "value_size": 7,
-    },
-}
-# Llama's attention: 4 query heads sharing 2 key-value heads, rotary embeddings
-GROUPED = {"num_kv_heads": 2, "rope_theta": 10000.0}
-
-ATTENTION_MASKS = [
-    ["valid_lens_1d"],
-    ["valid_lens_2d"],
-    ["mask_3d"],
-    ["causal", "valid_lens_1d"],
-    ["window_float"],
-    ["window_bool"],
-    ["attn_bias"],
-]
-MULTIHEAD_CASES = {
-    "mask_4d": ({}, ["mask_4d"]),
-    "attn_bias_4d": ({}, ["attn_bias_4d"]),
-    "head_mask_1d": ({}, ["valid_lens_1d", "head_mask_1d"]),
-    "head_mask_2d": ({}, ["mask_3d", "head_mask_2d"]),
-    "no_weights+valid_lens_1d": ({}, ["valid_lens_1d", "no_weights"]),
-    "no_weights+mask_3d": ({}, ["mask_3d", "no_weights"]),
-    "no_weights+window_float": ({}, ["window_float", "no_weights"]),
-    "sliding_window": ({"sliding_window": 2}, ["valid_lens_2d"]),
-    "grouped_rotary": (GROUPED, ["causal", "valid_lens_1d"]),
-    "grouped_rotary+no_weights": (GROUPED, ["causal", "valid_lens_1d", "no_weights"]),
-    "uniform_empty_rows": ({"empty_rows": "uniform"}, ["valid_lens_2d"]),
-    "empty_cache": ({}, ["causal", "valid_lens_1d", "empty_cache"]),
-    "cache": (GROUPED, ["causal", "valid_lens_1d", "cache"]),
-    "cache+no_weights": (GROUPED, ["causal", "valid_lens_1d", "cache", "no_weights"]),
-}
 # Attention cases: id -> (class name, config, mask kinds)
 ATTENTION_CASES = {
     f"{name}-{'+'.join(kinds)}": (name, LAYERS[name], kinds)
@@ -94,24 +62,6 @@ SOFTMAX_CASES = {
     "masked_softmax-valid_lens_2d": ("scores", ["valid_lens_2d"], "zeros"),
     "masked_softmax-heads+valid_lens_2d": ("scores_4d", ["valid_lens_2d"], "zeros"),
     "masked_softmax-uniform_empty_rows": ("scores", ["valid_lens_1d"], "uniform"),
-}
-# The other layers: id -> (class name, config, inputs, call keywords)
-OTHER_CASES = {
-    "PositionalEncoding": ("PositionalEncoding", {"num_hiddens": 8, "max_len": 10}, 1, {}),
-    "LearnedPositionalEncoding": (
-        "LearnedPositionalEncoding",
-        {"num_hiddens": 8, "max_len": 10},
-        1,
-        {},
-    ),
-    "RotaryEmbedding": ("RotaryEmbedding", {"num_hiddens": 8, "theta": 500.0}, 1, {"offset": 3}),
-    "RotaryEmbedding-interleaved": (
-        "RotaryEmbedding",
-        {"num_hiddens": 8, "interleaved": True},
-        1,
-        {"offset": 3},
-    ),
-    "AddNorm": ("AddNorm", {"num_hiddens": 8}, 2, {}),
 }
 CASES = [*ATTENTION_CASES, *SOFTMAX_CASES, *OTHER_CASES]
 CACHE_CASES = [
