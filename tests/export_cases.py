@@ -1,6 +1,7 @@
-"""The layers, configs and masks that every export test takes out of Python: torch.export and
-ONNX (test_export.py), TensorFlow's SavedModel, .keras and LiteRT (test_export_tensorflow.py),
-and jax.export (test_export_jax.py). Each draw of inputs holds a query that attends to no key.
+"""The layers, configs and masks that every export test takes out of Python: torch.export
+and ONNX (test_export_torch.py), TensorFlow's SavedModel, .keras and LiteRT
+(test_export_tensorflow.py), and jax.export (test_export_jax.py). Each draw of inputs holds a
+query that attends to no key.
 """
 
 from __future__ import annotations

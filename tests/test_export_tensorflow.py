@@ -8,7 +8,7 @@ keys and cached positions is left unknown to the model. The artifacts run on two
 inputs: the second's values differ, its row with no key to attend is in another example and
 its sizes differ, so that nothing read from the first draw can stay in them. Each is held to
 the reference layer built in float64 with the same weights, within float32's agreement
-(tests/test_export.py does the same for torch.export and ONNX).
+(tests/test_export_torch.py does the same for torch.export and ONNX).
 
 LiteRT is converted with TensorFlow Lite's builtin ops alone (no Select TF ops): the
 interpreter of ai-edge-litert, like tf.lite.Interpreter, runs no Flex op. A .keras file cannot
