@@ -102,9 +102,8 @@ class _Linear(nnx.Module):
     """y = x @ kernel + bias, kernel (in_features, out_features), uniform in
     +-1/sqrt(in_features) as torch.nn.Linear; in_features None: inferred at the first call."""
 
-    def __init__(
-        self, out_features: int, bias: bool, in_features: int | None, dtype: str, rngs: nnx.Rngs
-    ):
+    def __init__(self, out_features: int, bias: bool, in_features: int | None, dtype: str,
+                 rngs: nnx.Rngs):
         self.out_features, self.use_bias, self.dtype = out_features, bias, dtype
         self.in_features = None
         self.kernel = nnx.data(None)
@@ -264,33 +263,22 @@ class DotProductAttention(nnx.Module):
     `rngs` (keyword) gives dropout its random stream; nnx.Rngs(0) when None.
     """
 
-    def __init__(
-        self, dropout: float = 0.0, *, scale: float | None = None, empty_rows: str = "zeros",
-        sliding_window: int | None = None, dtype: str = "float32",
-        rngs: nnx.Rngs | None = None
-    ):
-        self.dtype = _checked_dtype(
-            validation.check_dot_product_args(dropout, dtype, scale, empty_rows, sliding_window)
-        )
+    def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
+                 empty_rows: str = "zeros", sliding_window: int | None = None,
+                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+        self.dtype = _checked_dtype(validation.check_dot_product_args(
+            dropout, dtype, scale, empty_rows, sliding_window
+        ))
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
         self.attention_weights = nnx.data(None)
 
-    def __call__(
-        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-        window_mask=None, attn_bias=None
-    ):
+    def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                 window_mask=None, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            mask=mask,
-            causal=causal,
-            window_mask=window_mask,
-            attn_bias=attn_bias,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            same_query_key_size=True,
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
@@ -323,23 +311,13 @@ class AdditiveAttention(nnx.Module):
     None.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        empty_rows: str = "zeros",
-        sliding_window: int | None = None,
-        dtype: str = "float32",
-        rngs: nnx.Rngs | None = None,
-    ):
-        self.dtype = _checked_dtype(
-            validation.check_additive_args(
-                num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
-            )
-        )
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
+                 key_size: int | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, dtype: str = "float32",
+                 rngs: nnx.Rngs | None = None):
+        self.dtype = _checked_dtype(validation.check_additive_args(
+            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
+        ))
         rngs = _rngs(rngs)
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.sliding_window = sliding_window
@@ -349,24 +327,14 @@ class AdditiveAttention(nnx.Module):
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         self.attention_weights = nnx.data(None)
 
-    def __call__(
-        self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-        window_mask=None, attn_bias=None
-    ):
+    def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                 window_mask=None, attn_bias=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            mask=mask,
-            causal=causal,
-            window_mask=window_mask,
-            attn_bias=attn_bias,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            sizes=(
-                ("queries", "query_size", _in_features(self.W_q)),
-                ("keys", "key_size", _in_features(self.W_k)),
-            ),
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            tensor_type=_TENSOR_TYPES,
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
         masks = _Masks(batch_size, num_queries, num_keys)
@@ -394,43 +362,27 @@ class MultiHeadAttention(nnx.Module):
     of its shape, so a jitted decoding loop traces once per cached length.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        value_size: int | None = None,
-        out_bias: bool | None = None,
-        out_features: int | None = None,
-        scale: float | None = None,
-        empty_rows: str = "zeros",
-        sliding_window: int | None = None,
-        num_kv_heads: int | None = None,
-        rope_theta: float | None = None,
-        rope_interleaved: bool = False,
-        dtype: str = "float32",
-        rngs: nnx.Rngs | None = None,
-    ):
-        self.dtype = _checked_dtype(
-            validation.check_multihead_args(
-                num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-                out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
-                rope_theta, rope_interleaved,
-            )
-        )
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = False, *, query_size: int | None = None,
+                 key_size: int | None = None, value_size: int | None = None,
+                 out_bias: bool | None = None, out_features: int | None = None,
+                 scale: float | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 rope_theta: float | None = None, rope_interleaved: bool = False,
+                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+        self.dtype = _checked_dtype(validation.check_multihead_args(
+            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
+            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
+            rope_theta, rope_interleaved,
+        ))
         rngs = _rngs(rngs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved = rope_interleaved
-        self.attention = DotProductAttention(
-            dropout, scale=scale, empty_rows=empty_rows, dtype=self.dtype, rngs=rngs
-        )
+        self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
+                                             dtype=self.dtype, rngs=rngs)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
@@ -443,42 +395,18 @@ class MultiHeadAttention(nnx.Module):
         self.W_o = _Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype, rngs)
 
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        mask=None,
-        causal=False,
-        window_mask=None,
-        head_mask=None,
-        need_weights=True,
-        attn_bias=None,
-        cache=None,
-    ):
+    def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+                 cache=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            mask=mask,
-            causal=causal,
-            window_mask=window_mask,
-            head_mask=head_mask,
-            need_weights=need_weights,
-            attn_bias=attn_bias,
-            cache=cache,
-            dtype=self.dtype, tensor_type=_TENSOR_TYPES,
-            num_heads=self.num_heads,
-            kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
-            sizes=(
-                ("queries", "query_size", _in_features(self.W_q)),
-                ("keys", "key_size", _in_features(self.W_k)),
-                ("values", "value_size", _in_features(self.W_v)),
-            ),
+            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
+            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
+            sizes=(("queries", "query_size", _in_features(self.W_q)),
+                   ("keys", "key_size", _in_features(self.W_k)),
+                   ("values", "value_size", _in_features(self.W_v))),
         )
         _check_valid_lens_values(valid_lens)
         # The positions before this call's: those in the cache (a static size, even under jit)
@@ -547,18 +475,11 @@ class PositionalEncoding(nnx.Module):
     gives dropout its random stream, nnx.Rngs(0) when None.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        max_len: int = 1000,
-        *,
-        dtype: str = "float32",
-        rngs: nnx.Rngs | None = None,
-    ):
-        self.dtype = _checked_dtype(
-            validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
-        )
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+        self.dtype = _checked_dtype(validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        ))
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
 
@@ -591,28 +512,16 @@ class LearnedPositionalEncoding(nnx.Module):
     `rngs` (keyword) gives it and dropout their random streams, nnx.Rngs(0) when None.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        max_len: int = 1000,
-        *,
-        dtype: str = "float32",
-        rngs: nnx.Rngs | None = None,
-    ):
-        self.dtype = _checked_dtype(
-            validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
-        )
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+        self.dtype = _checked_dtype(validation.check_positional_encoding_args(
+            num_hiddens, dropout, max_len, dtype
+        ))
         rngs = _rngs(rngs)
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        self.embedding = nnx.Embed(
-            max_len,
-            num_hiddens,
-            dtype=_DTYPES[self.dtype],
-            param_dtype=_DTYPES[self.dtype],
-            rngs=rngs,
-        )
+        self.embedding = nnx.Embed(max_len, num_hiddens, dtype=_DTYPES[self.dtype],
+                                   param_dtype=_DTYPES[self.dtype], rngs=rngs)
 
     def __call__(self, X: jax.Array) -> jax.Array:
         validation.check_positional_encoding_call(
@@ -632,14 +541,8 @@ class RotaryEmbedding(nnx.Module):
     the layer has no weights and no randomness.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        theta: float = 10000.0,
-        *,
-        interleaved: bool = False,
-        dtype: str = "float32",
-    ):
+    def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 dtype: str = "float32"):
         self.dtype = _checked_dtype(
             validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
         )
@@ -692,15 +595,8 @@ class AddNorm(nnx.Module):
     `rngs` (keyword) gives dropout its random stream; nnx.Rngs(0) when None.
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        eps: float = 1e-5,
-        dtype: str = "float32",
-        rngs: nnx.Rngs | None = None,
-    ):
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
+                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
         )
@@ -708,14 +604,9 @@ class AddNorm(nnx.Module):
         self.num_hiddens, self.eps = num_hiddens, eps
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         # Flax's fast variance, E[x^2] - E[x]^2, loses digits that the reference keeps
-        self.ln = nnx.LayerNorm(
-            num_hiddens,
-            epsilon=eps,
-            dtype=_DTYPES[self.dtype],
-            param_dtype=_DTYPES[self.dtype],
-            use_fast_variance=False,
-            rngs=rngs,
-        )
+        self.ln = nnx.LayerNorm(num_hiddens, epsilon=eps, dtype=_DTYPES[self.dtype],
+                                param_dtype=_DTYPES[self.dtype], use_fast_variance=False,
+                                rngs=rngs)
 
     def __call__(self, X: jax.Array, Y: jax.Array) -> jax.Array:
         validation.check_add_norm_call(
