@@ -126,3 +126,18 @@ def test_every_backend_takes_the_references_arguments_in_its_order(name):
         assert _parameters(theirs.__init__) == _parameters(ours.__init__), public
         call = getattr(theirs, CALLS[name])
         assert _parameters(call) == _parameters(ours.forward), public
+
+
+# A function or method of a backend module fits on a screen (docs/design.md)
+SCREEN = 60
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch", "tensorflow", "mxnet", "jax"])
+def test_every_function_of_a_backend_module_fits_on_a_screen(name):
+    tree = ast.parse((BACKENDS / f"{name}.py").read_text())
+    longer = [
+        f"{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > SCREEN
+    ]
+    assert not longer, longer
