@@ -1,11 +1,12 @@
-"""Inputs at the edges every backend must take as the reference does: an empty batch, and
-tensors of another framework (mha's TypeError, never an internal error)."""
+"""Inputs at the edges every backend must take as the reference does: an empty batch, scores
+near the largest float32, and tensors of another framework (mha's TypeError, never an
+internal error)."""
 
 import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module, backend_params
+from conftest import assert_agrees, backend_module, backend_params
 from mha.backends import numpy as N
 
 Q, K, D, H = 3, 4, 8, 2
@@ -104,3 +105,35 @@ def foreign_lengths(other):
     if other == "numpy":
         return lengths
     return mha.registry.load_backend(other).from_numpy(lengths)
+
+
+def _softmax64(scores, keep):
+    scores = np.where(keep, scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("name", backend_params())
+def test_scores_near_the_largest_float32_stay_finite(name, need_weights):
+    # Q K^T of these float32 inputs overflows, Q K^T / sqrt(d) does not: the scaled scores are
+    # what the layers promise, so no weight and no output is NaN
+    module = backend_module(name)
+    rng = np.random.default_rng(0)
+    queries, keys = (rng.standard_normal((2, n, D)) * 1e19 for n in (Q, K))
+    values = rng.standard_normal((2, K, D))
+    lengths = np.array([K, 2])
+    scores = queries @ np.swapaxes(keys, 1, 2) / np.sqrt(D)
+    assert np.isinf(scores.astype("float32") * np.sqrt(D)).any()
+    assert np.abs(scores).max() < np.finfo("float32").max
+    keep = np.arange(K)[None, None, :] < lengths[:, None, None]
+    weights = _softmax64(scores, keep)
+    # One head whose projections are the identity: the scores above, and weights @ values
+    layer = module.MultiHeadAttention(D, 1, query_size=D, key_size=D, value_size=D)
+    eye = np.eye(D, dtype="float32")
+    mha.set_weights(layer, {"W_q": eye, "W_k": eye, "W_v": eye, "W_o": eye})
+    inputs = [module.from_numpy(x.astype("float32")) for x in (queries, keys, values)]
+    output = layer(*inputs, valid_lens=module.from_numpy(lengths), need_weights=need_weights)
+    assert_agrees(module.to_numpy(output), weights @ values, "float32")
+    if need_weights:
+        assert_agrees(module.to_numpy(layer.attention_weights)[:, 0], weights, "float32")

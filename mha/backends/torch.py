@@ -260,14 +260,14 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
-def _fused_attention(queries, keys, values, keep, bias, dropout, scale=None):
-    """What DotProductAttention.attend computes, by F.scaled_dot_product_attention.
+def _fused_attention(queries, keys, values, keep, bias, dropout):
+    """What DotProductAttention.attend computes from its scaled queries, by
+    F.scaled_dot_product_attention with scale 1.
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
-    scores, so keep and bias combine into one float mask when both are given. Its scale, None
-    for 1 / sqrt(d) with d the last axis of the queries, is ours. Keys and values may have
-    fewer heads (axis -3) than the queries, query head h attending with key-value head
-    h // group: its enable_gqa pairs them, or they are repeated first.
+    scores, so keep and bias combine into one float mask when both are given. Keys and values
+    may have fewer heads (axis -3) than the queries, query head h attending with key-value
+    head h // group: its enable_gqa pairs them, or they are repeated first.
     """
     attended = None
     if keep is not None:
@@ -286,7 +286,7 @@ def _fused_attention(queries, keys, values, keep, bias, dropout, scale=None):
     if group > 1 and not enable_gqa:
         keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
+        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=1.0,
         enable_gqa=enable_gqa,
     )
     return output if attended is None else torch.where(attended, output, 0.0)
@@ -334,17 +334,17 @@ def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
     return all(size == 1 for size in keep.shape[:-2]) or keep.shape[-2] == 1
 
 
-def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """scale * queries @ keys^T, -inf where keep is False, in one torch.baddbmm over the
-    leading axes flattened. Shape: (..., no. of queries, no. of keys)."""
+def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor,
+                    keys: torch.Tensor) -> torch.Tensor:
+    """queries @ keys^T, -inf where keep is False, in one torch.baddbmm over the leading axes
+    flattened. Shape: (..., no. of queries, no. of keys)."""
     *leading, num_queries, d = queries.shape
     num_keys = keys.shape[-2]
     queries = queries.reshape(math.prod(leading), num_queries, d)
     keys = keys.reshape(math.prod(leading), num_keys, d).transpose(1, 2)
     if keep is None:
         # beta=0: the zero input is not read, only broadcast
-        scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0, alpha=scale)
+        scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0)
         return scores.view(*leading, num_queries, num_keys)
     # Shape of additive: keep's, then (1 or leading size, 1 or no. of queries, no. of keys)
     additive = torch.zeros(keep.shape, dtype=queries.dtype, device=queries.device)
@@ -353,7 +353,7 @@ def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor, keys: torc
     if any(n != 1 for n in additive.shape[:-2]):
         additive = additive.expand(*leading, *additive.shape[-2:])
     additive = additive.reshape(math.prod(additive.shape[:-2]), *additive.shape[-2:])
-    scores = torch.baddbmm(additive, queries, keys, alpha=scale)
+    scores = torch.baddbmm(additive, queries, keys)
     return scores.view(*leading, num_queries, num_keys)
 
 
@@ -396,23 +396,23 @@ class DotProductAttention(Module):
         need_weights, torch's fused kernel computes the same numbers where it can (see
         _why_not_fused).
         """
+        d = queries.shape[-1]
+        # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
+        # no product overflows whose scaled score would not
+        queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         if not need_weights and _why_not_fused(keys, keep, self.empty_rows) is None:
             self.attention_weights = None
-            return _fused_attention(queries, keys, values, keep, bias, self.dropout, self.scale)
-        d = queries.shape[-1]
+            return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         if _why_not_masked_product(queries, keys, keep, bias, self.empty_rows) is None:
-            # The mask is added inside the scaled product, as nn.MultiheadAttention does
-            # (baddbmm): a pass over the scores fewer, forward and backward
+            # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
+            # a pass over the scores fewer, forward and backward
             keep, attended = (None, None) if keep is None else _keep_every_row(keep)
-            scale = 1 / math.sqrt(d) if self.scale is None else self.scale
-            scores = _masked_product(keep, queries, keys, scale)
+            scores = _masked_product(keep, queries, keys)
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
                 output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
             self.attention_weights = weights if need_weights else None
             return output
-        # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
-        queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         # Shape of scores: (..., no. of queries, no. of keys)
         scores = queries @ keys.transpose(-1, -2)
         output, self.attention_weights = _attention_pool(
