@@ -145,6 +145,23 @@ def test_float16_runs_and_stays_close(MX):
     np.testing.assert_allclose(MX.to_numpy(output), expected, atol=1e-2)
 
 
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_float16_attention_on_the_cpu_is_a_clear_error(MX, mx, hybridize):
+    # MXNet's own failure comes from its engine, and again in the caller's next operation
+    X = MX.from_numpy(np.ones((B, Q, D), "float16"))
+    layers = (MX.DotProductAttention(dtype="float16"),
+              MX.AdditiveAttention(4, dtype="float16"),
+              MX.MultiHeadAttention(D, 2, dtype="float16"))  # fmt: skip
+    message = r"attention layers of the mxnet backend run on a GPU context only.*queries on cpu"
+    for layer in layers:
+        if hybridize:
+            layer.hybridize()
+        with pytest.raises(ValueError, match=message):
+            layer(X, X, X)
+    # Nothing failed inside MXNet: the next operation runs
+    assert MX.to_numpy(X + X).sum() == 2 * B * Q * D
+
+
 # ---------------------------------------------------------------------------------------------
 # Hybridization
 

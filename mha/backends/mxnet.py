@@ -25,8 +25,8 @@ need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Bloc
 hybridized block checks valid_lens values before running the graph, as the imperative one does.
 
 float16: MXNet 1.9.1 has float16 matmul and FullyConnected on GPU only, so the attention
-layers run in float16 on a GPU context; AddNorm, PositionalEncoding, LearnedPositionalEncoding
-and RotaryEmbedding run on CPU too.
+layers run in float16 on a GPU context (on the CPU they raise a ValueError); AddNorm,
+PositionalEncoding, LearnedPositionalEncoding and RotaryEmbedding run on CPU too.
 
 Shapes follow d2l, batch first: queries (batch_size, no. of queries, query_size),
 keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value_size).
@@ -254,6 +254,17 @@ def _empty(like, *shape):
     # MXNet 1.9's kernels crash on an empty batch (a segfault, or a failure in a later
     # operation): the empty result is made directly, on the input's context
     return mx.np.zeros(shape, dtype=like.dtype, ctx=like.ctx)
+
+
+def _check_float16_context(dtype: str, queries: mx.np.ndarray) -> None:
+    # MXNet 1.9.1 multiplies float16 matrices on a GPU only: on the CPU its engine fails, and
+    # the failure surfaces in the caller's next operation
+    if dtype == "float16" and queries.ctx.device_type != "gpu":
+        raise ValueError(
+            "float16 attention layers of the mxnet backend run on a GPU context only: MXNet "
+            "1.9.1 has no float16 matrix product on the CPU. Use float32, or inputs on "
+            f"mx.gpu(). Received: queries on {queries.ctx}"
+        )
 
 
 def _position_dtype(dtype: str) -> str:
@@ -534,6 +545,7 @@ class DotProductAttention(Layer):
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
+        _check_float16_context(self.dtype, queries)
         if queries.shape[0] == 0:
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
@@ -602,6 +614,7 @@ class AdditiveAttention(Layer):
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
+        _check_float16_context(self.dtype, queries)
         if queries.shape[0] == 0:
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
@@ -684,6 +697,7 @@ class MultiHeadAttention(Layer):
                    ("values", "value_size", _in_features(self.W_v))),
         )
         _check_valid_lens_values(valid_lens)
+        _check_float16_context(self.dtype, queries)
         # The positions before this call's: those in the cache
         offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
         if batch_size == 0:
