@@ -66,8 +66,9 @@ def test_a_masked_key_holding_anything_changes_nothing(name, kind, masks, poison
 
 
 # What an attended score holds decides its row: softmax of a row with a NaN, a +inf, or only
-# -inf among its kept entries is undefined, and every backend gives NaN in the whole row, as
-# the frameworks' softmax does; a -inf beside finite kept entries just gets weight 0.
+# -inf among its kept entries is undefined, and in float64 every backend gives NaN in the
+# whole row, as the frameworks' softmax does; a -inf beside finite kept entries just gets
+# weight 0.
 NAN_ROW = [np.nan] * 4
 ATTENDED = {
     "nan": ([np.nan, 1.0, 2.0, 3.0], 3, NAN_ROW),
@@ -89,6 +90,27 @@ def test_a_row_with_nan_or_inf_at_attended_scores(name, case):
     valid_lens = None if length is None else module.from_numpy(np.array([length]))
     got = module.to_numpy(module.masked_softmax(X, valid_lens))
     np.testing.assert_array_equal(got[0, 0], expected)
+
+
+@pytest.mark.parametrize("case", [case for case in ATTENDED if ATTENDED[case][2] is NAN_ROW])
+@pytest.mark.parametrize("name", backend_params())
+def test_an_undefined_row_in_float32_is_nan_where_it_is_undefined(name, case):
+    # docs/design.md: in float32, TensorFlow's and MXNet's softmax kernels give 0 beside the
+    # NaN and +inf scores of an undefined row, where the others give NaN
+    module = backend_module(name)
+    row, length, _ = ATTENDED[case]
+    row = np.array(row)
+    kept = np.arange(len(row)) < (len(row) if length is None else length)
+    undefined = kept & (np.isnan(row) | (row == np.inf))
+    if not undefined.any():  # only -inf kept: every kept entry
+        undefined = kept
+    X = module.from_numpy(row[None, None].astype("float32"))
+    valid_lens = None if length is None else module.from_numpy(np.array([length]))
+    got = module.to_numpy(module.masked_softmax(X, valid_lens))[0, 0]
+    assert np.isnan(got[undefined]).all()
+    assert (np.isnan(got) | (got == 0)).all()
+    if name not in ("tensorflow", "mxnet"):
+        assert np.isnan(got).all()
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
