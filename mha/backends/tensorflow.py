@@ -267,6 +267,14 @@ def _attention_pool(scores, values, keep, bias, dropout, training, need_weights=
     )
 
 
+def _is_stored_cache(cache, queries) -> bool:
+    """Whether `cache` is a KVCache as a .keras file keeps it: a list of two symbolic tensors,
+    or of two Nones, that rebuilding the model passes with symbolic queries. Anything else
+    stays the checks' to judge."""
+    return (type(cache) is list and len(cache) == 2 and isinstance(queries, keras.KerasTensor)
+            and all(x is None or isinstance(x, keras.KerasTensor) for x in cache))
+
+
 def _as_tensors(*arguments):
     # numpy arrays become tensors (after the checks, which read shapes and dtypes only)
     return [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x for x in arguments]
@@ -482,6 +490,9 @@ class MultiHeadAttention(_AttentionLayer):
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
                  cache=None, training=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
+        if _is_stored_cache(cache, queries):
+            # A .keras file stores the KVCache as a list, which its loading calls this with
+            cache = KVCache(*cache)
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
