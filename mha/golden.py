@@ -242,6 +242,7 @@ def record_run(
         if progress is not None:
             progress(done, len(cases), f"{case.id} on {backend}")
         prepared = harness.prepare(case, shapes or harness.Shapes(), dtype, seed, gradients=False)
+        case = prepared.case  # with the sizes of its own it takes where those given do not fit
         cotangent = None
         if hasattr(module, "value_and_gradients"):
             rng = np.random.default_rng(seed + 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "compare",
     "default_cases",
     "difference",
+    "fit",
     "make_inputs",
     "prepare",
     "raised",
@@ -542,6 +544,35 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
     return config
 
 
+def fit(case: Case, shapes: Shapes) -> Case:
+    """`case` with sizes of its own where its options cannot take those of `shapes`: the query
+    heads a case names (4 for grouped-query attention) must divide num_hiddens, rotary
+    embeddings need an even head size, and a positional encoding a max_len of at least the
+    number of queries. It takes the nearest larger sizes that fit, written into its config so
+    that its id names them; `case` itself where the sizes of `shapes` fit."""
+    config = dict(case.config)
+    options = {"num_heads", "num_hiddens", "rope_theta"}
+    if case.layer == "MultiHeadAttention" and options & set(config):
+        num_heads = config.get("num_heads", shapes.num_heads)
+        num_hiddens = config.get("num_hiddens", shapes.num_hiddens)
+        head_size = -(-num_hiddens // num_heads)  # rounded up: num_heads divides num_hiddens
+        if config.get("rope_theta") is not None:  # rotary embeddings turn pairs of features
+            head_size += head_size % 2
+        if num_heads * head_size != num_hiddens:
+            config["num_hiddens"] = num_heads * head_size
+    elif case.layer == "RotaryEmbedding":
+        num_hiddens = config.get("num_hiddens", shapes.num_hiddens)
+        if num_hiddens % 2:
+            config["num_hiddens"] = num_hiddens + 1
+    elif case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
+        # The layer's own default where the case gives none
+        layer = getattr(load_backend("numpy"), case.layer)
+        max_len = config.get("max_len", inspect.signature(layer).parameters["max_len"].default)
+        if shapes.num_queries > max_len:
+            config["max_len"] = shapes.num_queries
+    return case if config == dict(case.config) else dataclasses.replace(case, config=config)
+
+
 # The inputs each layer is differentiated with respect to.
 def differentiable(case: Case) -> tuple[str, ...]:
     """The inputs `case` is differentiated with respect to (self-attention has one)."""
@@ -727,9 +758,9 @@ def _upcast(arrays: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Prepared:
-    """One case made ready for any number of backends: its config, weights and inputs in the
-    run's dtype, the float64 reference, and (for gradients) the cotangent and the central
-    differences of the reference."""
+    """One case made ready for any number of backends: the case as run (with the sizes of its
+    own that fit gave it), its config, weights and inputs in the run's dtype, the float64
+    reference, and (for gradients) the cotangent and the central differences of the reference."""
 
     case: Case
     dtype: str
@@ -748,7 +779,9 @@ def prepare(
     seed: int = 0,
     gradients: bool = True,
 ) -> Prepared:
-    """Make the weights, inputs and float64 reference of `case` (see Prepared)."""
+    """Make the weights, inputs and float64 reference of `case` (see Prepared), with sizes of
+    its own where those of `shapes` cannot build it (see fit; Prepared.case is the case run)."""
+    case = fit(case, shapes)
     config = _config(case, shapes, dtype)
     reference_config = {**config, "dtype": "float64"}
     weights = (
@@ -902,7 +935,7 @@ def compare(
         anchor = None
         for name in names:
             if progress is not None:
-                progress(done, total, f"{case.id} on {name}")
+                progress(done, total, f"{prepared.case.id} on {name}")
             done += 1
             row, result = check(name, prepared, anchor)
             if anchor is None and result is not None and result.gradients is not None:

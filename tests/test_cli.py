@@ -85,7 +85,7 @@ def test_compare_fails_and_names_the_backend_that_disagrees(monkeypatch):
     ("argv", "message"),
     [
         (["compare", "--backends", "theano"], "Unknown mha backend"),
-        (["compare", "--num-hiddens", "10", "--num-heads", "3"], "divisible"),
+        (["compare", "--num-hiddens", "10", "--num-heads", "3"], "argument --num-heads: must"),
         (["compare", "--num-heads", "0"], "expected a positive integer"),
         (["compare", "--dtype", "int8"], "invalid choice"),
         (["launch"], "invalid choice"),
@@ -96,6 +96,31 @@ def test_usage_errors_exit_2(argv, message):
     code, _, err = run(*argv)
     assert code == 2
     assert message in err
+
+
+def test_compare_exit_codes_at_small_sizes():
+    # Expected: 0 where the sizes given let every case agree, the grouped-query and rotary
+    # cases taking sizes of their own (named in their label and in the JSON's own_sizes) where
+    # 6 features in 2 heads cannot build them; 2, with one argparse-style line naming the
+    # argument and the value, where num_heads does not divide num_hiddens
+    small = ["--num-hiddens", "6", "--num-heads", "2", "--batch-size", "1"]
+    small += ["--num-queries", "1", "--num-keys", "1"]
+    code, out, err = run("compare", "--backends", "numpy", *small)
+    assert code == 0, out + err
+    assert "MultiHeadAttention(num_heads=4,num_hiddens=8,num_kv_heads=2)[valid_lens_1d]" in out
+    assert "MultiHeadAttention(num_hiddens=8,rope_theta=10000.0)[valid_lens_2d]" in out
+    assert "6 cases need other sizes than those given" in out
+    assert out.strip().endswith("agree on numpy.")
+    code, out, _ = run("compare", "--backends", "numpy", "--json", *small)
+    assert code == 0 and len(json.loads(out)["own_sizes"]) == 6
+    code, out, err = run(
+        "compare", "--backends", "numpy", "--num-hiddens", "10", "--num-heads", "4"
+    )
+    assert code == 2 and out == ""
+    assert (
+        err == "mha compare: error: argument --num-heads: must divide --num-hiddens 10. "
+        "Received: 4\n"
+    )
 
 
 def test_python_dash_m_mha():

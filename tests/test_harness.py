@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from conftest import backend_module
 from mha import harness
 
 pytestmark = pytest.mark.numpy
@@ -167,3 +168,78 @@ def test_raised_gives_the_type_and_message_or_none():
     error_type, message = harness.raised("numpy", harness.ERRORS["num_heads zero"])
     assert error_type is ValueError and "num_heads" in message and "Received" in message
     assert harness.raised("numpy", harness.ErrorCase(("DotProductAttention", (), {}))) is None
+
+
+# Every size `mha compare` accepts up to 12 features: num_hiddens with each of its divisors as
+# num_heads (10/5, 12/3, 6/2, 4/2 and 1/1 among them), beside the default lengths, one example
+# of one query and one key, and more queries than a case's max_len of 9
+SMALL_SIZES = [(h, n) for h in range(1, 13) for n in range(1, h + 1) if h % n == 0]
+LENGTHS = [(4, 5, 7), (1, 1, 1), (2, 12, 3)]
+
+
+def test_compare_runs_at_every_small_size():
+    # Expected: every case of mha compare agrees at every size; a case whose options cannot
+    # take the sizes given runs with sizes of its own, which its row's label names, and every
+    # other case runs with the sizes given
+    for num_hiddens, num_heads in SMALL_SIZES:
+        for batch_size, num_queries, num_keys in LENGTHS:
+            shapes = harness.Shapes(
+                batch_size=batch_size,
+                num_queries=num_queries,
+                num_keys=num_keys,
+                num_hiddens=num_hiddens,
+                num_heads=num_heads,
+            )
+            rows = harness.compare(["numpy"], shapes=shapes)
+            assert [row for row in rows if not row.passed] == [], shapes
+            for case, row in zip(harness.default_cases(), rows, strict=True):
+                fitted = harness.fit(case, shapes)
+                assert row.case == fitted.id
+                assert row.output_shape[0] == batch_size
+                if case.layer == "MultiHeadAttention" and "out_features" not in case.config:
+                    assert row.output_shape[-1] == fitted.config.get("num_hiddens", num_hiddens)
+
+
+@pytest.mark.torch
+def test_cases_with_sizes_of_their_own_agree_on_an_autograd_backend():
+    # Expected: the cases that take sizes of their own agree with the reference on torch,
+    # gradients included (central differences of the reference and torch's autograd)
+    backend_module("torch")
+    for shapes in (
+        harness.Shapes(num_hiddens=6, num_heads=2),
+        harness.Shapes(batch_size=1, num_queries=1, num_keys=1, num_hiddens=10, num_heads=5),
+        harness.Shapes(batch_size=2, num_queries=12, num_keys=3, num_hiddens=12, num_heads=3),
+    ):
+        cases = [case for case in harness.default_cases() if harness.fit(case, shapes) != case]
+        assert cases, shapes
+        rows = harness.compare(["numpy", "torch"], shapes=shapes, cases=cases)
+        assert all(row.passed for row in rows), [row for row in rows if not row.passed]
+        assert all(row.gradient_difference is not None for row in rows if row.backend == "torch")
+
+
+def test_fit_takes_the_nearest_sizes_that_fit_and_only_where_needed():
+    # Expected: at the default sizes every case runs as written; elsewhere a case whose own
+    # options need it takes the nearest larger sizes that fit, and a case with no such option
+    # keeps the sizes given (a num_heads that does not divide num_hiddens stays the caller's
+    # error)
+    assert all(harness.fit(case, harness.Shapes()) == case for case in harness.all_cases())
+    gqa = harness.Case("MultiHeadAttention", (), {"num_heads": 4, "num_kv_heads": 2})
+    rope = harness.Case("MultiHeadAttention", (), {"rope_theta": 10000.0})
+    pinned = harness.Case("MultiHeadAttention", (), {"rope_theta": 1.0, "num_hiddens": 16})
+    plain = harness.Case("MultiHeadAttention", (), {"bias": True})
+    six = harness.Shapes(num_hiddens=6, num_heads=2)
+    assert harness.fit(gqa, six).config == {"num_heads": 4, "num_kv_heads": 2, "num_hiddens": 8}
+    assert harness.fit(rope, six).config["num_hiddens"] == 8
+    assert harness.fit(rope, harness.Shapes(num_hiddens=12, num_heads=3)) == rope
+    assert harness.fit(pinned, harness.Shapes(num_heads=3)).config["num_hiddens"] == 18
+    assert harness.fit(plain, harness.Shapes(num_hiddens=10, num_heads=3)) == plain
+    odd = harness.Shapes(num_hiddens=7, num_heads=7)
+    assert harness.fit(harness.Case("RotaryEmbedding"), odd).config == {"num_hiddens": 8}
+    learned = harness.Case("LearnedPositionalEncoding", (), {"max_len": 9})
+    assert harness.fit(learned, harness.Shapes(num_queries=12)).config == {"max_len": 12}
+    long = harness.Shapes(num_queries=1001)  # beyond the layer's default max_len of 1000
+    assert harness.fit(harness.Case("PositionalEncoding"), long).config == {"max_len": 1001}
+    assert (
+        harness.fit(harness.Case("PositionalEncoding"), harness.Shapes(num_queries=1000)).config
+        == {}
+    )
