@@ -412,3 +412,132 @@ def test_learned_positional_encoding_trains_its_rows_under_nnx_jit(J, jax, nnx):
     expected = np.zeros((10, D))
     expected[:Q] = 3.0
     np.testing.assert_array_equal(np.asarray(gradient), expected)
+
+
+# JAX's own transforms of a closure over a layer, as with Flax's nnx.MultiHeadAttention: the
+# layer cannot change under them, and gives the eager numbers
+TRANSFORMS = ["jit", "grad", "value_and_grad", "vmap", "export"]
+
+
+def _closure(layer, k, v, kwargs):
+    return lambda q: layer(q, k, v, **kwargs)
+
+
+def _reference_gradient(reference, q, k, v, kwargs, step=1e-6):
+    # Central differences of sum(output) over each query entry, in float64
+    gradient = np.zeros_like(q)
+    for index in np.ndindex(q.shape):
+        up, down = q.copy(), q.copy()
+        up[index] += step
+        down[index] -= step
+        gradient[index] = (
+            reference(up, k, v, **kwargs).sum() - reference(down, k, v, **kwargs).sum()
+        ) / (2 * step)
+    return gradient
+
+
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_jax_transforms_of_a_closure_give_the_eager_numbers(J, jax, transform, call):
+    layer, reference = pair(J)
+    q, k, v = inputs()
+    kwargs = CALLS[call]
+    f = _closure(layer, J.from_numpy(k), J.from_numpy(v), as_jax(J, kwargs))
+    expected = reference(q, k, v, **kwargs)
+    if transform == "jit":
+        got = jax.jit(f)(J.from_numpy(q))
+    elif transform == "vmap":
+        # Two batches stacked on a new leading axis, the second the first reversed
+        stacked = np.stack([q, q[::-1]])
+        got = jax.vmap(f)(J.from_numpy(stacked))
+        np.testing.assert_allclose(
+            J.to_numpy(got[1]), reference(q[::-1], k, v, **kwargs), rtol=0, atol=1e-12
+        )
+        got = got[0]
+    elif transform == "export":
+        from jax import export
+
+        exported = export.export(jax.jit(f))(J.from_numpy(q))
+        got = exported.call(J.from_numpy(q))
+    else:
+        total = lambda q: f(q).sum()  # noqa: E731
+        if transform == "grad":
+            got = jax.grad(total)(J.from_numpy(q))
+        else:
+            value, got = jax.value_and_grad(total)(J.from_numpy(q))
+            np.testing.assert_allclose(float(value), expected.sum(), rtol=0, atol=1e-12)
+        expected = _reference_gradient(reference, q, k, v, kwargs)
+        np.testing.assert_allclose(J.to_numpy(got), expected, rtol=0, atol=1e-7)
+        return
+    np.testing.assert_allclose(J.to_numpy(got), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad", "vmap"])
+def test_attention_weights_keep_the_last_eager_call_under_a_transform(J, jax, transform):
+    # The layer cannot change under jax's transforms: it keeps the eager call's weights, a
+    # concrete array (never a leaked tracer)
+    layer, reference = pair(J)
+    q, k, v = inputs()
+    layer(*map(J.from_numpy, (q, k, v)))
+    reference(q, k, v)
+    f = _closure(layer, J.from_numpy(k), J.from_numpy(v), {"causal": True})
+    other = J.from_numpy(q[::-1])
+    if transform == "jit":
+        jax.jit(f)(other)
+    elif transform == "grad":
+        jax.grad(lambda q: f(q).sum())(other)
+    else:
+        jax.vmap(f)(other[None])
+    np.testing.assert_allclose(
+        J.to_numpy(layer.attention_weights), reference.attention_weights, rtol=0, atol=1e-12
+    )
+
+
+ARITY = {
+    "DotProductAttention": 3,
+    "AdditiveAttention": 3,
+    "PositionalEncoding": 1,
+    "AddNorm": 2,
+    "RotaryEmbedding": 1,
+    "LearnedPositionalEncoding": 1,
+}
+
+
+@pytest.mark.parametrize("name", ARITY)
+def test_every_layer_runs_under_jax_jit_and_grad(J, jax, nnx, name):
+    # The closure's numbers are the eager call's, and its gradient nnx.grad's
+    X = J.from_numpy(np.random.default_rng(2).standard_normal((B, Q, D)))
+    args = (5,) if name == "AdditiveAttention" else () if name == "DotProductAttention" else (D,)
+    layer = getattr(J, name)(*args, dtype="float64")
+    eager = J.to_numpy(layer(*[X] * ARITY[name]))
+    f = lambda x: layer(*[x] * ARITY[name])  # noqa: E731
+    np.testing.assert_allclose(J.to_numpy(jax.jit(f)(X)), eager, rtol=0, atol=1e-12)
+    gradient = jax.grad(lambda x: f(x).sum())(X)
+    expected = nnx.grad(lambda layer, x: layer(*[x] * ARITY[name]).sum(), argnums=1)(layer, X)
+    np.testing.assert_allclose(J.to_numpy(gradient), J.to_numpy(expected), rtol=0, atol=1e-12)
+
+
+def test_a_lazy_layer_first_called_under_jax_jit_is_a_clear_error(J, jax):
+    layer = J.MultiHeadAttention(D, H, dtype="float64")
+    q, k, v = map(J.from_numpy, inputs())
+    with pytest.raises(ValueError, match="lazy layer takes them at its first call"):
+        jax.jit(lambda q: layer(q, k, v))(q)
+    # Nothing changed: the first eager call still infers the sizes
+    assert layer(q, k, v).shape == (B, Q, D)
+    assert jax.jit(lambda q: layer(q, k, v))(q).shape == (B, Q, D)
+
+
+def test_float32_products_run_at_full_precision_unless_jax_is_told_otherwise(J, jax):
+    # A CPU computes float32 exactly anyway: the lowered program shows the policy, which keeps
+    # XLA's TF32 default on GPUs away
+    layer = J.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
+    q = J.from_numpy(np.ones((B, Q, D), "float32"))
+    f = lambda q: layer(q, q, q)  # noqa: E731
+    products = [
+        line for line in jax.jit(f).lower(q).as_text().splitlines() if "dot_general" in line
+    ]
+    assert len(products) == 6  # four projections, the scores, and the weights times values
+    assert all("precision = [HIGHEST, HIGHEST]" in line for line in products)
+    with jax.default_matmul_precision("tensorfloat32"):
+        chosen = jax.jit(f).lower(q).as_text()
+    assert "HIGHEST" not in chosen

@@ -96,6 +96,37 @@ def test_get_set_round_trip(bias):
     assert np.any(mha.get_weights(source)["W_q"] != 0)
 
 
+def _aligned_copy(array):
+    # In memory aligned as frameworks want it to wrap an array without copying (JAX's CPU
+    # client does for 64-byte alignment), so that a layer that shares it is caught
+    buffer = np.empty(array.nbytes + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    aligned = buffer[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+    aligned[...] = array
+    return aligned
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["sized", "lazy"])
+def test_weights_are_copied_in_and_out(backend, lazy):
+    # Changing the arrays given to set_weights, or those get_weights returned, changes
+    # neither the layer's weights nor its outputs
+    sizes = {} if lazy else {k: CONFIG[k] for k in ("query_size", "key_size", "value_size")}
+    layer = backend.MultiHeadAttention(8, 2, bias=True, **sizes)
+    given = {k: _aligned_copy(w) for k, w in mha.random_weights(make_mha(bias=True)).items()}
+    kept = {k: w.copy() for k, w in given.items()}
+    mha.set_weights(layer, given)
+    q, k, v = map(backend.from_numpy, inputs())
+    before = backend.to_numpy(layer(q, k, v)).copy()
+    for array in given.values():
+        array += 7
+    taken = mha.get_weights(layer)
+    for array in taken.values():
+        array -= 3
+    for name, array in mha.get_weights(layer).items():
+        np.testing.assert_array_equal(array, kept[name], err_msg=name)
+    np.testing.assert_array_equal(backend.to_numpy(layer(q, k, v)), before)
+
+
 def test_set_weights_before_first_call_infers_sizes():
     lazy = mha.MultiHeadAttention(8, 2)
     with pytest.raises(ValueError, match="not created yet: query_size, key_size, value_size"):

@@ -4,9 +4,10 @@ The NumPy reference (mha/backends/numpy.py) written with jax.numpy: the same def
 the same order, so that the two files read side by side. The layers are `flax.nnx.Module`s:
 `module.train()` / `.eval()` decide dropout (a new layer trains, as in Flax), parameters and
 dropout draw from the `rngs` a layer is given (`nnx.Rngs(0)` when none is), and every layer
-runs under `nnx.jit` with the same numbers. The checks that need values (valid_lens are
-non-negative whole numbers) run when the call is eager, as under TensorFlow's tf.function;
-shapes and dtypes are checked always.
+runs under `nnx.jit`, and under jax.jit, jax.grad, jax.vmap and jax.export of a closure, with
+the same numbers. float32 products are computed in full float32 precision on every device.
+The checks that need values (valid_lens are non-negative whole numbers) run when the call is
+eager, as under TensorFlow's tf.function; shapes and dtypes are checked always.
 
 `attention_weights` is a data attribute of the layer (MultiHeadAttention's reads its inner
 attention's): after an eager call, and after a call under `nnx.jit`, which carries the layer's
@@ -25,6 +26,7 @@ import functools
 import math
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,9 +95,36 @@ def _checked_dtype(dtype: str) -> str:
     return dtype
 
 
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b in full float32 precision on every device, as the reference computes: XLA's own
+    default on a GPU is TF32. A precision the user sets with JAX's
+    `jax.default_matmul_precision` (or its config option) is taken instead."""
+    chosen = jax.config.jax_default_matmul_precision
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST if chosen is None else None)
+
+
+def _set_if_allowed(module: nnx.Module, name: str, value: Any) -> bool:
+    """Set an attribute of `module` where Flax lets it change: eagerly, and inside nnx.jit and
+    nnx.grad, which carry the module in. Under jax.jit, jax.grad, jax.vmap or jax.export of a
+    closure it cannot change, and keeps what it held; returns whether it was set."""
+    try:
+        setattr(module, name, value)
+    except flax.errors.TraceContextError:
+        return False
+    return True
+
+
 def _rngs(rngs: nnx.Rngs | None) -> nnx.Rngs:
     # The seeded default: layers made without rngs draw the same numbers every run
     return nnx.Rngs(0) if rngs is None else rngs
+
+
+_LAZY_UNDER_TRANSFORM = (
+    "This layer's input sizes are not known yet: a lazy layer takes them at its first call, "
+    "which cannot change the layer under jax.jit, jax.grad, jax.vmap or jax.export of a "
+    "closure. Call it once eagerly (or under nnx.jit) first, or give its input sizes "
+    "(query_size, key_size, value_size) when making it"
+)
 
 
 class _Linear(nnx.Module):
@@ -130,11 +159,14 @@ class _Linear(nnx.Module):
 
     def __call__(self, X: jax.Array) -> jax.Array:
         if self.kernel is None:
-            self.initialize(X.shape[-1])
+            try:
+                self.initialize(X.shape[-1])
+            except flax.errors.TraceContextError:
+                raise ValueError(_LAZY_UNDER_TRANSFORM) from None
         # One 2-D product over all leading axes: the kernel's gradient is then X^T @ dY on the
         # flattened arrays, without the transposed copy of dY that a 3-D product's gradient makes
         leading = X.shape[:-1]
-        Y = X.reshape(math.prod(leading), X.shape[-1]) @ self.kernel[...]
+        Y = _matmul(X.reshape(math.prod(leading), X.shape[-1]), self.kernel[...])
         Y = Y.reshape(*leading, self.out_features)
         return Y if self.bias is None else Y + self.bias[...]
 
@@ -249,7 +281,7 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
     if bias is not None:
         scores = scores + bias
     weights = _softmax(scores, keep, empty_rows)
-    return dropout(weights) @ values, weights if need_weights else None
+    return _matmul(dropout(weights), values), weights if need_weights else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,10 +328,11 @@ class DotProductAttention(nnx.Module):
         # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         # Shape of scores: (..., no. of queries, no. of keys)
-        scores = queries @ jnp.swapaxes(keys, -1, -2)
-        output, self.attention_weights = _attention_pool(
+        scores = _matmul(queries, jnp.swapaxes(keys, -1, -2))
+        output, weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
+        _set_if_allowed(self, "attention_weights", weights)
         return output
 
 
@@ -347,9 +380,10 @@ class AdditiveAttention(nnx.Module):
         features = jnp.tanh(queries[:, :, None, :] + keys[:, None, :, :])
         # w_v has one output; shape of scores: (batch_size, no. of queries, no. of keys)
         scores = self.w_v(features)[..., 0]
-        output, self.attention_weights = _attention_pool(
+        output, weights = _attention_pool(
             scores, values, keep, bias, self.dropout, empty_rows=self.empty_rows
         )
+        _set_if_allowed(self, "attention_weights", weights)
         return output
 
 
@@ -648,7 +682,8 @@ def write_parameter(sublayer: nnx.Module, kind: str, value: np.ndarray) -> None:
     if kind == "kernel" and _in_features(sublayer) is None:
         sublayer.initialize(value.shape[0])
     parameter = getattr(sublayer, name)
-    parameter[...] = jnp.asarray(value.T if transposed else value, parameter[...].dtype)
+    # A copy: on the CPU jnp.asarray may wrap the caller's array, which the layer would share
+    parameter[...] = jnp.array(value.T if transposed else value, parameter[...].dtype, copy=True)
 
 
 def without_gradients():
