@@ -431,8 +431,8 @@ def _add_port_arguments(parser) -> None:
     parser.add_argument(
         "--config",
         metavar="CONFIG.JSON",
-        help="a Hugging Face config.json: num_attention_heads, rope_theta and sliding_window "
-        "are read from it (the options below override it)",
+        help="a Hugging Face config.json: num_attention_heads, rope_theta, sliding_window and "
+        "the score scale are read from it (the options below override it)",
     )
     parser.add_argument(
         "--rope-theta",
@@ -448,6 +448,12 @@ def _add_port_arguments(parser) -> None:
         "--sliding-window",
         type=_positive_int,
         help="attend only to keys within this many positions (Mistral's window, with causal)",
+    )
+    parser.add_argument(
+        "--layer",
+        type=int,
+        help="the layer's index in the model, for a --config whose layers differ (Gemma 2 and "
+        "3, gpt-oss: sliding and full attention)",
     )
 
 
@@ -526,12 +532,17 @@ def _layer_options(arguments) -> dict:
     options = {}
     if arguments.config is not None:
         try:
-            options = porting.options_from_config(arguments.config)
+            options = porting.options_from_config(arguments.config, arguments.layer)
         except ValueError as error:
             raise _UsageError(str(error)) from None
         if arguments.num_heads is None:
             arguments.num_heads = options.get("num_heads")
+        if arguments.scale is None:
+            arguments.scale = options.get("scale")
         options.pop("num_heads", None)
+        options.pop("scale", None)
+    elif arguments.layer is not None:
+        raise _UsageError("--layer goes with --config")
     given = {
         "rope_theta": arguments.rope_theta,
         "rope_interleaved": arguments.rope_interleaved or None,

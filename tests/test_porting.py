@@ -687,3 +687,248 @@ def test_a_scale_the_destination_cannot_hold_is_refused(whole_model):
             prefix="encoder.layer.0.attention",
         )
     assert not (folder / "x.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Never silently wrong: what changes the numbers and mha cannot hold is refused by name
+
+
+def _tiny_decoder(family, seed=9, **fields):
+    """A tiny random transformers decoder of `family` in float64, and its config."""
+    T = transformers()
+    Config, Model = {
+        "qwen3": (T.Qwen3Config, T.Qwen3Model),
+        "gemma2": (T.Gemma2Config, T.Gemma2Model),
+        "gemma3": (T.Gemma3TextConfig, T.Gemma3TextModel),
+        "stablelm": (T.StableLmConfig, T.StableLmModel),
+        "gpt_oss": (T.GptOssConfig, T.GptOssModel),
+        "cohere2": (T.Cohere2Config, T.Cohere2Model),
+    }[family]
+    sizes = dict(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        vocab_size=50,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    config = Config(**sizes, **fields)
+    model = Model(config).double().eval()
+    # SDPA computes in the model's dtype (set once built: Gemma 2 refuses it at construction)
+    model.config._attn_implementation = "sdpa"
+    return config, model
+
+
+def _attention_io(model, ids):
+    """{layer index: (input hidden states, attention output)} of a run of the whole model."""
+    seen, handles = {}, []
+    for i, block in enumerate(model.layers):
+
+        def take_input(module, args, kwargs, i=i):
+            seen[i] = [(args[0] if args else kwargs["hidden_states"]).numpy()]
+
+        def take_output(module, args, output, i=i):
+            seen[i].append(output[0].numpy())
+
+        handles.append(block.self_attn.register_forward_pre_hook(take_input, with_kwargs=True))
+        handles.append(block.self_attn.register_forward_hook(take_output))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    return seen
+
+
+def test_qwen3_qk_norm_is_refused():
+    config, model = _tiny_decoder("qwen3")
+    options = porting.options_from_config(config.to_dict())
+    with pytest.raises(ValueError, match=r"k_norm\.weight \(.*QK-norm.*q_norm\.weight"):
+        porting.from_state_dict(model.state_dict(), "layers.0.self_attn", **options)
+
+
+def test_gemma2_soft_capped_scores_are_refused():
+    config, _ = _tiny_decoder("gemma2", head_dim=4)
+    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50\.0"):
+        porting.options_from_config(config.to_dict(), 0)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_gemma2_layers_get_their_own_window_and_scale(name):
+    # Layer 0 slides and layer 1 attends to every key, with sliding_window set for both; the
+    # scores are scaled by query_pre_attn_scalar ** -0.5, not by head_dim ** -0.5
+    config, model = _tiny_decoder(
+        "gemma2",
+        head_dim=4,
+        attn_logit_softcapping=None,
+        query_pre_attn_scalar=8,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    with pytest.raises(ValueError, match=r"layers differ.*layer_types"):
+        porting.options_from_config(config.to_dict())
+    seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
+    module = backend_module(name)
+    for layer, window in [(0, 3), (1, None)]:
+        options = porting.options_from_config(config.to_dict(), layer)
+        assert options.get("sliding_window") == window and options["scale"] == 8**-0.5
+        ported = porting.from_state_dict(
+            model.state_dict(), f"layers.{layer}.self_attn", backend=name, **options
+        )
+        x, expected = seen[layer]
+        output = module.to_numpy(ported(*[module.from_numpy(x)] * 3, causal=True))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=TOLERANCE)
+
+
+def test_gemma3_rope_per_layer_type_and_qk_norm():
+    config, model = _tiny_decoder(
+        "gemma3", head_dim=4, layer_types=["sliding_attention", "full_attention"]
+    )
+    # One rotary base per layer type: the sliding layers' and the full layers'
+    thetas = [porting.options_from_config(config.to_dict(), i)["rope_theta"] for i in (0, 1)]
+    assert thetas == [
+        config.rope_parameters["sliding_attention"]["rope_theta"],
+        config.rope_parameters["full_attention"]["rope_theta"],
+    ]
+    options = porting.options_from_config(config.to_dict(), 1)
+    with pytest.raises(ValueError, match=r"k_norm\.weight.*q_norm\.weight"):
+        porting.from_state_dict(model.state_dict(), "layers.1.self_attn", **options)
+
+
+def test_stablelm_partial_rotary_in_rope_parameters_is_refused():
+    config, _ = _tiny_decoder("stablelm")
+    assert "partial_rotary_factor" not in config.to_dict()  # transformers 5 keeps it inside
+    with pytest.raises(ValueError, match=r"partial_rotary_factor'\]=0\.25"):
+        porting.options_from_config(config.to_dict())
+
+
+def test_gpt_oss_sinks_are_refused():
+    config, model = _tiny_decoder(
+        "gpt_oss",
+        head_dim=4,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=3,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )
+    with pytest.raises(ValueError, match="layer_types"):
+        porting.options_from_config(config.to_dict())
+    options = porting.options_from_config(config.to_dict(), 1)
+    assert "sliding_window" not in options  # layer 1 is a full-attention layer
+    with pytest.raises(ValueError, match=r"sinks \(attention sinks"):
+        porting.from_state_dict(model.state_dict(), "layers.1.self_attn", **options)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
+    # Cohere rotates feature pairs (2i, 2i + 1), which only its model type tells, and Cohere 2
+    # rotates nothing on its full-attention layers
+    config, model = _tiny_decoder(
+        "cohere2", sliding_window=3, layer_types=["sliding_attention", "full_attention"]
+    )
+    seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
+    module = backend_module(name)
+    for layer in (0, 1):
+        options = porting.options_from_config(config.to_dict(), layer)
+        assert options.get("rope_interleaved", False) is (layer == 0)
+        ported = porting.from_state_dict(
+            model.state_dict(), f"layers.{layer}.self_attn", backend=name, **options
+        )
+        x, expected = seen[layer]
+        output = module.to_numpy(ported(*[module.from_numpy(x)] * 3, causal=True))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"attn_logit_softcapping": 30.0}, r"attn_logit_softcapping=30\.0 soft-caps"),
+        ({"use_qk_norm": True}, "use_qk_norm=True"),
+        ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
+        ({"partial_rotary_factor": 0.5, "rope_theta": 1e4}, "partial_rotary_factor=0.5"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' \\(rope_scaling="),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
+        (
+            {"rope_parameters": {"full_attention": {"rope_theta": 1e6}}},
+            "per layer type .* no layer_types",
+        ),
+        ({"sliding_window": 4, "sliding_window_pattern": 6}, "sliding_window_pattern=6"),
+        ({"layer_types": ["chunked_attention"]}, "'chunked_attention' \\(layer_types\\)"),
+        (
+            {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 2},
+            "max_window_layers=2",
+        ),
+        ({"model_type": "exaone4", "rope_theta": 1e4}, "model_type='exaone4'"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({"text_config": {"num_attention_heads": 4}}, r"config\['text_config'\]"),
+    ],
+    ids=lambda value: next(iter(value)) if isinstance(value, dict) else None,
+)
+def test_config_fields_mha_cannot_represent_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        porting.options_from_config(config)
+
+
+def test_qwen2_max_window_layers_and_gpt2_scales_per_layer():
+    qwen2 = {
+        "model_type": "qwen2",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 3,
+        "rope_theta": 1e4,
+        "sliding_window": 4,
+        "use_sliding_window": True,
+        "max_window_layers": 2,
+    }
+    assert [porting.options_from_config(qwen2, i).get("sliding_window") for i in range(3)] == [
+        None,
+        None,
+        4,
+    ]
+    gpt2 = {"n_head": 4, "n_embd": 16, "n_layer": 2, "scale_attn_by_inverse_layer_idx": True}
+    assert porting.options_from_config(gpt2, 1) == {"num_heads": 4, "scale": 0.5 / 2}
+
+
+def test_unknown_tensors_under_the_attention_are_refused():
+    rng = np.random.default_rng(10)
+    state = {f"attn.{k}_proj.weight": rng.standard_normal((8, 8)) for k in "qkvo"}
+    state["attn.gate.weight"] = np.ones((4, 8))
+    with pytest.raises(ValueError, match=r"attn.*gate\.weight \(a tensor beside"):
+        porting.canonical_from_state_dict(state, "attn", num_heads=2)
+
+
+def test_a_checkpoints_rotary_frequencies_are_checked():
+    # Older Llama checkpoints keep rotary_emb.inv_freq under the attention
+    state = {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}
+    state["rotary_emb.inv_freq"] = (1 / 500.0 ** (np.arange(0, 4, 2) / 4)).astype("float32")
+    port = porting.canonical_from_state_dict(state, num_heads=2, rope_theta=500.0)
+    assert "rotary_emb.inv_freq" in port.used and not port.left_out
+    with pytest.raises(ValueError, match="give rope_theta"):
+        porting.canonical_from_state_dict(state, num_heads=2)
+    with pytest.raises(ValueError, match="other frequencies than the plain ones"):
+        porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0)
+
+
+def test_convert_takes_the_layer_index_where_layers_differ(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    config, model = _tiny_decoder(
+        "gemma2",
+        head_dim=4,
+        attn_logit_softcapping=None,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    save_file(
+        {key: value.numpy() for key, value in model.state_dict().items()},
+        tmp_path / "model.safetensors",
+    )
+    config.to_json_file(tmp_path / "config.json")
+    arguments = ["--prefix", "layers.1.self_attn", "--config", str(tmp_path / "config.json")]
+    source, destination = tmp_path / "model.safetensors", tmp_path / "layer.safetensors"
+    code = cli.main(["convert", str(source), str(destination), *arguments])
+    assert code == 2 and "layer_types" in capsys.readouterr().err
+    code = cli.main(["convert", str(source), str(destination), *arguments, "--layer", "1"])
+    assert code == 0, capsys.readouterr().err
+    checkpoint = mha.weights.read_checkpoint(destination)
+    assert checkpoint.config["sliding_window"] is None and checkpoint.config["rope_theta"]
