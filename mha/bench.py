@@ -700,9 +700,9 @@ def summary(results: Sequence[Result]) -> list[str]:
 def _write_or_print(document: dict[str, Any], arguments, out) -> None:
     """Write the report to --output if given; print it as JSON (--json) or as a table."""
     if arguments.output:
-        with open(arguments.output, "w") as file:
-            json.dump(document, file, indent=2)
-            file.write("\n")
+        from mha.files import write_atomically
+
+        write_atomically(arguments.output, (json.dumps(document, indent=2) + "\n").encode())
     if arguments.json:
         print(json.dumps(document, indent=2), file=out)
         return
@@ -775,6 +775,10 @@ def execute(arguments, out, err, progress=None) -> int:
     usage error."""
     if arguments.report:
         return _show_saved_report(arguments, out)
+    if arguments.output:
+        from mha.files import check_destination
+
+        check_destination(arguments.output)  # before the run, which a wrong path would waste
     names, skipped = select_backends(arguments.backends)
     dtype, device = arguments.dtype or "float32", arguments.device or "cpu"
     shapes = QUICK_SHAPES if arguments.quick else SHAPES

@@ -378,6 +378,9 @@ def _bench(arguments, out, err) -> int:
         return bench.execute(arguments, out, err, _progress(err))
     except (ValueError, BackendUnavailableError) as error:
         raise _UsageError(str(error)) from None
+    except OSError as error:  # --output could not be written; the path is left as it was
+        print(f"mha bench: error: {error}", file=err)
+        return 1
 
 
 def _add_file_commands(commands) -> None:

@@ -1,15 +1,17 @@
 """Writing files so that nothing a user had is lost when something fails.
 
-Every file mha writes goes through `write_atomically`: the new content is written to a
-temporary file beside the destination, checked, and only then moved over the destination in
-one step (`os.replace`). A failure at any point (a full disk, an error while writing, a check
-that does not pass) leaves the destination as it was and removes the temporary file.
+Every file mha writes goes through `write_atomically`: its whole content is built in memory
+first (the frameworks' writers never touch the disk), then Python writes it to a temporary
+file beside the destination, flushes it to the disk, checks it, and only then moves it over
+the destination in one step (`os.replace`). A failure at any point (a full disk, a file-size
+limit, a check that does not pass) is an exception that leaves the destination as it was and
+removes the temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import stat
 import tempfile
 from collections.abc import Callable
@@ -28,42 +30,63 @@ def check_destination(path: str | os.PathLike) -> str:
 
 def write_atomically(
     path: str | os.PathLike,
-    write: Callable[[str], None],
+    content: bytes,
     *,
     suffix: str = ".tmp",
     check: Callable[[str], None] | None = None,
-    size: int | None = None,
 ) -> None:
-    """Write a file through `write(temporary_path)`, then `check(temporary_path)`, then move it
-    over `path`. `suffix` ends the temporary file's name (some writers ask for an ending).
+    """Write `content` to a temporary file beside `path`, flush it to the disk, run
+    `check(temporary_path)`, then move it over `path`. `suffix` ends the temporary file's name
+    (a reader may go by the ending).
 
-    `size`, about the bytes the file will take, is checked against the free space first: a
-    writer that runs out of disk may crash the process (h5py does) before it can clean up.
+    Only Python writes to the disk here, so a failed write is an OSError (a framework's
+    writer, h5py's, may crash the process instead when the disk refuses a write).
 
     The new file keeps the permissions of the file it replaces; a new file gets those of any
     file the process creates (0666 less the umask), not the private 0600 of a temporary file.
+
+    Raises:
+        ValueError: `path` is a folder or its folder does not exist, or `check` refused.
+        OSError: the file could not be written; `path` is left as it was.
     """
     name = check_destination(path)
     directory = os.path.dirname(os.path.abspath(name))
-    if size is not None:
-        free = shutil.disk_usage(directory).free
-        if free < size:
-            raise OSError(
-                f"not enough free space to write {name}: it takes about {size} bytes and "
-                f"{free} are free; {name} is left as it was"
-            )
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".mha-", suffix=suffix)
-    os.close(handle)
     try:
-        write(temporary)
+        try:
+            _write_and_flush(handle, content)
+        except OSError as error:
+            raise OSError(
+                f"writing {name} failed: {error.strerror or error}; {name} is left as it was"
+            ) from error
         if check is not None:
             check(temporary)
         os.chmod(temporary, _mode_for(name))
         os.replace(temporary, name)
     except BaseException:
-        if os.path.exists(temporary):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+    _flush_folder(directory)
+
+
+def _write_and_flush(handle: int, content: bytes) -> None:
+    # The bytes reach the disk before the rename, so a power loss never leaves an empty file
+    with open(handle, "wb", closefd=True) as file:
+        file.write(content)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _flush_folder(directory: str) -> None:
+    # The rename is on the disk too; the file is already in place, so a folder that cannot
+    # be synced (some file systems refuse) is no failure of the write
+    with contextlib.suppress(OSError):
+        handle = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
 
 
 def _mode_for(name: str) -> int:

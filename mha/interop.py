@@ -1282,13 +1282,20 @@ def write_file(
     """Write canonical MultiHeadAttention weights as the file kind of `path`, atomically.
 
     An mha checkpoint holds the weights, class and config; a torch file the module's
-    state_dict, saved with `torch.save`; a Keras file the layer's weights, saved with
-    `keras.saving.save_weights`; a Flax file the parameters (`flax_params`) as
+    state_dict, saved with `torch.save`; a Keras file the layer's weights, as
+    `keras.saving.save_weights` writes them; a Flax file the parameters (`flax_params`) as
     `flax.serialization.msgpack_serialize` writes them. num_heads is needed for every kind
-    but torch's. The file is written beside `path` and read back as the same weights, bit for
-    bit, before it replaces `path`: on any failure `path` is left as it was. `options` (the
-    layer's rope_theta, rope_interleaved, sliding_window) are kept by an mha checkpoint only;
-    fewer key-value heads go into mha and Keras files (GroupQueryAttention's weights).
+    but torch's. The file is built in memory (the frameworks' writers never touch the disk),
+    written beside `path` and read back as the same weights, bit for bit, before it replaces
+    `path`: on any failure `path` is left as it was and nothing else is left beside it.
+    `options` (the layer's rope_theta, rope_interleaved, sliding_window) are kept by an mha
+    checkpoint only; fewer key-value heads go into mha and Keras files (GroupQueryAttention's
+    weights).
+
+    Raises:
+        ValueError, TypeError: the kind cannot hold these weights, or they would not read back.
+        OSError: the file could not be written (a framework's writer failed, a full disk, a
+            file-size limit); `path` is left as it was.
     """
     from mha.files import write_atomically
 
@@ -1298,54 +1305,80 @@ def write_file(
     if kind != "mha":
         has = ("num_kv_heads",) if kind == "keras" else ()
         _plain(weights, scale, FILE_KINDS[kind], kind != "torch", options, has)
-
-    def write(temporary: str) -> None:
-        if kind == "torch":
-            import torch
-
-            from_numpy = load_backend("torch").from_numpy
-            state = torch_state_dict(weights)
-            torch.save({key: from_numpy(value) for key, value in state.items()}, temporary)
-        elif kind == "flax":
-            from flax import serialization
-
-            with open(temporary, "wb") as file:
-                file.write(serialization.msgpack_serialize(flax_params(weights, num_heads)))
-        else:
-            layer = layer_from_weights(
-                weights,
-                num_heads,
-                backend=_carrier(weights),
-                dropout=dropout,
-                scale=scale,
-                **{key: value for key, value in options.items() if value not in (None, False)},
-            )
-            if kind == "mha":
-                from mha.weights import save
-
-                save(layer, temporary)
-            else:
-                import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
-
-                keras.saving.save_weights(to_keras(layer), temporary, overwrite=True)
+    try:
+        content = _file_bytes(kind, weights, num_heads, dropout, scale, options)
+    except (ValueError, TypeError):
+        raise
+    except Exception as error:  # the frameworks' writers raise their own kinds
+        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        name = os.fspath(path)
+        raise OSError(f"writing {name} failed: {message}; {name} is left as it was") from error
 
     def check(temporary: str) -> None:
         again, _ = read_file(temporary, num_heads=num_heads)
         if not _same_weights(again, weights):
             raise ValueError(f"{os.fspath(path)} would not read back as the same weights")
 
-    def write_or_say_why(temporary: str) -> None:
-        try:
-            write(temporary)
-        except (ValueError, TypeError):
-            raise
-        except Exception as error:  # the frameworks' writers raise their own kinds
-            message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-            raise OSError(f"writing {os.fspath(path)} failed: {message}") from error
+    write_atomically(path, content, suffix=_SUFFIXES[kind], check=check)
 
-    # The numbers, and room for each kind's headers and index (Keras's HDF5 the largest)
-    size = sum(np.asarray(value).nbytes for value in weights.values()) + 2**16
-    write_atomically(path, write_or_say_why, suffix=_SUFFIXES[kind], check=check, size=size)
+
+def _file_bytes(
+    kind: str,
+    weights: Mapping[str, np.ndarray],
+    num_heads: int | None,
+    dropout: float,
+    scale: float | None,
+    options: Mapping[str, Any],
+) -> bytes:
+    """The content of a file of `kind` holding `weights`, built in memory."""
+    import io
+
+    if kind == "torch":
+        import torch
+
+        from_numpy = load_backend("torch").from_numpy
+        state = torch_state_dict(weights)
+        buffer = io.BytesIO()
+        torch.save({key: from_numpy(value) for key, value in state.items()}, buffer)
+        return buffer.getvalue()
+    if kind == "flax":
+        from flax import serialization
+
+        return serialization.msgpack_serialize(flax_params(weights, num_heads))
+    layer = layer_from_weights(
+        weights,
+        num_heads,
+        backend=_carrier(weights),
+        dropout=dropout,
+        scale=scale,
+        **{key: value for key, value in options.items() if value not in (None, False)},
+    )
+    if kind == "mha":
+        from mha.weights import checkpoint_bytes
+
+        return checkpoint_bytes(layer)
+    return _keras_weights_bytes(to_keras(layer))
+
+
+def _keras_weights_bytes(layer: Any) -> bytes:
+    """The .weights.h5 file `keras.saving.save_weights(layer, path)` writes, built in memory.
+
+    h5py crashes the process when the disk refuses a write while it closes a file, so the
+    HDF5 file is made in a BytesIO with the store and walk `save_weights` itself uses (Keras 3
+    has no public call that writes to memory); write_file reads the file back to check it.
+    """
+    import io
+
+    from keras.src.saving import saving_lib
+
+    buffer = io.BytesIO()
+    store = saving_lib.H5IOStore(buffer, mode="w")
+    try:
+        # Positional: the names of a private function's parameters are no promise
+        saving_lib._save_state(layer, store, None, "", set())
+    finally:
+        store.close()
+    return buffer.getvalue()
 
 
 def _same_weights(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:

@@ -436,11 +436,18 @@ def _layer_class_name_of_type(cls: type) -> str:
 def save_weights(layer: Any, path: str | os.PathLike) -> None:
     """Write the layer's canonical weights, class and config to a safetensors file.
 
-    The file is written to a temporary name and renamed, so an interrupted save never leaves
-    a truncated file under `path`.
+    The file is written to a temporary name and renamed (`mha.files.write_atomically`), so a
+    failed or interrupted save never leaves a truncated file under `path`.
+
+    Raises:
+        OSError: the file could not be written; `path` is left as it was.
     """
+    write_atomically(path, checkpoint_bytes(layer))
+
+
+def checkpoint_bytes(layer: Any) -> bytes:
+    """The content of the checkpoint `save_weights` writes: weights, class and config."""
     _, class_name, config = _layer_info(layer)
-    weights = get_weights(layer)
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -448,7 +455,7 @@ def save_weights(layer: Any, path: str | os.PathLike) -> None:
         "config": json.dumps(config, sort_keys=True),
         "backend": backend_of(layer),
     }
-    write_safetensors(path, weights, metadata)
+    return safetensors_bytes(get_weights(layer), metadata)
 
 
 def load_weights(layer: Any, path: str | os.PathLike) -> None:
@@ -680,7 +687,16 @@ _MAX_HEADER_BYTES = 100_000_000
 def write_safetensors(
     path: str | os.PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]
 ) -> None:
-    """Write numpy arrays and string metadata as a safetensors file (atomically)."""
+    """Write numpy arrays and string metadata as a safetensors file (atomically).
+
+    Raises:
+        OSError: the file could not be written; `path` is left as it was.
+    """
+    write_atomically(path, safetensors_bytes(tensors, metadata))
+
+
+def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """The content of a safetensors file of numpy arrays and string metadata."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     blobs = []
     offset = 0
@@ -701,15 +717,7 @@ def write_safetensors(
         offset += len(data)
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks
-
-    def write(temporary: str) -> None:
-        with open(temporary, "wb") as file:
-            file.write(struct.pack("<Q", len(encoded)))
-            file.write(encoded)
-            for blob in blobs:
-                file.write(blob)
-
-    write_atomically(path, write, size=8 + len(encoded) + offset)
+    return b"".join([struct.pack("<Q", len(encoded)), encoded, *blobs])
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -48,55 +48,102 @@ def test_a_failed_convert_leaves_the_destination_as_it_was(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("ending", [".safetensors", ".pt", ".msgpack"])
-def test_a_full_disk_leaves_the_destination_as_it_was(tmp_path, ending):
-    needs = {".pt": "torch", ".msgpack": "flax"}
-    if ending in needs:
-        pytest.importorskip(needs[ending])
-    source = saved(tmp_path)
+# Every kind mha writes, and what writing it needs
+ENDINGS = {".safetensors": None, ".pt": "torch", ".weights.h5": "tensorflow", ".msgpack": "flax"}
+# Below every file these tests write: the first write that crosses it fails with EFBIG, as on
+# a full disk or over a quota (Python ignores SIGXFSZ), after the file has begun to grow
+LIMIT = 1024
+
+
+def run_limited(statements: str) -> subprocess.CompletedProcess:
+    """Run `statements` in a new Python whose files may not grow past LIMIT bytes."""
+    code = f"import resource, sys\nresource.setrlimit(resource.RLIMIT_FSIZE, ({LIMIT}, {LIMIT}))\n"
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    return subprocess.run(
+        [sys.executable, "-c", code + statements],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=environment,
+    )
+
+
+def old_destination(tmp_path, source, ending):
+    if ENDINGS[ending] is not None:
+        pytest.importorskip(ENDINGS[ending])
     destination = tmp_path / f"old{ending}"
     interop.convert(source, destination)
+    assert destination.stat().st_size > LIMIT
+    return destination
+
+
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_write_the_disk_refuses_exits_1_and_leaves_nothing(tmp_path, ending):
+    # h5py crashed the process (SIGSEGV) when Keras's writer closed a file the disk refused
+    source = saved(tmp_path)
+    destination = old_destination(tmp_path, source, ending)
     before = destination.read_bytes()
-    # The next file may grow to 64 bytes only, as on a disk that is full
-    code = (
-        "import resource, sys\n"
+    completed = run_limited(
         "from mha import cli\n"
-        "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))\n"
         f"sys.exit(cli.main(['convert', {str(source)!r}, {str(destination)!r}]))\n"
     )
-    completed = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    assert completed.returncode == 1, completed.stderr[-2000:]
+    assert "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("mha ")]
+    assert len(errors) == 1 and "left as it was" in errors[0], completed.stderr[-2000:]
+    assert destination.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
+
+
+WRITERS = {
+    "mha.save": "mha.save(layer, path)",
+    "mha.save_weights": "mha.save_weights(layer, path)",
+    "golden.record": "golden.record(path, [golden.case_of(layer, {'queries': X}, layer(X, X, X))])",
+    "interop.write_file": "interop.write_file(path, mha.get_weights(layer), num_heads=2)",
+}
+
+
+@pytest.mark.parametrize(
+    "writer, ending",
+    [(writer, ".safetensors") for writer in WRITERS]
+    + [("interop.write_file", ending) for ending in ENDINGS if ending != ".safetensors"],
+)
+def test_a_write_the_disk_refuses_is_an_oserror_and_leaves_nothing(tmp_path, writer, ending):
+    source = saved(tmp_path)
+    destination = old_destination(tmp_path, source, ending)
+    before = destination.read_bytes()
+    completed = run_limited(
+        "import numpy as np\n"
+        "import mha\n"
+        "from mha import golden, interop\n"
+        f"layer, path = mha.load({str(source)!r}, backend='numpy'), {str(destination)!r}\n"
+        "X = np.ones((1, 2, 8), 'float32')\n"
+        "try:\n"
+        f"    {WRITERS[writer]}\n"
+        "except OSError as error:\n"
+        "    print(f'{type(error).__name__}: {error}')\n"
+        "    sys.exit(3)\n"
+    )
+    assert completed.returncode == 3, completed.stderr[-2000:]
+    assert completed.stdout.startswith("OSError: writing ") and "left as it was" in completed.stdout
+    assert destination.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
+
+
+def test_a_bench_report_the_disk_refuses_exits_1_and_leaves_nothing(tmp_path):
+    report = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results.json")
+    destination = tmp_path / "old.json"
+    destination.write_bytes(b"{}\n" * LIMIT)
+    completed = run_limited(
+        "from mha import cli\n"
+        f"sys.exit(cli.main(['bench', '--report', {report!r}, '--output', {str(destination)!r}]))\n"
     )
     assert completed.returncode == 1, completed.stderr[-2000:]
-    assert "Traceback" not in completed.stderr and "mha convert: error" in completed.stderr
-    assert destination.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
-
-
-@pytest.mark.parametrize("ending", [".safetensors", ".weights.h5"])
-def test_a_disk_without_room_is_refused_before_writing(tmp_path, ending, monkeypatch):
-    # Keras's HDF5 writer crashes the process on a full disk, before anything can clean up:
-    # the free space is checked first, for every kind
-    if ending == ".weights.h5":
-        pytest.importorskip("tensorflow")
-    source = saved(tmp_path)
-    destination = tmp_path / f"old{ending}"
-    interop.convert(source, destination)
-    before = destination.read_bytes()
-    import shutil
-    import types
-
-    room = types.SimpleNamespace(total=100, used=90, free=10)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: room)
-    with pytest.raises(OSError, match="not enough free space"):
-        interop.convert(source, destination)
-    with pytest.raises(OSError, match="not enough free space"):
-        mha.save(
-            N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D),
-            destination if ending == ".safetensors" else tmp_path / "new.safetensors",
-        )
-    assert destination.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([source.name, destination.name])
+    assert "Traceback" not in completed.stderr, completed.stderr[-2000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("mha ")]
+    assert len(errors) == 1 and "left as it was" in errors[0], completed.stderr[-2000:]
+    assert destination.read_bytes() == b"{}\n" * LIMIT
+    assert [p.name for p in tmp_path.iterdir()] == [destination.name]
 
 
 def test_destinations_that_cannot_be_written_are_one_error_line(tmp_path):
