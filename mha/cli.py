@@ -3,7 +3,7 @@
 
 Exit codes: 0 when everything agrees, 1 on any disagreement, 2 on a usage error (including a
 backend named with --backends that does not import). `mha convert` and `mha inspect` exit 1
-when a file cannot be read or the destination cannot express the layer.
+when a file cannot be read or written or the destination cannot express the layer.
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def _add_file_commands(commands) -> None:
         f"file names: {kinds}. The configuration is read off the weights; a torch state_dict "
         "does not tell the number of heads, so give --num-heads with one. DST is read back and "
         "must give the same weights before it replaces a file already there (a failure leaves DST "
-        "as it was). Exit 0 on success, 1 when a file cannot be read or the "
+        "as it was). Exit 0 on success, 1 when a file cannot be read or written or the "
         "destination cannot express the layer, 2 on a usage error.",
     )
     convert.add_argument("source", metavar="SRC")

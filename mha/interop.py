@@ -1369,16 +1369,33 @@ def _keras_weights_bytes(layer: Any) -> bytes:
     """
     import io
 
-    from keras.src.saving import saving_lib
-
-    buffer = io.BytesIO()
-    store = saving_lib.H5IOStore(buffer, mode="w")
     try:
-        # Positional: the names of a private function's parameters are no promise
-        saving_lib._save_state(layer, store, None, "", set())
-    finally:
-        store.close()
-    return buffer.getvalue()
+        from keras.src.saving import saving_lib
+
+        buffer = io.BytesIO()
+        store = saving_lib.H5IOStore(buffer, mode="w")
+        try:
+            # Positional: the names of a private function's parameters are no promise
+            saving_lib._save_state(layer, store, None, "", set())
+        finally:
+            store.close()
+        return buffer.getvalue()
+    except (ImportError, AttributeError, TypeError):
+        return _keras_weights_bytes_by_file(layer)
+
+
+def _keras_weights_bytes_by_file(layer: Any) -> bytes:
+    """The same bytes by Keras's public save_weights, for a Keras whose private store differs:
+    written in a scratch folder of the system's, never beside the destination."""
+    import tempfile
+
+    import keras
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "layer.weights.h5")
+        keras.saving.save_weights(layer, path)
+        with open(path, "rb") as file:
+            return file.read()
 
 
 def _same_weights(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> bool:

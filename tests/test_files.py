@@ -189,6 +189,33 @@ def test_weights_holding_nan_convert_bit_for_bit(tmp_path):
         assert a[name].tobytes() == b[name].tobytes()
 
 
+@pytest.mark.parametrize("private_store", [True, False], ids=["in_memory", "public_api"])
+def test_keras_files_are_written_the_same_by_either_way(tmp_path, monkeypatch, private_store):
+    # Keras's in-memory store is private: where it differs, the public save_weights in a scratch
+    # folder writes the file instead, and both load back into Keras's own layer as the weights
+    pytest.importorskip("keras")
+    from keras.src.saving import saving_lib
+
+    class PathsOnly(saving_lib.H5IOStore):
+        # A Keras whose store opens paths only, as a release may
+        def __init__(self, path, *args, **kwargs):
+            if not isinstance(path, str | os.PathLike):
+                raise TypeError("a path")
+            super().__init__(path, *args, **kwargs)
+
+    if not private_store:
+        monkeypatch.setattr(saving_lib, "H5IOStore", PathsOnly)
+    weights = mha.random_weights(
+        N.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8), seed=3
+    )
+    destination = tmp_path / "a.weights.h5"
+    interop.write_file(destination, weights, num_heads=2)
+    read, _ = interop.read_file(destination, num_heads=2)
+    for name in weights:
+        np.testing.assert_array_equal(read[name], weights[name], err_msg=name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.weights.h5"]
+
+
 def test_a_header_larger_than_the_file_is_refused_before_reading_it(tmp_path):
     path = tmp_path / "hostile.safetensors"
     path.write_bytes((2**40).to_bytes(8, "little") + b"{}")
