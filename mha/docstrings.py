@@ -3,27 +3,35 @@
 Every backend's `masked_softmax` and layers take the same arguments and give the same results,
 so their docstrings share these sections: a backend's own docstring says what the object is
 and what its framework adds, and `@documented` appends the shared part, so that `help()`
-shows the whole contract in every backend.
+shows the whole contract in every backend. The "Args" of a layer are its options' docs in
+mha.options.
 """
 
 from __future__ import annotations
 
 import inspect
+import textwrap
 from typing import TypeVar
+
+from mha import options
 
 T = TypeVar("T")
 
-_EMPTY_ROWS = """empty_rows: what a query with no key to attend gets: "zeros" (default;
-        weights and attention output 0) or "uniform" (weights 1 / no. of keys over every key,
-        as d2l, Keras's default path, JAX and Flax give)."""
 
-_SLIDING_WINDOW = """sliding_window: None (default), or keep only the keys within sliding_window - 1
-        positions of the query, |i - j| < sliding_window (query i beside key i, as
-        Keras's symmetric band); with causal=True, the last sliding_window keys up to
-        the query, as Mistral's."""
+def _args(layer: str) -> str:
+    """The "Args" section of `layer`: each option's one-line doc, wrapped."""
+    lines = ["Args:"]
+    for option in options.layer_options(layer):
+        doc = option.doc.get(layer, option.doc.get("*"))
+        lines += textwrap.wrap(
+            f"{option.name}: {doc}",
+            width=92,
+            initial_indent="    ",
+            subsequent_indent="        ",
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines)
 
-_DTYPE = """dtype: "float32" (default), "float64", "float16", or "bfloat16" where the
-        framework computes in it (torch, TensorFlow and JAX)."""
 
 SECTIONS = {
     "masked_softmax": """
@@ -39,12 +47,7 @@ Returns:
     empty_rows says, every other row sums to 1.
 """,
     "DotProductAttention": f"""
-Args:
-    dropout: dropout rate on the attention weights (when training).
-    scale: the factor of the scores; None is 1 / sqrt(d).
-    {_EMPTY_ROWS}
-    {_SLIDING_WINDOW}
-    {_DTYPE}
+{_args("DotProductAttention")}
 
 Call arguments:
     queries: (batch_size, no. of queries, d).
@@ -63,13 +66,7 @@ Returns:
     (batch_size, no. of queries, no. of keys).
 """,
     "AdditiveAttention": f"""
-Args:
-    num_hiddens: size of the hidden layer that queries and keys are projected to.
-    dropout: dropout rate on the attention weights (when training).
-    query_size, key_size: input sizes; None infers them at the first call.
-    {_EMPTY_ROWS}
-    {_SLIDING_WINDOW}
-    {_DTYPE}
+{_args("AdditiveAttention")}
 
 Call arguments: as DotProductAttention; queries and keys may differ in size.
 
@@ -82,29 +79,7 @@ Queries, keys and values are projected to num_hiddens, split into num_heads cont
 blocks of num_hiddens / num_heads columns, attended per head, concatenated and projected
 by W_o.
 
-Args:
-    num_hiddens: size of the projections and of the output.
-    num_heads: number of heads; must divide num_hiddens.
-    dropout: dropout rate on the attention weights (when training).
-    bias: whether the query, key and value projections have biases.
-    query_size, key_size, value_size: input sizes; None infers them at the first call.
-    out_bias: whether the output projection W_o has a bias; None follows `bias`.
-    out_features: the output size, W_o being (num_hiddens, out_features); None is
-        num_hiddens.
-    scale: the factor of the scores; None is 1 / sqrt(num_hiddens / num_heads).
-    {_EMPTY_ROWS}
-    {_SLIDING_WINDOW}
-    num_kv_heads: the number of key and value heads (grouped-query attention; 1 is
-        multi-query attention); None is num_heads. Query head h attends with key-value
-        head h // (num_heads / num_kv_heads), as Llama and Keras's GroupQueryAttention
-        group them; W_k and W_v have num_kv_heads * num_hiddens / num_heads columns.
-    rope_theta: the base of rotary position embeddings applied to each head's queries and
-        keys (10000.0 in Llama 2, 500000.0 in Llama 3); None (default) applies none.
-        Queries and keys take positions 0, 1, ... along their axis.
-    rope_interleaved: False (default) rotates feature i with feature i + head size / 2
-        (Hugging Face's convention); True rotates pairs (2i, 2i + 1) (GPT-J, Meta's
-        original Llama).
-    {_DTYPE}
+{_args("MultiHeadAttention")}
 
 Call arguments:
     queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
@@ -126,11 +101,7 @@ Returns:
     each; `attention_weights` holds (batch_size, num_heads, no. of queries, no. of keys).
 """,
     "PositionalEncoding": f"""
-Args:
-    num_hiddens: feature size of X (odd sizes work).
-    dropout: dropout rate on X + P (when training).
-    max_len: the longest sequence the layer accepts.
-    {_DTYPE}
+{_args("PositionalEncoding")}
 
 Call arguments:
     X: (batch_size, no. of steps <= max_len, num_hiddens).
@@ -144,11 +115,7 @@ The book's exercise "design a learnable positional encoding": P is a weight of s
 (max_len, num_hiddens) (canonical name "P"), row i added to the inputs at position i, as
 BERT's and GPT-2's position embeddings; the framework's Embedding layer holds it.
 
-Args:
-    num_hiddens: feature size of X.
-    dropout: dropout rate on X + P (when training).
-    max_len: the longest sequence the layer accepts (the rows of P).
-    {_DTYPE}
+{_args("LearnedPositionalEncoding")}
 
 Call arguments:
     X: (batch_size, no. of steps <= max_len, num_hiddens).
@@ -161,12 +128,7 @@ Rotates each pair of features of the row at position p by the angle p * theta^(-
 d being num_hiddens and i the pair's index, so that the dot product of a rotated query and
 a rotated key depends on their positions only through p_query - p_key.
 
-Args:
-    num_hiddens: feature size d of X; must be even.
-    theta: the base of the frequencies (10000.0, as Llama 2 and RoFormer).
-    interleaved: False (default) pairs feature i with feature i + d / 2 (Hugging Face's
-        convention); True pairs features 2i and 2i + 1 (GPT-J, Meta's original Llama).
-    {_DTYPE}
+{_args("RotaryEmbedding")}
 
 Call arguments:
     X: (..., no. of positions, num_hiddens), e.g. (batch_size, num_heads, n, head size).
@@ -177,11 +139,7 @@ Returns:
     bfloat16) and their cosines and sines cast to the layer's dtype; there is no weight.
 """,
     "AddNorm": f"""
-Args:
-    num_hiddens: size of the last axis.
-    dropout: dropout rate on Y (when training).
-    eps: added to the variance; the same in every backend.
-    {_DTYPE}
+{_args("AddNorm")}
 
 Call arguments:
     X, Y: the same shape (..., num_hiddens).

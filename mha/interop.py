@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from mha import validation
+from mha import options, validation
 from mha.registry import BackendUnavailableError, load_backend
 from mha.weights import (
     UNTOLD_OPTIONS,
@@ -1131,8 +1131,13 @@ def read_file(
                 f"{name} holds a layer with num_heads={config['num_heads']}. "
                 f"Received: num_heads={num_heads}"
             )
-        validation.check_multihead_args(
-            config["num_hiddens"], num_heads, 0.0, config["bias"], None, None, None, "float32"
+        given = {
+            "num_hiddens": config["num_hiddens"],
+            "num_heads": num_heads,
+            "bias": config["bias"],
+        }
+        validation.check_layer_args(
+            "MultiHeadAttention", {**options.layer_defaults("MultiHeadAttention"), **given}
         )
         config["num_heads"] = num_heads
     from mha.weights import LAYER_CLASSES

@@ -256,9 +256,8 @@ def canonical_from_state_dict(
     config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
     config["scale"] = layout.scale if scale is None else scale
 
-    # In the constructor's order, which is check_multihead_args's
     config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
-    validation.check_multihead_args(*config.values())
+    validation.check_layer_args("MultiHeadAttention", config)
     if _INV_FREQ in left_out:
         _check_inv_freq(names[_INV_FREQ], config, where)
         left_out.remove(_INV_FREQ)

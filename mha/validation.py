@@ -13,27 +13,24 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from mha import options
+
 __all__ = [
     "EMPTY_ROWS",
     "FLOAT_DTYPES",
-    "check_add_norm_args",
     "check_add_norm_call",
-    "check_additive_args",
     "check_attention_call",
     "check_backend_dtype",
-    "check_dot_product_args",
     "check_dtype",
     "check_empty_rows",
+    "check_layer_args",
     "check_masked_softmax_call",
-    "check_multihead_args",
-    "check_positional_encoding_args",
     "check_positional_encoding_call",
-    "check_rotary_args",
     "check_rotary_call",
     "check_valid_lens_values",
     "dtype_name",
@@ -176,18 +173,49 @@ def _check_optional_positive_int(name: str, value: Any) -> None:
         _check_positive_int(name, value)
 
 
-def _check_dropout(dropout: Any) -> None:
+def _check_dropout(name: str, value: Any) -> None:
     if (
-        isinstance(dropout, bool)
-        or not isinstance(dropout, numbers.Real)
-        or not (0.0 <= float(dropout) < 1.0)
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (0.0 <= float(value) < 1.0)
     ):
-        raise ValueError(f"dropout must be a number in [0, 1). Received: dropout={dropout!r}")
+        raise ValueError(f"{name} must be a number in [0, 1). Received: {name}={value!r}")
 
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+
+
+def _check_optional_bool(name: str, value: Any) -> None:
+    if value is not None:
+        _check_bool(name, value)
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name} must be a positive number. Received: {name}={value!r}")
+
+
+def _check_optional_positive_number(name: str, value: Any) -> None:
+    if value is not None:
+        _check_positive_number(name, value)
+
+
+def _check_scale(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be None or a number. Received: {name}={value!r} of type "
+            f"{type(value).__name__}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite. Received: {name}={value!r}")
 
 
 def check_dtype(dtype: Any) -> str:
@@ -213,95 +241,6 @@ def check_backend_dtype(dtype: str, backend: str) -> str:
     return dtype
 
 
-def check_dot_product_args(
-    dropout: Any,
-    dtype: Any,
-    scale: Any = None,
-    empty_rows: Any = "zeros",
-    sliding_window: Any = None,
-) -> str:
-    """Check DotProductAttention's constructor; returns the dtype name."""
-    _check_dropout(dropout)
-    _check_scale(scale)
-    check_empty_rows(empty_rows)
-    _check_optional_positive_int("sliding_window", sliding_window)
-    return check_dtype(dtype)
-
-
-def check_additive_args(
-    num_hiddens: Any,
-    dropout: Any,
-    query_size: Any,
-    key_size: Any,
-    dtype: Any,
-    empty_rows: Any = "zeros",
-    sliding_window: Any = None,
-) -> str:
-    """Check AdditiveAttention's constructor; returns the dtype name."""
-    _check_positive_int("num_hiddens", num_hiddens)
-    _check_dropout(dropout)
-    _check_optional_positive_int("query_size", query_size)
-    _check_optional_positive_int("key_size", key_size)
-    check_empty_rows(empty_rows)
-    _check_optional_positive_int("sliding_window", sliding_window)
-    return check_dtype(dtype)
-
-
-def check_multihead_args(
-    num_hiddens: Any,
-    num_heads: Any,
-    dropout: Any,
-    bias: Any,
-    query_size: Any,
-    key_size: Any,
-    value_size: Any,
-    dtype: Any,
-    out_bias: Any = None,
-    out_features: Any = None,
-    scale: Any = None,
-    empty_rows: Any = "zeros",
-    sliding_window: Any = None,
-    num_kv_heads: Any = None,
-    rope_theta: Any = None,
-    rope_interleaved: Any = False,
-) -> str:
-    """Check MultiHeadAttention's constructor; returns the dtype name."""
-    _check_positive_int("num_hiddens", num_hiddens)
-    _check_positive_int("num_heads", num_heads)
-    if num_hiddens % num_heads != 0:
-        raise ValueError(
-            "num_hiddens must be divisible by num_heads. "
-            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
-        )
-    _check_optional_positive_int("num_kv_heads", num_kv_heads)
-    if num_kv_heads is not None and num_heads % num_kv_heads != 0:
-        raise ValueError(
-            "num_heads must be a multiple of num_kv_heads (each key-value head serves a group "
-            f"of query heads). Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-        )
-    _check_optional_positive_int("sliding_window", sliding_window)
-    if rope_theta is not None:
-        _check_rope_theta("rope_theta", rope_theta)
-        if (num_hiddens // num_heads) % 2 != 0:
-            raise ValueError(
-                "rotary embeddings rotate pairs of features: the head size num_hiddens / "
-                "num_heads must be even. "
-                f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
-            )
-    _check_bool("rope_interleaved", rope_interleaved)
-    _check_dropout(dropout)
-    _check_bool("bias", bias)
-    _check_optional_positive_int("query_size", query_size)
-    _check_optional_positive_int("key_size", key_size)
-    _check_optional_positive_int("value_size", value_size)
-    if out_bias is not None:
-        _check_bool("out_bias", out_bias)
-    _check_optional_positive_int("out_features", out_features)
-    _check_scale(scale)
-    check_empty_rows(empty_rows)
-    return check_dtype(dtype)
-
-
 EMPTY_ROWS = ("zeros", "uniform")
 
 
@@ -315,59 +254,78 @@ def check_empty_rows(empty_rows: Any) -> None:
         )
 
 
-def _check_scale(scale: Any) -> None:
-    if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(
-            f"scale must be None or a number. Received: scale={scale!r} of type "
-            f"{type(scale).__name__}"
+# The check of each kind of value an option takes (mha.options.Option.check)
+_VALUE_CHECKS = {
+    "positive integer": _check_positive_int,
+    "optional positive integer": _check_optional_positive_int,
+    "dropout": _check_dropout,
+    "boolean": _check_bool,
+    "optional boolean": _check_optional_bool,
+    "positive number": _check_positive_number,
+    "optional positive number": _check_optional_positive_number,
+    "scale": _check_scale,
+    "empty_rows": lambda name, value: check_empty_rows(value),
+    "dtype": lambda name, value: check_dtype(value),
+}
+
+
+def _heads_divide(arguments: Mapping[str, Any]) -> None:
+    num_hiddens, num_heads = arguments["num_hiddens"], arguments["num_heads"]
+    if num_hiddens % num_heads != 0:
+        raise ValueError(
+            "num_hiddens must be divisible by num_heads. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
         )
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite. Received: scale={scale!r}")
 
 
-def _check_rope_theta(name: str, theta: Any) -> None:
-    if (
-        isinstance(theta, bool)
-        or not isinstance(theta, numbers.Real)
-        or not (math.isfinite(theta) and theta > 0)
-    ):
-        raise ValueError(f"{name} must be a positive number. Received: {name}={theta!r}")
+def _kv_heads_divide(arguments: Mapping[str, Any]) -> None:
+    num_heads, num_kv_heads = arguments["num_heads"], arguments["num_kv_heads"]
+    if num_kv_heads is not None and num_heads % num_kv_heads != 0:
+        raise ValueError(
+            "num_heads must be a multiple of num_kv_heads (each key-value head serves a group "
+            f"of query heads). Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
 
 
-def check_rotary_args(num_hiddens: Any, theta: Any, interleaved: Any, dtype: Any) -> str:
-    """Check RotaryEmbedding's constructor; returns the dtype name."""
-    _check_positive_int("num_hiddens", num_hiddens)
-    if num_hiddens % 2 != 0:
+def _rotary_heads_even(arguments: Mapping[str, Any]) -> None:
+    num_hiddens, num_heads = arguments["num_hiddens"], arguments["num_heads"]
+    if arguments["rope_theta"] is not None and (num_hiddens // num_heads) % 2 != 0:
+        raise ValueError(
+            "rotary embeddings rotate pairs of features: the head size num_hiddens / "
+            "num_heads must be even. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+        )
+
+
+def _rotary_size_even(arguments: Mapping[str, Any]) -> None:
+    if arguments["num_hiddens"] % 2 != 0:
         raise ValueError(
             "num_hiddens must be even: rotary embeddings rotate pairs of features. "
-            f"Received: num_hiddens={num_hiddens}"
+            f"Received: num_hiddens={arguments['num_hiddens']}"
         )
-    _check_rope_theta("theta", theta)
-    _check_bool("interleaved", interleaved)
-    return check_dtype(dtype)
 
 
-def check_positional_encoding_args(num_hiddens: Any, dropout: Any, max_len: Any, dtype: Any) -> str:
-    """Check PositionalEncoding's constructor; returns the dtype name."""
-    _check_positive_int("num_hiddens", num_hiddens)
-    _check_dropout(dropout)
-    _check_positive_int("max_len", max_len)
-    return check_dtype(dtype)
+# Rules between a layer's options, checked once each option holds a value of its kind
+_LAYER_RULES = {
+    "MultiHeadAttention": (_heads_divide, _kv_heads_divide, _rotary_heads_even),
+    "RotaryEmbedding": (_rotary_size_even,),
+}
 
 
-def check_add_norm_args(num_hiddens: Any, dropout: Any, eps: Any, dtype: Any) -> str:
-    """Check AddNorm's constructor; returns the dtype name."""
-    _check_positive_int("num_hiddens", num_hiddens)
-    _check_dropout(dropout)
-    if (
-        isinstance(eps, bool)
-        or not isinstance(eps, numbers.Real)
-        or not (math.isfinite(eps) and eps > 0)
-    ):
-        raise ValueError(f"eps must be a positive number. Received: eps={eps!r}")
-    return check_dtype(dtype)
+def check_layer_args(layer: str, arguments: Mapping[str, Any]) -> str:
+    """Check the constructor arguments of `layer`, each of its options (mha.options) and the
+    rules between them; returns the dtype name.
+
+    Args:
+        layer: the layer's class name, e.g. "MultiHeadAttention".
+        arguments: a mapping holding every option of the layer, such as the constructor's
+            `locals()` or a layer config (other entries are not read).
+    """
+    for option in options.layer_options(layer):
+        _VALUE_CHECKS[option.check](option.name, arguments[option.name])
+    for rule in _LAYER_RULES.get(layer, ()):
+        rule(arguments)
+    return check_dtype(arguments["dtype"])
 
 
 # ---------------------------------------------------------------------------------------------

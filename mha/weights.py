@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mha import validation
+from mha import options, validation
 from mha.files import write_atomically
 from mha.registry import backend_of, load_backend
 
@@ -55,39 +55,9 @@ __all__ = [
 ]
 
 # Layer class -> the names of its constructor arguments, in signature order.
+# Each layer's options (its constructor's arguments), in the order configs list them
 LAYER_CLASSES: dict[str, tuple[str, ...]] = {
-    "DotProductAttention": ("dropout", "dtype", "scale", "empty_rows", "sliding_window"),
-    "AdditiveAttention": (
-        "num_hiddens",
-        "dropout",
-        "query_size",
-        "key_size",
-        "dtype",
-        "empty_rows",
-        "sliding_window",
-    ),
-    "MultiHeadAttention": (
-        "num_hiddens",
-        "num_heads",
-        "dropout",
-        "bias",
-        "query_size",
-        "key_size",
-        "value_size",
-        "dtype",
-        "out_bias",
-        "out_features",
-        "scale",
-        "empty_rows",
-        "sliding_window",
-        "num_kv_heads",
-        "rope_theta",
-        "rope_interleaved",
-    ),
-    "PositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
-    "LearnedPositionalEncoding": ("num_hiddens", "dropout", "max_len", "dtype"),
-    "RotaryEmbedding": ("num_hiddens", "theta", "interleaved", "dtype"),
-    "AddNorm": ("num_hiddens", "dropout", "eps", "dtype"),
+    layer: tuple(option.name for option in options.layer_options(layer)) for layer in options.LAYERS
 }
 
 FORMAT = "mha"
@@ -497,17 +467,6 @@ class Checkpoint(NamedTuple):
     metadata: dict[str, str]
 
 
-_CONFIG_CHECKS = {
-    "DotProductAttention": validation.check_dot_product_args,
-    "AdditiveAttention": validation.check_additive_args,
-    "MultiHeadAttention": validation.check_multihead_args,
-    "PositionalEncoding": validation.check_positional_encoding_args,
-    "LearnedPositionalEncoding": validation.check_positional_encoding_args,
-    "AddNorm": validation.check_add_norm_args,
-    "RotaryEmbedding": validation.check_rotary_args,
-}
-
-
 def _read_mha_file(
     path: str | os.PathLike,
 ) -> tuple[str, dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
@@ -573,7 +532,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             f"{class_name} takes {', '.join(expected)}"
         )
     try:
-        _CONFIG_CHECKS[class_name](*(config[key] for key in expected))
+        validation.check_layer_args(class_name, config)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} has an invalid config for {class_name}: {error}") from None
     if class_name == "PositionalEncoding":
@@ -593,20 +552,11 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 # The options beside the book's arguments, with their defaults: a file written before they
 # existed, and a framework's layer, which has none of them, take these
-OPTION_DEFAULTS = {
-    "out_bias": None,
-    "out_features": None,
-    "scale": None,
-    "empty_rows": "zeros",
-    "sliding_window": None,
-    "num_kv_heads": None,
-    "rope_theta": None,
-    "rope_interleaved": False,
-}
+OPTION_DEFAULTS = {option.name: option.default for option in options.OPTIONS if option.added}
 
 # The options of MultiHeadAttention that its weights do not tell (num_kv_heads they do tell):
 # a port or a conversion is given them
-UNTOLD_OPTIONS = ("rope_theta", "rope_interleaved", "sliding_window")
+UNTOLD_OPTIONS = options.untold("MultiHeadAttention")
 
 
 def check_untold_options(options: Mapping[str, Any]) -> None:

@@ -298,9 +298,9 @@ class DotProductAttention(nnx.Module):
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
                  dtype: str = "float32", rngs: nnx.Rngs | None = None):
-        self.dtype = _checked_dtype(validation.check_dot_product_args(
-            dropout, dtype, scale, empty_rows, sliding_window
-        ))
+        self.dtype = _checked_dtype(
+            validation.check_layer_args("DotProductAttention", locals())
+        )
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
         self.attention_weights = nnx.data(None)
@@ -348,9 +348,9 @@ class AdditiveAttention(nnx.Module):
                  key_size: int | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
-        self.dtype = _checked_dtype(validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
-        ))
+        self.dtype = _checked_dtype(
+            validation.check_layer_args("AdditiveAttention", locals())
+        )
         rngs = _rngs(rngs)
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.sliding_window = sliding_window
@@ -404,11 +404,9 @@ class MultiHeadAttention(nnx.Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32", rngs: nnx.Rngs | None = None):
-        self.dtype = _checked_dtype(validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
-            rope_theta, rope_interleaved,
-        ))
+        self.dtype = _checked_dtype(
+            validation.check_layer_args("MultiHeadAttention", locals())
+        )
         rngs = _rngs(rngs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
@@ -511,9 +509,9 @@ class PositionalEncoding(nnx.Module):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32", rngs: nnx.Rngs | None = None):
-        self.dtype = _checked_dtype(validation.check_positional_encoding_args(
-            num_hiddens, dropout, max_len, dtype
-        ))
+        self.dtype = _checked_dtype(
+            validation.check_layer_args("PositionalEncoding", locals())
+        )
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
 
@@ -548,9 +546,9 @@ class LearnedPositionalEncoding(nnx.Module):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32", rngs: nnx.Rngs | None = None):
-        self.dtype = _checked_dtype(validation.check_positional_encoding_args(
-            num_hiddens, dropout, max_len, dtype
-        ))
+        self.dtype = _checked_dtype(
+            validation.check_layer_args("LearnedPositionalEncoding", locals())
+        )
         rngs = _rngs(rngs)
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
@@ -578,7 +576,7 @@ class RotaryEmbedding(nnx.Module):
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
                  dtype: str = "float32"):
         self.dtype = _checked_dtype(
-            validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+            validation.check_layer_args("RotaryEmbedding", locals())
         )
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
 
@@ -632,7 +630,7 @@ class AddNorm(nnx.Module):
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
                  dtype: str = "float32", rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
-            validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+            validation.check_layer_args("AddNorm", locals())
         )
         rngs = _rngs(rngs)
         self.num_hiddens, self.eps = num_hiddens, eps

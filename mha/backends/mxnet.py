@@ -530,8 +530,7 @@ class DotProductAttention(Layer):
                  empty_rows: str = "zeros", sliding_window: int | None = None,
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows,
-                                                       sliding_window)
+        self.dtype = validation.check_layer_args("DotProductAttention", locals())
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
@@ -591,9 +590,7 @@ class AdditiveAttention(Layer):
                  key_size: int | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
-        )
+        self.dtype = validation.check_layer_args("AdditiveAttention", locals())
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.sliding_window = sliding_window
         self.W_q = _dense(num_hiddens, False, query_size, self.dtype)
@@ -654,11 +651,7 @@ class MultiHeadAttention(Layer):
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
-            rope_theta, rope_interleaved,
-        )
+        self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
@@ -798,9 +791,7 @@ class PositionalEncoding(Layer):
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_positional_encoding_args(
-            num_hiddens, dropout, max_len, dtype
-        )
+        self.dtype = validation.check_layer_args("PositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nn.Dropout(dropout)
         self.P = from_numpy(sinusoid_table(max_len, num_hiddens).astype(self.dtype))
@@ -831,9 +822,7 @@ class LearnedPositionalEncoding(Layer):
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_positional_encoding_args(
-            num_hiddens, dropout, max_len, dtype
-        )
+        self.dtype = validation.check_layer_args("LearnedPositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nn.Dropout(dropout)
         self.embedding = nn.Embedding(max_len, num_hiddens, dtype=self.dtype)
@@ -865,7 +854,7 @@ class RotaryEmbedding(Layer):
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        self.dtype = validation.check_layer_args("RotaryEmbedding", locals())
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
         # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
         angle_dtype = rotary_angle_dtype(self.dtype)
@@ -917,7 +906,7 @@ class AddNorm(Layer):
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        self.dtype = validation.check_layer_args("AddNorm", locals())
         self.num_hiddens, self.eps = num_hiddens, eps
         self.dropout = nn.Dropout(dropout)
         self.ln = LayerNorm(epsilon=eps, in_channels=num_hiddens)

@@ -311,8 +311,7 @@ class DotProductAttention(_AttentionLayer):
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
                  dtype: str = "float32", **kwargs):
-        dtype = validation.check_dot_product_args(dropout, dtype, scale, empty_rows,
-                                                  sliding_window)
+        dtype = validation.check_layer_args("DotProductAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
@@ -377,9 +376,7 @@ class AdditiveAttention(_AttentionLayer):
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
                  key_size: int | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, dtype: str = "float32", **kwargs):
-        dtype = validation.check_additive_args(
-            num_hiddens, dropout, query_size, key_size, dtype, empty_rows, sliding_window
-        )
+        dtype = validation.check_layer_args("AdditiveAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
         self.sliding_window = sliding_window
@@ -452,11 +449,7 @@ class MultiHeadAttention(_AttentionLayer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  dtype: str = "float32", **kwargs):
-        dtype = validation.check_multihead_args(
-            num_hiddens, num_heads, dropout, bias, query_size, key_size, value_size, dtype,
-            out_bias, out_features, scale, empty_rows, sliding_window, num_kv_heads,
-            rope_theta, rope_interleaved,
-        )
+        dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
@@ -589,7 +582,7 @@ class PositionalEncoding(keras.layers.Layer):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32", **kwargs):
-        dtype = validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
+        dtype = validation.check_layer_args("PositionalEncoding", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.supports_masking = True  # a Keras padding mask on X passes through
@@ -625,7 +618,7 @@ class LearnedPositionalEncoding(keras.layers.Layer):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
                  dtype: str = "float32", **kwargs):
-        dtype = validation.check_positional_encoding_args(num_hiddens, dropout, max_len, dtype)
+        dtype = validation.check_layer_args("LearnedPositionalEncoding", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.supports_masking = True  # a Keras padding mask on X passes through
@@ -664,7 +657,7 @@ class RotaryEmbedding(keras.layers.Layer):
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
                  dtype: str = "float32", **kwargs):
-        dtype = validation.check_rotary_args(num_hiddens, theta, interleaved, dtype)
+        dtype = validation.check_layer_args("RotaryEmbedding", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
         self.supports_masking = True  # a Keras padding mask on X passes through
@@ -721,7 +714,7 @@ class AddNorm(keras.layers.Layer):
 
     def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
                  dtype: str = "float32", **kwargs):
-        dtype = validation.check_add_norm_args(num_hiddens, dropout, eps, dtype)
+        dtype = validation.check_layer_args("AddNorm", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.eps = num_hiddens, eps
         self.supports_masking = True  # a Keras padding mask on X passes through

@@ -1,0 +1,320 @@
+"""Every constructor option of the layers, declared once.
+
+An `Option` says what the option is called, its default, how a value is checked, its line in
+the argument docs, which layers take it, whether checkpoint files store it, whether the
+weights tell it, and which other frameworks' layers can hold a value other than its default.
+From `OPTIONS` derive: the checks of `mha.validation.check_layer_args`, the configs, defaults
+and untold options of `mha.weights`, the "Args" sections of `mha.docstrings`, and the
+converters' refusals (`inexpressible`). The backends keep their explicit keyword signatures,
+which the book reads; tests/test_options.py holds them to this table.
+
+Adding an option: one `Option` here, its keyword and its computation in each backend's layer,
+and tests (docs/adding-a-backend.md, "Adding an option").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "LAYERS",
+    "OPTIONS",
+    "REQUIRED",
+    "Option",
+    "inexpressible",
+    "layer_defaults",
+    "layer_options",
+    "untold",
+]
+
+# The layers that take options, in the order the docs list them
+LAYERS = (
+    "DotProductAttention",
+    "AdditiveAttention",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "LearnedPositionalEncoding",
+    "RotaryEmbedding",
+    "AddNorm",
+)
+
+# The default of an option that must be given (num_hiddens, num_heads)
+REQUIRED = object()
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One constructor option of the layers.
+
+    Attributes:
+        name: the keyword, the same in every backend and in files.
+        default: its default (REQUIRED when it must be given).
+        check: the kind of value it takes, which mha.validation checks ("positive integer",
+            "optional positive integer", "dropout", "boolean", "optional boolean", "positive
+            number", "optional positive number", "scale", "empty_rows", "dtype").
+        doc: its line in the argument docs, by layer ("*" for every layer that takes it).
+        layers: the layers that take it.
+        added: an option beyond the book's arguments: a file written before it existed, and
+            another framework's layer, which has none, take its default.
+        stored: whether checkpoint files store it (every option does today).
+        told: whether MultiHeadAttention's weights tell its value (sizes, bias, heads of
+            keys and values); an untold one is given to a port or a conversion.
+        frameworks: for an untold option, the other frameworks' layers ("torch", "keras",
+            "flax") that can hold a value other than its default; a converter to any other
+            refuses it by name. (What the weights tell, the converters read off them.)
+    """
+
+    name: str
+    default: Any
+    check: str
+    doc: Mapping[str, str]
+    layers: tuple[str, ...]
+    added: bool = False
+    stored: bool = True
+    told: bool = True
+    frameworks: frozenset[str] = frozenset({"torch", "keras", "flax"})
+
+
+_ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
+_SIZED = tuple(layer for layer in LAYERS if layer != "DotProductAttention")
+_DROPOUT = tuple(layer for layer in LAYERS if layer != "RotaryEmbedding")
+_ENCODINGS = ("PositionalEncoding", "LearnedPositionalEncoding")
+_MHA = ("MultiHeadAttention",)
+_NONE = frozenset()
+
+_INPUT_SIZE_DOC = "input size; None infers it at the first call."
+
+# In the order configs and files list them: each layer's options are these, less the options
+# it does not take. A doc is one line, keyed by layer ("*": every other layer).
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "num_hiddens",
+        REQUIRED,
+        "positive integer",
+        {
+            "AdditiveAttention": "size of the hidden layer that queries and keys are projected to.",
+            "MultiHeadAttention": "size of the projections and of the output.",
+            "PositionalEncoding": "feature size of X (odd sizes work).",
+            "LearnedPositionalEncoding": "feature size of X.",
+            "RotaryEmbedding": "feature size d of X; must be even.",
+            "AddNorm": "size of the last axis.",
+        },
+        _SIZED,
+    ),
+    Option(
+        "num_heads",
+        REQUIRED,
+        "positive integer",
+        {"*": "number of heads; must divide num_hiddens."},
+        _MHA,
+    ),
+    Option(
+        "dropout",
+        0.0,
+        "dropout",
+        {
+            "*": "dropout rate on the attention weights (when training).",
+            "PositionalEncoding": "dropout rate on X + P (when training).",
+            "LearnedPositionalEncoding": "dropout rate on X + P (when training).",
+            "AddNorm": "dropout rate on Y (when training).",
+        },
+        _DROPOUT,
+    ),
+    Option(
+        "bias",
+        False,
+        "boolean",
+        {"*": "whether the query, key and value projections have biases."},
+        _MHA,
+    ),
+    Option(
+        "query_size",
+        None,
+        "optional positive integer",
+        {"*": _INPUT_SIZE_DOC},
+        ("AdditiveAttention", "MultiHeadAttention"),
+    ),
+    Option(
+        "key_size",
+        None,
+        "optional positive integer",
+        {"*": _INPUT_SIZE_DOC},
+        ("AdditiveAttention", "MultiHeadAttention"),
+    ),
+    Option("value_size", None, "optional positive integer", {"*": _INPUT_SIZE_DOC}, _MHA),
+    Option(
+        "max_len",
+        1000,
+        "positive integer",
+        {
+            "PositionalEncoding": "the longest sequence the layer accepts.",
+            "LearnedPositionalEncoding": "the longest sequence the layer accepts (the rows of P).",
+        },
+        _ENCODINGS,
+    ),
+    Option(
+        "theta",
+        10000.0,
+        "positive number",
+        {"*": "the base of the frequencies (10000.0, as Llama 2 and RoFormer)."},
+        ("RotaryEmbedding",),
+    ),
+    Option(
+        "interleaved",
+        False,
+        "boolean",
+        {
+            "*": "False (default) pairs feature i with feature i + d / 2 (Hugging Face's "
+            "convention); True pairs features 2i and 2i + 1 (GPT-J, Meta's original Llama)."
+        },
+        ("RotaryEmbedding",),
+    ),
+    Option(
+        "eps",
+        1e-5,
+        "positive number",
+        {"*": "added to the variance; the same in every backend."},
+        ("AddNorm",),
+    ),
+    Option(
+        "dtype",
+        "float32",
+        "dtype",
+        {
+            "*": '"float32" (default), "float64", "float16", or "bfloat16" where the framework '
+            "computes in it (torch, TensorFlow and JAX)."
+        },
+        LAYERS,
+    ),
+    Option(
+        "out_bias",
+        None,
+        "optional boolean",
+        {"*": "whether the output projection W_o has a bias; None follows `bias`."},
+        _MHA,
+        added=True,
+    ),
+    Option(
+        "out_features",
+        None,
+        "optional positive integer",
+        {"*": "the output size, W_o being (num_hiddens, out_features); None is num_hiddens."},
+        _MHA,
+        added=True,
+    ),
+    Option(
+        "scale",
+        None,
+        "scale",
+        {
+            "*": "the factor of the scores; None is 1 / sqrt(d).",
+            "MultiHeadAttention": "the factor of the scores; None is "
+            "1 / sqrt(num_hiddens / num_heads).",
+        },
+        ("DotProductAttention", "MultiHeadAttention"),
+        added=True,
+    ),
+    Option(
+        "empty_rows",
+        "zeros",
+        "empty_rows",
+        {
+            "*": 'what a query with no key to attend gets: "zeros" (default; weights and '
+            'attention output 0) or "uniform" (weights 1 / no. of keys over every key, as '
+            "d2l, Keras's default path, JAX and Flax give)."
+        },
+        _ATTENTION,
+        added=True,
+    ),
+    Option(
+        "sliding_window",
+        None,
+        "optional positive integer",
+        {
+            "*": "None (default), or keep only the keys within sliding_window - 1 positions of "
+            "the query, |i - j| < sliding_window (query i beside key i, as Keras's symmetric "
+            "band); with causal=True, the last sliding_window keys up to the query, as "
+            "Mistral's."
+        },
+        _ATTENTION,
+        told=False,
+        frameworks=frozenset({"keras"}),
+        added=True,
+    ),
+    Option(
+        "num_kv_heads",
+        None,
+        "optional positive integer",
+        {
+            "*": "the number of key and value heads (grouped-query attention; 1 is multi-query "
+            "attention); None is num_heads. Query head h attends with key-value head "
+            "h // (num_heads / num_kv_heads), as Llama and Keras's GroupQueryAttention group "
+            "them; W_k and W_v have num_kv_heads * num_hiddens / num_heads columns."
+        },
+        _MHA,
+        added=True,
+    ),
+    Option(
+        "rope_theta",
+        None,
+        "optional positive number",
+        {
+            "*": "the base of rotary position embeddings applied to each head's queries and keys "
+            "(10000.0 in Llama 2, 500000.0 in Llama 3); None (default) applies none. Queries "
+            "and keys take positions 0, 1, ... along their axis."
+        },
+        _MHA,
+        told=False,
+        frameworks=_NONE,
+        added=True,
+    ),
+    Option(
+        "rope_interleaved",
+        False,
+        "boolean",
+        {
+            "*": "False (default) rotates feature i with feature i + head size / 2 (Hugging "
+            "Face's convention); True rotates pairs (2i, 2i + 1) (GPT-J, Meta's original "
+            "Llama)."
+        },
+        _MHA,
+        told=False,
+        frameworks=_NONE,
+        added=True,
+    ),
+)
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def layer_options(layer: str) -> tuple[Option, ...]:
+    """The options `layer` takes, in the order its config lists them."""
+    return tuple(option for option in OPTIONS if layer in option.layers)
+
+
+def layer_defaults(layer: str) -> dict[str, Any]:
+    """The defaults of `layer`'s options that have one."""
+    return {o.name: o.default for o in layer_options(layer) if o.default is not REQUIRED}
+
+
+def untold(layer: str = "MultiHeadAttention") -> tuple[str, ...]:
+    """The options of `layer` that its weights do not tell."""
+    return tuple(option.name for option in layer_options(layer) if not option.told)
+
+
+def inexpressible(options: Mapping[str, Any], framework: str) -> list[str]:
+    """The untold options given that `framework`'s layer cannot hold, as "name=value"; an
+    option at its default is held everywhere."""
+    return [
+        f"{name}={value!r}"
+        for name, value in options.items()
+        if name in _BY_NAME
+        and framework not in _BY_NAME[name].frameworks
+        and value != _BY_NAME[name].default
+    ]

@@ -1,0 +1,83 @@
+"""Each option is declared once, in mha.options: the constructors of every backend, the checks,
+the configs of mha.weights and the argument docs all follow that table."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from conftest import backend_module, backend_params
+from mha import options, validation, weights
+
+# Keywords a framework adds to its layers beside the options: Flax's random streams, and
+# Keras's and Gluon's own constructor arguments
+FRAMEWORK_KEYWORDS = {"rngs", "kwargs", "prefix", "params"}
+
+# For each kind of value an option takes: one value it refuses, and the error
+BAD_VALUES = {
+    "positive integer": (0, ValueError),
+    "optional positive integer": (-1, ValueError),
+    "dropout": (1.5, ValueError),
+    "boolean": ("yes", TypeError),
+    "optional boolean": (1, TypeError),
+    "positive number": (-2.0, ValueError),
+    "optional positive number": (0.0, ValueError),
+    "scale": ("big", TypeError),
+    "empty_rows": ("nan", ValueError),
+    "dtype": ("int32", ValueError),
+}
+
+
+@pytest.mark.parametrize("layer", options.LAYERS)
+@pytest.mark.parametrize("name", backend_params())
+def test_every_constructor_takes_its_options_with_their_defaults(name, layer):
+    signature = inspect.signature(getattr(backend_module(name), layer).__init__)
+    taken = {
+        key: parameter.default
+        for key, parameter in signature.parameters.items()
+        if key != "self" and key not in FRAMEWORK_KEYWORDS
+    }
+    declared = options.layer_options(layer)
+    assert set(taken) == {option.name for option in declared}
+    for option in declared:
+        expected = inspect.Parameter.empty if option.default is options.REQUIRED else option.default
+        assert taken[option.name] == expected, option.name
+
+
+def _valid_config(layer):
+    sizes = {"num_hiddens": 8, "num_heads": 2}
+    return {**sizes, **options.layer_defaults(layer)}
+
+
+@pytest.mark.parametrize(
+    "layer, option",
+    [(layer, option) for layer in options.LAYERS for option in options.layer_options(layer)],
+    ids=lambda x: x if isinstance(x, str) else x.name,
+)
+def test_every_option_is_checked_by_the_kind_it_declares(layer, option):
+    config = {o.name: _valid_config(layer)[o.name] for o in options.layer_options(layer)}
+    assert validation.check_layer_args(layer, config) == "float32"
+    bad, error = BAD_VALUES[option.check]
+    with pytest.raises(error, match=rf"^{option.name} must be"):
+        validation.check_layer_args(layer, {**config, option.name: bad})
+
+
+def test_the_kinds_of_value_are_those_validation_checks():
+    assert {option.check for option in options.OPTIONS} == set(BAD_VALUES)
+
+
+def test_configs_defaults_and_untold_options_derive_from_the_table():
+    for layer in options.LAYERS:
+        assert weights.LAYER_CLASSES[layer] == tuple(o.name for o in options.layer_options(layer))
+    added = [option for option in options.OPTIONS if option.added]
+    assert weights.OPTION_DEFAULTS == {option.name: option.default for option in added}
+    assert set(weights.UNTOLD_OPTIONS) == {"rope_theta", "rope_interleaved", "sliding_window"}
+
+
+@pytest.mark.parametrize("layer", options.LAYERS)
+def test_the_docs_list_every_option_once(layer):
+    section = getattr(backend_module("numpy"), layer).__doc__
+    args = section.split("Args:\n", 1)[1].split("\n\n", 1)[0]
+    named = [line.split(":", 1)[0].strip() for line in args.splitlines() if line[4] != " "]
+    assert named == [option.name for option in options.layer_options(layer)]
