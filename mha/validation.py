@@ -520,6 +520,33 @@ def check_attention_call(
         attn_bias=attn_bias,
         **{f"cache.{name}": x for name, x in zip(("keys", "values"), cached, strict=True)},
     )
+    q_shape, k_shape, v_shape = _check_inputs(queries, keys, values, dtype, same_query_key_size)
+    batch_size, num_queries, num_keys = q_shape[0], q_shape[1], k_shape[1]
+    tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
+    for argument, size_name, size in sizes:
+        _check_size(argument, *tensors[argument], size_name, size)
+    if cache is not None:
+        if kv_heads is None:
+            raise TypeError("cache is only accepted by MultiHeadAttention")
+        num_keys = _add(num_keys, _check_cache(cache, batch_size, *kv_heads, dtype))
+    if valid_lens is not None:
+        _check_valid_lens(valid_lens, batch_size, num_queries)
+    _check_bool("causal", causal)
+    _check_bool("need_weights", need_weights)
+    _check_masks(
+        mask,
+        attn_bias,
+        window_mask,
+        head_mask,
+        dtype,
+        num_heads,
+        (batch_size, num_queries, num_keys),
+    )
+    return batch_size, num_queries, num_keys
+
+
+def _check_inputs(queries, keys, values, dtype: str, same_query_key_size: bool):
+    """The shapes of queries, keys and values, which must fit together."""
     # Self-attention passes one tensor three times: it is checked once
     q_shape = _check_input("queries", queries, dtype)
     k_shape = q_shape if keys is queries else _check_input("keys", keys, dtype)
@@ -549,17 +576,12 @@ def check_attention_call(
             f"scores. Received: queries with shape {_format_shape(q_shape)}, keys with shape "
             f"{_format_shape(k_shape)}"
         )
-    tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
-    for argument, size_name, size in sizes:
-        _check_size(argument, *tensors[argument], size_name, size)
-    if cache is not None:
-        if kv_heads is None:
-            raise TypeError("cache is only accepted by MultiHeadAttention")
-        num_keys = _add(num_keys, _check_cache(cache, batch_size, *kv_heads, dtype))
-    if valid_lens is not None:
-        _check_valid_lens(valid_lens, batch_size, num_queries)
-    _check_bool("causal", causal)
-    _check_bool("need_weights", need_weights)
+    return q_shape, k_shape, v_shape
+
+
+def _check_masks(mask, attn_bias, window_mask, head_mask, dtype: str, num_heads, sizes) -> None:
+    """The masks of a call of (batch_size, no. of queries, no. of keys) = sizes."""
+    batch_size, num_queries, num_keys = sizes
     if num_heads is None:
         target = (batch_size, num_queries, num_keys)
     else:
@@ -574,7 +596,6 @@ def check_attention_call(
         if num_heads is None:
             raise TypeError("head_mask is only accepted by MultiHeadAttention")
         _check_head_mask(head_mask, batch_size, num_heads, dtype)
-    return batch_size, num_queries, num_keys
 
 
 def _is_cache(cache: Any) -> bool:
