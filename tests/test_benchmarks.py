@@ -14,7 +14,7 @@ import pytest
 
 import mha
 from conftest import backend_module
-from mha import bench, cli, harness
+from mha import bench, bench_frameworks, cli, harness
 from mha.registry import select_backends
 
 pytestmark = pytest.mark.numpy
@@ -343,9 +343,9 @@ def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
     calls = bench.BENCHES["mxnet"].calls(config, mode)["forward"]
     outputs = {name: call().asnumpy() for name, call in calls.items()}
     np.testing.assert_allclose(*outputs.values(), rtol=1e-5, atol=1e-6)
-    X_np, lens_np = bench._inputs(config)
-    theirs = bench._d2l_gluon_attention(mx, 8, 2, return_weights=True)
-    weights = bench._weights(config)
+    X_np, lens_np = bench_frameworks._inputs(config)
+    theirs = bench_frameworks._d2l_gluon_attention(mx, 8, 2, return_weights=True)
+    weights = bench_frameworks._weights(config)
     for name in "qkvo":
         getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(weights[f"W_{name}"].T))
     ours = MX.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
@@ -385,7 +385,7 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     assert len(calls) == (2 if need_weights or backend == "tensorflow" else 3)
     outputs = {name: module.to_numpy(call()) for name, call in calls.items()}
     assert {output.dtype.name for output in outputs.values()} == {dtype}
-    X, lens = bench._inputs(config)
+    X, lens = bench_frameworks._inputs(config)
     assert lens.min() < 10  # some keys are masked
     # Each against the float64 NumPy layer on the same inputs and weights, rounded to the
     # dtype as the timed layers hold them, relative to the output's scale: the harness's
@@ -394,7 +394,7 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     from mha.weights import numpy_dtype
 
     exact_layer = reference.MultiHeadAttention(8, 2, dtype="float64")
-    weights = bench._weights(config)
+    weights = bench_frameworks._weights(config)
     mha.set_weights(exact_layer, {name: w.astype(np.float64) for name, w in weights.items()})
     X = X.astype(numpy_dtype(dtype)).astype(np.float64)
     expected = exact_layer(X, X, X, lens)
