@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-# Imports no framework: mha.interop, porting and golden import frameworks inside their functions.
-from mha import golden, interop, porting
+# Imports no framework: mha.interop, conversion, porting and golden import frameworks inside
+# their functions.
+from mha import conversion, golden, interop, porting
 from mha.cache import KVCache
 from mha.config import get_backend, set_backend, use_backend
 from mha.registry import (
@@ -49,6 +50,7 @@ __all__ = [
     "PositionalEncoding",
     "RotaryEmbedding",
     "available_backends",
+    "conversion",
     "from_numpy",
     "get_backend",
     "get_weights",

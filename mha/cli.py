@@ -12,10 +12,11 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 
-from mha import __version__, harness
+from mha import __version__, bench, conversion, golden, harness, porting
 from mha.registry import (
     BACKENDS,
     INSTALL,
@@ -24,6 +25,7 @@ from mha.registry import (
     load_backend,
     select_backends,
 )
+from mha.weights import read_checkpoint
 
 __all__ = ["main"]
 
@@ -76,6 +78,23 @@ def _parser() -> argparse.ArgumentParser:
         "info", help="list the backends, whether each imports, and its framework version"
     )
 
+    _add_compare_command(commands)
+    _add_verify_command(commands)
+    bench.add_arguments(
+        commands.add_parser(
+            "bench",
+            help="time MultiHeadAttention against each framework's own attention layer",
+            description="Time the forward and forward+backward passes of mha's "
+            "MultiHeadAttention side by side with each framework's own layer, one call of each "
+            "per round; print a markdown table of medians and ratios (mha / built-in), each "
+            "ratio with a 95% interval.",
+        )
+    )
+    _add_file_commands(commands)
+    return parser
+
+
+def _add_compare_command(commands) -> None:
     compare = commands.add_parser(
         "compare",
         help="run every layer on every backend with one weight set and compare the outputs",
@@ -110,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
         "too where it has autograd), for `mha verify` on any machine",
     )
 
+
+def _add_verify_command(commands) -> None:
     verify = commands.add_parser(
         "verify",
         help="run recorded cases on every backend and compare with the recorded numbers",
@@ -129,21 +150,6 @@ def _parser() -> argparse.ArgumentParser:
         choices=("float32", "float64"),
         help="the dtype to run in (default: each case's own)",
     )
-
-    from mha import bench
-
-    bench.add_arguments(
-        commands.add_parser(
-            "bench",
-            help="time MultiHeadAttention against each framework's own attention layer",
-            description="Time the forward and forward+backward passes of mha's "
-            "MultiHeadAttention side by side with each framework's own layer, one call of each "
-            "per round; print a markdown table of medians and ratios (mha / built-in), each "
-            "ratio with a 95% interval.",
-        )
-    )
-    _add_file_commands(commands)
-    return parser
 
 
 def _info(out) -> int:
@@ -240,8 +246,6 @@ def _compare(arguments, out, err) -> int:
 
 def _record(arguments, backend: str, shapes: harness.Shapes, err) -> bool:
     """Write --record's golden cases as `backend` computes them; False (reported) on failure."""
-    from mha import golden
-
     try:
         golden.record_run(
             arguments.record,
@@ -275,10 +279,6 @@ def _compare_shapes(arguments) -> harness.Shapes:
 
 
 def _verify(arguments, out, err) -> int:
-    import os
-
-    from mha import golden
-
     if not os.path.isfile(arguments.path):
         raise _UsageError(f"{arguments.path} does not exist or is not a file")
     try:
@@ -359,6 +359,11 @@ def _print_rows(rows, names, skipped, dtype, out, title, gradients=None) -> None
         if row.error:
             line += f"  ({row.error})"
         print(line, file=out)
+    _print_summary(rows, names, skipped, out)
+
+
+def _print_summary(rows, names, skipped, out) -> None:
+    """The lines below the agreement table: the backends skipped, and the verdict."""
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}", file=out)
     failures = sum(not row.passed for row in rows)
@@ -372,8 +377,6 @@ def _print_rows(rows, names, skipped, dtype, out, title, gradients=None) -> None
 
 
 def _bench(arguments, out, err) -> int:
-    from mha import bench
-
     try:
         return bench.execute(arguments, out, err, _progress(err))
     except (ValueError, BackendUnavailableError) as error:
@@ -384,9 +387,7 @@ def _bench(arguments, out, err) -> int:
 
 
 def _add_file_commands(commands) -> None:
-    from mha.interop import FILE_KINDS
-
-    kinds = "; ".join(FILE_KINDS.values())
+    kinds = "; ".join(conversion.FILE_KINDS.values())
     convert = commands.add_parser(
         "convert",
         help="convert MultiHeadAttention weights between mha, torch, Keras and Flax files",
@@ -461,46 +462,23 @@ def _add_port_arguments(parser) -> None:
 
 
 def _file_command(arguments, out, err) -> int:
-    import os
-
-    from mha import interop
-
     paths = [arguments.path] if arguments.command == "inspect" else [arguments.source]
     if arguments.command == "convert":
         paths.append(arguments.destination)
     try:
-        kinds = [interop.file_kind(path) for path in paths]
+        kinds = [conversion.file_kind(path) for path in paths]
     except ValueError as error:
         raise _UsageError(str(error)) from None
     if not os.path.isfile(paths[0]):
         raise _UsageError(f"{paths[0]} does not exist or is not a file")
-    porting = arguments.prefix is not None
-    if porting and kinds[0] == "keras":
-        raise _UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
-    options = _layer_options(arguments)
-    if options and arguments.command == "inspect" and not porting:
-        raise _UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
-    if not porting and arguments.scale is not None and kinds[0] != "mha":
-        raise _UsageError("--scale goes with --prefix, or with an mha checkpoint")
-    torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
-    if torch_source and not porting and arguments.num_heads is None:
-        raise _UsageError(
-            f"{paths[0]} is a torch state_dict, which does not tell the number of heads: "
-            "give --num-heads"
-        )
-    needed = {"mha": None, "torch": "torch", "keras": "tensorflow", "flax": "jax"}
-    for kind in kinds:
-        if needed[kind] is not None:
-            try:
-                load_backend(needed[kind])
-            except BackendUnavailableError as error:
-                raise _UsageError(f"{interop.FILE_KINDS[kind]} files need {error}") from None
+    from_model = arguments.prefix is not None
+    options = _check_file_arguments(arguments, paths, kinds)
     try:
         if arguments.command == "inspect":
-            if porting:
+            if from_model:
                 return _inspect_port(paths[0], arguments, options, out)
             return _inspect(paths[0], kinds[0], arguments.num_heads, out)
-        config = interop.convert(
+        config = conversion.convert(
             *paths,
             num_heads=arguments.num_heads,
             prefix=arguments.prefix,
@@ -514,11 +492,11 @@ def _file_command(arguments, out, err) -> int:
     described = ", ".join(f"{key}={value!r}" for key, value in config.items())
     source = (
         f"{arguments.prefix!r} of {paths[0]} ({layout})"
-        if porting
-        else f"{paths[0]} ({interop.FILE_KINDS[kinds[0]]})"
+        if from_model
+        else f"{paths[0]} ({conversion.FILE_KINDS[kinds[0]]})"
     )
     print(
-        f"{source} -> {paths[1]} ({interop.FILE_KINDS[kinds[1]]})\n"
+        f"{source} -> {paths[1]} ({conversion.FILE_KINDS[kinds[1]]})\n"
         f"MultiHeadAttention({described}); read back: the same weights",
         file=out,
     )
@@ -527,11 +505,36 @@ def _file_command(arguments, out, err) -> int:
     return 0
 
 
+def _check_file_arguments(arguments, paths, kinds) -> dict:
+    """A usage error for arguments of `mha convert` and `mha inspect` that do not go together,
+    or a file kind whose framework does not import; else the layer options given."""
+    from_model = arguments.prefix is not None
+    if from_model and kinds[0] == "keras":
+        raise _UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
+    options = _layer_options(arguments)
+    if options and arguments.command == "inspect" and not from_model:
+        raise _UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
+    if not from_model and arguments.scale is not None and kinds[0] != "mha":
+        raise _UsageError("--scale goes with --prefix, or with an mha checkpoint")
+    torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
+    if torch_source and not from_model and arguments.num_heads is None:
+        raise _UsageError(
+            f"{paths[0]} is a torch state_dict, which does not tell the number of heads: "
+            "give --num-heads"
+        )
+    needed = {"mha": None, "torch": "torch", "keras": "tensorflow", "flax": "jax"}
+    for kind in kinds:
+        if needed[kind] is not None:
+            try:
+                load_backend(needed[kind])
+            except BackendUnavailableError as error:
+                raise _UsageError(f"{conversion.FILE_KINDS[kind]} files need {error}") from None
+    return options
+
+
 def _layer_options(arguments) -> dict:
     """The layer options of --config, --rope-theta, --rope-interleaved and --sliding-window;
     num_heads from --config too, unless --num-heads gives it."""
-    from mha import porting
-
     options = {}
     if arguments.config is not None:
         try:
@@ -558,10 +561,8 @@ def _layer_options(arguments) -> dict:
 
 
 def _inspect_port(path: str, arguments, options, out) -> int:
-    from mha import interop, porting
-
     port = porting.canonical_from_state_dict(
-        interop.read_state(path),
+        conversion.read_state(path),
         arguments.prefix,
         num_heads=arguments.num_heads,
         scale=arguments.scale,
@@ -580,10 +581,7 @@ def _inspect_port(path: str, arguments, options, out) -> int:
 
 
 def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
-    from mha import interop
-    from mha.weights import read_checkpoint
-
-    print(f"{path}: {interop.FILE_KINDS[kind]}", file=out)
+    print(f"{path}: {conversion.FILE_KINDS[kind]}", file=out)
     if kind == "mha":
         checkpoint = read_checkpoint(path)
         class_name, config, weights = (
@@ -594,7 +592,7 @@ def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
         saved_from = checkpoint.metadata.get("backend", "-")
         print(f"class: {class_name} (saved from the {saved_from} backend)", file=out)
     else:
-        weights, config = interop.read_file(path, num_heads=num_heads)
+        weights, config = conversion.read_file(path, num_heads=num_heads)
         print("class: MultiHeadAttention (config inferred from the weights)", file=out)
     print(f"config: {json.dumps(config, sort_keys=True)}", file=out)
     print("weights:", file=out)

@@ -25,7 +25,15 @@ from typing import Any
 import numpy as np
 
 from mha import harness, validation
-from mha.registry import load_backend
+from mha.interop.common import as_numpy
+from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
+from mha.weights import (
+    LAYER_CLASSES,
+    get_weights,
+    layer_info,
+    read_safetensors,
+    write_safetensors,
+)
 
 __all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "verify_layer"]
 
@@ -85,10 +93,7 @@ def case_of(
     inputs: "queries", "keys", "values" (keys and values default to queries), "valid_lens",
     "mask", "causal", "window_mask", "head_mask", "need_weights"; arrays of any framework.
     """
-    from mha.interop import _as_numpy
-    from mha.weights import _layer_info, get_weights
-
-    _, class_name, config = _layer_info(layer)
+    _, class_name, config = layer_info(layer)
     known = _ARRAYS.get(class_name, _ATTENTION_ARRAYS) + _OPTIONS
     unknown = sorted(set(inputs) - set(known))
     if unknown:
@@ -96,7 +101,7 @@ def case_of(
             f"{class_name} takes no input {', '.join(unknown)}. Valid: {', '.join(known)}"
         )
     arrays = {
-        key: value if key in _OPTIONS else _as_numpy(value)
+        key: value if key in _OPTIONS else as_numpy(value)
         for key, value in inputs.items()
         if value is not None
     }
@@ -106,8 +111,8 @@ def case_of(
         dict(config),
         get_weights(layer),
         arrays,
-        _as_numpy(output),
-        None if attention_weights is None else _as_numpy(attention_weights),
+        as_numpy(output),
+        None if attention_weights is None else as_numpy(attention_weights),
         recorded_with=recorded_with,
     )
 
@@ -118,8 +123,6 @@ def case_of(
 
 def record(path: str | os.PathLike, cases: Sequence[GoldenCase]) -> None:
     """Write cases to a safetensors file, atomically (see mha.weights.write_safetensors)."""
-    from mha.weights import write_safetensors
-
     tensors, described = {}, []
     for index, case in enumerate(cases):
         arrays = {
@@ -155,8 +158,6 @@ def read(path: str | os.PathLike) -> list[GoldenCase]:
     Raises:
         ValueError: not a golden-case file, or cases whose arrays are missing.
     """
-    from mha.weights import LAYER_CLASSES, read_safetensors
-
     name = os.fspath(path)
     tensors, metadata = read_safetensors(path)
     if metadata.get("format") != FORMAT:
@@ -168,53 +169,54 @@ def read(path: str | os.PathLike) -> list[GoldenCase]:
         described = json.loads(metadata["cases"])
         if not isinstance(described, list) or not all(isinstance(d, dict) for d in described):
             raise ValueError("its case list is not a list of objects")
-        cases = []
-        for index, entry in enumerate(described):
-            layer = entry["layer"]
-            if layer != "masked_softmax" and layer not in LAYER_CLASSES:
-                raise ValueError(f"case {index} names an unknown layer {layer!r}")
-            arrays = {
-                key[len(f"{index}/") :]: value
-                for key, value in tensors.items()
-                if key.startswith(f"{index}/")
-            }
-
-            def group(prefix, arrays=arrays):
-                return {
-                    key[len(prefix) :]: value
-                    for key, value in arrays.items()
-                    if key.startswith(prefix)
-                }
-
-            options = entry.get("options", {})
-            # causal and need_weights are booleans, offset a non-negative integer
-            offset = options.get("offset", 0)
-            if not (
-                all(isinstance(options.get(key, True), bool) for key in _OPTIONS[:2])
-                and type(offset) is int
-                and offset >= 0
-            ):
-                raise ValueError(f"case {index} has options of the wrong types: {options}")
-            gradients = group("gradients/") or None
-            cases.append(
-                GoldenCase(
-                    str(entry["name"]),
-                    layer,
-                    dict(entry["config"]),
-                    group("weights/"),
-                    {**group("inputs/"), **options},
-                    arrays["output"],
-                    arrays.get("attention_weights"),
-                    arrays.get("cotangent"),
-                    gradients,
-                    str(entry.get("recorded_with", "")),
-                )
-            )
+        cases = [_case_of_entry(index, entry, tensors) for index, entry in enumerate(described)]
     except (KeyError, TypeError, json.JSONDecodeError) as error:
         raise ValueError(f"{name} is not a valid golden-case file: {error!r}") from None
     except ValueError as error:
         raise ValueError(f"{name} is not a valid golden-case file: {error}") from None
     return cases
+
+
+def _case_of_entry(
+    index: int, entry: Mapping[str, Any], tensors: Mapping[str, np.ndarray]
+) -> GoldenCase:
+    """Case `index` of a golden-case file: its entry in the file's case list, with its arrays
+    (named "index/...") among the file's tensors."""
+    layer = entry["layer"]
+    if layer != "masked_softmax" and layer not in LAYER_CLASSES:
+        raise ValueError(f"case {index} names an unknown layer {layer!r}")
+    arrays = {
+        key[len(f"{index}/") :]: value
+        for key, value in tensors.items()
+        if key.startswith(f"{index}/")
+    }
+
+    def group(prefix):
+        return {
+            key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)
+        }
+
+    options = entry.get("options", {})
+    # causal and need_weights are booleans, offset a non-negative integer
+    offset = options.get("offset", 0)
+    if not (
+        all(isinstance(options.get(key, True), bool) for key in _OPTIONS[:2])
+        and type(offset) is int
+        and offset >= 0
+    ):
+        raise ValueError(f"case {index} has options of the wrong types: {options}")
+    return GoldenCase(
+        str(entry["name"]),
+        layer,
+        dict(entry["config"]),
+        group("weights/"),
+        {**group("inputs/"), **options},
+        arrays["output"],
+        arrays.get("attention_weights"),
+        arrays.get("cotangent"),
+        group("gradients/") or None,
+        str(entry.get("recorded_with", "")),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,8 +234,6 @@ def record_run(
 ) -> list[GoldenCase]:
     """Record harness cases (default: mha compare's) as `backend` computes them, with its
     gradients where it has autograd, and write them to `path`."""
-    from mha.registry import normalize_backend_name
-
     backend = normalize_backend_name(backend)
     module = load_backend(backend)
     cases = list(harness.default_cases() if cases is None else cases)
@@ -272,8 +272,6 @@ def record_run(
 
 
 def _version(backend: str) -> str:
-    from mha.registry import framework_version
-
     return framework_version(backend) or ""
 
 
@@ -294,8 +292,6 @@ def verify(
         gradient_agreement the gradients' difference where the case has gradients and the
         backend autograd. A backend that raises gives a failed row with the error.
     """
-    from mha.registry import select_backends
-
     cases = read(source) if isinstance(source, (str, os.PathLike)) else list(source)
     names, _ = select_backends(",".join(backends) if backends else None)
     if "jax" in names and "float64" in {dtype, *(case.dtype for case in cases)}:

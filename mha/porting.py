@@ -46,6 +46,18 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mha import validation
+from mha.config import get_backend
+from mha.files import read_bytes
+from mha.interop.common import as_numpy
+from mha.interop.torch import TORCH_WEIGHT_NAMES, canonical_from_torch
+from mha.registry import load_backend
+from mha.weights import (
+    LAYER_CLASSES,
+    OPTION_DEFAULTS,
+    build_layer,
+    check_untold_options,
+    set_weights,
+)
 
 __all__ = [
     "LAYOUTS",
@@ -182,9 +194,7 @@ def _matches(layout: Layout, names: Iterable[str]) -> bool:
 def _layout_names(layout: Layout, names: Iterable[str]) -> list[str]:
     """The names of the layout's parameters among `names`."""
     if layout.kind == "torch":
-        from mha.interop import _TORCH_WEIGHT_NAMES
-
-        wanted = set(_TORCH_WEIGHT_NAMES)
+        wanted = set(TORCH_WEIGHT_NAMES)
     else:
         wanted = {
             f"{path}.{p}" for path in layout.paths.values() for p in (_MARK[layout.kind], "bias")
@@ -239,8 +249,6 @@ def canonical_from_state_dict(
             MultiHeadAttention, or tensors under the prefix that take part in the attention
             and mha cannot hold, such as q_norm or sinks (every problem is listed).
     """
-    from mha.weights import LAYER_CLASSES, OPTION_DEFAULTS, check_untold_options
-
     check_untold_options(options)
     state = flatten(state)
     names = _under(state, prefix)
@@ -325,12 +333,10 @@ def _what_it_is(name: str) -> str:
 
 def _read_arrays(names: Mapping[str, Any], used: list[str], where: str) -> dict[str, np.ndarray]:
     """The layout's tensors as numpy arrays of a float dtype mha reads."""
-    from mha.interop import _as_numpy
-
     arrays = {}
     for name in used:
         try:
-            arrays[name] = _as_numpy(names[name])
+            arrays[name] = as_numpy(names[name])
         except Exception as error:  # sparse, quantized or data-less tensors, foreign objects
             raise ValueError(f"{name} {where} cannot be read as an array: {error}") from None
         if arrays[name].dtype.name not in validation.FLOAT_DTYPES:
@@ -344,8 +350,6 @@ def _read_arrays(names: Mapping[str, Any], used: list[str], where: str) -> dict[
 def _weights_and_config(layout: Layout, arrays):
     """Canonical weights and the config the weights tell, of one layout's arrays."""
     if layout.kind == "torch":
-        from mha.interop import canonical_from_torch
-
         return canonical_from_torch(arrays)
     matrices, heads = _READERS[layout.kind](layout, arrays)
     return _config(layout, matrices, heads)
@@ -367,8 +371,6 @@ def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> i
 def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> None:
     """A checkpoint's rotary frequencies are those of the layer's rope_theta: a layer without
     rotary embeddings, or with scaled or partial ones, would give other numbers."""
-    from mha.interop import _as_numpy
-
     theta = config["rope_theta"]
     if theta is None:
         raise ValueError(
@@ -377,7 +379,7 @@ def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> Non
         )
     head = config["num_hiddens"] // config["num_heads"]
     expected = 1.0 / theta ** (np.arange(0, head, 2, dtype=np.float64) / head)
-    found = _as_numpy(inv_freq)
+    found = as_numpy(inv_freq)
     # Kept in the model's dtype: half precision rounds the frequencies to 3 digits
     rtol = 1e-2 if found.dtype.itemsize < 4 else 1e-6
     found = np.asarray(found, dtype=np.float64).reshape(-1)
@@ -400,10 +402,6 @@ def from_state_dict(
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding the
     attention layer under `prefix`; see `canonical_from_state_dict` for the arguments."""
-    from mha.config import get_backend
-    from mha.registry import load_backend
-    from mha.weights import build_layer, set_weights
-
     port = canonical_from_state_dict(state, prefix, num_heads=num_heads, scale=scale, **options)
     module = load_backend(backend if backend is not None else get_backend())
     layer = build_layer(module, "MultiHeadAttention", port.config)
@@ -713,8 +711,6 @@ def _head_size(config: Mapping[str, Any]) -> int | None:
 
 
 def _read_json(path: str | os.PathLike) -> dict[str, Any]:
-    from mha.files import read_bytes
-
     try:
         value = json.loads(read_bytes(path, _MAX_CONFIG_BYTES))
     except (OSError, ValueError) as error:
@@ -900,9 +896,7 @@ def t5_position_bias(
     Returns:
         (1, num_heads, num_queries, num_keys), in the embedding's dtype.
     """
-    from mha.interop import _as_numpy
-
-    embedding = _as_numpy(embedding)
+    embedding = as_numpy(embedding)
     # Distance from query i to key j: j - i, negative for keys before the query
     relative = np.arange(num_keys)[None, :] - np.arange(num_queries)[:, None]
     buckets = np.zeros_like(relative)

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from mha import options, validation
+from mha.config import get_backend
 from mha.files import write_atomically
 from mha.registry import backend_of, load_backend
 
@@ -268,7 +269,7 @@ def _raise_problems(what: str, class_name: str, config: Mapping[str, Any], probl
     raise ValueError(f"{what} found {count} for {_describe_layer(class_name, config)}:\n{lines}")
 
 
-def _layer_info(layer: Any) -> tuple[Any, str, dict[str, Any]]:
+def layer_info(layer: Any) -> tuple[Any, str, dict[str, Any]]:
     class_name = _layer_class_name(layer)
     backend = load_backend(backend_of(layer))
     return backend, class_name, backend.layer_config(layer)
@@ -280,7 +281,7 @@ def get_weights(layer: Any) -> dict[str, np.ndarray]:
     Works on a layer of any backend. A layer whose input sizes are not known yet (lazy, never
     called, no weights loaded) has no weights to return and raises ValueError.
     """
-    backend, class_name, config = _layer_info(layer)
+    backend, class_name, config = layer_info(layer)
     shapes = weight_shapes(class_name, config)
     unknown = [
         key
@@ -306,7 +307,7 @@ def set_weights(layer: Any, weights: Mapping[str, np.ndarray]) -> None:
         TypeError: `weights` is not a dict.
         ValueError: one error listing every missing, unexpected, misshapen or mistyped weight.
     """
-    backend, class_name, config = _layer_info(layer)
+    backend, class_name, config = layer_info(layer)
     problems, arrays = _find_problems(class_name, config, weights)
     if problems:
         _raise_problems("set_weights", class_name, config, problems)
@@ -349,7 +350,7 @@ def random_weights(
     else:
         if config:
             raise TypeError("random_weights takes no constructor arguments when given a layer")
-        _, class_name, layer_config = _layer_info(layer)
+        _, class_name, layer_config = layer_info(layer)
     name = validation.check_dtype(dtype if dtype is not None else layer_config["dtype"])
     shapes = weight_shapes(class_name, layer_config)
     unknown = sorted(n for n, shape in shapes.items() if None in shape)
@@ -417,7 +418,7 @@ def save_weights(layer: Any, path: str | os.PathLike) -> None:
 
 def checkpoint_bytes(layer: Any) -> bytes:
     """The content of the checkpoint `save_weights` writes: weights, class and config."""
-    _, class_name, config = _layer_info(layer)
+    _, class_name, config = layer_info(layer)
     metadata = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -436,7 +437,7 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
             saved from another class, or its config or weights do not fit the layer; every
             problem is listed.
     """
-    _, class_name, config = _layer_info(layer)
+    _, class_name, config = layer_info(layer)
     saved_class, saved, tensors, _ = _read_mha_file(path)
     if saved_class != class_name:
         raise ValueError(
@@ -604,8 +605,6 @@ def load(path: str | os.PathLike, backend: str | None = None) -> Any:
             (see `read_checkpoint`).
         BackendUnavailableError: `backend` does not import.
     """
-    from mha.config import get_backend
-
     checkpoint = read_checkpoint(path)
     module = load_backend(backend if backend is not None else get_backend())
     class_name, config = checkpoint.class_name, checkpoint.config
@@ -718,6 +717,21 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     ):
         raise corrupt("its __metadata__ is not a map of strings")
     data = memoryview(content)[8 + header_size :]
+    entries = _safetensors_entries(header, len(data), corrupt)
+    tensors = {}
+    for begin, end, key, dtype, shape in entries:
+        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
+        array = array.reshape(shape).astype(array.dtype.newbyteorder("="))
+        tensors[key] = array.view(numpy_dtype("bfloat16")) if dtype == "BF16" else array
+    return tensors, metadata
+
+
+def _safetensors_entries(
+    header: Mapping[str, Any], data_size: int, corrupt: Any
+) -> list[tuple[int, int, str, str, list[int]]]:
+    """(begin, end, name, dtype, shape) of each tensor of a safetensors header, in the order of
+    their data, after checking that they fill the data_size bytes after the header exactly;
+    `corrupt(reason)` makes the error to raise."""
     entries = []
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -746,13 +760,8 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         if begin != position:
             raise corrupt(f"the data of {key!r} does not follow the previous tensor's")
         position = end
-    if position != len(data):
-        if position > len(data):
-            raise corrupt(f"it is truncated: the tensors need {position} bytes, {len(data)} remain")
-        raise corrupt(f"it has {len(data) - position} bytes after the last tensor")
-    tensors = {}
-    for begin, end, key, dtype, shape in entries:
-        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
-        array = array.reshape(shape).astype(array.dtype.newbyteorder("="))
-        tensors[key] = array.view(numpy_dtype("bfloat16")) if dtype == "BF16" else array
-    return tensors, metadata
+    if position != data_size:
+        if position > data_size:
+            raise corrupt(f"it is truncated: the tensors need {position} bytes, {data_size} remain")
+        raise corrupt(f"it has {data_size - position} bytes after the last tensor")
+    return entries

@@ -592,3 +592,13 @@ def test_import_mha_and_interop_imports_no_framework():
     )
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout) == []
+
+
+def test_file_functions_live_in_conversion_and_keep_their_interop_names():
+    from mha import conversion
+
+    for name in interop.MOVED_TO_CONVERSION:
+        assert getattr(interop, name) is getattr(conversion, name), name
+        assert name in dir(interop)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        interop.no_such_name  # noqa: B018

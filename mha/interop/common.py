@@ -1,0 +1,208 @@
+"""What the converters of every framework share.
+
+An mha MultiHeadAttention's config and weights as a converter reads them (`multihead_config`),
+the options a framework's layer or file cannot hold (`check_expressible`), a layer built from
+canonical weights (`layer_from_weights`), any framework's array as numpy (`as_numpy`), and
+mha's masks as one keep-mask (`keep_mask`).
+
+Importing this module imports no framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.config import get_backend
+from mha.registry import load_backend
+from mha.weights import UNTOLD_OPTIONS, check_untold_options, get_weights, layer_info, set_weights
+
+__all__ = [
+    "as_numpy",
+    "check_expressible",
+    "keep_mask",
+    "layer_from_weights",
+    "multihead_config",
+    "options_of",
+]
+
+
+def as_numpy(x: Any) -> np.ndarray:
+    """A numpy copy of a numpy, torch, TensorFlow or MXNet array (bfloat16 as ml_dtypes')."""
+    if hasattr(x, "asnumpy"):  # MXNet
+        return x.asnumpy()
+    if hasattr(x, "detach"):  # torch
+        return load_backend("torch").to_numpy(x).copy()
+    if hasattr(x, "numpy"):  # TensorFlow tensors and Keras variables
+        return np.array(x.numpy())
+    return np.array(x)
+
+
+def multihead_config(
+    layer: Any, target: str, other_sizes: bool = False, has: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The config and weights of an mha MultiHeadAttention that `target` can hold; `has`
+    names the options of mha's that target has too ("num_kv_heads", "sliding_window")."""
+    _, class_name, config = layer_info(layer)
+    if class_name != "MultiHeadAttention":
+        raise TypeError(
+            f"Expected an mha MultiHeadAttention. Received: an mha {class_name}; only "
+            "multi-head attention has a built-in counterpart in torch and Keras"
+        )
+    weights = get_weights(layer)
+    check_expressible(weights, config["scale"], target, other_sizes, options_of(config), has)
+    return config, weights
+
+
+def options_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a MultiHeadAttention config that are set (not their defaults)."""
+    return {key: config[key] for key in UNTOLD_OPTIONS if config.get(key) not in (None, False)}
+
+
+def check_expressible(
+    weights: Mapping[str, np.ndarray],
+    scale: float | None,
+    target: str,
+    other_sizes: bool = False,
+    options: Mapping[str, Any] | None = None,
+    has: tuple[str, ...] = (),
+) -> None:
+    """Raise ValueError where `target` (a framework's layer, or its file) cannot hold what
+    mha's options add: a score scale, an output bias apart from the others, unless
+    `other_sizes` (Keras's output_shape, Flax's out_features) another output size, rotary
+    embeddings, and unless `has` names them, fewer key-value heads and a sliding window."""
+    problems = []
+    if scale is not None:
+        problems.append(f"a score scale of its own (scale={scale!r})")
+    if ("b_q" in weights) != ("b_o" in weights):
+        problems.append("an output bias without input biases, or the other way round")
+    W_o = np.shape(weights["W_o"])
+    if W_o[0] != W_o[1] and not other_sizes:
+        problems.append(f"an output size other than num_hiddens (W_o {W_o})")
+    if np.shape(weights["W_k"])[1] != W_o[0] and "num_kv_heads" not in has:
+        problems.append("fewer key-value heads than query heads (grouped-query attention)")
+    for key, value in (options or {}).items():
+        if key == "sliding_window" and "sliding_window" in has:
+            continue
+        if value not in (None, False):
+            problems.append(f"{key}={value!r}")
+    if problems:
+        raise ValueError(f"{target} has no equivalent of " + "; ".join(problems))
+
+
+def layer_from_weights(
+    weights: Mapping[str, np.ndarray],
+    num_heads: int,
+    *,
+    backend: str | None = None,
+    dropout: float = 0.0,
+    scale: float | None = None,
+    **options: Any,
+) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: the current one) holding `weights`.
+
+    The config is read off the canonical weights: num_hiddens, out_features and the input
+    sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
+    num_kv_heads from W_k's columns (fewer than W_q's: grouped-query attention), dtype from
+    W_q's dtype. `options` are the layer's rope_theta, rope_interleaved and sliding_window.
+
+    Args:
+        weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o).
+        num_heads: the number of heads (weights cannot tell it).
+        backend: an mha backend name; None is the current backend.
+        dropout: the new layer's dropout rate.
+        scale: the score scale (weights cannot tell it); None is 1 / sqrt(head size).
+    """
+    shapes = _projection_shapes(weights)
+    check_untold_options(options)
+    module = load_backend(backend if backend is not None else get_backend())
+    num_hiddens, out_features = shapes["W_o"]
+    bias, out_bias = "b_q" in weights, "b_o" in weights
+    layer = module.MultiHeadAttention(
+        num_hiddens,
+        num_heads,
+        dropout,
+        bias,
+        query_size=shapes["W_q"][0],
+        key_size=shapes["W_k"][0],
+        value_size=shapes["W_v"][0],
+        out_bias=None if out_bias == bias else out_bias,
+        out_features=None if out_features == num_hiddens else out_features,
+        scale=scale,
+        num_kv_heads=_num_kv_heads(num_hiddens, shapes["W_k"][1], num_heads),
+        dtype=validation.check_dtype(np.asarray(weights["W_q"]).dtype.name),
+        **options,
+    )
+    set_weights(layer, {name: np.asarray(value) for name, value in weights.items()})
+    return layer
+
+
+def _projection_shapes(weights: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    """The shapes of the weights, after checking that the four projections are matrices."""
+    missing = [name for name in ("W_q", "W_k", "W_v", "W_o") if name not in weights]
+    if missing:
+        raise ValueError(f"MultiHeadAttention weights need {', '.join(missing)}")
+    shapes = {name: np.shape(value) for name, value in weights.items()}
+    if any(len(shapes[name]) != 2 for name in ("W_q", "W_k", "W_v", "W_o")):
+        described = ", ".join(f"{name} {shapes[name]}" for name in ("W_q", "W_k", "W_v", "W_o"))
+        raise ValueError(f"MultiHeadAttention weights must be matrices. Received: {described}")
+    return shapes
+
+
+def _num_kv_heads(num_hiddens: int, kv_hiddens: int, num_heads: int) -> int | None:
+    """The key-value heads that W_k's columns tell (None: as many as the query heads)."""
+    if kv_hiddens == num_hiddens:
+        return None
+    head = num_hiddens // num_heads if num_hiddens % num_heads == 0 else 0
+    num_kv_heads = kv_hiddens // head if head and kv_hiddens % head == 0 else None
+    if num_kv_heads is None or num_heads % num_kv_heads:
+        raise ValueError(
+            f"W_k has {kv_hiddens} columns and W_q {num_hiddens}: with num_heads="
+            f"{num_heads}, that is not a number of key-value heads dividing the query heads"
+        )
+    return num_kv_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+
+
+def keep_mask(
+    valid_lens: Any, mask: Any, causal: bool, num_queries: int, num_keys: int
+) -> np.ndarray | None:
+    """mha's masks combined into one keep-mask broadcastable to (B, num_heads, Q, K)."""
+    keep = None
+
+    def combine(current, new):
+        return new if current is None else current & new
+
+    if valid_lens is not None:
+        lengths = as_numpy(valid_lens)
+        if lengths.ndim not in (1, 2):
+            raise ValueError(
+                "valid_lens must have shape (batch_size,) or (batch_size, no. of queries). "
+                f"Received: valid_lens of shape {lengths.shape}"
+            )
+        if lengths.size and lengths.min() < 0:
+            raise ValueError(f"valid_lens must not be negative. Received: {lengths.min()}")
+        keys = np.arange(num_keys)
+        if lengths.ndim == 1:
+            keep = keys[None, None, None, :] < lengths[:, None, None, None]
+        else:
+            keep = keys[None, None, None, :] < lengths[:, None, :, None]
+    if mask is not None:
+        given = as_numpy(mask).astype(bool)
+        if given.ndim > 4:
+            raise ValueError(f"mask must have at most 4 axes. Received shape {given.shape}")
+        while given.ndim < 3:
+            given = given[None]
+        if given.ndim == 3:  # (B, Q, K) applies to every head
+            given = given[:, None]
+        keep = combine(keep, given)
+    if causal:
+        tril = np.arange(num_keys)[None, :] <= np.arange(num_queries)[:, None]
+        keep = combine(keep, tril[None, None])
+    return keep

@@ -1,0 +1,329 @@
+"""keras.layers.MultiHeadAttention and GroupQueryAttention <-> mha's MultiHeadAttention.
+
+Layout (n = num_hiddens, h = num_heads, p = n / h): query/kernel (query_size, h, p) = W_q
+reshaped, query/bias (h, p); likewise key and value; attention_output/kernel (h, p, n) = W_o
+reshaped, its bias (n,). key_dim = value_dim = p, output_shape = n. GroupQueryAttention holds
+the same kernels, its keys and values with num_kv_heads heads.
+
+Keras (TensorFlow's tf.keras, Keras 3) is imported inside the functions that need it:
+importing this module imports none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.config import get_backend
+from mha.interop.common import (
+    as_numpy,
+    check_expressible,
+    keep_mask,
+    layer_from_weights,
+    multihead_config,
+    options_of,
+)
+from mha.registry import load_backend
+
+__all__ = [
+    "KERAS_DENSE",
+    "KERAS_PROJECTIONS",
+    "canonical_from_keras",
+    "from_keras",
+    "from_keras_masks",
+    "keras_dense",
+    "keras_weights",
+    "to_keras",
+    "to_keras_masks",
+]
+
+# Projection ("q", "k", "v", "o") -> the name of its weights in Keras's variable paths
+KERAS_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "attention_output"}
+# Projection -> its EinsumDense sub-layer's attribute, with a leading underscore
+KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "output_dense"}
+
+
+def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
+    """Canonical weights in the layout of Keras's MultiHeadAttention and GroupQueryAttention
+    EinsumDense sub-layers.
+
+    Returns:
+        {"query/kernel": (query_size, num_heads, p), "query/bias": (num_heads, p), "key/...",
+        "value/...", "attention_output/kernel": (num_heads, p, num_hiddens),
+        "attention_output/bias": (num_hiddens,)}, p = num_hiddens / num_heads; keys and
+        values have num_kv_heads heads where W_k and W_v have fewer columns; biases only when
+        the weights have them. The names are Keras's variable paths below the layer.
+    """
+    check_expressible(weights, None, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads",))
+    num_hiddens, out_features = np.shape(weights["W_o"])
+    if num_hiddens % num_heads:
+        raise ValueError(
+            "num_hiddens must be divisible by num_heads. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+        )
+    head_size = num_hiddens // num_heads
+    result = {}
+    for k in "qkv":
+        name = KERAS_PROJECTIONS[k]
+        W = np.asarray(weights[f"W_{k}"])
+        result[f"{name}/kernel"] = W.reshape(W.shape[0], -1, head_size)
+        if f"b_{k}" in weights:
+            result[f"{name}/bias"] = np.asarray(weights[f"b_{k}"]).reshape(-1, head_size)
+    result["attention_output/kernel"] = np.asarray(weights["W_o"]).reshape(
+        num_heads, head_size, out_features
+    )
+    if "b_o" in weights:
+        result["attention_output/bias"] = np.asarray(weights["b_o"])
+    return {name: np.ascontiguousarray(value) for name, value in result.items()}
+
+
+def keras_dense(layer: Any, k: str) -> Any:
+    """The EinsumDense sub-layer of projection k ("q", "k", "v", "o") of a Keras layer
+    (GroupQueryAttention has no public names for them; MultiHeadAttention's are these)."""
+    return getattr(layer, f"_{KERAS_DENSE[k]}")
+
+
+def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Canonical weights and config (num_heads included) of a built Keras MultiHeadAttention
+    or GroupQueryAttention (whose key-value heads become num_kv_heads); a sliding window
+    becomes sliding_window.
+
+    Raises:
+        ValueError: the layer is not built, or its configuration has no mha equivalent
+            (value_dim != key_dim, attention_axes other than the sequence axis, a gate).
+    """
+    sizes = _keras_sizes(layer)
+    num_heads, key_dim = sizes["num_heads"], sizes["key_dim"]
+    kernels = {k: as_numpy(keras_dense(layer, k).kernel) for k in "qkvo"}
+    _refuse_keras_layer(layer, sizes, kernels)
+    output = kernels["o"]
+    num_hiddens, out_features = num_heads * key_dim, output.shape[2]
+    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], -1) for k in "qkv"}
+    weights["W_o"] = output.reshape(num_hiddens, out_features)
+    if layer.use_bias:
+        for k in "qkvo":
+            weights[f"b_{k}"] = as_numpy(keras_dense(layer, k).bias).reshape(-1)
+    weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
+    config = {
+        "num_hiddens": num_hiddens,
+        "num_heads": num_heads,
+        "dropout": float(layer.dropout),
+        "bias": bool(layer.use_bias),
+        "query_size": weights["W_q"].shape[0],
+        "key_size": weights["W_k"].shape[0],
+        "value_size": weights["W_v"].shape[0],
+        "dtype": validation.check_dtype(weights["W_o"].dtype.name),
+        "out_features": None if out_features == num_hiddens else out_features,
+        "num_kv_heads": None if sizes["num_kv_heads"] == num_heads else sizes["num_kv_heads"],
+        "sliding_window": sizes["sliding_window"],
+    }
+    return weights, config
+
+
+def _keras_sizes(layer: Any) -> dict[str, Any]:
+    """The heads, head sizes and sliding window of a built Keras MultiHeadAttention or
+    GroupQueryAttention ("grouped" tells which), by the names mha's converters use."""
+    import tensorflow as tf
+
+    grouped = isinstance(layer, tf.keras.layers.GroupQueryAttention)
+    if not grouped and not isinstance(layer, tf.keras.layers.MultiHeadAttention):
+        raise TypeError(
+            "Expected a keras.layers.MultiHeadAttention or GroupQueryAttention. "
+            f"Received: {type(layer).__qualname__}"
+        )
+    if not layer.built:
+        raise ValueError(
+            f"The Keras {type(layer).__name__} is not built, so it has no weights yet: call it "
+            "once or call layer.build(query_shape, value_shape, key_shape)"
+        )
+    if grouped:
+        return {
+            "grouped": True,
+            "num_heads": layer.num_query_heads,
+            "key_dim": layer.head_dim,
+            "value_dim": layer.head_dim,
+            "num_kv_heads": layer.num_key_value_heads,
+            "sliding_window": layer.sliding_window,
+        }
+    return {
+        "grouped": False,
+        "num_heads": layer.num_heads,
+        "key_dim": layer.key_dim,
+        "value_dim": layer.value_dim if layer.value_dim is not None else layer.key_dim,
+        "num_kv_heads": None,
+        "sliding_window": getattr(layer, "_sliding_window", None),
+    }
+
+
+def _refuse_keras_layer(
+    layer: Any, sizes: Mapping[str, Any], kernels: Mapping[str, np.ndarray]
+) -> None:
+    """Raise ValueError listing what a Keras layer has that mha's MultiHeadAttention has not."""
+    problems = []
+    value_dim, key_dim = sizes["value_dim"], sizes["key_dim"]
+    if value_dim != key_dim:
+        problems.append(
+            f"value_dim={value_dim} differs from key_dim={key_dim}; mha's heads have one size"
+        )
+    if kernels["q"].ndim != 3:
+        problems.append(
+            f"it was built for inputs of rank {kernels['q'].ndim + 0}; mha takes (B, n, d)"
+        )
+    if not sizes["grouped"] and tuple(layer.attention_axes or (1,)) not in ((1,), (-2,)):
+        problems.append(f"attention_axes={layer.attention_axes}; mha attends over axis 1")
+    if getattr(layer, "use_gate", False):
+        problems.append("a gate (use_gate=True) has no mha equivalent")
+    if kernels["o"].ndim != 3:
+        problems.append(f"its output has the shape {kernels['o'].shape[2:]}; mha's has one axis")
+    if problems:
+        raise ValueError(
+            f"This keras.layers.{type(layer).__name__} has no mha equivalent:\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+
+
+def to_keras(layer: Any) -> Any:
+    """A built Keras layer computing what the mha `layer` does: a
+    `keras.layers.MultiHeadAttention`, or a `GroupQueryAttention` when the layer has fewer
+    key-value heads (num_kv_heads < num_heads).
+
+    Args:
+        layer: an mha MultiHeadAttention of any backend, with its weights created.
+
+    Returns:
+        MultiHeadAttention(num_heads, key_dim=value_dim=num_hiddens / num_heads,
+        dropout, use_bias=bias, output_shape=num_hiddens, sliding_window, dtype), or
+        GroupQueryAttention(head_dim, num_heads, num_kv_heads, dropout, use_bias,
+        sliding_window, dtype), built for the layer's input sizes. Keras takes
+        `layer(query, value, key)` (value before key!) and gives per-head weights with
+        `return_attention_scores=True`.
+
+    Raises:
+        ValueError: what Keras's layers cannot hold (rotary embeddings, a score scale; for
+            GroupQueryAttention an output size other than the query size, which it fixes).
+    """
+    config, weights = multihead_config(
+        layer, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads", "sliding_window")
+    )
+    builtin = _new_keras_layer(config)
+    builtin.build(
+        (None, None, config["query_size"]),
+        (None, None, config["value_size"]),
+        (None, None, config["key_size"]),
+    )
+    for path, value in keras_weights(weights, config["num_heads"]).items():
+        name, variable = path.split("/")
+        k = next(k for k, projection in KERAS_PROJECTIONS.items() if projection == name)
+        getattr(keras_dense(builtin, k), variable).assign(value)
+    return builtin
+
+
+def _new_keras_layer(config: Mapping[str, Any]) -> Any:
+    """An unbuilt Keras MultiHeadAttention, or GroupQueryAttention for fewer key-value heads,
+    of an mha MultiHeadAttention's config."""
+    import tensorflow as tf
+
+    num_hiddens, num_heads = config["num_hiddens"], config["num_heads"]
+    head_size = num_hiddens // num_heads
+    out_features = config["out_features"] or num_hiddens
+    num_kv_heads = config["num_kv_heads"] or num_heads
+    if num_kv_heads == num_heads:
+        return tf.keras.layers.MultiHeadAttention(
+            num_heads,
+            head_size,
+            value_dim=head_size,
+            dropout=config["dropout"],
+            use_bias=config["bias"],
+            output_shape=out_features,
+            sliding_window=config["sliding_window"],
+            dtype=config["dtype"],
+        )
+    if out_features != config["query_size"]:
+        raise ValueError(
+            "keras.layers.GroupQueryAttention's output has the query's size "
+            f"({config['query_size']}); this layer's is {out_features}"
+        )
+    return tf.keras.layers.GroupQueryAttention(
+        head_size,
+        num_heads,
+        num_kv_heads,
+        dropout=config["dropout"],
+        use_bias=config["bias"],
+        sliding_window=config["sliding_window"],
+        dtype=config["dtype"],
+    )
+
+
+def from_keras(layer: Any, *, backend: str | None = None) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: current) from a built Keras
+    MultiHeadAttention or GroupQueryAttention.
+
+    Raises:
+        ValueError: see `canonical_from_keras`.
+    """
+    weights, config = canonical_from_keras(layer)
+    return layer_from_weights(
+        weights,
+        config["num_heads"],
+        backend=backend,
+        dropout=config["dropout"],
+        **options_of(config),
+    )
+
+
+def to_keras_masks(
+    valid_lens: Any = None,
+    mask: Any = None,
+    causal: bool = False,
+    *,
+    num_queries: int,
+    num_keys: int,
+) -> dict[str, Any]:
+    """Keras MultiHeadAttention's mask arguments equivalent to mha's.
+
+    Returns:
+        A dict for `layer(query, value, key, **masks)`: `attention_mask`, a boolean numpy
+        array (B or 1, Q, K) with True = attend (mha's convention), when valid_lens or mask is
+        given, and `use_causal_mask`.
+
+    Raises:
+        ValueError: a per-head (4-D) mask, which Keras's attention_mask cannot hold.
+    """
+    keep = keep_mask(valid_lens, mask, False, num_queries, num_keys)
+    result: dict[str, Any] = {"use_causal_mask": bool(causal)}
+    if keep is not None:
+        if keep.shape[1] != 1:
+            raise ValueError(
+                "Keras MultiHeadAttention's attention_mask (B, Q, K) applies to every head; "
+                f"a per-head mask cannot be translated. Received a mask with {keep.shape[1]} "
+                "heads on axis 1"
+            )
+        result["attention_mask"] = np.ascontiguousarray(
+            np.broadcast_to(keep[:, 0], (keep.shape[0], num_queries, num_keys))
+        )
+    return result
+
+
+def from_keras_masks(
+    attention_mask: Any = None, use_causal_mask: bool = False, *, backend: str | None = None
+) -> dict[str, Any]:
+    """mha's mask arguments equivalent to Keras MultiHeadAttention's.
+
+    Args:
+        attention_mask: (B, Q, K), True (or nonzero) = attend.
+        use_causal_mask: Keras's causal flag (top-left aligned, as mha's `causal`).
+        backend: the mha backend whose tensors to return (default: current).
+
+    Returns:
+        {"mask": keep-mask (B, Q, K) as the backend's tensor, "causal": bool}.
+    """
+    result: dict[str, Any] = {"causal": bool(use_causal_mask)}
+    if attention_mask is not None:
+        keep = as_numpy(attention_mask)
+        keep = keep > 0.5 if keep.dtype.kind == "f" else keep.astype(bool)  # Keras's rule
+        module = load_backend(backend if backend is not None else get_backend())
+        result["mask"] = module.from_numpy(keep)
+    return result

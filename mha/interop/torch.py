@@ -1,0 +1,345 @@
+"""torch.nn.MultiheadAttention <-> mha's MultiHeadAttention: weights, layers and masks.
+
+Layout (n = num_hiddens = embed_dim): in_proj_weight (3n, n) = [W_q.T; W_k.T; W_v.T] when
+kdim = vdim = embed_dim, else q_proj_weight (n, n), k_proj_weight (n, kdim), v_proj_weight
+(n, vdim); in_proj_bias (3n,) = [b_q; b_k; b_v]; out_proj.weight (n, n) = W_o.T,
+out_proj.bias = b_o. torch computes x @ weight.T + bias, hence the transposes.
+
+torch is imported inside the functions that need it: importing this module imports none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha import validation
+from mha.config import get_backend
+from mha.interop.common import (
+    as_numpy,
+    check_expressible,
+    keep_mask,
+    layer_from_weights,
+    multihead_config,
+)
+from mha.registry import load_backend
+
+__all__ = [
+    "TORCH_WEIGHT_NAMES",
+    "canonical_from_torch",
+    "from_torch",
+    "from_torch_masks",
+    "to_torch",
+    "to_torch_masks",
+    "torch_state_dict",
+]
+
+# The names of a torch.nn.MultiheadAttention's state_dict that hold mha's weights
+TORCH_WEIGHT_NAMES = (
+    "in_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "in_proj_bias",
+    "out_proj.weight",
+    "out_proj.bias",
+)
+
+
+def torch_state_dict(weights: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The `torch.nn.MultiheadAttention` state_dict of canonical weights, as numpy arrays.
+
+    Packed `in_proj_weight` (3n, n) when every input size equals num_hiddens (torch packs
+    exactly then), else `q_proj_weight`, `k_proj_weight`, `v_proj_weight`.
+
+    Raises:
+        ValueError: the query size differs from num_hiddens (torch's query size is embed_dim).
+    """
+    check_expressible(weights, None, "torch.nn.MultiheadAttention")
+    W_q, W_k, W_v, W_o = (np.asarray(weights[name]) for name in ("W_q", "W_k", "W_v", "W_o"))
+    num_hiddens = W_o.shape[0]
+    if W_q.shape[0] != num_hiddens:
+        raise ValueError(
+            "torch.nn.MultiheadAttention requires the query size to equal embed_dim "
+            "(mha's num_hiddens): it has no query projection from another size. "
+            f"Received: query_size={W_q.shape[0]}, num_hiddens={num_hiddens}"
+        )
+    state = {}
+    if W_k.shape[0] == num_hiddens and W_v.shape[0] == num_hiddens:
+        state["in_proj_weight"] = np.concatenate([W_q.T, W_k.T, W_v.T])
+    else:
+        state.update(q_proj_weight=W_q.T, k_proj_weight=W_k.T, v_proj_weight=W_v.T)
+    if "b_q" in weights:
+        state["in_proj_bias"] = np.concatenate([weights["b_q"], weights["b_k"], weights["b_v"]])
+    state["out_proj.weight"] = W_o.T
+    if "b_o" in weights:
+        state["out_proj.bias"] = np.asarray(weights["b_o"])
+    return {name: np.ascontiguousarray(value) for name, value in state.items()}
+
+
+def canonical_from_torch(state_dict: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], dict]:
+    """Canonical weights and the config they imply, from a MultiheadAttention state_dict.
+
+    Returns:
+        (weights, config) with config holding num_hiddens, bias, query_size, key_size,
+        value_size and dtype; num_heads is not in the weights and must come from elsewhere.
+
+    Raises:
+        ValueError: names or shapes that are not a MultiheadAttention's, or `bias_k`/`bias_v`
+            (add_bias_kv), which mha cannot express. Every problem is listed.
+    """
+    arrays = {name: as_numpy(value) for name, value in state_dict.items()}
+    _refuse_state(_name_problems(arrays))
+    out = arrays["out_proj.weight"]
+    if out.ndim != 2 or out.shape[0] != out.shape[1]:
+        raise ValueError(f"out_proj.weight must be square (n, n). Received shape {out.shape}")
+    _refuse_state(_shape_problems(arrays, out.shape[0]))
+    if "in_proj_weight" in arrays:
+        W_q, W_k, W_v = np.split(arrays["in_proj_weight"], 3)
+    else:
+        W_q, W_k, W_v = (arrays[f"{k}_proj_weight"] for k in "qkv")
+    weights = {"W_q": W_q.T, "W_k": W_k.T, "W_v": W_v.T, "W_o": out.T}
+    bias = "in_proj_bias" in arrays
+    if bias:
+        b_q, b_k, b_v = np.split(arrays["in_proj_bias"], 3)
+        weights.update(b_q=b_q, b_k=b_k, b_v=b_v, b_o=arrays["out_proj.bias"])
+    weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
+    config = {
+        "num_hiddens": out.shape[0],
+        "bias": bias,
+        "query_size": out.shape[0],
+        "key_size": W_k.shape[1],
+        "value_size": W_v.shape[1],
+        "dtype": validation.check_dtype(out.dtype.name),
+    }
+    return weights, config
+
+
+def _refuse_state(problems: list[str]) -> None:
+    if problems:
+        raise ValueError(
+            "Not a torch.nn.MultiheadAttention state_dict that mha can convert:\n"
+            + "\n".join(f"  - {problem}" for problem in problems)
+        )
+
+
+def _name_problems(arrays: Mapping[str, np.ndarray]) -> list[str]:
+    """What is wrong with the names of a state_dict: add_bias_kv, others', missing ones."""
+    problems = []
+    if "bias_k" in arrays or "bias_v" in arrays:
+        problems.append("bias_k/bias_v (add_bias_kv=True) have no mha equivalent")
+    unexpected = sorted(set(arrays) - set(TORCH_WEIGHT_NAMES) - {"bias_k", "bias_v"})
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)}")
+    packed = "in_proj_weight" in arrays
+    needed = ["out_proj.weight"] + (
+        ["in_proj_weight"] if packed else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    )
+    missing = [name for name in needed if name not in arrays]
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    return problems
+
+
+def _shape_problems(arrays: Mapping[str, np.ndarray], n: int) -> list[str]:
+    """What is wrong with the shapes and dtypes of a state_dict whose out_proj is (n, n)."""
+    problems = []
+    expected = {"out_proj.weight": (n, n), "in_proj_bias": (3 * n,), "out_proj.bias": (n,)}
+    if "in_proj_weight" in arrays:
+        expected["in_proj_weight"] = (3 * n, n)
+    else:
+        expected["q_proj_weight"] = (n, n)
+        for name in ("k_proj_weight", "v_proj_weight"):
+            shape = arrays[name].shape
+            expected[name] = (n, shape[1] if len(shape) == 2 else -1)
+    for name, shape in expected.items():
+        if name in arrays and arrays[name].shape != shape:
+            problems.append(f"{name} has shape {arrays[name].shape}; expected {shape}")
+    if ("in_proj_bias" in arrays) != ("out_proj.bias" in arrays):
+        problems.append("in_proj_bias and out_proj.bias must be both present or both absent")
+    dtypes = {value.dtype.name for value in arrays.values()}
+    if len(dtypes) > 1:
+        problems.append(f"the tensors have different dtypes: {', '.join(sorted(dtypes))}")
+    return problems
+
+
+def to_torch(layer: Any, *, batch_first: bool = True) -> Any:
+    """A `torch.nn.MultiheadAttention` computing what the mha MultiHeadAttention `layer` does.
+
+    Args:
+        layer: an mha MultiHeadAttention of any backend, with its weights created.
+        batch_first: the new module's input layout; True matches mha's (B, Q, d) shapes.
+
+    Returns:
+        nn.MultiheadAttention(embed_dim=num_hiddens, num_heads, dropout, bias, kdim=key_size,
+        vdim=value_size, dtype=the layer's dtype), in training mode as every new module
+        (call `.eval()` before comparing when dropout > 0). Call it with
+        `need_weights=True, average_attn_weights=False` for per-head weights.
+
+    Raises:
+        ValueError: query_size differs from num_hiddens, which torch cannot express.
+    """
+    import torch
+
+    config, weights = multihead_config(layer, "torch.nn.MultiheadAttention")
+    state = torch_state_dict(weights)  # raises for query_size != num_hiddens
+    module = torch.nn.MultiheadAttention(
+        config["num_hiddens"],
+        config["num_heads"],
+        dropout=config["dropout"],
+        bias=config["bias"],
+        kdim=config["key_size"],
+        vdim=config["value_size"],
+        batch_first=batch_first,
+        dtype=getattr(torch, config["dtype"]),
+    )
+    from_numpy = load_backend("torch").from_numpy
+    module.load_state_dict({name: from_numpy(value) for name, value in state.items()})
+    return module
+
+
+def from_torch(module: Any, *, backend: str | None = None) -> Any:
+    """An mha MultiHeadAttention in `backend` (default: current) from a torch MultiheadAttention.
+
+    The config is num_hiddens = query_size = embed_dim, key_size = kdim, value_size = vdim,
+    num_heads, dropout, bias (torch's `bias` covers the four projections, as mha's does) and
+    the dtype of the module's weights. `batch_first` only concerns torch's inputs.
+
+    Raises:
+        ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express.
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.MultiheadAttention):
+        raise TypeError(
+            f"Expected a torch.nn.MultiheadAttention. Received: {type(module).__qualname__}"
+        )
+    if module.add_zero_attn:
+        raise ValueError(
+            "torch.nn.MultiheadAttention with add_zero_attn=True has no mha equivalent"
+        )
+    weights, _ = canonical_from_torch(module.state_dict())
+    return layer_from_weights(
+        weights, module.num_heads, backend=backend, dropout=float(module.dropout)
+    )
+
+
+def to_torch_masks(
+    valid_lens: Any = None,
+    mask: Any = None,
+    causal: bool = False,
+    *,
+    num_heads: int,
+    num_queries: int,
+    num_keys: int,
+) -> dict[str, Any]:
+    """torch MultiheadAttention's mask arguments equivalent to mha's.
+
+    Args:
+        valid_lens, mask, causal: as mha's MultiHeadAttention call (numpy or framework arrays).
+        num_heads, num_queries, num_keys: the sizes of the call.
+
+    Returns:
+        A dict for `module(query, key, value, **masks)`: `key_padding_mask` (B, K) for
+        valid_lens of shape (B,), and `attn_mask` (Q, K) or (B * num_heads, Q, K) for the
+        rest, both boolean torch tensors where True means NOT allowed (torch's convention, the
+        inverse of mha's). Empty when no mask is given.
+    """
+    import torch
+
+    result = {}
+    lengths = None if valid_lens is None else as_numpy(valid_lens)
+    if lengths is not None and lengths.ndim == 1:
+        padding = keep_mask(lengths, None, False, num_queries, num_keys)
+        result["key_padding_mask"] = torch.from_numpy(~padding[:, 0, 0, :])
+        lengths = None
+    keep = keep_mask(lengths, mask, causal, num_queries, num_keys)
+    if keep is not None:
+        batch_size, heads = keep.shape[0], keep.shape[1]
+        if heads not in (1, num_heads):
+            raise ValueError(
+                f"mask has {heads} heads on axis 1; expected 1 or num_heads={num_heads}"
+            )
+        if batch_size == 1 and heads == 1:
+            attn_mask = keep[0, 0]
+        else:
+            full = np.broadcast_to(keep, (batch_size, num_heads, num_queries, num_keys))
+            attn_mask = full.reshape(batch_size * num_heads, num_queries, num_keys)
+        result["attn_mask"] = torch.from_numpy(np.ascontiguousarray(~attn_mask))
+    return result
+
+
+def from_torch_masks(
+    key_padding_mask: Any = None,
+    attn_mask: Any = None,
+    *,
+    num_heads: int,
+    is_causal: bool = False,
+    backend: str | None = None,
+) -> dict[str, Any]:
+    """mha's mask arguments equivalent to torch MultiheadAttention's.
+
+    Args:
+        key_padding_mask: (B, K), True (or nonzero) = ignore that key.
+        attn_mask: (Q, K) or (B * num_heads, Q, K); boolean with True = not allowed, or a
+            float mask holding only 0 (allowed) and -inf (not allowed), as
+            `nn.Transformer.generate_square_subsequent_mask` makes.
+        num_heads: the module's number of heads.
+        is_causal: torch's causal flag.
+        backend: the mha backend whose tensors to return (default: current).
+
+    Returns:
+        A dict for an mha call: `mask` (a keep-mask broadcastable to (B, num_heads, Q, K))
+        when a mask is given, and `causal`.
+
+    Raises:
+        ValueError: a float attn_mask with other values (an additive bias mha cannot take).
+    """
+    keep = None
+    if key_padding_mask is not None:
+        padding = as_numpy(key_padding_mask)
+        if padding.ndim != 2:
+            raise ValueError(
+                f"key_padding_mask must have shape (B, K). Received shape {padding.shape}"
+            )
+        if padding.dtype.kind == "f":
+            padding = _float_mask_to_bool(padding, "key_padding_mask")
+        keep = ~padding.astype(bool)[:, None, None, :]
+    if attn_mask is not None:
+        allowed = _allowed_by(attn_mask, num_heads)
+        keep = allowed if keep is None else keep & allowed
+    result: dict[str, Any] = {"causal": bool(is_causal)}
+    if keep is not None:
+        module = load_backend(backend if backend is not None else get_backend())
+        result["mask"] = module.from_numpy(keep)
+    return result
+
+
+def _allowed_by(attn_mask: Any, num_heads: int) -> np.ndarray:
+    """torch's attn_mask (Q, K) or (B * num_heads, Q, K) as mha's keep-mask
+    (1 or B, 1 or num_heads, Q, K)."""
+    forbidden = as_numpy(attn_mask)
+    if forbidden.dtype.kind == "f":
+        forbidden = _float_mask_to_bool(forbidden, "attn_mask")
+    forbidden = forbidden.astype(bool)
+    if forbidden.ndim == 2:
+        return ~forbidden[None, None]
+    if forbidden.ndim == 3 and forbidden.shape[0] % num_heads == 0:
+        return ~forbidden.reshape(-1, num_heads, *forbidden.shape[1:])
+    raise ValueError(
+        "attn_mask must have shape (Q, K) or (B * num_heads, Q, K). "
+        f"Received shape {forbidden.shape} with num_heads={num_heads}"
+    )
+
+
+def _float_mask_to_bool(values: np.ndarray, name: str) -> np.ndarray:
+    """A float torch mask of 0 and -inf as torch's boolean form (True = not allowed)."""
+    forbidden = np.isneginf(values)
+    if not np.all(forbidden | (values == 0)):
+        raise ValueError(
+            f"a float {name} converts only when it holds 0 (allowed) and -inf (not allowed); "
+            "mha has no additive attention bias to carry other values"
+        )
+    return forbidden
