@@ -602,3 +602,115 @@ def test_file_functions_live_in_conversion_and_keep_their_interop_names():
         assert name in dir(interop)
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         interop.no_such_name  # noqa: B018
+
+
+# ---------------------------------------------------------------------------------------------
+# The mask helpers follow the layers' rules
+
+
+def layer_message(valid_lens):
+    """The message of the numpy reference's MultiHeadAttention for these valid_lens."""
+    module = backend_module("numpy")
+    layer = mha_layer(module, (8, 2, False, 8, 8, 8), "float64")
+    batch_size = len(valid_lens)
+    queries = np.zeros((batch_size, QUERIES, 8))
+    keys = np.zeros((batch_size, KEYS, 8))
+    with pytest.raises(ValueError) as raised:
+        layer(queries, keys, keys, valid_lens)
+    return str(raised.value)
+
+
+def call_mask_helper(framework, valid_lens):
+    """The mask helper of `framework` on valid_lens, for a call with QUERIES and KEYS."""
+    if framework == "torch":
+        backend_module("torch")  # to_torch_masks makes torch tensors
+        return interop.to_torch_masks(valid_lens, num_heads=2, num_queries=QUERIES, num_keys=KEYS)
+    helper = interop.to_keras_masks if framework == "keras" else interop.to_flax_masks
+    return helper(valid_lens, num_queries=QUERIES, num_keys=KEYS)
+
+
+BAD_LENGTHS = {
+    "fractional": np.array([1.5, 2.0]),
+    "fractional-2d": np.array([[1.0, 2.0, 2.5, 3.0], [0.0, 1.0, 1.0, 1.0]]),
+    "negative": np.array([2, -1]),
+    "negative-float": np.array([-1.0, 2.0]),
+    "negative-2d": np.array([[1, 2, 3, 4], [0, -2, 1, 1]]),
+}
+
+
+@pytest.mark.parametrize("valid_lens", BAD_LENGTHS.values(), ids=BAD_LENGTHS.keys())
+@pytest.mark.parametrize(
+    "framework", ["keras", "flax", pytest.param("torch", marks=pytest.mark.torch)]
+)
+def test_mask_helpers_refuse_bad_lengths_with_the_layers_message(framework, valid_lens):
+    expected = layer_message(valid_lens)
+    with pytest.raises(ValueError) as raised:
+        call_mask_helper(framework, valid_lens)
+    assert str(raised.value) == expected
+
+
+def spelled_out_keep(valid_lens, mask, causal, num_heads):
+    """The keep-mask (B, num_heads, Q, K) one key at a time: key j of query i is kept when
+    j < its length, the mask allows it (a 4-D mask per head, any other for every head) and,
+    under causal, j <= i."""
+    shape = (BATCH, num_heads, QUERIES, KEYS)
+    if mask is not None:
+        per_head = mask if mask.ndim == 4 else np.broadcast_to(mask, shape[:1] + shape[2:])[:, None]
+        mask = np.broadcast_to(per_head, shape)
+    keep = np.ones(shape, bool)
+    for b, h, i, j in np.ndindex(shape):
+        if valid_lens is not None:
+            length = valid_lens[b] if valid_lens.ndim == 1 else valid_lens[b, i]
+            keep[b, h, i, j] &= j < length
+        if mask is not None:
+            keep[b, h, i, j] &= mask[b, h, i, j]
+        if causal:
+            keep[b, h, i, j] &= j <= i
+    return keep
+
+
+def test_mask_helpers_give_the_masks_of_the_layers_rules():
+    num_heads = 2
+    for case, valid_lens, mask, causal in mha_mask_cases(num_heads, np.random.default_rng(5)):
+        expected = spelled_out_keep(valid_lens, mask, causal, num_heads)
+        flax = interop.to_flax_masks(valid_lens, mask, causal, num_queries=QUERIES, num_keys=KEYS)
+        if case == "none":
+            assert flax == {}
+            continue
+        keep = flax["mask"]
+        assert keep.dtype == bool and keep.ndim == 4, case
+        assert keep.shape[0] in (1, BATCH) and keep.shape[1] in (1, num_heads), case
+        assert np.array_equal(np.broadcast_to(keep, expected.shape), expected), case
+        if case == "mask_4d":
+            continue
+        keras = interop.to_keras_masks(valid_lens, mask, causal, num_queries=QUERIES, num_keys=KEYS)
+        assert keras["use_causal_mask"] == causal, case
+        if valid_lens is None and mask is None:
+            assert "attention_mask" not in keras, case
+            continue
+        attention_mask = keras["attention_mask"]
+        assert attention_mask.shape[1:] == (QUERIES, KEYS), case
+        # Keras applies use_causal_mask itself; the helper's mask leaves it out
+        uncausal = spelled_out_keep(valid_lens, mask, False, 1)[:, 0]
+        assert np.array_equal(np.broadcast_to(attention_mask, uncausal.shape), uncausal), case
+
+
+@pytest.mark.torch
+def test_torch_mask_helper_gives_the_masks_of_the_layers_rules(torch):
+    num_heads = 2
+    for case, valid_lens, mask, causal in mha_mask_cases(num_heads, np.random.default_rng(6)):
+        expected = spelled_out_keep(valid_lens, mask, causal, num_heads)
+        masks = interop.to_torch_masks(
+            valid_lens, mask, causal, num_heads=num_heads, num_queries=QUERIES, num_keys=KEYS
+        )
+        allowed = np.ones_like(expected)
+        if "key_padding_mask" in masks:  # (B, K), True = ignore
+            allowed &= ~masks["key_padding_mask"].numpy()[:, None, None, :]
+        if "attn_mask" in masks:  # (Q, K) or (B * num_heads, Q, K), True = not allowed
+            forbidden = masks["attn_mask"].numpy()
+            allowed &= (
+                ~forbidden.reshape(-1, num_heads, QUERIES, KEYS)
+                if forbidden.ndim == 3
+                else ~forbidden
+            )
+        assert np.array_equal(allowed, expected), case

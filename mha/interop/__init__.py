@@ -30,7 +30,8 @@ What the built-in layers cannot express raises ValueError before anything is bui
 - mha's options the built-in layers do not have (a score scale, an output bias apart from the
   others, and for torch another output size) are a ValueError naming them.
 
-Masks (the mask helpers return keyword arguments ready for the target call):
+Masks (the mask helpers return keyword arguments ready for the target call), built by the
+rules of mha's layers (`mha.masks`), lengths refused with the layers' messages:
 - torch's boolean masks mean the opposite of mha's: True = NOT allowed. `to_torch_masks` turns
   valid_lens of shape (B,) into `key_padding_mask` (B, K) and everything else (valid_lens
   (B, Q), a keep-mask, causal) into `attn_mask` (Q, K) or (B * num_heads, Q, K), inverted.

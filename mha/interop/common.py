@@ -3,7 +3,8 @@
 An mha MultiHeadAttention's config and weights as a converter reads them (`multihead_config`),
 the options a framework's layer or file cannot hold (`check_expressible`), a layer built from
 canonical weights (`layer_from_weights`), any framework's array as numpy (`as_numpy`), and
-mha's masks as one keep-mask (`keep_mask`).
+mha's masks as one keep-mask (`keep_mask`), by the rules every layer follows: `mha.masks` for
+which masks there are and where the head axis goes, `mha.validation` for the lengths.
 
 Importing this module imports no framework.
 """
@@ -17,6 +18,7 @@ import numpy as np
 
 from mha import validation
 from mha.config import get_backend
+from mha.masks import Masks
 from mha.registry import load_backend
 from mha.weights import UNTOLD_OPTIONS, check_untold_options, get_weights, layer_info, set_weights
 
@@ -170,15 +172,32 @@ def _num_kv_heads(num_hiddens: int, kv_hiddens: int, num_heads: int) -> int | No
 # Masks
 
 
+class _KeepMasks(Masks):
+    """mha.masks' rules on numpy arrays, for the masks a converter translates (valid_lens, a
+    keep-mask, causal): the array operations are those of the numpy backend's masks."""
+
+    def length_mask(self, valid_lens):
+        # Shape of lengths: (batch_size, 1 or no. of queries, 1)
+        lengths = valid_lens[:, None, None] if valid_lens.ndim == 1 else valid_lens[:, :, None]
+        return np.arange(self.num_keys) < lengths
+
+    def causal_mask(self):
+        return np.tri(self.num_queries, self.num_keys, k=self.offset, dtype=bool)
+
+    def expand_dims(self, x, axis):
+        return np.expand_dims(x, axis)
+
+
 def keep_mask(
     valid_lens: Any, mask: Any, causal: bool, num_queries: int, num_keys: int
 ) -> np.ndarray | None:
-    """mha's masks combined into one keep-mask broadcastable to (B, num_heads, Q, K)."""
-    keep = None
+    """mha's masks combined into one keep-mask broadcastable to (B, num_heads, Q, K), True =
+    attend, as a MultiHeadAttention call combines them; None when no mask is given.
 
-    def combine(current, new):
-        return new if current is None else current & new
-
+    Lengths are checked as every layer checks them (non-negative whole numbers), with the
+    layers' messages.
+    """
+    lengths = None
     if valid_lens is not None:
         lengths = as_numpy(valid_lens)
         if lengths.ndim not in (1, 2):
@@ -186,23 +205,13 @@ def keep_mask(
                 "valid_lens must have shape (batch_size,) or (batch_size, no. of queries). "
                 f"Received: valid_lens of shape {lengths.shape}"
             )
-        if lengths.size and lengths.min() < 0:
-            raise ValueError(f"valid_lens must not be negative. Received: {lengths.min()}")
-        keys = np.arange(num_keys)
-        if lengths.ndim == 1:
-            keep = keys[None, None, None, :] < lengths[:, None, None, None]
-        else:
-            keep = keys[None, None, None, :] < lengths[:, None, :, None]
+        validation.check_valid_lens_values(lengths)
+    given = None
     if mask is not None:
         given = as_numpy(mask).astype(bool)
         if given.ndim > 4:
             raise ValueError(f"mask must have at most 4 axes. Received shape {given.shape}")
-        while given.ndim < 3:
-            given = given[None]
-        if given.ndim == 3:  # (B, Q, K) applies to every head
-            given = given[:, None]
-        keep = combine(keep, given)
-    if causal:
-        tril = np.arange(num_keys)[None, :] <= np.arange(num_queries)[:, None]
-        keep = combine(keep, tril[None, None])
+    batch_size = 1 if lengths is None else lengths.shape[0]
+    rules = _KeepMasks(batch_size, num_queries, num_keys)
+    keep, _ = rules.combine(lengths, given, causal, None, multihead=True)
     return keep

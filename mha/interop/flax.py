@@ -266,6 +266,10 @@ def to_flax_masks(
 
     Flax gives a query with no key to attend the mean of the values, mha gives zeros: compare
     the two only on rows with a key.
+
+    Raises:
+        ValueError: valid_lens that are not non-negative whole numbers, with the layers'
+            message; a mask of more than 4 axes.
     """
     keep = keep_mask(valid_lens, mask, causal, num_queries, num_keys)
     return {} if keep is None else {"mask": np.ascontiguousarray(keep)}

@@ -290,7 +290,8 @@ def to_keras_masks(
         given, and `use_causal_mask`.
 
     Raises:
-        ValueError: a per-head (4-D) mask, which Keras's attention_mask cannot hold.
+        ValueError: a per-head (4-D) mask, which Keras's attention_mask cannot hold;
+            valid_lens that are not non-negative whole numbers, with the layers' message.
     """
     keep = keep_mask(valid_lens, mask, False, num_queries, num_keys)
     result: dict[str, Any] = {"use_causal_mask": bool(causal)}

@@ -246,6 +246,10 @@ def to_torch_masks(
         valid_lens of shape (B,), and `attn_mask` (Q, K) or (B * num_heads, Q, K) for the
         rest, both boolean torch tensors where True means NOT allowed (torch's convention, the
         inverse of mha's). Empty when no mask is given.
+
+    Raises:
+        ValueError: valid_lens that are not non-negative whole numbers, with the layers'
+            message; a mask of more than 4 axes or with a head axis of another size.
     """
     import torch
 
