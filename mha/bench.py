@@ -64,6 +64,13 @@ class Result:
     interval: tuple[float, float]  # 95% interval of the ratio (ratio_interval)
     rounds: int
 
+    @property
+    def mha_tflops(self) -> float:
+        """mha's rate in TFLOP/s: the forward's FLOPs (three times them forward and backward)
+        over mha's median time."""
+        flops = self.config.forward_flops() * (3 if self.pass_ == "forward+backward" else 1)
+        return flops / (self.mha_ms * 1e-3) / 1e12
+
     def as_dict(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
         row["pass"] = row.pop("pass_")
@@ -163,8 +170,10 @@ def run(
     need_weights: Sequence[bool] = (True, False),
     passes: Sequence[str] = PASSES,
     modes: Sequence[str] | None = None,
+    on_row: Callable[[Result], None] | None = None,
 ) -> tuple[list[Result], dict[str, Any]]:
-    """Time the rows selected; returns them and facts about the machine."""
+    """Time the rows selected; returns them and facts about the machine. `on_row` is given
+    each row as soon as it is measured."""
     budget, facts, results = budget or Budget(), machine(device, backends), []
     cases = [
         (backend, mode, Config(*shape[:4], lens, weights, dtype, device, *shape[4:]))
@@ -182,9 +191,10 @@ def run(
             progress(index, len(cases), f"{backend} {mode} {config.shape} {described}")
         calls = {p: c for p, c in BENCHES[backend].calls(config, mode).items() if p in passes}
         for pass_ in list(calls):  # popped: one config's layers and weights go before the next
-            results += _rows(
-                backend, mode, config, pass_, interleaved_times(calls.pop(pass_), budget)
-            )
+            rows = _rows(backend, mode, config, pass_, interleaved_times(calls.pop(pass_), budget))
+            results += rows
+            for row in rows if on_row else ():
+                on_row(row)
     if progress:
         progress(len(cases), len(cases), "done")
     facts["load_average_end"] = _load()
@@ -201,6 +211,16 @@ def _rows(backend, mode, config, pass_, times) -> list[Result]:
         median, interval = statistics.median(ratios), ratio_interval(ratios)
         rows.append(Result(backend, mode, config, pass_, name, *ms, median, interval, len(ours)))
     return rows
+
+
+def _row_line(r: Result) -> str:
+    """One measured row on a line, as `mha bench` prints it while it runs."""
+    lens, weights = r.config.valid_lens, r.config.need_weights
+    return (
+        f"{r.backend} {r.mode} {r.config.shape} valid_lens={lens} need_weights={weights} "
+        f"{r.pass_} against {r.builtin}: {r.ratio:.3f} ({r.mha_ms:.3g} ms, "
+        f"{r.mha_tflops:.3g} TFLOP/s)"
+    )
 
 
 def _load() -> list[float] | None:
@@ -227,6 +247,10 @@ def machine(device: str = "cpu", backends: Sequence[str] = ()) -> dict[str, Any]
         import torch
 
         device = torch.cuda.get_device_name(0)
+    elif device == "gpu" and "jax" in backends:
+        import jax
+
+        device = jax.devices("gpu")[0].device_kind
     a, b = np.random.default_rng(0).standard_normal((2, ROOFLINE_SIZE, ROOFLINE_SIZE), "float32")
     seconds = min(interleaved_times({"product": lambda: a @ b}, Budget(1, 5, 5, 0))["product"])
     return {
@@ -251,13 +275,14 @@ def markdown_table(results: Sequence[Result]) -> str:
     """The rows as a markdown table: ratio = mha / built-in, with its 95% interval."""
     lines = [
         "| backend | mode | (B, L, d, h[, kv]) | valid_lens | need_weights | pass | built-in "
-        "| mha ms | built-in ms | ratio | 95% interval | rounds |",
-        "|" + "---|" * 12,
+        "| mha ms | built-in ms | ratio | 95% interval | rounds | mha TFLOP/s |",
+        "|" + "---|" * 13,
     ]
     for r in results:
         row = (r.backend, r.mode, r.config.shape, "yes" if r.config.valid_lens else "no")
         row += (r.config.need_weights, r.pass_, r.builtin, f"{r.mha_ms:.2f}", f"{r.builtin_ms:.2f}")
         row += (f"{r.ratio:.3f}", f"{r.interval[0]:.3f} to {r.interval[1]:.3f}", r.rounds)
+        row += (f"{r.mha_tflops:.3g}",)
         lines.append("| " + " | ".join(map(str, row)) + " |")
     return "\n".join(lines)
 
@@ -393,6 +418,7 @@ def execute(arguments, out, err, progress=None) -> int:
         need_weights=chosen.get(arguments.need_weights, (True, False)),
         passes=PASSES if arguments.pass_ is None else (arguments.pass_,),
         modes=None if arguments.mode is None else (arguments.mode,),
+        on_row=lambda row: print(f"  {_row_line(row)}", file=err, flush=True),
     )
     facts["budget"] = dataclasses.asdict(budget)
     document = {"machine": facts, "results": [r.as_dict() for r in results], "skipped": skipped}

@@ -338,13 +338,18 @@ def _jax_calls(config: Config, mode: str) -> Calls:
 
     import mha
 
+    # Inputs and both layers' weights committed to the device asked for: the jitted calls run
+    # where their arguments are, whatever JAX's default device
+    device = jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
     X_np, lens_np = _inputs(config)
-    X = jnp.asarray(X_np, config.dtype)
-    valid_lens = None if lens_np is None else jnp.asarray(lens_np.astype("int32"))
+    X = jax.device_put(jnp.asarray(X_np, config.dtype), device)
+    valid_lens = None if lens_np is None else jax.device_put(lens_np.astype("int32"), device)
     n = config.length
     ours = _mha_layer("jax", config)
     theirs = mha.interop.to_flax(ours)
-    ours.eval(), theirs.eval()
+    for layer in (ours, theirs):
+        layer.eval()
+        nnx.update(layer, jax.device_put(nnx.state(layer), device))
 
     def keep(lens):  # Flax's mask (True = attend), made inside the call as mha makes its own
         return None if lens is None else (jnp.arange(n) < lens[:, None])[:, None, None, :]
@@ -393,6 +398,15 @@ def _jax_calls(config: Config, mode: str) -> Calls:
     return _passes(layers, forward, backward)
 
 
+def _jax_sees_gpu() -> bool:
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # no GPU backend
+        return False
+
+
 def _flax_has_num_kv_heads() -> bool:
     import inspect
 
@@ -431,5 +445,7 @@ BENCHES = {
     "tensorflow": Bench(_tensorflow_calls, dtypes=DTYPES, gpu=_tensorflow_sees_gpu),
     # MXNet 1.9: float16 on GPU only; neither the book nor Gluon has grouped-query attention
     "mxnet": Bench(_mxnet_calls, ("imperative", "hybridized"), grouped=lambda: False),
-    "jax": Bench(_jax_calls, ("jit",), dtypes=DTYPES, grouped=_flax_has_num_kv_heads),
+    "jax": Bench(
+        _jax_calls, ("jit",), dtypes=DTYPES, gpu=_jax_sees_gpu, grouped=_flax_has_num_kv_heads
+    ),
 }

@@ -50,7 +50,7 @@ def test_a_quick_run_prints_a_markdown_table_a_summary_and_progress():
     columns = [cell.strip() for cell in header.strip("|").split("|")]
     assert columns == [
         "backend", "mode", "(B, L, d, h[, kv])", "valid_lens", "need_weights", "pass", "built-in",
-        "mha ms", "built-in ms", "ratio", "95% interval", "rounds",
+        "mha ms", "built-in ms", "ratio", "95% interval", "rounds", "mha TFLOP/s",
     ]  # fmt: skip
     rows = [line for line in lines if line.startswith("| numpy |")]
     assert len(rows) == 4  # valid_lens x need_weights on one shape, forward only
@@ -61,6 +61,9 @@ def test_a_quick_run_prints_a_markdown_table_a_summary_and_progress():
     assert "rows above 1.10 against a built-in: none" in out  # the roofline is no built-in
     assert "[0/4]" in err and "[4/4] done" in err  # progress goes to stderr only
     assert "[0/4]" not in out
+    # Each row is printed to stderr as soon as it is measured, before the table
+    measured = [line for line in err.splitlines() if "against matmul roofline: " in line]
+    assert len(measured) == 4 and all("TFLOP/s" in line for line in measured)
 
 
 def test_every_installed_backend_gives_rows_with_ratios_and_intervals(tmp_path):
@@ -295,11 +298,14 @@ def test_markdown_table_and_summary():
                      (1.05, 1.2), 6),
     ]  # fmt: skip
     table = bench.markdown_table(rows).splitlines()
-    assert table[1] == "|" + "---|" * 12
+    assert table[1] == "|" + "---|" * 13
+    # 2 x (4 projections of 2 x 16 x 32 x 32 and 2 products of 2 x 16 x 16 x 32) multiply-adds
+    # = 327680 FLOPs in 1.5 ms, and three times that forward and backward in 3.3 ms
     assert table[2] == (
         "| torch | eager | (2, 16, 32, 4) | yes | False | forward | SDPA layer | 1.50 | 3.00 "
-        "| 0.500 | 0.450 to 0.550 | 6 |"
+        "| 0.500 | 0.450 to 0.550 | 6 | 0.000218 |"
     )
+    assert table[3].endswith("| 6 | 0.000298 |")
     assert bench.summary(rows) == [
         "torch: 2 rows, ratio to the built-ins 0.500 to 1.123",
         "rows above 1.10 against a built-in: 1",
