@@ -3,8 +3,10 @@
 This module owns the question "do the backends compute the same numbers?", so that the tests,
 `mha compare` and the notebooks all ask it the same way. The reference is always the NumPy
 backend run in float64; every backend (NumPy itself included) runs in the dtype asked for and
-is compared with it. It also owns the error table (ERRORS, `raised`): every bad input raises
-the NumPy backend's exception, with its message, in every backend.
+is compared with it. The cases `mha compare` runs are data here (default_cases); the test
+suite's own tables, its fuller agreement matrix and its table of bad inputs, live with the
+tests (tests/agreement_cases.py, tests/error_cases.py), so that importing the harness builds
+no test data.
 
     >>> from mha import harness
     >>> rows = harness.compare(backends=["numpy"], dtype="float32")
@@ -14,7 +16,6 @@ the NumPy backend's exception, with its message, in every backend.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -27,16 +28,13 @@ from mha.registry import load_backend, normalize_backend_name
 from mha.weights import random_weights, set_weights
 
 __all__ = [
-    "ERRORS",
     "GRADIENT_TOLERANCES",
     "TOLERANCES",
     "Case",
-    "ErrorCase",
     "Prepared",
     "Result",
     "Row",
     "Shapes",
-    "all_cases",
     "check",
     "compare",
     "default_cases",
@@ -44,7 +42,6 @@ __all__ = [
     "fit",
     "make_inputs",
     "prepare",
-    "raised",
     "run_case",
 ]
 
@@ -220,22 +217,25 @@ def default_cases() -> list[Case]:
                 config,
             ),
         ]
-    cases += [Case("MultiHeadAttention", masks, config) for masks, config in _OPTIONS]
+    cases += [Case("MultiHeadAttention", masks, config) for masks, config in OPTION_CASES]
     cases += [Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25})]
-    cases += [Case(layer, masks, config) for layer, masks, config in _EMPTY_ROWS_AND_BIASES]
-    cases += [Case(layer, masks, config) for layer, masks, config in _MODERN]
+    cases += [Case(layer, masks, config) for layer, masks, config in EMPTY_ROWS_AND_BIAS_CASES]
+    cases += [Case(layer, masks, config) for layer, masks, config in MODERN_CASES]
     cases += [Case("PositionalEncoding"), Case("AddNorm")]
     return cases
 
 
+# The tables of default_cases below; the test suite's matrix runs them too
+# (tests/agreement_cases.py).
+
 # A row with no key taking uniform weights, and biases added to the scores, on each layer
-_UNIFORM = {"empty_rows": "uniform"}
-_EMPTY_ROWS_AND_BIASES = (
-    ("masked_softmax", ("valid_lens_2d",), _UNIFORM),
-    ("DotProductAttention", ("valid_lens_1d",), _UNIFORM),
-    ("AdditiveAttention", ("mask_3d",), _UNIFORM),
-    ("MultiHeadAttention", ("valid_lens_1d",), _UNIFORM),
-    ("MultiHeadAttention", ("mask_4d", "no_weights"), _UNIFORM),
+UNIFORM = {"empty_rows": "uniform"}
+EMPTY_ROWS_AND_BIAS_CASES = (
+    ("masked_softmax", ("valid_lens_2d",), UNIFORM),
+    ("DotProductAttention", ("valid_lens_1d",), UNIFORM),
+    ("AdditiveAttention", ("mask_3d",), UNIFORM),
+    ("MultiHeadAttention", ("valid_lens_1d",), UNIFORM),
+    ("MultiHeadAttention", ("mask_4d", "no_weights"), UNIFORM),
     ("DotProductAttention", ("attn_bias",), {}),
     ("AdditiveAttention", ("valid_lens_1d", "attn_bias"), {}),
     ("MultiHeadAttention", ("valid_lens_1d", "attn_bias_4d"), {"scale": 1.0}),
@@ -244,7 +244,7 @@ _EMPTY_ROWS_AND_BIASES = (
 
 
 # The layer options beside bias, each on a path that reads it (the fused path without weights)
-_OPTIONS = (
+OPTION_CASES = (
     (("valid_lens_1d",), {"out_bias": True}),
     (("causal",), {"bias": True, "out_bias": False, "out_features": 5}),
     (("valid_lens_1d",), {"scale": 1.0}),
@@ -254,140 +254,24 @@ _OPTIONS = (
 
 # Grouped-query attention, rotary embeddings and sliding windows, each on the paths with and
 # without weights; 4 query heads share 2 or 1 key-value heads
-_GQA = {"num_heads": 4, "num_kv_heads": 2}
-_MQA = {"num_heads": 4, "num_kv_heads": 1}
-_ROPE = {"rope_theta": 10000.0}
-_MODERN = (
-    ("MultiHeadAttention", ("valid_lens_1d",), _GQA),
-    ("MultiHeadAttention", ("causal", "no_weights"), {**_MQA, "bias": True}),
-    ("MultiHeadAttention", ("valid_lens_2d",), _ROPE),
-    ("MultiHeadAttention", ("self", "causal", "no_weights"), {**_ROPE, "rope_interleaved": True}),
+GQA = {"num_heads": 4, "num_kv_heads": 2}
+MQA = {"num_heads": 4, "num_kv_heads": 1}
+ROPE = {"rope_theta": 10000.0}
+MODERN_CASES = (
+    ("MultiHeadAttention", ("valid_lens_1d",), GQA),
+    ("MultiHeadAttention", ("causal", "no_weights"), {**MQA, "bias": True}),
+    ("MultiHeadAttention", ("valid_lens_2d",), ROPE),
+    ("MultiHeadAttention", ("self", "causal", "no_weights"), {**ROPE, "rope_interleaved": True}),
     # Llama: grouped-query attention with rotary embeddings, causal, with padding
-    ("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), {**_GQA, **_ROPE}),
+    ("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), {**GQA, **ROPE}),
     ("MultiHeadAttention", ("square", "causal"), {"sliding_window": 2}),
-    ("MultiHeadAttention", ("mask_3d", "no_weights"), {**_GQA, "sliding_window": 3}),
+    ("MultiHeadAttention", ("mask_3d", "no_weights"), {**GQA, "sliding_window": 3}),
     ("DotProductAttention", ("valid_lens_1d",), {"sliding_window": 2}),
     ("AdditiveAttention", ("causal",), {"sliding_window": 3}),
     ("RotaryEmbedding", (), {}),
     ("RotaryEmbedding", ("offset",), {"interleaved": True, "theta": 100.0}),
     ("LearnedPositionalEncoding", (), {"max_len": 9}),
 )
-
-
-def all_cases() -> list[Case]:
-    """The full matrix the test suite runs: every layer, every mask kind alone, and the
-    combinations, with as many keys as queries, with fewer queries than keys and with more;
-    every kind of valid_lens and boolean mask, and the input ranks masked_softmax and AddNorm
-    take."""
-    cases = [
-        Case("masked_softmax", masks)
-        for masks in (
-            (),
-            ("valid_lens_1d",),
-            ("valid_lens_2d",),
-            ("square", "valid_lens_2d"),
-            ("rank_2",),
-            ("rank_2", "valid_lens_1d", "lens_float"),
-            ("rank_4", "valid_lens_1d"),
-            ("rank_4", "valid_lens_2d", "lens_int32"),
-        )
-    ]
-    single = (
-        (),
-        ("valid_lens_1d",),
-        ("valid_lens_2d",),
-        ("mask_2d",),
-        ("mask_3d",),
-        ("causal",),
-        ("square", "causal"),
-        ("window_mask",),
-        ("valid_lens_1d", "causal"),
-        ("valid_lens_2d", "mask_3d", "window_mask"),
-        ("square", "valid_lens_2d", "mask_2d", "causal", "window_mask"),
-        ("self", "valid_lens_1d", "mask_3d"),
-    )
-    # Each layer once: the other mask kinds, dtypes of valid_lens, and more queries than keys
-    more = (
-        ("mask_1d",),
-        ("mask_keys",),
-        ("window_bool",),
-        ("valid_lens_1d", "lens_float"),
-        ("valid_lens_2d", "lens_int32", "window_bool"),
-        ("tall", "causal"),
-        ("tall", "valid_lens_1d", "mask_keys", "causal", "window_mask"),
-    )
-    for layer in ("DotProductAttention", "AdditiveAttention"):
-        cases += [Case(layer, masks) for masks in (*single, *more)]
-    multihead = (
-        *single,
-        ("mask_4d",),
-        ("head_mask",),
-        ("no_weights",),
-        ("valid_lens_2d", "no_weights"),
-        ("square", "causal", "no_weights"),
-        ("mask_4d", "window_mask", "no_weights"),
-        ("valid_lens_1d", "mask_4d", "head_mask"),
-        ("square", "valid_lens_2d", "mask_3d", "causal", "window_mask", "head_mask"),
-        ("self",),
-        ("self", "no_weights"),
-        ("self", "valid_lens_1d", "no_weights"),
-        ("self", "valid_lens_1d", "mask_4d"),
-        ("self", "valid_lens_2d", "causal", "window_mask", "head_mask", "no_weights"),
-        ("valid_lens_2d", "mask_4d", "causal", "window_mask", "head_mask", "no_weights"),
-    )
-    for bias in (False, True):
-        cases += [Case("MultiHeadAttention", masks, {"bias": bias}) for masks in multihead]
-    # The masks above on every path of multi-head attention (with and without weights), once
-    multihead_more = (
-        *more,
-        ("mask_4d_heads",),
-        ("mask_4d_batch",),
-        ("head_mask_2d",),
-        ("head_mask_bool",),
-        ("mask_2d", "no_weights"),
-        ("mask_keys", "window_mask", "no_weights"),
-        ("valid_lens_1d", "lens_float", "window_bool", "no_weights"),
-        ("tall", "causal", "no_weights"),
-        ("valid_lens_2d", "mask_4d_batch", "causal", "window_bool", "head_mask_2d"),
-        ("self", "mask_keys", "window_bool", "head_mask_bool", "no_weights"),
-    )
-    cases += [Case("MultiHeadAttention", masks, {"bias": True}) for masks in multihead_more]
-    cases += [Case("MultiHeadAttention", masks, config) for masks, config in _OPTIONS]
-    cases += [
-        Case("MultiHeadAttention", ("self", "causal", "no_weights"), {"scale": 0.5}),
-        Case("MultiHeadAttention", ("mask_4d", "window_mask"), {"scale": 2.0, "out_bias": True}),
-        Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25}),
-        Case("DotProductAttention", ("mask_3d", "window_mask"), {"scale": 1.0}),
-    ]
-    cases += [Case(layer, masks, config) for layer, masks, config in _EMPTY_ROWS_AND_BIASES]
-    cases += [Case(layer, masks, config) for layer, masks, config in _MODERN]
-    cases += [
-        Case("MultiHeadAttention", ("tall", "causal"), {**_MQA, **_ROPE, "sliding_window": 2}),
-        Case("MultiHeadAttention", ("self", "valid_lens_2d", "no_weights"), {**_GQA, **_ROPE}),
-        Case("MultiHeadAttention", ("valid_lens_1d", "attn_bias"), {**_GQA, "bias": True}),
-        Case("MultiHeadAttention", ("square",), {"rope_theta": 500000.0, "num_hiddens": 16}),
-        Case("DotProductAttention", ("square", "causal", "window_bool"), {"sliding_window": 1}),
-        Case("AdditiveAttention", ("tall", "valid_lens_2d"), {"sliding_window": 2}),
-        Case("RotaryEmbedding", (), {"num_hiddens": 2}),
-    ]
-    cases += [
-        Case("masked_softmax", ("rank_4", "valid_lens_1d"), _UNIFORM),
-        Case("DotProductAttention", ("square", "causal", "window_mask"), _UNIFORM),
-        Case("AdditiveAttention", ("valid_lens_2d", "window_bool"), _UNIFORM),
-        Case("MultiHeadAttention", ("self", "valid_lens_2d", "causal", "no_weights"), _UNIFORM),
-        Case("MultiHeadAttention", ("valid_lens_2d", "mask_4d", "head_mask"), _UNIFORM),
-        Case("DotProductAttention", ("valid_lens_2d", "attn_bias", "window_mask"), _UNIFORM),
-        Case("MultiHeadAttention", ("mask_4d", "attn_bias_4d", "causal", "no_weights"), {}),
-        Case("MultiHeadAttention", ("self", "attn_bias", "window_bool"), {"bias": True}),
-    ]
-    return [
-        *cases,
-        Case("PositionalEncoding"),
-        Case("PositionalEncoding", (), {"num_hiddens": 7}),  # odd: the last column a sine
-        Case("AddNorm"),
-        Case("AddNorm", ("rank_2",)),
-        Case("AddNorm", ("rank_4",), {"eps": 1e-3}),
-    ]
 
 
 def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, Any]:
@@ -944,244 +828,3 @@ def compare(
     if progress is not None:
         progress(total, total, "done")
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# The error table: every bad input raises the same exception, with the same message, in every
-# backend (the NumPy backend's is the expected one; tests/test_validation.py spells out its
-# messages)
-
-
-@dataclasses.dataclass(frozen=True)
-class ErrorCase:
-    """One bad input.
-
-    layer: (class name, args, kwargs) of the layer to build, or None for masked_softmax.
-    args, kwargs: the call's; numpy arrays among them become the backend's tensors (one tensor
-        per array, so that an array passed three times is self-attention's one tensor). args
-        None: building the layer must raise.
-    first: arguments of a call made first, which must succeed (a lazy layer infers its sizes).
-    weights: canonical weights given to mha.set_weights instead of a call.
-    without_gradients: the call runs in the backend's `without_gradients()`, where it has one,
-        as inference runs it.
-    """
-
-    layer: tuple[str, tuple[Any, ...], Mapping[str, Any]] | None
-    args: tuple[Any, ...] | None = None
-    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    first: tuple[Any, ...] | None = None
-    weights: Mapping[str, Any] | None = None
-    without_gradients: bool = False
-
-
-def raised(backend: str, case: ErrorCase) -> tuple[type[BaseException], str] | None:
-    """The type and message of the exception `case` raises on `backend`; None if none."""
-    module = load_backend(backend)
-    tensors: dict[int, Any] = {}
-
-    def tensor(value: Any) -> Any:
-        if not isinstance(value, np.ndarray):
-            return value
-        if id(value) not in tensors:
-            tensors[id(value)] = module.from_numpy(value)
-        return tensors[id(value)]
-
-    inference = contextlib.nullcontext()
-    if case.without_gradients and hasattr(module, "without_gradients"):
-        inference = module.without_gradients()
-    try:
-        args = None if case.args is None else [tensor(value) for value in case.args]
-        kwargs = {key: tensor(value) for key, value in case.kwargs.items()}
-        if case.layer is None:
-            module.masked_softmax(*args, **kwargs)
-            return None
-        class_name, layer_args, layer_kwargs = case.layer
-        layer = getattr(module, class_name)(*layer_args, **layer_kwargs)
-        if case.first is not None:
-            layer(*[tensor(value) for value in case.first])
-        if case.weights is not None:
-            set_weights(layer, dict(case.weights))
-        if args is not None:
-            with inference:
-                layer(*args, **kwargs)
-    except Exception as error:  # the type is compared too: any exception is an answer
-        return type(error), str(error)
-    return None
-
-
-def _zeros(*shape: int, dtype: str = "float32") -> np.ndarray:
-    return np.zeros(shape, dtype=dtype)
-
-
-def _error_table() -> dict[str, ErrorCase]:
-    B, Q, K = 2, 3, 5
-    f = _zeros
-    qkv = (f(B, Q, 4), f(B, K, 4), f(B, K, 6))
-    mha = ("MultiHeadAttention", (8, 2), {"query_size": 4, "key_size": 4, "value_size": 6})
-    dot = ("DotProductAttention", (), {})
-    add = ("AdditiveAttention", (8,), {"query_size": 4, "key_size": 4})
-    # Self-attention: one array as queries, keys and values, in a sized layer
-    own = ("MultiHeadAttention", (4, 2), {"query_size": 4, "key_size": 4, "value_size": 4})
-    x = f(B, Q, 4)
-    weights = random_weights(
-        "MultiHeadAttention", num_hiddens=8, num_heads=2, query_size=4, key_size=4, value_size=6
-    )
-    # Four problems: one missing, one unexpected, one transposed, one of the wrong shape
-    bad_weights = {**weights, "W_q": weights["W_q"].T, "W_o": weights["W_o"][:, :3]}
-    bad_weights["W_x"] = bad_weights.pop("W_v")
-
-    def build(class_name, *args, **kwargs):
-        return ErrorCase((class_name, args, kwargs))
-
-    def call(layer, *args, **kwargs):
-        return ErrorCase(layer, args, kwargs)
-
-    def inference(*args, **kwargs):
-        return ErrorCase(own, args, {"need_weights": False, **kwargs}, without_gradients=True)
-
-    return {
-        # constructors
-        "num_hiddens zero": build("MultiHeadAttention", 0, 1),
-        "num_hiddens float": build("AdditiveAttention", 2.5),
-        "num_heads negative": build("MultiHeadAttention", 8, -2),
-        "num_heads zero": build("MultiHeadAttention", 8, 0),
-        "not divisible": build("MultiHeadAttention", 100, 3),
-        "dropout one": build("DotProductAttention", 1.0),
-        "dropout negative": build("PositionalEncoding", 4, -0.1),
-        "bias not bool": build("MultiHeadAttention", 8, 2, bias=1),
-        "out_bias not bool": build("MultiHeadAttention", 8, 2, out_bias="no"),
-        "out_features zero": build("MultiHeadAttention", 8, 2, out_features=0),
-        "scale not finite": build("MultiHeadAttention", 8, 2, scale=float("inf")),
-        "scale not a number": build("DotProductAttention", scale="0.5"),
-        "empty_rows unknown": build("MultiHeadAttention", 8, 2, empty_rows="nan"),
-        "empty_rows not a string": build("AdditiveAttention", 4, empty_rows=0),
-        "query_size zero": build("MultiHeadAttention", 8, 2, query_size=0),
-        "query_size negative (additive)": build("AdditiveAttention", 4, query_size=-1),
-        "max_len zero": build("PositionalEncoding", 4, max_len=0),
-        "eps negative": build("AddNorm", 4, eps=-1e-5),
-        "eps zero": build("AddNorm", 4, eps=0.0),
-        "dtype unknown": build("DotProductAttention", dtype="int32"),
-        "dtype unknown (additive)": build("AdditiveAttention", 4, dtype="int32"),
-        "num_kv_heads zero": build("MultiHeadAttention", 8, 2, num_kv_heads=0),
-        "num_kv_heads not a divisor": build("MultiHeadAttention", 12, 4, num_kv_heads=3),
-        "rope_theta negative": build("MultiHeadAttention", 8, 2, rope_theta=-1.0),
-        "rope_theta not a number": build("MultiHeadAttention", 8, 2, rope_theta="1e4"),
-        "rope odd head size": build("MultiHeadAttention", 6, 2, rope_theta=10000.0),
-        "rope_interleaved not bool": build("MultiHeadAttention", 8, 2, rope_interleaved=1),
-        "sliding_window zero": build("DotProductAttention", sliding_window=0),
-        "sliding_window float": build("MultiHeadAttention", 8, 2, sliding_window=2.0),
-        "sliding_window negative (additive)": build("AdditiveAttention", 4, sliding_window=-1),
-        "rotary odd size": build("RotaryEmbedding", 5),
-        "rotary theta zero": build("RotaryEmbedding", 4, theta=0),
-        "rotary interleaved not bool": build("RotaryEmbedding", 4, interleaved="yes"),
-        # inputs
-        "queries rank 2": call(mha, f(Q, 4), *qkv[1:]),
-        "keys rank 4": call(mha, qkv[0], f(B, K, 4, 1), qkv[2]),
-        "queries wrong dtype": call(mha, f(B, Q, 4, dtype="float64"), *qkv[1:]),
-        "values integer": call(dot, *qkv[:2], f(B, K, 6, dtype="int64")),
-        "batch sizes differ": call(mha, qkv[0], f(3, K, 4), qkv[2]),
-        "keys and values lengths differ": call(mha, *qkv[:2], f(B, 4, 6)),
-        "no keys": call(dot, qkv[0], f(B, 0, 4), f(B, 0, 6)),
-        "no queries": call(mha, f(B, 0, 4), *qkv[1:]),
-        "query_size mismatch": call(mha, f(B, Q, 5), *qkv[1:]),
-        "value_size mismatch": call(mha, *qkv[:2], f(B, K, 7)),
-        "key_size mismatch (additive)": call(add, qkv[0], f(B, K, 3), qkv[2]),
-        "dot product sizes differ": call(dot, qkv[0], f(B, K, 3), qkv[2]),
-        "queries not a tensor": call(dot, [[1.0]], *qkv[1:]),
-        "size inferred at the first call": ErrorCase(
-            ("MultiHeadAttention", (8, 2), {}), (f(B, Q, 5), *qkv[1:]), first=qkv
-        ),
-        # valid_lens
-        "valid_lens wrong batch": call(mha, *qkv, valid_lens=np.array([1, 2, 3])),
-        "valid_lens rank 3": call(mha, *qkv, valid_lens=np.ones((B, Q, 1), "int64")),
-        "valid_lens bool": call(dot, *qkv, valid_lens=np.array([True, False])),
-        "valid_lens negative": call(mha, *qkv, valid_lens=np.array([2, -1])),
-        "valid_lens negative int32": call(dot, *qkv, valid_lens=np.array([-3, 2], "int32")),
-        "valid_lens negative float": call(add, *qkv, valid_lens=np.array([2.0, -3.0], "float32")),
-        "valid_lens fractional": call(mha, *qkv, valid_lens=np.array([2.0, 1.5])),
-        "valid_lens 2-D wrong queries": call(dot, *qkv, valid_lens=np.ones((B, Q + 1), "int32")),
-        # masks
-        "mask not bool": call(mha, *qkv, mask=f(Q, K)),
-        "mask wrong keys": call(mha, *qkv, mask=np.ones((Q, K - 1), bool)),
-        "mask wrong queries": call(dot, *qkv, mask=np.ones((B, Q + 1, K), bool)),
-        "mask 4-D wrong heads": call(mha, *qkv, mask=np.ones((B, 3, Q, K), bool)),
-        "mask 4-D wrong batch": call(mha, *qkv, mask=np.ones((3, 2, Q, K), bool)),
-        "mask 4-D on single head": call(dot, *qkv, mask=np.ones((B, 1, Q, K), bool)),
-        "mask 5-D": call(mha, *qkv, mask=np.ones((1, B, 2, Q, K), bool)),
-        "attn_bias bool": call(dot, *qkv, attn_bias=np.ones((B, Q, K), bool)),
-        "attn_bias wrong dtype": call(mha, *qkv, attn_bias=f(B, Q, K, dtype="float64")),
-        "attn_bias wrong keys": call(add, *qkv, attn_bias=f(B, Q, K + 1)),
-        "attn_bias 4-D wrong heads": call(mha, *qkv, attn_bias=f(1, 3, Q, K)),
-        "attn_bias 4-D on single head": call(dot, *qkv, attn_bias=f(1, 1, Q, K)),
-        "causal not bool": call(dot, *qkv, causal="yes"),
-        "causal int": call(mha, *qkv, causal=1),
-        "need_weights not bool": call(mha, *qkv, need_weights=None),
-        "window_mask rank 2": call(mha, *qkv, window_mask=np.ones((Q, K), bool)),
-        "window_mask not a batch divisor": call(mha, *qkv, window_mask=np.ones((3, Q, K), bool)),
-        "window_mask wrong keys": call(add, *qkv, window_mask=np.ones((1, Q, K + 1), bool)),
-        "window_mask integer": call(mha, *qkv, window_mask=np.ones((1, Q, K), "int32")),
-        "window_mask float64": call(dot, *qkv, window_mask=f(1, Q, K, dtype="float64")),
-        "head_mask wrong size": call(mha, *qkv, head_mask=f(3)),
-        "head_mask wrong dtype": call(mha, *qkv, head_mask=f(2, dtype="float64")),
-        "head_mask integer": call(mha, *qkv, head_mask=np.ones(2, "int64")),
-        "head_mask 2-D wrong batch": call(mha, *qkv, head_mask=f(3, 2)),
-        # masked_softmax, PositionalEncoding, AddNorm
-        "masked_softmax integer scores": call(None, np.ones((B, Q), "int64")),
-        "masked_softmax rank 1": call(None, np.ones(3, "float32")),
-        "masked_softmax not a tensor": call(None, "scores"),
-        "masked_softmax no keys": call(None, f(B, Q, 0)),
-        "masked_softmax wrong lengths": call(None, f(B, Q, K), np.array([1, 2, 3])),
-        "masked_softmax 2-D lengths of rank 2": call(None, f(B, K), np.ones((B, Q), "int64")),
-        "masked_softmax negative": call(None, f(B, Q, K), np.array([1, -1])),
-        "masked_softmax fractional": call(None, f(B, Q, K), np.array([0.5, 1.0])),
-        "sequence longer than max_len": call(
-            ("PositionalEncoding", (4,), {"max_len": 2}), f(B, Q, 4)
-        ),
-        "encoding size mismatch": call(("PositionalEncoding", (5,), {}), f(B, Q, 4)),
-        "learned encoding longer than max_len": call(
-            ("LearnedPositionalEncoding", (4,), {"max_len": 2}), f(B, Q, 4)
-        ),
-        "learned encoding max_len zero": build("LearnedPositionalEncoding", 4, max_len=0),
-        "add_norm shapes differ": call(("AddNorm", (4,), {}), f(B, Q, 4), f(B, 2, 4)),
-        "add_norm wrong dtype": call(
-            ("AddNorm", (4,), {}), f(B, Q, 4), f(B, Q, 4, dtype="float64")
-        ),
-        "add_norm rank 1": call(("AddNorm", (4,), {}), f(4), f(4)),
-        "rotary rank 1": call(("RotaryEmbedding", (4,), {}), f(4)),
-        "rotary size mismatch": call(("RotaryEmbedding", (4,), {}), f(B, Q, 6)),
-        "rotary wrong dtype": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4, dtype="float64")),
-        "rotary offset negative": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4), offset=-1),
-        "rotary offset float": call(("RotaryEmbedding", (4,), {}), f(B, Q, 4), offset=1.0),
-        "gqa value_size mismatch": call(
-            ("MultiHeadAttention", (8, 4), {"num_kv_heads": 2, "value_size": 6}),
-            *qkv[:2],
-            f(B, K, 5),
-        ),
-        # mha.set_weights: every problem listed, with the layer's config (sizes inferred so
-        # far, None while lazy)
-        "set_weights problems": ErrorCase(mha, weights=bad_weights),
-        "set_weights problems (lazy)": ErrorCase(
-            ("MultiHeadAttention", (8, 2), {"query_size": 4}), weights=bad_weights
-        ),
-        # Self-attention without weights or gradients, inference's commonest call
-        "self wrong dtype (inference)": inference(*(f(B, Q, 4, dtype="float64"),) * 3),
-        "self rank 2 (inference)": inference(*(f(B, 4),) * 3),
-        "self no positions (inference)": inference(*(f(B, 0, 4),) * 3),
-        "self query_size mismatch (inference)": inference(*(f(B, Q, 5),) * 3),
-        "self valid_lens wrong batch (inference)": inference(x, x, x, np.array([1, 2, 3])),
-        "self valid_lens 2-D wrong queries (inference)": inference(
-            x, x, x, np.ones((B, Q + 1), "int64")
-        ),
-        "self valid_lens bool (inference)": inference(x, x, x, np.array([True, False])),
-        "self valid_lens negative (inference)": inference(x, x, x, np.array([1, -2])),
-        "self valid_lens negative int32 (inference)": inference(
-            x, x, x, np.array([-3, 2], "int32")
-        ),
-        "self valid_lens fractional (inference)": inference(
-            x, x, x, np.array([1.5, 2.0], "float32")
-        ),
-    }
-
-
-# id -> the bad input; tests/test_errors.py runs every one on every backend
-ERRORS: dict[str, ErrorCase] = _error_table()

@@ -1,7 +1,8 @@
 """Every backend computes the NumPy reference's numbers, from one weight set and the same inputs.
 
-Parametrized over backend x layer and masks x dtype through mha.harness, the one agreement
-matrix (cases, inputs and tolerances included): the backend files hold no other. Gradients are
+Parametrized over backend x layer and masks x dtype: the cases of agreement_cases.py, the one
+agreement matrix, whose inputs, references and tolerances are mha.harness's; the backend files
+hold no other. Gradients are
 compared with float64 central differences of the reference and, between autograd backends,
 with each other; the forward pass runs with and without gradients; masked keys and rows with
 no key must give exactly 0. Beside it, one hand-worked case no random input reaches: logits
@@ -15,12 +16,13 @@ import numpy as np
 import pytest
 
 import mha
+from agreement_cases import all_cases
 from conftest import backend_module, backend_params
 from mha import harness
 from mha.backends import numpy as N
 from mha.registry import BACKENDS
 
-CASES = harness.all_cases()
+CASES = all_cases()
 DTYPES = ("float32", "float64")
 AUTOGRAD = [name for name in BACKENDS if name != "numpy"]
 

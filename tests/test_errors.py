@@ -1,27 +1,36 @@
 """The error table: every bad input raises the same exception, with the same message, in every
-backend. The table is mha.harness.ERRORS (so that `mha compare` can ask it too); the NumPy
-backend's exception is the expected one, and is itself pinned down, message by message, in
-test_validation.py."""
+backend. The table is error_cases.ERRORS; the NumPy backend's exception is the expected one,
+and is itself pinned down, message by message, in test_validation.py."""
 
 import pytest
 
 from conftest import backend_module, backend_params
-from mha import harness
+from error_cases import ERRORS, TABLES, ErrorCase, raised
 
 
-def test_the_table_is_large_enough():
-    assert len(harness.ERRORS) >= 80
+def test_the_table_is_large_enough_and_its_ids_distinct():
+    assert len(ERRORS) >= 80
+    assert len(ERRORS) == sum(len(table) for table in TABLES)
 
 
-@pytest.mark.parametrize("case", harness.ERRORS)
+@pytest.mark.numpy
+def test_raised_gives_the_type_and_message_or_none():
+    # Expected: the NumPy backend's own error for a bad constructor; None for a good layer
+    # (which test_same_error_in_every_backend then reports as a failure, not an agreement)
+    error_type, message = raised("numpy", ERRORS["num_heads zero"])
+    assert error_type is ValueError and "num_heads" in message and "Received" in message
+    assert raised("numpy", ErrorCase(("DotProductAttention", (), {}))) is None
+
+
+@pytest.mark.parametrize("case", ERRORS)
 @pytest.mark.parametrize("name", backend_params())
 def test_same_error_in_every_backend(name, case):
     backend_module(name)
-    expected = harness.raised("numpy", harness.ERRORS[case])
+    expected = raised("numpy", ERRORS[case])
     assert expected is not None, f"the NumPy backend raises nothing for {case!r}"
     assert expected[0] in (ValueError, TypeError)
     assert "Received" in expected[1] or expected[1].startswith("set_weights found")
-    actual = harness.raised(name, harness.ERRORS[case])
+    actual = raised(name, ERRORS[case])
     assert actual is not None, f"{name} raises nothing for {case!r}"
     assert actual[0] is expected[0], actual
     assert actual[1] == expected[1]

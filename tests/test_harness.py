@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from agreement_cases import all_cases
 from conftest import backend_module
 from mha import harness
 
@@ -157,17 +158,9 @@ def test_shape_and_dtype_variants():
 
 
 def test_all_cases_use_only_known_masks_and_are_distinct():
-    cases = harness.all_cases()
+    cases = all_cases()
     assert len({case.id for case in cases}) == len(cases)
     assert {mask for case in cases for mask in case.masks} == set(harness.MASKS)
-
-
-def test_raised_gives_the_type_and_message_or_none():
-    # Expected: the NumPy backend's own error for a bad constructor; None for a good layer
-    # (which tests/test_errors.py then reports as a failure, not an agreement)
-    error_type, message = harness.raised("numpy", harness.ERRORS["num_heads zero"])
-    assert error_type is ValueError and "num_heads" in message and "Received" in message
-    assert harness.raised("numpy", harness.ErrorCase(("DotProductAttention", (), {}))) is None
 
 
 # Every size `mha compare` accepts up to 12 features: num_hiddens with each of its divisors as
@@ -222,7 +215,7 @@ def test_fit_takes_the_nearest_sizes_that_fit_and_only_where_needed():
     # options need it takes the nearest larger sizes that fit, and a case with no such option
     # keeps the sizes given (a num_heads that does not divide num_hiddens stays the caller's
     # error)
-    assert all(harness.fit(case, harness.Shapes()) == case for case in harness.all_cases())
+    assert all(harness.fit(case, harness.Shapes()) == case for case in all_cases())
     gqa = harness.Case("MultiHeadAttention", (), {"num_heads": 4, "num_kv_heads": 2})
     rope = harness.Case("MultiHeadAttention", (), {"rope_theta": 10000.0})
     pinned = harness.Case("MultiHeadAttention", (), {"rope_theta": 1.0, "num_hiddens": 16})

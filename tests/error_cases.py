@@ -1,0 +1,276 @@
+"""The error table: every bad input raises the same exception, with the same message, in every
+backend. tests/test_errors.py runs every entry of ERRORS on every backend; the NumPy backend's
+exception is the expected one, and tests/test_validation.py spells out its messages.
+
+Each entry is data (an ErrorCase: the layer to build, the call to make or the weights to set),
+grouped in tables by what goes wrong; `raised` makes one on a backend and returns what it
+raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from mha.registry import load_backend
+from mha.weights import random_weights, set_weights
+
+# (class name, args, kwargs) of a layer to build
+Layer = tuple[str, tuple[Any, ...], Mapping[str, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorCase:
+    """One bad input.
+
+    layer: (class name, args, kwargs) of the layer to build, or None for masked_softmax.
+    args, kwargs: the call's; numpy arrays among them become the backend's tensors (one tensor
+        per array, so that an array passed three times is self-attention's one tensor). args
+        None: building the layer must raise.
+    first: arguments of a call made first, which must succeed (a lazy layer infers its sizes).
+    weights: canonical weights given to mha.set_weights instead of a call.
+    without_gradients: the call runs in the backend's `without_gradients()`, where it has one,
+        as inference runs it.
+    """
+
+    layer: Layer | None
+    args: tuple[Any, ...] | None = None
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    first: tuple[Any, ...] | None = None
+    weights: Mapping[str, Any] | None = None
+    without_gradients: bool = False
+
+
+def raised(backend: str, case: ErrorCase) -> tuple[type[BaseException], str] | None:
+    """The type and message of the exception `case` raises on `backend`; None if none."""
+    module = load_backend(backend)
+    tensors: dict[int, Any] = {}
+
+    def tensor(value: Any) -> Any:
+        if not isinstance(value, np.ndarray):
+            return value
+        if id(value) not in tensors:
+            tensors[id(value)] = module.from_numpy(value)
+        return tensors[id(value)]
+
+    inference = contextlib.nullcontext()
+    if case.without_gradients and hasattr(module, "without_gradients"):
+        inference = module.without_gradients()
+    try:
+        args = None if case.args is None else [tensor(value) for value in case.args]
+        kwargs = {key: tensor(value) for key, value in case.kwargs.items()}
+        if case.layer is None:
+            module.masked_softmax(*args, **kwargs)
+            return None
+        class_name, layer_args, layer_kwargs = case.layer
+        layer = getattr(module, class_name)(*layer_args, **layer_kwargs)
+        if case.first is not None:
+            layer(*[tensor(value) for value in case.first])
+        if case.weights is not None:
+            set_weights(layer, dict(case.weights))
+        if args is not None:
+            with inference:
+                layer(*args, **kwargs)
+    except Exception as error:  # the type is compared too: any exception is an answer
+        return type(error), str(error)
+    return None
+
+
+# The builders of the tables' entries
+
+
+def build(class_name: str, *args: Any, **kwargs: Any) -> ErrorCase:
+    """Building the layer must raise."""
+    return ErrorCase((class_name, args, kwargs))
+
+
+def call(layer: Layer | None, *args: Any, **kwargs: Any) -> ErrorCase:
+    """Calling `layer` (masked_softmax when None) with args and kwargs must raise."""
+    return ErrorCase(layer, args, kwargs)
+
+
+def inference(*args: Any, **kwargs: Any) -> ErrorCase:
+    """Self-attention without weights or gradients, inference's commonest call, must raise."""
+    return ErrorCase(OWN, args, {"need_weights": False, **kwargs}, without_gradients=True)
+
+
+def zeros(*shape: int, dtype: str = "float32") -> np.ndarray:
+    return np.zeros(shape, dtype=dtype)
+
+
+f = zeros  # short, so that a table's entry reads on one line
+
+# The inputs and layers the calls share: batch, queries, keys; queries, keys, values
+B, Q, K = 2, 3, 5
+QKV = (f(B, Q, 4), f(B, K, 4), f(B, K, 6))
+MHA = ("MultiHeadAttention", (8, 2), {"query_size": 4, "key_size": 4, "value_size": 6})
+DOT = ("DotProductAttention", (), {})
+ADD = ("AdditiveAttention", (8,), {"query_size": 4, "key_size": 4})
+# Self-attention: one array as queries, keys and values, in a sized layer
+OWN = ("MultiHeadAttention", (4, 2), {"query_size": 4, "key_size": 4, "value_size": 4})
+X = f(B, Q, 4)
+
+CONSTRUCTORS = {
+    "num_hiddens zero": build("MultiHeadAttention", 0, 1),
+    "num_hiddens float": build("AdditiveAttention", 2.5),
+    "num_heads negative": build("MultiHeadAttention", 8, -2),
+    "num_heads zero": build("MultiHeadAttention", 8, 0),
+    "not divisible": build("MultiHeadAttention", 100, 3),
+    "dropout one": build("DotProductAttention", 1.0),
+    "dropout negative": build("PositionalEncoding", 4, -0.1),
+    "bias not bool": build("MultiHeadAttention", 8, 2, bias=1),
+    "out_bias not bool": build("MultiHeadAttention", 8, 2, out_bias="no"),
+    "out_features zero": build("MultiHeadAttention", 8, 2, out_features=0),
+    "scale not finite": build("MultiHeadAttention", 8, 2, scale=float("inf")),
+    "scale not a number": build("DotProductAttention", scale="0.5"),
+    "empty_rows unknown": build("MultiHeadAttention", 8, 2, empty_rows="nan"),
+    "empty_rows not a string": build("AdditiveAttention", 4, empty_rows=0),
+    "query_size zero": build("MultiHeadAttention", 8, 2, query_size=0),
+    "query_size negative (additive)": build("AdditiveAttention", 4, query_size=-1),
+    "max_len zero": build("PositionalEncoding", 4, max_len=0),
+    "eps negative": build("AddNorm", 4, eps=-1e-5),
+    "eps zero": build("AddNorm", 4, eps=0.0),
+    "dtype unknown": build("DotProductAttention", dtype="int32"),
+    "dtype unknown (additive)": build("AdditiveAttention", 4, dtype="int32"),
+    "num_kv_heads zero": build("MultiHeadAttention", 8, 2, num_kv_heads=0),
+    "num_kv_heads not a divisor": build("MultiHeadAttention", 12, 4, num_kv_heads=3),
+    "rope_theta negative": build("MultiHeadAttention", 8, 2, rope_theta=-1.0),
+    "rope_theta not a number": build("MultiHeadAttention", 8, 2, rope_theta="1e4"),
+    "rope odd head size": build("MultiHeadAttention", 6, 2, rope_theta=10000.0),
+    "rope_interleaved not bool": build("MultiHeadAttention", 8, 2, rope_interleaved=1),
+    "sliding_window zero": build("DotProductAttention", sliding_window=0),
+    "sliding_window float": build("MultiHeadAttention", 8, 2, sliding_window=2.0),
+    "sliding_window negative (additive)": build("AdditiveAttention", 4, sliding_window=-1),
+    "rotary odd size": build("RotaryEmbedding", 5),
+    "rotary theta zero": build("RotaryEmbedding", 4, theta=0),
+    "rotary interleaved not bool": build("RotaryEmbedding", 4, interleaved="yes"),
+}
+
+INPUTS = {
+    "queries rank 2": call(MHA, f(Q, 4), *QKV[1:]),
+    "keys rank 4": call(MHA, QKV[0], f(B, K, 4, 1), QKV[2]),
+    "queries wrong dtype": call(MHA, f(B, Q, 4, dtype="float64"), *QKV[1:]),
+    "values integer": call(DOT, *QKV[:2], f(B, K, 6, dtype="int64")),
+    "batch sizes differ": call(MHA, QKV[0], f(3, K, 4), QKV[2]),
+    "keys and values lengths differ": call(MHA, *QKV[:2], f(B, 4, 6)),
+    "no keys": call(DOT, QKV[0], f(B, 0, 4), f(B, 0, 6)),
+    "no queries": call(MHA, f(B, 0, 4), *QKV[1:]),
+    "query_size mismatch": call(MHA, f(B, Q, 5), *QKV[1:]),
+    "value_size mismatch": call(MHA, *QKV[:2], f(B, K, 7)),
+    "key_size mismatch (additive)": call(ADD, QKV[0], f(B, K, 3), QKV[2]),
+    "dot product sizes differ": call(DOT, QKV[0], f(B, K, 3), QKV[2]),
+    "queries not a tensor": call(DOT, [[1.0]], *QKV[1:]),
+    "size inferred at the first call": ErrorCase(
+        ("MultiHeadAttention", (8, 2), {}), (f(B, Q, 5), *QKV[1:]), first=QKV
+    ),
+}
+
+VALID_LENS = {
+    "valid_lens wrong batch": call(MHA, *QKV, valid_lens=np.array([1, 2, 3])),
+    "valid_lens rank 3": call(MHA, *QKV, valid_lens=np.ones((B, Q, 1), "int64")),
+    "valid_lens bool": call(DOT, *QKV, valid_lens=np.array([True, False])),
+    "valid_lens negative": call(MHA, *QKV, valid_lens=np.array([2, -1])),
+    "valid_lens negative int32": call(DOT, *QKV, valid_lens=np.array([-3, 2], "int32")),
+    "valid_lens negative float": call(ADD, *QKV, valid_lens=np.array([2.0, -3.0], "float32")),
+    "valid_lens fractional": call(MHA, *QKV, valid_lens=np.array([2.0, 1.5])),
+    "valid_lens 2-D wrong queries": call(DOT, *QKV, valid_lens=np.ones((B, Q + 1), "int32")),
+}
+
+MASKS = {
+    "mask not bool": call(MHA, *QKV, mask=f(Q, K)),
+    "mask wrong keys": call(MHA, *QKV, mask=np.ones((Q, K - 1), bool)),
+    "mask wrong queries": call(DOT, *QKV, mask=np.ones((B, Q + 1, K), bool)),
+    "mask 4-D wrong heads": call(MHA, *QKV, mask=np.ones((B, 3, Q, K), bool)),
+    "mask 4-D wrong batch": call(MHA, *QKV, mask=np.ones((3, 2, Q, K), bool)),
+    "mask 4-D on single head": call(DOT, *QKV, mask=np.ones((B, 1, Q, K), bool)),
+    "mask 5-D": call(MHA, *QKV, mask=np.ones((1, B, 2, Q, K), bool)),
+    "attn_bias bool": call(DOT, *QKV, attn_bias=np.ones((B, Q, K), bool)),
+    "attn_bias wrong dtype": call(MHA, *QKV, attn_bias=f(B, Q, K, dtype="float64")),
+    "attn_bias wrong keys": call(ADD, *QKV, attn_bias=f(B, Q, K + 1)),
+    "attn_bias 4-D wrong heads": call(MHA, *QKV, attn_bias=f(1, 3, Q, K)),
+    "attn_bias 4-D on single head": call(DOT, *QKV, attn_bias=f(1, 1, Q, K)),
+    "causal not bool": call(DOT, *QKV, causal="yes"),
+    "causal int": call(MHA, *QKV, causal=1),
+    "need_weights not bool": call(MHA, *QKV, need_weights=None),
+    "window_mask rank 2": call(MHA, *QKV, window_mask=np.ones((Q, K), bool)),
+    "window_mask not a batch divisor": call(MHA, *QKV, window_mask=np.ones((3, Q, K), bool)),
+    "window_mask wrong keys": call(ADD, *QKV, window_mask=np.ones((1, Q, K + 1), bool)),
+    "window_mask integer": call(MHA, *QKV, window_mask=np.ones((1, Q, K), "int32")),
+    "window_mask float64": call(DOT, *QKV, window_mask=f(1, Q, K, dtype="float64")),
+    "head_mask wrong size": call(MHA, *QKV, head_mask=f(3)),
+    "head_mask wrong dtype": call(MHA, *QKV, head_mask=f(2, dtype="float64")),
+    "head_mask integer": call(MHA, *QKV, head_mask=np.ones(2, "int64")),
+    "head_mask 2-D wrong batch": call(MHA, *QKV, head_mask=f(3, 2)),
+}
+
+ENCODING = ("PositionalEncoding", (4,), {"max_len": 2})
+LEARNED = ("LearnedPositionalEncoding", (4,), {"max_len": 2})
+ADD_NORM = ("AddNorm", (4,), {})
+ROTARY = ("RotaryEmbedding", (4,), {})
+GQA = ("MultiHeadAttention", (8, 4), {"num_kv_heads": 2, "value_size": 6})
+
+# masked_softmax, the positional encodings, AddNorm, rotary embeddings, grouped-query attention
+OTHER_LAYERS = {
+    "masked_softmax integer scores": call(None, np.ones((B, Q), "int64")),
+    "masked_softmax rank 1": call(None, np.ones(3, "float32")),
+    "masked_softmax not a tensor": call(None, "scores"),
+    "masked_softmax no keys": call(None, f(B, Q, 0)),
+    "masked_softmax wrong lengths": call(None, f(B, Q, K), np.array([1, 2, 3])),
+    "masked_softmax 2-D lengths of rank 2": call(None, f(B, K), np.ones((B, Q), "int64")),
+    "masked_softmax negative": call(None, f(B, Q, K), np.array([1, -1])),
+    "masked_softmax fractional": call(None, f(B, Q, K), np.array([0.5, 1.0])),
+    "sequence longer than max_len": call(ENCODING, f(B, Q, 4)),
+    "encoding size mismatch": call(("PositionalEncoding", (5,), {}), f(B, Q, 4)),
+    "learned encoding longer than max_len": call(LEARNED, f(B, Q, 4)),
+    "learned encoding max_len zero": build("LearnedPositionalEncoding", 4, max_len=0),
+    "add_norm shapes differ": call(ADD_NORM, f(B, Q, 4), f(B, 2, 4)),
+    "add_norm wrong dtype": call(ADD_NORM, f(B, Q, 4), f(B, Q, 4, dtype="float64")),
+    "add_norm rank 1": call(ADD_NORM, f(4), f(4)),
+    "rotary rank 1": call(ROTARY, f(4)),
+    "rotary size mismatch": call(ROTARY, f(B, Q, 6)),
+    "rotary wrong dtype": call(ROTARY, f(B, Q, 4, dtype="float64")),
+    "rotary offset negative": call(ROTARY, f(B, Q, 4), offset=-1),
+    "rotary offset float": call(ROTARY, f(B, Q, 4), offset=1.0),
+    "gqa value_size mismatch": call(GQA, *QKV[:2], f(B, K, 5)),
+}
+
+WEIGHTS = random_weights(
+    "MultiHeadAttention", num_hiddens=8, num_heads=2, query_size=4, key_size=4, value_size=6
+)
+# Four problems: one missing, one unexpected, one transposed, one of the wrong shape
+BAD_WEIGHTS = {**WEIGHTS, "W_q": WEIGHTS["W_q"].T, "W_o": WEIGHTS["W_o"][:, :3]}
+BAD_WEIGHTS["W_x"] = BAD_WEIGHTS.pop("W_v")
+
+# mha.set_weights: every problem listed, with the layer's config (sizes inferred so far, None
+# while lazy)
+SET_WEIGHTS = {
+    "set_weights problems": ErrorCase(MHA, weights=BAD_WEIGHTS),
+    "set_weights problems (lazy)": ErrorCase(
+        ("MultiHeadAttention", (8, 2), {"query_size": 4}), weights=BAD_WEIGHTS
+    ),
+}
+
+# Self-attention without weights or gradients, inference's commonest call
+INFERENCE = {
+    "self wrong dtype (inference)": inference(*(f(B, Q, 4, dtype="float64"),) * 3),
+    "self rank 2 (inference)": inference(*(f(B, 4),) * 3),
+    "self no positions (inference)": inference(*(f(B, 0, 4),) * 3),
+    "self query_size mismatch (inference)": inference(*(f(B, Q, 5),) * 3),
+    "self valid_lens wrong batch (inference)": inference(X, X, X, np.array([1, 2, 3])),
+    "self valid_lens 2-D wrong queries (inference)": inference(
+        X, X, X, np.ones((B, Q + 1), "int64")
+    ),
+    "self valid_lens bool (inference)": inference(X, X, X, np.array([True, False])),
+    "self valid_lens negative (inference)": inference(X, X, X, np.array([1, -2])),
+    "self valid_lens negative int32 (inference)": inference(X, X, X, np.array([-3, 2], "int32")),
+    "self valid_lens fractional (inference)": inference(X, X, X, np.array([1.5, 2.0], "float32")),
+}
+
+TABLES = (CONSTRUCTORS, INPUTS, VALID_LENS, MASKS, OTHER_LAYERS, SET_WEIGHTS, INFERENCE)
+
+# id -> the bad input; tests/test_errors.py runs every one on every backend
+ERRORS: dict[str, ErrorCase] = {name: case for table in TABLES for name, case in table.items()}
