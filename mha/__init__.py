@@ -10,15 +10,16 @@ class under numpy (the default):
     ...     attention = mha.MultiHeadAttention(num_hiddens=8, num_heads=2)
 
 `from mha import MultiHeadAttention` binds the class of the backend current at that moment.
+
+`import mha` imports only what backend selection needs. The weight functions (`mha.save`,
+`mha.set_weights`, ...) and the modules `mha.conversion`, `mha.golden`, `mha.interop` and
+`mha.porting` are imported when first looked up, and are then the same objects as before.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# Imports no framework: mha.interop, conversion, porting and golden import frameworks inside
-# their functions.
-from mha import conversion, golden, interop, porting
 from mha.cache import KVCache
 from mha.config import get_backend, set_backend, use_backend
 from mha.registry import (
@@ -27,15 +28,18 @@ from mha.registry import (
     available_backends,
     load_backend,
 )
-from mha.weights import (
-    get_weights,
-    load,
-    load_weights,
-    random_weights,
-    save,
-    save_weights,
-    set_weights,
-)
+
+if TYPE_CHECKING:  # the names __getattr__ imports at their first use
+    from mha import conversion, golden, interop, porting
+    from mha.weights import (
+        get_weights,
+        load,
+        load_weights,
+        random_weights,
+        save,
+        save_weights,
+        set_weights,
+    )
 
 __version__ = "0.1.0"
 
@@ -70,12 +74,51 @@ __all__ = [
 ]
 
 
+# Imported at their first use (PEP 562): the functions of mha.weights (which imports numpy),
+# each once, and any module of the package, `mha.golden` or `mha.harness`, say, which `import
+# mha` used to import at once; dir() lists those as it did then.
+_WEIGHT_FUNCTIONS = (
+    "get_weights",
+    "load",
+    "load_weights",
+    "random_weights",
+    "save",
+    "save_weights",
+    "set_weights",
+)
+_MODULES = (
+    "conversion",
+    "files",
+    "golden",
+    "harness",
+    "interop",
+    "masks",
+    "options",
+    "porting",
+    "validation",
+    "weights",
+)
+
+
 def __getattr__(name: str) -> Any:
     # Layer classes and functions resolve on the backend current at access time.
     if name in PUBLIC_NAMES:
         return getattr(load_backend(get_backend()), name)
+    if name in _WEIGHT_FUNCTIONS:
+        from mha import weights
+
+        globals()[name] = getattr(weights, name)  # found without __getattr__ from now on
+        return globals()[name]
+    if name.isidentifier() and not name.startswith("_"):
+        import importlib.util
+
+        if importlib.util.find_spec(f"mha.{name}") is not None:
+            return importlib.import_module(f"mha.{name}")  # which binds it here as mha.<name>
     raise AttributeError(f"module 'mha' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # The names `import mha` showed when it imported these modules at once: every lazy name,
+    # imported yet or not, and no private helper
+    shown = {name for name in globals() if name.startswith("__") or not name.startswith("_")}
+    return sorted((shown - {"TYPE_CHECKING"}) | set(__all__) | set(_MODULES))

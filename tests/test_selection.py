@@ -36,6 +36,44 @@ def test_import_mha_imports_no_framework():
     assert json.loads(completed.stdout) == []
 
 
+# What `import mha` leaves for the first use of a name: the modules beside backend selection,
+# numpy with them, and the test suite's tables (tests/agreement_cases.py, tests/error_cases.py)
+LAZY = ("mha.golden", "mha.interop", "mha.porting", "mha.harness", "mha.weights", "numpy")
+TEST_MODULES = ("agreement_cases", "error_cases", "export_cases", "conftest")
+TEST_TABLES = ("all_cases", "ERRORS", "ErrorCase", "raised")
+
+
+def test_import_mha_imports_its_modules_at_first_use_and_builds_no_test_data():
+    # Expected: after `import mha`, none of LAZY nor of the tests' modules is imported, and
+    # dir(mha) still lists every name; each name then resolves to what it was when mha
+    # imported everything at once; the harness that `mha compare` imports holds no test table
+    code = f"""if True:
+        import json, sys
+        import mha
+        after_import = [name for name in {LAZY + TEST_MODULES!r} if name in sys.modules]
+        listed = set(dir(mha)) >= {{*mha.__all__, "golden", "interop", "porting", "harness"}}
+        same = [
+            mha.golden is sys.modules["mha.golden"],
+            mha.interop is sys.modules["mha.interop"],
+            mha.porting is sys.modules["mha.porting"],
+            mha.get_weights is mha.weights.get_weights,
+            mha.set_weights is sys.modules["mha.weights"].set_weights,
+            all(getattr(mha, name) is not None for name in mha.__all__),
+        ]
+        from mha import harness, load, porting
+        tables = [name for name in {TEST_TABLES!r} if hasattr(harness, name)]
+        tests = [name for name in {TEST_MODULES!r} if name in sys.modules]
+        print(json.dumps([after_import, listed, same, tables, tests]))
+    """
+    completed = run_python(code)
+    assert completed.returncode == 0, completed.stderr
+    after_import, listed, same, tables, tests = json.loads(completed.stdout)
+    assert after_import == []
+    assert listed
+    assert all(same), same
+    assert tables == [] and tests == []
+
+
 def test_default_backend_is_numpy():
     completed = run_python("import mha; print(mha.get_backend())")
     assert completed.stdout.strip() == "numpy"
