@@ -1,12 +1,14 @@
 """Every constructor option of the layers, declared once.
 
-An `Option` says what the option is called, its default, how a value is checked, its line in
-the argument docs, which layers take it, whether checkpoint files store it, whether the
-weights tell it, and which other frameworks' layers can hold a value other than its default.
-From `OPTIONS` derive: the checks of `mha.validation.check_layer_args`, the configs, defaults
-and untold options of `mha.weights`, the "Args" sections of `mha.docstrings`, and the
-converters' refusals (`inexpressible`). The backends keep their explicit keyword signatures,
-which the book reads; tests/test_options.py holds them to this table.
+An `Option` says what the option is called, its default, the kind of value it takes, its line
+in the argument docs, which layers take it, whether it was added beyond the book's arguments,
+and whether the weights tell it. From `OPTIONS` derive: the checks of
+`mha.validation.check_layer_args`, the configs (every option is stored in files), defaults and
+untold options of `mha.weights`, the "Args" sections of `mha.docstrings`, and so the options a
+port or a conversion is given and the converters refuse by name where the target cannot hold
+them (`mha.interop.common.check_expressible`, which reads what the weights tell off the
+weights). The backends keep their explicit keyword signatures, which the book reads;
+tests/test_option_spec.py holds them to this table.
 
 Adding an option: one `Option` here, its keyword and its computation in each backend's layer,
 and tests (docs/adding-a-backend.md, "Adding an option").
@@ -23,7 +25,6 @@ __all__ = [
     "OPTIONS",
     "REQUIRED",
     "Option",
-    "inexpressible",
     "layer_defaults",
     "layer_options",
     "untold",
@@ -62,12 +63,8 @@ class Option:
         layers: the layers that take it.
         added: an option beyond the book's arguments: a file written before it existed, and
             another framework's layer, which has none, take its default.
-        stored: whether checkpoint files store it (every option does today).
         told: whether MultiHeadAttention's weights tell its value (sizes, bias, heads of
             keys and values); an untold one is given to a port or a conversion.
-        frameworks: for an untold option, the other frameworks' layers ("torch", "keras",
-            "flax") that can hold a value other than its default; a converter to any other
-            refuses it by name. (What the weights tell, the converters read off them.)
     """
 
     name: str
@@ -76,9 +73,7 @@ class Option:
     doc: Mapping[str, str]
     layers: tuple[str, ...]
     added: bool = False
-    stored: bool = True
     told: bool = True
-    frameworks: frozenset[str] = frozenset({"torch", "keras", "flax"})
 
 
 _ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
@@ -86,7 +81,6 @@ _SIZED = tuple(layer for layer in LAYERS if layer != "DotProductAttention")
 _DROPOUT = tuple(layer for layer in LAYERS if layer != "RotaryEmbedding")
 _ENCODINGS = ("PositionalEncoding", "LearnedPositionalEncoding")
 _MHA = ("MultiHeadAttention",)
-_NONE = frozenset()
 
 _INPUT_SIZE_DOC = "input size; None infers it at the first call."
 
@@ -244,7 +238,6 @@ OPTIONS: tuple[Option, ...] = (
         },
         _ATTENTION,
         told=False,
-        frameworks=frozenset({"keras"}),
         added=True,
     ),
     Option(
@@ -271,7 +264,6 @@ OPTIONS: tuple[Option, ...] = (
         },
         _MHA,
         told=False,
-        frameworks=_NONE,
         added=True,
     ),
     Option(
@@ -285,13 +277,9 @@ OPTIONS: tuple[Option, ...] = (
         },
         _MHA,
         told=False,
-        frameworks=_NONE,
         added=True,
     ),
 )
-
-_BY_NAME = {option.name: option for option in OPTIONS}
-
 
 def layer_options(layer: str) -> tuple[Option, ...]:
     """The options `layer` takes, in the order its config lists them."""
@@ -306,15 +294,3 @@ def layer_defaults(layer: str) -> dict[str, Any]:
 def untold(layer: str = "MultiHeadAttention") -> tuple[str, ...]:
     """The options of `layer` that its weights do not tell."""
     return tuple(option.name for option in layer_options(layer) if not option.told)
-
-
-def inexpressible(options: Mapping[str, Any], framework: str) -> list[str]:
-    """The untold options given that `framework`'s layer cannot hold, as "name=value"; an
-    option at its default is held everywhere."""
-    return [
-        f"{name}={value!r}"
-        for name, value in options.items()
-        if name in _BY_NAME
-        and framework not in _BY_NAME[name].frameworks
-        and value != _BY_NAME[name].default
-    ]
