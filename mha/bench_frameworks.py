@@ -336,20 +336,8 @@ def _jax_calls(config: Config, mode: str) -> Calls:
     import jax.numpy as jnp
     from flax import nnx
 
-    import mha
-
-    # Inputs and both layers' weights committed to the device asked for: the jitted calls run
-    # where their arguments are, whatever JAX's default device
-    device = jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
-    X_np, lens_np = _inputs(config)
-    X = jax.device_put(jnp.asarray(X_np, config.dtype), device)
-    valid_lens = None if lens_np is None else jax.device_put(lens_np.astype("int32"), device)
+    ours, theirs, X, valid_lens = _jax_layers_and_inputs(config)
     n = config.length
-    ours = _mha_layer("jax", config)
-    theirs = mha.interop.to_flax(ours)
-    for layer in (ours, theirs):
-        layer.eval()
-        nnx.update(layer, jax.device_put(nnx.state(layer), device))
 
     def keep(lens):  # Flax's mask (True = attend), made inside the call as mha makes its own
         return None if lens is None else (jnp.arange(n) < lens[:, None])[:, None, None, :]
@@ -396,6 +384,27 @@ def _jax_calls(config: Config, mode: str) -> Calls:
         return jax.block_until_ready(backwards[names[id(call)]](layer, X, valid_lens))
 
     return _passes(layers, forward, backward)
+
+
+def _jax_layers_and_inputs(config: Config):
+    """mha's layer, Flax's with the same weights, X and valid_lens, all committed to the device
+    asked for: the jitted calls run where their arguments are, whatever JAX's default device."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import mha
+
+    device = jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
+    X_np, lens_np = _inputs(config)
+    X = jax.device_put(jnp.asarray(X_np, config.dtype), device)
+    valid_lens = None if lens_np is None else jax.device_put(lens_np.astype("int32"), device)
+    ours = _mha_layer("jax", config)
+    theirs = mha.interop.to_flax(ours)
+    for layer in (ours, theirs):
+        layer.eval()
+        nnx.update(layer, jax.device_put(nnx.state(layer), device))
+    return ours, theirs, X, valid_lens
 
 
 def _jax_sees_gpu() -> bool:

@@ -280,65 +280,90 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
     valid_lens hold lengths of 0 (a fully masked row), 1, exactly the number of keys and more;
     every boolean mask but mask_1d and mask_4d_heads, and every window, has a row with no key.
     """
-    rng = np.random.default_rng(seed)
-    s = shapes
-    masks = set(case.masks)
-    num_queries = s.num_queries
-    num_keys = s.num_keys
+    draw, masks = _Draws(np.random.default_rng(seed), dtype), set(case.masks)
+    sizes = _call_sizes(case, shapes, masks)
+    inputs = _layer_inputs(case, shapes, masks, sizes, draw)
+    inputs.update(_length_inputs(shapes, masks, sizes, draw))
+    inputs.update(_keep_masks(shapes, masks, sizes, draw))
+    inputs.update(_other_masks(shapes, masks, sizes, draw))
+    return inputs
+
+
+@dataclasses.dataclass
+class _Draws:
+    """The random arrays of one case's inputs, drawn in turn from one seeded generator."""
+
+    rng: np.random.Generator
+    dtype: str
+
+    def normal(self, *shape) -> np.ndarray:
+        return self.rng.standard_normal(shape).astype(self.dtype)
+
+    def keep(self, *shape, p=0.8, empty=None) -> np.ndarray:
+        # Kept with probability p; `empty` indexes a row that then keeps no key
+        kept = self.rng.random(shape) < p
+        if empty is not None:
+            kept[empty] = False
+        return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    num_queries: int
+    num_keys: int
+    num_hiddens: int
+    # A row with no key among the queries of one example when it has more than one query (one
+    # example among several for key padding), so that the other rows still attend
+    empty_query: int | None
+    empty_example: int | None
+
+
+def _call_sizes(case: Case, s: Shapes, masks: set[str]) -> _Sizes:
+    num_queries, num_keys = s.num_queries, s.num_keys
     if {"square", "self"} & masks:  # causal masks differ when the counts differ
         num_keys = num_queries
     elif "tall" in masks:  # queries past the last key attend to every key under causal
         num_keys = max(1, num_queries - 2)
     num_hiddens = case.config.get("num_hiddens", s.num_hiddens)
-
-    def normal(*shape):
-        return rng.standard_normal(shape).astype(dtype)
-
-    def keep(*shape, p=0.8, empty=None):
-        # Kept with probability p; `empty` indexes a row that then keeps no key
-        kept = rng.random(shape) < p
-        if empty is not None:
-            kept[empty] = False
-        return kept
-
-    # A row with no key among the queries of one example when it has more than one query (one
-    # example among several for key padding), so that the other rows still attend
     empty_query = 1 if num_queries > 1 else None
     empty_example = min(2, s.batch_size - 1) if s.batch_size > 1 else None
-    inputs: dict[str, Any] = {}
+    return _Sizes(num_queries, num_keys, num_hiddens, empty_query, empty_example)
+
+
+def _layer_inputs(case: Case, s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
+    """The tensors the layer of `case` is called on."""
+    B, Q, K, n = s.batch_size, sizes.num_queries, sizes.num_keys, sizes.num_hiddens
     if case.layer == "masked_softmax":
-        shape = {
-            "rank_2": (s.batch_size, num_keys),
-            "rank_4": (s.batch_size, s.num_heads, num_queries, num_keys),
-        }
+        shape = {"rank_2": (B, K), "rank_4": (B, s.num_heads, Q, K)}
         rank = next((key for key in shape if key in masks), None)
-        inputs["X"] = normal(*shape.get(rank, (s.batch_size, num_queries, num_keys)))
-    elif case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
-        inputs["X"] = normal(s.batch_size, num_queries, num_hiddens)
-    elif case.layer == "RotaryEmbedding":
-        inputs["X"] = normal(s.batch_size, s.num_heads, num_queries, num_hiddens)
-        if "offset" in masks:
-            inputs["offset"] = 3
-    elif case.layer == "AddNorm":
-        shape = {
-            "rank_2": (s.batch_size, num_hiddens),
-            "rank_4": (s.batch_size, 2, num_queries, num_hiddens),
+        return {"X": draw.normal(*shape.get(rank, (B, Q, K)))}
+    if case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
+        return {"X": draw.normal(B, Q, n)}
+    if case.layer == "RotaryEmbedding":
+        return {
+            "X": draw.normal(B, s.num_heads, Q, n),
+            **({"offset": 3} if "offset" in masks else {}),
         }
-        rank = next((key for key in shape if key in masks), None)
-        shape = shape.get(rank, (s.batch_size, num_queries, num_hiddens))
-        inputs["X"] = normal(*shape)
-        inputs["Y"] = normal(*shape)
-    else:
-        query_size = s.key_size if case.layer == "DotProductAttention" else s.query_size
-        inputs["queries"] = normal(s.batch_size, num_queries, query_size)
-        if "self" not in masks:  # self-attention: queries serve as keys and values
-            inputs["keys"] = normal(s.batch_size, num_keys, s.key_size)
-            inputs["values"] = normal(s.batch_size, num_keys, s.value_size)
-    # Lengths of 0 (nothing attended), 1, exactly K, and more than K (everything) among them
-    extremes = np.array([0, 1, num_keys, num_keys + 3])
-    lengths = rng.integers(1, num_keys + 1, size=(s.batch_size, num_queries))
+    if case.layer == "AddNorm":
+        shape = {"rank_2": (B, n), "rank_4": (B, 2, Q, n)}
+        shape = shape.get(next((key for key in shape if key in masks), None), (B, Q, n))
+        return {"X": draw.normal(*shape), "Y": draw.normal(*shape)}
+    query_size = s.key_size if case.layer == "DotProductAttention" else s.query_size
+    inputs = {"queries": draw.normal(B, Q, query_size)}
+    if "self" not in masks:  # self-attention: queries serve as keys and values
+        inputs["keys"] = draw.normal(B, K, s.key_size)
+        inputs["values"] = draw.normal(B, K, s.value_size)
+    return inputs
+
+
+def _length_inputs(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
+    """valid_lens: lengths of 0 (nothing attended), 1, exactly K, and more than K among them."""
+    K = sizes.num_keys
+    extremes = np.array([0, 1, K, K + 3])
+    lengths = draw.rng.integers(1, K + 1, size=(s.batch_size, sizes.num_queries))
     lengths[:, 0] = np.resize(extremes, s.batch_size)
-    lengths[0, -1] = num_keys + 3
+    lengths[0, -1] = K + 3
+    inputs: dict[str, Any] = {}
     if "valid_lens_1d" in masks:
         inputs["valid_lens"] = lengths[:, 0].copy()
     if "valid_lens_2d" in masks:
@@ -347,54 +372,69 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
         inputs["valid_lens"] = inputs["valid_lens"].astype(np.float32)
     if "valid_lens" in inputs and "lens_int32" in masks:
         inputs["valid_lens"] = inputs["valid_lens"].astype(np.int32)
+    return inputs
+
+
+def _keep_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
+    """The boolean keep-masks of the case, each with a row that keeps no key where it can."""
+    B, H, Q, K, empty = (
+        s.batch_size,
+        s.num_heads,
+        sizes.num_queries,
+        sizes.num_keys,
+        sizes.empty_query,
+    )
+    inputs: dict[str, Any] = {}
     if "mask_1d" in masks:
-        inputs["mask"] = keep(num_keys, p=0.6)
+        inputs["mask"] = draw.keep(K, p=0.6)
         inputs["mask"][0] = True  # never empty: a 1-D mask applies to every row
     if "mask_2d" in masks:
-        inputs["mask"] = keep(num_queries, num_keys, empty=empty_query)
+        inputs["mask"] = draw.keep(Q, K, empty=empty)
     if "mask_keys" in masks:  # key padding: every query of an example keeps the same keys
-        inputs["mask"] = keep(s.batch_size, 1, num_keys, empty=empty_example)
+        inputs["mask"] = draw.keep(B, 1, K, empty=sizes.empty_example)
     if "mask_3d" in masks:
-        rows = None if empty_query is None else (-1, empty_query)
-        inputs["mask"] = keep(s.batch_size, num_queries, num_keys, empty=rows)
+        inputs["mask"] = draw.keep(B, Q, K, empty=None if empty is None else (-1, empty))
     if "mask_4d" in masks:
-        rows = None if empty_query is None else (0, -1, empty_query)
-        inputs["mask"] = keep(s.batch_size, s.num_heads, num_queries, num_keys, empty=rows)
+        inputs["mask"] = draw.keep(B, H, Q, K, empty=None if empty is None else (0, -1, empty))
     if "mask_4d_heads" in masks:
-        inputs["mask"] = keep(1, s.num_heads, 1, num_keys, p=0.7)
+        inputs["mask"] = draw.keep(1, H, 1, K, p=0.7)
     if "mask_4d_batch" in masks:
-        rows = None if empty_query is None else (0, 0, empty_query)
-        inputs["mask"] = keep(s.batch_size, 1, num_queries, num_keys, empty=rows)
+        inputs["mask"] = draw.keep(B, 1, Q, K, empty=None if empty is None else (0, 0, empty))
     if "causal" in masks:
         inputs["causal"] = True
+    return inputs
+
+
+def _other_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
+    """Windows, head masks, additive biases and need_weights of the case."""
+    B, H, Q, K = s.batch_size, s.num_heads, sizes.num_queries, sizes.num_keys
     # Swin style: one window per example b mod num_windows, two windows when the batch allows
-    num_windows = 2 if s.batch_size % 2 == 0 else 1
-    rows = None if empty_query is None else (-1, empty_query)
+    num_windows = 2 if B % 2 == 0 else 1
+    rows = None if sizes.empty_query is None else (-1, sizes.empty_query)
+    inputs: dict[str, Any] = {}
     if "window_mask" in masks:
         # Additive: a bias where attended (a relative position bias), -inf where not
-        blocked = ~keep(num_windows, num_queries, num_keys, p=0.7)
+        blocked = ~draw.keep(num_windows, Q, K, p=0.7)
         if rows is not None:
             blocked[rows] = True
-        bias = 0.5 * rng.standard_normal(blocked.shape)
-        inputs["window_mask"] = np.where(blocked, -np.inf, bias).astype(dtype)
+        bias = 0.5 * draw.rng.standard_normal(blocked.shape)
+        inputs["window_mask"] = np.where(blocked, -np.inf, bias).astype(draw.dtype)
     if "window_bool" in masks:
-        inputs["window_mask"] = keep(num_windows, num_queries, num_keys, p=0.7, empty=rows)
+        inputs["window_mask"] = draw.keep(num_windows, Q, K, p=0.7, empty=rows)
     if "head_mask" in masks:
-        inputs["head_mask"] = rng.random(s.num_heads).astype(dtype)
+        inputs["head_mask"] = draw.rng.random(H).astype(draw.dtype)
     if "head_mask_2d" in masks:
-        inputs["head_mask"] = rng.standard_normal((s.batch_size, s.num_heads)).astype(dtype)
+        inputs["head_mask"] = draw.normal(B, H)
     if "head_mask_bool" in masks:
-        inputs["head_mask"] = keep(s.batch_size, s.num_heads, p=0.5)
+        inputs["head_mask"] = draw.keep(B, H, p=0.5)
     if "attn_bias" in masks:
         # Added to the scores (ALiBi, a relative bias), its -inf entries excluding keys, and
         # every key of one row
-        bias = 0.5 * rng.standard_normal((s.batch_size, num_queries, num_keys))
-        bias[~keep(s.batch_size, num_queries, num_keys, p=0.8, empty=rows)] = -np.inf
-        inputs["attn_bias"] = bias.astype(dtype)
+        bias = 0.5 * draw.rng.standard_normal((B, Q, K))
+        bias[~draw.keep(B, Q, K, p=0.8, empty=rows)] = -np.inf
+        inputs["attn_bias"] = bias.astype(draw.dtype)
     if "attn_bias_4d" in masks:  # one bias per head, as T5's relative position bias
-        inputs["attn_bias"] = rng.standard_normal((1, s.num_heads, num_queries, num_keys)).astype(
-            dtype
-        )
+        inputs["attn_bias"] = draw.normal(1, H, Q, K)
     if "no_weights" in masks:
         inputs["need_weights"] = False
     return inputs
@@ -724,13 +764,7 @@ def check(
     output_difference = max(difference(call.output, reference.output, relative) for call in calls)
     weights_difference = _weights_difference(calls, reference, relative)
     zero_difference = _zero_difference(calls, reference)
-    gradient_difference = gradient_agreement = None
-    if result.gradients is not None and prepared.numeric_gradients is not None:
-        gradient_difference = _gradient_difference(
-            result.gradients, prepared.numeric_gradients, True
-        )
-        if anchor is not None and anchor.gradients is not None:
-            gradient_agreement = _gradient_difference(result.gradients, anchor.gradients, relative)
+    gradient_difference, gradient_agreement = _gradient_differences(result, prepared, anchor)
     passed = (
         max(output_difference, weights_difference or 0.0, gradient_agreement or 0.0)
         <= TOLERANCES[dtype]
@@ -750,6 +784,20 @@ def check(
         zero_difference=zero_difference,
     )
     return row, result
+
+
+def _gradient_differences(
+    result: Result, prepared: Prepared, anchor: Result | None
+) -> tuple[float | None, float | None]:
+    """The gradients' difference from the reference's central differences (relative), and
+    from another autograd backend's (the anchor); None where there is nothing to compare."""
+    if result.gradients is None or prepared.numeric_gradients is None:
+        return None, None
+    numeric = _gradient_difference(result.gradients, prepared.numeric_gradients, True)
+    if anchor is None or anchor.gradients is None:
+        return numeric, None
+    relative = prepared.dtype != "float64"
+    return numeric, _gradient_difference(result.gradients, anchor.gradients, relative)
 
 
 def _zero_difference(calls: Sequence[Result], reference: Result) -> float:

@@ -281,6 +281,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
 )
 
+
 def layer_options(layer: str) -> tuple[Option, ...]:
     """The options `layer` takes, in the order its config lists them."""
     return tuple(option for option in OPTIONS if layer in option.layers)

@@ -507,19 +507,11 @@ def check_attention_call(
         kv_heads: (num_kv_heads, head size) of multi-head attention, for its `cache`.
         tensor_type: the type (or types) of the layer's framework's tensors.
     """
-    cached = (cache.keys, cache.values) if _is_cache(cache) else (None, None)
-    _require_framework(
-        tensor_type,
-        queries=queries,
-        keys=keys,
-        values=values,
-        valid_lens=valid_lens,
-        mask=mask,
-        window_mask=window_mask,
-        head_mask=head_mask,
-        attn_bias=attn_bias,
-        **{f"cache.{name}": x for name, x in zip(("keys", "values"), cached, strict=True)},
-    )
+    given = dict(queries=queries, keys=keys, values=values, valid_lens=valid_lens, mask=mask)
+    given.update(window_mask=window_mask, head_mask=head_mask, attn_bias=attn_bias)
+    if _is_cache(cache):
+        given.update({"cache.keys": cache.keys, "cache.values": cache.values})
+    _require_framework(tensor_type, **given)
     q_shape, k_shape, v_shape = _check_inputs(queries, keys, values, dtype, same_query_key_size)
     batch_size, num_queries, num_keys = q_shape[0], q_shape[1], k_shape[1]
     tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
