@@ -42,7 +42,7 @@ __all__ = [
 
 # Projection ("q", "k", "v", "o") -> the name of its weights in Keras's variable paths
 KERAS_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "attention_output"}
-# Projection -> its EinsumDense sub-layer's attribute, with a leading underscore
+# Projection -> the name of its EinsumDense sub-layer, the Keras layer's attribute `_<name>`
 KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "output_dense"}
 
 
