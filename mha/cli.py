@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from mha import __version__, bench, conversion, golden, harness, porting
+from mha import __version__, bench, conversion, golden, harness, model_config, porting
 from mha.registry import (
     BACKENDS,
     INSTALL,
@@ -538,7 +538,7 @@ def _layer_options(arguments) -> dict:
     options = {}
     if arguments.config is not None:
         try:
-            options = porting.options_from_config(arguments.config, arguments.layer)
+            options = model_config.options_from_config(arguments.config, arguments.layer)
         except ValueError as error:
             raise _UsageError(str(error)) from None
         if arguments.num_heads is None:

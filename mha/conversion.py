@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mha import porting, validation
+from mha import layouts, porting, validation
 from mha.files import write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
 from mha.interop.flax import canonical_from_flax, flax_params
@@ -286,7 +286,7 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     if kind == "torch":
         return _load_torch_file(name, only_weights=False)
     if kind == "flax":
-        return porting.flatten(_load_flax_file(name))
+        return layouts.flatten(_load_flax_file(name))
     if kind == "mha":
         return read_safetensors(path)[0]
     raise ValueError(

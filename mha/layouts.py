@@ -1,0 +1,340 @@
+"""The layouts attention layers are kept in, and the readers of each layout's matrices.
+
+`mha.porting` finds a layout under a prefix of a model's weights and ports it; this module
+says what each layout is: the names of its modules (`LAYOUTS`), which of them mark it
+(`find_attention`), and how its weights read as mha's canonical q, k, v, o matrices and the
+config they tell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from mha import validation
+from mha.interop.torch import TORCH_WEIGHT_NAMES, canonical_from_torch
+
+__all__ = [
+    "LAYOUTS",
+    "Layout",
+    "find_attention",
+    "flatten",
+    "layout_names",
+    "matches",
+    "num_kv_heads",
+    "under",
+    "weights_and_config",
+]
+
+
+class Layout(NamedTuple):
+    """How one family of models keeps an attention layer's weights."""
+
+    name: str
+    kind: str  # "linear", "fused", "conv1d", "heads" or "torch"
+    paths: Mapping[str, str]  # role (q, k, v, o, or qkv) -> module path under the prefix
+    scale: float | None = None  # None: 1 / sqrt(head size)
+    # Names under the prefix that are not part of the layer's numbers (a name ending in "."
+    # stands for every name it begins) -> why
+    outside: Mapping[str, str] = MappingProxyType({})
+
+
+_ADD_NORM = "the layer norm after the residual, outside the attention"
+_CAUSAL = "GPT-2's causal-mask buffer: give causal=True"
+
+
+LAYOUTS = (
+    Layout(
+        "HF BERT/RoBERTa",
+        "linear",
+        {"q": "self.query", "k": "self.key", "v": "self.value", "o": "output.dense"},
+        outside={"output.LayerNorm.weight": _ADD_NORM, "output.LayerNorm.bias": _ADD_NORM},
+    ),
+    Layout(
+        "HF ViT",
+        "linear",
+        {"q": "attention.query", "k": "attention.key", "v": "attention.value", "o": "output.dense"},
+    ),
+    Layout(
+        "q/k/v/o_proj (Llama, Mistral, Qwen)",
+        "linear",
+        {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"},
+    ),
+    Layout(
+        "q/k/v_proj and out_proj (BART, OPT, Whisper)",
+        "linear",
+        {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"},
+    ),
+    Layout(
+        "T5",
+        "linear",
+        {"q": "q", "k": "k", "v": "v", "o": "o"},
+        scale=1.0,
+        outside={"relative_attention_bias.weight": "give attn_bias=t5_position_bias(...)"},
+    ),
+    Layout("fused qkv and proj (timm)", "fused", {"qkv": "qkv", "o": "proj"}),
+    Layout(
+        "GPT-2 Conv1D (c_attn, c_proj)",
+        "conv1d",
+        {"qkv": "c_attn", "o": "c_proj"},
+        outside={"bias": _CAUSAL, "masked_bias": _CAUSAL},
+    ),
+    Layout(
+        "Keras MultiHeadAttention",
+        "heads",
+        {"q": "query", "k": "key", "v": "value", "o": "attention_output"},
+    ),
+    Layout(
+        "Flax multi-head attention",
+        "heads",
+        {"q": "query", "k": "key", "v": "value", "o": "out"},
+        outside={
+            "rngs.": "Flax's random streams (dropout)",
+            "cached_key": "Flax's decoding cache",
+            "cached_value": "Flax's decoding cache",
+            "cache_index": "Flax's decoding cache",
+        },
+    ),
+    Layout("torch.nn.MultiheadAttention", "torch", {"o": "out_proj"}),
+)
+
+# The parameter that marks a module of each kind; its bias sits beside it
+_MARK = {"linear": "weight", "fused": "weight", "conv1d": "weight", "heads": "kernel"}
+
+
+def flatten(state: Mapping[str, Any], separator: str = ".") -> dict[str, Any]:
+    """A flat name -> array dict of a state_dict or of nested parameters (Flax), with "/"
+    (Keras's paths) read as ".". Flax's top-level "params" collection is dropped."""
+    if set(state) == {"params"} and isinstance(state["params"], Mapping):
+        state = state["params"]
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                walk(f"{prefix}{separator}{key}" if prefix else str(key), inner)
+        else:
+            flat[prefix.replace("/", separator)] = value
+
+    walk("", state)
+    return flat
+
+
+def under(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """The names under `prefix` ("/" or "." separated), without it, and their values."""
+    prefix = prefix.replace("/", ".").strip(".")
+    if not prefix:
+        return dict(state)
+    start = prefix + "."
+    return {name[len(start) :]: value for name, value in state.items() if name.startswith(start)}
+
+
+def matches(layout: Layout, names: Iterable[str]) -> bool:
+    """Whether `names` hold every module that marks the layout."""
+    names = set(names)
+    if layout.kind == "torch":
+        return "out_proj.weight" in names and (
+            "in_proj_weight" in names or "q_proj_weight" in names
+        )
+    return all(f"{path}.{_MARK[layout.kind]}" in names for path in layout.paths.values())
+
+
+def layout_names(layout: Layout, names: Iterable[str]) -> list[str]:
+    """The names of the layout's parameters among `names`."""
+    if layout.kind == "torch":
+        wanted = set(TORCH_WEIGHT_NAMES)
+    else:
+        wanted = {
+            f"{path}.{p}" for path in layout.paths.values() for p in (_MARK[layout.kind], "bias")
+        }
+    return [name for name in names if name in wanted]
+
+
+def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(prefix, layout name) of every attention layer found in a state_dict, in its order."""
+    state = flatten(state)
+    found, seen = [], set()
+    for name in state:
+        for layout in LAYOUTS:
+            for path in layout.paths.values():
+                tail = f"{path}.{_MARK.get(layout.kind, 'weight')}"
+                if name == tail or name.endswith("." + tail):
+                    prefix = name[: -len(tail)].rstrip(".")
+                    if (prefix, layout.name) not in seen and matches(layout, under(state, prefix)):
+                        seen.add((prefix, layout.name))
+                        found.append((prefix, layout.name))
+    return found
+
+
+def weights_and_config(layout: Layout, arrays):
+    """Canonical weights and the config the weights tell, of one layout's arrays."""
+    if layout.kind == "torch":
+        return canonical_from_torch(arrays)
+    matrices, heads = _READERS[layout.kind](layout, arrays)
+    return _config(layout, matrices, heads)
+
+
+def num_kv_heads(layout: Layout, config: Mapping[str, Any], kv_hiddens: int) -> int:
+    """The number of key-value heads of projections with kv_hiddens outputs."""
+    n, num_heads = config["num_hiddens"], config["num_heads"]
+    head = n // num_heads if n % num_heads == 0 else None
+    if head is None or kv_hiddens % head or num_heads % (kv_hiddens // head):
+        raise _problem(
+            layout,
+            [
+                f"the key and value projections have {kv_hiddens} outputs: with {num_heads} "
+                f"heads of {n} / {num_heads} features, that is not a number of key-value "
+                "heads dividing the query heads"
+            ],
+        )
+    return kv_hiddens // head
+
+
+def _problem(layout: Layout, problems: list[str]) -> ValueError:
+    return ValueError(
+        f"These {layout.name} weights do not fit mha's MultiHeadAttention:\n"
+        + "\n".join(f"  - {problem}" for problem in problems)
+    )
+
+
+def _matrices(layout: Layout, arrays, role: str, transposed: bool):
+    """(W (in, out), b or None) of one module, read as y = x @ W + b."""
+    path = layout.paths[role]
+    weight = arrays[f"{path}.weight"]
+    if weight.ndim != 2:
+        raise _problem(layout, [f"{path}.weight has shape {weight.shape}; expected a matrix"])
+    bias = arrays.get(f"{path}.bias")
+    return (weight.T if transposed else weight), bias
+
+
+def _split(layout: Layout, role: str, W: np.ndarray, b: np.ndarray | None):
+    """Three equal blocks of the columns of a fused q, k, v projection."""
+    if W.shape[1] % 3:
+        raise _problem(
+            layout,
+            [f"{layout.paths[role]} has {W.shape[1]} outputs, not 3 equal blocks for q, k and v"],
+        )
+    blocks = np.split(W, 3, axis=1)
+    biases = [None] * 3 if b is None else np.split(b, 3)
+    return {k: (blocks[i], biases[i]) for i, k in enumerate("qkv")}
+
+
+def _read_linear(layout: Layout, arrays):
+    # torch's Linear keeps weight (out, in)
+    return {k: _matrices(layout, arrays, k, True) for k in "qkvo"}, None
+
+
+def _read_fused(layout: Layout, arrays):
+    return {
+        **_split(layout, "qkv", *_matrices(layout, arrays, "qkv", True)),
+        "o": _matrices(layout, arrays, "o", True),
+    }, None
+
+
+def _read_conv1d(layout: Layout, arrays):
+    # GPT-2's Conv1D keeps weight (in, out): x @ weight + bias
+    return {
+        **_split(layout, "qkv", *_matrices(layout, arrays, "qkv", False)),
+        "o": _matrices(layout, arrays, "o", False),
+    }, None
+
+
+def _read_heads(layout: Layout, arrays):
+    kernels = {k: arrays[f"{layout.paths[k]}.kernel"] for k in "qkvo"}
+    biases = {k: arrays.get(f"{layout.paths[k]}.bias") for k in "qkvo"}
+    shapes = ", ".join(f"{layout.paths[k]} {kernels[k].shape}" for k in "qkvo")
+    if any(kernels[k].ndim != 3 for k in "qkv") or kernels["o"].ndim < 3:
+        raise _problem(
+            layout,
+            [
+                "kernels are (in, heads, head size) and the output's (heads, "
+                f"head size, out); found {shapes}"
+            ],
+        )
+    heads = kernels["q"].shape[1]
+    if kernels["o"].ndim > 3:
+        raise _problem(layout, [f"an output of {kernels['o'].ndim - 2} axes; mha's has one"])
+    weights = {}
+    for k in "qkv":
+        W, b = kernels[k], biases[k]
+        weights[k] = (W.reshape(W.shape[0], -1), None if b is None else b.reshape(-1))
+    W_o = kernels["o"]
+    weights["o"] = (W_o.reshape(-1, W_o.shape[-1]), biases["o"])
+    # Keys and values may have fewer heads (grouped-query attention), of the same size
+    if (
+        kernels["k"].shape[1:] != kernels["v"].shape[1:]
+        or kernels["k"].shape[2] != kernels["q"].shape[2]
+        or kernels["o"].shape[0] != heads
+    ):
+        raise _problem(layout, [f"the kernels' heads do not fit together: {shapes}"])
+    return weights, heads
+
+
+_READERS = {
+    "linear": _read_linear,
+    "fused": _read_fused,
+    "conv1d": _read_conv1d,
+    "heads": _read_heads,
+}
+
+
+def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
+    """mha's config of the (W, b) pairs of q, k, v, o; every problem is listed."""
+    problems = []
+    n = matrices["q"][0].shape[1]
+    # Grouped-query attention: keys and values have fewer heads, of the queries' size
+    kv = matrices["k"][0].shape[1]
+    if matrices["v"][0].shape[1] != kv:
+        problems.append(
+            f"the key projection has {kv} outputs and the value's {matrices['v'][0].shape[1]}; "
+            "mha's keys and values have the same number of heads"
+        )
+    if kv > n:
+        problems.append(
+            f"the key and value projections have {kv} outputs, more than the query's {n}"
+        )
+    if matrices["o"][0].shape[0] != n:
+        problems.append(
+            f"the output projection takes {matrices['o'][0].shape[0]} inputs; the heads give {n}"
+        )
+    has_bias = {k: matrices[k][1] is not None for k in "qkv"}
+    if len(set(has_bias.values())) > 1:
+        problems.append(
+            "biases on " + ", ".join(k for k in "qkv" if has_bias[k]) + " only; "
+            "mha's q, k and v projections have biases together or not at all"
+        )
+    for k in "qkvo":
+        W, b = matrices[k]
+        if b is not None and b.shape != (W.shape[1],):
+            problems.append(f"the {k} bias has shape {b.shape}; expected ({W.shape[1]},)")
+    dtypes = {array.dtype.name for pair in matrices.values() for array in pair if array is not None}
+    if len(dtypes) > 1:
+        problems.append(f"the tensors have different dtypes: {', '.join(sorted(dtypes))}")
+    if problems:
+        raise _problem(layout, problems)
+    weights = {f"W_{k}": np.ascontiguousarray(matrices[k][0]) for k in "qkvo"}
+    weights.update(
+        {
+            f"b_{k}": np.ascontiguousarray(matrices[k][1])
+            for k in "qkvo"
+            if matrices[k][1] is not None
+        }
+    )
+    bias, out_bias = has_bias["q"], matrices["o"][1] is not None
+    out_features = weights["W_o"].shape[1]
+    config = {
+        "num_hiddens": n,
+        "num_heads": num_heads,
+        "bias": bias,
+        "query_size": weights["W_q"].shape[0],
+        "key_size": weights["W_k"].shape[0],
+        "value_size": weights["W_v"].shape[0],
+        "dtype": validation.check_dtype(weights["W_q"].dtype.name),
+        "out_bias": None if out_bias == bias else out_bias,
+        "out_features": None if out_features == n else out_features,
+        "kv_hiddens": kv,  # num_kv_heads once num_heads is known
+    }
+    return weights, config

@@ -1,0 +1,317 @@
+"""The port options of a Hugging Face config: num_heads, the rotary embedding, the sliding
+window and the score scale of a layer, read from the model's config (a dict or config.json).
+
+`mha.porting.options_from_config` is this module's `options_from_config`. Anything of the
+config that changes the attention's numbers and mha's layer cannot hold is an error naming
+the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from mha.files import read_bytes
+
+__all__ = ["options_from_config"]
+
+
+def options_from_config(
+    config: Mapping[str, Any] | str | os.PathLike, layer: int | None = None
+) -> dict[str, Any]:
+    """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
+    num_attention_heads, the rotary base (rope_theta, or transformers 5's rope_parameters,
+    also per layer type), the sliding window of the layer's type (layer_types), and the score
+    scale where the config changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's
+    scale_attn_weights and scale_attn_by_inverse_layer_idx).
+
+    Args:
+        config: the config of the model the layer belongs to (a text model's, not a
+            multimodal model's that nests it).
+        layer: the layer's index in the model; needed where the config's layers differ
+            (Gemma 2 and 3, gpt-oss: sliding and full attention).
+
+    Raises:
+        ValueError: anything of the config that changes the attention's numbers and mha's
+            layer cannot hold (a scaled or partial rotary embedding, soft-capped scores,
+            QK-norm, ...), each naming the field and its value; layers that differ and no
+            `layer`; an unreadable file.
+    """
+    if not isinstance(config, Mapping):
+        config = _read_json(config)
+    _refuse_config(config)
+    count = _num_layers(config)
+    if layer is not None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"layer is the index of a layer, >= 0. Received: layer={layer!r}")
+        if count is not None and layer >= count:
+            raise ValueError(f"the config has {count} layers. Received: layer={layer}")
+        return _options_of_layer(config, layer)
+    if count is None:
+        return _options_of_layer(config, None)
+    each = [_options_of_layer(config, i) for i in range(count)]
+    other = next((i for i, options in enumerate(each) if options != each[0]), None)
+    if other is not None:
+        fields = [key for key in _PER_LAYER if config.get(key) not in (None, False)]
+        raise ValueError(
+            f"the config's layers differ ({', '.join(fields)}): layer 0 gets {each[0]}, "
+            f"layer {other} {each[other]}; give the layer's index (layer=, --layer)"
+        )
+    return each[0]
+
+
+# The fields that make one layer's options differ from another's
+_PER_LAYER = (
+    "layer_types",
+    "no_rope_layers",
+    "max_window_layers",
+    "scale_attn_by_inverse_layer_idx",
+)
+
+# Config fields whose values change the attention's numbers in ways mha's layer cannot
+# represent: field -> (the values that leave the attention plain, what the field does)
+_UNSUPPORTED = {
+    "attn_logit_softcapping": ((None,), "soft-caps the scores (tanh)"),
+    "use_qk_norm": ((None, False), "normalizes each head's queries and keys (QK-norm)"),
+    "qk_layernorm": ((None, False), "normalizes each head's queries and keys (QK-norm)"),
+    "clip_qkv": ((None,), "clips the projections' outputs"),
+    "attention_chunk_size": ((None,), "attends within chunks of the sequence"),
+    "attn_temperature_tuning": ((None, False), "scales the queries by their position"),
+    "use_bidirectional_attention": ((None, False), "attends both ways, with windows of its own"),
+    "rotary_dim": ((None,), "rotates part of each head, with pairs of its own"),
+    "rotary_pct": ((None, 1.0), "rotates part of each head"),
+    "partial_rotary_factor": ((None, 1.0), "rotates part of each head"),
+    "alibi": ((None, False), "adds ALiBi's position biases"),
+}
+
+
+def _refuse_config(config: Mapping[str, Any]) -> None:
+    """Refuse every field mha's layer cannot represent, and configs that nest the model's."""
+    nested = [
+        key
+        for key, value in config.items()
+        if isinstance(value, Mapping) and "num_attention_heads" in value
+    ]
+    if nested and config.get("num_attention_heads", config.get("n_head")) is None:
+        raise ValueError(
+            f"the config nests the configs of its models ({', '.join(nested)}): give the one "
+            f"the layer belongs to, e.g. config[{nested[0]!r}]"
+        )
+    problems = [
+        f"{key}={config[key]!r} {what}"
+        for key, (plain, what) in _UNSUPPORTED.items()
+        if key in config and config[key] not in plain
+    ]
+    if problems:
+        raise ValueError(
+            "the config's attention does what mha's MultiHeadAttention cannot represent: "
+            + "; ".join(problems)
+        )
+
+
+def _num_layers(config: Mapping[str, Any]) -> int | None:
+    """The number of layers the config describes, where it tells it."""
+    for key in ("layer_types", "no_rope_layers"):
+        if config.get(key) is not None:
+            if not isinstance(config[key], list):
+                raise ValueError(f"the config's {key} is not a list: {config[key]!r}")
+            return len(config[key]) or None
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(config.get(key), int) and 0 < config[key] <= _MAX_LAYERS:
+            return config[key]
+    return None
+
+
+# The rotary convention of each model type checked against transformers' own layer, which
+# its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
+# (2i, 2i + 1) as GPT-J
+_ROTARY = {
+    "apertus": "half",
+    "arcee": "half",
+    "cohere": "pairs",
+    "cohere2": "pairs",
+    "ernie4_5": "pairs",
+    "gemma": "half",
+    "gemma2": "half",
+    "gemma3_text": "half",
+    "glm": "pairs",
+    "glm4": "pairs",
+    "gpt_oss": "half",
+    "granite": "half",
+    "granitemoe": "half",
+    "helium": "pairs",
+    "llama": "half",
+    "ministral": "half",
+    "mistral": "half",
+    "mixtral": "half",
+    "nemotron": "half",
+    "olmo": "half",
+    "olmo2": "half",
+    "phi": "half",
+    "qwen2": "half",
+    "qwen2_moe": "half",
+    "qwen3": "half",
+    "qwen3_moe": "half",
+    "seed_oss": "half",
+    "smollm3": "half",
+    "stablelm": "half",
+    "starcoder2": "half",
+    "vaultgemma": "half",
+}
+
+# Model types whose layers without a sliding window have no rotary embedding
+_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
+
+_MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
+
+
+def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """The options of the layer of this index (None: where the config tells no layers)."""
+    found: dict[str, Any] = {}
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    if heads is not None:
+        found["num_heads"] = int(heads)
+    kind = _attention_kind(config, layer)
+    window = config.get("sliding_window")
+    if window is not None and config.get("use_sliding_window", True) and kind != "full_attention":
+        found["sliding_window"] = int(window)
+    theta = _rope_theta(config, kind, layer)
+    model_type = config.get("model_type")
+    if theta is not None and model_type is not None:
+        if model_type not in _ROTARY:
+            raise ValueError(
+                f"the config's model_type={model_type!r} has a rotary embedding whose "
+                "convention mha does not know (the config does not tell it): give rope_theta "
+                "and rope_interleaved yourself. Known: " + ", ".join(sorted(_ROTARY))
+            )
+        if model_type in _ROTARY_WITH_WINDOW_ONLY and "sliding_window" not in found:
+            theta = None
+    if theta is not None:
+        found["rope_theta"] = theta
+        if _ROTARY.get(model_type) == "pairs":
+            found["rope_interleaved"] = True
+    scale = _scale(config, layer)
+    if scale is not None:
+        found["scale"] = scale
+    return found
+
+
+def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
+    """The layer's type, full_attention or sliding_attention, as layer_types (or Qwen2's
+    max_window_layers) says; None where the config does not tell the layers apart."""
+    types = config.get("layer_types") or None
+    if types is None:
+        sliding = config.get("sliding_window") is not None and config.get(
+            "use_sliding_window", True
+        )
+        if sliding and config.get("sliding_window_pattern") is not None:
+            raise ValueError(
+                f"the config's sliding_window_pattern={config['sliding_window_pattern']!r} "
+                "picks the sliding layers, and mha reads which from layer_types only"
+            )
+        if not sliding or config.get("max_window_layers") is None:
+            return None
+        if layer is None:
+            raise ValueError(
+                f"the config's max_window_layers={config['max_window_layers']!r} makes the "
+                "layers from that index on slide: give the config's num_hidden_layers and "
+                "the layer's index"
+            )
+        # transformers' rule where layer_types is not written
+        return "sliding_attention" if layer >= config["max_window_layers"] else "full_attention"
+    kind = types[layer]
+    if kind not in ("full_attention", "sliding_attention"):
+        raise ValueError(
+            f"layer {layer} of the config is {kind!r} (layer_types); mha's layer is "
+            "'full_attention' or 'sliding_attention'"
+        )
+    return kind
+
+
+def _rope_theta(config: Mapping[str, Any], kind: str | None, layer: int | None) -> float | None:
+    """The plain rotary embedding's base of the layer, or None where it has none; any other
+    rotary embedding is an error naming its field."""
+    no_rope = config.get("no_rope_layers")
+    if no_rope is not None and (layer is None or layer >= len(no_rope)):
+        raise ValueError(f"the config's no_rope_layers does not tell layer {layer}: {no_rope}")
+    if no_rope is not None and not no_rope[layer]:
+        return None  # SmolLM3's and Llama 4's layers without rotary embeddings
+    rope = config.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
+    field = "rope_parameters"
+    if rope and all(isinstance(value, Mapping) for value in rope.values()):
+        # Gemma 3: one rotary embedding per layer type
+        if kind not in rope:
+            which = "no layer_types" if kind is None else f"{kind!r} layers (layer_types)"
+            raise ValueError(
+                f"the config's rope_parameters are per layer type ({', '.join(rope)}), and "
+                f"it has {which}"
+            )
+        rope, field = rope[kind], f"rope_parameters[{kind!r}]"
+    for name, value in ((field, rope), ("rope_scaling", config.get("rope_scaling") or {})):
+        rope_type = value.get("rope_type", value.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"the config's rotary embedding is {rope_type!r} ({name}={dict(value)}); mha's "
+                "has the default frequencies only (rope_type 'default')"
+            )
+        factor = value.get("partial_rotary_factor", 1.0)
+        if factor not in (None, 1.0):
+            raise ValueError(
+                f"the config rotates part of each head ({name}['partial_rotary_factor']="
+                f"{factor!r}); mha's rotary embedding rotates all of it"
+            )
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    return None if theta is None else float(theta)
+
+
+def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
+    """The score scale the config gives the layer, or None where it is 1 / sqrt(head size)."""
+    head = _head_size(config)
+    scale = None
+    if config.get("query_pre_attn_scalar") is not None:  # Gemma 2 and 3
+        scale = float(config["query_pre_attn_scalar"]) ** -0.5
+    if config.get("attention_multiplier") is not None:  # Granite
+        scale = float(config["attention_multiplier"])
+    if config.get("scale_attn_weights") is False:  # GPT-2
+        scale = 1.0
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        if layer is None or (scale is None and head is None):
+            raise ValueError(
+                "the config's scale_attn_by_inverse_layer_idx=True scales each layer's scores "
+                "by its index: give the layer's index and the config's sizes"
+            )
+        scale = (head**-0.5 if scale is None else scale) / (layer + 1)
+    if scale is not None and head is not None and math.isclose(scale, head**-0.5, rel_tol=1e-12):
+        return None
+    return scale
+
+
+def _head_size(config: Mapping[str, Any]) -> int | None:
+    """The size of a head: head_dim, or the hidden size over the number of heads."""
+    if config.get("head_dim") is not None:
+        return int(config["head_dim"])
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    hidden = next(
+        (config[key] for key in ("hidden_size", "n_embd", "d_model") if config.get(key)), None
+    )
+    if not heads or not hidden or hidden % heads:
+        return None
+    return hidden // heads
+
+
+def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        value = json.loads(read_bytes(path, _MAX_CONFIG_BYTES))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"cannot read the config {os.fspath(path)}: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"the config {os.fspath(path)} is not a JSON object")
+    return value
+
+
+_MAX_CONFIG_BYTES = 1 << 20  # a model config is a few KiB
