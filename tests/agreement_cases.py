@@ -4,8 +4,8 @@ float32 and float64, against the float64 NumPy reference (docs/design.md, "Tests
 Every layer, every mask kind alone and the combinations, with as many keys as queries, with
 fewer keys than queries and with more; every kind of valid_lens and boolean mask, and the
 input ranks masked_softmax and AddNorm take. The cases are data: tuples of the names of
-mha.harness.MASKS, each with the configs it runs under, which all_cases() turns into
-mha.harness.Case objects. `mha compare` runs the shorter mha.harness.default_cases(), whose
+mha.cases.MASKS, each with the configs it runs under, which all_cases() turns into
+mha.cases.Case objects. `mha compare` runs the shorter mha.cases.default_cases(), whose
 tables (OPTION_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES) this matrix runs too.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from mha.harness import (
+from mha.cases import (
     EMPTY_ROWS_AND_BIAS_CASES,
     GQA,
     MODERN_CASES,

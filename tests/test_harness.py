@@ -6,6 +6,7 @@ import pytest
 from agreement_cases import all_cases
 from conftest import backend_module
 from mha import harness
+from mha.cases import MASKS
 
 pytestmark = pytest.mark.numpy
 
@@ -160,7 +161,7 @@ def test_shape_and_dtype_variants():
 def test_all_cases_use_only_known_masks_and_are_distinct():
     cases = all_cases()
     assert len({case.id for case in cases}) == len(cases)
-    assert {mask for case in cases for mask in case.masks} == set(harness.MASKS)
+    assert {mask for case in cases for mask in case.masks} == set(MASKS)
 
 
 # Every size `mha compare` accepts up to 12 features: num_hiddens with each of its divisors as
