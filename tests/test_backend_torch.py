@@ -464,8 +464,9 @@ def test_self_attention_compiles_into_one_graph(T, torch):
 )
 def test_compiled_grouped_rotary_sliding_attention_matches_the_reference(T, torch, masks):
     # Llama's and Mistral's attention (4 query heads sharing 2 key-value heads, rotary
-    # embeddings, a sliding window), compiled, with and without weights (then the fused
-    # kernel's enable_gqa): the reference's numbers and gradients, as eager gives
+    # embeddings, a sliding window), compiled, with and without weights: the reference's
+    # numbers and gradients, as eager gives (compiled, a mask that varies along the queries
+    # replaces the masked scores even without weights: the keys' values are not read)
     config = {"num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "sliding_window": 3}
     prepared = harness.prepare(harness.Case("MultiHeadAttention", masks, config))
     eager_row, eager = harness.check("torch", prepared)
@@ -479,8 +480,8 @@ def test_compiled_grouped_rotary_sliding_attention_matches_the_reference(T, torc
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
 def test_compiled_cached_decoding_equals_full_causal_attention(T, torch, need_weights):
     # A prompt of 3 positions, then one position per call, through torch.compile (a graph per
-    # cache length, or one with the length symbolic): the reference's full causal attention.
-    # Without weights the fused kernel gets the causal mask shifted by the cached positions
+    # cache length, or one with the length symbolic): the reference's full causal attention,
+    # the causal mask shifted by the cached positions
     config = dict(
         num_hiddens=8,
         num_heads=4,

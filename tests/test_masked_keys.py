@@ -1,5 +1,6 @@
 """Whatever a masked key holds stays out: NaN or inf in a key that a mask excludes changes no
-output of a query that does not attend to it, in every backend, under every kind of mask.
+output of a query that does not attend to it, in every backend, under every kind of mask,
+called eagerly and under the backend's compiler (torch.compile, tf.function, hybridize, nnx.jit).
 
 Padding positions of real batches hold anything; masked keys get exactly zero weight.
 """
@@ -33,13 +34,14 @@ def layers(module, multihead):
     return reference, layer
 
 
-@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-@pytest.mark.parametrize("masks", MASKS)
-@pytest.mark.parametrize(
-    "kind", ["dot", "multihead", "multihead_no_weights"], ids=lambda kind: kind
-)
-@pytest.mark.parametrize("name", backend_params())
-def test_a_masked_key_holding_anything_changes_nothing(name, kind, masks, poison):
+def eager(module, layer, inputs, arguments):
+    return layer(*inputs, **arguments), layer.attention_weights
+
+
+def assert_masked_key_changes_nothing(name, kind, masks, poison, call=eager):
+    """Key LAST holds `poison`; the rows that do not attend to it must equal the reference's
+    on clean keys, and its weights be 0. `call(module, layer, inputs, arguments)` returns the
+    output and the weights (the layer's own call, eager, by default)."""
     module = backend_module(name)
     reference, layer = layers(module, kind != "dot")
     rng = np.random.default_rng(0)
@@ -53,16 +55,111 @@ def test_a_masked_key_holding_anything_changes_nothing(name, kind, masks, poison
     assert rows.any()
     poisoned = keys.copy()
     poisoned[:, LAST] = poison
-    extra = {"need_weights": False} if kind == "multihead_no_weights" else {}
     arguments = {
         k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
     }
-    output = layer(*map(module.from_numpy, (queries, poisoned, values)), **arguments, **extra)
+    if kind == "multihead_no_weights":
+        arguments["need_weights"] = False
+    inputs = [module.from_numpy(x) for x in (queries, poisoned, values)]
+    output, got = call(module, layer, inputs, arguments)
     output = module.to_numpy(output)
     np.testing.assert_allclose(output[rows], expected[rows], rtol=0, atol=1e-12)
-    if not extra:
-        got = module.to_numpy(layer.attention_weights)
+    if kind != "multihead_no_weights":
+        got = module.to_numpy(got)
         np.testing.assert_allclose(got[..., LAST][masked], 0, atol=0)
+
+
+KINDS = ["dot", "multihead", "multihead_no_weights"]
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", backend_params())
+def test_a_masked_key_holding_anything_changes_nothing(name, kind, masks, poison):
+    assert_masked_key_changes_nothing(name, kind, masks, poison)
+
+
+# Compiled, a call cannot read the keys' values to choose its path (a graph has none, and on an
+# accelerator a read waits for the device): each compiler's call keeps the masked keys out too.
+# Each call checks that it was traced, so that an eager fallback passes nothing by accident.
+
+
+def torch_compiled(module, layer, inputs, arguments):
+    import torch
+
+    traced = []
+    attend = module.DotProductAttention.attend
+
+    def spy(self, *args, **kwargs):  # the attention's paths are chosen while compiling
+        traced.append(torch.compiler.is_compiling())
+        return attend(self, *args, **kwargs)
+
+    # A fresh cache: each test's layer is a new graph, and dynamo stops compiling a function
+    # after a few graphs (its recompile limit), then runs it eagerly
+    torch.compiler.reset()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module.DotProductAttention, "attend", spy)
+        # backend="eager" runs dynamo's graph as captured: the paths of compiled calls, quickly
+        output = torch.compile(layer, backend="eager")(*inputs, **arguments)
+    assert traced == [True]
+    return output, layer.attention_weights
+
+
+def tensorflow_function(module, layer, inputs, arguments):
+    import tensorflow as tf
+
+    traced = []
+
+    @tf.function
+    def call(queries, keys, values):
+        traced.append(not tf.executing_eagerly())
+        return layer(queries, keys, values, **arguments), layer.attention_weights
+
+    output = call(*inputs)
+    assert traced == [True]
+    return output
+
+
+def mxnet_hybridized(module, layer, inputs, arguments):
+    layer.hybridize()
+    output = layer(*inputs, **arguments)
+    assert layer._cached_op is not None  # the hybridized graph ran
+    return output, layer.attention_weights
+
+
+def jax_nnx_jit(module, layer, inputs, arguments):
+    import jax
+    from flax import nnx
+
+    traced = []
+    arrays = {k: v for k, v in arguments.items() if isinstance(v, jax.Array)}
+    static = {k: v for k, v in arguments.items() if k not in arrays}
+
+    @nnx.jit
+    def call(layer, queries, keys, values, arrays):
+        traced.append(isinstance(keys, jax.core.Tracer))
+        return layer(queries, keys, values, **arrays, **static), layer.attention_weights
+
+    output = call(layer, *inputs, arrays)
+    assert traced == [True]
+    return output
+
+
+COMPILED = {
+    "torch": torch_compiled,
+    "tensorflow": tensorflow_function,
+    "mxnet": mxnet_hybridized,
+    "jax": jax_nnx_jit,
+}
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", backend_params(list(COMPILED)))
+def test_a_masked_key_changes_nothing_in_a_compiled_call(name, kind, masks, poison):
+    assert_masked_key_changes_nothing(name, kind, masks, poison, COMPILED[name])
 
 
 # What an attended score holds decides its row: softmax of a row with a NaN, a +inf, or only

@@ -297,8 +297,8 @@ def _why_not_fused(keys: torch.Tensor, keep: torch.Tensor | None,
     """Why F.scaled_dot_product_attention cannot compute this call, or None when it can."""
     if keep is not None and empty_rows == "uniform":
         return "a row with no key takes uniform weights, which the kernel does not give"
-    if keep is not None and not _all_finite(keys):
-        return "a key holds NaN or inf: the kernel adds the mask to its score, giving NaN"
+    if keep is not None and not _mask_adds_exactly(keep, keys):
+        return "a masked key may hold NaN or inf, and the kernel adds the mask to its score"
     return None
 
 
@@ -310,21 +310,45 @@ def _why_not_masked_product(queries, keys, keep, bias, empty_rows) -> str | None
         return "an additive window mask is added to the scores on its own"
     if keep is not None and not _mask_fits_product(keep, queries):
         return "the mask varies along the leading axes and along the queries"
-    if keep is not None and not _all_finite(keys):
-        return "a key holds NaN or inf: added to the mask, its score would stay NaN"
+    if keep is not None and not _mask_adds_exactly(keep, keys):
+        return "a masked key may hold NaN or inf: added to the mask, its score would stay NaN"
     return None
 
 
-def _all_finite(keys: torch.Tensor) -> bool:
-    """Whether every key is finite. On the CPU one read answers it (a pass over the keys, not
-    the scores); elsewhere and while compiling or exporting the answer is yes without reading,
-    so that no call waits for the device: there a masked key holding NaN or inf can reach the
-    output."""
+def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether adding keep's -inf to the scores leaves out whatever a masked key holds, as
+    replacing the masked scores does: a key masked for every query is zeroed first
+    (_without_masked_keys), else every key must be known to be finite (NaN + -inf is NaN)."""
+    return _masks_whole_keys(keep, keys) or _known_finite(keys)
+
+
+def _masks_whole_keys(keep: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether keep is the same for every query (key padding: 1-D valid_lens, a mask of
+    keys), each of its leading axes 1 or the keys': then its masked keys can be zeroed."""
+    if keep.shape[-2] != 1 or keep.dim() != keys.dim():
+        return False
+    return all(m in (1, n) for m, n in zip(keep.shape[:-2], keys.shape[:-2], strict=True))
+
+
+def _without_masked_keys(keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The keys, with 0 at every key that keep masks for every query unless all are known to be
+    finite: a zeroed key's score is 0, and 0 + -inf is -inf whatever the key held."""
+    if keep is None or not _masks_whole_keys(keep, keys) or _known_finite(keys):
+        return keys
+    # Shape of keep.mT: (..., no. of keys, 1), against keys (..., no. of keys, d)
+    return torch.where(keep.mT, keys, 0.0)
+
+
+def _known_finite(keys: torch.Tensor) -> bool:
+    """Whether every key is known to be finite. On the CPU one read answers it (a pass over the
+    keys, not the scores); on other devices and while compiling or exporting a read would wait
+    for the device or has no values, so the answer is no: keys masked for every query are then
+    zeroed, and other masks take the path that replaces the masked scores."""
     # is_compiling() is True under torch.export too, whose traced tensors have no values
     if keys.device.type != "cpu" or torch.compiler.is_compiling():
-        return True
-    # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, and the
-    # exact path runs. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
+        return False
+    # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, which is
+    # safe. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
     total = keys.sum(dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32)
     return bool(torch.isfinite(total))
 
@@ -402,12 +426,16 @@ class DotProductAttention(Module):
         # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
         # no product overflows whose scaled score would not
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
+        # The paths that add the mask to the scores take the keys with their masked ones zeroed
+        # where the mask allows it: see _mask_adds_exactly
         if not need_weights and _why_not_fused(keys, keep, self.empty_rows) is None:
             self.attention_weights = None
+            keys = _without_masked_keys(keys, keep)
             return _fused_attention(queries, keys, values, keep, bias, self.dropout)
         if _why_not_masked_product(queries, keys, keep, bias, self.empty_rows) is None:
             # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
             # a pass over the scores fewer, forward and backward
+            keys = _without_masked_keys(keys, keep)
             keep, attended = (None, None) if keep is None else _keep_every_row(keep)
             scores = _masked_product(keep, queries, keys)
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
