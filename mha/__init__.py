@@ -31,15 +31,8 @@ from mha.registry import (
 
 if TYPE_CHECKING:  # the names __getattr__ imports at their first use
     from mha import conversion, golden, interop, porting
-    from mha.weights import (
-        get_weights,
-        load,
-        load_weights,
-        random_weights,
-        save,
-        save_weights,
-        set_weights,
-    )
+    from mha.checkpoints import load, load_weights, save, save_weights
+    from mha.weights import get_weights, random_weights, set_weights
 
 __version__ = "0.1.0"
 
@@ -74,18 +67,19 @@ __all__ = [
 ]
 
 
-# Imported at their first use (PEP 562): the functions of mha.weights (which imports numpy),
-# each once, and any module of the package, `mha.golden` or `mha.harness`, say, which `import
-# mha` used to import at once; dir() lists those as it did then.
-_WEIGHT_FUNCTIONS = (
-    "get_weights",
-    "load",
-    "load_weights",
-    "random_weights",
-    "save",
-    "save_weights",
-    "set_weights",
-)
+# Imported at their first use (PEP 562): the functions of mha.weights and mha.checkpoints
+# (which import numpy), each once, and any module of the package, `mha.golden` or
+# `mha.harness`, say, which `import mha` used to import at once; dir() lists those as it did
+# then. Function -> the module that defines it.
+_WEIGHT_FUNCTIONS = {
+    "get_weights": "weights",
+    "load": "checkpoints",
+    "load_weights": "checkpoints",
+    "random_weights": "weights",
+    "save": "checkpoints",
+    "save_weights": "checkpoints",
+    "set_weights": "weights",
+}
 _MODULES = (
     "conversion",
     "files",
@@ -105,9 +99,10 @@ def __getattr__(name: str) -> Any:
     if name in PUBLIC_NAMES:
         return getattr(load_backend(get_backend()), name)
     if name in _WEIGHT_FUNCTIONS:
-        from mha import weights
+        import importlib
 
-        globals()[name] = getattr(weights, name)  # found without __getattr__ from now on
+        module = importlib.import_module(f"mha.{_WEIGHT_FUNCTIONS[name]}")
+        globals()[name] = getattr(module, name)  # found without __getattr__ from now on
         return globals()[name]
     if name.isidentifier() and not name.startswith("_"):
         import importlib.util

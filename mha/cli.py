@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from mha import __version__, bench, conversion, golden, harness, model_config, porting
+from mha.checkpoints import read_checkpoint
 from mha.registry import (
     BACKENDS,
     INSTALL,
@@ -25,7 +26,6 @@ from mha.registry import (
     load_backend,
     select_backends,
 )
-from mha.weights import read_checkpoint
 
 __all__ = ["main"]
 

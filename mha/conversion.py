@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from mha import layouts, porting, validation
+from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
 from mha.files import write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
 from mha.interop.flax import canonical_from_flax, flax_params
@@ -33,14 +34,7 @@ from mha.interop.keras import KERAS_DENSE, canonical_from_keras, to_keras
 from mha.interop.torch import canonical_from_torch, torch_state_dict
 from mha.options import layer_defaults
 from mha.registry import BackendUnavailableError, load_backend
-from mha.weights import (
-    LAYER_CLASSES,
-    OPTION_DEFAULTS,
-    check_untold_options,
-    checkpoint_bytes,
-    read_checkpoint,
-    read_safetensors,
-)
+from mha.weights import LAYER_CLASSES, OPTION_DEFAULTS, check_untold_options
 
 __all__ = ["FILE_KINDS", "convert", "file_kind", "read_file", "read_state", "write_file"]
 

@@ -25,15 +25,10 @@ from typing import Any
 import numpy as np
 
 from mha import harness, validation
+from mha.checkpoints import read_safetensors, write_safetensors
 from mha.interop.common import as_numpy
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
-from mha.weights import (
-    LAYER_CLASSES,
-    get_weights,
-    layer_info,
-    read_safetensors,
-    write_safetensors,
-)
+from mha.weights import LAYER_CLASSES, get_weights, layer_info
 
 __all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "verify_layer"]
 
@@ -122,7 +117,7 @@ def case_of(
 
 
 def record(path: str | os.PathLike, cases: Sequence[GoldenCase]) -> None:
-    """Write cases to a safetensors file, atomically (see mha.weights.write_safetensors)."""
+    """Write cases to a safetensors file, atomically (see mha.checkpoints.write_safetensors)."""
     tensors, described = {}, []
     for index, case in enumerate(cases):
         arrays = {

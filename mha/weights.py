@@ -1,4 +1,4 @@
-"""Canonical weights: one format for every backend, and safetensors files.
+"""Canonical weights: one format for every backend.
 
 The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computing
 `y = x @ W + b`, with W of shape (in, out), whatever layout the framework keeps internally:
@@ -16,43 +16,29 @@ The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computin
 With num_kv_heads (grouped-query attention), W_k and W_v are (size, num_kv_heads * head size)
 and b_k, b_v (num_kv_heads * head size,), the head size being num_hiddens / num_heads.
 
-Files are safetensors (a JSON header and raw little-endian bytes), read and written here with
-numpy alone (bfloat16 through ml_dtypes, numpy's bfloat16), never with pickle. The header's
-metadata records the layer's class and constructor config, so a file cannot be loaded into a
-layer it does not fit.
+`get_weights`, `set_weights` and `random_weights` read, write and make them on a layer of any
+backend. Their files, safetensors checkpoints that record the layer's class and config, are
+`mha.checkpoints`'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import struct
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from mha import options, validation
-from mha.config import get_backend
-from mha.files import write_atomically
 from mha.registry import backend_of, load_backend
 
 __all__ = [
     "LAYER_CLASSES",
-    "Checkpoint",
     "build_layer",
     "get_weights",
-    "load",
-    "load_weights",
     "random_weights",
-    "read_checkpoint",
-    "read_safetensors",
-    "save",
-    "save_weights",
     "set_weights",
     "weight_shapes",
-    "write_safetensors",
 ]
 
 # Layer class -> the names of its constructor arguments, in signature order.
@@ -60,9 +46,6 @@ __all__ = [
 LAYER_CLASSES: dict[str, tuple[str, ...]] = {
     layer: tuple(option.name for option in options.layer_options(layer)) for layer in options.LAYERS
 }
-
-FORMAT = "mha"
-FORMAT_VERSION = "1"
 
 
 def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple[int | None, ...]]:
@@ -187,7 +170,7 @@ def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:
     return {name: backend.read_parameter(*held) for name, held in parameters.items()}
 
 
-def _import_weights(backend: Any, layer: Any, arrays: Mapping[str, np.ndarray]) -> None:
+def import_weights(backend: Any, layer: Any, arrays: Mapping[str, np.ndarray]) -> None:
     for name, (sublayer, kind) in _weight_places_of(layer).items():
         backend.write_parameter(getattr(layer, sublayer), kind, arrays[name])
 
@@ -214,7 +197,7 @@ def _describe_array(value: Any) -> str:
     return f"shape {validation._format_shape(value.shape)} and dtype {value.dtype}"
 
 
-def _find_problems(
+def find_problems(
     class_name: str, config: Mapping[str, Any], weights: Any
 ) -> tuple[list[str], dict[str, np.ndarray]]:
     """Every problem of `weights` for the layer, and the weights as numpy arrays."""
@@ -263,7 +246,7 @@ def _find_problems(
     return problems, arrays
 
 
-def _raise_problems(what: str, class_name: str, config: Mapping[str, Any], problems: list[str]):
+def raise_problems(what: str, class_name: str, config: Mapping[str, Any], problems: list[str]):
     count = f"{len(problems)} problem" + ("s" if len(problems) > 1 else "")
     lines = "\n".join(f"  - {problem}" for problem in problems)
     raise ValueError(f"{what} found {count} for {_describe_layer(class_name, config)}:\n{lines}")
@@ -308,10 +291,10 @@ def set_weights(layer: Any, weights: Mapping[str, np.ndarray]) -> None:
         ValueError: one error listing every missing, unexpected, misshapen or mistyped weight.
     """
     backend, class_name, config = layer_info(layer)
-    problems, arrays = _find_problems(class_name, config, weights)
+    problems, arrays = find_problems(class_name, config, weights)
     if problems:
-        _raise_problems("set_weights", class_name, config, problems)
-    _import_weights(backend, layer, arrays)
+        raise_problems("set_weights", class_name, config, problems)
+    import_weights(backend, layer, arrays)
 
 
 def random_weights(
@@ -400,157 +383,6 @@ def _layer_class_name_of_type(cls: type) -> str:
     raise TypeError(f"Expected an mha layer class. Received: {cls.__qualname__}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Files
-
-
-def save_weights(layer: Any, path: str | os.PathLike) -> None:
-    """Write the layer's canonical weights, class and config to a safetensors file.
-
-    The file is written to a temporary name and renamed (`mha.files.write_atomically`), so a
-    failed or interrupted save never leaves a truncated file under `path`.
-
-    Raises:
-        OSError: the file could not be written; `path` is left as it was.
-    """
-    write_atomically(path, checkpoint_bytes(layer))
-
-
-def checkpoint_bytes(layer: Any) -> bytes:
-    """The content of the checkpoint `save_weights` writes: weights, class and config."""
-    _, class_name, config = layer_info(layer)
-    metadata = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "class": class_name,
-        "config": json.dumps(config, sort_keys=True),
-        "backend": backend_of(layer),
-    }
-    return safetensors_bytes(get_weights(layer), metadata)
-
-
-def load_weights(layer: Any, path: str | os.PathLike) -> None:
-    """Load a file written by `save_weights` (from any backend) into `layer`.
-
-    Raises:
-        ValueError: the file is not an mha safetensors file, is truncated or corrupted, was
-            saved from another class, or its config or weights do not fit the layer; every
-            problem is listed.
-    """
-    _, class_name, config = layer_info(layer)
-    saved_class, saved, tensors, _ = _read_mha_file(path)
-    if saved_class != class_name:
-        raise ValueError(
-            f"{os.fspath(path)} holds weights of {saved_class}; cannot load them into {class_name}"
-        )
-    problems = []
-    for key in LAYER_CLASSES[class_name]:
-        if key in ("dropout", "dtype", "eps", "max_len"):
-            continue  # not part of the weights; dtype is checked per tensor below
-        mine, theirs = config.get(key), saved.get(key)
-        if mine is not None and mine != theirs:
-            problems.append(
-                f"the file was saved with {key}={theirs!r}; this layer has {key}={mine!r}"
-            )
-    more, arrays = _find_problems(class_name, config, tensors)
-    problems.extend(more)
-    if problems:
-        _raise_problems(f"load_weights({os.fspath(path)!r})", class_name, config, problems)
-    _import_weights(load_backend(backend_of(layer)), layer, arrays)
-
-
-class Checkpoint(NamedTuple):
-    """The contents of an mha checkpoint file, checked: see `read_checkpoint`."""
-
-    class_name: str
-    config: dict[str, Any]
-    weights: dict[str, np.ndarray]
-    metadata: dict[str, str]
-
-
-def _read_mha_file(
-    path: str | os.PathLike,
-) -> tuple[str, dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
-    """Class, config, tensors and metadata of a file written by `save_weights` / `save`."""
-    tensors, metadata = read_safetensors(path)
-    if metadata.get("format") != FORMAT or "class" not in metadata or "config" not in metadata:
-        raise ValueError(
-            f"{os.fspath(path)} is a safetensors file but not one written by "
-            "mha.save_weights (its metadata has no mha class and config)"
-        )
-    if metadata.get("format_version", FORMAT_VERSION) != FORMAT_VERSION:
-        raise ValueError(
-            f"{os.fspath(path)} is an mha file of format version "
-            f"{metadata['format_version']!r}; this mha reads version {FORMAT_VERSION!r} "
-            "(a newer mha wrote it?)"
-        )
-    class_name = metadata["class"]
-    if class_name not in LAYER_CLASSES:
-        raise ValueError(
-            f"{os.fspath(path)} holds an unknown layer class. Valid names: "
-            f"{', '.join(LAYER_CLASSES)}. Received: {class_name!r}"
-        )
-    try:
-        saved = json.loads(metadata["config"])
-        if not isinstance(saved, dict):
-            raise TypeError("config is not a JSON object")
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"{os.fspath(path)} has a corrupted config in its metadata: {error}"
-        ) from None
-    return class_name, saved, tensors, metadata
-
-
-def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Read and check an mha checkpoint (written by `save` or `save_weights`) without a layer.
-
-    Only data is read (safetensors: a JSON header and raw numbers); nothing is executed.
-
-    Returns:
-        Checkpoint(class_name, config, weights, metadata).
-
-    Raises:
-        ValueError: the file is truncated, not safetensors, not written by mha, names an
-            unknown class, has a config with missing, unknown or wrongly typed arguments, or
-            weights whose names, shapes or dtypes do not fit that config. Every weight problem
-            is listed.
-    """
-    name = os.fspath(path)
-    class_name, config, tensors, metadata = _read_mha_file(path)
-    expected = LAYER_CLASSES[class_name]
-    # A file written before an argument existed has that argument's default
-    config = {**{k: v for k, v in OPTION_DEFAULTS.items() if k in expected}, **config}
-    unknown = sorted(set(config) - set(expected))
-    missing = [key for key in expected if key not in config]
-    if unknown or missing:
-        details = []
-        if unknown:
-            details.append(f"unknown {', '.join(unknown)}")
-        if missing:
-            details.append(f"missing {', '.join(missing)}")
-        raise ValueError(
-            f"{name} has an invalid config for {class_name} ({'; '.join(details)}). "
-            f"{class_name} takes {', '.join(expected)}"
-        )
-    try:
-        validation.check_layer_args(class_name, config)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{name} has an invalid config for {class_name}: {error}") from None
-    if class_name == "PositionalEncoding":
-        # Its table is made from the config alone: a few bytes of file must not ask for TiBs
-        size = config["max_len"] * config["num_hiddens"]
-        if size > _MAX_TABLE_SIZE:
-            raise ValueError(
-                f"{name} asks for a positional table of max_len * num_hiddens = {size} numbers, "
-                f"more than a file may ask for ({_MAX_TABLE_SIZE}); build the layer with "
-                "these arguments yourself if you mean it"
-            )
-    problems, arrays = _find_problems(class_name, config, tensors)
-    if problems:
-        _raise_problems(f"read_checkpoint({name!r})", class_name, config, problems)
-    return Checkpoint(class_name, config, arrays, metadata)
-
-
 # The options beside the book's arguments, with their defaults: a file written before they
 # existed, and a framework's layer, which has none of them, take these
 OPTION_DEFAULTS = {option.name: option.default for option in options.OPTIONS if option.added}
@@ -569,10 +401,6 @@ def check_untold_options(options: Mapping[str, Any]) -> None:
         )
 
 
-# The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
-_MAX_TABLE_SIZE = 2**27
-
-
 def build_layer(module: Any, class_name: str, config: Mapping[str, Any]) -> Any:
     """A new `class_name` layer of backend `module` from its constructor arguments."""
     positional = [key for key in LAYER_CLASSES[class_name] if key in ("num_hiddens", "num_heads")]
@@ -582,186 +410,31 @@ def build_layer(module: Any, class_name: str, config: Mapping[str, Any]) -> Any:
     )
 
 
-def save(layer: Any, path: str | os.PathLike) -> None:
-    """Save a layer as a checkpoint: its canonical weights, class and config (safetensors).
-
-    The same file format as `save_weights`; `load` rebuilds the layer from it in any backend.
-
-    Example:
-        >>> mha.save(attention, "attention.safetensors")
-        >>> again = mha.load("attention.safetensors", backend="torch")
-    """
-    save_weights(layer, path)
-
-
-def load(path: str | os.PathLike, backend: str | None = None) -> Any:
-    """Rebuild the layer saved in a checkpoint, in `backend` (default: the current backend).
-
-    The layer gets the saved class, config (dropout and dtype included) and weights, whatever
-    backend saved it. Nothing in the file is executed.
-
-    Raises:
-        ValueError: the file cannot be read, or its class, config or weights are invalid
-            (see `read_checkpoint`).
-        BackendUnavailableError: `backend` does not import.
-    """
-    checkpoint = read_checkpoint(path)
-    module = load_backend(backend if backend is not None else get_backend())
-    class_name, config = checkpoint.class_name, checkpoint.config
-    layer = build_layer(module, class_name, config)
-    if checkpoint.weights:
-        _import_weights(module, layer, checkpoint.weights)
-    return layer
+# The files' names, which moved to mha.checkpoints (which imports this module): looked up there
+# on first use, so that mha.weights.read_checkpoint and the rest still work
+MOVED_TO_CHECKPOINTS = (
+    "Checkpoint",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "checkpoint_bytes",
+    "load",
+    "load_weights",
+    "read_checkpoint",
+    "read_safetensors",
+    "safetensors_bytes",
+    "save",
+    "save_weights",
+    "write_safetensors",
+)
 
 
-# The safetensors dtypes mha reads and writes, and their little-endian numpy types; BF16 is
-# stored as the 16-bit patterns of ml_dtypes' bfloat16 (the upper half of a float32)
-_SAFETENSORS_DTYPES = {
-    "F16": "<f2",
-    "F32": "<f4",
-    "F64": "<f8",
-    "I8": "i1",
-    "I16": "<i2",
-    "I32": "<i4",
-    "I64": "<i8",
-    "U8": "u1",
-    "BOOL": "?",
-    "BF16": "<u2",
-}
-_NUMPY_TO_SAFETENSORS = {np.dtype(v).name: k for k, v in _SAFETENSORS_DTYPES.items()}
-_NUMPY_TO_SAFETENSORS["bfloat16"] = _NUMPY_TO_SAFETENSORS.pop("uint16")
-_MAX_HEADER_BYTES = 100_000_000
+def __getattr__(name: str) -> Any:
+    if name in MOVED_TO_CHECKPOINTS:
+        from mha import checkpoints
+
+        return getattr(checkpoints, name)
+    raise AttributeError(f"module 'mha.weights' has no attribute {name!r}")
 
 
-def write_safetensors(
-    path: str | os.PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]
-) -> None:
-    """Write numpy arrays and string metadata as a safetensors file (atomically).
-
-    Raises:
-        OSError: the file could not be written; `path` is left as it was.
-    """
-    write_atomically(path, safetensors_bytes(tensors, metadata))
-
-
-def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """The content of a safetensors file of numpy arrays and string metadata."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    blobs = []
-    offset = 0
-    for name in sorted(tensors):
-        array = np.asarray(tensors[name])
-        if array.dtype.name not in _NUMPY_TO_SAFETENSORS:
-            raise TypeError(f"cannot write {name} with dtype {array.dtype} to safetensors")
-        dtype = _NUMPY_TO_SAFETENSORS[array.dtype.name]
-        if dtype == "BF16":
-            array = np.ascontiguousarray(array).view(np.uint16)  # the bit patterns
-        data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the format asks
-    return b"".join([struct.pack("<Q", len(encoded)), encoded, *blobs])
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # A key given twice would leave the last one silently winning: the file is refused
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ValueError(f"it names {', '.join(map(repr, twice))} more than once")
-    return dict(pairs)
-
-
-def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Read a safetensors file into numpy arrays and its string metadata.
-
-    Every size and offset is checked before any data is read, so a truncated, foreign or
-    hostile file raises ValueError instead of crashing or allocating without bound.
-    """
-    name = os.fspath(path)
-
-    def corrupt(reason: str) -> ValueError:
-        return ValueError(f"{name} is not a valid safetensors file: {reason}")
-
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size < 8:
-            raise corrupt(f"it has {size} bytes, fewer than the 8-byte header size")
-        (header_size,) = struct.unpack("<Q", file.read(8))
-        # The header's size is checked against the file's before anything more is read
-        if header_size > _MAX_HEADER_BYTES:
-            raise corrupt(f"its header claims {header_size} bytes (limit {_MAX_HEADER_BYTES})")
-        if 8 + header_size > size:
-            raise corrupt(
-                f"it is truncated: the header needs {header_size} bytes, {size - 8} remain"
-            )
-        file.seek(0)
-        content = file.read()
-    try:
-        header = json.loads(
-            content[8 : 8 + header_size].decode("utf-8"), object_pairs_hook=_unique_keys
-        )
-    except (UnicodeDecodeError, ValueError) as error:
-        raise corrupt(f"its header is not JSON ({error})") from None
-    if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise corrupt("its __metadata__ is not a map of strings")
-    data = memoryview(content)[8 + header_size :]
-    entries = _safetensors_entries(header, len(data), corrupt)
-    tensors = {}
-    for begin, end, key, dtype, shape in entries:
-        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
-        array = array.reshape(shape).astype(array.dtype.newbyteorder("="))
-        tensors[key] = array.view(numpy_dtype("bfloat16")) if dtype == "BF16" else array
-    return tensors, metadata
-
-
-def _safetensors_entries(
-    header: Mapping[str, Any], data_size: int, corrupt: Any
-) -> list[tuple[int, int, str, str, list[int]]]:
-    """(begin, end, name, dtype, shape) of each tensor of a safetensors header, in the order of
-    their data, after checking that they fill the data_size bytes after the header exactly;
-    `corrupt(reason)` makes the error to raise."""
-    entries = []
-    for key, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise corrupt(f"the entry of {key!r} is not dtype, shape and data_offsets")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise corrupt(f"{key!r} has dtype {dtype!r}, which mha does not read")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise corrupt(f"{key!r} has an invalid shape {shape!r}")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise corrupt(f"{key!r} has invalid data_offsets {offsets!r}")
-        itemsize = np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
-        if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
-            raise corrupt(f"{key!r} has {offsets[1] - offsets[0]} bytes for shape {shape}")
-        entries.append((offsets[0], offsets[1], key, dtype, shape))
-    entries.sort()
-    position = 0
-    for begin, end, key, _, _ in entries:
-        if begin != position:
-            raise corrupt(f"the data of {key!r} does not follow the previous tensor's")
-        position = end
-    if position != data_size:
-        if position > data_size:
-            raise corrupt(f"it is truncated: the tensors need {position} bytes, {data_size} remain")
-        raise corrupt(f"it has {data_size - position} bytes after the last tensor")
-    return entries
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | set(MOVED_TO_CHECKPOINTS))

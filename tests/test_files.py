@@ -229,7 +229,7 @@ def test_a_header_larger_than_the_file_is_refused_before_reading_it(tmp_path):
 def test_a_checkpoint_may_not_ask_for_an_unbounded_positional_table(tmp_path):
     import json
 
-    from mha.weights import FORMAT, write_safetensors
+    from mha.checkpoints import FORMAT, write_safetensors
 
     path = tmp_path / "table.safetensors"
     config = {"num_hiddens": 1024, "dropout": 0.0, "max_len": 2**40, "dtype": "float32"}
@@ -294,7 +294,7 @@ def test_a_header_naming_a_key_twice_or_a_newer_format_is_refused(tmp_path):
     import json
     import struct
 
-    from mha.weights import FORMAT, write_safetensors
+    from mha.checkpoints import FORMAT, write_safetensors
 
     path = saved(tmp_path)
     content = path.read_bytes()

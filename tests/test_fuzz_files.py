@@ -87,7 +87,7 @@ def test_any_json_header(tmp_path, header, tail):
     name=st.sampled_from([*LAYER_CLASSES, "Nope"]),
 )
 def test_any_config_in_an_mha_file(tmp_path, config, name):
-    from mha.weights import FORMAT, write_safetensors
+    from mha.checkpoints import FORMAT, write_safetensors
 
     path = tmp_path / "config.safetensors"
     metadata = {"format": FORMAT, "class": name, "config": json.dumps(config)}
