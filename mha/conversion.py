@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mha import layouts, porting, validation
+from mha import layer_args, layouts, porting, validation
 from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
 from mha.files import write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
@@ -423,7 +423,7 @@ def _carrier(weights: Mapping[str, np.ndarray]) -> str:
     """The backend whose layer carries `weights` into a file: numpy, unless numpy does not
     compute in their dtype (bfloat16); then torch, or TensorFlow without torch."""
     dtype = np.asarray(weights.get("W_q", np.zeros(0, "float32"))).dtype.name
-    if dtype in validation.BACKEND_DTYPES["numpy"]:
+    if dtype in layer_args.BACKEND_DTYPES["numpy"]:
         return "numpy"
     for backend in ("torch", "tensorflow"):
         try:

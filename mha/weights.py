@@ -31,6 +31,7 @@ import numpy as np
 
 from mha import options, validation
 from mha.registry import backend_of, load_backend
+from mha.tensors import format_shape
 
 __all__ = [
     "LAYER_CLASSES",
@@ -171,6 +172,7 @@ def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:
 
 
 def import_weights(backend: Any, layer: Any, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write checked canonical arrays into the layer's parameters, through its backend."""
     for name, (sublayer, kind) in _weight_places_of(layer).items():
         backend.write_parameter(getattr(layer, sublayer), kind, arrays[name])
 
@@ -194,7 +196,7 @@ def _layer_class_name(layer: Any) -> str:
 
 
 def _describe_array(value: Any) -> str:
-    return f"shape {validation._format_shape(value.shape)} and dtype {value.dtype}"
+    return f"shape {format_shape(value.shape)} and dtype {value.dtype}"
 
 
 def find_problems(
@@ -212,9 +214,7 @@ def find_problems(
     arrays = {}
     for name in shapes:
         if name not in weights:
-            problems.append(
-                f"missing {name}: expected shape {validation._format_shape(shapes[name])}"
-            )
+            problems.append(f"missing {name}: expected shape {format_shape(shapes[name])}")
     for name in weights:
         if name not in shapes:
             expected = ", ".join(shapes) or "no weights"
@@ -234,8 +234,7 @@ def find_problems(
         )
         if not shape_ok:
             problems.append(
-                f"{name} has {_describe_array(value)}; "
-                f"expected shape {validation._format_shape(expected)}"
+                f"{name} has {_describe_array(value)}; expected shape {format_shape(expected)}"
             )
         elif value.dtype.name != dtype:
             problems.append(
@@ -247,6 +246,7 @@ def find_problems(
 
 
 def raise_problems(what: str, class_name: str, config: Mapping[str, Any], problems: list[str]):
+    """One ValueError listing every problem `find_problems` found for the layer."""
     count = f"{len(problems)} problem" + ("s" if len(problems) > 1 else "")
     lines = "\n".join(f"  - {problem}" for problem in problems)
     raise ValueError(f"{what} found {count} for {_describe_layer(class_name, config)}:\n{lines}")

@@ -1,0 +1,204 @@
+"""The layers' constructor arguments: the check of each kind of option, the rules between
+options, and the dtypes mha computes in.
+
+`check_layer_args(layer, locals())` checks each option of `layer` (mha.options) by its kind
+and then the rules between them. `mha.validation` names every public check here too, and it
+is where the backends call them.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from mha import options
+from mha.tensors import plain_dtype_name
+
+__all__ = [
+    "BACKEND_DTYPES",
+    "EMPTY_ROWS",
+    "FLOAT_DTYPES",
+    "check_backend_dtype",
+    "check_bool",
+    "check_dtype",
+    "check_empty_rows",
+    "check_layer_args",
+]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The float dtypes each backend computes in: numpy and MXNet 1.9 have no bfloat16 arithmetic
+BACKEND_DTYPES = {
+    "numpy": ("float16", "float32", "float64"),
+    "torch": FLOAT_DTYPES,
+    "tensorflow": FLOAT_DTYPES,
+    "mxnet": ("float16", "float32", "float64"),
+    "jax": FLOAT_DTYPES,
+}
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+
+
+def _check_optional_positive_int(name: str, value: Any) -> None:
+    if value is not None:
+        _check_positive_int(name, value)
+
+
+def _check_dropout(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (0.0 <= float(value) < 1.0)
+    ):
+        raise ValueError(f"{name} must be a number in [0, 1). Received: {name}={value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    """A TypeError unless `value` is True or False."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+
+
+def _check_optional_bool(name: str, value: Any) -> None:
+    if value is not None:
+        check_bool(name, value)
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ValueError(f"{name} must be a positive number. Received: {name}={value!r}")
+
+
+def _check_optional_positive_number(name: str, value: Any) -> None:
+    if value is not None:
+        _check_positive_number(name, value)
+
+
+def _check_scale(name: str, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be None or a number. Received: {name}={value!r} of type "
+            f"{type(value).__name__}"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite. Received: {name}={value!r}")
+
+
+def check_dtype(dtype: Any) -> str:
+    """Return the dtype's plain name; accepts a name or any framework's dtype object."""
+    name = dtype if isinstance(dtype, str) or dtype is None else plain_dtype_name(dtype)
+    if name not in FLOAT_DTYPES:
+        raise ValueError(
+            f"dtype must be one of {', '.join(FLOAT_DTYPES)}. Received: dtype={dtype!r}"
+        )
+    return name
+
+
+def check_backend_dtype(dtype: str, backend: str) -> str:
+    """Return `dtype`, a name check_dtype accepted, when `backend` computes in it."""
+    supported = BACKEND_DTYPES[backend]
+    if dtype not in supported:
+        others = [name for name, dtypes in BACKEND_DTYPES.items() if dtype in dtypes]
+        others = ", ".join(others[:-1]) + " and " + others[-1] if len(others) > 1 else others[0]
+        raise ValueError(
+            f"dtype must be one of {', '.join(supported)} in the {backend} backend "
+            f"({dtype} computes in {others}). Received: dtype={dtype!r}"
+        )
+    return dtype
+
+
+EMPTY_ROWS = ("zeros", "uniform")
+
+
+def check_empty_rows(empty_rows: Any) -> None:
+    """What a query with no key gets: "zeros" (weights and output 0) or "uniform" (weights
+    1 / no. of keys over every key, as a fill of equal large negative scores gives)."""
+    if not isinstance(empty_rows, str) or empty_rows not in EMPTY_ROWS:
+        raise ValueError(
+            f"empty_rows must be one of {', '.join(map(repr, EMPTY_ROWS))}. "
+            f"Received: empty_rows={empty_rows!r}"
+        )
+
+
+# The check of each kind of value an option takes (mha.options.Option.check)
+_VALUE_CHECKS = {
+    "positive integer": _check_positive_int,
+    "optional positive integer": _check_optional_positive_int,
+    "dropout": _check_dropout,
+    "boolean": check_bool,
+    "optional boolean": _check_optional_bool,
+    "positive number": _check_positive_number,
+    "optional positive number": _check_optional_positive_number,
+    "scale": _check_scale,
+    "empty_rows": lambda name, value: check_empty_rows(value),
+    "dtype": lambda name, value: check_dtype(value),
+}
+
+
+def _heads_divide(arguments: Mapping[str, Any]) -> None:
+    num_hiddens, num_heads = arguments["num_hiddens"], arguments["num_heads"]
+    if num_hiddens % num_heads != 0:
+        raise ValueError(
+            "num_hiddens must be divisible by num_heads. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+        )
+
+
+def _kv_heads_divide(arguments: Mapping[str, Any]) -> None:
+    num_heads, num_kv_heads = arguments["num_heads"], arguments["num_kv_heads"]
+    if num_kv_heads is not None and num_heads % num_kv_heads != 0:
+        raise ValueError(
+            "num_heads must be a multiple of num_kv_heads (each key-value head serves a group "
+            f"of query heads). Received: num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+
+
+def _rotary_heads_even(arguments: Mapping[str, Any]) -> None:
+    num_hiddens, num_heads = arguments["num_hiddens"], arguments["num_heads"]
+    if arguments["rope_theta"] is not None and (num_hiddens // num_heads) % 2 != 0:
+        raise ValueError(
+            "rotary embeddings rotate pairs of features: the head size num_hiddens / "
+            "num_heads must be even. "
+            f"Received: num_hiddens={num_hiddens}, num_heads={num_heads}"
+        )
+
+
+def _rotary_size_even(arguments: Mapping[str, Any]) -> None:
+    if arguments["num_hiddens"] % 2 != 0:
+        raise ValueError(
+            "num_hiddens must be even: rotary embeddings rotate pairs of features. "
+            f"Received: num_hiddens={arguments['num_hiddens']}"
+        )
+
+
+# Rules between a layer's options, checked once each option holds a value of its kind
+_LAYER_RULES = {
+    "MultiHeadAttention": (_heads_divide, _kv_heads_divide, _rotary_heads_even),
+    "RotaryEmbedding": (_rotary_size_even,),
+}
+
+
+def check_layer_args(layer: str, arguments: Mapping[str, Any]) -> str:
+    """Check the constructor arguments of `layer`, each of its options (mha.options) and the
+    rules between them; returns the dtype name.
+
+    Args:
+        layer: the layer's class name, e.g. "MultiHeadAttention".
+        arguments: a mapping holding every option of the layer, such as the constructor's
+            `locals()` or a layer config (other entries are not read).
+    """
+    for option in options.layer_options(layer):
+        _VALUE_CHECKS[option.check](option.name, arguments[option.name])
+    for rule in _LAYER_RULES.get(layer, ()):
+        rule(arguments)
+    return check_dtype(arguments["dtype"])

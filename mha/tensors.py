@@ -1,0 +1,112 @@
+"""Reading any framework's tensor: its shape and the plain name of its dtype.
+
+The checks of `mha.validation` read `.shape` and `.dtype` of a numpy array or of any
+framework's tensor with these, without converting it to numpy, and describe it in their
+messages the same way in every backend. `mha.validation.shape_of` and `dtype_name` are these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "broadcastable",
+    "describe",
+    "dtype_name",
+    "format_shape",
+    "is_tensor",
+    "plain_dtype_name",
+    "same",
+    "shape_of",
+]
+
+Shape = tuple[int | None, ...]
+
+
+def shape_of(x: Any) -> Shape:
+    """The shape of a numpy array or framework tensor as a tuple; unknown sizes are None, and
+    symbolic sizes (torch.export's dynamic shapes, jax.export's symbolic shapes) stay symbolic."""
+    shape = x.shape
+    if isinstance(shape, tuple) and all(type(d) is int for d in shape):
+        # numpy, torch.Size, MXNet: plain ints already (checks run on every call)
+        return tuple(shape)
+    if hasattr(shape, "as_list"):  # tf.TensorShape, possibly with unknown dimensions
+        return tuple(shape.as_list()) if shape.rank is not None else ()
+    return tuple(_size(d) for d in shape)
+
+
+def _size(d: Any) -> Any:
+    if d is None or type(d).__name__ in _SYMBOLIC_SIZES:
+        # Symbolic sizes stay symbolic: int() would pin torch's program to the example, and
+        # JAX's refuses to become a constant
+        return d
+    return int(d)
+
+
+# torch.export's size with dynamic shapes, and jax.export's with a symbolic shape
+_SYMBOLIC_SIZES = ("SymInt", "_DimExpr")
+
+
+def dtype_name(x: Any) -> str:
+    """The dtype of a numpy array or framework tensor as a plain name, e.g. "float32"."""
+    return plain_dtype_name(x.dtype)
+
+
+def plain_dtype_name(dtype: Any) -> str:
+    """The plain name of a dtype object of numpy or any framework, e.g. "float32"."""
+    names = _DTYPE_NAMES.setdefault(type(dtype), {})
+    try:
+        return names[dtype]
+    except (KeyError, TypeError):  # TypeError: not hashable
+        name = _read_dtype_name(dtype)
+    try:
+        names[dtype] = name
+    except TypeError:
+        pass
+    return name
+
+
+# Names already read, by type of dtype object, then by dtype object: reading one parses its
+# text, on every call. One table per type: torch.compile traces a lookup in a table of torch
+# dtypes, but not in one that also holds another framework's (TensorFlow's DType has a hash
+# that it cannot trace), and the checks run inside compiled torch code
+_DTYPE_NAMES: dict[type, dict[Any, str]] = {}
+
+
+def _read_dtype_name(dtype: Any) -> str:
+    name = getattr(dtype, "name", None)  # numpy dtype, tf.DType
+    if isinstance(name, str):
+        return name
+    text = str(dtype)  # torch.float32, <class 'numpy.float32'> (mxnet)
+    if text.startswith("<class '"):
+        text = text[len("<class '") : -2]
+    return text.rsplit(".", 1)[-1]
+
+
+def is_tensor(x: Any) -> bool:
+    """Whether `x` has a shape and a dtype, as arrays and tensors of every framework have."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def describe(name: str, x: Any) -> str:
+    """`x` as the checks' messages name it: "<name> with shape (2, 3) and dtype float32"."""
+    return f"{name} with shape {format_shape(shape_of(x))} and dtype {dtype_name(x)}"
+
+
+def format_shape(shape: Shape) -> str:
+    """A shape as a message writes it: (3,), (2, 3), None for a size not known."""
+    if len(shape) == 1:
+        return f"({shape[0]},)"
+    return "(" + ", ".join("None" if d is None else str(d) for d in shape) + ")"
+
+
+def same(a: int | None, b: int | None) -> bool:
+    """Sizes agree, or one of them is not known yet (symbolic shapes)."""
+    return a is None or b is None or a == b
+
+
+def broadcastable(shape: Shape, target: Shape) -> bool:
+    """`shape` broadcasts to `target` (right-aligned, each size equal or 1)."""
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or same(s, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
