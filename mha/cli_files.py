@@ -1,0 +1,235 @@
+"""`mha convert` and `mha inspect`: the file commands, on a layer's file or, with --prefix,
+on the attention layer under a path of a whole model's weights.
+
+`mha.cli` adds their arguments to its parser (`add_file_commands`) and runs them
+(`file_command`); the files themselves are read and written by `mha.conversion`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mha import conversion, model_config, porting
+from mha.checkpoints import read_checkpoint
+from mha.cli_common import UsageError, finite_float, positive_int
+from mha.registry import BackendUnavailableError, load_backend
+
+__all__ = ["add_file_commands", "file_command"]
+
+
+def add_file_commands(commands) -> None:
+    """Add `mha convert` and `mha inspect` to the parser's `commands`."""
+    kinds = "; ".join(conversion.FILE_KINDS.values())
+    convert = commands.add_parser(
+        "convert",
+        help="convert MultiHeadAttention weights between mha, torch, Keras and Flax files",
+        description="Convert MultiHeadAttention weights from SRC to DST, the kinds told by the "
+        f"file names: {kinds}. The configuration is read off the weights; a torch state_dict "
+        "does not tell the number of heads, so give --num-heads with one. DST is read back and "
+        "must give the same weights before it replaces a file already there (a failure leaves DST "
+        "as it was). Exit 0 on success, 1 when a file cannot be read or written or the "
+        "destination cannot express the layer, 2 on a usage error.",
+    )
+    convert.add_argument("source", metavar="SRC")
+    convert.add_argument("destination", metavar="DST")
+    convert.add_argument(
+        "--num-heads",
+        type=positive_int,
+        help="number of heads (needed for a torch state_dict source)",
+    )
+    _add_port_arguments(convert)
+    inspect = commands.add_parser(
+        "inspect",
+        help="print the class, config and weight shapes of a checkpoint",
+        description=f"Print the layer class, config and weight shapes of PATH ({kinds}).",
+    )
+    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument(
+        "--num-heads", type=positive_int, help="number of heads, for a torch state_dict"
+    )
+    _add_port_arguments(inspect)
+
+
+def _add_port_arguments(parser) -> None:
+    parser.add_argument(
+        "--prefix",
+        metavar="MODULE.PATH",
+        help="read SRC as a whole model's weights (.pt, .pth, .safetensors, .msgpack) and take "
+        "the attention layer under this path, e.g. bert.encoder.layer.0.attention; the "
+        "layout (BERT, ViT, Llama, BART, T5, timm, GPT-2, Keras, Flax, torch) is recognized "
+        "from the names there ('' for a file holding one layer)",
+    )
+    parser.add_argument(
+        "--scale",
+        type=finite_float,
+        help="the score scale, when the model's differs from its layout's default",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="CONFIG.JSON",
+        help="a Hugging Face config.json: num_attention_heads, rope_theta, sliding_window and "
+        "the score scale are read from it (the options below override it)",
+    )
+    parser.add_argument(
+        "--rope-theta",
+        type=finite_float,
+        help="rotary position embeddings of this base (Llama 2: 10000, Llama 3: 500000)",
+    )
+    parser.add_argument(
+        "--rope-interleaved",
+        action="store_true",
+        help="rotate feature pairs (2i, 2i + 1), as GPT-J and Meta's original Llama weights",
+    )
+    parser.add_argument(
+        "--sliding-window",
+        type=positive_int,
+        help="attend only to keys within this many positions (Mistral's window, with causal)",
+    )
+    parser.add_argument(
+        "--layer",
+        type=int,
+        help="the layer's index in the model, for a --config whose layers differ (Gemma 2 and "
+        "3, gpt-oss: sliding and full attention)",
+    )
+
+
+def file_command(arguments, out, err) -> int:
+    """Run `mha convert` or `mha inspect`; returns the exit code (a UsageError for 2)."""
+    paths = [arguments.path] if arguments.command == "inspect" else [arguments.source]
+    if arguments.command == "convert":
+        paths.append(arguments.destination)
+    try:
+        kinds = [conversion.file_kind(path) for path in paths]
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if not os.path.isfile(paths[0]):
+        raise UsageError(f"{paths[0]} does not exist or is not a file")
+    from_model = arguments.prefix is not None
+    options = _check_file_arguments(arguments, paths, kinds)
+    try:
+        if arguments.command == "inspect":
+            if from_model:
+                return _inspect_port(paths[0], arguments, options, out)
+            return _inspect(paths[0], kinds[0], arguments.num_heads, out)
+        config = conversion.convert(
+            *paths,
+            num_heads=arguments.num_heads,
+            prefix=arguments.prefix,
+            scale=arguments.scale,
+            **options,
+        )
+    except (ValueError, OSError) as error:
+        print(f"mha {arguments.command}: error: {error}", file=err)
+        return 1
+    layout, left_out = config.pop("layout", None), config.pop("left_out", None)
+    described = ", ".join(f"{key}={value!r}" for key, value in config.items())
+    source = (
+        f"{arguments.prefix!r} of {paths[0]} ({layout})"
+        if from_model
+        else f"{paths[0]} ({conversion.FILE_KINDS[kinds[0]]})"
+    )
+    print(
+        f"{source} -> {paths[1]} ({conversion.FILE_KINDS[kinds[1]]})\n"
+        f"MultiHeadAttention({described}); read back: the same weights",
+        file=out,
+    )
+    if left_out:
+        print(f"left out (not attention weights): {', '.join(left_out)}", file=out)
+    return 0
+
+
+def _check_file_arguments(arguments, paths, kinds) -> dict:
+    """A usage error for arguments of `mha convert` and `mha inspect` that do not go together,
+    or a file kind whose framework does not import; else the layer options given."""
+    from_model = arguments.prefix is not None
+    if from_model and kinds[0] == "keras":
+        raise UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
+    options = _layer_options(arguments)
+    if options and arguments.command == "inspect" and not from_model:
+        raise UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
+    if not from_model and arguments.scale is not None and kinds[0] != "mha":
+        raise UsageError("--scale goes with --prefix, or with an mha checkpoint")
+    torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
+    if torch_source and not from_model and arguments.num_heads is None:
+        raise UsageError(
+            f"{paths[0]} is a torch state_dict, which does not tell the number of heads: "
+            "give --num-heads"
+        )
+    needed = {"mha": None, "torch": "torch", "keras": "tensorflow", "flax": "jax"}
+    for kind in kinds:
+        if needed[kind] is not None:
+            try:
+                load_backend(needed[kind])
+            except BackendUnavailableError as error:
+                raise UsageError(f"{conversion.FILE_KINDS[kind]} files need {error}") from None
+    return options
+
+
+def _layer_options(arguments) -> dict:
+    """The layer options of --config, --rope-theta, --rope-interleaved and --sliding-window;
+    num_heads from --config too, unless --num-heads gives it."""
+    options = {}
+    if arguments.config is not None:
+        try:
+            options = model_config.options_from_config(arguments.config, arguments.layer)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        if arguments.num_heads is None:
+            arguments.num_heads = options.get("num_heads")
+        if arguments.scale is None:
+            arguments.scale = options.get("scale")
+        options.pop("num_heads", None)
+        options.pop("scale", None)
+    elif arguments.layer is not None:
+        raise UsageError("--layer goes with --config")
+    given = {
+        "rope_theta": arguments.rope_theta,
+        "rope_interleaved": arguments.rope_interleaved or None,
+        "sliding_window": arguments.sliding_window,
+    }
+    options.update({key: value for key, value in given.items() if value is not None})
+    if options.get("rope_interleaved") and "rope_theta" not in options:
+        raise UsageError("--rope-interleaved goes with --rope-theta (or a --config giving it)")
+    return options
+
+
+def _inspect_port(path: str, arguments, options, out) -> int:
+    port = porting.canonical_from_state_dict(
+        conversion.read_state(path),
+        arguments.prefix,
+        num_heads=arguments.num_heads,
+        scale=arguments.scale,
+        **options,
+    )
+    print(f"{path}, under {arguments.prefix!r}: {port.layout}", file=out)
+    print("class: MultiHeadAttention (config inferred from the weights)", file=out)
+    print(f"config: {json.dumps(port.config, sort_keys=True)}", file=out)
+    print("weights:", file=out)
+    for name, value in port.weights.items():
+        print(f"  {name:<4} {tuple(value.shape)!s:<12} {value.dtype}", file=out)
+    print(f"read: {', '.join(port.used)}", file=out)
+    if port.left_out:
+        print(f"left out (not attention weights): {', '.join(port.left_out)}", file=out)
+    return 0
+
+
+def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
+    print(f"{path}: {conversion.FILE_KINDS[kind]}", file=out)
+    if kind == "mha":
+        checkpoint = read_checkpoint(path)
+        class_name, config, weights = (
+            checkpoint.class_name,
+            checkpoint.config,
+            checkpoint.weights,
+        )
+        saved_from = checkpoint.metadata.get("backend", "-")
+        print(f"class: {class_name} (saved from the {saved_from} backend)", file=out)
+    else:
+        weights, config = conversion.read_file(path, num_heads=num_heads)
+        print("class: MultiHeadAttention (config inferred from the weights)", file=out)
+    print(f"config: {json.dumps(config, sort_keys=True)}", file=out)
+    print("weights:", file=out)
+    for name, value in weights.items():
+        print(f"  {name:<4} {tuple(value.shape)!s:<12} {value.dtype}", file=out)
+    return 0
