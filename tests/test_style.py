@@ -267,3 +267,18 @@ def test_every_function_of_the_package_fits_on_a_screen(path):
         if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > SCREEN
     ]
     assert not longer, longer
+
+
+# A module of the package outside the backends reads whole: split it along its seams before it
+# grows past this (the backend modules mirror each other instead, and grow with the options)
+MODULE_LINES = 600
+
+
+@pytest.mark.parametrize(
+    "path",
+    [path for path in sorted(PACKAGE.rglob("*.py")) if path.parent.name != "backends"],
+    ids=lambda path: str(path.relative_to(PACKAGE)),
+)
+def test_every_module_of_the_package_outside_the_backends_is_short(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MODULE_LINES, f"{path.relative_to(ROOT)} has {lines} lines"
