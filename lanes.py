@@ -15,7 +15,9 @@ A lane is a set of frameworks that install together, pinned by its constraints f
 
 Each run installs the project into the lane's environment with the lane's constraints (quick
 when nothing changed) and runs pytest there with MHA_TEST_BACKENDS naming the lane's backends,
-so a backend of the lane that does not import fails its tests. `--lock` installs the lane's
+so a backend of the lane that does not import fails its tests. pytest-xdist spreads the tests
+over one worker per core (up to 4), and the 20 slowest are named at the end; arguments after
+-- that choose their own (-n 0, -p no:xdist) turn that off. `--lock` installs the lane's
 extras into a new environment with no constraints, that is the newest releases that fit the
 lane, and writes what was installed as the lane's constraints file.
 It uses only the standard library, so that it runs with nothing but Python 3.
@@ -93,7 +95,16 @@ def test(name: str, lane: Lane, pytest_args: list[str]) -> int:
     python = set_up(name, lane)
     print(f"== {name}: pytest with MHA_TEST_BACKENDS={lane.backends}", flush=True)
     environment = {**os.environ, "MHA_TEST_BACKENDS": lane.backends}
-    return run(python, "-m", "pytest", *pytest_args, cwd=ROOT, env=environment)
+    return run(python, "-m", "pytest", *_parallel(pytest_args), *pytest_args, cwd=ROOT,
+               env=environment)
+
+
+def _parallel(pytest_args: list[str]) -> list[str]:
+    """pytest-xdist's workers, one per core up to 4 (each imports every framework), and the
+    slowest tests named at the end; none where the arguments choose their own."""
+    if any(arg.startswith(("-n", "--numprocesses", "-p")) for arg in pytest_args):
+        return []
+    return ["-n", str(min(4, os.cpu_count() or 1)), "--durations=20"]
 
 
 def lock(name: str, lane: Lane) -> None:
