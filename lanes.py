@@ -102,7 +102,9 @@ def test(name: str, lane: Lane, pytest_args: list[str]) -> int:
 def _parallel(pytest_args: list[str]) -> list[str]:
     """pytest-xdist's workers, one per core up to 4 (each imports every framework), and the
     slowest tests named at the end; none where the arguments choose their own."""
-    if any(arg.startswith(("-n", "--numprocesses", "-p")) for arg in pytest_args):
+    chosen = (arg.startswith(("-n", "--numprocesses")) or arg.endswith("no:xdist")
+              for arg in pytest_args)
+    if any(chosen):
         return []
     return ["-n", str(min(4, os.cpu_count() or 1)), "--durations=20"]
 

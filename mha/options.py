@@ -20,6 +20,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from mha.registry import PUBLIC_NAMES
+
 __all__ = [
     "LAYERS",
     "OPTIONS",
@@ -30,16 +32,8 @@ __all__ = [
     "untold",
 ]
 
-# The layers that take options, in the order the docs list them
-LAYERS = (
-    "DotProductAttention",
-    "AdditiveAttention",
-    "MultiHeadAttention",
-    "PositionalEncoding",
-    "LearnedPositionalEncoding",
-    "RotaryEmbedding",
-    "AddNorm",
-)
+# The layers that take options: the classes every backend exports, in the order the docs list them
+LAYERS = tuple(name for name in PUBLIC_NAMES if name[0].isupper())
 
 # The default of an option that must be given (num_hiddens, num_heads)
 REQUIRED = object()
