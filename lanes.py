@@ -4,6 +4,7 @@
     python3 lanes.py current                   # one lane
     python3 lanes.py legacy -- -m torch -x     # arguments after -- go to pytest
     python3 lanes.py --lock current            # regenerate the lane's constraints file
+    python3 lanes.py gpu                       # the GPU lane, in this Python (see below)
 
 A lane is a set of frameworks that install together, pinned by its constraints file:
 
@@ -20,6 +21,12 @@ over one worker per core (up to 4), and the 20 slowest are named at the end; arg
 -- that choose their own (-n 0, -p no:xdist) turn that off. `--lock` installs the lane's
 extras into a new environment with no constraints, that is the newest releases that fit the
 lane, and writes what was installed as the lane's constraints file.
+
+The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
+packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
+and nothing to download: each step of tests/gpu_lane.py (the agreement matrix, the masked-key
+and synchronization checks, a short benchmark) in its own process under a time limit. With no
+GPU visible it says so and exits 0; `python3 lanes.py gpu --device cpu` runs it on the CPU.
 It uses only the standard library, so that it runs with nothing but Python 3.
 """
 
@@ -138,8 +145,53 @@ def lock(name: str, lane: Lane) -> None:
     print(f"== {name}: wrote {len(pins)} pins to {lane.constraints}")
 
 
+# Seconds each step may take: the whole lane fits in ten minutes on one GPU
+GPU_STEPS = {"agreement": 210, "masked_keys": 90, "sync": 60, "bench": 180}
+
+
+def gpu_lane(device: str = "gpu") -> int:
+    """Every step of tests/gpu_lane.py on `device`, each in its own process and time limit."""
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    # torch and JAX share the GPU in one process: JAX takes its memory as it needs it
+    environment.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    script = [sys.executable, str(ROOT / "tests" / "gpu_lane.py")]
+    if device == "gpu" and not _sees_gpu(environment):
+        print("== gpu: neither torch nor jax sees a GPU here; nothing to run")
+        return 0
+    run(*script, "versions", "--device", device, env=environment)
+    codes = {}
+    for step, limit in GPU_STEPS.items():
+        print(f"== gpu: {step} (at most {limit} s)", flush=True)
+        try:
+            codes[step] = subprocess.run(
+                [*script, step, "--device", device], env=environment, timeout=limit, check=False
+            ).returncode
+        except subprocess.TimeoutExpired:
+            codes[step] = 124
+    print("== gpu lane: " + ", ".join(
+        f"{step} {'passed' if code == 0 else 'TIMED OUT' if code == 124 else 'FAILED'}"
+        for step, code in codes.items()))
+    return max(codes.values())
+
+
+def _sees_gpu(environment) -> bool:
+    probe = (
+        "import importlib.util as u\n"
+        "t = u.find_spec('torch') and __import__('torch').cuda.is_available()\n"
+        "def j():\n"
+        "    try: return bool(__import__('jax').devices('gpu'))\n"
+        "    except Exception: return False\n"
+        "raise SystemExit(0 if t or (u.find_spec('jax') and j()) else 1)"
+    )
+    return subprocess.run([sys.executable, "-c", probe], env=environment).returncode == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:
+        device = argv[argv.index("--device") + 1] if "--device" in argv else "gpu"
+        return gpu_lane(device)
     own, pytest_args = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )

@@ -80,6 +80,13 @@ def _add_compare_command(commands) -> None:
     )
     compare.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     compare.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        help="run torch and jax there (a GPU: CUDA's current device, JAX's first GPU); the "
+        "NumPy reference stays on the CPU; other backends are a usage error. Default: where "
+        "each framework puts its arrays",
+    )
+    compare.add_argument(
         "--seed", type=seed, default=0, help="seed of weights and inputs (0 to 2**32 - 1)"
     )
     defaults = harness.Shapes()
@@ -147,18 +154,7 @@ def _compare(arguments, out, err) -> int:
         names, skipped = select_backends(arguments.backends)
     except (ValueError, BackendUnavailableError) as error:
         raise UsageError(str(error)) from None
-    if "jax" in names and arguments.dtype == "float64":
-        # JAX computes in float64 only in its 64-bit mode; this process is the command's own
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
-    rows = harness.compare(
-        backends=names,
-        dtype=arguments.dtype,
-        seed=arguments.seed,
-        shapes=shapes,
-        progress=progress(err),
-    )
+    rows = _run_compare(arguments, names, shapes, err)
     passed = all(row.passed for row in rows)
     if arguments.record and not _record(arguments, names[0], shapes, err):
         return 1
@@ -198,6 +194,26 @@ def _compare(arguments, out, err) -> int:
             file=out,
         )
     return 0 if passed else 1
+
+
+def _run_compare(arguments, names, shapes, err) -> list:
+    """harness.compare's rows for the command's arguments (UsageError for a bad --device)."""
+    if "jax" in names and arguments.dtype == "float64":
+        # JAX computes in float64 only in its 64-bit mode; this process is the command's own
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    try:
+        return harness.compare(
+            backends=names,
+            dtype=arguments.dtype,
+            seed=arguments.seed,
+            shapes=shapes,
+            progress=progress(err),
+            device=arguments.device,
+        )
+    except ValueError as error:  # a backend that cannot be put on the device
+        raise UsageError(str(error)) from None
 
 
 def _record(arguments, backend: str, shapes: harness.Shapes, err) -> bool:

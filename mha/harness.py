@@ -191,6 +191,7 @@ def run_case(
     config: Mapping[str, Any],
     cotangent: np.ndarray | None = None,
     transform: Callable[[Any], Any] | None = None,
+    device: str | None = None,
 ) -> Result:
     """Build `case.layer` in `backend` with `weights`, call it on `inputs`, return numpy.
 
@@ -201,13 +202,18 @@ def run_case(
     transform: called with the built layer, returns what is called instead (a compiled or
     hybridized layer: the framework's own ways of running it); the layer itself still holds
     the weights and attention_weights. Not for masked_softmax.
+    device: where the layer and tensors are put ("cpu" or "gpu", for a backend with
+    to_device: torch, jax); None leaves
+    them where the framework makes them.
     """
     module = load_backend(backend)
+    place = (lambda x: x) if device is None else (lambda x: module.to_device(x, device))
     tensors = {
-        key: module.from_numpy(value) if isinstance(value, np.ndarray) else value
+        key: place(module.from_numpy(value)) if isinstance(value, np.ndarray) else value
         for key, value in inputs.items()
     }
     layer = build_layer(backend, case, config, weights)
+    layer = layer if layer is None else place(layer)
     called = layer if transform is None else transform(layer)
 
     def forward() -> Result:
@@ -227,7 +233,7 @@ def run_case(
         tensors,
         differentiable(case),
         layer,
-        module.from_numpy(cotangent),
+        place(module.from_numpy(cotangent)),
     )
     return Result(
         output,
@@ -365,6 +371,7 @@ def check(
     prepared: Prepared,
     anchor: Result | None = None,
     transform: Callable[[Any], Any] | None = None,
+    device: str | None = None,
 ) -> tuple[Row, Result | None]:
     """Run a prepared case on `backend` and compare it with the reference.
 
@@ -372,6 +379,7 @@ def check(
         anchor: another autograd backend's result for the same case; this backend's gradients
             must agree with its gradients.
         transform: as run_case's (the layer compiled or hybridized by the framework).
+        device: as run_case's.
 
     Returns:
         The Row, and the Result (None when the backend raised).
@@ -381,6 +389,7 @@ def check(
     try:
         # transform only when given: run_case's six-argument form stays the common one
         extra = {} if transform is None else {"transform": transform}
+        extra.update({} if device is None else {"device": device})
         result = run_case(
             backend,
             case,
@@ -435,6 +444,20 @@ def _gradient_differences(
     return numeric, _gradient_difference(result.gradients, anchor.gradients, relative)
 
 
+def _device_of(name: str, device: str | None) -> str | None:
+    """Where compare runs backend `name` when asked for `device`: NumPy stays on the CPU."""
+    if device is None or name == "numpy":
+        return None
+    module = load_backend(name)
+    if not hasattr(module, "to_device"):
+        raise ValueError(f"mha cannot put the {name} backend on a device (only torch and jax)")
+    try:
+        module.to_device(module.from_numpy(np.zeros(1, "float32")), device)
+    except Exception as error:  # each framework says it its own way: no such device here
+        raise ValueError(f"{name} cannot reach a {device}: {error}") from None
+    return device
+
+
 def _zero_difference(calls: Sequence[Result], reference: Result) -> float:
     """The largest absolute value the calls give where the reference's output or attention
     weights are exactly 0 (inf for a NaN there); 0.0 when they keep every zero."""
@@ -475,6 +498,7 @@ def compare(
     cases: Iterable[Case] | None = None,
     gradients: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
+    device: str | None = None,
 ) -> list[Row]:
     """Run every case on every backend and compare with the float64 NumPy reference.
 
@@ -488,11 +512,14 @@ def compare(
             differences on the NumPy reference and with each other (the first autograd
             backend named is the one the others must agree with).
         progress: called as progress(done, total, description) before each run.
+        device: where every backend but NumPy runs ("cpu" or "gpu"); None: where each
+            framework puts its arrays. A backend without to_device is a ValueError.
 
     Returns:
         One Row per case and backend. A backend that raises gives a failed row with the error.
     """
     names = [normalize_backend_name(name) for name in backends]
+    placed = {name: _device_of(name, device) for name in names}
     autograd = any(hasattr(load_backend(name), "value_and_gradients") for name in names)
     cases = list(default_cases() if cases is None else cases)
     rows = []
@@ -504,7 +531,7 @@ def compare(
             if progress is not None:
                 progress(done, total, f"{prepared.case.id} on {name}")
             done += 1
-            row, result = check(name, prepared, anchor)
+            row, result = check(name, prepared, anchor, device=placed[name])
             if anchor is None and result is not None and result.gradients is not None:
                 anchor = result
             rows.append(row)

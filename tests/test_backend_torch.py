@@ -116,8 +116,12 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, case):
     included, with finite gradients that match the reference's finite differences."""
 
     def naive_attention(
-        queries, keys, values, attn_mask=None, dropout_p=0.0, scale=None, enable_gqa=False
+        queries, keys, values, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+        enable_gqa=False,
     ):
+        if is_causal:  # top-left aligned: query i attends to keys j <= i
+            assert attn_mask is None
+            attn_mask = torch.ones(queries.shape[-2], keys.shape[-2], dtype=torch.bool).tril()
         if enable_gqa:  # query head h attends with key-value head h // group
             group = queries.shape[-3] // keys.shape[-3]
             keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))

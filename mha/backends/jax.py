@@ -78,6 +78,16 @@ def from_numpy(array: Any) -> jax.Array:
     return jnp.asarray(array)
 
 
+def to_device(x: Any, device: str) -> Any:
+    """`x`, an array or a layer (its whole state), committed to the first device of the
+    platform `device` names ("cpu", "gpu")."""
+    target = jax.devices(device)[0]
+    if isinstance(x, nnx.Module):
+        nnx.update(x, jax.device_put(nnx.state(x), target))
+        return x
+    return jax.device_put(x, target)
+
+
 # ---------------------------------------------------------------------------------------------
 # Building blocks: Flax provides Dropout and LayerNorm; the dense layer here may be lazy
 
@@ -184,10 +194,17 @@ _TENSOR_TYPES = (jax.Array, np.ndarray)
 
 
 def _check_valid_lens_values(valid_lens: jax.Array | None) -> None:
-    # The one check that needs values: non-negative whole numbers. A traced call (jit, grad
-    # of a jitted function) has no values to read.
-    if valid_lens is not None and not isinstance(valid_lens, jax.core.Tracer):
+    # The one check that needs values: non-negative whole numbers. It runs where the values
+    # are in host memory: a traced call (jit, grad of a jitted function) has none, and reading
+    # an array on a GPU or TPU would wait for the device.
+    if valid_lens is None or isinstance(valid_lens, jax.core.Tracer):
+        return
+    if isinstance(valid_lens, np.ndarray) or _on_the_cpu(valid_lens):
         validation.check_valid_lens_values(np.asarray(valid_lens))
+
+
+def _on_the_cpu(x: jax.Array) -> bool:
+    return all(device.platform == "cpu" for device in x.devices())
 
 
 _INT32_MAX = 2**31 - 1

@@ -67,6 +67,11 @@ def from_numpy(array: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def to_device(x: Any, device: str) -> Any:
+    """`x`, a tensor or a layer, on `device`: "cpu", or "gpu" for CUDA's current device."""
+    return x.to("cuda" if device == "gpu" else device)
+
+
 # ---------------------------------------------------------------------------------------------
 # Building blocks: torch.nn provides Linear, Dropout and LayerNorm; the layers add a dtype
 
@@ -118,12 +123,12 @@ _TENSOR_TYPES = torch.Tensor
 
 
 def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
-    # The one check that needs values: non-negative whole numbers (reading them waits for the
-    # device, as any value check must). A meta tensor has a shape and no values, and neither
-    # has a tensor being traced by torch.export: the exported program does not check them.
-    if valid_lens is None or valid_lens.device.type == "meta" or torch.compiler.is_exporting():
+    # The one check that needs values: non-negative whole numbers. It runs where the values
+    # are in host memory, the CPU: elsewhere reading them would wait for the device (a meta
+    # tensor has none), and a tensor traced by torch.export has none either.
+    if valid_lens is None or valid_lens.device.type != "cpu" or torch.compiler.is_exporting():
         return
-    values = valid_lens.detach().cpu()
+    values = valid_lens.detach()
     # numpy has no bfloat16; float64 holds every float16 and bfloat16 exactly
     values = values.double() if values.is_floating_point() else values
     validation.check_valid_lens_values(values.numpy())
@@ -260,9 +265,10 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
-def _fused_attention(queries, keys, values, keep, bias, dropout):
+def _fused_attention(queries, keys, values, keep, bias, dropout, is_causal=False):
     """What DotProductAttention.attend computes from its scaled queries, by
-    F.scaled_dot_product_attention with scale 1.
+    F.scaled_dot_product_attention with scale 1 (with is_causal, its own causal mask and no
+    other: see _path).
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
     scores, so keep and bias combine into one float mask when both are given. Keys and values
@@ -286,23 +292,24 @@ def _fused_attention(queries, keys, values, keep, bias, dropout):
     if group > 1 and not enable_gqa:
         keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, scale=1.0,
-        enable_gqa=enable_gqa,
+        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=1.0, enable_gqa=enable_gqa,
     )
     return output if attended is None else torch.where(attended, output, 0.0)
 
 
-def _why_not_fused(keys: torch.Tensor, keep: torch.Tensor | None,
-                   empty_rows: str) -> str | None:
-    """Why F.scaled_dot_product_attention cannot compute this call, or None when it can."""
+def _why_not_fused(keep: torch.Tensor | None, empty_rows: str,
+                   adds_exactly: bool) -> str | None:
+    """Why F.scaled_dot_product_attention cannot compute this call, or None when it can;
+    adds_exactly: _mask_adds_exactly's answer."""
     if keep is not None and empty_rows == "uniform":
         return "a row with no key takes uniform weights, which the kernel does not give"
-    if keep is not None and not _mask_adds_exactly(keep, keys):
+    if not adds_exactly:
         return "a masked key may hold NaN or inf, and the kernel adds the mask to its score"
     return None
 
 
-def _why_not_masked_product(queries, keys, keep, bias, empty_rows) -> str | None:
+def _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) -> str | None:
     """Why the mask cannot be added inside the scaled product, or None when it can."""
     if keep is not None and empty_rows == "uniform":
         return "a row with no key takes uniform weights, which the masked product does not give"
@@ -310,9 +317,43 @@ def _why_not_masked_product(queries, keys, keep, bias, empty_rows) -> str | None
         return "an additive window mask is added to the scores on its own"
     if keep is not None and not _mask_fits_product(keep, queries):
         return "the mask varies along the leading axes and along the queries"
-    if keep is not None and not _mask_adds_exactly(keep, keys):
+    if not adds_exactly:
         return "a masked key may hold NaN or inf: added to the mask, its score would stay NaN"
     return None
+
+
+def _path(queries, keys, values, keep, bias, need_weights, empty_rows, dropout,
+          causal=False) -> str:
+    """Which of DotProductAttention.attend's ways computes the call, decided once per call:
+
+    - "is_causal": F.scaled_dot_product_attention's own causal mask, `causal` saying that the
+      mask is mha's causal one alone, nothing cached (top-left aligned, as is_causal is);
+    - "fused": F.scaled_dot_product_attention with the mask (see _why_not_fused);
+    - "masked product": the mask added inside one batched product (_why_not_masked_product);
+    - "scores": the masked scores replaced by -inf, whatever the keys hold.
+    """
+    if not need_weights and causal and _kernel_takes_causal(queries, values, dropout):
+        return "is_causal"
+    adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
+    if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
+        return "fused"
+    if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
+        return "masked product"
+    return "scores"
+
+
+def _kernel_takes_causal(queries, values, dropout) -> bool:
+    """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
+    memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
+    math fallback adds -inf to them, and a NaN key would stay NaN. The kernels take 4-D inputs
+    of one head size: on the CPU any float dtype, on CUDA no float64 and head sizes that are a
+    multiple of 8 up to 256. Dropout, which changes their choice, goes the other ways."""
+    head_size, device = queries.shape[-1], queries.device.type
+    if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
+        return False
+    if device == "cuda":
+        return queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
+    return device == "cpu"
 
 
 def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -331,19 +372,20 @@ def _masks_whole_keys(keep: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def _without_masked_keys(keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """The keys, with 0 at every key that keep masks for every query unless all are known to be
-    finite: a zeroed key's score is 0, and 0 + -inf is -inf whatever the key held."""
-    if keep is None or not _masks_whole_keys(keep, keys) or _known_finite(keys):
+    """The keys, with 0 at every key that keep masks for every query: a zeroed key's score is
+    0, and 0 + -inf is -inf whatever the key held. Decided by the mask's shape, not by reading
+    the keys."""
+    if keep is None or not _masks_whole_keys(keep, keys):
         return keys
     # Shape of keep.mT: (..., no. of keys, 1), against keys (..., no. of keys, d)
     return torch.where(keep.mT, keys, 0.0)
 
 
 def _known_finite(keys: torch.Tensor) -> bool:
-    """Whether every key is known to be finite. On the CPU one read answers it (a pass over the
-    keys, not the scores); on other devices and while compiling or exporting a read would wait
-    for the device or has no values, so the answer is no: keys masked for every query are then
-    zeroed, and other masks take the path that replaces the masked scores."""
+    """Whether every key is known to be finite, for a mask that is not key padding alone. On
+    the CPU one read answers it (a pass over the keys, not the scores); on other devices and
+    while compiling or exporting a read would wait for the device or has no values, so the
+    answer is no: such masks then take the path that replaces the masked scores."""
     # is_compiling() is True under torch.export too, whose traced tensors have no values
     if keys.device.type != "cpu" or torch.compiler.is_compiling():
         return False
@@ -414,25 +456,30 @@ class DotProductAttention(Module):
                                    sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
-    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
+               path=None):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        _Masks.combine. MultiHeadAttention calls this with a head axis. Without
-        need_weights, torch's fused kernel computes the same numbers where it can (see
-        _why_not_fused).
+        _Masks.combine. MultiHeadAttention calls this with a head axis, and with the `path`
+        it chose (see _path; found here when None). Without need_weights, torch's fused
+        kernel computes the same numbers where it can.
         """
         d = queries.shape[-1]
         # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
         # no product overflows whose scaled score would not
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
-        # The paths that add the mask to the scores take the keys with their masked ones zeroed
-        # where the mask allows it: see _mask_adds_exactly
-        if not need_weights and _why_not_fused(keys, keep, self.empty_rows) is None:
+        if path is None:
+            path = _path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
+                         self.dropout)
+        if path in ("is_causal", "fused"):
             self.attention_weights = None
+            if path == "is_causal":
+                return _fused_attention(queries, keys, values, None, None, self.dropout, True)
+            # The mask is added to the scores: keys masked for every query are zeroed first
             keys = _without_masked_keys(keys, keep)
             return _fused_attention(queries, keys, values, keep, bias, self.dropout)
-        if _why_not_masked_product(queries, keys, keep, bias, self.empty_rows) is None:
+        if path == "masked product":
             # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
             # a pass over the scores fewer, forward and backward
             keys = _without_masked_keys(keys, keep)
@@ -568,16 +615,20 @@ class MultiHeadAttention(Module):
                 keys = torch.cat([cache.keys, keys], dim=2)
                 values = torch.cat([cache.values, values], dim=2)
             cache = KVCache(keys, values)
-        if num_kv_heads != self.num_heads and (
-            need_weights or _why_not_fused(keys, keep, self.empty_rows) is not None
-        ):
+        # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
+        causal_alone = causal and offset == 0 and self.sliding_window is None and all(
+            x is None for x in (valid_lens, mask, window_mask, attn_bias)
+        )
+        path = _path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
+                     self.attention.dropout, causal_alone)
+        if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
-            # (without weights, attend's fused path pairs them itself: see _fused_attention)
+            # (the fused paths pair them themselves: see _fused_attention)
             group = self.num_heads // num_kv_heads
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, path)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

@@ -1,0 +1,275 @@
+"""The GPU lane's checks, one step per run: `python tests/gpu_lane.py STEP [--device gpu]`.
+
+`python3 lanes.py gpu` runs every step in its own process under a time limit, in the Python
+that runs it, with the packages a GPU machine has (torch and jax with CUDA, flax; no
+TensorFlow, no MXNet, no pytest) and nothing to download:
+
+- agreement: the tests' case matrix (`harness.compare` of agreement_cases.all_cases) for torch
+  and jax placed on the device, in
+  float32 and float64, against the NumPy reference on the CPU;
+- masked_keys: NaN and inf at a masked key change no row that does not attend to it, for every
+  kind of mask, with and without weights, float32 and bfloat16 (whose calls without weights
+  reach the fused kernels);
+- sync: no call reads the device's memory from the host: torch's sync debug mode set to
+  "error", JAX's device-to-host transfer guard set to "disallow", around every layer and mask,
+  forward and backward;
+- bench: `mha bench` on the device, float32 and bfloat16 (8, 2048, 2048, 16), with valid_lens
+  and grouped-query heads.
+
+Each line is printed as it is known; a step's last line says "ok" or "FAILED". `--device cpu`
+runs the same checks on the CPU (the tests run the quick form so that the lane stays working).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import mha
+from agreement_cases import all_cases  # the tests' full case matrix, beside this file
+from mha import harness
+from mha.backends import numpy as N
+
+BACKENDS = tuple(name for name in ("torch", "jax") if importlib.util.find_spec(name))
+B, Q, K, D, H, KV = 2, 5, 5, 32, 4, 2  # head size 8, which the fused GPU kernels take
+LAST = K - 1  # the key that holds the poison
+MASKS = {
+    "valid_lens": {"valid_lens": np.array([LAST, 2])},
+    "valid_lens_2d": {"valid_lens": np.array([[1, 2, 3, 4, 4], [4, 3, 2, 1, 0]])},
+    "mask": {"mask": np.arange(K) != LAST},
+    "causal": {"causal": True},
+    "window_bool": {"window_mask": np.tri(Q, K, dtype=bool)[None]},
+    "window_additive": {"window_mask": np.where(np.tri(Q, K, dtype=bool), 0.25, -np.inf)[None]},
+}
+
+
+def say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+def versions(device: str) -> None:
+    say("python", sys.version.split()[0], "numpy", np.__version__, "mha", mha.__version__)
+    for name in BACKENDS:
+        module = __import__(name)
+        say(name, module.__version__)
+    if "torch" in BACKENDS and device == "gpu":
+        import torch
+
+        say("torch device:", torch.cuda.get_device_name(0), "CUDA", torch.version.cuda)
+    if "jax" in BACKENDS:
+        import jax
+
+        say("jax devices:", jax.devices(device))
+
+
+def agreement(device: str, quick: bool) -> bool:
+    """The case matrix on the device, float32 then float64; every row must agree."""
+    cases = harness.default_cases()[:12] if quick else all_cases()
+    passed = True
+    for dtype in ("float32", "float64"):
+        if dtype == "float64" and "jax" in BACKENDS:
+            import jax
+
+            jax.config.update("jax_enable_x64", True)
+        begin = time.perf_counter()
+        rows = harness.compare(BACKENDS, dtype, cases=cases, device=device)
+        for name in BACKENDS:
+            mine = [row for row in rows if row.backend == name]
+            failed = [row for row in mine if not row.passed]
+            worst = max((row.output_difference or 0.0 for row in mine), default=0.0)
+            say(f"agreement {name} {dtype} on {device}: {len(mine) - len(failed)} of "
+                f"{len(mine)} rows agree, largest output difference {worst:.2g}")
+            for row in failed:
+                say(f"  FAILED {row.case}: output {row.output_difference}, weights "
+                    f"{row.weights_difference}, gradients {row.gradient_difference}, zeros "
+                    f"{row.zero_difference}, {row.error or ''}")
+            passed = passed and not failed
+        say(f"  ({time.perf_counter() - begin:.0f} s)")
+    return passed
+
+
+KINDS = ("dot", "multihead", "multihead_no_weights", "grouped_no_weights")
+
+
+def _layers(module, kind: str, dtype: str, device: str):
+    """The float64 reference and the backend's layer of `kind` with its weights, placed."""
+    if kind == "dot":
+        reference, layer = N.DotProductAttention(dtype="float64"), module.DotProductAttention(
+            dtype=dtype
+        )
+    else:
+        sizes = dict(query_size=D, key_size=D, value_size=D)
+        sizes["num_kv_heads"] = KV if kind.startswith("grouped") else None
+        reference = N.MultiHeadAttention(D, H, **sizes, dtype="float64")
+        layer = module.MultiHeadAttention(D, H, **sizes, dtype=dtype)
+        weights = mha.get_weights(reference)
+        mha.set_weights(layer, {k: v.astype(dtype) for k, v in weights.items()})
+    return reference, module.to_device(layer, device)
+
+
+def _inputs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((B, n, D)) for n in (Q, K, K)]
+
+
+def _arguments(module, masks: str, dtype: str, device: str, need_weights: bool | None) -> dict:
+    """The call's masks on the device; a float window mask in the layer's dtype."""
+    arguments = {
+        key: (_as(module, value, dtype, device) if value.dtype.kind == "f"
+              else module.to_device(module.from_numpy(value), device))
+        if isinstance(value, np.ndarray) else value
+        for key, value in MASKS[masks].items()
+    }
+    if need_weights is not None:
+        arguments["need_weights"] = need_weights
+    return arguments
+
+
+def _as(module, array: np.ndarray, dtype: str, device: str):
+    from mha.weights import numpy_dtype
+
+    return module.to_device(module.from_numpy(array.astype(numpy_dtype(dtype))), device)
+
+
+def one_masked_key(name: str, kind: str, masks: str, poison: float, dtype: str,
+                   device: str) -> str | None:
+    """What went wrong when key LAST holds `poison`, or None: the rows that give it no weight
+    must be those of the call on clean keys (and near the reference's), its weights 0."""
+    module = mha.load_backend(name)
+    reference, layer = _layers(module, kind, dtype, device)
+    queries, keys, values = _inputs()
+    expected = reference(queries, keys, values, **MASKS[masks])
+    masked = reference.attention_weights[..., LAST] == 0
+    rows = masked.all(axis=1) if masked.ndim == 3 and kind != "dot" else masked
+    poisoned = keys.copy()
+    poisoned[:, LAST] = poison
+    need_weights = None if kind == "dot" else kind == "multihead"
+    arguments = _arguments(module, masks, dtype, device, need_weights)
+    outputs = []
+    for each in (keys, poisoned):
+        tensors = [_as(module, x, dtype, device) for x in (queries, each, values)]
+        outputs.append(module.to_numpy(layer(*tensors, **arguments)).astype(np.float64))
+        if need_weights is not False:
+            weights = module.to_numpy(layer.attention_weights).astype(np.float64)
+            if np.any(weights[..., LAST][masked] != 0):
+                return "a masked key has weight"
+    clean, got = (output[rows] for output in outputs)
+    # The clean keys may take another path (a fused kernel for keys known to be finite)
+    tolerance = (1e-5 if dtype == "float32" else 5e-2) * max(np.max(np.abs(expected)), 1.0)
+    if not np.all(np.isfinite(got)) or np.max(np.abs(got - clean)) > tolerance:
+        return f"the poison reached a row: largest change {np.max(np.abs(got - clean))}"
+    if np.max(np.abs(clean - expected[rows])) > tolerance:
+        return f"off the reference by {np.max(np.abs(clean - expected[rows])):.2g}"
+    return None
+
+
+def masked_keys(device: str, quick: bool) -> bool:
+    everything = 0
+    for name in BACKENDS:
+        failures = total = 0
+        for dtype in ("float32",) if quick else ("float32", "bfloat16"):
+            for kind in KINDS:
+                for masks in MASKS:
+                    for poison in (np.nan, np.inf):
+                        total += 1
+                        problem = one_masked_key(name, kind, masks, poison, dtype, device)
+                        if problem:
+                            failures += 1
+                            say(f"  FAILED {name} {dtype} {kind} {masks} {poison}: {problem}")
+        say(f"masked keys {name} on {device}: {total - failures} of {total} cases keep out NaN/inf")
+        everything += failures
+    return everything == 0
+
+
+def _torch_no_sync(device: str):
+    import torch
+
+    if device == "gpu":
+        torch.cuda.set_sync_debug_mode("error")
+        return lambda: torch.cuda.set_sync_debug_mode("default")
+    return lambda: None
+
+
+def sync(device: str, quick: bool) -> bool:
+    """Every layer and mask, forward and backward, with the device's reads of the host off."""
+    problems = []
+    for name in BACKENDS:
+        module = mha.load_backend(name)
+        calls = 0
+        for kind in KINDS:
+            for masks in MASKS:
+                _, layer = _layers(module, kind, "float32", device)
+                need_weights = None if kind == "dot" else kind == "multihead"
+                arguments = _arguments(module, masks, "float32", device, need_weights)
+                tensors = [_as(module, x, "float32", device) for x in _inputs()]
+                try:
+                    _call_without_reads(name, layer, tensors, arguments, device)
+                    calls += 1
+                except Exception as error:  # the framework's own sync error, reported
+                    problems.append(f"{name} {kind} {masks}: {type(error).__name__}: {error}")
+                    say("  FAILED", problems[-1])
+        say(f"sync {name} on {device}: {calls} calls read nothing from the device")
+    return not problems
+
+
+def _call_without_reads(name, layer, tensors, arguments, device) -> None:
+    if name == "torch":
+        import torch
+
+        for x in tensors:
+            x.requires_grad_(True)
+        restore = _torch_no_sync(device)
+        try:
+            layer(*tensors, **arguments).sum().backward()
+        finally:
+            restore()
+        return
+    import jax
+    from flax import nnx
+
+    with jax.transfer_guard_device_to_host("disallow"):
+        layer(*tensors, **arguments)
+        nnx.jit(lambda layer, *x: layer(*x, **arguments))(layer, *tensors)
+
+
+def bench(device: str, quick: bool) -> bool:
+    """mha bench on the device: float32 at the default shapes' first, bfloat16 at
+    (8, 2048, 2048, 16) with valid_lens and grouped-query heads."""
+    runs = [
+        ["--dtype", "float32", "--shapes", "2,16,32,4" if quick else "32,64,256,8;1,1,512,8"],
+        ["--dtype", "bfloat16", "--shapes", "2,16,32,4" if quick else
+         "8,2048,2048,16;8,2048,2048,16,4", "--need-weights", "false"],
+    ]
+    codes = []
+    for arguments in runs:
+        command = [sys.executable, "-m", "mha", "bench", "--backends", ",".join(BACKENDS),
+                   "--device", device, "--seconds", "0.5" if quick else "1", *arguments]
+        say("+", " ".join(command[1:]))
+        codes.append(subprocess.run(command, check=False).returncode)
+    return all(code == 0 for code in codes)
+
+
+STEPS = {"agreement": agreement, "masked_keys": masked_keys, "sync": sync, "bench": bench}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("step", choices=(*STEPS, "versions"))
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="gpu")
+    parser.add_argument("--quick", action="store_true", help="a few cases of each step")
+    options = parser.parse_args(argv)
+    if options.step == "versions":
+        versions(options.device)
+        return 0
+    passed = STEPS[options.step](options.device, options.quick)
+    say(f"{options.step} on {options.device}: {'ok' if passed else 'FAILED'}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
