@@ -378,8 +378,7 @@ def check(
     Args:
         anchor: another autograd backend's result for the same case; this backend's gradients
             must agree with its gradients.
-        transform: as run_case's (the layer compiled or hybridized by the framework).
-        device: as run_case's.
+        transform, device: as run_case's (transform: the layer compiled or hybridized).
 
     Returns:
         The Row, and the Result (None when the backend raised).
@@ -387,9 +386,8 @@ def check(
     case, dtype = prepared.case, prepared.dtype
     relative = dtype != "float64"
     try:
-        # transform only when given: run_case's six-argument form stays the common one
-        extra = {} if transform is None else {"transform": transform}
-        extra.update({} if device is None else {"device": device})
+        # Only those given: run_case's six-argument form stays the common one
+        extra = {k: v for k, v in (("transform", transform), ("device", device)) if v is not None}
         result = run_case(
             backend,
             case,

@@ -82,12 +82,16 @@ def agreement(device: str, quick: bool) -> bool:
             mine = [row for row in rows if row.backend == name]
             failed = [row for row in mine if not row.passed]
             worst = max((row.output_difference or 0.0 for row in mine), default=0.0)
-            say(f"agreement {name} {dtype} on {device}: {len(mine) - len(failed)} of "
-                f"{len(mine)} rows agree, largest output difference {worst:.2g}")
+            say(
+                f"agreement {name} {dtype} on {device}: {len(mine) - len(failed)} of "
+                f"{len(mine)} rows agree, largest output difference {worst:.2g}"
+            )
             for row in failed:
-                say(f"  FAILED {row.case}: output {row.output_difference}, weights "
+                say(
+                    f"  FAILED {row.case}: output {row.output_difference}, weights "
                     f"{row.weights_difference}, gradients {row.gradient_difference}, zeros "
-                    f"{row.zero_difference}, {row.error or ''}")
+                    f"{row.zero_difference}, {row.error or ''}"
+                )
             passed = passed and not failed
         say(f"  ({time.perf_counter() - begin:.0f} s)")
     return passed
@@ -99,8 +103,9 @@ KINDS = ("dot", "multihead", "multihead_no_weights", "grouped_no_weights")
 def _layers(module, kind: str, dtype: str, device: str):
     """The float64 reference and the backend's layer of `kind` with its weights, placed."""
     if kind == "dot":
-        reference, layer = N.DotProductAttention(dtype="float64"), module.DotProductAttention(
-            dtype=dtype
+        reference, layer = (
+            N.DotProductAttention(dtype="float64"),
+            module.DotProductAttention(dtype=dtype),
         )
     else:
         sizes = dict(query_size=D, key_size=D, value_size=D)
@@ -120,9 +125,13 @@ def _inputs(seed: int = 0):
 def _arguments(module, masks: str, dtype: str, device: str, need_weights: bool | None) -> dict:
     """The call's masks on the device; a float window mask in the layer's dtype."""
     arguments = {
-        key: (_as(module, value, dtype, device) if value.dtype.kind == "f"
-              else module.to_device(module.from_numpy(value), device))
-        if isinstance(value, np.ndarray) else value
+        key: (
+            _as(module, value, dtype, device)
+            if value.dtype.kind == "f"
+            else module.to_device(module.from_numpy(value), device)
+        )
+        if isinstance(value, np.ndarray)
+        else value
         for key, value in MASKS[masks].items()
     }
     if need_weights is not None:
@@ -136,8 +145,9 @@ def _as(module, array: np.ndarray, dtype: str, device: str):
     return module.to_device(module.from_numpy(array.astype(numpy_dtype(dtype))), device)
 
 
-def one_masked_key(name: str, kind: str, masks: str, poison: float, dtype: str,
-                   device: str) -> str | None:
+def one_masked_key(
+    name: str, kind: str, masks: str, poison: float, dtype: str, device: str
+) -> str | None:
     """What went wrong when key LAST holds `poison`, or None: the rows that give it no weight
     must be those of the call on clean keys (and near the reference's), its weights 0."""
     module = mha.load_backend(name)
@@ -219,8 +229,6 @@ def sync(device: str, quick: bool) -> bool:
 
 def _call_without_reads(name, layer, tensors, arguments, device) -> None:
     if name == "torch":
-        import torch
-
         for x in tensors:
             x.requires_grad_(True)
         restore = _torch_no_sync(device)
@@ -232,9 +240,13 @@ def _call_without_reads(name, layer, tensors, arguments, device) -> None:
     import jax
     from flax import nnx
 
+    # The masks go into the jitted call as arguments: arrays a jitted function closes over
+    # are constants of its program, read from the device to build it
+    arrays = {k: v for k, v in arguments.items() if isinstance(v, jax.Array)}
+    flags = {k: v for k, v in arguments.items() if k not in arrays}
     with jax.transfer_guard_device_to_host("disallow"):
         layer(*tensors, **arguments)
-        nnx.jit(lambda layer, *x: layer(*x, **arguments))(layer, *tensors)
+        nnx.jit(lambda layer, x, masks: layer(*x, **masks, **flags))(layer, tensors, arrays)
 
 
 def bench(device: str, quick: bool) -> bool:
@@ -242,13 +254,30 @@ def bench(device: str, quick: bool) -> bool:
     (8, 2048, 2048, 16) with valid_lens and grouped-query heads."""
     runs = [
         ["--dtype", "float32", "--shapes", "2,16,32,4" if quick else "32,64,256,8;1,1,512,8"],
-        ["--dtype", "bfloat16", "--shapes", "2,16,32,4" if quick else
-         "8,2048,2048,16;8,2048,2048,16,4", "--need-weights", "false"],
+        [
+            "--dtype",
+            "bfloat16",
+            "--shapes",
+            "2,16,32,4" if quick else "8,2048,2048,16;8,2048,2048,16,4",
+            "--need-weights",
+            "false",
+        ],
     ]
     codes = []
     for arguments in runs:
-        command = [sys.executable, "-m", "mha", "bench", "--backends", ",".join(BACKENDS),
-                   "--device", device, "--seconds", "0.5" if quick else "1", *arguments]
+        command = [
+            sys.executable,
+            "-m",
+            "mha",
+            "bench",
+            "--backends",
+            ",".join(BACKENDS),
+            "--device",
+            device,
+            "--seconds",
+            "0.5" if quick else "1",
+            *arguments,
+        ]
         say("+", " ".join(command[1:]))
         codes.append(subprocess.run(command, check=False).returncode)
     return all(code == 0 for code in codes)

@@ -116,7 +116,13 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, case):
     included, with finite gradients that match the reference's finite differences."""
 
     def naive_attention(
-        queries, keys, values, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+        queries,
+        keys,
+        values,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
         enable_gqa=False,
     ):
         if is_causal:  # top-left aligned: query i attends to keys j <= i
@@ -418,6 +424,104 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
     lengths = torch.zeros(B, dtype=torch.int64, device="meta")
     assert layer(X, X, X, valid_lens=lengths).shape == (B, 3, 8)
     assert T.masked_softmax(torch.zeros(B, 3, 6, device="meta"), lengths).device.type == "meta"
+
+
+def test_no_call_reads_values_off_the_cpu(T, torch):
+    """No call of any layer, with any mask, forward or backward, reads a tensor's values when
+    the tensors are not on the CPU (where a read would wait for the device): a meta tensor
+    has no values, so any read of one raises. Bad lengths go unchecked there, as documented."""
+    lengths = {
+        "1d": torch.tensor([2, -1, 3, 0], device="meta"),
+        "2d_float": torch.zeros(B, 3, device="meta", dtype=torch.float32),
+    }
+    masks = [
+        {"valid_lens": lengths["1d"]},
+        {"valid_lens": lengths["2d_float"]},
+        {"mask": torch.ones(B, 3, 6, dtype=torch.bool, device="meta")},
+        {"causal": True},
+        {"window_mask": torch.zeros(2, 3, 6, device="meta")},
+        {"attn_bias": torch.zeros(B, H, 3, 6, device="meta"), "causal": True},
+    ]
+    layers = {
+        "multihead": T.MultiHeadAttention(8, 4, query_size=8, key_size=8, value_size=8),
+        "grouped_rotary_window": T.MultiHeadAttention(
+            8,
+            4,
+            num_kv_heads=2,
+            rope_theta=1e4,
+            sliding_window=2,
+            query_size=8,
+            key_size=8,
+            value_size=8,
+        ),
+    }
+    X, Y = (torch.zeros(B, n, 8, device="meta", requires_grad=True) for n in (3, 6))
+    for layer in layers.values():
+        layer.to("meta")
+        for each in masks:
+            each = {k: v for k, v in each.items() if k != "attn_bias"} | (
+                {"attn_bias": torch.zeros(B, 4, 3, 6, device="meta")} if "attn_bias" in each else {}
+            )
+            for need_weights in (True, False):
+                output = layer(X, Y, Y, need_weights=need_weights, **each)
+                output.sum().backward()  # autograd on the meta device reads nothing either
+                assert output.device.type == "meta" and output.shape == (B, 3, 8)
+    dot = T.DotProductAttention().to("meta")
+    additive = T.AdditiveAttention(5, query_size=4, key_size=8).to("meta")
+    additive(torch.zeros(B, 3, 4, device="meta"), Y, Y, lengths["1d"])
+    dot(torch.zeros(B, 3, 8, device="meta"), Y, Y, lengths["2d_float"], causal=True)
+    T.masked_softmax(torch.zeros(B, 3, 6, device="meta"), lengths["1d"])
+    # On the CPU the same lengths are read and refused
+    with pytest.raises(ValueError, match="non-negative"):
+        T.masked_softmax(torch.zeros(B, 3, 6), torch.tensor([2, -1, 3, 0]))
+
+
+@pytest.mark.parametrize(
+    "call, is_causal",
+    [
+        ({"causal": True}, True),
+        ({"causal": True, "num_kv_heads": 2}, True),
+        ({"causal": True, "need_weights": True}, None),  # weights: no fused kernel
+        ({"causal": True, "valid_lens": True}, False),  # another mask: the mask is passed
+        ({"causal": True, "cached": True}, False),  # positions after a cache: bottom-right
+        ({"causal": True, "dropout": True}, False),  # dropout changes the kernel's choice
+    ],
+    ids=["alone", "grouped", "with_weights", "with_lengths", "after_a_cache", "dropout"],
+)
+def test_causal_alone_is_the_kernels_is_causal(T, torch, monkeypatch, call, is_causal):
+    """mha's causal mask alone, nothing cached, without weights, reaches
+    F.scaled_dot_product_attention as is_causal (top-left aligned, as mha's is with nothing
+    cached), which the flash kernels take; the output is the reference's either way."""
+    call = dict(call)
+    kv = call.pop("num_kv_heads", None)
+    sizes = dict(query_size=16, key_size=16, value_size=16, num_kv_heads=kv)
+    reference = N.MultiHeadAttention(16, 4, **sizes, dtype="float64")
+    training = call.pop("dropout", False)
+    layer = T.MultiHeadAttention(16, 4, dropout=0.5 if training else 0.0, **sizes, dtype="float64")
+    mha.set_weights(layer, mha.get_weights(reference))
+    X = np.random.default_rng(0).standard_normal((2, 5, 16))
+    arguments = {"need_weights": call.pop("need_weights", False), **call}
+    lengths = np.array([3, 5]) if arguments.pop("valid_lens", False) else None
+    seen = []
+    sdpa = T.F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        T.F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: seen.append(k["is_causal"]) or sdpa(*a, **k),
+    )
+    layer.train(training)
+    if arguments.pop("cached", False):
+        _, cache = layer(*(T.from_numpy(X[:, :2]),) * 3, **arguments, cache=T.KVCache())
+        seen.clear()
+        output, _ = layer(*(T.from_numpy(X[:, 2:]),) * 3, **arguments, cache=cache)
+        expected = reference(X, X, X, causal=True)[:, 2:]
+    else:
+        valid_lens = None if lengths is None else T.from_numpy(lengths)
+        output = layer(*(T.from_numpy(X),) * 3, valid_lens, **arguments)
+        expected = reference(X, X, X, lengths, causal=True)
+    assert seen == ([] if is_causal is None else [is_causal])
+    if not training:  # dropout's output is random
+        np.testing.assert_allclose(T.to_numpy(output), expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")

@@ -358,3 +358,10 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
         "(8,)",
         "float32",
     ]
+
+
+def test_compare_device_that_cannot_be_reached_is_a_usage_error():
+    code, _, err = run("compare", "--backends", "numpy", "--device", "tpu")
+    assert code == 2 and "--device" in err
+    code, _, err = run("compare", "--backends", "numpy,tensorflow", "--device", "cpu")
+    assert code == 2 and "cannot put the tensorflow backend on a device" in err

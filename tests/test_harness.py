@@ -237,3 +237,30 @@ def test_fit_takes_the_nearest_sizes_that_fit_and_only_where_needed():
         harness.fit(harness.Case("PositionalEncoding"), harness.Shapes(num_queries=1000)).config
         == {}
     )
+
+
+@pytest.mark.parametrize("name", ["torch", "jax"])
+def test_compare_places_the_backend_where_asked(name, monkeypatch):
+    # Expected: with device="cpu" every layer and tensor goes through the backend's to_device
+    # (counted), and the rows agree with the reference as they do unplaced
+    module = backend_module(name)
+    placed = []
+    to_device = module.to_device
+    monkeypatch.setattr(module, "to_device", lambda x, d: placed.append(d) or to_device(x, d))
+    cases = [harness.Case("MultiHeadAttention", ("valid_lens_1d", "causal"))]
+    rows = harness.compare(["numpy", name], "float32", cases=cases, device="cpu")
+    assert all(row.passed for row in rows), rows
+    # The probe, then the layer, queries, keys, values, valid_lens and the cotangent
+    assert placed and set(placed) == {"cpu"} and len(placed) >= 6
+
+
+def test_compare_refuses_a_device_it_cannot_reach():
+    # Expected: a backend without to_device, and a device the framework does not see, are
+    # ValueErrors naming them, before anything runs
+    backend_module("tensorflow")
+    with pytest.raises(ValueError, match="cannot put the tensorflow backend on a device"):
+        harness.compare(["numpy", "tensorflow"], device="cpu")
+    torch = backend_module("torch").torch
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch cannot reach a gpu"):
+            harness.compare(["torch"], device="gpu")

@@ -285,10 +285,11 @@ def _fused_attention(queries, keys, values, keep, bias, dropout, is_causal=False
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
     dropout_p = dropout.p if dropout.training else 0.0
     group = queries.shape[-3] // keys.shape[-3] if keys.dim() > 2 else 1
-    # enable_gqa on the CPU, whose fused kernel takes it with a mask too, and elsewhere without
-    # a mask, as Hugging Face's use_gqa_in_sdpa: CUDA's kernels that take a mask do not take
-    # it, and SDPA would fall back to its math kernel
-    enable_gqa = group > 1 and (queries.device.type == "cpu" or attn_mask is None)
+    # enable_gqa where a kernel of SDPA's own takes it: the CPU's, and CUDA's flash kernel
+    # (float16, bfloat16, no mask). Elsewhere SDPA would fall back to its math kernel, slower,
+    # and under is_causal one that lets a NaN key through: the heads are repeated instead
+    half = queries.dtype in (torch.float16, torch.bfloat16)
+    enable_gqa = group > 1 and (queries.device.type == "cpu" or (attn_mask is None and half))
     if group > 1 and not enable_gqa:
         keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = F.scaled_dot_product_attention(
