@@ -43,8 +43,17 @@ from mha.registry import BACKENDS, BackendUnavailableError, select_backends
 
 __all__ = ["BENCHES", "SHAPES", "Bench", "Config", "Result", "markdown_table", "run"]
 
-# (batch_size, length, num_hiddens, num_heads), and num_kv_heads for grouped-query attention
-SHAPES = ((32, 64, 256, 8), (8, 512, 512, 8), (1, 4096, 512, 8), (8, 512, 512, 8, 2))
+# (batch_size, length, num_hiddens, num_heads), then num_kv_heads for grouped-query attention
+# (None: as many as num_heads), then the positions cached before a decoding step
+SHAPES = (
+    (32, 64, 256, 8),
+    (8, 512, 512, 8),
+    (1, 4096, 512, 8),
+    (8, 512, 512, 8, 2),
+    (1, 1, 512, 8),  # one position: the per-call cost
+    (1, 1, 512, 8, None, 512),  # one decoding step after 512 cached positions
+    (1, 1, 512, 8, None, 4096),
+)
 QUICK_SHAPES = ((2, 16, 32, 4),)
 BAR = 1.10  # the project's bar: no row slower than this against the framework's own layer
 
@@ -138,15 +147,23 @@ def ratio_interval(ratios: Sequence[float], confidence: float = 0.95) -> tuple[f
 
 
 def why_not(
-    backend: str, dtype="float32", device="cpu", mode=None, pass_=None, grouped=False
+    backend: str,
+    dtype="float32",
+    device="cpu",
+    mode=None,
+    pass_=None,
+    grouped=False,
+    decoding=False,
 ) -> str | None:
     """Why `backend` has no rows in `dtype` on `device`, `mode` and `pass_` (None: any), and
-    with `grouped`, for grouped-query attention alone."""
+    with `grouped` or `decoding`, for grouped-query attention or decoding steps alone."""
     entry = BENCHES.get(backend)
     if entry is None:
         return "has no entry in mha.bench.BENCHES"
     if grouped and not entry.grouped():
         return "has no grouped-query attention layer to time against"
+    if decoding and not entry.decoding:
+        return "has no layer with a KV cache to time decoding against"
     if dtype not in entry.dtypes or (device == "gpu" and entry.gpu is None):
         return f"benchmarked in {', '.join(entry.dtypes)} on the CPU only"
     if device == "gpu" and not entry.gpu():
@@ -160,7 +177,7 @@ def why_not(
 
 def run(
     backends: Sequence[str],
-    shapes: Sequence[tuple[int, int, int, int]] = SHAPES,
+    shapes: Sequence[tuple] = SHAPES,
     budget: Budget | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     *,
@@ -181,7 +198,7 @@ def run(
         for mode in BENCHES[backend].modes
         if modes is None or mode in modes
         for shape in shapes
-        if len(shape) == 4 or BENCHES[backend].grouped()
+        if _has_rows(backend, shape)
         for lens in valid_lens
         for weights in need_weights
     ]
@@ -199,6 +216,16 @@ def run(
         progress(len(cases), len(cases), "done")
     facts["load_average_end"] = _load()
     return results, facts
+
+
+def _has_rows(backend: str, shape: tuple) -> bool:
+    """Whether `backend` has rows at `shape` (see SHAPES): grouped-query and decoding shapes
+    only where its framework has a layer to time against."""
+    grouped = len(shape) > 4 and shape[4] is not None
+    decoding = len(shape) > 5 and shape[5]
+    return (not grouped or BENCHES[backend].grouped()) and (
+        not decoding or BENCHES[backend].decoding
+    )
 
 
 def _rows(backend, mode, config, pass_, times) -> list[Result]:
@@ -344,8 +371,12 @@ def add_arguments(parser) -> None:
     add("--quick", action="store_true", help="one tiny shape, 3 rounds: a smoke run in seconds")
     add("--json", action="store_true", help="print the report as JSON")
     add("--output", help="also write the JSON report to this file")
-    default = ";".join(",".join(map(str, shape)) for shape in SHAPES)
-    add("--shapes", help=f"semicolon-separated B,L,d,h[,kv] (default: {default})")
+    default = ";".join(_shape_text(shape) for shape in SHAPES)
+    add(
+        "--shapes",
+        help="semicolon-separated B,L,d,h[,kv][+C], C positions cached before a decoding step "
+        f"(default: {default})",
+    )
     add("--seconds", type=float, help="time budget of each row's measurement (default: 3)")
     add("--valid-lens", choices=("yes", "no"), help="only the rows with or without valid_lens")
     add("--need-weights", choices=("true", "false"), help="only the rows with need_weights so")
@@ -357,20 +388,31 @@ def add_arguments(parser) -> None:
     add("--report", metavar="FILE", help="print a saved JSON report (--output) without running")
 
 
-def _parse_shapes(text: str) -> list[tuple[int, ...]]:
+def _shape_text(shape: tuple) -> str:
+    """A shape as --shapes takes it: B,L,d,h[,kv][+C]."""
+    text = ",".join(str(v) for v in shape[:5] if v is not None)
+    return text + (f"+{shape[5]}" if len(shape) > 5 and shape[5] else "")
+
+
+def _parse_shapes(text: str) -> list[tuple]:
     shapes = []
     for part in text.split(";"):
-        shape = tuple(int(v) if v.strip().isdigit() else 0 for v in part.split(","))
+        sizes, plus, cached = part.partition("+")
+        shape = tuple(int(v) if v.strip().isdigit() else 0 for v in sizes.split(","))
         if (
             len(shape) not in (4, 5)
             or min(shape) <= 0
             or shape[2] % shape[3]
             or shape[3] % shape[-1]
+            or (plus and not cached.strip().isdigit())
         ):
             raise ValueError(
                 "a shape is four positive integers B,L,d,h, h dividing d, and a fifth for "
-                f"grouped-query attention, the key-value heads, dividing h: {part!r}"
+                "grouped-query attention, the key-value heads, dividing h; +C after them "
+                f"times a decoding step after C cached positions: {part!r}"
             )
+        if plus:
+            shape = (*shape[:4], shape[4] if len(shape) == 5 else None, int(cached))
         shapes.append(shape)
     return shapes
 
@@ -392,9 +434,10 @@ def execute(arguments, out, err, progress=None) -> int:
     dtype, device = arguments.dtype or "float32", arguments.device or "cpu"
     shapes = QUICK_SHAPES if arguments.quick else SHAPES
     shapes = _parse_shapes(arguments.shapes) if arguments.shapes else shapes
-    grouped = all(len(shape) == 5 for shape in shapes)
+    grouped = all(len(shape) > 4 and shape[4] is not None for shape in shapes)
+    decoding = all(len(shape) > 5 and shape[5] for shape in shapes)
     for name in list(names):
-        reason = why_not(name, dtype, device, arguments.mode, arguments.pass_, grouped)
+        reason = why_not(name, dtype, device, arguments.mode, arguments.pass_, grouped, decoding)
         if reason and arguments.backends:
             raise ValueError(f"--backends {name}: {reason}")
         if reason:

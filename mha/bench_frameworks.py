@@ -37,17 +37,23 @@ class Config:
     dtype: str = "float32"
     device: str = "cpu"  # or "gpu": torch's "cuda", TensorFlow's "/GPU:0"
     num_kv_heads: int | None = None  # grouped-query attention
+    # Decoding: positions in a KV cache before the call, whose `length` queries attend to them
+    # and to themselves
+    cached: int = 0
 
     @property
     def shape(self) -> str:
         kv = "" if self.num_kv_heads is None else f", kv {self.num_kv_heads}"
+        kv += f", cache {self.cached}" if self.cached else ""
         return f"({self.batch_size}, {self.length}, {self.num_hiddens}, {self.num_heads}{kv})"
 
     def forward_flops(self) -> float:
-        """2 x the multiply-adds of the four projections and the two attention products."""
+        """2 x the multiply-adds of the four projections of the call's positions and the two
+        attention products over every key (the cached ones too)."""
         b, n, d = self.batch_size, self.length, self.num_hiddens
         kv = d // self.num_heads * (self.num_kv_heads or self.num_heads)
-        return 2.0 * (2 * b * n * d * d + 2 * b * n * d * kv + 2 * b * n * n * d)
+        keys = n + self.cached
+        return 2.0 * (2 * b * n * d * d + 2 * b * n * d * kv + 2 * b * n * keys * d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,9 +65,9 @@ def _inputs(config: Config, seed: int = 0) -> tuple[np.ndarray, np.ndarray | Non
     X = rng.standard_normal((config.batch_size, config.length, config.num_hiddens), "float32")
     if not config.valid_lens:
         return X, None
-    # Between half the length and the full length: every row keeps some keys
-    low = max(1, config.length // 2)
-    return X, rng.integers(low, config.length + 1, config.batch_size).astype("int64")
+    # Between half the keys and all of them (the cached ones too): every row keeps some
+    keys = config.length + config.cached
+    return X, rng.integers(max(1, keys // 2), keys + 1, config.batch_size).astype("int64")
 
 
 def _weights(config: Config, seed: int = 0) -> dict[str, np.ndarray]:
@@ -110,7 +116,10 @@ def _torch_calls(config: Config, mode: str) -> Calls:
     valid_lens = None if lens_np is None else torch.from_numpy(lens_np).to(device)
     ours = _mha_layer("torch", config).to(device).eval()
     run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
-    if config.num_kv_heads is not None:
+    if config.cached:
+        layers = _torch_decoding_layers(config, ours, X, valid_lens)
+        run_ours = layers["mha"][0]
+    elif config.num_kv_heads is not None:
         layers = _torch_grouped_layers(config, ours, run_ours, X, valid_lens)
     else:
         layers = _torch_layers(config, ours, run_ours, X, valid_lens)
@@ -130,7 +139,55 @@ def _torch_calls(config: Config, mode: str) -> Calls:
         synchronize()
         return gradients
 
-    return _passes(layers, forward, backward) if layers else {}
+    calls = _passes(layers, forward, backward) if layers else {}
+    return {"forward": calls["forward"]} if config.cached else calls  # decoding: inference
+
+
+def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
+    """One decoding step: the call's positions after `config.cached` cached ones. mha's layer
+    with its KVCache; the SDPA layer on the same weights with the same cache (its projections,
+    the new keys and values appended, F.scaled_dot_product_attention); nn.MultiheadAttention,
+    which has no cache, on every position's keys and values, as its users call it."""
+    import torch
+    import torch.nn.functional as F
+
+    import mha
+
+    b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
+    kv, keys = config.num_kv_heads or h, n + config.cached
+    rng = np.random.default_rng(1)
+    before = rng.standard_normal((b, config.cached, d), "float32")
+    before = torch.from_numpy(before).to(X.device, X.dtype)
+    with torch.no_grad():
+        _, cache = ours(before, before, before, cache=mha.KVCache())
+    everything = torch.cat([before, X], dim=1)
+    keep = (
+        None if valid_lens is None else (torch.arange(keys, device=X.device) < valid_lens[:, None])
+    )
+
+    def run_ours():
+        return ours(X, X, X, valid_lens, need_weights=config.need_weights, cache=cache)[0]
+
+    def run_sdpa():
+        q = ours.W_q(X).view(b, n, h, d // h).transpose(1, 2)
+        k, v = (w(X).view(b, n, kv, d // h).transpose(1, 2) for w in (ours.W_k, ours.W_v))
+        k, v = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
+        mask = None if keep is None else keep[:, None, None, :]
+        output = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv != h)
+        return ours.W_o(output.transpose(1, 2).reshape(b, n, d))
+
+    layers = {"mha": (run_ours, ours)}
+    if not config.need_weights:  # SDPA cannot return the weights
+        layers["SDPA layer with the cache"] = (run_sdpa, ours)
+    if kv == h:
+        theirs = mha.interop.to_torch(ours, batch_first=True).to(X.device).eval()
+        options = {"need_weights": config.need_weights, "average_attn_weights": False}
+        padding = None if keep is None else ~keep
+        layers["nn.MultiheadAttention (no cache)"] = (
+            lambda: theirs(X, everything, everything, key_padding_mask=padding, **options)[0],
+            theirs,
+        )
+    return layers
 
 
 def _torch_layers(config: Config, ours, run_ours, X, valid_lens) -> dict:
@@ -446,11 +503,12 @@ class Bench:
     gpu: Callable[[], bool] | None = None
     # Whether the framework has a grouped-query attention layer to time against
     grouped: Callable[[], bool] = lambda: True
+    decoding: bool = False  # whether it has rows of one decoding step (Config.cached)
 
 
 BENCHES = {
     "numpy": Bench(_numpy_calls, ("reference",), ("forward",)),
-    "torch": Bench(_torch_calls, dtypes=DTYPES, gpu=_torch_sees_gpu),
+    "torch": Bench(_torch_calls, dtypes=DTYPES, gpu=_torch_sees_gpu, decoding=True),
     "tensorflow": Bench(_tensorflow_calls, dtypes=DTYPES, gpu=_tensorflow_sees_gpu),
     # MXNet 1.9: float16 on GPU only; neither the book nor Gluon has grouped-query attention
     "mxnet": Bench(_mxnet_calls, ("imperative", "hybridized"), grouped=lambda: False),

@@ -452,3 +452,50 @@ def test_grouped_query_rows_time_the_frameworks_grouped_layers():
     if _installed("mxnet"):
         code, _, err = run("--quick", "--backends", "mxnet", "--shapes", "2,8,16,4,2")
         assert code == 2 and "no grouped-query attention layer" in err
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_decoding_rows_time_one_step_after_the_cache(need_weights, num_kv_heads):
+    # A +C shape: one decoding step after C cached positions. Every timed layer returns the
+    # float64 reference's output of the step's query attending to every position (the cached
+    # ones are the bench's own, made from a second draw), forward only
+    module = backend_module("torch")
+    config = bench.Config(2, 1, 8, 4, True, need_weights, num_kv_heads=num_kv_heads, cached=6)
+    calls = bench.BENCHES["torch"].calls(config, "eager")
+    assert list(calls) == ["forward"]
+    expected_names = {"mha"}
+    expected_names |= set() if need_weights else {"SDPA layer with the cache"}
+    expected_names |= {"nn.MultiheadAttention (no cache)"} if num_kv_heads is None else set()
+    assert set(calls["forward"]) == expected_names
+    from mha.backends import numpy as reference
+
+    X, lens = bench_frameworks._inputs(config)
+    assert lens.max() <= 7 and lens.min() >= 3  # over the 7 keys, cached ones included
+    before = np.random.default_rng(1).standard_normal((2, 6, 8), "float32")
+    everything = np.concatenate([before, X], axis=1).astype(np.float64)
+    exact = reference.MultiHeadAttention(8, 4, num_kv_heads=num_kv_heads, dtype="float64")
+    weights = bench_frameworks._weights(config)
+    mha.set_weights(exact, {name: w.astype(np.float64) for name, w in weights.items()})
+    expected = exact(everything, everything, everything, lens, causal=True)[:, 6:]
+    for name, call in calls["forward"].items():
+        output = module.to_numpy(call())
+        assert harness.difference(output, expected, relative=True) <= 1e-5, name
+
+
+def test_decoding_shapes_parse_and_name_the_cache(monkeypatch):
+    assert bench._parse_shapes("1,1,512,8+4096;2,1,16,4,2+8") == [
+        (1, 1, 512, 8, None, 4096),
+        (2, 1, 16, 4, 2, 8),
+    ]
+    assert bench.Config(1, 1, 512, 8, False, False, cached=4096).shape == (
+        "(1, 1, 512, 8, cache 4096)"
+    )
+    for shape in bench.SHAPES:
+        assert bench._parse_shapes(bench._shape_text(shape)) == [shape]
+    # Only torch has decoding rows; a backend without them says so
+    code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+4")
+    assert code == 2 and "no layer with a KV cache" in err
+    code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+x")
+    assert code == 2 and "+C" in err
