@@ -202,14 +202,14 @@ def run_case(
     transform: called with the built layer, returns what is called instead (a compiled or
     hybridized layer: the framework's own ways of running it); the layer itself still holds
     the weights and attention_weights. Not for masked_softmax.
-    device: where the layer and tensors are put ("cpu" or "gpu", for a backend with
-    to_device: torch, jax); None leaves
-    them where the framework makes them.
+    device: where the layer and tensors are put ("cpu" or "gpu", for a backend whose adapter
+    has to_device: torch, jax); None leaves them where the framework makes them.
     """
     module = load_backend(backend)
-    place = (lambda x: x) if device is None else (lambda x: module.to_device(x, device))
+    adapter = module.ADAPTER
+    place = (lambda x: x) if device is None else (lambda x: adapter.to_device(x, device))
     tensors = {
-        key: place(module.from_numpy(value)) if isinstance(value, np.ndarray) else value
+        key: place(adapter.from_numpy(value)) if isinstance(value, np.ndarray) else value
         for key, value in inputs.items()
     }
     layer = build_layer(backend, case, config, weights)
@@ -217,14 +217,14 @@ def run_case(
     called = layer if transform is None else transform(layer)
 
     def forward() -> Result:
-        output = module.to_numpy(call_layer(module, case, called, tensors))
-        return Result(output, _attention_weights(module, layer))
+        output = adapter.to_numpy(call_layer(module, case, called, tensors))
+        return Result(output, _attention_weights(adapter, layer))
 
-    if cotangent is None or not hasattr(module, "value_and_gradients"):
+    if cotangent is None or not adapter.autograd:
         return forward()
-    with module.without_gradients():
+    with adapter.without_gradients():
         inference = forward()
-    output, input_gradients, weight_gradients = module.value_and_gradients(
+    output, input_gradients, weight_gradients = adapter.value_and_gradients(
         # A backend may call another layer holding the same weights (JAX: a copy made inside
         # its trace, since Flax modules are not mutated across traces)
         lambda arguments, other=None: call_layer(
@@ -233,20 +233,20 @@ def run_case(
         tensors,
         differentiable(case),
         layer,
-        place(module.from_numpy(cotangent)),
+        place(adapter.from_numpy(cotangent)),
     )
     return Result(
         output,
-        _attention_weights(module, layer),
+        _attention_weights(adapter, layer),
         {**input_gradients, **weight_gradients},
         inference,
     )
 
 
-def _attention_weights(module: Any, layer: Any) -> np.ndarray | None:
+def _attention_weights(adapter: Any, layer: Any) -> np.ndarray | None:
     """The layer's attention_weights of its last call as numpy, None when it has none."""
     attention_weights = getattr(layer, "attention_weights", None)
-    return None if attention_weights is None else module.to_numpy(attention_weights)
+    return None if attention_weights is None else adapter.to_numpy(attention_weights)
 
 
 def finite_difference_gradients(
@@ -446,11 +446,11 @@ def _device_of(name: str, device: str | None) -> str | None:
     """Where compare runs backend `name` when asked for `device`: NumPy stays on the CPU."""
     if device is None or name == "numpy":
         return None
-    module = load_backend(name)
-    if not hasattr(module, "to_device"):
+    adapter = load_backend(name).ADAPTER
+    if adapter.to_device is None:
         raise ValueError(f"mha cannot put the {name} backend on a device (only torch and jax)")
     try:
-        module.to_device(module.from_numpy(np.zeros(1, "float32")), device)
+        adapter.to_device(adapter.from_numpy(np.zeros(1, "float32")), device)
     except Exception as error:  # each framework says it its own way: no such device here
         raise ValueError(f"{name} cannot reach a {device}: {error}") from None
     return device
@@ -518,7 +518,7 @@ def compare(
     """
     names = [normalize_backend_name(name) for name in backends]
     placed = {name: _device_of(name, device) for name in names}
-    autograd = any(hasattr(load_backend(name), "value_and_gradients") for name in names)
+    autograd = any(load_backend(name).ADAPTER.autograd for name in names)
     cases = list(default_cases() if cases is None else cases)
     rows = []
     total, done = len(cases) * len(names), 0

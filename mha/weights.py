@@ -167,14 +167,15 @@ def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
 
 
 def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:
-    parameters = canonical_parameters(layer, backend.PARAMETERS)
-    return {name: backend.read_parameter(*held) for name, held in parameters.items()}
+    adapter = backend.ADAPTER
+    parameters = canonical_parameters(layer, adapter.parameters)
+    return {name: adapter.read_parameter(*held) for name, held in parameters.items()}
 
 
 def import_weights(backend: Any, layer: Any, arrays: Mapping[str, np.ndarray]) -> None:
     """Write checked canonical arrays into the layer's parameters, through its backend."""
     for name, (sublayer, kind) in _weight_places_of(layer).items():
-        backend.write_parameter(getattr(layer, sublayer), kind, arrays[name])
+        backend.ADAPTER.write_parameter(getattr(layer, sublayer), kind, arrays[name])
 
 
 def _describe_layer(class_name: str, config: Mapping[str, Any]) -> str:
@@ -255,7 +256,7 @@ def raise_problems(what: str, class_name: str, config: Mapping[str, Any], proble
 def layer_info(layer: Any) -> tuple[Any, str, dict[str, Any]]:
     class_name = _layer_class_name(layer)
     backend = load_backend(backend_of(layer))
-    return backend, class_name, backend.layer_config(layer)
+    return backend, class_name, backend.ADAPTER.layer_config(layer)
 
 
 def get_weights(layer: Any) -> dict[str, np.ndarray]:

@@ -58,8 +58,8 @@ def raised(backend: str, case: ErrorCase) -> tuple[type[BaseException], str] | N
         return tensors[id(value)]
 
     inference = contextlib.nullcontext()
-    if case.without_gradients and hasattr(module, "without_gradients"):
-        inference = module.without_gradients()
+    if case.without_gradients:
+        inference = module.ADAPTER.without_gradients()
     try:
         args = None if case.args is None else [tensor(value) for value in case.args]
         kwargs = {key: tensor(value) for key, value in case.kwargs.items()}

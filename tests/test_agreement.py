@@ -61,7 +61,7 @@ def test_backend_agrees_with_the_reference(name, case, dtype):
     module = backend_module(name)
     row, result = checked(name, case, dtype)
     assert row.passed, describe(row)
-    if hasattr(module, "value_and_gradients"):
+    if module.ADAPTER.autograd:
         assert result.gradients is not None and row.gradient_difference is not None
 
 
@@ -103,7 +103,7 @@ def test_masked_softmax_of_large_logits_by_hand(name):
     tensors = {"X": module.from_numpy(X), "valid_lens": module.from_numpy(valid_lens)}
     output = module.masked_softmax(tensors["X"], tensors["valid_lens"])
     np.testing.assert_allclose(module.to_numpy(output), expected, rtol=0, atol=1e-7)
-    if hasattr(module, "value_and_gradients"):
+    if module.ADAPTER.autograd:
         cotangent = np.broadcast_to(np.arange(1.0, 5.0, dtype="float32"), X.shape).copy()
         _, gradients, _ = module.value_and_gradients(
             lambda t: module.masked_softmax(t["X"], t["valid_lens"]),

@@ -1,6 +1,7 @@
 """The code base keeps its own rules: ruff clean, and backend modules that mirror each other."""
 
 import ast
+import dataclasses
 import pathlib
 import shutil
 import subprocess
@@ -282,3 +283,62 @@ MODULE_LINES = 600
 def test_every_module_of_the_package_outside_the_backends_is_short(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MODULE_LINES, f"{path.relative_to(ROOT)} has {lines} lines"
+
+
+ADAPTER_HOOKS = {
+    "to_numpy": "to_numpy",
+    "from_numpy": "from_numpy",
+    "layer_config": "layer_config",
+    "parameters": "PARAMETERS",
+    "read_parameter": "read_parameter",
+    "write_parameter": "write_parameter",
+    "without_gradients": "without_gradients",
+    "value_and_gradients": "value_and_gradients",
+    "to_device": "to_device",
+}
+
+
+@pytest.mark.parametrize("path", sorted(BACKENDS.glob("[!_]*.py")), ids=lambda path: path.stem)
+def test_each_backend_declares_its_adapter_with_its_own_hooks(path):
+    # Expected: the module ends with `ADAPTER = Adapter(...)`, which names the module's own
+    # hooks, every one it defines (none left out, none of another module's), so the glue
+    # reads what a backend offers from the declaration; and the glue never probes a backend
+    # module with hasattr
+    from mha.adapter import Adapter
+
+    tree = ast.parse(path.read_text())
+    assignments = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["ADAPTER"]
+    ]
+    assert len(assignments) == 1 and tree.body[-1] is assignments[0], path.name
+    call = assignments[0].value
+    assert isinstance(call, ast.Call) and call.func.id == "Adapter"
+    fields = [field.name for field in dataclasses.fields(Adapter)]
+    given = dict(zip(fields, call.args, strict=False))
+    given.update({keyword.arg: keyword.value for keyword in call.keywords})
+    defined = {
+        node.name if isinstance(node, ast.FunctionDef) else node.targets[0].id
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+        or (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name))
+    }
+    for field, hook in ADAPTER_HOOKS.items():
+        if hook in defined:
+            assert isinstance(given.get(field), ast.Name) and given[field].id == hook, field
+        else:
+            assert (
+                field not in given
+                or not isinstance(given[field], ast.Name)
+                or (given[field].id not in defined)
+            ), field
+
+
+def test_the_glue_never_probes_a_backend_module():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent.name == "backends":
+            continue
+        source = path.read_text()
+        for probe in ("hasattr(module", "hasattr(backend", "hasattr(load_backend"):
+            assert probe not in source, (path.name, probe)

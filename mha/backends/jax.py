@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from mha import validation
+from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
@@ -744,3 +745,10 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
         {name: to_numpy(g) for name, g in input_gradients.items()},
         weight_gradients,
     )
+
+
+# What mha's glue needs beside the layers
+ADAPTER = Adapter(
+    to_numpy, from_numpy, layer_config, PARAMETERS, read_parameter, write_parameter,
+    without_gradients, value_and_gradients, to_device=to_device,
+)

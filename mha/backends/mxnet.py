@@ -49,6 +49,7 @@ import mxnet as mx
 from mxnet.gluon import nn
 
 from mha import validation
+from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
@@ -995,3 +996,10 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
         for name, (value, transposed) in parameters.items()
     }
     return to_numpy(output), input_gradients, weight_gradients
+
+
+# What mha's glue needs beside the layers
+ADAPTER = Adapter(
+    to_numpy, from_numpy, layer_config, PARAMETERS, read_parameter, write_parameter,
+    without_gradients, value_and_gradients,
+)

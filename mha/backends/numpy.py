@@ -11,12 +11,14 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import numpy as np
 
 from mha import validation
+from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
@@ -602,5 +604,9 @@ def write_parameter(sublayer: Module, kind: str, value: np.ndarray) -> None:
     setattr(sublayer, name, (value.T if transposed else value).copy())
 
 
-# NumPy has no autograd, so there is no value_and_gradients here: mha.harness differentiates
-# the reference by central differences instead.
+# What mha's glue needs beside the layers. NumPy has no autograd, so there is no
+# value_and_gradients: mha.harness differentiates the reference by central differences.
+ADAPTER = Adapter(
+    to_numpy, from_numpy, layer_config, PARAMETERS, read_parameter, write_parameter,
+    without_gradients=contextlib.nullcontext,
+)

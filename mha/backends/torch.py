@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mha import validation
+from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
@@ -853,3 +854,10 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
                                                strict=True)
     }
     return to_numpy(output), input_gradients, weight_gradients
+
+
+# What mha's glue needs beside the layers
+ADAPTER = Adapter(
+    to_numpy, from_numpy, layer_config, PARAMETERS, read_parameter, write_parameter,
+    without_gradients, value_and_gradients, to_device=to_device,
+)
