@@ -146,7 +146,7 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, case):
         calls.append(1)
         return naive_attention(*args, **kwargs)
 
-    monkeypatch.setattr(T.F, "scaled_dot_product_attention", counted)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
     row, _ = harness.check("torch", prepared)
     assert calls, "the fused path was not taken"
     assert row.passed, row
@@ -503,9 +503,9 @@ def test_causal_alone_is_the_kernels_is_causal(T, torch, monkeypatch, call, is_c
     arguments = {"need_weights": call.pop("need_weights", False), **call}
     lengths = np.array([3, 5]) if arguments.pop("valid_lens", False) else None
     seen = []
-    sdpa = T.F.scaled_dot_product_attention
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(
-        T.F,
+        torch.nn.functional,
         "scaled_dot_product_attention",
         lambda *a, **k: seen.append(k["is_causal"]) or sdpa(*a, **k),
     )

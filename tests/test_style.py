@@ -298,7 +298,11 @@ ADAPTER_HOOKS = {
 }
 
 
-@pytest.mark.parametrize("path", sorted(BACKENDS.glob("[!_]*.py")), ids=lambda path: path.stem)
+@pytest.mark.parametrize(
+    "path",
+    [BACKENDS / f"{name}.py" for name in ("numpy", "torch", "tensorflow", "mxnet", "jax")],
+    ids=lambda path: path.stem,
+)
 def test_each_backend_declares_its_adapter_with_its_own_hooks(path):
     # Expected: the module ends with `ADAPTER = Adapter(...)`, which names the module's own
     # hooks, every one it defines (none left out, none of another module's), so the glue

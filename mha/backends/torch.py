@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mha import validation
 from mha.adapter import Adapter
+from mha.backends import torch_fused as fused
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
@@ -199,7 +199,7 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = F
     attended = None
     if keep is not None:
         attended = keep.any(dim=-1, keepdim=True)
-        attended = None if not _may_have_empty_rows(attended) else attended
+        attended = None if not fused.may_have_empty_rows(attended) else attended
         # exp(-inf) = 0: masked entries, and their gradients, are exactly 0. The -inf replaces
         # what a masked score held, so a masked key holding NaN or inf stays out
         fill = scores.masked_fill_ if in_place else scores.masked_fill
@@ -215,26 +215,6 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = F
     if attended is None or empty_rows == "uniform":
         return weights
     return torch.where(attended, weights, 0.0)
-
-
-def _keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A row with no kept key would be all -inf, NaN in softmax and in fused kernels: it keeps
-    every key instead. Returns (keep, attended): attended, (..., Q or 1, 1), marks the rows to
-    zero afterwards; None when no row is empty."""
-    attended = keep.any(dim=-1, keepdim=True)
-    if not _may_have_empty_rows(attended):
-        return keep, None
-    return keep | ~attended, attended
-
-
-def _may_have_empty_rows(attended: torch.Tensor) -> bool:
-    """Whether a row has no kept key, or might. On the CPU one host read of the small
-    `attended` answers it; elsewhere (GPU, meta, a graph being compiled or exported) the answer
-    is yes without reading: no call waits for the device, and no graph keeps one input's answer."""
-    # is_compiling() is True under torch.export too, whose traced tensors have no values
-    if attended.device.type != "cpu" or torch.compiler.is_compiling():
-        return True
-    return not bool(attended.all())
 
 
 @documented
@@ -264,168 +244,6 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
     # Values split into heads have rows num_hiddens apart, and torch's CPU product in bfloat16
     # and float16 is far slower on such rows than on contiguous ones
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
-
-
-def _fused_attention(queries, keys, values, keep, bias, dropout, is_causal=False):
-    """What DotProductAttention.attend computes from its scaled queries, by
-    F.scaled_dot_product_attention with scale 1 (with is_causal, its own causal mask and no
-    other: see _path).
-
-    Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
-    scores, so keep and bias combine into one float mask when both are given. Keys and values
-    may have fewer heads (axis -3) than the queries, query head h attending with key-value
-    head h // group: its enable_gqa pairs them, or they are repeated first.
-    """
-    attended = None
-    if keep is not None:
-        # Rows with no kept key attend to every key (finite values and gradients), and their
-        # output is zeroed after, as _softmax does
-        keep, attended = _keep_every_row(keep)
-    attn_mask = keep
-    if bias is not None:
-        attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
-    dropout_p = dropout.p if dropout.training else 0.0
-    group = queries.shape[-3] // keys.shape[-3] if keys.dim() > 2 else 1
-    # enable_gqa where a kernel of SDPA's own takes it: the CPU's, and CUDA's flash kernel
-    # (float16, bfloat16, no mask). Elsewhere SDPA would fall back to its math kernel, slower,
-    # and under is_causal one that lets a NaN key through: the heads are repeated instead
-    half = queries.dtype in (torch.float16, torch.bfloat16)
-    enable_gqa = group > 1 and (queries.device.type == "cpu" or (attn_mask is None and half))
-    if group > 1 and not enable_gqa:
-        keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
-    output = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=1.0, enable_gqa=enable_gqa,
-    )
-    return output if attended is None else torch.where(attended, output, 0.0)
-
-
-def _why_not_fused(keep: torch.Tensor | None, empty_rows: str,
-                   adds_exactly: bool) -> str | None:
-    """Why F.scaled_dot_product_attention cannot compute this call, or None when it can;
-    adds_exactly: _mask_adds_exactly's answer."""
-    if keep is not None and empty_rows == "uniform":
-        return "a row with no key takes uniform weights, which the kernel does not give"
-    if not adds_exactly:
-        return "a masked key may hold NaN or inf, and the kernel adds the mask to its score"
-    return None
-
-
-def _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) -> str | None:
-    """Why the mask cannot be added inside the scaled product, or None when it can."""
-    if keep is not None and empty_rows == "uniform":
-        return "a row with no key takes uniform weights, which the masked product does not give"
-    if bias is not None:
-        return "an additive window mask is added to the scores on its own"
-    if keep is not None and not _mask_fits_product(keep, queries):
-        return "the mask varies along the leading axes and along the queries"
-    if not adds_exactly:
-        return "a masked key may hold NaN or inf: added to the mask, its score would stay NaN"
-    return None
-
-
-def _path(queries, keys, values, keep, bias, need_weights, empty_rows, dropout,
-          causal=False) -> str:
-    """Which of DotProductAttention.attend's ways computes the call, decided once per call:
-
-    - "is_causal": F.scaled_dot_product_attention's own causal mask, `causal` saying that the
-      mask is mha's causal one alone, nothing cached (top-left aligned, as is_causal is);
-    - "fused": F.scaled_dot_product_attention with the mask (see _why_not_fused);
-    - "masked product": the mask added inside one batched product (_why_not_masked_product);
-    - "scores": the masked scores replaced by -inf, whatever the keys hold.
-    """
-    if not need_weights and causal and _kernel_takes_causal(queries, values, dropout):
-        return "is_causal"
-    adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
-    if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
-        return "fused"
-    if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
-        return "masked product"
-    return "scores"
-
-
-def _kernel_takes_causal(queries, values, dropout) -> bool:
-    """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
-    memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
-    math fallback adds -inf to them, and a NaN key would stay NaN. The kernels take 4-D inputs
-    of one head size: on the CPU any float dtype, on CUDA no float64 and head sizes that are a
-    multiple of 8 up to 256. Dropout, which changes their choice, goes the other ways."""
-    head_size, device = queries.shape[-1], queries.device.type
-    if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
-        return False
-    if device == "cuda":
-        return queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
-    return device == "cpu"
-
-
-def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether adding keep's -inf to the scores leaves out whatever a masked key holds, as
-    replacing the masked scores does: a key masked for every query is zeroed first
-    (_without_masked_keys), else every key must be known to be finite (NaN + -inf is NaN)."""
-    return _masks_whole_keys(keep, keys) or _known_finite(keys)
-
-
-def _masks_whole_keys(keep: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether keep is the same for every query (key padding: 1-D valid_lens, a mask of
-    keys), each of its leading axes 1 or the keys': then its masked keys can be zeroed."""
-    if keep.shape[-2] != 1 or keep.dim() != keys.dim():
-        return False
-    return all(m in (1, n) for m, n in zip(keep.shape[:-2], keys.shape[:-2], strict=True))
-
-
-def _without_masked_keys(keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    """The keys, with 0 at every key that keep masks for every query: a zeroed key's score is
-    0, and 0 + -inf is -inf whatever the key held. Decided by the mask's shape, not by reading
-    the keys."""
-    if keep is None or not _masks_whole_keys(keep, keys):
-        return keys
-    # Shape of keep.mT: (..., no. of keys, 1), against keys (..., no. of keys, d)
-    return torch.where(keep.mT, keys, 0.0)
-
-
-def _known_finite(keys: torch.Tensor) -> bool:
-    """Whether every key is known to be finite, for a mask that is not key padding alone. On
-    the CPU one read answers it (a pass over the keys, not the scores); on other devices and
-    while compiling or exporting a read would wait for the device or has no values, so the
-    answer is no: such masks then take the path that replaces the masked scores."""
-    # is_compiling() is True under torch.export too, whose traced tensors have no values
-    if keys.device.type != "cpu" or torch.compiler.is_compiling():
-        return False
-    # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, which is
-    # safe. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
-    total = keys.sum(dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32)
-    return bool(torch.isfinite(total))
-
-
-def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
-    """Whether keep, as an additive mask, can be the input of one batched product: one mask
-    for every leading index, or one mask row per leading index (lengths, key padding)."""
-    if keep.dim() > queries.dim():
-        return False
-    return all(size == 1 for size in keep.shape[:-2]) or keep.shape[-2] == 1
-
-
-def _masked_product(keep: torch.Tensor | None, queries: torch.Tensor,
-                    keys: torch.Tensor) -> torch.Tensor:
-    """queries @ keys^T, -inf where keep is False, in one torch.baddbmm over the leading axes
-    flattened. Shape: (..., no. of queries, no. of keys)."""
-    *leading, num_queries, d = queries.shape
-    num_keys = keys.shape[-2]
-    queries = queries.reshape(math.prod(leading), num_queries, d)
-    keys = keys.reshape(math.prod(leading), num_keys, d).transpose(1, 2)
-    if keep is None:
-        # beta=0: the zero input is not read, only broadcast
-        scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0)
-        return scores.view(*leading, num_queries, num_keys)
-    # Shape of additive: keep's, then (1 or leading size, 1 or no. of queries, no. of keys)
-    additive = torch.zeros(keep.shape, dtype=queries.dtype, device=queries.device)
-    additive = additive.masked_fill_(~keep, float("-inf"))
-    additive = additive.reshape((1,) * (len(leading) + 2 - additive.dim()) + additive.shape)
-    if any(n != 1 for n in additive.shape[:-2]):
-        additive = additive.expand(*leading, *additive.shape[-2:])
-    additive = additive.reshape(math.prod(additive.shape[:-2]), *additive.shape[-2:])
-    scores = torch.baddbmm(additive, queries, keys)
-    return scores.view(*leading, num_queries, num_keys)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,29 +282,24 @@ class DotProductAttention(Module):
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         _Masks.combine. MultiHeadAttention calls this with a head axis, and with the `path`
-        it chose (see _path; found here when None). Without need_weights, torch's fused
-        kernel computes the same numbers where it can.
+        it chose (fused.choose_path; chosen here when None): torch's fused kernel or a
+        product with the mask inside compute the same numbers where they can.
         """
         d = queries.shape[-1]
         # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
         # no product overflows whose scaled score would not
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         if path is None:
-            path = _path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
-                         self.dropout)
-        if path in ("is_causal", "fused"):
+            path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
+                                     self.empty_rows, self.dropout)
+        output = fused.attend(queries, keys, values, keep, bias, self.dropout, path)
+        if output is not None:  # F.scaled_dot_product_attention computed it, without weights
             self.attention_weights = None
-            if path == "is_causal":
-                return _fused_attention(queries, keys, values, None, None, self.dropout, True)
-            # The mask is added to the scores: keys masked for every query are zeroed first
-            keys = _without_masked_keys(keys, keep)
-            return _fused_attention(queries, keys, values, keep, bias, self.dropout)
+            return output
         if path == "masked product":
             # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
             # a pass over the scores fewer, forward and backward
-            keys = _without_masked_keys(keys, keep)
-            keep, attended = (None, None) if keep is None else _keep_every_row(keep)
-            scores = _masked_product(keep, queries, keys)
+            scores, attended = fused.masked_product(queries, keys, keep)
             output, weights = _attention_pool(scores, values, None, None, self.dropout)
             if attended is not None:
                 output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
@@ -621,11 +434,12 @@ class MultiHeadAttention(Module):
         causal_alone = causal and offset == 0 and self.sliding_window is None and all(
             x is None for x in (valid_lens, mask, window_mask, attn_bias)
         )
-        path = _path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
+        path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
+                                 self.empty_rows,
                      self.attention.dropout, causal_alone)
         if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
-            # (the fused paths pair them themselves: see _fused_attention)
+            # (the fused paths pair them themselves: see torch_fused)
             group = self.num_heads // num_kv_heads
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)

@@ -1,0 +1,221 @@
+"""torch's fast paths for DotProductAttention.attend, apart from the layers a learner reads:
+F.scaled_dot_product_attention (with its own causal mask, or with mha's mask) and the mask
+added inside one batched product, and which of them may compute a call without letting what a
+masked key holds reach an output.
+
+`choose_path` decides once per call; `attend` computes the fused paths (None when the path is
+not one of them); `masked_product` gives the scores of the masked-product path, which the
+layer then pools as the book does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["attend", "choose_path", "keep_every_row", "masked_product", "may_have_empty_rows"]
+
+
+def masked_product(queries, keys, keep):
+    """The scores of the "masked product" path from the scaled queries, (..., Q, K), with -inf
+    where keep is False, and the rows to zero after pooling (keep_every_row's; None when no
+    row is empty)."""
+    keys = _without_masked_keys(keys, keep)
+    keep, attended = (None, None) if keep is None else keep_every_row(keep)
+    return _masked_scores(keep, queries, keys), attended
+
+
+def attend(queries, keys, values, keep, bias, dropout, path: str) -> torch.Tensor | None:
+    """The output of a call whose `path` (choose_path's) is "is_causal" or "fused", from its
+    scaled queries; None for the other paths, which the layer computes itself."""
+    if path == "is_causal":
+        return _sdpa(queries, keys, values, None, None, dropout, is_causal=True)
+    if path == "fused":
+        # The mask is added to the scores: keys masked for every query are zeroed first
+        keys = _without_masked_keys(keys, keep)
+        return _sdpa(queries, keys, values, keep, bias, dropout)
+    return None
+
+
+def keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A row with no kept key would be all -inf, NaN in softmax and in fused kernels: it keeps
+    every key instead. Returns (keep, attended): attended, (..., Q or 1, 1), marks the rows to
+    zero afterwards; None when no row is empty."""
+    attended = keep.any(dim=-1, keepdim=True)
+    if not may_have_empty_rows(attended):
+        return keep, None
+    return keep | ~attended, attended
+
+
+def may_have_empty_rows(attended: torch.Tensor) -> bool:
+    """Whether a row has no kept key, or might. On the CPU one host read of the small
+    `attended` answers it; elsewhere (GPU, meta, a graph being compiled or exported) the answer
+    is yes without reading: no call waits for the device, and no graph keeps one input's answer."""
+    # is_compiling() is True under torch.export too, whose traced tensors have no values
+    if attended.device.type != "cpu" or torch.compiler.is_compiling():
+        return True
+    return not bool(attended.all())
+
+
+def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False):
+    """What DotProductAttention.attend computes from its scaled queries, by
+    F.scaled_dot_product_attention with scale 1 (with is_causal, its own causal mask and no
+    other: see choose_path).
+
+    Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
+    scores, so keep and bias combine into one float mask when both are given. Keys and values
+    may have fewer heads (axis -3) than the queries, query head h attending with key-value
+    head h // group: its enable_gqa pairs them, or they are repeated first.
+    """
+    attended = None
+    if keep is not None:
+        # Rows with no kept key attend to every key (finite values and gradients), and their
+        # output is zeroed after, as _softmax does
+        keep, attended = keep_every_row(keep)
+    attn_mask = keep
+    if bias is not None:
+        attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
+    dropout_p = dropout.p if dropout.training else 0.0
+    group = queries.shape[-3] // keys.shape[-3] if keys.dim() > 2 else 1
+    # enable_gqa where a kernel of SDPA's own takes it: the CPU's, and CUDA's flash kernel
+    # (float16, bfloat16, no mask). Elsewhere SDPA would fall back to its math kernel, slower,
+    # and under is_causal one that lets a NaN key through: the heads are repeated instead
+    half = queries.dtype in (torch.float16, torch.bfloat16)
+    enable_gqa = group > 1 and (queries.device.type == "cpu" or (attn_mask is None and half))
+    if group > 1 and not enable_gqa:
+        keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
+    output = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=1.0, enable_gqa=enable_gqa,
+    )
+    return output if attended is None else torch.where(attended, output, 0.0)
+
+
+def _why_not_fused(keep: torch.Tensor | None, empty_rows: str,
+                   adds_exactly: bool) -> str | None:
+    """Why F.scaled_dot_product_attention cannot compute this call, or None when it can;
+    adds_exactly: _mask_adds_exactly's answer."""
+    if keep is not None and empty_rows == "uniform":
+        return "a row with no key takes uniform weights, which the kernel does not give"
+    if not adds_exactly:
+        return "a masked key may hold NaN or inf, and the kernel adds the mask to its score"
+    return None
+
+
+def _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) -> str | None:
+    """Why the mask cannot be added inside the scaled product, or None when it can."""
+    if keep is not None and empty_rows == "uniform":
+        return "a row with no key takes uniform weights, which the masked product does not give"
+    if bias is not None:
+        return "an additive window mask is added to the scores on its own"
+    if keep is not None and not _mask_fits_product(keep, queries):
+        return "the mask varies along the leading axes and along the queries"
+    if not adds_exactly:
+        return "a masked key may hold NaN or inf: added to the mask, its score would stay NaN"
+    return None
+
+
+def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dropout,
+          causal=False) -> str:
+    """Which of DotProductAttention.attend's ways computes the call, decided once per call:
+
+    - "is_causal": F.scaled_dot_product_attention's own causal mask, `causal` saying that the
+      mask is mha's causal one alone, nothing cached (top-left aligned, as is_causal is);
+    - "fused": F.scaled_dot_product_attention with the mask (see _why_not_fused);
+    - "masked product": the mask added inside one batched product (_why_not_masked_product);
+    - "scores": the masked scores replaced by -inf, whatever the keys hold.
+    """
+    if not need_weights and causal and _kernel_takes_causal(queries, values, dropout):
+        return "is_causal"
+    adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
+    if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
+        return "fused"
+    if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
+        return "masked product"
+    return "scores"
+
+
+def _kernel_takes_causal(queries, values, dropout) -> bool:
+    """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
+    memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
+    math fallback adds -inf to them, and a NaN key would stay NaN. The kernels take 4-D inputs
+    of one head size: on the CPU any float dtype, on CUDA no float64 and head sizes that are a
+    multiple of 8 up to 256. Dropout, which changes their choice, goes the other ways."""
+    head_size, device = queries.shape[-1], queries.device.type
+    if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
+        return False
+    if device == "cuda":
+        return queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
+    return device == "cpu"
+
+
+def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether adding keep's -inf to the scores leaves out whatever a masked key holds, as
+    replacing the masked scores does: a key masked for every query is zeroed first
+    (_without_masked_keys), else every key must be known to be finite (NaN + -inf is NaN)."""
+    return _masks_whole_keys(keep, keys) or _known_finite(keys)
+
+
+def _masks_whole_keys(keep: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether keep is the same for every query (key padding: 1-D valid_lens, a mask of
+    keys), each of its leading axes 1 or the keys': then its masked keys can be zeroed."""
+    if keep.shape[-2] != 1 or keep.dim() != keys.dim():
+        return False
+    return all(m in (1, n) for m, n in zip(keep.shape[:-2], keys.shape[:-2], strict=True))
+
+
+def _without_masked_keys(keys: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The keys, with 0 at every key that keep masks for every query: a zeroed key's score is
+    0, and 0 + -inf is -inf whatever the key held. Decided by the mask's shape, not by reading
+    the keys."""
+    if keep is None or not _masks_whole_keys(keep, keys):
+        return keys
+    # Shape of keep.mT: (..., no. of keys, 1), against keys (..., no. of keys, d)
+    return torch.where(keep.mT, keys, 0.0)
+
+
+def _known_finite(keys: torch.Tensor) -> bool:
+    """Whether every key is known to be finite, for a mask that is not key padding alone. On
+    the CPU one read answers it (a pass over the keys, not the scores); on other devices and
+    while compiling or exporting a read would wait for the device or has no values, so the
+    answer is no: such masks then take the path that replaces the masked scores."""
+    # is_compiling() is True under torch.export too, whose traced tensors have no values
+    if keys.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, which is
+    # safe. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
+    total = keys.sum(dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total))
+
+
+def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
+    """Whether keep, as an additive mask, can be the input of one batched product: one mask
+    for every leading index, or one mask row per leading index (lengths, key padding)."""
+    if keep.dim() > queries.dim():
+        return False
+    return all(size == 1 for size in keep.shape[:-2]) or keep.shape[-2] == 1
+
+
+def _masked_scores(keep: torch.Tensor | None, queries: torch.Tensor,
+                   keys: torch.Tensor) -> torch.Tensor:
+    """queries @ keys^T, -inf where keep is False, in one torch.baddbmm over the leading axes
+    flattened. Shape: (..., no. of queries, no. of keys)."""
+    *leading, num_queries, d = queries.shape
+    num_keys = keys.shape[-2]
+    queries = queries.reshape(math.prod(leading), num_queries, d)
+    keys = keys.reshape(math.prod(leading), num_keys, d).transpose(1, 2)
+    if keep is None:
+        # beta=0: the zero input is not read, only broadcast
+        scores = torch.baddbmm(queries.new_zeros(()), queries, keys, beta=0)
+        return scores.view(*leading, num_queries, num_keys)
+    # Shape of additive: keep's, then (1 or leading size, 1 or no. of queries, no. of keys)
+    additive = torch.zeros(keep.shape, dtype=queries.dtype, device=queries.device)
+    additive = additive.masked_fill_(~keep, float("-inf"))
+    additive = additive.reshape((1,) * (len(leading) + 2 - additive.dim()) + additive.shape)
+    if any(n != 1 for n in additive.shape[:-2]):
+        additive = additive.expand(*leading, *additive.shape[-2:])
+    additive = additive.reshape(math.prod(additive.shape[:-2]), *additive.shape[-2:])
+    scores = torch.baddbmm(additive, queries, keys)
+    return scores.view(*leading, num_queries, num_keys)
