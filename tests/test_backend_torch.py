@@ -824,3 +824,31 @@ def test_weights_save_and_load_as_state_dicts(T, torch, tmp_path):
         fresh.load_state_dict(state)
         with torch.no_grad():
             assert torch.equal(fresh(X, X, X), expected)
+
+
+def test_a_masked_decoding_step_replaces_its_scores(T, torch, monkeypatch):
+    """One query under a mask (a decoding step with lengths) takes the path that replaces its
+    masked scores, which costs less than a pass over the cached keys (benchmarks/README.md),
+    without weights too; its output is the reference's."""
+    reference = N.MultiHeadAttention(
+        16, 4, query_size=16, key_size=16, value_size=16, dtype="float64"
+    )
+    layer = T.MultiHeadAttention(16, 4, dtype="float64")
+    mha.set_weights(layer, mha.get_weights(reference))
+    X = np.random.default_rng(0).standard_normal((2, 7, 16))
+    lengths = np.array([4, 7])
+    fused = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: fused.append(1) or sdpa(*a, **k),
+    )
+    _, cache = layer(*(T.from_numpy(X[:, :6]),) * 3, cache=mha.KVCache())
+    fused.clear()
+    output, _ = layer(
+        *(T.from_numpy(X[:, 6:]),) * 3, T.from_numpy(lengths), need_weights=False, cache=cache
+    )
+    assert fused == []
+    expected = reference(X, X, X, lengths, causal=True)[:, 6:]
+    np.testing.assert_allclose(T.to_numpy(output), expected, rtol=0, atol=1e-12)

@@ -125,10 +125,16 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
       mask is mha's causal one alone, nothing cached (top-left aligned, as is_causal is);
     - "fused": F.scaled_dot_product_attention with the mask (see _why_not_fused);
     - "masked product": the mask added inside one batched product (_why_not_masked_product);
-    - "scores": the masked scores replaced by -inf, whatever the keys hold.
+    - "scores": the masked scores replaced by -inf, whatever the keys hold; also the cheapest
+      for one query under a mask.
     """
     if not need_weights and causal and _kernel_takes_causal(queries, values, dropout):
         return "is_causal"
+    if keep is not None and queries.shape[-2] == 1 and queries.shape[:-2] == keys.shape[:-2]:
+        # One query (a decoding step), as many heads as the keys: replacing its masked scores
+        # (K per head) costs less than the pass over the keys (K x d) that the mask needs on
+        # the other paths, zeroing them or reading whether they are finite
+        return "scores"
     adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
     if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
         return "fused"
