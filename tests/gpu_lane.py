@@ -29,6 +29,7 @@ import sys
 import time
 
 import numpy as np
+from masked_key_cases import LAST, MASKS, K, Q
 
 import mha
 from agreement_cases import all_cases  # the tests' full case matrix, beside this file
@@ -36,16 +37,7 @@ from mha import harness
 from mha.backends import numpy as N
 
 BACKENDS = tuple(name for name in ("torch", "jax") if importlib.util.find_spec(name))
-B, Q, K, D, H, KV = 2, 5, 5, 32, 4, 2  # head size 8, which the fused GPU kernels take
-LAST = K - 1  # the key that holds the poison
-MASKS = {
-    "valid_lens": {"valid_lens": np.array([LAST, 2])},
-    "valid_lens_2d": {"valid_lens": np.array([[1, 2, 3, 4, 4], [4, 3, 2, 1, 0]])},
-    "mask": {"mask": np.arange(K) != LAST},
-    "causal": {"causal": True},
-    "window_bool": {"window_mask": np.tri(Q, K, dtype=bool)[None]},
-    "window_additive": {"window_mask": np.where(np.tri(Q, K, dtype=bool), 0.25, -np.inf)[None]},
-}
+B, D, H, KV = 2, 32, 4, 2  # head size 8, which the fused GPU kernels take
 
 
 def say(*parts) -> None:

@@ -7,22 +7,13 @@ Padding positions of real batches hold anything; masked keys get exactly zero we
 
 import numpy as np
 import pytest
+from masked_key_cases import LAST, MASKS, K, Q
 
 import mha
 from conftest import backend_module, backend_params
 from mha.backends import numpy as N
 
-B, Q, K, D, H = 2, 5, 5, 8, 2
-LAST = K - 1  # the key that holds the poison
-
-MASKS = {
-    "valid_lens": {"valid_lens": np.array([LAST, 2])},
-    "valid_lens_2d": {"valid_lens": np.array([[1, 2, 3, 4, 4], [4, 3, 2, 1, 0]])},
-    "mask": {"mask": np.arange(K) != LAST},
-    "causal": {"causal": True},
-    "window_bool": {"window_mask": np.tri(Q, K, dtype=bool)[None]},
-    "window_additive": {"window_mask": np.where(np.tri(Q, K, dtype=bool), 0.25, -np.inf)[None]},
-}
+B, D, H = 2, 8, 2
 
 
 def layers(module, multihead):
