@@ -446,21 +446,19 @@ def _jax_calls(config: Config, mode: str) -> Calls:
 def _jax_layers_and_inputs(config: Config):
     """mha's layer, Flax's with the same weights, X and valid_lens, all committed to the device
     asked for: the jitted calls run where their arguments are, whatever JAX's default device."""
-    import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     import mha
 
-    device = jax.devices("gpu" if config.device == "gpu" else "cpu")[0]
+    to_device = load_backend("jax").ADAPTER.to_device
     X_np, lens_np = _inputs(config)
-    X = jax.device_put(jnp.asarray(X_np, config.dtype), device)
-    valid_lens = None if lens_np is None else jax.device_put(lens_np.astype("int32"), device)
+    X = to_device(jnp.asarray(X_np, config.dtype), config.device)
+    valid_lens = None if lens_np is None else to_device(lens_np.astype("int32"), config.device)
     ours = _mha_layer("jax", config)
     theirs = mha.interop.to_flax(ours)
     for layer in (ours, theirs):
         layer.eval()
-        nnx.update(layer, jax.device_put(nnx.state(layer), device))
+        to_device(layer, config.device)
     return ours, theirs, X, valid_lens
 
 
