@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mha.options import OPTIONS
 from mha.registry import load_backend
 from mha.weights import random_weights, set_weights
 
@@ -114,40 +115,54 @@ ADD = ("AdditiveAttention", (8,), {"query_size": 4, "key_size": 4})
 OWN = ("MultiHeadAttention", (4, 2), {"query_size": 4, "key_size": 4, "value_size": 4})
 X = f(B, Q, 4)
 
+# For each kind of value an option takes (mha.options.Option.check): values it refuses
+BAD_VALUES = {
+    "positive integer": (0, 2.5),
+    "optional positive integer": (-1, True),
+    "dropout": (1.0, -0.1),
+    "boolean": (1, "yes"),
+    "optional boolean": ("no",),
+    "positive number": (0.0, "1e4"),
+    "optional positive number": (-1.0, float("inf")),
+    "scale": (float("inf"), "0.5"),
+    "empty_rows": ("nan", 0),
+    "dtype": ("int32",),
+}
+
+# Arguments that build each layer, to which one bad option is added
+GOOD_ARGUMENTS = {
+    "DotProductAttention": {},
+    "AdditiveAttention": {"num_hiddens": 8},
+    "MultiHeadAttention": {"num_hiddens": 8, "num_heads": 2},
+    "PositionalEncoding": {"num_hiddens": 4},
+    "LearnedPositionalEncoding": {"num_hiddens": 4},
+    "RotaryEmbedding": {"num_hiddens": 4},
+    "AddNorm": {"num_hiddens": 4},
+}
+
+
+def option_rows() -> dict[str, ErrorCase]:
+    """One row per option of mha.options, layer that takes it and value its kind refuses: an
+    option added to the table is refused by every backend's constructor with no row written."""
+    return {
+        f"{option.name}={bad!r} ({layer})": build(
+            layer, **{**GOOD_ARGUMENTS[layer], option.name: bad}
+        )
+        for option in OPTIONS
+        for layer in option.layers
+        for bad in BAD_VALUES[option.check]
+    }
+
+
+# Each option's refusals, and the rules between options (mha.layer_args)
 CONSTRUCTORS = {
-    "num_hiddens zero": build("MultiHeadAttention", 0, 1),
-    "num_hiddens float": build("AdditiveAttention", 2.5),
-    "num_heads negative": build("MultiHeadAttention", 8, -2),
-    "num_heads zero": build("MultiHeadAttention", 8, 0),
+    **option_rows(),
     "not divisible": build("MultiHeadAttention", 100, 3),
-    "dropout one": build("DotProductAttention", 1.0),
-    "dropout negative": build("PositionalEncoding", 4, -0.1),
-    "bias not bool": build("MultiHeadAttention", 8, 2, bias=1),
-    "out_bias not bool": build("MultiHeadAttention", 8, 2, out_bias="no"),
-    "out_features zero": build("MultiHeadAttention", 8, 2, out_features=0),
-    "scale not finite": build("MultiHeadAttention", 8, 2, scale=float("inf")),
-    "scale not a number": build("DotProductAttention", scale="0.5"),
-    "empty_rows unknown": build("MultiHeadAttention", 8, 2, empty_rows="nan"),
-    "empty_rows not a string": build("AdditiveAttention", 4, empty_rows=0),
-    "query_size zero": build("MultiHeadAttention", 8, 2, query_size=0),
-    "query_size negative (additive)": build("AdditiveAttention", 4, query_size=-1),
-    "max_len zero": build("PositionalEncoding", 4, max_len=0),
-    "eps negative": build("AddNorm", 4, eps=-1e-5),
-    "eps zero": build("AddNorm", 4, eps=0.0),
-    "dtype unknown": build("DotProductAttention", dtype="int32"),
-    "dtype unknown (additive)": build("AdditiveAttention", 4, dtype="int32"),
-    "num_kv_heads zero": build("MultiHeadAttention", 8, 2, num_kv_heads=0),
     "num_kv_heads not a divisor": build("MultiHeadAttention", 12, 4, num_kv_heads=3),
-    "rope_theta negative": build("MultiHeadAttention", 8, 2, rope_theta=-1.0),
-    "rope_theta not a number": build("MultiHeadAttention", 8, 2, rope_theta="1e4"),
     "rope odd head size": build("MultiHeadAttention", 6, 2, rope_theta=10000.0),
-    "rope_interleaved not bool": build("MultiHeadAttention", 8, 2, rope_interleaved=1),
-    "sliding_window zero": build("DotProductAttention", sliding_window=0),
-    "sliding_window float": build("MultiHeadAttention", 8, 2, sliding_window=2.0),
-    "sliding_window negative (additive)": build("AdditiveAttention", 4, sliding_window=-1),
     "rotary odd size": build("RotaryEmbedding", 5),
-    "rotary theta zero": build("RotaryEmbedding", 4, theta=0),
-    "rotary interleaved not bool": build("RotaryEmbedding", 4, interleaved="yes"),
+    "num_heads negative": build("MultiHeadAttention", 8, -2),
+    "dropout positional": build("PositionalEncoding", 4, -0.1),
 }
 
 INPUTS = {
@@ -226,7 +241,6 @@ OTHER_LAYERS = {
     "sequence longer than max_len": call(ENCODING, f(B, Q, 4)),
     "encoding size mismatch": call(("PositionalEncoding", (5,), {}), f(B, Q, 4)),
     "learned encoding longer than max_len": call(LEARNED, f(B, Q, 4)),
-    "learned encoding max_len zero": build("LearnedPositionalEncoding", 4, max_len=0),
     "add_norm shapes differ": call(ADD_NORM, f(B, Q, 4), f(B, 2, 4)),
     "add_norm wrong dtype": call(ADD_NORM, f(B, Q, 4), f(B, Q, 4, dtype="float64")),
     "add_norm rank 1": call(ADD_NORM, f(4), f(4)),
