@@ -1,6 +1,6 @@
 """Run the whole test suite in each lane, each lane in its own virtual environment.
 
-    python3 lanes.py                           # set up both lanes (once) and run every test in each
+    python3 lanes.py                           # set up both lanes (once) and run the tests in each
     python3 lanes.py current                   # one lane
     python3 lanes.py legacy -- -m torch -x     # arguments after -- go to pytest
     python3 lanes.py --lock current            # regenerate the lane's constraints file
@@ -13,6 +13,9 @@ A lane is a set of frameworks that install together, pinned by its constraints f
   Its environment is `.venv`, the README's quick start.
 - current: numpy 2 with the newest torch, TensorFlow, JAX and Flax that install here; no MXNet.
   Its environment is `.venv-current`.
+
+torch and TensorFlow are the same releases in both lanes, so the tests of those two alone run
+once, in the current lane; the legacy lane runs the rest (SAME_IN_BOTH_ONCE below).
 
 Each run installs the project into the lane's environment with the lane's constraints (quick
 when nothing changed) and runs pytest there with MHA_TEST_BACKENDS naming the lane's backends,
@@ -55,7 +58,15 @@ class Lane:
     # What --lock asks for beyond the extras. torch stays 2.13.0 in both lanes: it is the only
     # CPU build this project's machines have, and any other release pulls in CUDA wheels.
     lock: tuple[str, ...]
+    # pytest's -m expression of the tests the lane runs; "" runs them all
+    select: str = ""
 
+
+# torch, TensorFlow, Keras, ONNX and LiteRT are the same releases in both lanes
+# (tests/test_packaging.py holds them equal): a test of torch or TensorFlow alone, naming none
+# of the backends whose release differs (numpy, MXNet, JAX), runs in the current lane only,
+# unless marked every_lane (the agreement matrix, the notebook run with every backend)
+SAME_IN_BOTH_ONCE = "every_lane or numpy or mxnet or jax or not (torch or tensorflow)"
 
 LANES = {
     "legacy": Lane(
@@ -65,6 +76,7 @@ LANES = {
         backends="numpy,torch,tensorflow,mxnet,jax",
         # jax 0.7.2 and later need numpy 2
         lock=("numpy<2", "torch==2.13.0", "jax<0.7.2"),
+        select=SAME_IN_BOTH_ONCE,
     ),
     "current": Lane(
         environment=".venv-current",
@@ -104,15 +116,25 @@ def test(name: str, lane: Lane, pytest_args: list[str]) -> int:
     python = set_up(name, lane)
     print(f"== {name}: pytest with MHA_TEST_BACKENDS={lane.backends}", flush=True)
     environment = {**os.environ, "MHA_TEST_BACKENDS": lane.backends}
-    return run(python, "-m", "pytest", *_parallel(pytest_args), *pytest_args, cwd=ROOT,
-               env=environment)
+    select = ["-m", lane.select] if lane.select else []
+    return run(
+        python,
+        "-m",
+        "pytest",
+        *_parallel(pytest_args),
+        *select,
+        *pytest_args,
+        cwd=ROOT,
+        env=environment,
+    )
 
 
 def _parallel(pytest_args: list[str]) -> list[str]:
     """pytest-xdist's workers, one per core up to 4 (each imports every framework), and the
     slowest tests named at the end; none where the arguments choose their own."""
-    chosen = (arg.startswith(("-n", "--numprocesses")) or arg.endswith("no:xdist")
-              for arg in pytest_args)
+    chosen = (
+        arg.startswith(("-n", "--numprocesses")) or arg.endswith("no:xdist") for arg in pytest_args
+    )
     if any(chosen):
         return []
     return ["-n", str(min(4, os.cpu_count() or 1)), "--durations=20"]
@@ -154,8 +176,10 @@ GPU_STEPS = {"agreement": 300, "masked_keys": 90, "sync": 60, "bench": 150}
 def gpu_lane(device: str = "gpu") -> int:
     """Every step of tests/gpu_lane.py on `device`, each in its own process and time limit;
     the agreement matrix of each framework in a process of its own, side by side."""
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     # torch and JAX share the GPU: JAX takes its memory as it needs it
     environment.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     script = [sys.executable, str(ROOT / "tests" / "gpu_lane.py")]
@@ -168,13 +192,19 @@ def gpu_lane(device: str = "gpu") -> int:
         print(f"== gpu: {step} (at most {limit} s)", flush=True)
         frameworks = [name for name in ("torch", "jax") if importlib.util.find_spec(name)]
         split = [["--backends", name] for name in frameworks] if step == "agreement" else [[]]
-        processes = [subprocess.Popen([*script, step, "--device", device, *more], env=environment)
-                     for more in split]
+        processes = [
+            subprocess.Popen([*script, step, "--device", device, *more], env=environment)
+            for more in split
+        ]
         deadline = time.monotonic() + limit
         codes[step] = max(_wait(process, deadline) for process in processes)
-    print("== gpu lane: " + ", ".join(
-        f"{step} {'passed' if code == 0 else 'TIMED OUT' if code == 124 else 'FAILED'}"
-        for step, code in codes.items()))
+    print(
+        "== gpu lane: "
+        + ", ".join(
+            f"{step} {'passed' if code == 0 else 'TIMED OUT' if code == 124 else 'FAILED'}"
+            for step, code in codes.items()
+        )
+    )
     return max(codes.values())
 
 

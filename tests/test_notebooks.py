@@ -122,6 +122,7 @@ def test_single_backend_notebook_runs(name, backend, tmp_path):
 
 
 @pytest.mark.torch
+@pytest.mark.every_lane  # every backend of the lane, MXNet in the legacy one
 @pytest.mark.parametrize("name", EVERY_BACKEND)
 def test_every_backend_notebook_runs(name, tmp_path):
     backend_module("torch")  # the notebooks train or save something in torch

@@ -201,6 +201,19 @@ def test_each_lanes_constraints_pin_what_the_lane_is():
     assert legacy["jax"] == "0.7.1" and legacy["flax"].startswith("0.12.")
 
 
+def test_the_tests_the_legacy_lane_leaves_out_run_on_the_same_releases():
+    # lanes.py runs the tests of torch or TensorFlow alone in the current lane only: that
+    # holds while the lanes differ in numpy, its dtype extension, JAX and MXNet alone
+    module = _load_lanes()
+    lanes = module.LANES
+    assert lanes["legacy"].select == module.SAME_IN_BOTH_ONCE and not lanes["current"].select
+    legacy, current = (_pins(ROOT / lanes[name].constraints) for name in ("legacy", "current"))
+    differ = {name for name in {*legacy, *current} if legacy.get(name) != current.get(name)}
+    numpy_and_its_own = {"numpy", "ml_dtypes", "jax", "jaxlib", "flax", "mxnet", "graphviz"}
+    assert differ <= numpy_and_its_own, sorted(differ - numpy_and_its_own)
+    assert {"torch", "tensorflow_cpu", "keras", "onnx", "onnxruntime"} <= set(legacy)
+
+
 def test_ci_runs_the_readmes_test_command():
     readme = (ROOT / "README.md").read_text()
     commands = re.findall(r"```sh\n(.*?)\n```", readme, re.S)
