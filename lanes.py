@@ -171,6 +171,8 @@ def lock(name: str, lane: Lane) -> None:
 
 # Seconds each step may take: the whole lane fits in ten minutes on one GPU
 GPU_STEPS = {"agreement": 300, "masked_keys": 90, "sync": 60, "bench": 150}
+# JAX compiles each case's programs on the CPU, so its matrix is shared by processes
+JAX_PARTS = 3
 
 
 def gpu_lane(device: str = "gpu") -> int:
@@ -191,7 +193,15 @@ def gpu_lane(device: str = "gpu") -> int:
     for step, limit in GPU_STEPS.items():
         print(f"== gpu: {step} (at most {limit} s)", flush=True)
         frameworks = [name for name in ("torch", "jax") if importlib.util.find_spec(name)]
-        split = [["--backends", name] for name in frameworks] if step == "agreement" else [[]]
+        split = (
+            [
+                ["--backends", name, "--part", f"{k}/{JAX_PARTS if name == 'jax' else 1}"]
+                for name in frameworks
+                for k in range(1, (JAX_PARTS if name == "jax" else 1) + 1)
+            ]
+            if step == "agreement"
+            else [[]]
+        )
         processes = [
             subprocess.Popen([*script, step, "--device", device, *more], env=environment)
             for more in split

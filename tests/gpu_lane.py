@@ -59,25 +59,28 @@ def versions(device: str) -> None:
         say("jax devices:", jax.devices(device))
 
 
-def agreement(device: str, quick: bool, backends=BACKENDS) -> bool:
+def agreement(device: str, quick: bool, backends=BACKENDS, part: str = "1/1") -> bool:
     """The case matrix on the device, whole in float32, then its first 12 cases in float64
-    (the whole matrix in float64 is the CPU lanes'); every row must agree."""
+    (the whole matrix in float64 is the CPU lanes'); every row must agree. `part` "K/N" runs
+    every Nth case from the Kth, so that N processes share the matrix."""
+    index, count = (int(number) for number in part.split("/"))
     passed = True
     for dtype in ("float32", "float64"):
         cases = all_cases()[:12] if quick or dtype == "float64" else all_cases()
+        cases = cases[index - 1 :: count]
         if dtype == "float64" and "jax" in backends:
             import jax
 
             jax.config.update("jax_enable_x64", True)
         begin = time.perf_counter()
-        rows = harness.compare(backends, dtype, cases=cases, device=device)
+        rows = harness.compare(backends, dtype, cases=cases, device=device, progress=_every(20))
         for name in backends:
             mine = [row for row in rows if row.backend == name]
             failed = [row for row in mine if not row.passed]
             worst = max((row.output_difference or 0.0 for row in mine), default=0.0)
             say(
-                f"agreement {name} {dtype} on {device}: {len(mine) - len(failed)} of "
-                f"{len(mine)} rows agree, largest output difference {worst:.2g}"
+                f"agreement {name} {dtype} on {device} (part {part}): {len(mine) - len(failed)} "
+                f"of {len(mine)} rows agree, largest output difference {worst:.2g}"
             )
             for row in failed:
                 say(
@@ -88,6 +91,17 @@ def agreement(device: str, quick: bool, backends=BACKENDS) -> bool:
             passed = passed and not failed
         say(f"  ({time.perf_counter() - begin:.0f} s)")
     return passed
+
+
+def _every(step: int):
+    """A progress callback that prints every `step` runs, so that a killed step shows how far
+    it got."""
+
+    def progress(done: int, total: int, description: str) -> None:
+        if done % step == 0:
+            say(f"  {done} of {total}: {description}")
+
+    return progress
 
 
 KINDS = ("dot", "multihead", "multihead_no_weights", "grouped_no_weights")
@@ -286,13 +300,15 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "gpu"), default="gpu")
     parser.add_argument("--quick", action="store_true", help="a few cases of each step")
     parser.add_argument("--backends", help="agreement: comma-separated, of torch and jax")
+    parser.add_argument("--part", default="1/1", help="agreement: K/N, every Nth case from the Kth")
     options = parser.parse_args(argv)
     if options.step == "versions":
         versions(options.device)
         return 0
     arguments = [options.device, options.quick]
-    if options.backends and options.step == "agreement":
-        arguments.append(tuple(options.backends.split(",")))
+    if options.step == "agreement":
+        arguments += [tuple(options.backends.split(",")) if options.backends else BACKENDS]
+        arguments += [options.part]
     passed = STEPS[options.step](*arguments)
     say(f"{options.step} on {options.device}: {'ok' if passed else 'FAILED'}")
     return 0 if passed else 1
