@@ -40,6 +40,7 @@ import dataclasses
 import importlib.util
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -170,7 +171,7 @@ def lock(name: str, lane: Lane) -> None:
 
 
 # Seconds each step may take: the whole lane fits in ten minutes on one GPU
-GPU_STEPS = {"agreement": 300, "masked_keys": 90, "sync": 60, "bench": 150}
+GPU_STEPS = {"agreement": 200, "masked_keys": 90, "sync": 60, "bench": 230}
 # JAX compiles each case's programs on the CPU, so its matrix is shared by processes
 JAX_PARTS = 3
 
@@ -203,7 +204,12 @@ def gpu_lane(device: str = "gpu") -> int:
             else [[]]
         )
         processes = [
-            subprocess.Popen([*script, step, "--device", device, *more], env=environment)
+            # A session of its own, so that a step past its limit is killed with its children
+            subprocess.Popen(
+                [*script, step, "--device", device, *more],
+                env=environment,
+                start_new_session=True,
+            )
             for more in split
         ]
         deadline = time.monotonic() + limit
@@ -219,11 +225,12 @@ def gpu_lane(device: str = "gpu") -> int:
 
 
 def _wait(process: subprocess.Popen, deadline: float) -> int:
-    """The process's exit code, or 124 when it runs past `deadline` (it is then killed)."""
+    """The process's exit code, or 124 when it runs past `deadline` (it is then killed, with
+    the processes it started: the bench step's `mha bench`)."""
     try:
         return process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         return 124
 

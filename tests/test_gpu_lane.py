@@ -5,6 +5,7 @@ finds a poisoned row says FAILED."""
 import pathlib
 import subprocess
 import sys
+import time
 
 import gpu_lane
 import numpy as np
@@ -67,3 +68,40 @@ def test_the_lane_without_a_gpu_says_so():
     if backend.torch.cuda.is_available():
         pytest.skip("a GPU is here: the lane runs rather than saying there is none")
     assert lane.returncode == 0 and "nothing to run" in lane.stdout
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
+    try:
+        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc").is_dir(), reason="reads /proc")
+def test_a_step_past_its_limit_is_killed_with_the_processes_it_started(tmp_path):
+    # The bench step runs `mha bench` in a process of its own: a step killed at its limit
+    # must not leave it running on the GPU beside the next step
+    sys.path.insert(0, str(ROOT))
+    import lanes
+
+    marker = tmp_path / "child"
+    step = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(marker)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(120)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", step], start_new_session=True)
+    for _ in range(200):
+        if marker.exists() and marker.read_text():
+            break
+        time.sleep(0.05)
+    child = int(marker.read_text())
+    assert lanes._wait(process, time.monotonic() + 0.5) == 124
+    for _ in range(100):  # SIGKILL is delivered asynchronously
+        if not _alive(child):
+            break
+        time.sleep(0.05)
+    assert not _alive(process.pid) and not _alive(child)
