@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,9 +72,15 @@ class Case:
 
     @property
     def id(self) -> str:
-        options = ",".join(f"{key}={value}" for key, value in sorted(self.config.items()))
+        config = sorted(self.config.items())
+        options = ",".join(f"{key}={_id_value(value)}" for key, value in config)
         layer = f"{self.layer}({options})" if options else self.layer
         return f"{layer}[{'+'.join(self.masks) or 'no_mask'}]"
+
+
+def _id_value(value: Any) -> str:
+    # A mapping (a rope scaling) as compact JSON, so that an id holds no spaces
+    return json.dumps(value, separators=(",", ":")) if isinstance(value, Mapping) else str(value)
 
 
 MASKS = (
@@ -177,6 +184,114 @@ OPTION_CASES = (
 )
 
 
+# Rotary embeddings as models ship them, scaled and partial. The original lengths are below
+# the calls' (5 or 7 positions, 8 after RotaryEmbedding's offset), so that "dynamic" and
+# "longrope" take their long frequencies; heads of 8 features (4 pairs) with a base of 100
+# spread the wavelengths over llama3's and yarn's bands.
+ROPE_SCALING_CASES = (
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "num_hiddens": 32,
+            "rope_theta": 100.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    (
+        "MultiHeadAttention",
+        ("valid_lens_2d",),
+        {
+            "num_hiddens": 16,
+            "rope_theta": 100.0,
+            "rope_dim": 6,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 8,
+                "beta_slow": 1,
+            },
+        },
+    ),
+    (
+        "MultiHeadAttention",
+        ("self", "causal", "no_weights"),
+        {
+            "num_hiddens": 16,
+            "rope_theta": 100.0,
+            "rope_scaling": {
+                "rope_type": "dynamic",
+                "factor": 2.0,
+                "original_max_position_embeddings": 4,
+            },
+        },
+    ),
+    (
+        "MultiHeadAttention",
+        ("causal",),
+        {
+            "num_hiddens": 16,
+            "rope_theta": 100.0,
+            "rope_dim": 4,
+            "rope_interleaved": True,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.5],
+                "long_factor": [2.0, 3.0],
+                "original_max_position_embeddings": 4,
+                "factor": 4.0,
+            },
+        },
+    ),
+    (
+        "MultiHeadAttention",
+        ("mask_3d", "no_weights"),
+        {
+            "rope_theta": 10000.0,
+            "rope_dim": 2,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        },
+    ),
+    (
+        "RotaryEmbedding",
+        ("offset",),
+        {
+            "rotary_dim": 6,
+            "theta": 100.0,
+            "scaling": {
+                "rope_type": "dynamic",
+                "factor": 3.0,
+                "original_max_position_embeddings": 5,
+            },
+        },
+    ),
+    (
+        "RotaryEmbedding",
+        ("offset",),
+        {
+            "rotary_dim": 4,
+            "interleaved": True,
+            "scaling": {
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 8,
+                "attention_factor": 1.5,
+                "truncate": False,
+            },
+        },
+    ),
+)
+
+
 # Grouped-query attention, rotary embeddings and sliding windows, each on the paths with and
 # without weights; 4 query heads share 2 or 1 key-value heads
 GQA = {"num_heads": 4, "num_kv_heads": 2}
@@ -196,6 +311,7 @@ MODERN_CASES = (
     ("RotaryEmbedding", (), {}),
     ("RotaryEmbedding", ("offset",), {"interleaved": True, "theta": 100.0}),
     ("LearnedPositionalEncoding", (), {"max_len": 9}),
+    *ROPE_SCALING_CASES,
 )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha import options
+from mha.encoding import check_rope_scaling, check_rope_scaling_size
 from mha.tensors import plain_dtype_name
 
 __all__ = [
@@ -142,6 +143,7 @@ _VALUE_CHECKS = {
     "scale": _check_scale,
     "empty_rows": lambda name, value: check_empty_rows(value),
     "dtype": lambda name, value: check_dtype(value),
+    "rope scaling": check_rope_scaling,
 }
 
 
@@ -165,7 +167,8 @@ def _kv_heads_divide(arguments: Mapping[str, Any]) -> None:
 
 def _rotary_heads_even(arguments: Mapping[str, Any]) -> None:
     num_hiddens, num_heads = arguments["num_hiddens"], arguments["num_heads"]
-    if arguments["rope_theta"] is not None and (num_hiddens // num_heads) % 2 != 0:
+    rotary = arguments["rope_theta"] is not None
+    if rotary and arguments["rope_dim"] is None and (num_hiddens // num_heads) % 2 != 0:
         raise ValueError(
             "rotary embeddings rotate pairs of features: the head size num_hiddens / "
             "num_heads must be even. "
@@ -173,17 +176,52 @@ def _rotary_heads_even(arguments: Mapping[str, Any]) -> None:
         )
 
 
+def _rotary_options_need_theta(arguments: Mapping[str, Any]) -> None:
+    given = [key for key in ("rope_dim", "rope_scaling") if arguments[key] is not None]
+    if given and arguments["rope_theta"] is None:
+        raise ValueError(
+            f"{' and '.join(given)} shape the rotary embedding that rope_theta turns on: give "
+            f"rope_theta too. Received: rope_theta=None, "
+            + ", ".join(f"{key}={arguments[key]!r}" for key in given)
+        )
+
+
+def _rotated_part(name: str, rotated: int | None, size_name: str, size: int) -> None:
+    if rotated is not None and (rotated % 2 != 0 or rotated > size):
+        raise ValueError(
+            f"{name} must be even (rotary embeddings rotate pairs of features) and at most "
+            f"{size_name}, {size}. Received: {name}={rotated}"
+        )
+
+
+def _rope_dim_in_head(arguments: Mapping[str, Any]) -> None:
+    head = arguments["num_hiddens"] // arguments["num_heads"]
+    _rotated_part("rope_dim", arguments["rope_dim"], "the head size", head)
+    check_rope_scaling_size(
+        "rope_scaling", arguments["rope_scaling"], arguments["rope_dim"] or head
+    )
+
+
 def _rotary_size_even(arguments: Mapping[str, Any]) -> None:
-    if arguments["num_hiddens"] % 2 != 0:
+    if arguments["num_hiddens"] % 2 != 0 and arguments["rotary_dim"] is None:
         raise ValueError(
             "num_hiddens must be even: rotary embeddings rotate pairs of features. "
             f"Received: num_hiddens={arguments['num_hiddens']}"
         )
+    num_hiddens, rotary_dim = arguments["num_hiddens"], arguments["rotary_dim"]
+    _rotated_part("rotary_dim", rotary_dim, "num_hiddens", num_hiddens)
+    check_rope_scaling_size("scaling", arguments["scaling"], rotary_dim or num_hiddens)
 
 
 # Rules between a layer's options, checked once each option holds a value of its kind
 _LAYER_RULES = {
-    "MultiHeadAttention": (_heads_divide, _kv_heads_divide, _rotary_heads_even),
+    "MultiHeadAttention": (
+        _heads_divide,
+        _kv_heads_divide,
+        _rotary_heads_even,
+        _rotary_options_need_theta,
+        _rope_dim_in_head,
+    ),
     "RotaryEmbedding": (_rotary_size_even,),
 }
 

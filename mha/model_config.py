@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mha.encoding import ROPE_TYPES, check_rope_scaling
 from mha.files import read_bytes
 
 __all__ = ["options_from_config"]
@@ -83,7 +84,6 @@ _UNSUPPORTED = {
     "use_bidirectional_attention": ((None, False), "attends both ways, with windows of its own"),
     "rotary_dim": ((None,), "rotates part of each head, with pairs of its own"),
     "rotary_pct": ((None, 1.0), "rotates part of each head"),
-    "partial_rotary_factor": ((None, 1.0), "rotates part of each head"),
     "alibi": ((None, False), "adds ALiBi's position biases"),
 }
 
@@ -178,9 +178,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     window = config.get("sliding_window")
     if window is not None and config.get("use_sliding_window", True) and kind != "full_attention":
         found["sliding_window"] = int(window)
-    theta = _rope_theta(config, kind, layer)
+    rotary = _rotary(config, kind, layer)
     model_type = config.get("model_type")
-    if theta is not None and model_type is not None:
+    if rotary and model_type is not None:
         if model_type not in _ROTARY:
             raise ValueError(
                 f"the config's model_type={model_type!r} has a rotary embedding whose "
@@ -188,9 +188,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
                 "and rope_interleaved yourself. Known: " + ", ".join(sorted(_ROTARY))
             )
         if model_type in _ROTARY_WITH_WINDOW_ONLY and "sliding_window" not in found:
-            theta = None
-    if theta is not None:
-        found["rope_theta"] = theta
+            rotary = {}
+    if rotary:
+        found.update(rotary)
         if _ROTARY.get(model_type) == "pairs":
             found["rope_interleaved"] = True
     scale = _scale(config, layer)
@@ -231,18 +231,57 @@ def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
     return kind
 
 
-def _rope_theta(config: Mapping[str, Any], kind: str | None, layer: int | None) -> float | None:
-    """The plain rotary embedding's base of the layer, or None where it has none; any other
-    rotary embedding is an error naming its field."""
+def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> dict[str, Any]:
+    """The layer's rotary options: rope_theta, and rope_dim and rope_scaling where the config
+    rotates part of each head or scales the frequencies; {} where the layer has no rotary
+    embedding. A rotary embedding mha cannot hold is an error naming its field."""
     no_rope = config.get("no_rope_layers")
     if no_rope is not None and (layer is None or layer >= len(no_rope)):
         raise ValueError(f"the config's no_rope_layers does not tell layer {layer}: {no_rope}")
     if no_rope is not None and not no_rope[layer]:
-        return None  # SmolLM3's and Llama 4's layers without rotary embeddings
+        return {}  # SmolLM3's and Llama 4's layers without rotary embeddings
+    rope, field = _rope_parameters(config, kind)
+    legacy = config.get("rope_scaling") or {}
+    if legacy and rope:
+        raise ValueError(
+            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
+            f"{dict(legacy)}; mha reads one"
+        )
+    rope, field = (legacy, "rope_scaling") if legacy else (rope, field)
+    theta = rope.get("rope_theta", config.get("rope_theta"))
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    scaling = _rope_scaling(config, rope, field)
+    if theta is None:
+        if scaling is not None or partial not in (None, 1.0):
+            raise ValueError(
+                f"the config shapes a rotary embedding ({field}={dict(rope)}) and gives no "
+                "rope_theta: give the model's rope_theta"
+            )
+        return {}
+    found: dict[str, Any] = {"rope_theta": float(theta)}
+    if partial not in (None, 1.0):
+        head = _head_size(config)
+        if head is None:
+            where = (
+                f"{field}['partial_rotary_factor']"
+                if "partial_rotary_factor" in rope
+                else ("partial_rotary_factor")
+            )
+            raise ValueError(
+                f"the config rotates part of each head ({where}={partial!r}) and does not tell "
+                "the head size (head_dim, hidden_size)"
+            )
+        found["rope_dim"] = int(head * partial)  # transformers' rounding
+    if scaling is not None:
+        found["rope_scaling"] = scaling
+    return found
+
+
+def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping, str]:
+    """The rotary parameters that apply to a layer of `kind`, and the field they are in."""
     rope = config.get("rope_parameters") or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
-    field = "rope_parameters"
     if rope and all(isinstance(value, Mapping) for value in rope.values()):
         # Gemma 3: one rotary embedding per layer type
         if kind not in rope:
@@ -251,22 +290,39 @@ def _rope_theta(config: Mapping[str, Any], kind: str | None, layer: int | None) 
                 f"the config's rope_parameters are per layer type ({', '.join(rope)}), and "
                 f"it has {which}"
             )
-        rope, field = rope[kind], f"rope_parameters[{kind!r}]"
-    for name, value in ((field, rope), ("rope_scaling", config.get("rope_scaling") or {})):
-        rope_type = value.get("rope_type", value.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"the config's rotary embedding is {rope_type!r} ({name}={dict(value)}); mha's "
-                "has the default frequencies only (rope_type 'default')"
-            )
-        factor = value.get("partial_rotary_factor", 1.0)
-        if factor not in (None, 1.0):
-            raise ValueError(
-                f"the config rotates part of each head ({name}['partial_rotary_factor']="
-                f"{factor!r}); mha's rotary embedding rotates all of it"
-            )
-    theta = rope.get("rope_theta", config.get("rope_theta"))
-    return None if theta is None else float(theta)
+        return rope[kind], f"rope_parameters[{kind!r}]"
+    return rope, "rope_parameters"
+
+
+def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict | None:
+    """mha's rope_scaling of the config's rotary parameters (None for the plain frequencies),
+    with the lengths and factor transformers takes from the config where they are not given."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"the config's rotary embedding is {rope_type!r} ({field}={dict(rope)}); mha's "
+            f"takes 'default' and {', '.join(map(repr, ROPE_TYPES))}"
+        )
+    longest = config.get("max_position_embeddings")
+    original = rope.get("original_max_position_embeddings", longest)
+    if rope_type == "longrope":  # Phi-3 keeps the pretrained length beside the parameters
+        original = config.get("original_max_position_embeddings", original)
+    if rope_type == "dynamic":  # transformers scales from max_position_embeddings
+        original = longest
+    required, optional = ROPE_TYPES[rope_type]
+    scaling = {"rope_type": rope_type}
+    scaling |= {key: rope[key] for key in (*required, *optional) if rope.get(key) is not None}
+    if "original_max_position_embeddings" in required:
+        scaling["original_max_position_embeddings"] = original
+    if rope_type in ("yarn", "longrope") and rope.get("factor") is None and longest and original:
+        scaling["factor"] = longest / original
+    try:
+        check_rope_scaling(field, scaling)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the config's rotary scaling: {error}") from None
+    return scaling
 
 
 def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:

@@ -273,6 +273,55 @@ OPTIONS: tuple[Option, ...] = (
         told=False,
         added=True,
     ),
+    Option(
+        "rope_dim",
+        None,
+        "optional positive integer",
+        {
+            "*": "None (default) rotates every feature of each head; an even number rotates "
+            "that many first features of each head, in the pairing rope_interleaved says, and "
+            "passes the others (partial rotary: GPT-NeoX, Phi, StableLM, GPT-J)."
+        },
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
+        "rope_scaling",
+        None,
+        "rope scaling",
+        {
+            "*": "None (default), or the rotary frequencies' scaling as Hugging Face's "
+            "rope_parameters give it: a mapping of rope_type ('linear', 'dynamic', 'yarn', "
+            "'llama3', 'longrope') and that type's numbers (mha.encoding.ROPE_TYPES)."
+        },
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
+        "rotary_dim",
+        None,
+        "optional positive integer",
+        {
+            "*": "None (default) rotates every feature; an even number rotates that many "
+            "first features and passes the others (partial rotary)."
+        },
+        ("RotaryEmbedding",),
+        added=True,
+    ),
+    Option(
+        "scaling",
+        None,
+        "rope scaling",
+        {
+            "*": "None (default), or the frequencies' scaling: a mapping of rope_type "
+            "('linear', 'dynamic', 'yarn', 'llama3', 'longrope') and that type's numbers, "
+            "named as in Hugging Face's rope_parameters (mha.encoding.ROPE_TYPES)."
+        },
+        ("RotaryEmbedding",),
+        added=True,
+    ),
 )
 
 

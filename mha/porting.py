@@ -47,6 +47,7 @@ import numpy as np
 
 from mha import validation
 from mha.config import get_backend
+from mha.encoding import rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
     LAYOUTS,
@@ -232,8 +233,9 @@ def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> i
 
 
 def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> None:
-    """A checkpoint's rotary frequencies are those of the layer's rope_theta: a layer without
-    rotary embeddings, or with scaled or partial ones, would give other numbers."""
+    """A checkpoint's rotary frequencies are those of the layer's rope_theta, rope_dim and
+    rope_scaling: a layer without rotary embeddings, or with other ones, would give other
+    numbers."""
     theta = config["rope_theta"]
     if theta is None:
         raise ValueError(
@@ -241,16 +243,17 @@ def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> Non
             "(or the model's config to options_from_config)"
         )
     head = config["num_hiddens"] // config["num_heads"]
-    expected = 1.0 / theta ** (np.arange(0, head, 2, dtype=np.float64) / head)
+    rotated, scaling = config.get("rope_dim") or head, config.get("rope_scaling")
+    expected = rotary_frequencies(rotated, theta, scaling)
     found = as_numpy(inv_freq)
     # Kept in the model's dtype: half precision rounds the frequencies to 3 digits
     rtol = 1e-2 if found.dtype.itemsize < 4 else 1e-6
     found = np.asarray(found, dtype=np.float64).reshape(-1)
     if found.shape != expected.shape or not np.allclose(found, expected, rtol=rtol, atol=0):
         raise ValueError(
-            f"{_INV_FREQ} {where} holds other frequencies than the plain ones of "
-            f"rope_theta={theta} over heads of {head} features (a scaled or partial rotary "
-            "embedding); mha's rotary embedding has the plain frequencies only"
+            f"{_INV_FREQ} {where} holds other frequencies than those of rope_theta={theta} "
+            f"over {rotated} features of each head, rope_scaling={scaling}: give the model's "
+            "rope_dim and rope_scaling (or its config to options_from_config)"
         )
 
 

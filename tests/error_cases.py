@@ -127,6 +127,12 @@ BAD_VALUES = {
     "scale": (float("inf"), "0.5"),
     "empty_rows": ("nan", 0),
     "dtype": ("int32",),
+    "rope scaling": (
+        "linear",
+        {"rope_type": "ntk", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 2.0},
+        {"rope_type": "linear", "factor": -2.0},
+    ),
 }
 
 # Arguments that build each layer, to which one bad option is added
@@ -161,6 +167,28 @@ CONSTRUCTORS = {
     "num_kv_heads not a divisor": build("MultiHeadAttention", 12, 4, num_kv_heads=3),
     "rope odd head size": build("MultiHeadAttention", 6, 2, rope_theta=10000.0),
     "rotary odd size": build("RotaryEmbedding", 5),
+    "rope_dim odd": build("MultiHeadAttention", 16, 2, rope_theta=1e4, rope_dim=3),
+    "rope_dim over the head": build("MultiHeadAttention", 16, 2, rope_theta=1e4, rope_dim=10),
+    "rope_scaling without rope_theta": build(
+        "MultiHeadAttention", 8, 2, rope_scaling={"rope_type": "linear", "factor": 2.0}
+    ),
+    "rotary_dim over num_hiddens": build("RotaryEmbedding", 4, rotary_dim=6),
+    "longrope factors per pair": build(
+        "RotaryEmbedding",
+        8,
+        scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 4,
+            "long_factor": [2.0] * 3,
+            "original_max_position_embeddings": 4,
+        },
+    ),
+    "dynamic on one pair": build(
+        "RotaryEmbedding",
+        8,
+        rotary_dim=2,
+        scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
+    ),
     "num_heads negative": build("MultiHeadAttention", 8, -2),
     "dropout positional": build("PositionalEncoding", 4, -0.1),
 }

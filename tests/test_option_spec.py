@@ -46,13 +46,15 @@ def test_every_option_is_checked_by_the_kind_it_declares(layer, option):
     config = {o.name: _valid_config(layer)[o.name] for o in options.layer_options(layer)}
     assert validation.check_layer_args(layer, config) == "float32"
     for bad in BAD_VALUES[option.check]:
-        with pytest.raises(_expected_error(option.check, bad), match=rf"^{option.name} must be"):
+        with pytest.raises(_expected_error(option.check, bad), match=rf"^{option.name} must "):
             validation.check_layer_args(layer, {**config, option.name: bad})
 
 
 def _expected_error(kind, bad):
     """TypeError for a value of the wrong type where the kind says so, else ValueError."""
     if kind in ("boolean", "optional boolean") or (kind == "scale" and isinstance(bad, str)):
+        return TypeError
+    if kind == "rope scaling" and not isinstance(bad, dict):
         return TypeError
     return ValueError
 
@@ -66,7 +68,13 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         assert weights.LAYER_CLASSES[layer] == tuple(o.name for o in options.layer_options(layer))
     added = [option for option in options.OPTIONS if option.added]
     assert weights.OPTION_DEFAULTS == {option.name: option.default for option in added}
-    assert set(weights.UNTOLD_OPTIONS) == {"rope_theta", "rope_interleaved", "sliding_window"}
+    assert set(weights.UNTOLD_OPTIONS) == {
+        "rope_theta",
+        "rope_interleaved",
+        "rope_dim",
+        "rope_scaling",
+        "sliding_window",
+    }
 
 
 @pytest.mark.parametrize("layer", options.LAYERS)

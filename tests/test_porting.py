@@ -591,7 +591,7 @@ def test_convert_a_llama_layer_with_its_config(tmp_path, capsys):
     assert not (tmp_path / "layer.pt").exists()
 
 
-def test_options_from_config_reads_a_file_and_refuses_scaled_rope(tmp_path):
+def test_options_from_config_reads_a_file_and_refuses_an_incomplete_scaling(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"num_attention_heads": 32, "rope_theta": 10000.0}))
     assert porting.options_from_config(path) == {"num_heads": 32, "rope_theta": 10000.0}
@@ -796,11 +796,14 @@ def test_gemma3_rope_per_layer_type_and_qk_norm():
         porting.from_state_dict(model.state_dict(), "layers.1.self_attn", **options)
 
 
-def test_stablelm_partial_rotary_in_rope_parameters_is_refused():
+def test_stablelm_partial_rotary_in_rope_parameters_is_read():
+    # A quarter of heads of 4 features is 1 (transformers' rounding down): no pair to turn
     config, _ = _tiny_decoder("stablelm")
     assert "partial_rotary_factor" not in config.to_dict()  # transformers 5 keeps it inside
-    with pytest.raises(ValueError, match=r"partial_rotary_factor'\]=0\.25"):
-        porting.options_from_config(config.to_dict())
+    options = porting.options_from_config(config.to_dict())
+    assert options["rope_dim"] == 1
+    with pytest.raises(ValueError, match=r"rope_dim must be even"):
+        mha.MultiHeadAttention(16, **options)
 
 
 def test_gpt_oss_sinks_are_refused():
@@ -846,8 +849,12 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"attn_logit_softcapping": 30.0}, r"attn_logit_softcapping=30\.0 soft-caps"),
         ({"use_qk_norm": True}, "use_qk_norm=True"),
         ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
-        ({"partial_rotary_factor": 0.5, "rope_theta": 1e4}, "partial_rotary_factor=0.5"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear' \\(rope_scaling="),
+        (
+            {"partial_rotary_factor": 0.5, "rope_theta": 1e4},
+            r"partial_rotary_factor=0\.5.*head size",
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling=.*no rope_theta"),
+        ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "'su'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
         (
             {"rope_parameters": {"full_attention": {"rope_theta": 1e6}}},
@@ -905,7 +912,7 @@ def test_a_checkpoints_rotary_frequencies_are_checked():
     assert "rotary_emb.inv_freq" in port.used and not port.left_out
     with pytest.raises(ValueError, match="give rope_theta"):
         porting.canonical_from_state_dict(state, num_heads=2)
-    with pytest.raises(ValueError, match="other frequencies than the plain ones"):
+    with pytest.raises(ValueError, match=r"other frequencies than those of rope_theta=10000\.0"):
         porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0)
 
 

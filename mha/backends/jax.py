@@ -36,7 +36,14 @@ from mha import validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
-from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
+from mha.encoding import (
+    frozen_rope_scaling,
+    rotary_angle_dtype,
+    rotary_attention_factor,
+    rotary_frequencies,
+    rotary_frequencies_at,
+    sinusoid_table,
+)
 from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
@@ -421,6 +428,7 @@ class MultiHeadAttention(nnx.Module):
                  scale: float | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
+                 rope_dim: int | None = None, rope_scaling: dict | None = None,
                  dtype: str = "float32", rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
@@ -430,14 +438,16 @@ class MultiHeadAttention(nnx.Module):
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype, rngs=rngs)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
         self.rotary = None if rope_theta is None else RotaryEmbedding(
-            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+            head_size, rope_theta, interleaved=rope_interleaved, rotary_dim=rope_dim,
+            scaling=self.rope_scaling, dtype=self.dtype
         )
         self.W_q = _Linear(num_hiddens, bias, query_size, self.dtype, rngs)
         self.W_k = _Linear(kv_hiddens, bias, key_size, self.dtype, rngs)
@@ -472,9 +482,11 @@ class MultiHeadAttention(nnx.Module):
         keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...
-            queries = self.rotary.rotate(queries, offset)
-            keys = self.rotary.rotate(keys, offset)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...;
+            # the sequence, whose length may choose the frequencies, runs to the last key
+            length = offset + keys.shape[-2]
+            queries = self.rotary.rotate(queries, offset, length)
+            keys = self.rotary.rotate(keys, offset, length)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -592,16 +604,22 @@ class RotaryEmbedding(nnx.Module):
     """
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: dict | None = None,
                  dtype: str = "float32"):
         self.dtype = _checked_dtype(
             validation.check_layer_args("RotaryEmbedding", locals())
         )
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+        self.rotary_dim, self.scaling = rotary_dim, frozen_rope_scaling(scaling)
+        # The first `rotated` features turn, in pairs; the others pass (partial rotary)
+        self.rotated = rotary_dim or num_hiddens
+        # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
+        self.attention_factor = rotary_attention_factor(self.scaling)
 
     @property
     def frequencies(self) -> jax.Array:
-        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
-        return _frequencies(self.num_hiddens, self.theta, self.dtype)
+        # Shape of frequencies: (rotated / 2,), one angle per position for each pair
+        return _frequencies(self.rotated, self.theta, self.scaling, self.dtype)
 
     def __call__(self, X: jax.Array, offset: int = 0) -> jax.Array:
         validation.check_rotary_call(
@@ -609,15 +627,22 @@ class RotaryEmbedding(nnx.Module):
         )
         return self.rotate(X, offset)
 
-    def rotate(self, X: jax.Array, offset: int = 0) -> jax.Array:
+    def rotate(self, X: jax.Array, offset: int = 0, length=None) -> jax.Array:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
-        checks). MultiHeadAttention calls this on each head's queries and keys."""
-        # Shape of angles, cos and sin: (n, num_hiddens / 2)
-        positions = jnp.arange(offset, offset + X.shape[-2], dtype=self.frequencies.dtype)
-        angles = positions[:, None] * self.frequencies[None, :]
-        cos, sin = jnp.cos(angles).astype(X.dtype), jnp.sin(angles).astype(X.dtype)
-        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
-        half = self.num_hiddens // 2
+        checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
+        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
+        keys."""
+        # Shape of angles, cos and sin: (n, rotated / 2)
+        n = X.shape[-2]
+        frequencies = self.frequencies_at(offset + n if length is None else length)
+        positions = jnp.arange(offset, offset + n, dtype=frequencies.dtype)
+        angles = positions[:, None] * frequencies[None, :]
+        cos = (jnp.cos(angles) * self.attention_factor).astype(X.dtype)
+        sin = (jnp.sin(angles) * self.attention_factor).astype(X.dtype)
+        # The features that turn; shape of X: (..., n, rotated)
+        X, rest = X[..., : self.rotated], X[..., self.rotated :]
+        # The two features of each pair; shape of x1 and x2: (..., n, rotated / 2)
+        half = self.rotated // 2
         if self.interleaved:
             x1, x2 = X[..., 0::2], X[..., 1::2]
         else:
@@ -625,17 +650,27 @@ class RotaryEmbedding(nnx.Module):
         # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if self.interleaved:
-            return jnp.stack([y1, y2], axis=-1).reshape(X.shape)
-        return jnp.concatenate([y1, y2], axis=-1)
+            Y = jnp.stack([y1, y2], axis=-1).reshape(X.shape)
+        else:
+            Y = jnp.concatenate([y1, y2], axis=-1)
+        return Y if rest.shape[-1] == 0 else jnp.concatenate([Y, rest], axis=-1)
+
+    def frequencies_at(self, length: int) -> jax.Array:
+        """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
+        a dynamic or longrope scaling gives a sequence longer than it was trained on."""
+        longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+        if longer is None:
+            return self.frequencies
+        return jnp.asarray(longer.astype(rotary_angle_dtype(self.dtype)))
 
 
 @functools.cache
-def _frequencies(num_hiddens: int, theta: float, dtype: str) -> jax.Array:
+def _frequencies(num_hiddens: int, theta: float, scaling, dtype: str) -> jax.Array:
     # Computed in float64 and cast once to the angles' dtype (float64 for float64 layers, else
     # float32), concrete as _table's
     with jax.ensure_compile_time_eval():
         angle_dtype = rotary_angle_dtype(dtype)
-        return jnp.asarray(rotary_frequencies(num_hiddens, theta).astype(angle_dtype))
+        return jnp.asarray(rotary_frequencies(num_hiddens, theta, scaling).astype(angle_dtype))
 
 
 @documented

@@ -52,7 +52,14 @@ from mha import validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
-from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
+from mha.encoding import (
+    frozen_rope_scaling,
+    rotary_angle_dtype,
+    rotary_attention_factor,
+    rotary_frequencies,
+    rotary_frequencies_at,
+    sinusoid_table,
+)
 from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
@@ -650,6 +657,7 @@ class MultiHeadAttention(Layer):
                  scale: float | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
+                 rope_dim: int | None = None, rope_scaling: dict | None = None,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
@@ -657,14 +665,16 @@ class MultiHeadAttention(Layer):
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
         self.rotary = None if rope_theta is None else RotaryEmbedding(
-            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+            head_size, rope_theta, interleaved=rope_interleaved, rotary_dim=rope_dim,
+            scaling=self.rope_scaling, dtype=self.dtype
         )
         self.W_q = _dense(num_hiddens, bias, query_size, self.dtype)
         self.W_k = _dense(kv_hiddens, bias, key_size, self.dtype)
@@ -708,7 +718,8 @@ class MultiHeadAttention(Layer):
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
-            frequencies = self.rotary.frequencies.as_in_context(queries.ctx)
+            # The sequence, whose length may choose them, runs to the last key
+            frequencies = self.rotary.frequencies_at(offset + keys.shape[1], queries.ctx)
         # So do the cached keys and values, so that one graph serves every decoding step
         cached = (cache.keys, cache.values) if call.cached else (None, None)
         outputs = self._run(call, queries, keys, values, valid_lens, mask, window_mask,
@@ -853,20 +864,28 @@ class RotaryEmbedding(Layer):
     """
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: dict | None = None,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("RotaryEmbedding", locals())
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
-        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        self.rotary_dim, self.scaling = rotary_dim, frozen_rope_scaling(scaling)
+        # The first `rotated` features turn, in pairs; the others pass (partial rotary)
+        self.rotated = rotary_dim or num_hiddens
+        # Shape of frequencies: (rotated / 2,), one angle per position for each pair
         angle_dtype = rotary_angle_dtype(self.dtype)
-        self.frequencies = from_numpy(rotary_frequencies(num_hiddens, theta).astype(angle_dtype))
+        self.frequencies = from_numpy(
+            rotary_frequencies(self.rotated, theta, self.scaling).astype(angle_dtype)
+        )
+        # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
+        self.attention_factor = rotary_attention_factor(self.scaling)
 
     def forward(self, X, offset=0):
         self._require_ndarrays(X)
         validation.check_rotary_call(
             X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
         )
-        frequencies = self.frequencies.as_in_context(X.ctx)
+        frequencies = self.frequencies_at(offset + X.shape[-2], X.ctx)
         # Shape of offset: (1,), in the angles' dtype
         offset = mx.np.full((1,), offset, dtype=frequencies.dtype, ctx=X.ctx)
         return self._run(_call_structure(self.dtype), X, offset, frequencies)
@@ -874,19 +893,33 @@ class RotaryEmbedding(Layer):
     def hybrid_forward(self, F, X, offset, frequencies):
         return self.rotate(F, X, offset, frequencies=frequencies)
 
+    def frequencies_at(self, length: int, ctx):
+        """The frequencies of a call over positions 0, ..., length - 1, on `ctx`: the layer's,
+        or those a dynamic or longrope scaling gives a sequence longer than it was trained on."""
+        longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+        if longer is None:
+            return self.frequencies.as_in_context(ctx)
+        return mx.np.array(longer, dtype=self.frequencies.dtype, ctx=ctx)
+
     def rotate(self, F, X, offset=0, *, frequencies):
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
         checks). MultiHeadAttention calls this on each head's queries and keys.
-        frequencies: the layer's, on X's context (an input of the graph being traced)."""
-        # Shape of angles, cos and sin: (n, num_hiddens / 2); positions are counted in the
+        frequencies: those of the call (frequencies_at), on X's context (an input of the graph
+        being traced)."""
+        # Shape of angles, cos and sin: (n, rotated / 2); positions are counted in the
         # angles' dtype (float32 for float16)
         positions = _positions(F, X, -2, self.dtype) + offset
         angles = F.np.expand_dims(positions, -1) * F.np.expand_dims(frequencies, 0)
-        cos, sin = F.np.cos(angles).astype(self.dtype), F.np.sin(angles).astype(self.dtype)
-        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2). A
+        cos = (F.np.cos(angles) * self.attention_factor).astype(self.dtype)
+        sin = (F.np.sin(angles) * self.attention_factor).astype(self.dtype)
+        # The features that turn; shape of X: (..., n, rotated)
+        partial = self.rotated < self.num_hiddens
+        if partial:
+            X, rest = F.np.split(X, [self.rotated], axis=-1)
+        # The two features of each pair; shape of x1 and x2: (..., n, rotated / 2). A
         # traced graph's indexing takes no Ellipsis and knows no rank, so X[..., 0::2] is read
-        # from pairs (..., n, num_hiddens / 2, 2): the codes, read from the right, split the
-        # last axis (-6) into (num_hiddens / 2, 2) and copy every other axis (-4)
+        # from pairs (..., n, rotated / 2, 2): the codes, read from the right, split the
+        # last axis (-6) into (rotated / 2, 2) and copy every other axis (-4)
         if self.interleaved:
             pairs = F.npx.reshape(X, (-4, -1, 2, -6), reverse=True)
             x1, x2 = (F.np.squeeze(x, axis=-1) for x in F.np.split(pairs, 2, axis=-1))
@@ -895,8 +928,10 @@ class RotaryEmbedding(Layer):
         # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if self.interleaved:
-            return F.npx.reshape_like(F.np.stack([y1, y2], axis=-1), X)
-        return F.np.concatenate([y1, y2], axis=-1)
+            Y = F.npx.reshape_like(F.np.stack([y1, y2], axis=-1), X)
+        else:
+            Y = F.np.concatenate([y1, y2], axis=-1)
+        return F.np.concatenate([Y, rest], axis=-1) if partial else Y
 
 
 @documented

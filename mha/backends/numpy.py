@@ -21,7 +21,14 @@ from mha import validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
-from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
+from mha.encoding import (
+    frozen_rope_scaling,
+    rotary_angle_dtype,
+    rotary_attention_factor,
+    rotary_frequencies,
+    rotary_frequencies_at,
+    sinusoid_table,
+)
 from mha.masks import Masks
 from mha.weights import read_config
 
@@ -387,6 +394,7 @@ class MultiHeadAttention(Module):
                  scale: float | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
+                 rope_dim: int | None = None, rope_scaling: dict | None = None,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
@@ -394,14 +402,16 @@ class MultiHeadAttention(Module):
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
         self.rotary = None if rope_theta is None else RotaryEmbedding(
-            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+            head_size, rope_theta, interleaved=rope_interleaved, rotary_dim=rope_dim,
+            scaling=self.rope_scaling, dtype=self.dtype
         )
         self.W_q = Linear(num_hiddens, bias, query_size, self.dtype)
         self.W_k = Linear(kv_hiddens, bias, key_size, self.dtype)
@@ -437,9 +447,11 @@ class MultiHeadAttention(Module):
         keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...
-            queries = self.rotary.rotate(queries, offset)
-            keys = self.rotary.rotate(keys, offset)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...;
+            # the sequence, whose length may choose the frequencies, runs to the last key
+            length = offset + keys.shape[-2]
+            queries = self.rotary.rotate(queries, offset, length)
+            keys = self.rotary.rotate(keys, offset, length)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -522,13 +534,19 @@ class RotaryEmbedding(Module):
     with the position."""
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: dict | None = None,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("RotaryEmbedding", locals())
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
-        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        self.rotary_dim, self.scaling = rotary_dim, frozen_rope_scaling(scaling)
+        # The first `rotated` features turn, in pairs; the others pass (partial rotary)
+        self.rotated = rotary_dim or num_hiddens
+        # Shape of frequencies: (rotated / 2,), one angle per position for each pair
         angle_dtype = rotary_angle_dtype(self.dtype)
-        self.frequencies = rotary_frequencies(num_hiddens, theta).astype(angle_dtype)
+        self.frequencies = rotary_frequencies(self.rotated, theta, self.scaling).astype(angle_dtype)
+        # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
+        self.attention_factor = rotary_attention_factor(self.scaling)
 
     def forward(self, X: np.ndarray, offset: int = 0) -> np.ndarray:
         validation.check_rotary_call(
@@ -536,15 +554,22 @@ class RotaryEmbedding(Module):
         )
         return self.rotate(X, offset)
 
-    def rotate(self, X: np.ndarray, offset: int = 0) -> np.ndarray:
+    def rotate(self, X: np.ndarray, offset: int = 0, length=None) -> np.ndarray:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
-        checks). MultiHeadAttention calls this on each head's queries and keys."""
-        # Shape of angles, cos and sin: (n, num_hiddens / 2)
-        positions = np.arange(offset, offset + X.shape[-2], dtype=self.frequencies.dtype)
-        angles = positions[:, None] * self.frequencies[None, :]
-        cos, sin = np.cos(angles).astype(X.dtype), np.sin(angles).astype(X.dtype)
-        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
-        half = self.num_hiddens // 2
+        checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
+        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
+        keys."""
+        # Shape of angles, cos and sin: (n, rotated / 2)
+        n = X.shape[-2]
+        positions = np.arange(offset, offset + n, dtype=self.frequencies.dtype)
+        frequencies = self.frequencies_at(offset + n if length is None else length)
+        angles = positions[:, None] * frequencies[None, :]
+        cos = (np.cos(angles) * self.attention_factor).astype(X.dtype)
+        sin = (np.sin(angles) * self.attention_factor).astype(X.dtype)
+        # The features that turn; shape of X: (..., n, rotated)
+        X, rest = X[..., : self.rotated], X[..., self.rotated :]
+        # The two features of each pair; shape of x1 and x2: (..., n, rotated / 2)
+        half = self.rotated // 2
         if self.interleaved:
             x1, x2 = X[..., 0::2], X[..., 1::2]
         else:
@@ -552,8 +577,16 @@ class RotaryEmbedding(Module):
         # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if self.interleaved:
-            return np.stack([y1, y2], axis=-1).reshape(X.shape)
-        return np.concatenate([y1, y2], axis=-1)
+            Y = np.stack([y1, y2], axis=-1).reshape(X.shape)
+        else:
+            Y = np.concatenate([y1, y2], axis=-1)
+        return Y if rest.shape[-1] == 0 else np.concatenate([Y, rest], axis=-1)
+
+    def frequencies_at(self, length: int) -> np.ndarray:
+        """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
+        a dynamic or longrope scaling gives a sequence longer than it was trained on."""
+        longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+        return self.frequencies if longer is None else longer.astype(self.frequencies.dtype)
 
 
 @documented

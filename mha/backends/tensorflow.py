@@ -33,7 +33,14 @@ from mha import validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
-from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
+from mha.encoding import (
+    frozen_rope_scaling,
+    rotary_angle_dtype,
+    rotary_attention_factor,
+    rotary_frequencies,
+    rotary_frequencies_at,
+    sinusoid_table,
+)
 from mha.masks import Masks
 from mha.weights import canonical_parameters, read_config
 
@@ -449,6 +456,7 @@ class MultiHeadAttention(_AttentionLayer):
                  scale: float | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
+                 rope_dim: int | None = None, rope_scaling: dict | None = None,
                  dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
@@ -456,14 +464,16 @@ class MultiHeadAttention(_AttentionLayer):
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
         self.rotary = None if rope_theta is None else RotaryEmbedding(
-            head_size, rope_theta, interleaved=rope_interleaved, dtype=dtype
+            head_size, rope_theta, interleaved=rope_interleaved, rotary_dim=rope_dim,
+            scaling=self.rope_scaling, dtype=dtype
         )
         self.W_q = _projection(num_hiddens, bias, query_size, dtype)
         self.W_k = _projection(kv_hiddens, bias, key_size, dtype)
@@ -529,9 +539,11 @@ class MultiHeadAttention(_AttentionLayer):
         keys = self.transpose_qkv(_apply_dense(self.W_k, keys), num_kv_heads)
         values = self.transpose_qkv(_apply_dense(self.W_v, values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...
-            queries = self.rotary.rotate(queries, offset)
-            keys = self.rotary.rotate(keys, offset)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...;
+            # the sequence, whose length may choose the frequencies, runs to the last key
+            length = offset + _dims(keys)[-2]
+            queries = self.rotary.rotate(queries, offset, length)
+            keys = self.rotary.rotate(keys, offset, length)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -657,15 +669,22 @@ class RotaryEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: dict | None = None,
                  dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("RotaryEmbedding", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
+        self.rotary_dim, self.scaling = rotary_dim, frozen_rope_scaling(scaling)
         self.supports_masking = True  # a Keras padding mask on X passes through
-        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
-        angle_dtype = rotary_angle_dtype(dtype)
-        self.frequencies = tf.cast(tf.constant(rotary_frequencies(num_hiddens, theta)),
-                                   angle_dtype)
+        # The first `rotated` features turn, in pairs; the others pass (partial rotary)
+        self.rotated = rotary_dim or num_hiddens
+        # Shape of frequencies: (rotated / 2,), one angle per position for each pair
+        self.frequencies = tf.cast(
+            tf.constant(rotary_frequencies(self.rotated, theta, self.scaling)),
+            rotary_angle_dtype(dtype),
+        )
+        # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
+        self.attention_factor = rotary_attention_factor(self.scaling)
         self.built = True  # the frequencies are a constant, not a weight
 
     def __call__(self, X, offset=0, training=None):
@@ -678,17 +697,23 @@ class RotaryEmbedding(keras.layers.Layer):
     def call(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
         return self.rotate(X, offset)
 
-    def rotate(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
+    def rotate(self, X: tf.Tensor, offset: int = 0, length=None) -> tf.Tensor:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
-        checks). MultiHeadAttention calls this on each head's queries and keys, the offset
+        checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
+        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
+        keys, the offset
         being the cached length: an int, or a scalar tensor when unknown while tracing."""
-        # Shape of angles, cos and sin: (n, num_hiddens / 2)
+        # Shape of angles, cos and sin: (n, rotated / 2)
         n = _dims(X)[-2]
         positions = tf.cast(tf.range(offset, offset + n), self.frequencies.dtype)
-        angles = positions[:, None] * self.frequencies[None, :]
-        cos, sin = tf.cast(tf.cos(angles), X.dtype), tf.cast(tf.sin(angles), X.dtype)
-        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
-        half = self.num_hiddens // 2
+        frequencies = self.frequencies_at(offset + n if length is None else length)
+        angles = positions[:, None] * frequencies[None, :]
+        cos = tf.cast(tf.cos(angles) * self.attention_factor, X.dtype)
+        sin = tf.cast(tf.sin(angles) * self.attention_factor, X.dtype)
+        # The features that turn; shape of X: (..., n, rotated)
+        X, rest = X[..., : self.rotated], X[..., self.rotated :]
+        # The two features of each pair; shape of x1 and x2: (..., n, rotated / 2)
+        half = self.rotated // 2
         if self.interleaved:
             x1, x2 = X[..., 0::2], X[..., 1::2]
         else:
@@ -696,9 +721,33 @@ class RotaryEmbedding(keras.layers.Layer):
         # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if self.interleaved:
-            # (..., n, num_hiddens / 2, 2) -> (..., n, num_hiddens), pairs side by side again
-            return tf.reshape(tf.stack([y1, y2], axis=-1), _dims(X))
-        return tf.concat([y1, y2], axis=-1)
+            # (..., n, rotated / 2, 2) -> (..., n, rotated), pairs side by side again
+            Y = tf.reshape(tf.stack([y1, y2], axis=-1), _dims(X))
+        else:
+            Y = tf.concat([y1, y2], axis=-1)
+        return Y if self.rotated == self.num_hiddens else tf.concat([Y, rest], axis=-1)
+
+    def frequencies_at(self, length) -> tf.Tensor:
+        """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
+        a dynamic or longrope scaling gives a sequence longer than it was trained on. A
+        traced graph may not know the length: longrope then picks in the graph, and dynamic,
+        whose frequencies change with every length, needs it known."""
+        if self.scaling is None or self.scaling["rope_type"] not in ("dynamic", "longrope"):
+            return self.frequencies
+        if isinstance(length, int):
+            longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+            dtype = self.frequencies.dtype
+            return self.frequencies if longer is None else tf.constant(longer, dtype)
+        original = self.scaling["original_max_position_embeddings"]
+        if self.scaling["rope_type"] == "longrope":
+            longer = rotary_frequencies(self.rotated, self.theta, self.scaling, original + 1)
+            return tf.where(length > original, tf.constant(longer, self.frequencies.dtype),
+                            self.frequencies)
+        raise ValueError(
+            "a dynamic rotary scaling computes its frequencies from the sequence's length, "
+            "which this traced graph does not know: give the inputs a static number of "
+            "positions (and a cache of a static length)"
+        )
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **layer_config(self)}

@@ -23,7 +23,14 @@ from mha.adapter import Adapter
 from mha.backends import torch_fused as fused
 from mha.cache import KVCache
 from mha.docstrings import documented
-from mha.encoding import rotary_angle_dtype, rotary_frequencies, sinusoid_table
+from mha.encoding import (
+    frozen_rope_scaling,
+    rotary_angle_dtype,
+    rotary_attention_factor,
+    rotary_frequencies,
+    rotary_frequencies_at,
+    sinusoid_table,
+)
 from mha.masks import Masks
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
@@ -371,6 +378,7 @@ class MultiHeadAttention(Module):
                  scale: float | None = None, empty_rows: str = "zeros",
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
+                 rope_dim: int | None = None, rope_scaling: dict | None = None,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
@@ -378,14 +386,16 @@ class MultiHeadAttention(Module):
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
-        self.rope_interleaved = rope_interleaved
+        self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
         self.rotary = None if rope_theta is None else RotaryEmbedding(
-            head_size, rope_theta, interleaved=rope_interleaved, dtype=self.dtype
+            head_size, rope_theta, interleaved=rope_interleaved, rotary_dim=rope_dim,
+            scaling=self.rope_scaling, dtype=self.dtype
         )
         self.W_q = _linear(num_hiddens, bias, query_size, self.dtype)
         self.W_k = _linear(kv_hiddens, bias, key_size, self.dtype)
@@ -421,9 +431,11 @@ class MultiHeadAttention(Module):
         keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...
-            queries = self.rotary.rotate(queries, offset)
-            keys = self.rotary.rotate(keys, offset)
+            # Each head's queries and keys turned by their positions offset, offset + 1, ...;
+            # the sequence, whose length may choose the frequencies, runs to the last key
+            length = offset + keys.shape[-2]
+            queries = self.rotary.rotate(queries, offset, length)
+            keys = self.rotary.rotate(keys, offset, length)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -435,8 +447,7 @@ class MultiHeadAttention(Module):
             x is None for x in (valid_lens, mask, window_mask, attn_bias)
         )
         path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
-                                 self.empty_rows,
-                     self.attention.dropout, causal_alone)
+                                 self.empty_rows, self.attention.dropout, causal_alone)
         if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             # (the fused paths pair them themselves: see torch_fused)
@@ -538,12 +549,18 @@ class RotaryEmbedding(Module):
     """
 
     def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: dict | None = None,
                  dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("RotaryEmbedding", locals())
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
-        # Shape of frequencies: (num_hiddens / 2,), one angle per position for each pair
+        self.rotary_dim, self.scaling = rotary_dim, frozen_rope_scaling(scaling)
+        # The first `rotated` features turn, in pairs; the others pass (partial rotary)
+        self.rotated = rotary_dim or num_hiddens
+        # Shape of frequencies: (rotated / 2,), one angle per position for each pair
         self.register_buffer("frequencies", self._frequencies(), persistent=False)
+        # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
+        self.attention_factor = rotary_attention_factor(self.scaling)
 
     def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
         validation.check_rotary_call(
@@ -551,16 +568,23 @@ class RotaryEmbedding(Module):
         )
         return self.rotate(X, offset)
 
-    def rotate(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def rotate(self, X: torch.Tensor, offset: int = 0, length=None) -> torch.Tensor:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
-        checks). MultiHeadAttention calls this on each head's queries and keys."""
-        # Shape of angles, cos and sin: (n, num_hiddens / 2)
-        positions = torch.arange(offset, offset + X.shape[-2], dtype=self.frequencies.dtype,
+        checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
+        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
+        keys."""
+        # Shape of angles, cos and sin: (n, rotated / 2)
+        n = X.shape[-2]
+        positions = torch.arange(offset, offset + n, dtype=self.frequencies.dtype,
                                  device=X.device)
-        angles = positions[:, None] * self.frequencies[None, :]
-        cos, sin = angles.cos().to(X.dtype), angles.sin().to(X.dtype)
-        # The two features of each pair; shape of x1 and x2: (..., n, num_hiddens / 2)
-        half = self.num_hiddens // 2
+        frequencies = self.frequencies_at(offset + n if length is None else length)
+        angles = positions[:, None] * frequencies[None, :]
+        cos = (angles.cos() * self.attention_factor).to(X.dtype)
+        sin = (angles.sin() * self.attention_factor).to(X.dtype)
+        # The features that turn; shape of X: (..., n, rotated)
+        X, rest = X[..., : self.rotated], X[..., self.rotated :]
+        # The two features of each pair; shape of x1 and x2: (..., n, rotated / 2)
+        half = self.rotated // 2
         if self.interleaved:
             x1, x2 = X[..., 0::2], X[..., 1::2]
         else:
@@ -568,12 +592,22 @@ class RotaryEmbedding(Module):
         # Each pair turned by its angle: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
         y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
         if self.interleaved:
-            return torch.stack([y1, y2], dim=-1).reshape(X.shape)
-        return torch.cat([y1, y2], dim=-1)
+            Y = torch.stack([y1, y2], dim=-1).reshape(X.shape)
+        else:
+            Y = torch.cat([y1, y2], dim=-1)
+        return Y if rest.shape[-1] == 0 else torch.cat([Y, rest], dim=-1)
+
+    def frequencies_at(self, length: int) -> torch.Tensor:
+        """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
+        a dynamic or longrope scaling gives a sequence longer than it was trained on."""
+        longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+        if longer is None:
+            return self.frequencies
+        return torch.from_numpy(longer).to(self.frequencies.device, self.frequencies.dtype)
 
     def _frequencies(self, device: torch.device | None = None) -> torch.Tensor:
         # In float64 for a float64 layer, else float32 (mha.encoding.rotary_angle_dtype)
-        frequencies = torch.from_numpy(rotary_frequencies(self.num_hiddens, self.theta))
+        frequencies = torch.from_numpy(rotary_frequencies(self.rotated, self.theta, self.scaling))
         return frequencies.to(device=device, dtype=_TORCH_DTYPES[rotary_angle_dtype(self.dtype)])
 
     def _apply(self, fn, recurse=True):

@@ -1,0 +1,278 @@
+"""Rotary embeddings as models ship them: scaled frequencies ("linear", "dynamic", "yarn",
+"llama3", "longrope") and partial rotary, against transformers' own computation.
+
+transformers computes its frequencies and angles in float32, whatever the model's dtype, and
+mha in float64 for a float64 layer: the ports are compared at float32's tolerance, relative
+to the output's scale. The frequencies themselves are compared with transformers'
+`ROPE_INIT_FUNCTIONS` at float32's precision.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_porting import transformers
+
+from conftest import backend_module, backend_params
+from mha import encoding, get_weights, porting, set_weights
+
+torch = pytest.importorskip("torch")
+
+# Lengths of 5 to 12 positions cross each original length below, so that "dynamic" and
+# "longrope" take their long frequencies in the calls that run past it
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+    },
+    # gpt-oss's form: the ramp's ends not rounded
+    "yarn_untruncated": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 8,
+        "truncate": False,
+    },
+    # DeepSeek's form: the attention factor a ratio of two mscales
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 16.0,
+        "original_max_position_embeddings": 8,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.2, 1.5, 2.0],
+        "long_factor": [2.0, 3.0, 5.0, 8.0],
+        "original_max_position_embeddings": 8,
+    },
+}
+HEAD = 8  # 4 pairs; a base of 100 spreads their wavelengths over llama3's and yarn's bands
+
+
+def _llama(kind: str, seed: int = 3):
+    """A tiny float64 Llama with the scaling `kind`, and its config."""
+    T = transformers()
+    rope = {**SCALINGS[kind], "rope_type": SCALINGS[kind]["rope_type"], "rope_theta": 100.0}
+    config = T.LlamaConfig(
+        hidden_size=4 * HEAD,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        vocab_size=50,
+        max_position_embeddings=8,
+        rope_parameters=rope,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return config, T.LlamaModel(config).double().eval()
+
+
+@pytest.mark.parametrize("kind", SCALINGS)
+@pytest.mark.parametrize("length", [None, 6, 12])
+def test_frequencies_and_attention_factor_are_transformers(kind, length):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config, _ = _llama(kind)
+    rope_type = SCALINGS[kind]["rope_type"]
+    expected, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=length)
+    options = porting.options_from_config(config.to_dict())
+    scaling = options["rope_scaling"]
+    assert scaling["rope_type"] == rope_type
+    got = encoding.rotary_frequencies(HEAD, 100.0, scaling)
+    if length is not None:
+        longer = encoding.rotary_frequencies_at(HEAD, 100.0, scaling, length)
+        got = got if longer is None else longer
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
+    assert encoding.rotary_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+
+
+def _outputs(model, ids, padding=None, **call):
+    """The attention input and output of layer 0 in a run of the whole model."""
+    seen = {}
+    attention = model.layers[0].self_attn
+
+    def take_input(module, args, kwargs):
+        seen["x"] = (args[0] if args else kwargs["hidden_states"]).numpy()
+
+    def take_output(module, args, output):
+        seen["y"] = output[0].numpy()
+
+    handles = [
+        attention.register_forward_pre_hook(take_input, with_kwargs=True),
+        attention.register_forward_hook(take_output),
+    ]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=padding, **call)
+    for handle in handles:
+        handle.remove()
+    return seen["x"], seen["y"]
+
+
+@pytest.mark.parametrize("name", backend_params())
+@pytest.mark.parametrize("kind", SCALINGS)
+def test_a_scaled_llama_ports_in_one_line(name, kind):
+    # Causal with right padding, 12 positions: past every original length
+    config, model = _llama(kind)
+    ids = torch.randint(3, 50, (2, 12))
+    padding = torch.tensor([[1] * 12, [1] * 9 + [0] * 3])
+    x, expected = _outputs(model, ids, padding)
+    module = backend_module(name)
+    options = porting.options_from_config(config.to_dict())
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    X, lengths = module.from_numpy(x), module.from_numpy(np.array([12, 9]))
+    output = module.to_numpy(layer(X, X, X, lengths, causal=True))
+    scale = np.max(np.abs(expected))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("name", backend_params())
+@pytest.mark.parametrize("kind", ["dynamic", "longrope", "yarn"])
+def test_cached_decoding_is_transformers_own(name, kind):
+    # A prompt of 5 positions, then one position per step up to 12: "dynamic" and "longrope"
+    # change their frequencies once past 8, and the cached keys keep the ones they were
+    # turned with, in transformers as in mha
+    T = transformers()
+    config, model = _llama(kind)
+    ids = torch.randint(3, 50, (2, 12))
+    module = backend_module(name)
+    options = porting.options_from_config(config.to_dict())
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    cache, past = module.KVCache(), T.DynamicCache(config=config)
+    for start, stop in [(0, 5), *((t, t + 1) for t in range(5, 12))]:
+        with torch.no_grad():
+            x, expected = _outputs(model, ids[:, start:stop], past_key_values=past)
+        X = module.from_numpy(x)
+        output, cache = layer(X, X, X, causal=True, cache=cache)
+        scale = np.max(np.abs(expected))
+        np.testing.assert_allclose(module.to_numpy(output), expected, rtol=0, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_stablelm_rotates_a_quarter_of_each_head(name):
+    # transformers 5 keeps partial_rotary_factor in rope_parameters: 0.25 of heads of 16
+    T = transformers()
+    config = T.StableLmConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        vocab_size=50,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(4)
+    model = T.StableLmModel(config).double().eval()
+    options = porting.options_from_config(config.to_dict())
+    assert options["rope_dim"] == 4 and "rope_interleaved" not in options
+    x, expected = _outputs(model, torch.randint(3, 50, (2, 7)))
+    module = backend_module(name)
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    X = module.from_numpy(x)
+    output = module.to_numpy(layer(X, X, X, causal=True))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
+def test_partial_rotary_passes_the_other_features_as_they_are():
+    # Worked by hand: features beyond rotary_dim pass; the first 4 turn as a rotary
+    # embedding of 4 features does, in either pairing
+    from mha.backends import numpy as N
+
+    X = np.random.default_rng(0).standard_normal((2, 5, 10))
+    for interleaved in (False, True):
+        partial = N.RotaryEmbedding(
+            10, 50.0, interleaved=interleaved, rotary_dim=4, dtype="float64"
+        )
+        whole = N.RotaryEmbedding(4, 50.0, interleaved=interleaved, dtype="float64")
+        Y = partial(X, offset=2)
+        np.testing.assert_array_equal(Y[..., 4:], X[..., 4:])
+        np.testing.assert_allclose(Y[..., :4], whole(X[..., :4], offset=2), rtol=0, atol=0)
+
+
+def test_a_scaling_is_checked_by_name():
+    from mha.backends import numpy as N
+
+    with pytest.raises(ValueError, match=r"rope_scaling must hold factor.*missing: factor"):
+        N.MultiHeadAttention(8, 2, rope_theta=1e4, rope_scaling={"rope_type": "linear"})
+    with pytest.raises(ValueError, match=r"unknown: rope_theta"):
+        N.RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0})
+    with pytest.raises(ValueError, match=r"rope_type is one of"):
+        N.RotaryEmbedding(8, scaling={"rope_type": "ntk", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"long_factor one factor per pair .* 2\. Received: 3"):
+        N.RotaryEmbedding(
+            8,
+            rotary_dim=4,
+            scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.0],
+                "long_factor": [1.0, 2.0, 3.0],
+                "original_max_position_embeddings": 4,
+            },
+        )
+    with pytest.raises(ValueError, match=r"give rope_theta too"):
+        N.MultiHeadAttention(8, 2, rope_dim=2)
+    with pytest.raises(ValueError, match=r"rope_dim must be even .* at most the head size, 4"):
+        N.MultiHeadAttention(8, 2, rope_theta=1e4, rope_dim=6)
+
+
+def test_unknown_rope_types_are_refused_by_name():
+    config = {"num_attention_heads": 4, "hidden_size": 16}
+    rope = {"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ValueError, match=r"'proportional' \(rope_parameters="):
+        porting.options_from_config({**config, "rope_parameters": rope})
+    broken = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}
+    with pytest.raises(ValueError, match=r"missing: low_freq_factor, high_freq_factor"):
+        porting.options_from_config({**config, "rope_parameters": broken})
+
+
+@pytest.mark.tensorflow
+def test_a_keras_graph_of_unknown_length_picks_longrope_frequencies_in_the_graph():
+    # A traced graph over any number of positions: longrope's short and long frequencies are
+    # chosen in the graph; dynamic's change with every length and need it known
+    module = backend_module("tensorflow")
+    tf = module.tf
+    scaling = {**SCALINGS["longrope"], "factor": 4.0}
+    layer = module.MultiHeadAttention(32, 4, rope_theta=100.0, rope_scaling=scaling)
+    reference = backend_module("numpy").MultiHeadAttention(
+        32, 4, rope_theta=100.0, rope_scaling=scaling
+    )
+    X = np.random.default_rng(1).standard_normal((2, 12, 32)).astype("float32")
+    layer(X[:, :3], X[:, :3], X[:, :3])
+    set_weights(reference, get_weights(layer))
+    traced = tf.function(
+        lambda x: layer(x, x, x, causal=True), input_signature=[tf.TensorSpec([None, None, 32])]
+    )
+    for n in (5, 12):  # below and past the original length, 8
+        expected = reference(*[X[:, :n]] * 3, causal=True)
+        np.testing.assert_allclose(traced(X[:, :n]).numpy(), expected, rtol=0, atol=1e-5)
+    dynamic = module.MultiHeadAttention(
+        32,
+        4,
+        rope_theta=100.0,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
+    )
+    dynamic(X[:, :3], X[:, :3], X[:, :3])
+    traced = tf.function(
+        lambda x: dynamic(x, x, x), input_signature=[tf.TensorSpec([None, None, 32])]
+    )
+    with pytest.raises(ValueError, match=r"a dynamic rotary scaling .* static number"):
+        traced(X)
