@@ -82,7 +82,6 @@ _UNSUPPORTED = {
     "attention_chunk_size": ((None,), "attends within chunks of the sequence"),
     "attn_temperature_tuning": ((None, False), "scales the queries by their position"),
     "use_bidirectional_attention": ((None, False), "attends both ways, with windows of its own"),
-    "rotary_dim": ((None,), "rotates part of each head, with pairs of its own"),
     "rotary_pct": ((None, 1.0), "rotates part of each head"),
     "alibi": ((None, False), "adds ALiBi's position biases"),
 }
@@ -140,6 +139,7 @@ _ROTARY = {
     "glm": "pairs",
     "glm4": "pairs",
     "gpt_oss": "half",
+    "gptj": "pairs",
     "granite": "half",
     "granitemoe": "half",
     "helium": "pairs",
@@ -161,6 +161,9 @@ _ROTARY = {
     "starcoder2": "half",
     "vaultgemma": "half",
 }
+
+# Model types whose rotary base is fixed in their code, not written in their config
+_FIXED_THETA = {"gptj": 10000.0}
 
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
@@ -249,10 +252,11 @@ def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> d
         )
     rope, field = (legacy, "rope_scaling") if legacy else (rope, field)
     theta = rope.get("rope_theta", config.get("rope_theta"))
+    theta = _FIXED_THETA.get(config.get("model_type"), theta) if theta is None else theta
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     scaling = _rope_scaling(config, rope, field)
     if theta is None:
-        if scaling is not None or partial not in (None, 1.0):
+        if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
             raise ValueError(
                 f"the config shapes a rotary embedding ({field}={dict(rope)}) and gives no "
                 "rope_theta: give the model's rope_theta"
@@ -272,6 +276,8 @@ def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> d
                 "the head size (head_dim, hidden_size)"
             )
         found["rope_dim"] = int(head * partial)  # transformers' rounding
+    if config.get("rotary_dim") is not None and config["rotary_dim"] != _head_size(config):
+        found["rope_dim"] = int(config["rotary_dim"])  # GPT-J's count of rotated features
     if scaling is not None:
         found["rope_scaling"] = scaling
     return found

@@ -276,3 +276,69 @@ def test_a_keras_graph_of_unknown_length_picks_longrope_frequencies_in_the_graph
     )
     with pytest.raises(ValueError, match=r"a dynamic rotary scaling .* static number"):
         traced(X)
+
+
+def test_mha_convert_ports_a_llama_3_1_layer_with_its_config(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    from mha import cli, load
+
+    config, model = _llama("llama3")
+    save_file({k: v.numpy() for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
+    config.to_json_file(tmp_path / "config.json")
+    destination = tmp_path / "layer.safetensors"
+    code = cli.main(
+        [
+            "convert",
+            str(tmp_path / "m.safetensors"),
+            str(destination),
+            "--prefix",
+            "layers.0.self_attn",
+            "--config",
+            str(tmp_path / "config.json"),
+        ]
+    )
+    assert code == 0, capsys.readouterr()
+    x, expected = _outputs(model, torch.randint(3, 50, (2, 12)))
+    layer = load(destination, backend="numpy")
+    assert layer.rope_scaling["rope_type"] == "llama3"
+    output = layer(x, x, x, causal=True)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_gpt_j_rotates_pairs_of_its_first_rotary_dim_features(name):
+    # GPT-J turns pairs (2i, 2i + 1) of the first rotary_dim features, with a base its code
+    # fixes at 10000 (its config has no rope_theta)
+    T = transformers()
+    config = T.GPTJConfig(
+        n_embd=32, n_head=4, n_layer=1, rotary_dim=4, vocab_size=50, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(5)
+    model = T.GPTJModel(config).double().eval()
+    options = porting.options_from_config(config.to_dict())
+    assert options == {
+        "num_heads": 4,
+        "rope_theta": 10000.0,
+        "rope_dim": 4,
+        "rope_interleaved": True,
+    }
+    seen = {}
+    attention = model.h[0].attn
+    handles = [
+        attention.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.update(x=(args[0] if args else kwargs["hidden_states"])),
+            with_kwargs=True,
+        ),
+        attention.register_forward_hook(lambda m, args, output: seen.update(y=output[0])),
+    ]
+    with torch.no_grad():
+        model(input_ids=torch.randint(1, 50, (2, 7)))
+    for handle in handles:
+        handle.remove()
+    module = backend_module(name)
+    layer = porting.from_state_dict(model.state_dict(), "h.0.attn", backend=name, **options)
+    X = module.from_numpy(seen["x"].numpy())
+    output = module.to_numpy(layer(X, X, X, causal=True))
+    expected = seen["y"].numpy()
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
