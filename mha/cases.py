@@ -312,6 +312,10 @@ MODERN_CASES = (
     ("RotaryEmbedding", ("offset",), {"interleaved": True, "theta": 100.0}),
     ("LearnedPositionalEncoding", (), {"max_len": 9}),
     *ROPE_SCALING_CASES,
+    # Soft-capped scores (Gemma 2), on the paths that would otherwise take the fused kernels
+    ("DotProductAttention", ("valid_lens_1d",), {"softcap": 1.0}),
+    ("MultiHeadAttention", ("causal", "no_weights"), {"softcap": 0.5}),
+    ("MultiHeadAttention", ("mask_3d", "attn_bias"), {**GQA, "softcap": 2.0}),
 )
 
 

@@ -24,10 +24,11 @@ def options_from_config(
     config: Mapping[str, Any] | str | os.PathLike, layer: int | None = None
 ) -> dict[str, Any]:
     """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
-    num_attention_heads, the rotary base (rope_theta, or transformers 5's rope_parameters,
-    also per layer type), the sliding window of the layer's type (layer_types), and the score
-    scale where the config changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's
-    scale_attn_weights and scale_attn_by_inverse_layer_idx).
+    num_attention_heads, the rotary embedding (rope_theta, or transformers 5's
+    rope_parameters, also per layer type, with its scaling and partial_rotary_factor), the
+    sliding window of the layer's type (layer_types), the score scale where the config
+    changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
+    scale_attn_by_inverse_layer_idx) and Gemma 2's soft cap (attn_logit_softcapping).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -37,8 +38,8 @@ def options_from_config(
 
     Raises:
         ValueError: anything of the config that changes the attention's numbers and mha's
-            layer cannot hold (a scaled or partial rotary embedding, soft-capped scores,
-            QK-norm, ...), each naming the field and its value; layers that differ and no
+            layer cannot hold (QK-norm, clipped projections, ALiBi, ...), each naming the
+            field and its value; layers that differ and no
             `layer`; an unreadable file.
     """
     if not isinstance(config, Mapping):
@@ -75,7 +76,6 @@ _PER_LAYER = (
 # Config fields whose values change the attention's numbers in ways mha's layer cannot
 # represent: field -> (the values that leave the attention plain, what the field does)
 _UNSUPPORTED = {
-    "attn_logit_softcapping": ((None,), "soft-caps the scores (tanh)"),
     "use_qk_norm": ((None, False), "normalizes each head's queries and keys (QK-norm)"),
     "qk_layernorm": ((None, False), "normalizes each head's queries and keys (QK-norm)"),
     "clip_qkv": ((None,), "clips the projections' outputs"),
@@ -199,6 +199,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     scale = _scale(config, layer)
     if scale is not None:
         found["scale"] = scale
+    if config.get("attn_logit_softcapping") is not None:  # Gemma 2
+        found["softcap"] = float(config["attn_logit_softcapping"])
     return found
 
 

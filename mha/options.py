@@ -300,6 +300,19 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "softcap",
+        None,
+        "optional positive number",
+        {
+            "*": "None (default), or squash the scaled scores into (-softcap, softcap) as "
+            "softcap * tanh(scores / softcap), before the masks and attn_bias (Gemma 2's "
+            "attn_logit_softcapping)."
+        },
+        ("DotProductAttention", "MultiHeadAttention"),
+        told=False,
+        added=True,
+    ),
+    Option(
         "rotary_dim",
         None,
         "optional positive integer",

@@ -73,6 +73,7 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "rope_interleaved",
         "rope_dim",
         "rope_scaling",
+        "softcap",
         "sliding_window",
     }
 

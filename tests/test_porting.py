@@ -748,37 +748,49 @@ def test_qwen3_qk_norm_is_refused():
         porting.from_state_dict(model.state_dict(), "layers.0.self_attn", **options)
 
 
-def test_gemma2_soft_capped_scores_are_refused():
-    config, _ = _tiny_decoder("gemma2", head_dim=4)
-    with pytest.raises(ValueError, match=r"attn_logit_softcapping=50\.0"):
-        porting.options_from_config(config.to_dict(), 0)
-
-
 @pytest.mark.parametrize("name", backend_params())
-def test_gemma2_layers_get_their_own_window_and_scale(name):
+def test_gemma2_layers_get_their_own_window_scale_and_soft_cap(name):
     # Layer 0 slides and layer 1 attends to every key, with sliding_window set for both; the
-    # scores are scaled by query_pre_attn_scalar ** -0.5, not by head_dim ** -0.5
+    # scores are scaled by query_pre_attn_scalar ** -0.5, not by head_dim ** -0.5, and capped
+    # by attn_logit_softcapping
     config, model = _tiny_decoder(
         "gemma2",
         head_dim=4,
-        attn_logit_softcapping=None,
+        attn_logit_softcapping=0.5,
         query_pre_attn_scalar=8,
         sliding_window=3,
         layer_types=["sliding_attention", "full_attention"],
     )
     with pytest.raises(ValueError, match=r"layers differ.*layer_types"):
         porting.options_from_config(config.to_dict())
+    # transformers' SDPA path has no soft cap: its eager path takes the softmax in float32
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # scores of order 1, which the cap changes (initial weights are small)
+        for block in model.layers:
+            block.self_attn.q_proj.weight.mul_(100)
+            block.self_attn.k_proj.weight.mul_(100)
     seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
     module = backend_module(name)
     for layer, window in [(0, 3), (1, None)]:
         options = porting.options_from_config(config.to_dict(), layer)
         assert options.get("sliding_window") == window and options["scale"] == 8**-0.5
+        assert options["softcap"] == 0.5
         ported = porting.from_state_dict(
             model.state_dict(), f"layers.{layer}.self_attn", backend=name, **options
         )
         x, expected = seen[layer]
         output = module.to_numpy(ported(*[module.from_numpy(x)] * 3, causal=True))
-        np.testing.assert_allclose(output, expected, rtol=0, atol=TOLERANCE)
+        atol = 1e-6 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
+        # The cap changes the numbers: without it the port is off
+        plain = porting.from_state_dict(
+            model.state_dict(),
+            f"layers.{layer}.self_attn",
+            backend=name,
+            **{**options, "softcap": None},
+        )
+        off = module.to_numpy(plain(*[module.from_numpy(x)] * 3, causal=True)) - expected
+        assert np.max(np.abs(off)) > 100 * atol
 
 
 def test_gemma3_rope_per_layer_type_and_qk_norm():

@@ -322,11 +322,13 @@ class DotProductAttention(nnx.Module):
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
-                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+                 softcap: float | None = None, dtype: str = "float32",
+                 rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("DotProductAttention", locals())
         )
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
+        self.softcap = softcap
         self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
         self.attention_weights = nnx.data(None)
 
@@ -354,6 +356,9 @@ class DotProductAttention(nnx.Module):
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         # Shape of scores: (..., no. of queries, no. of keys)
         scores = _matmul(queries, jnp.swapaxes(keys, -1, -2))
+        if self.softcap is not None:
+            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+            scores = self.softcap * jnp.tanh(scores / self.softcap)
         output, weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
@@ -429,7 +434,8 @@ class MultiHeadAttention(nnx.Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 dtype: str = "float32", rngs: nnx.Rngs | None = None):
+                 softcap: float | None = None, dtype: str = "float32",
+                 rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
         )
@@ -440,8 +446,9 @@ class MultiHeadAttention(nnx.Module):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.softcap = softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
-                                             dtype=self.dtype, rngs=rngs)
+                                             softcap=softcap, dtype=self.dtype, rngs=rngs)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size

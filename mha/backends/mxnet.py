@@ -536,10 +536,11 @@ class DotProductAttention(Layer):
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
-                 dtype: str = "float32"):
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("DotProductAttention", locals())
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
+        self.softcap = softcap
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
@@ -586,6 +587,9 @@ class DotProductAttention(Layer):
         # Shape of scores: (..., no. of queries, no. of keys). npx.batch_dot is MXNet's batched
         # GEMM, faster than np.matmul on 4-D arrays and free of its transposed copy of keys
         scores = F.npx.batch_dot(queries, keys, transpose_b=True)
+        if self.softcap is not None:
+            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+            scores = self.softcap * F.np.tanh(scores / self.softcap)
         return _attention_pool(F, scores, values, keep, bias, self.dropout, call)
 
 
@@ -658,7 +662,7 @@ class MultiHeadAttention(Layer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 dtype: str = "float32"):
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -667,8 +671,9 @@ class MultiHeadAttention(Layer):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.softcap = softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
-                                             dtype=self.dtype)
+                                             softcap=softcap, dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size

@@ -297,10 +297,11 @@ class DotProductAttention(Module):
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
-                 dtype: str = "float32"):
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("DotProductAttention", locals())
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
+        self.softcap = softcap
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
@@ -334,6 +335,9 @@ class DotProductAttention(Module):
         # not warn
         with np.errstate(invalid="ignore"):
             scores = queries @ np.swapaxes(keys, -1, -2)
+        if self.softcap is not None:
+            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+            scores = self.softcap * np.tanh(scores / scores.dtype.type(self.softcap))
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
@@ -395,7 +399,7 @@ class MultiHeadAttention(Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 dtype: str = "float32"):
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -404,8 +408,9 @@ class MultiHeadAttention(Module):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.softcap = softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
-                                             dtype=self.dtype)
+                                             softcap=softcap, dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size

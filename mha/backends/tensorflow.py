@@ -318,10 +318,11 @@ class DotProductAttention(_AttentionLayer):
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
-                 dtype: str = "float32", **kwargs):
+                 softcap: float | None = None, dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("DotProductAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
+        self.softcap = softcap
         self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
         self.attention_weights = None
         self.built = True  # no weights
@@ -363,6 +364,9 @@ class DotProductAttention(_AttentionLayer):
             queries = queries * tf.constant(self.scale, queries.dtype)
         # Shape of scores: (..., no. of queries, no. of keys)
         scores = tf.matmul(queries, keys, transpose_b=True)
+        if self.softcap is not None:
+            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+            scores = self.softcap * tf.tanh(scores / self.softcap)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, training, need_weights, self.empty_rows
         )
@@ -457,7 +461,7 @@ class MultiHeadAttention(_AttentionLayer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 dtype: str = "float32", **kwargs):
+                 softcap: float | None = None, dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -466,8 +470,9 @@ class MultiHeadAttention(_AttentionLayer):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.softcap = softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
-                                             dtype=dtype)
+                                             softcap=softcap, dtype=dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size

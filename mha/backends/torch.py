@@ -263,10 +263,11 @@ class DotProductAttention(Module):
 
     def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
                  empty_rows: str = "zeros", sliding_window: int | None = None,
-                 dtype: str = "float32"):
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("DotProductAttention", locals())
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
+        self.softcap = softcap
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
@@ -298,7 +299,7 @@ class DotProductAttention(Module):
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         if path is None:
             path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
-                                     self.empty_rows, self.dropout)
+                                     self.empty_rows, self.dropout, softcap=self.softcap)
         output = fused.attend(queries, keys, values, keep, bias, self.dropout, path)
         if output is not None:  # F.scaled_dot_product_attention computed it, without weights
             self.attention_weights = None
@@ -314,6 +315,9 @@ class DotProductAttention(Module):
             return output
         # Shape of scores: (..., no. of queries, no. of keys)
         scores = queries @ keys.transpose(-1, -2)
+        if self.softcap is not None:
+            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+            scores = self.softcap * torch.tanh(scores / self.softcap)
         output, self.attention_weights = _attention_pool(
             scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
         )
@@ -379,7 +383,7 @@ class MultiHeadAttention(Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 dtype: str = "float32"):
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -388,8 +392,9 @@ class MultiHeadAttention(Module):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.softcap = softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
-                                             dtype=self.dtype)
+                                             softcap=softcap, dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
@@ -446,8 +451,8 @@ class MultiHeadAttention(Module):
         causal_alone = causal and offset == 0 and self.sliding_window is None and all(
             x is None for x in (valid_lens, mask, window_mask, attn_bias)
         )
-        path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
-                                 self.empty_rows, self.attention.dropout, causal_alone)
+        path = fused.choose_path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
+                                 self.attention.dropout, causal_alone, self.softcap)
         if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             # (the fused paths pair them themselves: see torch_fused)
