@@ -184,7 +184,8 @@ OPTION_CASES = (
 )
 
 
-# Rotary embeddings as models ship them, scaled and partial. The original lengths are below
+# Rotary embeddings as models ship them, scaled and partial, with sizes of their own (so that
+# any --num-heads fits their rotated features). The original lengths are below
 # the calls' (5 or 7 positions, 8 after RotaryEmbedding's offset), so that "dynamic" and
 # "longrope" take their long frequencies; heads of 8 features (4 pairs) with a base of 100
 # spread the wavelengths over llama3's and yarn's bands.
@@ -210,6 +211,7 @@ ROPE_SCALING_CASES = (
         "MultiHeadAttention",
         ("valid_lens_2d",),
         {
+            "num_heads": 2,
             "num_hiddens": 16,
             "rope_theta": 100.0,
             "rope_dim": 6,
@@ -226,6 +228,7 @@ ROPE_SCALING_CASES = (
         "MultiHeadAttention",
         ("self", "causal", "no_weights"),
         {
+            "num_heads": 2,
             "num_hiddens": 16,
             "rope_theta": 100.0,
             "rope_scaling": {
@@ -239,6 +242,7 @@ ROPE_SCALING_CASES = (
         "MultiHeadAttention",
         ("causal",),
         {
+            "num_heads": 2,
             "num_hiddens": 16,
             "rope_theta": 100.0,
             "rope_dim": 4,
@@ -257,6 +261,8 @@ ROPE_SCALING_CASES = (
         ("mask_3d", "no_weights"),
         {
             "rope_theta": 10000.0,
+            "num_heads": 2,
+            "num_hiddens": 16,
             "rope_dim": 2,
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         },
@@ -265,6 +271,7 @@ ROPE_SCALING_CASES = (
         "RotaryEmbedding",
         ("offset",),
         {
+            "num_hiddens": 8,
             "rotary_dim": 6,
             "theta": 100.0,
             "scaling": {
@@ -278,6 +285,7 @@ ROPE_SCALING_CASES = (
         "RotaryEmbedding",
         ("offset",),
         {
+            "num_hiddens": 8,
             "rotary_dim": 4,
             "interleaved": True,
             "scaling": {
@@ -316,6 +324,13 @@ MODERN_CASES = (
     ("DotProductAttention", ("valid_lens_1d",), {"softcap": 1.0}),
     ("MultiHeadAttention", ("causal", "no_weights"), {"softcap": 0.5}),
     ("MultiHeadAttention", ("mask_3d", "attn_bias"), {**GQA, "softcap": 2.0}),
+    # QK-norm: each head's (Qwen3, with rotary embeddings) or the whole projection's (OLMo 2)
+    ("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), {**GQA, **ROPE, "qk_norm": "head"}),
+    (
+        "MultiHeadAttention",
+        ("mask_3d", "no_weights"),
+        {**GQA, "qk_norm": "projection", "qk_norm_eps": 1e-5},
+    ),
 )
 
 

@@ -131,6 +131,16 @@ def check_empty_rows(empty_rows: Any) -> None:
         )
 
 
+QK_NORMS = ("head", "projection")
+
+
+def _check_qk_norm(name: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or value not in QK_NORMS):
+        raise ValueError(
+            f"{name} must be None, {' or '.join(map(repr, QK_NORMS))}. Received: {name}={value!r}"
+        )
+
+
 # The check of each kind of value an option takes (mha.options.Option.check)
 _VALUE_CHECKS = {
     "positive integer": _check_positive_int,
@@ -144,6 +154,7 @@ _VALUE_CHECKS = {
     "empty_rows": lambda name, value: check_empty_rows(value),
     "dtype": lambda name, value: check_dtype(value),
     "rope scaling": check_rope_scaling,
+    "qk_norm": _check_qk_norm,
 }
 
 

@@ -162,6 +162,11 @@ _ROTARY = {
     "vaultgemma": "half",
 }
 
+# Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
+# q_norm and k_norm themselves): over each head, or over the whole projection. Gemma 3's
+# norms scale by 1 + weight, and are refused with the other norms
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "projection"}
+
 # Model types whose rotary base is fixed in their code, not written in their config
 _FIXED_THETA = {"gptj": 10000.0}
 
@@ -201,6 +206,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["scale"] = scale
     if config.get("attn_logit_softcapping") is not None:  # Gemma 2
         found["softcap"] = float(config["attn_logit_softcapping"])
+    if model_type in _QK_NORM:  # RMSNorms of queries and keys, scaled by their weights
+        found["qk_norm"] = _QK_NORM[model_type]
+        found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     return found
 
 

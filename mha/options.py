@@ -313,6 +313,30 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "qk_norm",
+        None,
+        "qk_norm",
+        {
+            "*": 'None (default), "head" or "projection": an RMSNorm of the queries and of the '
+            "keys after their projections, before the rotary embedding, scaled by learned "
+            'weights q_norm and k_norm: over each head\'s features ("head", one scale of the '
+            'head size shared by the heads: Qwen3) or over the whole projection ("projection": '
+            "OLMo 2)."
+        },
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
+        "qk_norm_eps",
+        1e-6,
+        "positive number",
+        {"*": "added to the mean square in qk_norm (the models' rms_norm_eps)."},
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
         "rotary_dim",
         None,
         "optional positive integer",

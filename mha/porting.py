@@ -127,8 +127,12 @@ def canonical_from_state_dict(
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
     layout = _only_layout(state, names, prefix, where)
     used = layout_names(layout, names)
-    left_out = _left_out(layout, set(names) - set(used), where)
+    norms = _qk_norm_names(layout, names, options.get("qk_norm"), where)
+    left_out = _left_out(layout, set(names) - set(used) - set(norms.values()), where)
     weights, config = weights_and_config(layout, _read_arrays(names, used, where))
+    read = _read_arrays(names, list(norms.values()), where)
+    weights.update({canonical: read[name] for canonical, name in norms.items()})
+    used += list(norms.values())
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     if kv_hiddens != config["num_hiddens"]:
@@ -197,10 +201,34 @@ def _is_outside(layout: Layout, name: str) -> bool:
 def _what_it_is(name: str) -> str:
     module = name.rsplit(".", 1)[0] if "." in name else name
     if "norm" in module.lower():
-        return "a norm inside the attention: QK-norm"
+        return (
+            "a norm inside the attention: QK-norm; give qk_norm, which options_from_config "
+            "gives Qwen3 and OLMo 2 (Gemma's norms scale by 1 + weight: add 1 first)"
+        )
     if module.split(".")[-1] == "sinks":
         return "attention sinks: a learned logit per head in each softmax"
     return "a tensor beside the projections"
+
+
+# The scales of QK-norm's RMSNorms, beside the q/k/v/o_proj layout's projections
+_QK_NORMS = {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
+
+
+def _qk_norm_names(
+    layout: Layout, names: Mapping[str, Any], qk_norm: str | None, where: str
+) -> dict[str, str]:
+    """Canonical name -> the name under the prefix of each QK-norm scale, where `qk_norm` says
+    the layer has them ({} where it does not: any norm there is then refused by name)."""
+    if qk_norm is None:
+        return {}
+    missing = [name for name in _QK_NORMS.values() if name not in names]
+    if layout.paths.get("q") != "q_proj" or missing:
+        raise ValueError(
+            f"qk_norm={qk_norm!r} reads q_norm.weight and k_norm.weight beside q_proj ... "
+            f"o_proj; the {layout.name} weights {where} have "
+            + (f"no {', '.join(missing)}" if missing else "another layout")
+        )
+    return dict(_QK_NORMS)
 
 
 def _read_arrays(names: Mapping[str, Any], used: list[str], where: str) -> dict[str, np.ndarray]:

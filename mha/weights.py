@@ -72,6 +72,12 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
             shapes.update({"b_q": (n,), "b_k": (kv,), "b_v": (kv,)})
         if _out_bias(config.get("bias", False), config.get("out_bias")):
             shapes["b_o"] = (out,)
+        if config.get("qk_norm") == "head":  # one scale of the head size, shared by the heads
+            shapes.update(
+                {"q_norm": (n // config["num_heads"],), "k_norm": (n // config["num_heads"],)}
+            )
+        elif config.get("qk_norm") == "projection":
+            shapes.update({"q_norm": (n,), "k_norm": (kv,)})
         return shapes
     if class_name == "AdditiveAttention":
         n = config["num_hiddens"]
@@ -121,7 +127,7 @@ def _out_bias(bias: bool, out_bias: bool | None) -> bool:
 
 
 def weight_places(
-    class_name: str, bias: bool = False, out_bias: bool | None = None
+    class_name: str, bias: bool = False, out_bias: bool | None = None, qk_norm: str | None = None
 ) -> dict[str, tuple[str, str]]:
     """Where each canonical weight lives in a layer, the same in every backend.
 
@@ -137,6 +143,8 @@ def weight_places(
             places.update({f"b_{k}": (f"W_{k}", "bias") for k in "qkv"})
         if _out_bias(bias, out_bias):
             places["b_o"] = ("W_o", "bias")
+        if qk_norm is not None:  # the scales of the RMSNorms of queries and keys
+            places.update({"q_norm": ("q_norm", "scale"), "k_norm": ("k_norm", "scale")})
         return places
     if class_name == "AdditiveAttention":
         return {name: (name, "kernel") for name in ("W_q", "W_k", "w_v")}
@@ -163,7 +171,7 @@ def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
     class_name = _layer_class_name(layer)
     if class_name != "MultiHeadAttention":
         return weight_places(class_name)
-    return weight_places(class_name, layer.bias, layer.out_bias)
+    return weight_places(class_name, layer.bias, layer.out_bias, layer.qk_norm)
 
 
 def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:
@@ -347,7 +355,7 @@ def random_weights(
     weights = {}
     for key in sorted(shapes):
         shape = shapes[key]
-        if key == "gamma":
+        if key in ("gamma", "q_norm", "k_norm"):  # scales of norms: near 1
             value = 1.0 + 0.1 * rng.standard_normal(shape)
         elif key == "beta":
             value = 0.1 * rng.standard_normal(shape)

@@ -127,6 +127,7 @@ BAD_VALUES = {
     "scale": (float("inf"), "0.5"),
     "empty_rows": ("nan", 0),
     "dtype": ("int32",),
+    "qk_norm": ("rms", True),
     "rope scaling": (
         "linear",
         {"rope_type": "ntk", "factor": 2.0},

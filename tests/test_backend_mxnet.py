@@ -533,6 +533,7 @@ def test_layer_config_of_every_layer(MX):
         "scale": None,
         "empty_rows": "zeros",
         "sliding_window": None,
+        "softcap": None,
     }
     assert MX.layer_config(MX.PositionalEncoding(6, 0.1, 20)) == {
         "num_hiddens": 6,
@@ -551,6 +552,8 @@ def test_layer_config_of_every_layer(MX):
         "theta": 500000.0,
         "interleaved": True,
         "dtype": "float32",
+        "rotary_dim": None,
+        "scaling": None,
     }
     assert MX.layer_config(MX.AddNorm(6, eps=1e-3)) == {
         "num_hiddens": 6,

@@ -28,6 +28,11 @@ CONFIG = {
     "num_kv_heads": None,
     "rope_theta": None,
     "rope_interleaved": False,
+    "rope_dim": None,
+    "rope_scaling": None,
+    "softcap": None,
+    "qk_norm": None,
+    "qk_norm_eps": 1e-06,
 }
 
 

@@ -232,6 +232,11 @@ def test_torch_to_mha(torch, name, config, dtype):
         "num_kv_heads": None,
         "rope_theta": None,
         "rope_interleaved": False,
+        "rope_dim": None,
+        "rope_scaling": None,
+        "softcap": None,
+        "qk_norm": None,
+        "qk_norm_eps": 1e-06,
     }
     rng = np.random.default_rng(3)
     tensors = inputs(config, dtype, rng)

@@ -74,6 +74,8 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "rope_dim",
         "rope_scaling",
         "softcap",
+        "qk_norm",
+        "qk_norm_eps",
         "sliding_window",
     }
 

@@ -193,6 +193,19 @@ def _in_features(linear: _Linear) -> int | None:
     return linear.in_features
 
 
+class _RMSNorm(nnx.Module):
+    """Scale the last axis to a mean square of 1, then by scale (float32 sums for half)."""
+
+    def __init__(self, num_hiddens: int, eps: float, dtype: str):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((num_hiddens,), _DTYPES[dtype]))
+
+    def __call__(self, X: jax.Array) -> jax.Array:
+        x = X.astype(jnp.float64 if X.dtype == jnp.float64 else jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * x.astype(X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -434,7 +447,8 @@ class MultiHeadAttention(nnx.Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, dtype: str = "float32",
+                 softcap: float | None = None, qk_norm: str | None = None,
+                 qk_norm_eps: float = 1e-6, dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
@@ -461,6 +475,12 @@ class MultiHeadAttention(nnx.Module):
         self.W_v = _Linear(kv_hiddens, bias, value_size, self.dtype, rngs)
         self.W_o = _Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype, rngs)
+        # RMSNorms of queries and keys: over each head, or over the whole projection
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        if qk_norm is not None:
+            sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
+            self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, self.dtype)
+            self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, self.dtype)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
@@ -483,11 +503,9 @@ class MultiHeadAttention(nnx.Module):
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
-        queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
-        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
@@ -522,6 +540,22 @@ class MultiHeadAttention(nnx.Module):
     @attention_weights.setter
     def attention_weights(self, weights: jax.Array | None) -> None:
         self.attention.attention_weights = weights
+
+    def project(self, queries, keys, values):
+        """Each head's queries, keys and values: projected, and where qk_norm says, queries
+        and keys normalized (over the whole projection, or over each head)."""
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        if self.qk_norm == "projection":
+            # OLMo 2: the whole projection of each position normalized
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.transpose_qkv(queries)
+        keys = self.transpose_qkv(keys, num_kv_heads)
+        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        if self.qk_norm == "head":
+            # Qwen3: each head's features normalized, by one scale the heads share
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        return queries, keys, values
 
     def transpose_qkv(self, X: jax.Array, num_heads: int | None = None) -> jax.Array:
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),

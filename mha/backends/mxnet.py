@@ -246,6 +246,22 @@ class LayerNorm(nn.LayerNorm):
         return (data - mean) / F.np.sqrt(variance + self._epsilon) * gamma + beta
 
 
+@mx.util.use_np
+class RMSNorm(nn.HybridBlock):
+    """Scale the last axis to a mean square of 1, then by gamma (float32 sums for float16)."""
+
+    def __init__(self, num_hiddens: int, eps: float, dtype: str):
+        super().__init__()
+        self.eps, self._dtype = eps, dtype
+        self.gamma = self.params.get("gamma", shape=(num_hiddens,), init=mx.init.One(),
+                                     dtype=dtype)
+
+    def hybrid_forward(self, F, X, gamma):
+        x = X.astype("float32") if self._dtype == "float16" else X
+        x = x / F.np.sqrt(F.np.square(x).mean(axis=-1, keepdims=True) + self.eps)
+        return gamma * x.astype(self._dtype)
+
+
 def _dense(num_hiddens: int, bias: bool, in_features: int | None, dtype: str) -> nn.Dense:
     """y = x @ W^T + b over the last axis; in_features None defers it to the first input."""
     return nn.Dense(num_hiddens, use_bias=bias, flatten=False, in_units=in_features or 0,
@@ -662,7 +678,8 @@ class MultiHeadAttention(Layer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, dtype: str = "float32"):
+                 softcap: float | None = None, qk_norm: str | None = None,
+                 qk_norm_eps: float = 1e-6, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -686,6 +703,12 @@ class MultiHeadAttention(Layer):
         self.W_v = _dense(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = _dense(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
+        # RMSNorms of queries and keys: over each head, or over the whole projection
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        if qk_norm is not None:
+            sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
+            self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
+            self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
         self.attention_weights = None
         self.initialize(_LinearInit())
 
@@ -748,9 +771,7 @@ class MultiHeadAttention(Layer):
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         num_kv_heads = self.num_kv_heads or self.num_heads
-        queries = self.transpose_qkv(F, self.W_q(queries))
-        keys = self.transpose_qkv(F, self.W_k(keys), num_kv_heads)
-        values = self.transpose_qkv(F, self.W_v(values), num_kv_heads)
+        queries, keys, values = self.project(F, queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...
             queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies)
@@ -782,6 +803,22 @@ class MultiHeadAttention(Layer):
         output = self.W_o(output_concat)
         outputs = ((output, weights) if call.need_weights else (output,)) + cache
         return outputs if len(outputs) > 1 else output
+
+    def project(self, F, queries, keys, values):
+        """Each head's queries, keys and values: projected, and where qk_norm says, queries
+        and keys normalized (over the whole projection, or over each head)."""
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        if self.qk_norm == "projection":
+            # OLMo 2: the whole projection of each position normalized
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.transpose_qkv(F, queries)
+        keys = self.transpose_qkv(F, keys, num_kv_heads)
+        values = self.transpose_qkv(F, self.W_v(values), num_kv_heads)
+        if self.qk_norm == "head":
+            # Qwen3: each head's features normalized, by one scale the heads share
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        return queries, keys, values
 
     def transpose_qkv(self, F, X, num_heads=None):
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),

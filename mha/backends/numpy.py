@@ -180,6 +180,20 @@ class LayerNorm(Module):
         return (X - mean) / np.sqrt(variance + X.dtype.type(self.eps)) * self.gamma + self.beta
 
 
+class RMSNorm(Module):
+    """Scale the last axis to a mean square of 1, then by gamma (float32 sums for float16)."""
+
+    def __init__(self, num_hiddens: int, eps: float, dtype: str):
+        super().__init__()
+        self.eps = eps
+        self.gamma = np.ones(num_hiddens, dtype=dtype)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+        x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + x.dtype.type(self.eps))
+        return self.gamma * x.astype(X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -399,7 +413,8 @@ class MultiHeadAttention(Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, dtype: str = "float32"):
+                 softcap: float | None = None, qk_norm: str | None = None,
+                 qk_norm_eps: float = 1e-6, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -423,6 +438,12 @@ class MultiHeadAttention(Module):
         self.W_v = Linear(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
+        # RMSNorms of queries and keys: over each head, or over the whole projection
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        if qk_norm is not None:
+            sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
+            self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
+            self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -446,11 +467,9 @@ class MultiHeadAttention(Module):
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
-        queries = self.transpose_qkv(self.W_q(queries))
-        keys = self.transpose_qkv(self.W_k(keys), num_kv_heads)
-        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
@@ -477,6 +496,22 @@ class MultiHeadAttention(Module):
         output_concat = self.transpose_output(output)
         output = self.W_o(output_concat)
         return output if cache is None else (output, cache)
+
+    def project(self, queries, keys, values):
+        """Each head's queries, keys and values: projected, and where qk_norm says, queries
+        and keys normalized (over the whole projection, or over each head)."""
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        queries, keys = self.W_q(queries), self.W_k(keys)
+        if self.qk_norm == "projection":
+            # OLMo 2: the whole projection of each position normalized
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.transpose_qkv(queries)
+        keys = self.transpose_qkv(keys, num_kv_heads)
+        values = self.transpose_qkv(self.W_v(values), num_kv_heads)
+        if self.qk_norm == "head":
+            # Qwen3: each head's features normalized, by one scale the heads share
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        return queries, keys, values
 
     def transpose_qkv(self, X: np.ndarray, num_heads: int | None = None) -> np.ndarray:
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),

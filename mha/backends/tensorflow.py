@@ -135,6 +135,21 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
     return tf.reshape(y, out_shape)
 
 
+class _RMSNorm(keras.layers.Layer):
+    """Scale the last axis to a mean square of 1, then by gamma (float32 sums for half)."""
+
+    def __init__(self, num_hiddens: int, eps: float, dtype: str, **kwargs):
+        super().__init__(dtype=dtype, **kwargs)
+        self.eps = eps
+        self.gamma = self.add_weight(shape=(num_hiddens,), initializer="ones", name="gamma")
+        self.built = True
+
+    def call(self, X: tf.Tensor) -> tf.Tensor:
+        x = tf.cast(X, tf.float64 if X.dtype == tf.float64 else tf.float32)
+        x = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.eps)
+        return self.gamma * tf.cast(x, X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -461,7 +476,8 @@ class MultiHeadAttention(_AttentionLayer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, dtype: str = "float32", **kwargs):
+                 softcap: float | None = None, qk_norm: str | None = None,
+                 qk_norm_eps: float = 1e-6, dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -485,6 +501,12 @@ class MultiHeadAttention(_AttentionLayer):
         self.W_v = _projection(kv_hiddens, bias, value_size, dtype)
         self.W_o = _projection(out_features or num_hiddens,
                                bias if out_bias is None else out_bias, num_hiddens, dtype)
+        # RMSNorms of queries and keys: over each head, or over the whole projection
+        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        if qk_norm is not None:
+            sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
+            self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, dtype)
+            self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, dtype)
         self.attention_weights = None
         self.built = self.W_q.built and self.W_k.built and self.W_v.built
 
@@ -537,12 +559,9 @@ class MultiHeadAttention(_AttentionLayer):
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
-        # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
+        # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
-        # The projections call the Dense kernels directly (see _apply_dense)
-        queries = self.transpose_qkv(_apply_dense(self.W_q, queries))
-        keys = self.transpose_qkv(_apply_dense(self.W_k, keys), num_kv_heads)
-        values = self.transpose_qkv(_apply_dense(self.W_v, values), num_kv_heads)
+        queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
@@ -570,6 +589,23 @@ class MultiHeadAttention(_AttentionLayer):
         output_concat = self.transpose_output(output)
         output = _apply_dense(self.W_o, output_concat)
         return output if cache is None else (output, cache)
+
+    def project(self, queries, keys, values):
+        """Each head's queries, keys and values: projected, and where qk_norm says, queries
+        and keys normalized (over the whole projection, or over each head)."""
+        num_kv_heads = self.num_kv_heads or self.num_heads
+        # The projections call the Dense kernels directly (see _apply_dense)
+        queries, keys = _apply_dense(self.W_q, queries), _apply_dense(self.W_k, keys)
+        if self.qk_norm == "projection":
+            # OLMo 2: the whole projection of each position normalized
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries = self.transpose_qkv(queries)
+        keys = self.transpose_qkv(keys, num_kv_heads)
+        values = self.transpose_qkv(_apply_dense(self.W_v, values), num_kv_heads)
+        if self.qk_norm == "head":
+            # Qwen3: each head's features normalized, by one scale the heads share
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        return queries, keys, values
 
     def transpose_qkv(self, X: tf.Tensor, num_heads: int | None = None) -> tf.Tensor:
         """(batch_size, n, num_heads * head size) -> (batch_size, num_heads, n, head size),

@@ -19,6 +19,7 @@ import numpy as np
 from mha import validation
 from mha.config import get_backend
 from mha.masks import Masks
+from mha.options import layer_defaults
 from mha.registry import load_backend
 from mha.weights import UNTOLD_OPTIONS, check_untold_options, get_weights, layer_info, set_weights
 
@@ -60,8 +61,15 @@ def multihead_config(
 
 
 def options_of(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The options of a MultiHeadAttention config that are set (not their defaults)."""
-    return {key: config[key] for key in UNTOLD_OPTIONS if config.get(key) not in (None, False)}
+    """The untold options of a MultiHeadAttention config that are set (not their defaults);
+    the eps of a QK-norm the layer does not have is not one."""
+    defaults = layer_defaults("MultiHeadAttention")
+    return {
+        key: config[key]
+        for key in UNTOLD_OPTIONS
+        if config.get(key, defaults[key]) not in (None, False, defaults[key])
+        and not (key == "qk_norm_eps" and config.get("qk_norm") is None)
+    }
 
 
 def check_expressible(
@@ -109,7 +117,7 @@ def layer_from_weights(
     The config is read off the canonical weights: num_hiddens, out_features and the input
     sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
     num_kv_heads from W_k's columns (fewer than W_q's: grouped-query attention), dtype from
-    W_q's dtype. `options` are the layer's rope_theta, rope_interleaved and sliding_window.
+    W_q's dtype. `options` are the layer's untold options (mha.weights.UNTOLD_OPTIONS).
 
     Args:
         weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o).
