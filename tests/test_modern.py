@@ -177,8 +177,21 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         {},
         {"num_kv_heads": 2, "rope_theta": 100.0},
         {"num_kv_heads": 1, "rope_theta": 1e4, "rope_interleaved": True, "sliding_window": 3},
+        {"num_kv_heads": 2, "rope_theta": 100.0, "qk_norm": "head"},
+        {"num_kv_heads": 2, "qk_norm": "projection", "qk_norm_eps": 1e-5},
+        {"softcap": 0.5, "sliding_window": 3},
+        {
+            "rope_theta": 100.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 4,
+            },
+        },
     ],
-    ids=["plain", "llama", "mistral"],
+    ids=["plain", "llama", "mistral", "qwen3", "olmo2", "gemma2", "llama3.1"],
 )
 def test_cached_decoding_equals_full_causal_attention(backend, rng, options):
     # A prompt of 3 positions, then one position per call, then two at once
