@@ -123,6 +123,7 @@ def file_command(arguments, out, err) -> int:
         print(f"mha {arguments.command}: error: {error}", file=err)
         return 1
     layout, left_out = config.pop("layout", None), config.pop("left_out", None)
+    notes = config.pop("notes", None) or []
     described = ", ".join(f"{key}={value!r}" for key, value in config.items())
     source = (
         f"{arguments.prefix!r} of {paths[0]} ({layout})"
@@ -136,6 +137,8 @@ def file_command(arguments, out, err) -> int:
     )
     if left_out:
         print(f"left out (not attention weights): {', '.join(left_out)}", file=out)
+    for note in notes:
+        print(f"note: {note}", file=out)
     return 0
 
 
@@ -211,6 +214,8 @@ def _inspect_port(path: str, arguments, options, out) -> int:
     print(f"read: {', '.join(port.used)}", file=out)
     if port.left_out:
         print(f"left out (not attention weights): {', '.join(port.left_out)}", file=out)
+    for note in port.notes:
+        print(f"note: {note}", file=out)
     return 0
 
 

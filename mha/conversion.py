@@ -469,7 +469,8 @@ def convert(
 
     Returns:
         The config of the converted layer; with `prefix`, also "layout" (the layout found)
-        and "left_out" (the names under the prefix that are not attention weights).
+        and "left_out" (the names under the prefix that are not attention weights), and
+        "notes" (what the port added that the source does not hold, each exact).
 
     Raises:
         ValueError: a file that cannot be read, a configuration the destination cannot express
@@ -505,7 +506,8 @@ def _source_layer(
         port = porting.canonical_from_state_dict(
             read_state(source), prefix, num_heads=num_heads, scale=scale, **options
         )
-        return port.weights, port.config, {"layout": port.layout, "left_out": port.left_out}
+        extra = {"layout": port.layout, "left_out": port.left_out, "notes": list(port.notes)}
+        return port.weights, port.config, extra
     check_untold_options(options)
     weights, config = read_file(source, num_heads=num_heads)
     if scale is not None:

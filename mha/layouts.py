@@ -34,7 +34,7 @@ class Layout(NamedTuple):
     """How one family of models keeps an attention layer's weights."""
 
     name: str
-    kind: str  # "linear", "fused", "conv1d", "heads" or "torch"
+    kind: str  # "linear", "fused", "fused_grouped", "conv1d", "heads" or "torch"
     paths: Mapping[str, str]  # role (q, k, v, o, or qkv) -> module path under the prefix
     scale: float | None = None  # None: 1 / sqrt(head size)
     # Names under the prefix that are not part of the layer's numbers (a name ending in "."
@@ -67,6 +67,16 @@ LAYOUTS = (
         "q/k/v_proj and out_proj (BART, OPT, Whisper)",
         "linear",
         {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"},
+    ),
+    Layout(
+        "DistilBERT (q_lin, k_lin, v_lin, out_lin)",
+        "linear",
+        {"q": "q_lin", "k": "k_lin", "v": "v_lin", "o": "out_lin"},
+    ),
+    Layout(
+        "fused qkv_proj and o_proj (Phi-3)",
+        "fused_grouped",
+        {"qkv": "qkv_proj", "o": "o_proj"},
     ),
     Layout(
         "T5",
@@ -102,7 +112,13 @@ LAYOUTS = (
 )
 
 # The parameter that marks a module of each kind; its bias sits beside it
-_MARK = {"linear": "weight", "fused": "weight", "conv1d": "weight", "heads": "kernel"}
+_MARK = {
+    "linear": "weight",
+    "fused": "weight",
+    "fused_grouped": "weight",
+    "conv1d": "weight",
+    "heads": "kernel",
+}
 
 
 def flatten(state: Mapping[str, Any], separator: str = ".") -> dict[str, Any]:
@@ -234,6 +250,27 @@ def _read_fused(layout: Layout, arrays):
     }, None
 
 
+def _read_fused_grouped(layout: Layout, arrays):
+    """Phi-3's qkv_proj: the rows of q, then of k and v, which may have fewer heads; q has as
+    many outputs as the output projection has inputs."""
+    W, b = _matrices(layout, arrays, "qkv", True)
+    o = _matrices(layout, arrays, "o", True)
+    n, rows = o[0].shape[0], W.shape[1]
+    if rows <= n or (rows - n) % 2:
+        raise _problem(
+            layout,
+            [
+                f"{layout.paths['qkv']} has {rows} outputs; with {n} for the queries (the "
+                "output projection's inputs), the rest is not two equal blocks for k and v"
+            ],
+        )
+    kv = (rows - n) // 2
+    cuts = [n, n + kv]
+    blocks = np.split(W, cuts, axis=1)
+    biases = [None] * 3 if b is None else np.split(b, cuts)
+    return {**{k: (blocks[i], biases[i]) for i, k in enumerate("qkv")}, "o": o}, None
+
+
 def _read_conv1d(layout: Layout, arrays):
     # GPT-2's Conv1D keeps weight (in, out): x @ weight + bias
     return {
@@ -276,6 +313,7 @@ def _read_heads(layout: Layout, arrays):
 _READERS = {
     "linear": _read_linear,
     "fused": _read_fused,
+    "fused_grouped": _read_fused_grouped,
     "conv1d": _read_conv1d,
     "heads": _read_heads,
 }
@@ -300,12 +338,16 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
         problems.append(
             f"the output projection takes {matrices['o'][0].shape[0]} inputs; the heads give {n}"
         )
+    # Whisper's k_proj has no bias where q_proj and v_proj have one: a zero bias is the same
+    zero_biases = [
+        k
+        for k in "qkv"
+        if matrices[k][1] is None and any(matrices[j][1] is not None for j in "qkv")
+    ]
+    for k in zero_biases:
+        W = matrices[k][0]
+        matrices = {**matrices, k: (W, np.zeros(W.shape[1], W.dtype))}
     has_bias = {k: matrices[k][1] is not None for k in "qkv"}
-    if len(set(has_bias.values())) > 1:
-        problems.append(
-            "biases on " + ", ".join(k for k in "qkv" if has_bias[k]) + " only; "
-            "mha's q, k and v projections have biases together or not at all"
-        )
     for k in "qkvo":
         W, b = matrices[k]
         if b is not None and b.shape != (W.shape[1],):
@@ -336,5 +378,7 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
         "out_bias": None if out_bias == bias else out_bias,
         "out_features": None if out_features == n else out_features,
         "kv_hiddens": kv,  # num_kv_heads once num_heads is known
+        # The projections without a bias, given a zero one (exact: the port says so)
+        "zero_biases": [layout.paths.get(k, k) for k in zero_biases],
     }
     return weights, config

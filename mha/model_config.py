@@ -151,6 +151,7 @@ _ROTARY = {
     "olmo": "half",
     "olmo2": "half",
     "phi": "half",
+    "phi3": "half",
     "qwen2": "half",
     "qwen2_moe": "half",
     "qwen3": "half",

@@ -82,14 +82,16 @@ __all__ = [
 
 
 class Port(NamedTuple):
-    """What was imported: canonical weights and config, the layout, and the names of the
-    source under the prefix that were used and that were left out."""
+    """What was imported: canonical weights and config, the layout, the names of the source
+    under the prefix that were used and that were left out, and notes on what the port
+    added that the source does not hold, each exact (a zero bias)."""
 
     weights: dict[str, np.ndarray]
     config: dict[str, Any]
     layout: str
     used: list[str]
     left_out: list[str]
+    notes: tuple[str, ...] = ()
 
 
 def canonical_from_state_dict(
@@ -135,6 +137,7 @@ def canonical_from_state_dict(
     used += list(norms.values())
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
+    notes = tuple(f"{path} has no bias: {_ZERO_BIAS}" for path in config.pop("zero_biases", ()))
     if kv_hiddens != config["num_hiddens"]:
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
     config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
@@ -146,7 +149,10 @@ def canonical_from_state_dict(
         _check_inv_freq(names[_INV_FREQ], config, where)
         left_out.remove(_INV_FREQ)
         used.append(_INV_FREQ)
-    return Port(weights, config, layout.name, sorted(used), left_out)
+    return Port(weights, config, layout.name, sorted(used), left_out, notes)
+
+
+_ZERO_BIAS = "its bias is zero, which gives the same numbers"
 
 
 def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> Layout:

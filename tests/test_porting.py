@@ -704,6 +704,7 @@ def _tiny_decoder(family, seed=9, **fields):
         "gpt_oss": (T.GptOssConfig, T.GptOssModel),
         "cohere2": (T.Cohere2Config, T.Cohere2Model),
         "olmo2": (T.Olmo2Config, T.Olmo2Model),
+        "phi3": (T.Phi3Config, T.Phi3Model),
     }[family]
     sizes = dict(
         hidden_size=16,
@@ -970,3 +971,88 @@ def test_convert_takes_the_layer_index_where_layers_differ(tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     checkpoint = mha.weights.read_checkpoint(destination)
     assert checkpoint.config["sliding_window"] is None and checkpoint.config["rope_theta"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts that need a few lines by hand elsewhere: Phi-3's fused qkv_proj, DistilBERT's names,
+# Whisper's k_proj without a bias
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_phi3_fused_qkv_proj_with_grouped_heads_ports(name):
+    # qkv_proj stacks q's rows, then k's and v's (2 key-value heads of 4); half of each
+    # head rotated. transformers computes its rotary angles in float32
+    config, model = _tiny_decoder(
+        "phi3",
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+    )
+    options = porting.options_from_config(config.to_dict(), 0)
+    assert options["rope_dim"] == 2
+    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[0]
+    module = backend_module(name)
+    port = porting.canonical_from_state_dict(model.state_dict(), "layers.0.self_attn", **options)
+    assert port.layout.startswith("fused qkv_proj") and port.config["num_kv_heads"] == 2
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_distilbert_attention_ports_to_every_backend(name):
+    T = transformers()
+    config = T.DistilBertConfig(vocab_size=50, dim=16, n_heads=4, n_layers=1, hidden_dim=32)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(7)
+    model = T.DistilBertModel(config).double().eval()
+    padding = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    attention = model.transformer.layer[0].attention
+    x, y = capture(
+        model, attention, attention, input_ids=torch.randint(3, 50, (2, 6)), attention_mask=padding
+    )
+    module = backend_module(name)
+    prefix = "transformer.layer.0.attention"
+    layer = porting.from_state_dict(model.state_dict(), prefix, backend=name, num_heads=4)
+    X = module.from_numpy(x)
+    output = layer(X, X, X, module.from_numpy(np.array([6, 4])))
+    np.testing.assert_allclose(module.to_numpy(output), y, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_whisper_k_proj_without_a_bias_takes_a_zero_one(name, capsys):
+    T = transformers()
+    from transformers.models.whisper.modeling_whisper import WhisperAttention
+
+    config = T.WhisperConfig(d_model=16, encoder_attention_heads=4, decoder_attention_heads=4)
+    torch.manual_seed(8)
+    attention = WhisperAttention(16, 4, config=config).double().eval()
+    state = attention.state_dict()
+    assert "k_proj.bias" not in state and "q_proj.bias" in state
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        expected = attention(x)[0].numpy()
+    port = porting.canonical_from_state_dict(state, num_heads=4)
+    assert port.notes == ("k_proj has no bias: its bias is zero, which gives the same numbers",)
+    assert not port.weights["b_k"].any()
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, backend=name, num_heads=4)
+    output = module.to_numpy(layer(*[module.from_numpy(x.numpy())] * 3))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=TOLERANCE)
+
+
+def test_inspect_and_convert_say_which_bias_is_zero(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    T = transformers()
+    from transformers.models.whisper.modeling_whisper import WhisperAttention
+
+    config = T.WhisperConfig(d_model=16, encoder_attention_heads=4, decoder_attention_heads=4)
+    attention = WhisperAttention(16, 4, config=config)
+    save_file({k: v.numpy() for k, v in attention.state_dict().items()}, tmp_path / "w.safetensors")
+    note = "note: k_proj has no bias: its bias is zero, which gives the same numbers"
+    source, arguments = str(tmp_path / "w.safetensors"), ["--prefix", "", "--num-heads", "4"]
+    assert cli.main(["inspect", source, *arguments]) == 0
+    assert note in capsys.readouterr().out
+    assert cli.main(["convert", source, str(tmp_path / "l.safetensors"), *arguments]) == 0
+    assert note in capsys.readouterr().out
