@@ -324,6 +324,10 @@ MODERN_CASES = (
     ("DotProductAttention", ("valid_lens_1d",), {"softcap": 1.0}),
     ("MultiHeadAttention", ("causal", "no_weights"), {"softcap": 0.5}),
     ("MultiHeadAttention", ("mask_3d", "attn_bias"), {**GQA, "softcap": 2.0}),
+    # Attention sinks (gpt-oss): rows with no key give all their weight to the sink
+    ("MultiHeadAttention", ("valid_lens_1d",), {"sinks": True}),
+    ("MultiHeadAttention", ("self", "causal", "no_weights"), {**GQA, "sinks": True}),
+    ("MultiHeadAttention", ("mask_3d", "attn_bias"), {"sinks": True, "sliding_window": 3}),
     # QK-norm: each head's (Qwen3, with rotary embeddings) or the whole projection's (OLMo 2)
     ("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), {**GQA, **ROPE, "qk_norm": "head"}),
     (

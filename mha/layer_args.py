@@ -187,6 +187,14 @@ def _rotary_heads_even(arguments: Mapping[str, Any]) -> None:
         )
 
 
+def _sinks_take_empty_rows(arguments: Mapping[str, Any]) -> None:
+    if arguments["sinks"] and arguments["empty_rows"] != "zeros":
+        raise ValueError(
+            "sinks take the whole weight of a row with no key, so that its weights are 0: "
+            f"empty_rows must be 'zeros'. Received: empty_rows={arguments['empty_rows']!r}"
+        )
+
+
 def _rotary_options_need_theta(arguments: Mapping[str, Any]) -> None:
     given = [key for key in ("rope_dim", "rope_scaling") if arguments[key] is not None]
     if given and arguments["rope_theta"] is None:
@@ -232,6 +240,7 @@ _LAYER_RULES = {
         _rotary_heads_even,
         _rotary_options_need_theta,
         _rope_dim_in_head,
+        _sinks_take_empty_rows,
     ),
     "RotaryEmbedding": (_rotary_size_even,),
 }

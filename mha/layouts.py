@@ -319,6 +319,18 @@ _READERS = {
 }
 
 
+def _zero_biases(matrices):
+    """The (W, b) pairs with a zero bias for each of q, k and v that has none where another
+    has one (Whisper's k_proj): the same numbers. Also the roles given one."""
+    roles = [k for k in "qkv" if matrices[k][1] is None]
+    if len(roles) == 3:
+        return matrices, []
+    zeros = {
+        k: (matrices[k][0], np.zeros(matrices[k][0].shape[1], matrices[k][0].dtype)) for k in roles
+    }
+    return {**matrices, **zeros}, roles
+
+
 def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
     """mha's config of the (W, b) pairs of q, k, v, o; every problem is listed."""
     problems = []
@@ -338,15 +350,7 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
         problems.append(
             f"the output projection takes {matrices['o'][0].shape[0]} inputs; the heads give {n}"
         )
-    # Whisper's k_proj has no bias where q_proj and v_proj have one: a zero bias is the same
-    zero_biases = [
-        k
-        for k in "qkv"
-        if matrices[k][1] is None and any(matrices[j][1] is not None for j in "qkv")
-    ]
-    for k in zero_biases:
-        W = matrices[k][0]
-        matrices = {**matrices, k: (W, np.zeros(W.shape[1], W.dtype))}
+    matrices, zero_biases = _zero_biases(matrices)
     has_bias = {k: matrices[k][1] is not None for k in "qkv"}
     for k in "qkvo":
         W, b = matrices[k]

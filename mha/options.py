@@ -313,6 +313,18 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "sinks",
+        False,
+        "boolean",
+        {
+            "*": "whether each head has a sink: a learned logit (the weight sinks, one per "
+            "head) that joins every row's softmax as a key with a zero value, so that a row's "
+            "weights sum to less than 1 (gpt-oss)."
+        },
+        _MHA,
+        added=True,
+    ),
+    Option(
         "qk_norm",
         None,
         "qk_norm",

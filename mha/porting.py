@@ -129,12 +129,13 @@ def canonical_from_state_dict(
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
     layout = _only_layout(state, names, prefix, where)
     used = layout_names(layout, names)
-    norms = _qk_norm_names(layout, names, options.get("qk_norm"), where)
-    left_out = _left_out(layout, set(names) - set(used) - set(norms.values()), where)
+    extra = _beside_projections(layout, names, options.get("qk_norm"), where)
+    left_out = _left_out(layout, set(names) - set(used) - set(extra.values()), where)
     weights, config = weights_and_config(layout, _read_arrays(names, used, where))
-    read = _read_arrays(names, list(norms.values()), where)
-    weights.update({canonical: read[name] for canonical, name in norms.items()})
-    used += list(norms.values())
+    read = _read_arrays(names, list(extra.values()), where)
+    weights.update({canonical: read[name] for canonical, name in extra.items()})
+    config["sinks"] = "sinks" in extra
+    used += list(extra.values())
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     notes = tuple(f"{path} has no bias: {_ZERO_BIAS}" for path in config.pop("zero_biases", ()))
@@ -214,6 +215,15 @@ def _what_it_is(name: str) -> str:
     if module.split(".")[-1] == "sinks":
         return "attention sinks: a learned logit per head in each softmax"
     return "a tensor beside the projections"
+
+
+def _beside_projections(layout, names, qk_norm: str | None, where: str) -> dict[str, str]:
+    """Canonical name -> the name under the prefix of each weight beside the projections:
+    QK-norm's scales where qk_norm says, gpt-oss's sinks where they are."""
+    extra = _qk_norm_names(layout, names, qk_norm, where)
+    if "sinks" in names:
+        extra["sinks"] = "sinks"
+    return extra
 
 
 # The scales of QK-norm's RMSNorms, beside the q/k/v/o_proj layout's projections

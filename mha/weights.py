@@ -72,6 +72,8 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
             shapes.update({"b_q": (n,), "b_k": (kv,), "b_v": (kv,)})
         if _out_bias(config.get("bias", False), config.get("out_bias")):
             shapes["b_o"] = (out,)
+        if config.get("sinks", False):  # one logit per head
+            shapes["sinks"] = (config["num_heads"],)
         if config.get("qk_norm") == "head":  # one scale of the head size, shared by the heads
             shapes.update(
                 {"q_norm": (n // config["num_heads"],), "k_norm": (n // config["num_heads"],)}
@@ -127,7 +129,11 @@ def _out_bias(bias: bool, out_bias: bool | None) -> bool:
 
 
 def weight_places(
-    class_name: str, bias: bool = False, out_bias: bool | None = None, qk_norm: str | None = None
+    class_name: str,
+    bias: bool = False,
+    out_bias: bool | None = None,
+    qk_norm: str | None = None,
+    sinks: bool = False,
 ) -> dict[str, tuple[str, str]]:
     """Where each canonical weight lives in a layer, the same in every backend.
 
@@ -143,6 +149,8 @@ def weight_places(
             places.update({f"b_{k}": (f"W_{k}", "bias") for k in "qkv"})
         if _out_bias(bias, out_bias):
             places["b_o"] = ("W_o", "bias")
+        if sinks:  # each head's sink logit, held as the bias of the sub-layer sink_logits
+            places["sinks"] = ("sink_logits", "bias")
         if qk_norm is not None:  # the scales of the RMSNorms of queries and keys
             places.update({"q_norm": ("q_norm", "scale"), "k_norm": ("k_norm", "scale")})
         return places
@@ -171,7 +179,7 @@ def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
     class_name = _layer_class_name(layer)
     if class_name != "MultiHeadAttention":
         return weight_places(class_name)
-    return weight_places(class_name, layer.bias, layer.out_bias, layer.qk_norm)
+    return weight_places(class_name, layer.bias, layer.out_bias, layer.qk_norm, layer.sinks)
 
 
 def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:

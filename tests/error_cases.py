@@ -170,6 +170,9 @@ CONSTRUCTORS = {
     "rotary odd size": build("RotaryEmbedding", 5),
     "rope_dim odd": build("MultiHeadAttention", 16, 2, rope_theta=1e4, rope_dim=3),
     "rope_dim over the head": build("MultiHeadAttention", 16, 2, rope_theta=1e4, rope_dim=10),
+    "sinks and uniform empty rows": build(
+        "MultiHeadAttention", 8, 2, sinks=True, empty_rows="uniform"
+    ),
     "rope_scaling without rope_theta": build(
         "MultiHeadAttention", 8, 2, rope_scaling={"rope_type": "linear", "factor": 2.0}
     ),

@@ -31,6 +31,7 @@ CONFIG = {
     "rope_dim": None,
     "rope_scaling": None,
     "softcap": None,
+    "sinks": False,
     "qk_norm": None,
     "qk_norm_eps": 1e-06,
 }

@@ -235,6 +235,7 @@ def test_torch_to_mha(torch, name, config, dtype):
         "rope_dim": None,
         "rope_scaling": None,
         "softcap": None,
+        "sinks": False,
         "qk_norm": None,
         "qk_norm_eps": 1e-06,
     }

@@ -407,12 +407,11 @@ def test_two_layouts_under_one_prefix_are_ambiguous():
             ),
             "not a number of key-value heads",
         ),
-        (lambda s: s.update({"q_proj.bias": np.zeros(8)}), "biases on q only"),
         (lambda s: s.update({"v_proj.weight": np.zeros((8, 8), "float32")}), "different dtypes"),
         (lambda s: s.update({"o_proj.weight": np.zeros((8, 6))}), "output projection takes 6"),
         (lambda s: s.update({"q_proj.weight": np.zeros((8, 8), "int64")}), "holds int64"),
     ],
-    ids=["kv_heads_differ", "kv_size", "some_biases", "dtypes", "output_size", "integers"],
+    ids=["kv_heads_differ", "kv_size", "dtypes", "output_size", "integers"],
 )
 def test_weights_mha_cannot_hold_are_refused(change, message):
     state = {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}
@@ -839,21 +838,53 @@ def test_stablelm_partial_rotary_in_rope_parameters_is_read():
         mha.MultiHeadAttention(16, **options)
 
 
-def test_gpt_oss_sinks_are_refused():
+@pytest.mark.parametrize("name", backend_params())
+def test_gpt_oss_ports_with_its_sinks_yarn_and_windows(name):
+    # Layer 0 slides over 3 keys, layer 1 attends to all; each head's sink joins the softmax;
+    # yarn scales the rotary frequencies (gpt-oss's own parameters, its ramp not rounded).
+    # transformers' eager path (its SDPA path has no sinks), compared at float32's 1e-5
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
     config, model = _tiny_decoder(
         "gpt_oss",
         head_dim=4,
         num_local_experts=2,
         num_experts_per_tok=1,
         sliding_window=3,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        rope_parameters=yarn,
     )
+    # transformers' experts multiply in float32 only: the model and the port run in float32
+    model = model.float()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # sinks that matter (transformers starts them near 0)
+        for block in model.layers:
+            block.self_attn.sinks.uniform_(-1.0, 1.0)
     with pytest.raises(ValueError, match="layer_types"):
         porting.options_from_config(config.to_dict())
-    options = porting.options_from_config(config.to_dict(), 1)
-    assert "sliding_window" not in options  # layer 1 is a full-attention layer
-    with pytest.raises(ValueError, match=r"sinks \(attention sinks"):
-        porting.from_state_dict(model.state_dict(), "layers.1.self_attn", **options)
+    seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
+    module = backend_module(name)
+    for layer, window in [(0, 3), (1, None)]:
+        options = porting.options_from_config(config.to_dict(), layer)
+        assert options.get("sliding_window") == window
+        assert options["rope_scaling"]["rope_type"] == "yarn"
+        port = porting.canonical_from_state_dict(
+            model.state_dict(), f"layers.{layer}.self_attn", **options
+        )
+        assert port.config["sinks"] and "sinks" in port.used
+        ported = porting.from_state_dict(
+            model.state_dict(), f"layers.{layer}.self_attn", backend=name, **options
+        )
+        x, expected = seen[layer]
+        output = module.to_numpy(ported(*[module.from_numpy(x)] * 3, causal=True))
+        atol = 1e-5 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("name", backend_params())

@@ -193,6 +193,13 @@ def _in_features(linear: _Linear) -> int | None:
     return linear.in_features
 
 
+class _Sinks(nnx.Module):
+    """Each head's sink logit, the layer's `bias` (zeros at first)."""
+
+    def __init__(self, num_heads: int, dtype: str):
+        self.bias = nnx.Param(jnp.zeros((num_heads,), _DTYPES[dtype]))
+
+
 class _RMSNorm(nnx.Module):
     """Scale the last axis to a mean square of 1, then by scale (float32 sums for half)."""
 
@@ -313,12 +320,28 @@ def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None, *,
     return _softmax(X, keep, empty_rows)
 
 
+def _with_sinks(scores: jax.Array, keep: jax.Array | None, sinks: jax.Array):
+    """The scores and keep with one more key at the end, each head's sink (sinks broadcastable
+    to the scores' rows), which every row keeps."""
+    rows = (*scores.shape[:-1], 1)
+    column = jnp.broadcast_to(sinks, rows).astype(scores.dtype)
+    if keep is not None:
+        keep = jnp.broadcast_to(keep, scores.shape)
+        keep = jnp.concatenate([keep, jnp.ones(rows, dtype=bool)], axis=-1)
+    return jnp.concatenate([scores, column], axis=-1), keep
+
+
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
-                    empty_rows="zeros"):
+                    empty_rows="zeros", sinks=None):
     """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
+    if sinks is not None:
+        # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
+        scores, keep = _with_sinks(scores, keep, sinks)
     weights = _softmax(scores, keep, empty_rows)
+    if sinks is not None:
+        weights = weights[..., :-1]
     return _matmul(dropout(weights), values), weights if need_weights else None
 
 
@@ -358,11 +381,13 @@ class DotProductAttention(nnx.Module):
                                    sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
-    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
+               sinks=None):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        _Masks.combine. MultiHeadAttention calls this with a head axis.
+        _Masks.combine; sinks, each head's sink logit broadcastable to the scores' rows
+        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
         # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
@@ -373,7 +398,7 @@ class DotProductAttention(nnx.Module):
             # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
             scores = self.softcap * jnp.tanh(scores / self.softcap)
         output, weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
+            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows, sinks
         )
         _set_if_allowed(self, "attention_weights", weights)
         return output
@@ -447,8 +472,8 @@ class MultiHeadAttention(nnx.Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, qk_norm: str | None = None,
-                 qk_norm_eps: float = 1e-6, dtype: str = "float32",
+                 softcap: float | None = None, sinks: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
@@ -476,6 +501,10 @@ class MultiHeadAttention(nnx.Module):
         self.W_o = _Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype, rngs)
         # RMSNorms of queries and keys: over each head, or over the whole projection
+        # Each head's sink logit (gpt-oss)
+        self.sinks = sinks
+        if sinks:
+            self.sink_logits = _Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
@@ -523,7 +552,8 @@ class MultiHeadAttention(nnx.Module):
             group = self.num_heads // num_kv_heads
             keys, values = jnp.repeat(keys, group, axis=1), jnp.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        sinks = self.sink_logits.bias[...].reshape(-1, 1, 1) if self.sinks else None
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks)
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))

@@ -155,13 +155,15 @@ class _Call(NamedTuple):
     sliding_window: int | None = None  # the layer's: the width of its band of keys
     cache: bool = False  # a KVCache is given: the graph returns its keys and values too
     cached: bool = False  # it holds positions: graph inputs, their number this call's offset
+    sinks: bool = False  # the layer's: each head's sink joins the softmax (see _with_sinks)
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
-                    empty_rows="zeros", sliding_window=None, cache=None, offset=0) -> _Call:
+                    empty_rows="zeros", sliding_window=None, cache=None, offset=0,
+                    sinks=False) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -177,6 +179,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         sliding_window=sliding_window,
         cache=cache is not None,
         cached=offset > 0,
+        sinks=sinks,
         recording=mx.autograd.is_recording(),
     )
 
@@ -244,6 +247,19 @@ class LayerNorm(nn.LayerNorm):
         mean = data.mean(axis=-1, keepdims=True)
         variance = F.np.square(data - mean).mean(axis=-1, keepdims=True)
         return (data - mean) / F.np.sqrt(variance + self._epsilon) * gamma + beta
+
+
+@mx.util.use_np
+class Sinks(nn.HybridBlock):
+    """Each head's sink logit, the layer's `bias` (zeros at first). Called on any array of the
+    graph, it gives the logits as (num_heads, 1, 1), broadcastable to the scores' rows."""
+
+    def __init__(self, num_heads: int, dtype: str):
+        super().__init__()
+        self.bias = self.params.get("bias", shape=(num_heads,), init=mx.init.Zero(), dtype=dtype)
+
+    def hybrid_forward(self, F, X, bias):
+        return F.np.reshape(bias, (-1, 1, 1))
 
 
 @mx.util.use_np
@@ -423,6 +439,7 @@ def _by_lengths(valid_lens, call: _Call) -> bool:
         and call.sliding_window is None  # a band of keys is another mask
         and call.attn_bias_ndim is None  # its -inf entries are a mask, and it adds to the scores
         and call.empty_rows == "zeros"  # npx.softmax makes a row of length 0 all 0, not uniform
+        and not call.sinks  # the sinks' column follows the keys, past every length
     )
 
 
@@ -527,15 +544,33 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None, *,
     return _softmax(F, X, keep, dtype, recording, empty_rows=empty_rows)
 
 
-def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call):
+def _with_sinks(F, scores, keep, sinks):
+    """The scores and keep with one more key at the end, each head's sink (sinks broadcastable
+    to the scores' rows), which every row keeps. A traced graph knows no shapes: the column
+    and keep take the scores' by arithmetic broadcasting."""
+    first = F.np.take(scores, F.np.zeros((1,), dtype="int32"), axis=-1)
+    column = F.np.zeros_like(first) + sinks
+    if keep is not None:
+        keep = F.np.where(keep, F.np.ones_like(scores), F.np.zeros_like(scores)) != 0
+        keep = F.np.concatenate([keep, F.np.ones_like(column) != 0], axis=-1)
+    return F.np.concatenate([scores, column], axis=-1), keep
+
+
+def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call, sinks=None):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     # The scores are the caller's own fresh array: masks may be added in place
     if bias is not None and _imperative(scores, call.recording):
         scores += bias
     elif bias is not None:
         scores = scores + bias
+    if sinks is not None:
+        # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
+        keys = F.npx.arange_like(scores, axis=-1).astype("int32")
+        scores, keep = _with_sinks(F, scores, keep, sinks)
     weights = _softmax(F, scores, keep, call.dtype, call.recording, in_place=True,
                        empty_rows=call.empty_rows)
+    if sinks is not None:
+        weights = F.np.take(weights, keys, axis=-1)
     # Gluon's Dropout copies its input when its rate is 0: a pass over the weights, skipped
     dropped = weights if _rate(dropout) == 0 else dropout(weights)
     return F.npx.batch_dot(dropped, values), weights if call.need_weights else None
@@ -587,13 +622,14 @@ class DotProductAttention(Layer):
                                       attn_bias, self._structure)
         return self.attend(F, queries, keys, values, self._structure, keep, bias)
 
-    def attend(self, F, queries, keys, values, call: _Call, keep=None, bias=None):
+    def attend(self, F, queries, keys, values, call: _Call, keep=None, bias=None, sinks=None):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         the mask helpers; `call` gives d, the dtype, need_weights and whether autograd
-        records. MultiHeadAttention calls this with a head axis. Returns (output, weights),
-        weights None unless call.need_weights.
+        records; sinks, each head's sink logit broadcastable to the scores' rows (num_heads,
+        1, 1), or None. MultiHeadAttention calls this with a head axis. Returns (output,
+        weights), weights None unless call.need_weights.
         """
         # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
         if self.scale is None:
@@ -606,7 +642,7 @@ class DotProductAttention(Layer):
         if self.softcap is not None:
             # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
             scores = self.softcap * F.np.tanh(scores / self.softcap)
-        return _attention_pool(F, scores, values, keep, bias, self.dropout, call)
+        return _attention_pool(F, scores, values, keep, bias, self.dropout, call, sinks)
 
 
 @documented
@@ -678,8 +714,8 @@ class MultiHeadAttention(Layer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, qk_norm: str | None = None,
-                 qk_norm_eps: float = 1e-6, dtype: str = "float32"):
+                 softcap: float | None = None, sinks: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -704,6 +740,10 @@ class MultiHeadAttention(Layer):
         self.W_o = _dense(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
         # RMSNorms of queries and keys: over each head, or over the whole projection
+        # Each head's sink logit (gpt-oss)
+        self.sinks = sinks
+        if sinks:
+            self.sink_logits = Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
@@ -742,7 +782,7 @@ class MultiHeadAttention(Layer):
             return output if cache is None else (output, cache)
         call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
                                head_mask, need_weights, attn_bias, self.empty_rows,
-                               self.sliding_window, cache, offset)
+                               self.sliding_window, cache, offset, self.sinks)
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
@@ -793,7 +833,9 @@ class MultiHeadAttention(Layer):
             group = self.num_heads // num_kv_heads
             keys, values = F.np.repeat(keys, group, axis=1), F.np.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        output, weights = self.attention.attend(F, queries, keys, values, call, keep, bias)
+        sinks = self.sink_logits(queries) if self.sinks else None
+        output, weights = self.attention.attend(F, queries, keys, values, call, keep, bias,
+                                                sinks)
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             head_mask = F.np.expand_dims(F.np.expand_dims(head_mask.astype(self.dtype), -1), -1)

@@ -180,6 +180,14 @@ class LayerNorm(Module):
         return (X - mean) / np.sqrt(variance + X.dtype.type(self.eps)) * self.gamma + self.beta
 
 
+class Sinks(Module):
+    """Each head's sink logit, the layer's `bias` (zeros at first)."""
+
+    def __init__(self, num_heads: int, dtype: str):
+        super().__init__()
+        self.bias = np.zeros(num_heads, dtype=dtype)
+
+
 class RMSNorm(Module):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for float16)."""
 
@@ -292,12 +300,28 @@ def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None, *,
     return _softmax(X, keep, empty_rows)
 
 
+def _with_sinks(scores: np.ndarray, keep: np.ndarray | None, sinks: np.ndarray):
+    """The scores and keep with one more key at the end, each head's sink (sinks broadcastable
+    to the scores' rows), which every row keeps."""
+    rows = (*scores.shape[:-1], 1)
+    column = np.broadcast_to(sinks, rows).astype(scores.dtype)
+    if keep is not None:
+        keep = np.broadcast_to(keep, scores.shape)
+        keep = np.concatenate([keep, np.ones(rows, dtype=bool)], axis=-1)
+    return np.concatenate([scores, column], axis=-1), keep
+
+
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
-                    empty_rows="zeros"):
+                    empty_rows="zeros", sinks=None):
     """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
+    if sinks is not None:
+        # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
+        scores, keep = _with_sinks(scores, keep, sinks)
     weights = _softmax(scores, keep, empty_rows)
+    if sinks is not None:
+        weights = weights[..., :-1]
     return dropout(weights) @ values, weights if need_weights else None
 
 
@@ -332,11 +356,13 @@ class DotProductAttention(Module):
                                    sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
-    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True):
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
+               sinks=None):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        the mask helpers. MultiHeadAttention calls this with a head axis.
+        the mask helpers; sinks, each head's sink logit broadcastable to the scores' rows
+        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis.
         """
         d = queries.shape[-1]
         # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
@@ -353,7 +379,7 @@ class DotProductAttention(Module):
             # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
             scores = self.softcap * np.tanh(scores / scores.dtype.type(self.softcap))
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
+            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows, sinks
         )
         return output
 
@@ -413,8 +439,8 @@ class MultiHeadAttention(Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, qk_norm: str | None = None,
-                 qk_norm_eps: float = 1e-6, dtype: str = "float32"):
+                 softcap: float | None = None, sinks: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -439,6 +465,10 @@ class MultiHeadAttention(Module):
         self.W_o = Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
         # RMSNorms of queries and keys: over each head, or over the whole projection
+        # Each head's sink logit (gpt-oss)
+        self.sinks = sinks
+        if sinks:
+            self.sink_logits = Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
@@ -487,7 +517,8 @@ class MultiHeadAttention(Module):
             group = self.num_heads // num_kv_heads
             keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights)
+        sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

@@ -135,6 +135,15 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
     return tf.reshape(y, out_shape)
 
 
+class _Sinks(keras.layers.Layer):
+    """Each head's sink logit, the layer's `bias` (zeros at first)."""
+
+    def __init__(self, num_heads: int, dtype: str, **kwargs):
+        super().__init__(dtype=dtype, **kwargs)
+        self.bias = self.add_weight(shape=(num_heads,), initializer="zeros", name="bias")
+        self.built = True
+
+
 class _RMSNorm(keras.layers.Layer):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for half)."""
 
@@ -279,12 +288,28 @@ def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None, *,
     return _softmax(X, keep, empty_rows)
 
 
+def _with_sinks(scores: tf.Tensor, keep: tf.Tensor | None, sinks: tf.Tensor):
+    """The scores and keep with one more key at the end, each head's sink (sinks broadcastable
+    to the scores' rows), which every row keeps."""
+    rows = tf.concat([tf.shape(scores)[:-1], [1]], axis=0)
+    column = tf.broadcast_to(tf.cast(sinks, scores.dtype), rows)
+    if keep is not None:
+        keep = tf.broadcast_to(keep, tf.shape(scores))
+        keep = tf.concat([keep, tf.ones(rows, dtype=tf.bool)], axis=-1)
+    return tf.concat([scores, column], axis=-1), keep
+
+
 def _attention_pool(scores, values, keep, bias, dropout, training, need_weights=True,
-                    empty_rows="zeros"):
+                    empty_rows="zeros", sinks=None):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
+    if sinks is not None:
+        # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
+        scores, keep = _with_sinks(scores, keep, sinks)
     weights = _softmax(scores, keep, empty_rows)
+    if sinks is not None:
+        weights = weights[..., :-1]
     return tf.matmul(dropout(weights, training=training), values), (
         weights if need_weights else None
     )
@@ -365,11 +390,12 @@ class DotProductAttention(_AttentionLayer):
         return self.attend(queries, keys, values, keep, bias, training=training)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               training=None):
+               training=None, sinks=None):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        the mask helpers. MultiHeadAttention calls this with a head axis.
+        the mask helpers; sinks, each head's sink logit broadcastable to the scores' rows
+        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis.
         """
         d = _dims(queries)[-1]
         # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
@@ -383,7 +409,8 @@ class DotProductAttention(_AttentionLayer):
             # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
             scores = self.softcap * tf.tanh(scores / self.softcap)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, training, need_weights, self.empty_rows
+            scores, values, keep, bias, self.dropout, training, need_weights, self.empty_rows,
+            sinks,
         )
         return output
 
@@ -476,8 +503,9 @@ class MultiHeadAttention(_AttentionLayer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, qk_norm: str | None = None,
-                 qk_norm_eps: float = 1e-6, dtype: str = "float32", **kwargs):
+                 softcap: float | None = None, sinks: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32",
+                 **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -502,6 +530,10 @@ class MultiHeadAttention(_AttentionLayer):
         self.W_o = _projection(out_features or num_hiddens,
                                bias if out_bias is None else out_bias, num_hiddens, dtype)
         # RMSNorms of queries and keys: over each head, or over the whole projection
+        # Each head's sink logit (gpt-oss)
+        self.sinks = sinks
+        if sinks:
+            self.sink_logits = _Sinks(num_heads, dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
@@ -579,8 +611,9 @@ class MultiHeadAttention(_AttentionLayer):
             group = self.num_heads // num_kv_heads
             keys, values = tf.repeat(keys, group, axis=1), tf.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
+        sinks = tf.reshape(self.sink_logits.bias, [-1, 1, 1]) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights,
-                                       training=training)
+                                       training=training, sinks=sinks)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

@@ -123,6 +123,14 @@ def _in_features(linear: nn.Module) -> int | None:
     return linear.in_features or None
 
 
+class Sinks(nn.Module):
+    """Each head's sink logit, the layer's `bias` (zeros at first)."""
+
+    def __init__(self, num_heads: int, dtype: str):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(num_heads, dtype=_TORCH_DTYPES[dtype]))
+
+
 class RMSNorm(nn.Module):
     """Scale the last axis to a mean square of 1, then by weight (float32 sums for half)."""
 
@@ -256,12 +264,29 @@ def masked_softmax(X: torch.Tensor, valid_lens: torch.Tensor | None = None, *,
     return _softmax(X, keep, empty_rows=empty_rows)
 
 
-def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empty_rows="zeros"):
+def _with_sinks(scores: torch.Tensor, keep: torch.Tensor | None, sinks: torch.Tensor):
+    """The scores and keep with one more key at the end, each head's sink (sinks broadcastable
+    to the scores' rows), which every row keeps."""
+    rows = (*scores.shape[:-1], 1)
+    column = sinks.to(scores.dtype).expand(rows)
+    if keep is not None:
+        keep = keep.expand(scores.shape)
+        keep = torch.cat([keep, keep.new_ones(rows)], dim=-1)
+    return torch.cat([scores, column], dim=-1), keep
+
+
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empty_rows="zeros",
+                    sinks=None):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
+    if sinks is not None:
+        # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
+        scores, keep = _with_sinks(scores, keep, sinks)
     # The scores are the caller's own fresh tensor: the softmax overwrites them
     weights = _softmax(scores, keep, in_place=True, empty_rows=empty_rows)
+    if sinks is not None:
+        weights = weights[..., :-1]
     # Values split into heads have rows num_hiddens apart, and torch's CPU product in bfloat16
     # and float16 is far slower on such rows than on contiguous ones
     return dropout(weights) @ values.contiguous(), weights if need_weights else None
@@ -299,12 +324,13 @@ class DotProductAttention(Module):
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               path=None):
+               path=None, sinks=None):
         """Attention on prepared inputs with any leading axes (no checks).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
-        _Masks.combine. MultiHeadAttention calls this with a head axis, and with the `path`
-        it chose (fused.choose_path; chosen here when None): torch's fused kernel or a
+        _Masks.combine; sinks, each head's sink logit broadcastable to the scores' rows
+        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis, and with
+        the `path` it chose (fused.choose_path; chosen here when None): torch's fused kernel or a
         product with the mask inside compute the same numbers where they can.
         """
         d = queries.shape[-1]
@@ -313,7 +339,8 @@ class DotProductAttention(Module):
         queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
         if path is None:
             path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
-                                     self.empty_rows, self.dropout, softcap=self.softcap)
+                                     self.empty_rows, self.dropout, softcap=self.softcap,
+                                     sinks=sinks is not None)
         output = fused.attend(queries, keys, values, keep, bias, self.dropout, path)
         if output is not None:  # F.scaled_dot_product_attention computed it, without weights
             self.attention_weights = None
@@ -333,7 +360,7 @@ class DotProductAttention(Module):
             # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
             scores = self.softcap * torch.tanh(scores / self.softcap)
         output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows
+            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows, sinks
         )
         return output
 
@@ -397,8 +424,8 @@ class MultiHeadAttention(Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, qk_norm: str | None = None,
-                 qk_norm_eps: float = 1e-6, dtype: str = "float32"):
+                 softcap: float | None = None, sinks: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -423,6 +450,10 @@ class MultiHeadAttention(Module):
         self.W_o = _linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype)
         # RMSNorms of queries and keys: over each head, or over the whole projection
+        # Each head's sink logit (gpt-oss)
+        self.sinks = sinks
+        if sinks:
+            self.sink_logits = Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
@@ -471,7 +502,7 @@ class MultiHeadAttention(Module):
             x is None for x in (valid_lens, mask, window_mask, attn_bias)
         )
         path = fused.choose_path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
-                                 self.attention.dropout, causal_alone, self.softcap)
+                                 self.attention.dropout, causal_alone, self.softcap, self.sinks)
         if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
             # Query head h attends with key-value head h // group, as Llama's repeat_kv
             # (the fused paths pair them themselves: see torch_fused)
@@ -479,7 +510,9 @@ class MultiHeadAttention(Module):
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, path)
+        sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, path,
+                                       sinks)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

@@ -118,7 +118,7 @@ def _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) -> st
 
 
 def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dropout,
-                causal=False, softcap=None) -> str:
+                causal=False, softcap=None, sinks=False) -> str:
     """Which of DotProductAttention.attend's ways computes the call, decided once per call:
 
     - "is_causal": F.scaled_dot_product_attention's own causal mask, `causal` saying that the
@@ -126,10 +126,10 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     - "fused": F.scaled_dot_product_attention with the mask (see _why_not_fused);
     - "masked product": the mask added inside one batched product (_why_not_masked_product);
     - "scores": the masked scores replaced by -inf, whatever the keys hold; also the cheapest
-      for one query under a mask, and the only one with a soft cap (`softcap`), which
-      the kernels do not take.
+      for one query under a mask, and the only one with a soft cap (`softcap`) or sinks,
+      which the kernels do not take.
     """
-    if softcap is not None:
+    if softcap is not None or sinks:
         return "scores"
     if not need_weights and causal and _kernel_takes_causal(queries, values, dropout):
         return "is_causal"

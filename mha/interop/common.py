@@ -94,6 +94,8 @@ def check_expressible(
         problems.append(f"an output size other than num_hiddens (W_o {W_o})")
     if np.shape(weights["W_k"])[1] != W_o[0] and "num_kv_heads" not in has:
         problems.append("fewer key-value heads than query heads (grouped-query attention)")
+    if "sinks" in weights:
+        problems.append("attention sinks (sinks)")
     for key, value in (options or {}).items():
         if key == "sliding_window" and "sliding_window" in has:
             continue
