@@ -79,7 +79,10 @@ class Case:
 
 
 def _id_value(value: Any) -> str:
-    # A mapping (a rope scaling) as compact JSON, so that an id holds no spaces
+    # A rope scaling by its type, so that a row's label stays short; another mapping as
+    # compact JSON, so that an id holds no spaces
+    if isinstance(value, Mapping) and "rope_type" in value:
+        return str(value["rope_type"])
     return json.dumps(value, separators=(",", ":")) if isinstance(value, Mapping) else str(value)
 
 
