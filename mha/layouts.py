@@ -351,7 +351,6 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
             f"the output projection takes {matrices['o'][0].shape[0]} inputs; the heads give {n}"
         )
     matrices, zero_biases = _zero_biases(matrices)
-    has_bias = {k: matrices[k][1] is not None for k in "qkv"}
     for k in "qkvo":
         W, b = matrices[k]
         if b is not None and b.shape != (W.shape[1],):
@@ -369,7 +368,7 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
             if matrices[k][1] is not None
         }
     )
-    bias, out_bias = has_bias["q"], matrices["o"][1] is not None
+    bias, out_bias = matrices["q"][1] is not None, matrices["o"][1] is not None
     out_features = weights["W_o"].shape[1]
     config = {
         "num_hiddens": n,

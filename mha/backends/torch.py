@@ -676,7 +676,9 @@ class RotaryEmbedding(Module):
         longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
         if longer is None:
             return self.frequencies
-        return torch.from_numpy(longer).to(self.frequencies.device, self.frequencies.dtype)
+        # Cast on the host, then copied without waiting for the device (a blocking copy syncs)
+        longer = torch.from_numpy(longer).to(self.frequencies.dtype)
+        return longer.to(self.frequencies.device, non_blocking=True)
 
     def _frequencies(self, device: torch.device | None = None) -> torch.Tensor:
         # In float64 for a float64 layer, else float32 (mha.encoding.rotary_angle_dtype)
