@@ -28,7 +28,9 @@ def options_from_config(
     rope_parameters, also per layer type, with its scaling and partial_rotary_factor), the
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
-    scale_attn_by_inverse_layer_idx) and Gemma 2's soft cap (attn_logit_softcapping).
+    scale_attn_by_inverse_layer_idx), Gemma 2's soft cap (attn_logit_softcapping) and the
+    QK-norm of Qwen3, OLMo 2 and Gemma 3 (qk_norm, qk_norm_eps, and qk_norm_offset=1.0 for
+    Gemma's norms, which scale by 1 + weight: a port option, not a layer's).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -164,9 +166,11 @@ _ROTARY = {
 }
 
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
-# q_norm and k_norm themselves): over each head, or over the whole projection. Gemma 3's
-# norms scale by 1 + weight, and are refused with the other norms
-_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "projection"}
+# q_norm and k_norm): over each head, or over the whole projection
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "projection", "gemma3_text": "head"}
+
+# Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
+_QK_NORM_OFFSET = {"gemma3_text": 1.0}
 
 # Model types whose rotary base is fixed in their code, not written in their config
 _FIXED_THETA = {"gptj": 10000.0}
@@ -210,6 +214,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if model_type in _QK_NORM:  # RMSNorms of queries and keys, scaled by their weights
         found["qk_norm"] = _QK_NORM[model_type]
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
+    if model_type in _QK_NORM_OFFSET:
+        found["qk_norm_offset"] = _QK_NORM_OFFSET[model_type]
     return found
 
 

@@ -100,6 +100,7 @@ def canonical_from_state_dict(
     *,
     num_heads: int | None = None,
     scale: float | None = None,
+    qk_norm_offset: float = 0.0,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`.
@@ -112,6 +113,8 @@ def canonical_from_state_dict(
         num_heads: the number of heads; needed except for kernels per head, which tell it.
         scale: the score scale, when the model's differs from its layout's (for example
             GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
+        qk_norm_offset: what the source's QK-norms add to their weights before scaling
+            (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
         **options: the layer's options that weights do not tell: rope_theta,
             rope_interleaved, sliding_window (see `options_from_config` for a Hugging Face
             config). Key and value projections with fewer outputs than the query's give
@@ -133,12 +136,14 @@ def canonical_from_state_dict(
     left_out = _left_out(layout, set(names) - set(used) - set(extra.values()), where)
     weights, config = weights_and_config(layout, _read_arrays(names, used, where))
     read = _read_arrays(names, list(extra.values()), where)
-    weights.update({canonical: read[name] for canonical, name in extra.items()})
+    weights.update(_offset_norms({c: read[name] for c, name in extra.items()}, qk_norm_offset))
     config["sinks"] = "sinks" in extra
     used += list(extra.values())
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     notes = tuple(f"{path} has no bias: {_ZERO_BIAS}" for path in config.pop("zero_biases", ()))
+    if qk_norm_offset and "q_norm" in extra:
+        notes += (f"q_norm and k_norm hold {qk_norm_offset:g} + the source's norm weights",)
     if kv_hiddens != config["num_hiddens"]:
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
     config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
@@ -154,6 +159,17 @@ def canonical_from_state_dict(
 
 
 _ZERO_BIAS = "its bias is zero, which gives the same numbers"
+
+
+def _offset_norms(extra: dict[str, np.ndarray], offset: float) -> dict[str, np.ndarray]:
+    """The weights beside the projections, QK-norm's scales plus `offset` (Gemma's norms
+    scale by 1 + weight, summed in the weights' dtype as Gemma sums them in float32)."""
+    if not offset:
+        return extra
+    return {
+        name: value + value.dtype.type(offset) if name in ("q_norm", "k_norm") else value
+        for name, value in extra.items()
+    }
 
 
 def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> Layout:
@@ -209,8 +225,9 @@ def _what_it_is(name: str) -> str:
     module = name.rsplit(".", 1)[0] if "." in name else name
     if "norm" in module.lower():
         return (
-            "a norm inside the attention: QK-norm; give qk_norm, which options_from_config "
-            "gives Qwen3 and OLMo 2 (Gemma's norms scale by 1 + weight: add 1 first)"
+            "a norm inside the attention: QK-norm; give qk_norm (and qk_norm_offset=1.0 for "
+            "Gemma's, which scale by 1 + weight), as options_from_config gives Qwen3, OLMo 2 "
+            "and Gemma 3"
         )
     if module.split(".")[-1] == "sinks":
         return "attention sinks: a learned logit per head in each softmax"
@@ -308,11 +325,14 @@ def from_state_dict(
     num_heads: int | None = None,
     scale: float | None = None,
     backend: str | None = None,
+    qk_norm_offset: float = 0.0,
     **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding the
     attention layer under `prefix`; see `canonical_from_state_dict` for the arguments."""
-    port = canonical_from_state_dict(state, prefix, num_heads=num_heads, scale=scale, **options)
+    port = canonical_from_state_dict(
+        state, prefix, num_heads=num_heads, scale=scale, qk_norm_offset=qk_norm_offset, **options
+    )
     module = load_backend(backend if backend is not None else get_backend())
     layer = build_layer(module, "MultiHeadAttention", port.config)
     set_weights(layer, port.weights)

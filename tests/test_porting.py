@@ -813,19 +813,45 @@ def test_gemma2_layers_get_their_own_window_scale_and_soft_cap(name):
         assert np.max(np.abs(off)) > 100 * atol
 
 
-def test_gemma3_rope_per_layer_type_and_qk_norm():
+@pytest.mark.parametrize("name", backend_params())
+def test_gemma3_ports_with_its_rope_per_layer_type_and_norms_of_one_plus_weight(name):
+    # Layer 0 slides with the local rotary base, layer 1 attends to all with the global one,
+    # scaled linearly; the QK-norms scale by 1 + weight (computed in float32 by transformers)
     config, model = _tiny_decoder(
-        "gemma3", head_dim=4, layer_types=["sliding_attention", "full_attention"]
+        "gemma3",
+        head_dim=4,
+        query_pre_attn_scalar=8,
+        sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 8.0},
+        },
     )
-    # One rotary base per layer type: the sliding layers' and the full layers'
-    thetas = [porting.options_from_config(config.to_dict(), i)["rope_theta"] for i in (0, 1)]
-    assert thetas == [
-        config.rope_parameters["sliding_attention"]["rope_theta"],
-        config.rope_parameters["full_attention"]["rope_theta"],
-    ]
-    options = porting.options_from_config(config.to_dict(), 1)
-    with pytest.raises(ValueError, match=r"k_norm\.weight.*q_norm\.weight"):
-        porting.from_state_dict(model.state_dict(), "layers.1.self_attn", **options)
+    with torch.no_grad():  # norm weights away from 0, scores of order 1
+        for block in model.layers:
+            block.self_attn.q_norm.weight.uniform_(-0.5, 0.5)
+            block.self_attn.k_norm.weight.uniform_(-0.5, 0.5)
+            block.self_attn.q_proj.weight.mul_(10)
+    seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
+    module = backend_module(name)
+    for layer, window, theta in [(0, 3, 10.0), (1, None, 1000.0)]:
+        options = porting.options_from_config(config.to_dict(), layer)
+        assert options.get("sliding_window") == window and options["rope_theta"] == theta
+        assert options["qk_norm"] == "head" and options["qk_norm_offset"] == 1.0
+        state, prefix = model.state_dict(), f"layers.{layer}.self_attn"
+        ported = porting.from_state_dict(state, prefix, backend=name, **options)
+        x, expected = seen[layer]
+        output = module.to_numpy(ported(*[module.from_numpy(x)] * 3, causal=True))
+        atol = 1e-6 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
+        # The weights alone, without the 1 Gemma adds, give other numbers
+        options["qk_norm_offset"] = 0.0
+        plain = porting.from_state_dict(state, prefix, backend=name, **options)
+        off = module.to_numpy(plain(*[module.from_numpy(x)] * 3, causal=True)) - expected
+        assert np.max(np.abs(off)) > 100 * atol
+    port = porting.canonical_from_state_dict(state, prefix, **{**options, "qk_norm_offset": 1.0})
+    assert any("1 + the source's norm weights" in note for note in port.notes)
 
 
 def test_stablelm_partial_rotary_in_rope_parameters_is_read():
@@ -982,12 +1008,9 @@ def test_a_checkpoints_rotary_frequencies_are_checked():
 def test_convert_takes_the_layer_index_where_layers_differ(tmp_path, capsys):
     from safetensors.numpy import save_file
 
+    # Gemma 3: its layers differ, and its QK-norms scale by 1 + weight
     config, model = _tiny_decoder(
-        "gemma2",
-        head_dim=4,
-        attn_logit_softcapping=None,
-        sliding_window=3,
-        layer_types=["sliding_attention", "full_attention"],
+        "gemma3", head_dim=4, sliding_window=3, layer_types=["sliding_attention", "full_attention"]
     )
     save_file(
         {key: value.numpy() for key, value in model.state_dict().items()},
@@ -1000,8 +1023,12 @@ def test_convert_takes_the_layer_index_where_layers_differ(tmp_path, capsys):
     assert code == 2 and "layer_types" in capsys.readouterr().err
     code = cli.main(["convert", str(source), str(destination), *arguments, "--layer", "1"])
     assert code == 0, capsys.readouterr().err
+    assert "1 + the source's norm weights" in capsys.readouterr().out
     checkpoint = mha.weights.read_checkpoint(destination)
     assert checkpoint.config["sliding_window"] is None and checkpoint.config["rope_theta"]
+    assert checkpoint.config["qk_norm"] == "head"
+    norm = model.state_dict()["layers.1.self_attn.q_norm.weight"].numpy()
+    np.testing.assert_array_equal(checkpoint.weights["q_norm"], 1 + norm)
 
 
 # ---------------------------------------------------------------------------------------------
