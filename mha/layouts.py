@@ -85,6 +85,11 @@ LAYOUTS = (
         scale=1.0,
         outside={"relative_attention_bias.weight": "give attn_bias=t5_position_bias(...)"},
     ),
+    Layout(
+        "fused query_key_value and dense (GPT-NeoX, Falcon, BLOOM)",
+        "fused_per_group",
+        {"qkv": "query_key_value", "o": "dense"},
+    ),
     Layout("fused qkv and proj (timm)", "fused", {"qkv": "qkv", "o": "proj"}),
     Layout(
         "GPT-2 Conv1D (c_attn, c_proj)",
@@ -116,6 +121,7 @@ _MARK = {
     "linear": "weight",
     "fused": "weight",
     "fused_grouped": "weight",
+    "fused_per_group": "weight",
     "conv1d": "weight",
     "heads": "kernel",
 }
@@ -185,11 +191,15 @@ def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
-def weights_and_config(layout: Layout, arrays):
-    """Canonical weights and the config the weights tell, of one layout's arrays."""
+def weights_and_config(layout: Layout, arrays, num_heads: int | None = None):
+    """Canonical weights and the config the weights tell, of one layout's arrays; num_heads
+    where the order of the rows depends on it (query_key_value)."""
     if layout.kind == "torch":
         return canonical_from_torch(arrays)
-    matrices, heads = _READERS[layout.kind](layout, arrays)
+    if layout.kind == "fused_per_group":
+        matrices, heads = _read_fused_per_group(layout, arrays, num_heads)
+    else:
+        matrices, heads = _READERS[layout.kind](layout, arrays)
     return _config(layout, matrices, heads)
 
 
@@ -269,6 +279,39 @@ def _read_fused_grouped(layout: Layout, arrays):
     blocks = np.split(W, cuts, axis=1)
     biases = [None] * 3 if b is None else np.split(b, cuts)
     return {**{k: (blocks[i], biases[i]) for i, k in enumerate("qkv")}, "o": o}, None
+
+
+def _read_fused_per_group(layout: Layout, arrays, num_heads: int | None):
+    """GPT-NeoX's, Falcon's and BLOOM's query_key_value: the rows of each key-value head's
+    group in turn, its query heads, then its key head and its value head. One group per head
+    gives each head's q, k, v in turn (GPT-NeoX, BLOOM); one group, Falcon's multi-query."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(
+            f"the order of {layout.paths['qkv']}'s rows follows the heads: give num_heads "
+            f"(a positive integer). Received: num_heads={num_heads!r}"
+        )
+    W, b = _matrices(layout, arrays, "qkv", True)
+    o = _matrices(layout, arrays, "o", True)
+    n, rows = o[0].shape[0], W.shape[1]
+    head = n // num_heads if n % num_heads == 0 else 0
+    groups = (rows // head - num_heads) // 2 if head and rows % head == 0 else 0
+    if groups < 1 or rows != (num_heads + 2 * groups) * head or num_heads % groups:
+        raise _problem(
+            layout,
+            [
+                f"{layout.paths['qkv']} has {rows} outputs: with {num_heads} heads of the "
+                f"output projection's {n} inputs, that is not q, k and v of groups of heads"
+            ],
+        )
+    per_group = num_heads // groups
+
+    def take(array, first, count):  # (..., rows) -> (..., count heads of each group)
+        grouped = array.reshape(*array.shape[:-1], groups, per_group + 2, head)
+        return grouped[..., first : first + count, :].reshape(*array.shape[:-1], -1)
+
+    cuts = {"q": (0, per_group), "k": (per_group, 1), "v": (per_group + 1, 1)}
+    matrices = {k: (take(W, *cut), None if b is None else take(b, *cut)) for k, cut in cuts.items()}
+    return {**matrices, "o": o}, num_heads
 
 
 def _read_conv1d(layout: Layout, arrays):

@@ -84,9 +84,11 @@ _UNSUPPORTED = {
     "attention_chunk_size": ((None,), "attends within chunks of the sequence"),
     "attn_temperature_tuning": ((None, False), "scales the queries by their position"),
     "use_bidirectional_attention": ((None, False), "attends both ways, with windows of its own"),
-    "rotary_pct": ((None, 1.0), "rotates part of each head"),
     "alibi": ((None, False), "adds ALiBi's position biases"),
 }
+
+# Model types whose attention adds ALiBi's position biases, which their configs do not say
+_ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 
 
 def _refuse_config(config: Mapping[str, Any]) -> None:
@@ -96,7 +98,7 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         for key, value in config.items()
         if isinstance(value, Mapping) and "num_attention_heads" in value
     ]
-    if nested and config.get("num_attention_heads", config.get("n_head")) is None:
+    if nested and _num_heads(config) is None:
         raise ValueError(
             f"the config nests the configs of its models ({', '.join(nested)}): give the one "
             f"the layer belongs to, e.g. config[{nested[0]!r}]"
@@ -106,6 +108,8 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         for key, (plain, what) in _UNSUPPORTED.items()
         if key in config and config[key] not in plain
     ]
+    if config.get("model_type") in _ALIBI_MODEL_TYPES:
+        problems.append(f"model_type={config['model_type']!r} adds ALiBi's position biases")
     if problems:
         raise ValueError(
             "the config's attention does what mha's MultiHeadAttention cannot represent: "
@@ -134,12 +138,14 @@ _ROTARY = {
     "arcee": "half",
     "cohere": "pairs",
     "cohere2": "pairs",
+    "falcon": "half",
     "ernie4_5": "pairs",
     "gemma": "half",
     "gemma2": "half",
     "gemma3_text": "half",
     "glm": "pairs",
     "glm4": "pairs",
+    "gpt_neox": "half",
     "gpt_oss": "half",
     "gptj": "pairs",
     "granite": "half",
@@ -175,6 +181,9 @@ _QK_NORM_OFFSET = {"gemma3_text": 1.0}
 # Model types whose rotary base is fixed in their code, not written in their config
 _FIXED_THETA = {"gptj": 10000.0}
 
+# What transformers gives a GPT-NeoX config that does not write its rotary embedding
+_GPT_NEOX_ROPE = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
 
@@ -184,9 +193,9 @@ _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """The options of the layer of this index (None: where the config tells no layers)."""
     found: dict[str, Any] = {}
-    heads = config.get("num_attention_heads", config.get("n_head"))
+    heads = _num_heads(config)
     if heads is not None:
-        found["num_heads"] = int(heads)
+        found["num_heads"] = heads
     kind = _attention_kind(config, layer)
     window = config.get("sliding_window")
     if window is not None and config.get("use_sliding_window", True) and kind != "full_attention":
@@ -268,9 +277,14 @@ def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> d
             f"{dict(legacy)}; mha reads one"
         )
     rope, field = (legacy, "rope_scaling") if legacy else (rope, field)
-    theta = rope.get("rope_theta", config.get("rope_theta"))
+    # GPT-NeoX's older configs name the base rotary_emb_base and the fraction rotary_pct
+    neox = _GPT_NEOX_ROPE if config.get("model_type") == "gpt_neox" else {}
+    theta = rope.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base")))
     theta = _FIXED_THETA.get(config.get("model_type"), theta) if theta is None else theta
+    theta = neox.get("rope_theta") if theta is None else theta
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is None:
+        partial = config.get("rotary_pct", neox.get("partial_rotary_factor"))
     scaling = _rope_scaling(config, rope, field)
     if theta is None:
         if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
@@ -370,11 +384,34 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     return scale
 
 
+def _num_heads(config: Mapping[str, Any]) -> int | None:
+    """The number of attention heads, under the names configs give it; None where the config
+    does not tell it, or its encoder's and decoder's differ (the caller gives num_heads)."""
+    keys = _HEAD_COUNTS
+    if config.get("encoder_attention_heads") != config.get("decoder_attention_heads"):
+        keys = keys[: keys.index("encoder_attention_heads")]
+    found = [config.get(key) for key in keys]
+    whole = [value for value in found if isinstance(value, int) and not isinstance(value, bool)]
+    return whole[0] if whole else None
+
+
+# The names of the number of heads: GPT-2's n_head, MPT's n_heads, T5's num_heads, and BART's
+# and Whisper's encoder_attention_heads and decoder_attention_heads where they agree
+_HEAD_COUNTS = (
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+)
+
+
 def _head_size(config: Mapping[str, Any]) -> int | None:
     """The size of a head: head_dim, or the hidden size over the number of heads."""
     if config.get("head_dim") is not None:
         return int(config["head_dim"])
-    heads = config.get("num_attention_heads", config.get("n_head"))
+    heads = _num_heads(config)
     hidden = next(
         (config[key] for key in ("hidden_size", "n_embd", "d_model") if config.get(key)), None
     )

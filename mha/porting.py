@@ -20,6 +20,9 @@ The layouts (q, k, v, o: the query, key, value and output projections; n = num_h
         q_proj, k_proj, v_proj, out_proj                       BART, OPT, Whisper
         q, k, v, o (no biases, unscaled scores: scale=1)       T5
     one fused Linear, qkv.weight (3n, in) = [q; k; v], and proj    timm's Attention
+    qkv_proj (q's rows, then k's and v's) and o_proj                 Phi-3
+    query_key_value, each group of heads' q rows, then its k and v, and dense
+                                                   GPT-NeoX, BLOOM, Falcon
     GPT-2's Conv1D, stored (in, out): c_attn.weight (in, 3n) = [q, k, v], c_proj
     kernels per head (Keras and Flax): query/kernel (in, heads, head size), its bias
         (heads, head size), likewise key and value; attention_output/kernel (Keras) or
@@ -134,9 +137,8 @@ def canonical_from_state_dict(
     used = layout_names(layout, names)
     extra = _beside_projections(layout, names, options.get("qk_norm"), where)
     left_out = _left_out(layout, set(names) - set(used) - set(extra.values()), where)
-    weights, config = weights_and_config(layout, _read_arrays(names, used, where))
-    read = _read_arrays(names, list(extra.values()), where)
-    weights.update(_offset_norms({c: read[name] for c, name in extra.items()}, qk_norm_offset))
+    weights, config = weights_and_config(layout, _read_arrays(names, used, where), num_heads)
+    weights.update(_beside_weights(names, extra, qk_norm_offset, where))
     config["sinks"] = "sinks" in extra
     used += list(extra.values())
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
@@ -148,7 +150,6 @@ def canonical_from_state_dict(
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
     config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
     config["scale"] = layout.scale if scale is None else scale
-
     config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
     validation.check_layer_args("MultiHeadAttention", config)
     if _INV_FREQ in left_out:
@@ -161,15 +162,16 @@ def canonical_from_state_dict(
 _ZERO_BIAS = "its bias is zero, which gives the same numbers"
 
 
-def _offset_norms(extra: dict[str, np.ndarray], offset: float) -> dict[str, np.ndarray]:
-    """The weights beside the projections, QK-norm's scales plus `offset` (Gemma's norms
-    scale by 1 + weight, summed in the weights' dtype as Gemma sums them in float32)."""
-    if not offset:
-        return extra
-    return {
-        name: value + value.dtype.type(offset) if name in ("q_norm", "k_norm") else value
-        for name, value in extra.items()
-    }
+def _beside_weights(names, extra: dict[str, str], offset: float, where: str):
+    """Canonical name -> array of the weights beside the projections, QK-norm's scales plus
+    `offset` (Gemma's norms scale by 1 + weight, summed in the weights' dtype as Gemma sums
+    them in float32)."""
+    read = _read_arrays(names, list(extra.values()), where)
+    weights = {canonical: read[name] for canonical, name in extra.items()}
+    for name in ("q_norm", "k_norm"):
+        if offset and name in weights:
+            weights[name] = weights[name] + weights[name].dtype.type(offset)
+    return weights
 
 
 def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> Layout:

@@ -1114,3 +1114,86 @@ def test_inspect_and_convert_say_which_bias_is_zero(tmp_path, capsys):
     assert note in capsys.readouterr().out
     assert cli.main(["convert", source, str(tmp_path / "l.safetensors"), *arguments]) == 0
     assert note in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# query_key_value and dense: GPT-NeoX's and BLOOM's q, k, v per head, Falcon's per group
+
+
+def _fused_decoder(Config, Model, seed=11, **fields):
+    """A tiny random transformers model with a query_key_value layout, in float64, causal
+    with left padding in the second row, and (input, output) of layer 0's attention."""
+    torch.manual_seed(seed)
+    sizes = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=50)
+    config = Config(**sizes, **fields)
+    model = Model(config).double().eval()
+    model.config._attn_implementation = "eager"
+    block = model.layers[0] if hasattr(model, "layers") else model.h[0]
+    attention = getattr(block, "attention", None) or block.self_attention
+    padding = torch.tensor([[1] * 7, [0] * 2 + [1] * 5])
+    x, y = capture(
+        model, attention, attention, input_ids=torch.randint(3, 50, (2, 7)), attention_mask=padding
+    )
+    return config, model, x, y
+
+
+def _check_padded_causal(name, state, prefix, options, x, expected):
+    """The port, causal with the second row's first 2 keys masked, matches on the rows
+    transformers computes from keys (its padded rows' queries see no key)."""
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, prefix, backend=name, **options)
+    mask = np.ones((2, 7, 7), bool)
+    mask[1, :, :2] = False
+    arguments = [module.from_numpy(x)] * 3
+    output = module.to_numpy(layer(*arguments, mask=module.from_numpy(mask), causal=True))
+    rows = np.s_[:, 2:]  # rows of queries that see a key in both rows
+    atol = 1e-6 * np.max(np.abs(expected[rows]))
+    np.testing.assert_allclose(output[rows], expected[rows], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_gpt_neox_per_head_query_key_value_and_a_quarter_rotated_ports(name):
+    # Each head's q, k and v rows in turn; rotary on the first quarter of each head (of 16
+    # features: 4), the half-split rotation; transformers' rotary angles are float32's
+    T = transformers()
+    config, model, x, y = _fused_decoder(T.GPTNeoXConfig, T.GPTNeoXModel, intermediate_size=64)
+    options = porting.options_from_config(config.to_dict(), 0)
+    assert options == {"num_heads": 4, "rope_theta": 10000.0, "rope_dim": 4}
+    port = porting.canonical_from_state_dict(model.state_dict(), "layers.0.attention", **options)
+    assert port.layout.startswith("fused query_key_value") and port.config["num_kv_heads"] is None
+    _check_padded_causal(name, model.state_dict(), "layers.0.attention", options, x, y)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_falcon_query_key_value_of_each_kind_ports(name):
+    # Multi-query (one key-value head after all query heads), the new architecture's groups
+    # (2 key-value heads, each after its 2 query heads), and per head (q, k, v of each head)
+    T = transformers()
+    kinds = [
+        dict(multi_query=True),
+        dict(new_decoder_architecture=True, num_kv_heads=2, bias=True),
+        dict(multi_query=False),
+    ]
+    for fields, kv_heads in zip(kinds, [1, 2, 4], strict=True):
+        config, model, x, y = _fused_decoder(T.FalconConfig, T.FalconModel, **fields)
+        options = porting.options_from_config(config.to_dict(), 0)
+        port = porting.canonical_from_state_dict(
+            model.state_dict(), "h.0.self_attention", **options
+        )
+        assert (port.config["num_kv_heads"] or 4) == kv_heads, fields
+        _check_padded_causal(name, model.state_dict(), "h.0.self_attention", options, x, y)
+
+
+def test_bloom_and_falcon_alibi_are_refused_and_query_key_value_needs_the_heads():
+    # BLOOM's config does not say it adds ALiBi's biases: its model type does
+    T = transformers()
+    for config in [T.BloomConfig(n_layer=1), T.FalconConfig(alibi=True, num_hidden_layers=1)]:
+        with pytest.raises(ValueError, match=r"ALiBi"):
+            porting.options_from_config(config.to_dict())
+    torch.manual_seed(0)
+    sizes = dict(hidden_size=16, num_attention_heads=4, intermediate_size=16, vocab_size=50)
+    state = T.GPTNeoXModel(T.GPTNeoXConfig(num_hidden_layers=1, **sizes)).state_dict()
+    with pytest.raises(ValueError, match=r"query_key_value's rows follows the heads: give num"):
+        porting.canonical_from_state_dict(state, "layers.0.attention")
+    with pytest.raises(ValueError, match=r"48 outputs: with 3 heads of the output projection's"):
+        porting.canonical_from_state_dict(state, "layers.0.attention", num_heads=3)
