@@ -91,6 +91,7 @@ LAYOUTS = (
         {"qkv": "query_key_value", "o": "dense"},
     ),
     Layout("fused qkv and proj (timm)", "fused", {"qkv": "qkv", "o": "proj"}),
+    Layout("fused Wqkv and out_proj (MPT)", "fused", {"qkv": "Wqkv", "o": "out_proj"}),
     Layout(
         "GPT-2 Conv1D (c_attn, c_proj)",
         "conv1d",

@@ -110,6 +110,11 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
     ]
     if config.get("model_type") in _ALIBI_MODEL_TYPES:
         problems.append(f"model_type={config['model_type']!r} adds ALiBi's position biases")
+    if any("ALiBi" in problem for problem in problems):
+        problems.append(
+            "(ALiBi: port with from_state_dict(..., num_heads=) and give each call "
+            "attn_bias=mha.porting.alibi_bias(num_heads, num_queries, num_keys))"
+        )
     if problems:
         raise ValueError(
             "the config's attention does what mha's MultiHeadAttention cannot represent: "

@@ -23,6 +23,7 @@ The layouts (q, k, v, o: the query, key, value and output projections; n = num_h
     qkv_proj (q's rows, then k's and v's) and o_proj                 Phi-3
     query_key_value, each group of heads' q rows, then its k and v, and dense
                                                    GPT-NeoX, BLOOM, Falcon
+    Wqkv (3n, in) = [q; k; v] and out_proj                            MPT
     GPT-2's Conv1D, stored (in, out): c_attn.weight (in, 3n) = [q, k, v], c_proj
     kernels per head (Keras and Flax): query/kernel (in, heads, head size), its bias
         (heads, head size), likewise key and value; attention_output/kernel (Keras) or
@@ -76,6 +77,7 @@ from mha.weights import (
 __all__ = [
     "LAYOUTS",
     "Port",
+    "alibi_bias",
     "canonical_from_state_dict",
     "find_attention",
     "from_state_dict",
@@ -387,3 +389,39 @@ def t5_position_bias(
     buckets += np.where(relative < max_exact, relative, large)
     # (Q, K, num_heads) -> (1, num_heads, Q, K)
     return np.ascontiguousarray(embedding[buckets].transpose(2, 0, 1)[None])
+
+
+def alibi_bias(
+    num_heads: int, num_queries: int, num_keys: int, *, max_bias: float = 8.0
+) -> np.ndarray:
+    """ALiBi's position biases (BLOOM, MPT, Falcon with alibi), the `attn_bias` of a ported
+    layer: head h adds slope_h * (j - i) to the score of query i and key j, a penalty that
+    grows with the distance.
+
+    The slopes are the ALiBi paper's: with n the power of 2 at or above num_heads,
+    2 ** (-max_bias * k / n) for k = 1 ... n, and where num_heads is not a power of 2 the even
+    k first, then the odd ones, num_heads in all (BLOOM's and MPT's rule; MPT's
+    alibi_bias_max is max_bias). The queries are the last num_queries of the num_keys
+    positions, as under a KV cache. BLOOM adds slope_h * j and MPT slope_h * (j - K + 1):
+    each differs from this by a number per row, which the softmax does not see. Falcon's
+    alibi is scaled with the scores: give attn_bias=alibi_bias(...) / sqrt(head size).
+
+    Returns:
+        (1, num_heads, num_queries, num_keys), float64.
+    """
+    for name, value in [("num_heads", num_heads), ("num_queries", num_queries)]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < num_queries:
+        raise ValueError(
+            f"num_keys must be an integer >= num_queries ({num_queries}). Received: "
+            f"num_keys={num_keys!r}"
+        )
+    n = 1 << (num_heads - 1).bit_length()  # the power of 2 at or above num_heads
+    slopes = 2.0 ** (-max_bias * np.arange(1, n + 1) / n)
+    if n != num_heads:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    # Distance j - i of key j from query i, the queries being the last positions
+    queries = np.arange(num_keys - num_queries, num_keys)
+    relative = np.arange(num_keys)[None, :] - queries[:, None]
+    return (slopes[:, None, None] * relative)[None]

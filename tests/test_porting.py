@@ -1197,3 +1197,62 @@ def test_bloom_and_falcon_alibi_are_refused_and_query_key_value_needs_the_heads(
         porting.canonical_from_state_dict(state, "layers.0.attention")
     with pytest.raises(ValueError, match=r"48 outputs: with 3 heads of the output projection's"):
         porting.canonical_from_state_dict(state, "layers.0.attention", num_heads=3)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_bloom_and_mpt_port_with_alibi_bias(name):
+    # BLOOM's query_key_value per head and MPT's Wqkv blocks, 6 heads (not a power of 2, where
+    # the slopes' order matters), ALiBi's biases given at the call; causal with left padding
+    T = transformers()
+    torch.manual_seed(12)
+    sizes = dict(vocab_size=50, n_layer=1)
+    models = [
+        (T.BloomModel(T.BloomConfig(hidden_size=48, n_head=6, **sizes)), "h.0.self_attention"),
+        (T.MptModel(T.MptConfig(d_model=48, n_heads=6, **sizes)), "blocks.0.attn"),
+    ]
+    module = backend_module(name)
+    for model, prefix in models:
+        model = model.double().eval()
+        attention = model.get_submodule(prefix)
+        seen = {}
+
+        def take(module, args, kwargs, seen=seen):
+            seen.update(x=args[0], residual=args[1:2])
+
+        attention.register_forward_pre_hook(take, with_kwargs=True)
+        padding = torch.tensor([[1] * 7, [0] * 2 + [1] * 5])
+        _, y = capture(
+            model,
+            attention,
+            attention,
+            input_ids=torch.randint(3, 50, (2, 7)),
+            attention_mask=padding,
+        )
+        x = seen["x"].numpy()
+        expected = y - seen["residual"][0].numpy() if seen["residual"] else y  # BLOOM adds it
+        layer = porting.from_state_dict(model.state_dict(), prefix, num_heads=6, backend=name)
+        mask = np.ones((2, 7, 7), bool)
+        mask[1, :, :2] = False
+        output = layer(
+            *[module.from_numpy(x)] * 3,
+            mask=module.from_numpy(mask),
+            causal=True,
+            attn_bias=module.from_numpy(porting.alibi_bias(6, 7, 7)),
+        )
+        rows = np.s_[:, 2:]
+        atol = 1e-6 * np.max(np.abs(expected[rows]))
+        np.testing.assert_allclose(module.to_numpy(output)[rows], expected[rows], atol=atol)
+
+
+def test_alibi_slopes_by_hand_and_bad_sizes():
+    # 8 heads: slopes 1/2, 1/4, ..., 1/256; 2 queries, the last 2 of 3 positions
+    bias = porting.alibi_bias(8, 2, 3)
+    assert bias.shape == (1, 8, 2, 3)
+    np.testing.assert_array_equal(bias[0, 0], [[-0.5, 0.0, 0.5], [-1.0, -0.5, 0.0]])
+    np.testing.assert_array_equal(bias[0, :, 0, 0], -(2.0 ** -np.arange(1, 9)))
+    # 3 heads: of 4's slopes 1/4, 1/16, 1/64, 1/256 the even k first, then the odd ones
+    expected = [-1 / 16, -1 / 256, -1 / 4]
+    np.testing.assert_array_equal(porting.alibi_bias(3, 1, 2)[0, :, 0, 0], expected)
+    for sizes in [(0, 1, 1), (2, 3, 2), (2, 1.0, 1)]:
+        with pytest.raises(ValueError, match=r"must be"):
+            porting.alibi_bias(*sizes)
