@@ -338,6 +338,9 @@ MODERN_CASES = (
         ("mask_3d", "no_weights"),
         {**GQA, "qk_norm": "projection", "qk_norm_eps": 1e-5},
     ),
+    # An output gate (Qwen3-Next) of the heads' output, with padding, and on the fused paths
+    ("MultiHeadAttention", ("valid_lens_1d",), {"output_gate": True, "bias": True}),
+    ("MultiHeadAttention", ("self", "causal", "no_weights"), {**GQA, "output_gate": True}),
 )
 
 

@@ -29,8 +29,9 @@ def options_from_config(
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
     scale_attn_by_inverse_layer_idx), Gemma 2's soft cap (attn_logit_softcapping) and the
-    QK-norm of Qwen3, OLMo 2 and Gemma 3 (qk_norm, qk_norm_eps, and qk_norm_offset=1.0 for
-    Gemma's norms, which scale by 1 + weight: a port option, not a layer's).
+    QK-norm of Qwen3, OLMo 2, Gemma 3 and Qwen3-Next (qk_norm, qk_norm_eps, and
+    qk_norm_offset=1.0 for the norms that scale by 1 + weight: a port option, not a layer's),
+    and Qwen3-Next's output gate (output_gate=True: the port splits the query projection).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -169,6 +170,7 @@ _ROTARY = {
     "qwen2_moe": "half",
     "qwen3": "half",
     "qwen3_moe": "half",
+    "qwen3_next": "half",
     "seed_oss": "half",
     "smollm3": "half",
     "stablelm": "half",
@@ -178,10 +180,19 @@ _ROTARY = {
 
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
 # q_norm and k_norm): over each head, or over the whole projection
-_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmo2": "projection", "gemma3_text": "head"}
+_QK_NORM = {
+    "qwen3": "head",
+    "qwen3_moe": "head",
+    "qwen3_next": "head",
+    "olmo2": "projection",
+    "gemma3_text": "head",
+}
 
 # Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
-_QK_NORM_OFFSET = {"gemma3_text": 1.0}
+_QK_NORM_OFFSET = {"gemma3_text": 1.0, "qwen3_next": 1.0}
+
+# Model types whose query projection also gives a gate of the heads' output
+_OUTPUT_GATE = frozenset({"qwen3_next"})
 
 # Model types whose rotary base is fixed in their code, not written in their config
 _FIXED_THETA = {"gptj": 10000.0}
@@ -230,6 +241,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     if model_type in _QK_NORM_OFFSET:
         found["qk_norm_offset"] = _QK_NORM_OFFSET[model_type]
+    if model_type in _OUTPUT_GATE:  # a port option: the query projection holds the gate
+        found["output_gate"] = True
     return found
 
 

@@ -349,6 +349,18 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "output_gate",
+        False,
+        "boolean",
+        {
+            "*": "whether the heads' output is gated before W_o: each feature multiplied by "
+            "sigmoid(queries @ W_g + b_g), a projection of the queries as wide as the heads' "
+            "output (Qwen3-Next)."
+        },
+        _MHA,
+        added=True,
+    ),
+    Option(
         "rotary_dim",
         None,
         "optional positive integer",

@@ -106,6 +106,7 @@ def canonical_from_state_dict(
     num_heads: int | None = None,
     scale: float | None = None,
     qk_norm_offset: float = 0.0,
+    output_gate: bool = False,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`.
@@ -120,10 +121,11 @@ def canonical_from_state_dict(
             GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
         qk_norm_offset: what the source's QK-norms add to their weights before scaling
             (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
-        **options: the layer's options that weights do not tell: rope_theta,
-            rope_interleaved, sliding_window (see `options_from_config` for a Hugging Face
-            config). Key and value projections with fewer outputs than the query's give
-            num_kv_heads (grouped-query attention).
+        output_gate: the query projection gives each head's queries, then its gate
+            (Qwen3-Next), split into W_q and the gate's W_g.
+        **options: the layer's options that weights do not tell: rope_theta, sliding_window,
+            ... (`options_from_config` reads them from a Hugging Face config). Key and value
+            projections with fewer outputs than the query's give num_kv_heads.
 
     Raises:
         ValueError: no layout, or more than one, under the prefix (the names found there and
@@ -139,15 +141,13 @@ def canonical_from_state_dict(
     used = layout_names(layout, names)
     extra = _beside_projections(layout, names, options.get("qk_norm"), where)
     left_out = _left_out(layout, set(names) - set(used) - set(extra.values()), where)
-    weights, config = weights_and_config(layout, _read_arrays(names, used, where), num_heads)
+    weights, config = _read_layer(layout, names, used, num_heads, output_gate, where)
     weights.update(_beside_weights(names, extra, qk_norm_offset, where))
-    config["sinks"] = "sinks" in extra
+    config["sinks"], config["output_gate"] = "sinks" in extra, "W_g" in weights
     used += list(extra.values())
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
-    notes = tuple(f"{path} has no bias: {_ZERO_BIAS}" for path in config.pop("zero_biases", ()))
-    if qk_norm_offset and "q_norm" in extra:
-        notes += (f"q_norm and k_norm hold {qk_norm_offset:g} + the source's norm weights",)
+    notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
     if kv_hiddens != config["num_hiddens"]:
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
     config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
@@ -162,6 +162,54 @@ def canonical_from_state_dict(
 
 
 _ZERO_BIAS = "its bias is zero, which gives the same numbers"
+
+
+def _notes(zero_biases, qk_norm_offset: float) -> tuple[str, ...]:
+    """What the port added that the source does not hold, each exact."""
+    notes = tuple(f"{path} has no bias: {_ZERO_BIAS}" for path in zero_biases)
+    if qk_norm_offset:
+        notes += (f"q_norm and k_norm hold {qk_norm_offset:g} + the source's norm weights",)
+    return notes
+
+
+def _read_layer(layout: Layout, names, used, num_heads, output_gate: bool, where: str):
+    """The layout's canonical weights and config; with output_gate, the query projection's
+    rows split into the queries (W_q) and the gate (W_g)."""
+    arrays, gate = _read_arrays(names, used, where), {}
+    if output_gate:
+        arrays, gate = _split_gate(layout, arrays, num_heads, where)
+    weights, config = weights_and_config(layout, arrays, num_heads)
+    return {**weights, **gate}, config
+
+
+def _split_gate(layout: Layout, arrays, num_heads: int | None, where: str):
+    """Qwen3-Next's query projection: each head's query rows, then as many gate rows. The
+    arrays with the queries' rows alone, and the gate's canonical W_g (and b_g)."""
+    path = layout.paths.get("q")
+    if layout.kind != "linear" or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(
+            f"output_gate reads each head's queries and gate from the query projection of "
+            f"separate q, k, v and o projections, given num_heads; the {layout.name} weights "
+            f"{where} have " + ("another layout" if layout.kind != "linear" else "no num_heads")
+        )
+    rows = arrays[f"{path}.weight"].shape[0]  # torch's Linear: (out, in)
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"{path}.weight {where} has {rows} rows: not a query and a gate of equal size for "
+            f"each of {num_heads} heads (output_gate)"
+        )
+
+    def split(array):  # (2n, ...) -> each head's queries (n, ...), each head's gate (n, ...)
+        grouped = array.reshape(num_heads, 2, rows // (2 * num_heads), *array.shape[1:])
+        return [grouped[:, i].reshape(-1, *array.shape[1:]) for i in (0, 1)]
+
+    arrays = dict(arrays)
+    arrays[f"{path}.weight"], W_g = split(arrays[f"{path}.weight"])
+    gate = {"W_g": np.ascontiguousarray(W_g.T)}
+    if f"{path}.bias" in arrays:
+        arrays[f"{path}.bias"], b_g = split(arrays[f"{path}.bias"])
+        gate["b_g"] = np.ascontiguousarray(b_g)
+    return arrays, gate
 
 
 def _beside_weights(names, extra: dict[str, str], offset: float, where: str):
@@ -330,12 +378,19 @@ def from_state_dict(
     scale: float | None = None,
     backend: str | None = None,
     qk_norm_offset: float = 0.0,
+    output_gate: bool = False,
     **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding the
     attention layer under `prefix`; see `canonical_from_state_dict` for the arguments."""
     port = canonical_from_state_dict(
-        state, prefix, num_heads=num_heads, scale=scale, qk_norm_offset=qk_norm_offset, **options
+        state,
+        prefix,
+        num_heads=num_heads,
+        scale=scale,
+        qk_norm_offset=qk_norm_offset,
+        output_gate=output_gate,
+        **options,
     )
     module = load_backend(backend if backend is not None else get_backend())
     layer = build_layer(module, "MultiHeadAttention", port.config)

@@ -74,6 +74,10 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
             shapes["b_o"] = (out,)
         if config.get("sinks", False):  # one logit per head
             shapes["sinks"] = (config["num_heads"],)
+        if config.get("output_gate", False):  # the gate's projection, from the queries
+            shapes["W_g"] = (config.get("query_size"), n)
+            if config.get("bias", False):
+                shapes["b_g"] = (n,)
         if config.get("qk_norm") == "head":  # one scale of the head size, shared by the heads
             shapes.update(
                 {"q_norm": (n // config["num_heads"],), "k_norm": (n // config["num_heads"],)}
@@ -134,6 +138,7 @@ def weight_places(
     out_bias: bool | None = None,
     qk_norm: str | None = None,
     sinks: bool = False,
+    output_gate: bool = False,
 ) -> dict[str, tuple[str, str]]:
     """Where each canonical weight lives in a layer, the same in every backend.
 
@@ -151,6 +156,10 @@ def weight_places(
             places["b_o"] = ("W_o", "bias")
         if sinks:  # each head's sink logit, held as the bias of the sub-layer sink_logits
             places["sinks"] = ("sink_logits", "bias")
+        if output_gate:  # the gate's projection of the queries, biased as they are
+            places["W_g"] = ("W_g", "kernel")
+            if bias:
+                places["b_g"] = ("W_g", "bias")
         if qk_norm is not None:  # the scales of the RMSNorms of queries and keys
             places.update({"q_norm": ("q_norm", "scale"), "k_norm": ("k_norm", "scale")})
         return places
@@ -179,7 +188,9 @@ def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
     class_name = _layer_class_name(layer)
     if class_name != "MultiHeadAttention":
         return weight_places(class_name)
-    return weight_places(class_name, layer.bias, layer.out_bias, layer.qk_norm, layer.sinks)
+    return weight_places(
+        class_name, layer.bias, layer.out_bias, layer.qk_norm, layer.sinks, layer.output_gate
+    )
 
 
 def _export_weights(backend: Any, layer: Any) -> dict[str, np.ndarray]:

@@ -34,6 +34,7 @@ CONFIG = {
     "sinks": False,
     "qk_norm": None,
     "qk_norm_eps": 1e-06,
+    "output_gate": False,
 }
 
 

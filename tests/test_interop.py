@@ -238,6 +238,7 @@ def test_torch_to_mha(torch, name, config, dtype):
         "sinks": False,
         "qk_norm": None,
         "qk_norm_eps": 1e-06,
+        "output_gate": False,
     }
     rng = np.random.default_rng(3)
     tensors = inputs(config, dtype, rng)

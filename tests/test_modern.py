@@ -191,8 +191,19 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
             },
         },
         {"num_kv_heads": 2, "sinks": True, "sliding_window": 3, "rope_theta": 100.0},
+        {"num_kv_heads": 2, "output_gate": True, "qk_norm": "head", "rope_theta": 100.0},
     ],
-    ids=["plain", "llama", "mistral", "qwen3", "olmo2", "gemma2", "llama3.1", "gpt-oss"],
+    ids=[
+        "plain",
+        "llama",
+        "mistral",
+        "qwen3",
+        "olmo2",
+        "gemma2",
+        "llama3.1",
+        "gpt-oss",
+        "qwen3-next",
+    ],
 )
 def test_cached_decoding_equals_full_causal_attention(backend, rng, options):
     # A prompt of 3 positions, then one position per call, then two at once

@@ -129,9 +129,9 @@ def test_a_checkpoint_written_before_the_options_loads_with_their_defaults(tmp_p
     assert again.bias and again.out_bias is None
 
 
-@pytest.mark.parametrize("option", ["out_bias", "out_features", "scale"])
+@pytest.mark.parametrize("option", ["out_bias", "out_features", "scale", "sinks", "output_gate"])
 def test_the_frameworks_layers_refuse_what_they_cannot_hold(option, tmp_path):
-    value = {"out_bias": True, "out_features": 5, "scale": 0.5}[option]
+    value = {"out_bias": True, "out_features": 5, "scale": 0.5}.get(option, True)
     layer = backend_module("numpy").MultiHeadAttention(
         8, 2, query_size=8, key_size=8, value_size=8, **{option: value}
     )

@@ -704,6 +704,7 @@ def _tiny_decoder(family, seed=9, **fields):
         "cohere2": (T.Cohere2Config, T.Cohere2Model),
         "olmo2": (T.Olmo2Config, T.Olmo2Model),
         "phi3": (T.Phi3Config, T.Phi3Model),
+        "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextModel),
     }[family]
     sizes = dict(
         hidden_size=16,
@@ -852,6 +853,41 @@ def test_gemma3_ports_with_its_rope_per_layer_type_and_norms_of_one_plus_weight(
         assert np.max(np.abs(off)) > 100 * atol
     port = porting.canonical_from_state_dict(state, prefix, **{**options, "qk_norm_offset": 1.0})
     assert any("1 + the source's norm weights" in note for note in port.notes)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_qwen3_next_ports_with_its_output_gate(name):
+    # The query projection gives each head's queries, then its gate; the QK-norms scale by
+    # 1 + weight; a quarter of each head (of 8) rotated. Its linear-attention layers are
+    # refused by name (both layers of this model are full attention, with dense MLPs)
+    config, model = _tiny_decoder(
+        "qwen3_next",
+        head_dim=8,
+        layer_types=["full_attention", "full_attention"],
+        mlp_only_layers=[0, 1],
+    )
+    with torch.no_grad():  # gates and norms away from their starting values
+        for block in model.layers:
+            block.self_attn.q_norm.weight.uniform_(-0.5, 0.5)
+            block.self_attn.k_norm.weight.uniform_(-0.5, 0.5)
+            block.self_attn.q_proj.weight.mul_(10)
+    options = porting.options_from_config(config.to_dict(), 1)
+    assert options["output_gate"] and options["qk_norm_offset"] == 1.0
+    assert options["rope_dim"] == 2
+    state, prefix = model.state_dict(), "layers.1.self_attn"
+    port = porting.canonical_from_state_dict(state, prefix, **options)
+    assert port.config["output_gate"] and port.weights["W_g"].shape == (16, 32)
+    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[1]
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, prefix, backend=name, **options)
+    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+    # Without the gate the query projection does not fit: refused, never silently wrong
+    with pytest.raises(ValueError, match=r"the output projection takes 32 inputs"):
+        porting.from_state_dict(state, prefix, **{**options, "output_gate": False})
+    linear = {**config.to_dict(), "layer_types": ["linear_attention", "full_attention"]}
+    with pytest.raises(ValueError, match=r"'linear_attention'"):
+        porting.options_from_config(linear, 0)
 
 
 def test_stablelm_partial_rotary_in_rope_parameters_is_read():

@@ -473,7 +473,8 @@ class MultiHeadAttention(nnx.Module):
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32",
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
@@ -510,6 +511,10 @@ class MultiHeadAttention(nnx.Module):
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+        # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
+        self.output_gate = output_gate
+        if output_gate:
+            self.W_g = _Linear(num_hiddens, bias, query_size, self.dtype, rngs)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
@@ -534,6 +539,7 @@ class MultiHeadAttention(nnx.Module):
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        gates = self.W_g(queries) if self.output_gate else None
         queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
@@ -559,6 +565,9 @@ class MultiHeadAttention(nnx.Module):
             output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
+        if gates is not None:
+            # Qwen3-Next: each feature of the heads' output scaled by its gate, in (0, 1)
+            output_concat = output_concat * jax.nn.sigmoid(gates)
         output = self.W_o(output_concat)
         return output if cache is None else (output, cache)
 

@@ -715,7 +715,8 @@ class MultiHeadAttention(Layer):
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32"):
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -749,6 +750,10 @@ class MultiHeadAttention(Layer):
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+        # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
+        self.output_gate = output_gate
+        if output_gate:
+            self.W_g = _dense(num_hiddens, bias, query_size, self.dtype)
         self.attention_weights = None
         self.initialize(_LinearInit())
 
@@ -811,6 +816,7 @@ class MultiHeadAttention(Layer):
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         num_kv_heads = self.num_kv_heads or self.num_heads
+        gates = self.W_g(queries) if self.output_gate else None
         queries, keys, values = self.project(F, queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...
@@ -842,6 +848,9 @@ class MultiHeadAttention(Layer):
             output = output * head_mask
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(F, output)
+        if gates is not None:
+            # Qwen3-Next: each feature of the heads' output scaled by its gate, in (0, 1)
+            output_concat = output_concat * F.npx.sigmoid(gates)
         output = self.W_o(output_concat)
         outputs = ((output, weights) if call.need_weights else (output,)) + cache
         return outputs if len(outputs) > 1 else output

@@ -282,6 +282,11 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zer
     return weights
 
 
+def _sigmoid(X: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-X)), written as exp(-log(1 + exp(-X))) so that no exp overflows."""
+    return np.exp(-np.logaddexp(X.dtype.type(0), -X))
+
+
 @documented
 def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None, *,
                    empty_rows: str = "zeros") -> np.ndarray:
@@ -440,7 +445,8 @@ class MultiHeadAttention(Module):
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32"):
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -474,6 +480,10 @@ class MultiHeadAttention(Module):
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+        # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
+        self.output_gate = output_gate
+        if output_gate:
+            self.W_g = Linear(num_hiddens, bias, query_size, self.dtype)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -499,6 +509,7 @@ class MultiHeadAttention(Module):
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        gates = self.W_g(queries) if self.output_gate else None
         queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
@@ -525,6 +536,9 @@ class MultiHeadAttention(Module):
             output = output * head_mask.astype(self.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
+        if gates is not None:
+            # Qwen3-Next: each feature of the heads' output scaled by its gate, in (0, 1)
+            output_concat = output_concat * _sigmoid(gates)
         output = self.W_o(output_concat)
         return output if cache is None else (output, cache)
 

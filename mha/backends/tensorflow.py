@@ -504,7 +504,8 @@ class MultiHeadAttention(_AttentionLayer):
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32",
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, dtype: str = "float32",
                  **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
@@ -539,13 +540,18 @@ class MultiHeadAttention(_AttentionLayer):
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, dtype)
             self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, dtype)
+        # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
+        self.output_gate = output_gate
+        if output_gate:
+            self.W_g = _projection(num_hiddens, bias, query_size, dtype)
         self.attention_weights = None
         self.built = self.W_q.built and self.W_k.built and self.W_v.built
 
     def build(self, queries_shape=None, keys_shape=None, values_shape=None):
         # The projections whose input sizes the constructor did not know (d2l's lazy layers)
+        gate = ((self.W_g, queries_shape),) if self.output_gate else ()
         for dense, shape in ((self.W_q, queries_shape), (self.W_k, keys_shape),
-                             (self.W_v, values_shape)):
+                             (self.W_v, values_shape), *gate):
             if not dense.built and shape is not None:
                 dense.build((None, shape[-1]))
 
@@ -593,6 +599,7 @@ class MultiHeadAttention(_AttentionLayer):
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        gates = _apply_dense(self.W_g, queries) if self.output_gate else None
         queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
@@ -620,6 +627,9 @@ class MultiHeadAttention(_AttentionLayer):
             output = output * tf.cast(head_mask, output.dtype)[..., None, None]
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
+        if gates is not None:
+            # Qwen3-Next: each feature of the heads' output scaled by its gate, in (0, 1)
+            output_concat = output_concat * tf.sigmoid(gates)
         output = _apply_dense(self.W_o, output_concat)
         return output if cache is None else (output, cache)
 

@@ -425,7 +425,8 @@ class MultiHeadAttention(Module):
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6, dtype: str = "float32"):
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -459,6 +460,10 @@ class MultiHeadAttention(Module):
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+        # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
+        self.output_gate = output_gate
+        if output_gate:
+            self.W_g = _linear(num_hiddens, bias, query_size, self.dtype)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -484,6 +489,7 @@ class MultiHeadAttention(Module):
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
+        gates = self.W_g(queries) if self.output_gate else None  # Qwen3-Next
         queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...;
@@ -499,8 +505,7 @@ class MultiHeadAttention(Module):
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
         causal_alone = causal and offset == 0 and self.sliding_window is None and all(
-            x is None for x in (valid_lens, mask, window_mask, attn_bias)
-        )
+            x is None for x in (valid_lens, mask, window_mask, attn_bias))
         path = fused.choose_path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
                                  self.attention.dropout, causal_alone, self.softcap, self.sinks)
         if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
@@ -519,7 +524,7 @@ class MultiHeadAttention(Module):
             output = output * head_mask.to(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
-        output = self.W_o(output_concat)
+        output = self.W_o(output_concat if gates is None else output_concat * torch.sigmoid(gates))
         return output if cache is None else (output, cache)
 
     def project(self, queries, keys, values):

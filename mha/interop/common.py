@@ -96,6 +96,8 @@ def check_expressible(
         problems.append("fewer key-value heads than query heads (grouped-query attention)")
     if "sinks" in weights:
         problems.append("attention sinks (sinks)")
+    if "W_g" in weights:
+        problems.append("an output gate (W_g)")
     for key, value in (options or {}).items():
         if key == "sliding_window" and "sliding_window" in has:
             continue
