@@ -20,8 +20,9 @@ once, in the current lane; the legacy lane runs the rest (SAME_IN_BOTH_ONCE belo
 Each run installs the project into the lane's environment with the lane's constraints (quick
 when nothing changed) and runs pytest there with MHA_TEST_BACKENDS naming the lane's backends,
 so a backend of the lane that does not import fails its tests. pytest-xdist spreads the tests
-over one worker per core (up to 4), and the 20 slowest are named at the end; arguments after
--- that choose their own (-n 0, -p no:xdist) turn that off. `--lock` installs the lane's
+over one worker per core (up to 4), each with one thread per framework (ONE_THREAD_EACH), the
+tests marked slow first, and the 20 slowest are named at the end; arguments after -- that
+choose their own (-n 0, -p no:xdist) turn that off. `--lock` installs the lane's
 extras into a new environment with no constraints, that is the newest releases that fit the
 lane, and writes what was installed as the lane's constraints file.
 
@@ -113,16 +114,29 @@ def set_up(name: str, lane: Lane) -> pathlib.Path:
     return python
 
 
+# One thread per framework in each pytest-xdist worker, there being a worker per core: more
+# would wait on each other (a notebook training in torch ran 13 times slower beside another
+# worker). A variable the caller set is kept
+ONE_THREAD_EACH = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "2",
+}
+
+
 def test(name: str, lane: Lane, pytest_args: list[str]) -> int:
     python = set_up(name, lane)
     print(f"== {name}: pytest with MHA_TEST_BACKENDS={lane.backends}", flush=True)
-    environment = {**os.environ, "MHA_TEST_BACKENDS": lane.backends}
+    parallel = _parallel(pytest_args)
+    threads = ONE_THREAD_EACH if parallel else {}
+    environment = {**threads, **os.environ, "MHA_TEST_BACKENDS": lane.backends}
     select = ["-m", lane.select] if lane.select else []
     return run(
         python,
         "-m",
         "pytest",
-        *_parallel(pytest_args),
+        *parallel,
         *select,
         *pytest_args,
         cwd=ROOT,

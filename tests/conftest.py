@@ -75,3 +75,9 @@ def rng():
 settings.register_profile("default", max_examples=150, deadline=None)
 settings.register_profile("long", max_examples=5000, deadline=None)
 settings.load_profile(os.environ.get("MHA_HYPOTHESIS_PROFILE", "default"))
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked slow first: pytest-xdist hands the tests out in this order, so that
+    no worker is left running a long one after the others have finished."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

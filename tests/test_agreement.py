@@ -137,6 +137,7 @@ def test_a_broken_backend_is_caught(name, monkeypatch):
     assert not any(row.passed for row in rows if row.backend == name)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 def test_mha_compare_names_the_broken_backend(monkeypatch):
     # The verdict is the command's, the same for every backend: one backend shows it

@@ -66,6 +66,7 @@ def test_a_quick_run_prints_a_markdown_table_a_summary_and_progress():
     assert len(measured) == 4 and all("TFLOP/s" in line for line in measured)
 
 
+@pytest.mark.slow
 def test_every_installed_backend_gives_rows_with_ratios_and_intervals(tmp_path):
     path = tmp_path / "bench.json"
     document, _ = _quick_rows("--output", str(path))

@@ -61,6 +61,7 @@ def test_an_altered_number_is_refused(tmp_path, capsys):
     assert "1 of 2 comparisons disagree, on: numpy." in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_the_case_recorded_in_the_legacy_lane_verifies_here(capsys):
     cases = golden.read(GOLDEN)
     assert {case.recorded_with.split()[0] for case in cases} == {"mxnet"}

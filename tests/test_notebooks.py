@@ -121,6 +121,7 @@ def test_single_backend_notebook_runs(name, backend, tmp_path):
     _execute(name, tmp_path, backend)
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.every_lane  # every backend of the lane, MXNet in the legacy one
 @pytest.mark.parametrize("name", EVERY_BACKEND)

@@ -45,6 +45,7 @@ def configurations(draw):
     return case, shapes, draw(st.sampled_from(["float32", "float64"])), draw(st.integers(0, 2**16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", backend_params([name for name in BACKENDS if name != "numpy"]))
 def test_random_configurations_agree(name):
     backend_module(name)
