@@ -338,6 +338,12 @@ MODERN_CASES = (
         ("mask_3d", "no_weights"),
         {**GQA, "qk_norm": "projection", "qk_norm_eps": 1e-5},
     ),
+    # StableLM's layer norm of each head's queries and keys, a scale of each head's own
+    (
+        "MultiHeadAttention",
+        ("valid_lens_1d", "causal"),
+        {**GQA, "num_hiddens": 32, "qk_norm": "layer_norm_per_head"},
+    ),
     # An output gate (Qwen3-Next) of the heads' output, with padding, and on the fused paths
     ("MultiHeadAttention", ("valid_lens_1d",), {"output_gate": True, "bias": True}),
     ("MultiHeadAttention", ("self", "causal", "no_weights"), {**GQA, "output_gate": True}),

@@ -131,14 +131,13 @@ def check_empty_rows(empty_rows: Any) -> None:
         )
 
 
-QK_NORMS = ("head", "projection")
+QK_NORMS = ("head", "projection", "layer_norm_per_head")
 
 
 def _check_qk_norm(name: str, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or value not in QK_NORMS):
-        raise ValueError(
-            f"{name} must be None, {' or '.join(map(repr, QK_NORMS))}. Received: {name}={value!r}"
-        )
+        choices = ", ".join(map(repr, QK_NORMS[:-1])) + f" or {QK_NORMS[-1]!r}"
+        raise ValueError(f"{name} must be None, {choices}. Received: {name}={value!r}")
 
 
 # The check of each kind of value an option takes (mha.options.Option.check)

@@ -107,7 +107,7 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
     problems = [
         f"{key}={config[key]!r} {what}"
         for key, (plain, what) in _UNSUPPORTED.items()
-        if key in config and config[key] not in plain
+        if key in config and config[key] not in plain and not _held(config, key)
     ]
     if config.get("model_type") in _ALIBI_MODEL_TYPES:
         problems.append(f"model_type={config['model_type']!r} adds ALiBi's position biases")
@@ -121,6 +121,11 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
             "the config's attention does what mha's MultiHeadAttention cannot represent: "
             + "; ".join(problems)
         )
+
+
+def _held(config: Mapping[str, Any], key: str) -> bool:
+    """Whether mha holds what the field does for the config's model type."""
+    return key == "qk_layernorm" and config.get("model_type") == "stablelm"
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -239,6 +244,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if model_type in _QK_NORM:  # RMSNorms of queries and keys, scaled by their weights
         found["qk_norm"] = _QK_NORM[model_type]
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
+    if model_type == "stablelm" and config.get("qk_layernorm"):  # a layer norm of each head
+        found["qk_norm"] = "layer_norm_per_head"
+        found["qk_norm_eps"] = float(config.get("layer_norm_eps", 1e-5))
     if model_type in _QK_NORM_OFFSET:
         found["qk_norm_offset"] = _QK_NORM_OFFSET[model_type]
     if model_type in _OUTPUT_GATE:  # a port option: the query projection holds the gate

@@ -140,11 +140,12 @@ def canonical_from_state_dict(
     layout = _only_layout(state, names, prefix, where)
     used = layout_names(layout, names)
     extra = _beside_projections(layout, names, options.get("qk_norm"), where)
-    left_out = _left_out(layout, set(names) - set(used) - set(extra.values()), where)
+    beside = [name for held in extra.values() for name in _names_of(held)]
+    left_out = _left_out(layout, set(names) - set(used) - set(beside), where)
     weights, config = _read_layer(layout, names, used, num_heads, output_gate, where)
     weights.update(_beside_weights(names, extra, qk_norm_offset, where))
     config["sinks"], config["output_gate"] = "sinks" in extra, "W_g" in weights
-    used += list(extra.values())
+    used += beside
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
@@ -154,10 +155,7 @@ def canonical_from_state_dict(
     config["scale"] = layout.scale if scale is None else scale
     config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
     validation.check_layer_args("MultiHeadAttention", config)
-    if _INV_FREQ in left_out:
-        _check_inv_freq(names[_INV_FREQ], config, where)
-        left_out.remove(_INV_FREQ)
-        used.append(_INV_FREQ)
+    _use_inv_freq(names, config, where, used, left_out)
     return Port(weights, config, layout.name, sorted(used), left_out, notes)
 
 
@@ -212,12 +210,22 @@ def _split_gate(layout: Layout, arrays, num_heads: int | None, where: str):
     return arrays, gate
 
 
-def _beside_weights(names, extra: dict[str, str], offset: float, where: str):
+def _names_of(held: str | tuple[str, ...]) -> tuple[str, ...]:
+    return held if isinstance(held, tuple) else (held,)
+
+
+def _beside_weights(names, extra: dict[str, str | tuple[str, ...]], offset: float, where: str):
     """Canonical name -> array of the weights beside the projections, QK-norm's scales plus
     `offset` (Gemma's norms scale by 1 + weight, summed in the weights' dtype as Gemma sums
     them in float32)."""
-    read = _read_arrays(names, list(extra.values()), where)
-    weights = {canonical: read[name] for canonical, name in extra.items()}
+    read = _read_arrays(names, [name for held in extra.values() for name in _names_of(held)], where)
+    # A tuple of names is one row of the weight each (StableLM's norm of each head)
+    weights = {
+        canonical: np.stack([read[name] for name in held])
+        if isinstance(held, tuple)
+        else read[held]
+        for canonical, held in extra.items()
+    }
     for name in ("q_norm", "k_norm"):
         if offset and name in weights:
             weights[name] = weights[name] + weights[name].dtype.type(offset)
@@ -278,17 +286,18 @@ def _what_it_is(name: str) -> str:
     if "norm" in module.lower():
         return (
             "a norm inside the attention: QK-norm; give qk_norm (and qk_norm_offset=1.0 for "
-            "Gemma's, which scale by 1 + weight), as options_from_config gives Qwen3, OLMo 2 "
-            "and Gemma 3"
+            "Gemma's, which scale by 1 + weight), as options_from_config gives Qwen3, OLMo 2, "
+            "Gemma 3, Qwen3-Next and StableLM"
         )
     if module.split(".")[-1] == "sinks":
         return "attention sinks: a learned logit per head in each softmax"
     return "a tensor beside the projections"
 
 
-def _beside_projections(layout, names, qk_norm: str | None, where: str) -> dict[str, str]:
-    """Canonical name -> the name under the prefix of each weight beside the projections:
-    QK-norm's scales where qk_norm says, gpt-oss's sinks where they are."""
+def _beside_projections(layout, names, qk_norm: str | None, where: str) -> dict[str, Any]:
+    """Canonical name -> the name under the prefix of each weight beside the projections (a
+    tuple of names: one row each): QK-norm's scales where qk_norm says, gpt-oss's sinks where
+    they are."""
     extra = _qk_norm_names(layout, names, qk_norm, where)
     if "sinks" in names:
         extra["sinks"] = "sinks"
@@ -301,11 +310,13 @@ _QK_NORMS = {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
 
 def _qk_norm_names(
     layout: Layout, names: Mapping[str, Any], qk_norm: str | None, where: str
-) -> dict[str, str]:
+) -> dict[str, Any]:
     """Canonical name -> the name under the prefix of each QK-norm scale, where `qk_norm` says
     the layer has them ({} where it does not: any norm there is then refused by name)."""
     if qk_norm is None:
         return {}
+    if qk_norm == "layer_norm_per_head":
+        return {k: _per_head_norms(layout, names, k, where) for k in ("q_norm", "k_norm")}
     missing = [name for name in _QK_NORMS.values() if name not in names]
     if layout.paths.get("q") != "q_proj" or missing:
         raise ValueError(
@@ -314,6 +325,24 @@ def _qk_norm_names(
             + (f"no {', '.join(missing)}" if missing else "another layout")
         )
     return dict(_QK_NORMS)
+
+
+# StableLM's layer norms of each head: q_layernorm.norms.0.weight, ... (likewise k_layernorm)
+_PER_HEAD_NORMS = {"q_norm": "q_layernorm.norms", "k_norm": "k_layernorm.norms"}
+
+
+def _per_head_norms(layout: Layout, names, canonical: str, where: str) -> tuple[str, ...]:
+    """The names of the scales of the norms of each head, in the heads' order."""
+    module = _PER_HEAD_NORMS[canonical]
+    count = sum(1 for name in names if name.startswith(module + ".") and name.endswith(".weight"))
+    held = tuple(f"{module}.{head}.weight" for head in range(count))
+    if not count or any(name not in names for name in held) or layout.paths.get("q") != "q_proj":
+        raise ValueError(
+            f"qk_norm='layer_norm_per_head' reads {module}.0.weight, {module}.1.weight, ... "
+            f"beside q_proj ... o_proj; the {layout.name} weights {where} have "
+            + ("another layout" if layout.paths.get("q") != "q_proj" else f"no {module}.0 ...")
+        )
+    return held
 
 
 def _read_arrays(names: Mapping[str, Any], used: list[str], where: str) -> dict[str, np.ndarray]:
@@ -343,6 +372,14 @@ def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> i
             f"the {layout.name} weights {where} do not tell the number of heads: give num_heads"
         )
     return told if told is not None else given
+
+
+def _use_inv_freq(names, config, where: str, used: list[str], left_out: list[str]) -> None:
+    """An older checkpoint's rotary frequencies, once checked, are used, not left out."""
+    if _INV_FREQ in left_out:
+        _check_inv_freq(names[_INV_FREQ], config, where)
+        left_out.remove(_INV_FREQ)
+        used.append(_INV_FREQ)
 
 
 def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> None:

@@ -84,6 +84,9 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
             )
         elif config.get("qk_norm") == "projection":
             shapes.update({"q_norm": (n,), "k_norm": (kv,)})
+        elif config.get("qk_norm") == "layer_norm_per_head":  # a scale for each head
+            head = n // config["num_heads"]
+            shapes.update({"q_norm": (config["num_heads"], head), "k_norm": (kv // head, head)})
         return shapes
     if class_name == "AdditiveAttention":
         n = config["num_hiddens"]

@@ -192,6 +192,7 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         },
         {"num_kv_heads": 2, "sinks": True, "sliding_window": 3, "rope_theta": 100.0},
         {"num_kv_heads": 2, "output_gate": True, "qk_norm": "head", "rope_theta": 100.0},
+        {"num_kv_heads": 2, "qk_norm": "layer_norm_per_head", "rope_theta": 100.0},
     ],
     ids=[
         "plain",
@@ -203,6 +204,7 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         "llama3.1",
         "gpt-oss",
         "qwen3-next",
+        "stablelm",
     ],
 )
 def test_cached_decoding_equals_full_causal_attention(backend, rng, options):

@@ -890,6 +890,35 @@ def test_qwen3_next_ports_with_its_output_gate(name):
         porting.options_from_config(linear, 0)
 
 
+@pytest.mark.parametrize("name", backend_params())
+def test_stablelm_qk_layernorm_of_each_head_ports(name):
+    # qk_layernorm: a layer norm of each head's queries and keys, a scale of each head's own
+    # (4 query heads, 2 key-value heads), no shift; half of each head rotated
+    config, model = _tiny_decoder(
+        "stablelm",
+        qk_layernorm=True,
+        layer_norm_eps=1e-4,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+    )
+    with torch.no_grad():  # scales that differ from head to head
+        for block in model.layers:
+            for norm in [*block.self_attn.q_layernorm.norms, *block.self_attn.k_layernorm.norms]:
+                norm.weight.uniform_(0.5, 1.5)
+    options = porting.options_from_config(config.to_dict(), 0)
+    assert options["qk_norm"] == "layer_norm_per_head" and options["qk_norm_eps"] == 1e-4
+    state, prefix = model.state_dict(), "layers.0.self_attn"
+    port = porting.canonical_from_state_dict(state, prefix, **options)
+    assert port.weights["q_norm"].shape == (4, 4) and port.weights["k_norm"].shape == (2, 4)
+    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[0]
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, prefix, backend=name, **options)
+    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+    # An RMSNorm shared by the heads is another norm: the per-head scales are refused by name
+    with pytest.raises(ValueError, match=r"q_layernorm\.norms\.0\.weight \(.*QK-norm"):
+        porting.from_state_dict(state, prefix, **{**options, "qk_norm": None})
+
+
 def test_stablelm_partial_rotary_in_rope_parameters_is_read():
     # A quarter of heads of 4 features is 1 (transformers' rounding down): no pair to turn
     config, _ = _tiny_decoder("stablelm")
@@ -973,6 +1002,7 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
     "config, message",
     [
         ({"use_qk_norm": True}, "use_qk_norm=True"),
+        ({"model_type": "persimmon", "qk_layernorm": True}, "qk_layernorm=True"),
         ({"clip_qkv": 8.0}, "clip_qkv=8.0"),
         (
             {"partial_rotary_factor": 0.5, "rope_theta": 1e4},

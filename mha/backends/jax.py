@@ -213,6 +213,22 @@ class _RMSNorm(nnx.Module):
         return self.scale[...] * x.astype(X.dtype)
 
 
+class _HeadLayerNorm(nnx.Module):
+    """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
+    square 1, then scaled by that head's row of scale (num_heads, head size): StableLM's
+    layer norm per head, without a shift (float32 sums for half)."""
+
+    def __init__(self, num_heads: int, head_size: int, eps: float, dtype: str):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((num_heads, head_size), _DTYPES[dtype]))
+
+    def __call__(self, X: jax.Array) -> jax.Array:
+        x = X.astype(jnp.float64 if X.dtype == jnp.float64 else jnp.float32)
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        return self.scale[...][:, None, :] * x.astype(X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -507,7 +523,11 @@ class MultiHeadAttention(nnx.Module):
         if sinks:
             self.sink_logits = _Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
-        if qk_norm is not None:
+        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
+            self.q_norm = _HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
+            self.k_norm = _HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps,
+                                         self.dtype)
+        elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, self.dtype)
@@ -591,8 +611,9 @@ class MultiHeadAttention(nnx.Module):
         queries = self.transpose_qkv(queries)
         keys = self.transpose_qkv(keys, num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
-        if self.qk_norm == "head":
-            # Qwen3: each head's features normalized, by one scale the heads share
+        if self.qk_norm in ("head", "layer_norm_per_head"):
+            # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
+            # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 

@@ -278,6 +278,24 @@ class RMSNorm(nn.HybridBlock):
         return gamma * x.astype(self._dtype)
 
 
+class HeadLayerNorm(nn.HybridBlock):
+    """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
+    square 1, then scaled by that head's row of gamma (num_heads, head size): StableLM's
+    layer norm per head, without a shift (float32 sums for float16)."""
+
+    def __init__(self, num_heads: int, head_size: int, eps: float, dtype: str):
+        super().__init__()
+        self.eps, self._dtype = eps, dtype
+        self.gamma = self.params.get("gamma", shape=(num_heads, head_size), init=mx.init.One(),
+                                     dtype=dtype)
+
+    def hybrid_forward(self, F, X, gamma):
+        x = X.astype("float32") if self._dtype == "float16" else X
+        x = x - x.mean(axis=-1, keepdims=True)
+        x = x / F.np.sqrt(F.np.square(x).mean(axis=-1, keepdims=True) + self.eps)
+        return F.np.expand_dims(gamma, 1) * x.astype(self._dtype)
+
+
 def _dense(num_hiddens: int, bias: bool, in_features: int | None, dtype: str) -> nn.Dense:
     """y = x @ W^T + b over the last axis; in_features None defers it to the first input."""
     return nn.Dense(num_hiddens, use_bias=bias, flatten=False, in_units=in_features or 0,
@@ -746,7 +764,10 @@ class MultiHeadAttention(Layer):
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
-        if qk_norm is not None:
+        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
+            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
+        elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
@@ -866,8 +887,9 @@ class MultiHeadAttention(Layer):
         queries = self.transpose_qkv(F, queries)
         keys = self.transpose_qkv(F, keys, num_kv_heads)
         values = self.transpose_qkv(F, self.W_v(values), num_kv_heads)
-        if self.qk_norm == "head":
-            # Qwen3: each head's features normalized, by one scale the heads share
+        if self.qk_norm in ("head", "layer_norm_per_head"):
+            # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
+            # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 

@@ -202,6 +202,23 @@ class RMSNorm(Module):
         return self.gamma * x.astype(X.dtype)
 
 
+class HeadLayerNorm(Module):
+    """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
+    square 1, then scaled by that head's row of gamma (num_heads, head size): StableLM's
+    layer norm per head, without a shift (float32 sums for float16)."""
+
+    def __init__(self, num_heads: int, head_size: int, eps: float, dtype: str):
+        super().__init__()
+        self.eps = eps
+        self.gamma = np.ones((num_heads, head_size), dtype=dtype)
+
+    def forward(self, X: np.ndarray) -> np.ndarray:
+        x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+        x = x - x.mean(axis=-1, keepdims=True)
+        x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + x.dtype.type(self.eps))
+        return self.gamma[:, None, :] * x.astype(X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -476,7 +493,10 @@ class MultiHeadAttention(Module):
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
-        if qk_norm is not None:
+        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
+            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
+        elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
@@ -553,8 +573,9 @@ class MultiHeadAttention(Module):
         queries = self.transpose_qkv(queries)
         keys = self.transpose_qkv(keys, num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
-        if self.qk_norm == "head":
-            # Qwen3: each head's features normalized, by one scale the heads share
+        if self.qk_norm in ("head", "layer_norm_per_head"):
+            # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
+            # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 

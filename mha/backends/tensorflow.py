@@ -159,6 +159,25 @@ class _RMSNorm(keras.layers.Layer):
         return self.gamma * tf.cast(x, X.dtype)
 
 
+class _HeadLayerNorm(keras.layers.Layer):
+    """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
+    square 1, then scaled by that head's row of gamma (num_heads, head size): StableLM's
+    layer norm per head, without a shift (float32 sums for half)."""
+
+    def __init__(self, num_heads: int, head_size: int, eps: float, dtype: str, **kwargs):
+        super().__init__(dtype=dtype, **kwargs)
+        self.eps = eps
+        self.gamma = self.add_weight(shape=(num_heads, head_size), initializer="ones",
+                                     name="gamma")
+        self.built = True
+
+    def call(self, X: tf.Tensor) -> tf.Tensor:
+        x = tf.cast(X, tf.float64 if X.dtype == tf.float64 else tf.float32)
+        x = x - tf.reduce_mean(x, axis=-1, keepdims=True)
+        x = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.eps)
+        return self.gamma[:, None, :] * tf.cast(x, X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -536,7 +555,10 @@ class MultiHeadAttention(_AttentionLayer):
         if sinks:
             self.sink_logits = _Sinks(num_heads, dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
-        if qk_norm is not None:
+        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
+            self.q_norm = _HeadLayerNorm(num_heads, head_size, qk_norm_eps, dtype)
+            self.k_norm = _HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, dtype)
+        elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, dtype)
             self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, dtype)
@@ -645,8 +667,9 @@ class MultiHeadAttention(_AttentionLayer):
         queries = self.transpose_qkv(queries)
         keys = self.transpose_qkv(keys, num_kv_heads)
         values = self.transpose_qkv(_apply_dense(self.W_v, values), num_kv_heads)
-        if self.qk_norm == "head":
-            # Qwen3: each head's features normalized, by one scale the heads share
+        if self.qk_norm in ("head", "layer_norm_per_head"):
+            # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
+            # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 

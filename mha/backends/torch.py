@@ -145,6 +145,23 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(X.dtype)
 
 
+class HeadLayerNorm(nn.Module):
+    """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
+    square 1, then scaled by that head's row of weight (num_heads, head size): StableLM's
+    layer norm per head, without a shift (float32 sums for half)."""
+
+    def __init__(self, num_heads: int, head_size: int, eps: float, dtype: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(num_heads, head_size, dtype=_TORCH_DTYPES[dtype]))
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        x = X.to(torch.float64 if X.dtype == torch.float64 else torch.float32)
+        x = x - x.mean(-1, keepdim=True)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight[:, None, :] * x.to(X.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks
 
@@ -456,7 +473,10 @@ class MultiHeadAttention(Module):
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
-        if qk_norm is not None:
+        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
+            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
+        elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
@@ -538,8 +558,9 @@ class MultiHeadAttention(Module):
         queries = self.transpose_qkv(queries)
         keys = self.transpose_qkv(keys, num_kv_heads)
         values = self.transpose_qkv(self.W_v(values), num_kv_heads)
-        if self.qk_norm == "head":
-            # Qwen3: each head's features normalized, by one scale the heads share
+        if self.qk_norm in ("head", "layer_norm_per_head"):
+            # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
+            # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         return queries, keys, values
 
