@@ -1322,3 +1322,24 @@ def test_alibi_slopes_by_hand_and_bad_sizes():
     for sizes in [(0, 1, 1), (2, 3, 2), (2, 1.0, 1)]:
         with pytest.raises(ValueError, match=r"must be"):
             porting.alibi_bias(*sizes)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_alibi_bias_under_a_kv_cache_gives_the_full_calls_numbers(name):
+    # Each step's queries are the last positions of the keys so far: alibi_bias(H, q, keys)
+    module, reference = backend_module(name), backend_module("numpy")
+    config = dict(num_hiddens=8, num_heads=4, query_size=6, key_size=6, value_size=6)
+    weights = mha.random_weights("MultiHeadAttention", seed=3, dtype="float64", **config)
+    layer = module.MultiHeadAttention(**config, dtype="float64")
+    full = reference.MultiHeadAttention(**config, dtype="float64")
+    mha.set_weights(layer, weights)
+    mha.set_weights(full, weights)
+    X = np.random.default_rng(5).standard_normal((2, 7, 6))
+    expected = full(X, X, X, causal=True, attn_bias=porting.alibi_bias(4, 7, 7))
+    cache, outputs = mha.KVCache(), []
+    for start, stop in ((0, 3), (3, 4), (4, 7)):
+        x = module.from_numpy(X[:, start:stop])
+        bias = module.from_numpy(porting.alibi_bias(4, stop - start, stop))
+        output, cache = layer(x, x, x, causal=True, attn_bias=bias, cache=cache)
+        outputs.append(module.to_numpy(output))
+    np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=0, atol=1e-10)
