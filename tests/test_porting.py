@@ -723,6 +723,18 @@ def _tiny_decoder(family, seed=9, **fields):
     return config, model
 
 
+IDS = torch.tensor([[5, 17, 3, 42, 8, 29, 11], [33, 4, 19, 7, 48, 26, 12]])
+
+
+def _check_causal_port(name, state, prefix, options, x, expected):
+    """The port in backend `name`, causal, matches the model's attention output at float32's
+    precision (transformers computes its rotary angles and norms in float32)."""
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, prefix, backend=name, **options)
+    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
 def _attention_io(model, ids):
     """{layer index: (input hidden states, attention output)} of a run of the whole model."""
     seen, handles = {}, []
@@ -877,11 +889,7 @@ def test_qwen3_next_ports_with_its_output_gate(name):
     state, prefix = model.state_dict(), "layers.1.self_attn"
     port = porting.canonical_from_state_dict(state, prefix, **options)
     assert port.config["output_gate"] and port.weights["W_g"].shape == (16, 32)
-    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[1]
-    module = backend_module(name)
-    layer = porting.from_state_dict(state, prefix, backend=name, **options)
-    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
-    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+    _check_causal_port(name, state, prefix, options, *_attention_io(model, IDS)[1])
     # Without the gate the query projection does not fit: refused, never silently wrong
     with pytest.raises(ValueError, match=r"the output projection takes 32 inputs"):
         porting.from_state_dict(state, prefix, **{**options, "output_gate": False})
@@ -909,11 +917,7 @@ def test_stablelm_qk_layernorm_of_each_head_ports(name):
     state, prefix = model.state_dict(), "layers.0.self_attn"
     port = porting.canonical_from_state_dict(state, prefix, **options)
     assert port.weights["q_norm"].shape == (4, 4) and port.weights["k_norm"].shape == (2, 4)
-    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[0]
-    module = backend_module(name)
-    layer = porting.from_state_dict(state, prefix, backend=name, **options)
-    output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
-    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+    _check_causal_port(name, state, prefix, options, *_attention_io(model, IDS)[0])
     # An RMSNorm shared by the heads is another norm: the per-head scales are refused by name
     with pytest.raises(ValueError, match=r"q_layernorm\.norms\.0\.weight \(.*QK-norm"):
         porting.from_state_dict(state, prefix, **{**options, "qk_norm": None})
