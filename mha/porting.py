@@ -484,7 +484,12 @@ def t5_position_bias(
 
 
 def alibi_bias(
-    num_heads: int, num_queries: int, num_keys: int, *, max_bias: float = 8.0
+    num_heads: int,
+    num_queries: int,
+    num_keys: int,
+    *,
+    max_bias: float = 8.0,
+    dtype: str = "float32",
 ) -> np.ndarray:
     """ALiBi's position biases (BLOOM, MPT, Falcon with alibi), the `attn_bias` of a ported
     layer: head h adds slope_h * (j - i) to the score of query i and key j, a penalty that
@@ -499,8 +504,10 @@ def alibi_bias(
     alibi is scaled with the scores: give attn_bias=alibi_bias(...) / sqrt(head size).
 
     Returns:
-        (1, num_heads, num_queries, num_keys), float64.
+        (1, num_heads, num_queries, num_keys), computed in float64 and given in `dtype`, the
+        layer's (an attn_bias has the layer's dtype).
     """
+    dtype = validation.check_dtype(dtype)
     for name, value in [("num_heads", num_heads), ("num_queries", num_queries)]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
@@ -516,4 +523,4 @@ def alibi_bias(
     # Distance j - i of key j from query i, the queries being the last positions
     queries = np.arange(num_keys - num_queries, num_keys)
     relative = np.arange(num_keys)[None, :] - queries[:, None]
-    return (slopes[:, None, None] * relative)[None]
+    return (slopes[:, None, None] * relative)[None].astype(dtype)

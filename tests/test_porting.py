@@ -726,13 +726,15 @@ def _tiny_decoder(family, seed=9, **fields):
 IDS = torch.tensor([[5, 17, 3, 42, 8, 29, 11], [33, 4, 19, 7, 48, 26, 12]])
 
 
-def _check_causal_port(name, state, prefix, options, x, expected):
-    """The port in backend `name`, causal, matches the model's attention output at float32's
-    precision (transformers computes its rotary angles and norms in float32)."""
+def _check_causal_port(name, state, prefix, options, x, expected, precision=1e-6):
+    """The port in backend `name`, causal, matches the model's attention output within
+    `precision` of its scale (float32's: transformers computes its rotary angles and norms in
+    float32)."""
     module = backend_module(name)
     layer = porting.from_state_dict(state, prefix, backend=name, **options)
     output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, causal=True))
-    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+    atol = precision * np.max(np.abs(expected))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
 
 
 def _attention_io(model, ids):
@@ -964,22 +966,14 @@ def test_gpt_oss_ports_with_its_sinks_yarn_and_windows(name):
     with pytest.raises(ValueError, match="layer_types"):
         porting.options_from_config(config.to_dict())
     seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
-    module = backend_module(name)
     for layer, window in [(0, 3), (1, None)]:
         options = porting.options_from_config(config.to_dict(), layer)
         assert options.get("sliding_window") == window
         assert options["rope_scaling"]["rope_type"] == "yarn"
-        port = porting.canonical_from_state_dict(
-            model.state_dict(), f"layers.{layer}.self_attn", **options
-        )
+        prefix = f"layers.{layer}.self_attn"
+        port = porting.canonical_from_state_dict(model.state_dict(), prefix, **options)
         assert port.config["sinks"] and "sinks" in port.used
-        ported = porting.from_state_dict(
-            model.state_dict(), f"layers.{layer}.self_attn", backend=name, **options
-        )
-        x, expected = seen[layer]
-        output = module.to_numpy(ported(*[module.from_numpy(x)] * 3, causal=True))
-        atol = 1e-5 * np.max(np.abs(expected))
-        np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
+        _check_causal_port(name, model.state_dict(), prefix, options, *seen[layer], 1e-5)
 
 
 @pytest.mark.parametrize("name", backend_params())
@@ -1307,7 +1301,7 @@ def test_bloom_and_mpt_port_with_alibi_bias(name):
             *[module.from_numpy(x)] * 3,
             mask=module.from_numpy(mask),
             causal=True,
-            attn_bias=module.from_numpy(porting.alibi_bias(6, 7, 7)),
+            attn_bias=module.from_numpy(porting.alibi_bias(6, 7, 7, dtype="float64")),
         )
         rows = np.s_[:, 2:]
         atol = 1e-6 * np.max(np.abs(expected[rows]))
@@ -1316,13 +1310,16 @@ def test_bloom_and_mpt_port_with_alibi_bias(name):
 
 def test_alibi_slopes_by_hand_and_bad_sizes():
     # 8 heads: slopes 1/2, 1/4, ..., 1/256; 2 queries, the last 2 of 3 positions
-    bias = porting.alibi_bias(8, 2, 3)
+    assert porting.alibi_bias(8, 2, 3).dtype == np.float32  # the layers' default dtype
+    bias = porting.alibi_bias(8, 2, 3, dtype="float64")
     assert bias.shape == (1, 8, 2, 3)
     np.testing.assert_array_equal(bias[0, 0], [[-0.5, 0.0, 0.5], [-1.0, -0.5, 0.0]])
     np.testing.assert_array_equal(bias[0, :, 0, 0], -(2.0 ** -np.arange(1, 9)))
     # 3 heads: of 4's slopes 1/4, 1/16, 1/64, 1/256 the even k first, then the odd ones
     expected = [-1 / 16, -1 / 256, -1 / 4]
-    np.testing.assert_array_equal(porting.alibi_bias(3, 1, 2)[0, :, 0, 0], expected)
+    np.testing.assert_array_equal(
+        porting.alibi_bias(3, 1, 2, dtype="float64")[0, :, 0, 0], expected
+    )
     for sizes in [(0, 1, 1), (2, 3, 2), (2, 1.0, 1)]:
         with pytest.raises(ValueError, match=r"must be"):
             porting.alibi_bias(*sizes)
@@ -1339,11 +1336,11 @@ def test_alibi_bias_under_a_kv_cache_gives_the_full_calls_numbers(name):
     mha.set_weights(layer, weights)
     mha.set_weights(full, weights)
     X = np.random.default_rng(5).standard_normal((2, 7, 6))
-    expected = full(X, X, X, causal=True, attn_bias=porting.alibi_bias(4, 7, 7))
+    expected = full(X, X, X, causal=True, attn_bias=porting.alibi_bias(4, 7, 7, dtype="float64"))
     cache, outputs = mha.KVCache(), []
     for start, stop in ((0, 3), (3, 4), (4, 7)):
         x = module.from_numpy(X[:, start:stop])
-        bias = module.from_numpy(porting.alibi_bias(4, stop - start, stop))
+        bias = module.from_numpy(porting.alibi_bias(4, stop - start, stop, dtype="float64"))
         output, cache = layer(x, x, x, causal=True, attn_bias=bias, cache=cache)
         outputs.append(module.to_numpy(output))
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=0, atol=1e-10)
