@@ -278,6 +278,7 @@ class RMSNorm(nn.HybridBlock):
         return gamma * x.astype(self._dtype)
 
 
+@mx.util.use_np
 class HeadLayerNorm(nn.HybridBlock):
     """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
     square 1, then scaled by that head's row of gamma (num_heads, head size): StableLM's
@@ -758,11 +759,12 @@ class MultiHeadAttention(Layer):
         self.W_v = _dense(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = _dense(out_features or num_hiddens, bias if out_bias is None else out_bias,
                           num_hiddens, self.dtype)
-        # RMSNorms of queries and keys: over each head, or over the whole projection
         # Each head's sink logit (gpt-oss)
         self.sinks = sinks
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
+        # Norms of queries and keys: RMSNorms over each head or the whole projection, or
+        # a layer norm of each head
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)

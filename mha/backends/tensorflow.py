@@ -549,11 +549,12 @@ class MultiHeadAttention(_AttentionLayer):
         self.W_v = _projection(kv_hiddens, bias, value_size, dtype)
         self.W_o = _projection(out_features or num_hiddens,
                                bias if out_bias is None else out_bias, num_hiddens, dtype)
-        # RMSNorms of queries and keys: over each head, or over the whole projection
         # Each head's sink logit (gpt-oss)
         self.sinks = sinks
         if sinks:
             self.sink_logits = _Sinks(num_heads, dtype)
+        # Norms of queries and keys: RMSNorms over each head or the whole projection, or
+        # a layer norm of each head
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = _HeadLayerNorm(num_heads, head_size, qk_norm_eps, dtype)

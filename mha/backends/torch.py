@@ -467,11 +467,12 @@ class MultiHeadAttention(Module):
         self.W_v = _linear(kv_hiddens, bias, value_size, self.dtype)
         self.W_o = _linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
                            num_hiddens, self.dtype)
-        # RMSNorms of queries and keys: over each head, or over the whole projection
         # Each head's sink logit (gpt-oss)
         self.sinks = sinks
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
+        # Norms of queries and keys: RMSNorms over each head or the whole projection, or
+        # a layer norm of each head
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
