@@ -17,14 +17,15 @@ A lane is a set of frameworks that install together, pinned by its constraints f
 torch and TensorFlow are the same releases in both lanes, so the tests of those two alone run
 once, in the current lane; the legacy lane runs the rest (SAME_IN_BOTH_ONCE below).
 
-Each run installs the project into the lane's environment with the lane's constraints (quick
-when nothing changed) and runs pytest there with MHA_TEST_BACKENDS naming the lane's backends,
-so a backend of the lane that does not import fails its tests. pytest-xdist spreads the tests
-over one worker per core (up to 4), each with one thread per framework (ONE_THREAD_EACH), the
-tests marked slow first, and the 20 slowest are named at the end; arguments after -- that
-choose their own (-n 0, -p no:xdist) turn that off. `--lock` installs the lane's
-extras into a new environment with no constraints, that is the newest releases that fit the
-lane, and writes what was installed as the lane's constraints file.
+Each run installs the project into each lane's environment with the lane's constraints, the
+lanes side by side (quick when nothing changed), then runs pytest in each with
+MHA_TEST_BACKENDS naming the lane's backends, so a backend of the lane that does not import
+fails its tests. pytest-xdist spreads the tests over one worker per core (up to 4), each with
+one thread per framework (ONE_THREAD_EACH), the tests marked slow first, and the 20 slowest
+are named at the end; arguments after -- that choose their own (-n 0, -p no:xdist) turn that
+off. `--lock` installs the lane's extras into a new environment with no constraints, that is
+the newest releases that fit the lane, and writes what was installed as the lane's
+constraints file.
 
 The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
 packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
@@ -99,19 +100,31 @@ def run(*command, **options) -> int:
     return subprocess.run([str(part) for part in command], check=False, **options).returncode
 
 
-def set_up(name: str, lane: Lane) -> pathlib.Path:
-    """The lane's environment with mha installed as the constraints file pins it."""
-    environment = ROOT / lane.environment
-    if not python_of(environment).exists():
-        print(f"== {name}: creating {lane.environment}", flush=True)
-        venv.create(environment, with_pip=True)
-    python = python_of(environment)
-    print(f"== {name}: installing into {lane.environment} (minutes the first time)", flush=True)
-    pins, project = ROOT / lane.constraints, f"{ROOT}[{lane.extras}]"
-    code = run(python, "-m", "pip", "install", "-q", "-c", pins, "-e", project)
-    if code != 0:
-        raise SystemExit(f"{name}: installing the lane failed (pip exited {code})")
-    return python
+def set_up(names: list[str]) -> dict[str, pathlib.Path]:
+    """Each lane's environment with mha installed as its constraints file pins it.
+
+    The lanes install side by side: pip keeps about one core busy. `--no-compile`: Python
+    compiles a module's bytecode when it is first imported, which is a small part of torch,
+    TensorFlow and JAX; compiling every file up front took longer than the rest of the install.
+    """
+    installs = {}
+    for name in names:
+        lane = LANES[name]
+        environment = ROOT / lane.environment
+        if not python_of(environment).exists():
+            print(f"== {name}: creating {lane.environment}", flush=True)
+            venv.create(environment, with_pip=True)
+        python = python_of(environment)
+        print(f"== {name}: installing into {lane.environment} (minutes the first time)", flush=True)
+        pins, project = ROOT / lane.constraints, f"{ROOT}[{lane.extras}]"
+        command = [python, "-m", "pip", "install", "-q", "--no-compile", "-c", pins, "-e", project]
+        print("+", " ".join(str(part) for part in command), flush=True)
+        installs[name] = python, subprocess.Popen([str(part) for part in command])
+    codes = {name: process.wait() for name, (_, process) in installs.items()}
+    for name, code in codes.items():
+        if code != 0:
+            raise SystemExit(f"{name}: installing the lane failed (pip exited {code})")
+    return {name: python for name, (python, _) in installs.items()}
 
 
 # One thread per framework in each pytest-xdist worker, there being a worker per core: more
@@ -125,8 +138,8 @@ ONE_THREAD_EACH = {
 }
 
 
-def test(name: str, lane: Lane, pytest_args: list[str]) -> int:
-    python = set_up(name, lane)
+def test(name: str, python: pathlib.Path, pytest_args: list[str]) -> int:
+    lane = LANES[name]
     print(f"== {name}: pytest with MHA_TEST_BACKENDS={lane.backends}", flush=True)
     parallel = _parallel(pytest_args)
     threads = ONE_THREAD_EACH if parallel else {}
@@ -285,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             lock(name, LANES[name])
         return 0
-    results = {name: test(name, LANES[name], pytest_args) for name in names}
+    pythons = set_up(names)
+    results = {name: test(name, pythons[name], pytest_args) for name in names}
     verdicts = (f"{name} {'passed' if code == 0 else 'FAILED'}" for name, code in results.items())
     print("== lanes: " + ", ".join(verdicts))
     return max(results.values())
