@@ -91,6 +91,12 @@ _UNSUPPORTED = {
 # Model types whose attention adds ALiBi's position biases, which their configs do not say
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 
+# Model types whose weights a port would misread without an error, and why
+_MISREAD_MODEL_TYPES = {
+    "chatglm": "keeps q, k and v in blocks under query_key_value, where GPT-NeoX keeps those "
+    "of each head, and rotates by a rule its config names rope_ratio",
+}
+
 
 def _refuse_config(config: Mapping[str, Any]) -> None:
     """Refuse every field mha's layer cannot represent, and configs that nest the model's."""
@@ -111,6 +117,9 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
     ]
     if config.get("model_type") in _ALIBI_MODEL_TYPES:
         problems.append(f"model_type={config['model_type']!r} adds ALiBi's position biases")
+    if config.get("model_type") in _MISREAD_MODEL_TYPES:
+        model_type = config["model_type"]
+        problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
     if any("ALiBi" in problem for problem in problems):
         problems.append(
             "(ALiBi: port with from_state_dict(..., num_heads=) and give each call "

@@ -1254,6 +1254,10 @@ def test_bloom_and_falcon_alibi_are_refused_and_query_key_value_needs_the_heads(
     for config in [T.BloomConfig(n_layer=1), T.FalconConfig(alibi=True, num_hidden_layers=1)]:
         with pytest.raises(ValueError, match=r"ALiBi"):
             porting.options_from_config(config.to_dict())
+    # ChatGLM (remote code) names its block-ordered q, k and v query_key_value too
+    chatglm = {"model_type": "chatglm", "num_attention_heads": 4, "rope_ratio": 1.0}
+    with pytest.raises(ValueError, match=r"model_type='chatglm' keeps q, k and v in blocks"):
+        porting.options_from_config(chatglm)
     torch.manual_seed(0)
     sizes = dict(hidden_size=16, num_attention_heads=4, intermediate_size=16, vocab_size=50)
     state = T.GPTNeoXModel(T.GPTNeoXConfig(num_hidden_layers=1, **sizes)).state_dict()
