@@ -1,8 +1,8 @@
 """Golden cases: numbers recorded once, verified on every backend, machine and lane.
 
 tests/golden/mxnet-legacy.safetensors was recorded with MXNet in the legacy lane
-(`mha compare --backends mxnet --record ...`); the current lane, which has no MXNet, verifies
-it on its backends, so CI shows a case crossing lanes.
+(`mha compare --backends mxnet --record ...`); each lane verifies it on numpy and torch, so
+CI shows a case crossing lanes (the current lane has no MXNet).
 """
 
 from __future__ import annotations
@@ -66,9 +66,12 @@ def test_the_case_recorded_in_the_legacy_lane_verifies_here(capsys):
     cases = golden.read(GOLDEN)
     assert {case.recorded_with.split()[0] for case in cases} == {"mxnet"}
     assert len(cases) == len(harness.default_cases())
-    assert cli.main(["verify", str(GOLDEN), "--backends", ",".join(required_backends())]) == 0
+    # On the reference, and on torch for the recorded gradients: the agreement matrix holds
+    # the lane's other backends to the reference
+    backends = [name for name in ("numpy", "torch") if name in required_backends()]
+    assert cli.main(["verify", str(GOLDEN), "--backends", ",".join(backends)]) == 0
     out = capsys.readouterr().out
-    assert f"All {len(cases) * len(required_backends())} comparisons agree" in out
+    assert f"All {len(cases) * len(backends)} comparisons agree" in out
 
 
 def test_one_call_proves_a_ported_layer_against_its_source():
