@@ -68,7 +68,7 @@ class Lane:
 # torch, TensorFlow, Keras, ONNX and LiteRT are the same releases in both lanes
 # (tests/test_packaging.py holds them equal): a test of torch or TensorFlow alone, naming none
 # of the backends whose release differs (numpy, MXNet, JAX), runs in the current lane only,
-# unless marked every_lane (the agreement matrix, the notebook run with every backend)
+# unless marked every_lane (the notebooks run with every backend)
 SAME_IN_BOTH_ONCE = "every_lane or numpy or mxnet or jax or not (torch or tensorflow)"
 
 LANES = {
