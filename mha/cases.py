@@ -347,6 +347,14 @@ MODERN_CASES = (
     # An output gate (Qwen3-Next) of the heads' output, with padding, and on the fused paths
     ("MultiHeadAttention", ("valid_lens_1d",), {"output_gate": True, "bias": True}),
     ("MultiHeadAttention", ("self", "causal", "no_weights"), {**GQA, "output_gate": True}),
+    # ALiBi's biases of each head (BLOOM, MPT): 6 heads, where the slopes' order matters, with
+    # padding; and causal alone, which torch's is_causal kernel would take without them
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {"num_heads": 6, "num_hiddens": 12, "alibi": True},
+    ),
+    ("MultiHeadAttention", ("causal", "no_weights"), {**GQA, "alibi": True}),
 )
 
 

@@ -19,6 +19,7 @@ import numpy as np
 __all__ = [
     "ROPE_TYPES",
     "RopeScaling",
+    "alibi_slopes",
     "check_rope_scaling",
     "check_rope_scaling_size",
     "frozen_rope_scaling",
@@ -44,6 +45,17 @@ def sinusoid_table(max_len: int, num_hiddens: int) -> np.ndarray:
     P[0, :, 0::2] = np.sin(angles)
     P[0, :, 1::2] = np.cos(angles[:, : num_hiddens // 2])
     return P
+
+
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> np.ndarray:
+    """ALiBi's slope of each head, (num_heads,) in float64: with n the power of 2 at or above
+    num_heads, 2 ** (-max_bias * k / n) for k = 1 ... n, and where num_heads is not a power
+    of 2 the even k first, then the odd ones, num_heads in all (BLOOM's and MPT's rule)."""
+    n = 1 << (num_heads - 1).bit_length()  # the power of 2 at or above num_heads
+    slopes = 2.0 ** (-max_bias * np.arange(1, n + 1) / n)
+    if n != num_heads:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes
 
 
 def rotary_frequencies(

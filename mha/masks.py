@@ -37,8 +37,10 @@ class Masks:
         multihead: bool = False,
         attn_bias: Any = None,
         sliding_window: int | None = None,
+        alibi_slopes: Any = None,
     ) -> tuple[Any, Any]:
-        """(keep, bias) for the given masks; see the module's docstring."""
+        """(keep, bias) for the given masks; see the module's docstring. alibi_slopes: each
+        head's ALiBi slope, (num_heads, 1, 1) in the scores' dtype, or None."""
         keep = bias = None
         # Each mask with its rank: the scores' leading axes it lacks are inserted at the end
         masks = []
@@ -69,10 +71,18 @@ class Masks:
             keep = each if keep is None else self.both(keep, each)
             rank = max(rank, each_rank)
         keep = self.to_scores(keep, rank, multihead)
+        return self.with_heads(
+            keep, bias, mask if multihead else None, attn_bias, multihead, alibi_slopes
+        )
+
+    def with_heads(
+        self, keep: Any, bias: Any, mask: Any, attn_bias: Any, multihead: bool, alibi_slopes: Any
+    ) -> tuple[Any, Any]:
+        """(keep, bias) with the masks and biases that may have a head axis added."""
         # A 4-D mask or attn_bias is (batch_size, num_heads, Q, K), each axis broadcastable;
         # a bias, like a float window, excludes its -inf entries exactly and adds the others
         with_heads = []
-        if multihead and mask is not None and self.rank(mask) == 4:
+        if mask is not None and self.rank(mask) == 4:
             with_heads.append(mask)
         if attn_bias is not None:
             blocked = self.isneginf(attn_bias)
@@ -85,6 +95,10 @@ class Masks:
             bias = attn_bias if bias is None else bias + attn_bias
         for each in with_heads:
             keep = each if keep is None else self.both(keep, each)
+        if alibi_slopes is not None:
+            # ALiBi: head h adds slope_h * (j - (offset + i)); shape (1, num_heads, Q, K)
+            alibi = self.expand_dims(alibi_slopes * self.distances(alibi_slopes), 0)
+            bias = alibi if bias is None else bias + alibi
         return keep, bias
 
     def to_scores(self, x: Any, rank: int, multihead: bool) -> Any:
@@ -108,6 +122,10 @@ class Masks:
 
     def band_mask(self, width: int) -> Any:
         """keep (Q, K): True where |offset + i - j| < width, query i beside key offset + i."""
+        raise NotImplementedError
+
+    def distances(self, like: Any) -> Any:
+        """(Q, K) in the dtype of `like`: key j's position less query i's, j - (offset + i)."""
         raise NotImplementedError
 
     def windows(self, window_mask: Any) -> Any:

@@ -28,10 +28,11 @@ def options_from_config(
     rope_parameters, also per layer type, with its scaling and partial_rotary_factor), the
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
-    scale_attn_by_inverse_layer_idx), Gemma 2's soft cap (attn_logit_softcapping) and the
-    QK-norm of Qwen3, OLMo 2, Gemma 3 and Qwen3-Next (qk_norm, qk_norm_eps, and
-    qk_norm_offset=1.0 for the norms that scale by 1 + weight: a port option, not a layer's),
-    and Qwen3-Next's output gate (output_gate=True: the port splits the query projection).
+    scale_attn_by_inverse_layer_idx, MPT's softmax_scale), Gemma 2's soft cap
+    (attn_logit_softcapping), the QK-norm of Qwen3, OLMo 2, Gemma 3 and Qwen3-Next (qk_norm,
+    qk_norm_eps, and qk_norm_offset=1.0 for the norms that scale by 1 + weight: a port
+    option, not a layer's), Qwen3-Next's output gate (output_gate=True: the port splits the
+    query projection), and BLOOM's and MPT's ALiBi (alibi=True), which their model type tells.
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -41,7 +42,7 @@ def options_from_config(
 
     Raises:
         ValueError: anything of the config that changes the attention's numbers and mha's
-            layer cannot hold (QK-norm, clipped projections, ALiBi, ...), each naming the
+            layer cannot hold (QK-norm, clipped projections, Falcon's ALiBi, ...), each naming the
             field and its value; layers that differ and no
             `layer`; an unreadable file.
     """
@@ -88,8 +89,21 @@ _UNSUPPORTED = {
     "alibi": ((None, False), "adds ALiBi's position biases"),
 }
 
-# Model types whose attention adds ALiBi's position biases, which their configs do not say
+# Model types whose attention adds ALiBi's position biases, which their configs do not say:
+# the layer's alibi option
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
+
+# MPT's attn_config fields whose values change the attention in ways mha's layer cannot
+# represent: field -> (the value that leaves it as transformers' MPT computes, what it does).
+# transformers adds ALiBi's biases with a max_bias of 8 whatever alibi and alibi_bias_max say
+_MPT_UNSUPPORTED = {
+    "clip_qkv": (None, "clips the projections' outputs"),
+    "qk_ln": (False, "normalizes the queries and keys (QK-norm)"),
+    "prefix_lm": (False, "attends both ways over a prefix"),
+    "attn_uses_sequence_id": (False, "keeps packed sequences apart"),
+    "alibi": (True, "turns ALiBi off, which transformers' MPT adds nonetheless"),
+    "alibi_bias_max": (8, "changes ALiBi's slopes, which transformers' MPT does not"),
+}
 
 # Model types whose weights a port would misread without an error, and why
 _MISREAD_MODEL_TYPES = {
@@ -115,15 +129,21 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         for key, (plain, what) in _UNSUPPORTED.items()
         if key in config and config[key] not in plain and not _held(config, key)
     ]
-    if config.get("model_type") in _ALIBI_MODEL_TYPES:
-        problems.append(f"model_type={config['model_type']!r} adds ALiBi's position biases")
+    if config.get("model_type") == "mpt":
+        attention = config.get("attn_config") or {}
+        problems += [
+            f"attn_config['{key}']={attention[key]!r} {what}"
+            for key, (plain, what) in _MPT_UNSUPPORTED.items()
+            if attention.get(key, plain) not in (plain, None)
+        ]
     if config.get("model_type") in _MISREAD_MODEL_TYPES:
         model_type = config["model_type"]
         problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
-    if any("ALiBi" in problem for problem in problems):
+    if any("ALiBi's position biases" in problem for problem in problems):
         problems.append(
-            "(ALiBi: port with from_state_dict(..., num_heads=) and give each call "
-            "attn_bias=mha.porting.alibi_bias(num_heads, num_queries, num_keys))"
+            "(Falcon's ALiBi, scaled with the scores: port with from_state_dict(..., "
+            "num_heads=) and give each call attn_bias=mha.porting.alibi_bias(num_heads, "
+            "num_queries, num_keys) / sqrt(head size))"
         )
     if problems:
         raise ValueError(
@@ -260,6 +280,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["qk_norm_offset"] = _QK_NORM_OFFSET[model_type]
     if model_type in _OUTPUT_GATE:  # a port option: the query projection holds the gate
         found["output_gate"] = True
+    if model_type in _ALIBI_MODEL_TYPES:  # BLOOM, MPT
+        found["alibi"] = True
     return found
 
 
@@ -407,6 +429,8 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
         scale = float(config["attention_multiplier"])
     if config.get("scale_attn_weights") is False:  # GPT-2
         scale = 1.0
+    if (config.get("attn_config") or {}).get("softmax_scale") is not None:  # MPT
+        scale = float(config["attn_config"]["softmax_scale"])
     if config.get("scale_attn_by_inverse_layer_idx"):
         if layer is None or (scale is None and head is None):
             raise ValueError(

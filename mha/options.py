@@ -362,6 +362,19 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "alibi",
+        False,
+        "boolean",
+        {
+            "*": "whether head h adds ALiBi's bias slope_h * (j - i) to the score of query i "
+            "and key j, query i at position i after the cached keys, with the ALiBi paper's "
+            "slopes (mha.encoding.alibi_slopes; BLOOM, MPT), after softcap as attn_bias."
+        },
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
         "rotary_dim",
         None,
         "optional positive integer",

@@ -51,7 +51,7 @@ import numpy as np
 
 from mha import validation
 from mha.config import get_backend
-from mha.encoding import rotary_frequencies
+from mha.encoding import alibi_slopes, rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
     LAYOUTS,
@@ -516,10 +516,7 @@ def alibi_bias(
             f"num_keys must be an integer >= num_queries ({num_queries}). Received: "
             f"num_keys={num_keys!r}"
         )
-    n = 1 << (num_heads - 1).bit_length()  # the power of 2 at or above num_heads
-    slopes = 2.0 ** (-max_bias * np.arange(1, n + 1) / n)
-    if n != num_heads:
-        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    slopes = alibi_slopes(num_heads, max_bias)
     # Distance j - i of key j from query i, the queries being the last positions
     queries = np.arange(num_keys - num_queries, num_keys)
     relative = np.arange(num_keys)[None, :] - queries[:, None]

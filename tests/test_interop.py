@@ -239,6 +239,7 @@ def test_torch_to_mha(torch, name, config, dtype):
         "qk_norm": None,
         "qk_norm_eps": 1e-06,
         "output_gate": False,
+        "alibi": False,
     }
     rng = np.random.default_rng(3)
     tensors = inputs(config, dtype, rng)

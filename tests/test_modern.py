@@ -120,6 +120,29 @@ def test_a_sliding_window_is_its_band_mask(backend, rng, causal):
     np.testing.assert_array_equal(kept, np.broadcast_to(band, kept.shape))
 
 
+def test_alibi_adds_each_heads_slope_times_the_distance(backend, rng):
+    # 6 heads, by hand from BLOOM's rule: the powers of 2 ** -2 for the 4 heads of the power
+    # of 2 below 6, then the odd powers of 2 ** -1 for the other 2
+    slopes = 2.0 ** -np.array([2, 4, 6, 8, 1, 3])
+    i, j = np.arange(5)[:, None], np.arange(5)[None, :]
+    bias = (slopes[:, None, None] * (j - i))[None]  # (1, heads, queries, keys)
+    x, lengths = rng.standard_normal((2, 5, 12)), np.array([5, 3])
+    config = dict(num_hiddens=12, num_heads=6, bias=True, dtype="float64")
+    sizes = dict(query_size=12, key_size=12, value_size=12)
+    weights = mha.random_weights("MultiHeadAttention", seed=3, **sizes, **config)
+    plain = reference.MultiHeadAttention(**config)
+    mha.set_weights(plain, weights)
+    expected = plain(x, x, x, lengths, causal=True, attn_bias=bias)
+    layer = backend.MultiHeadAttention(alibi=True, **config)
+    mha.set_weights(layer, weights)
+    if hasattr(layer, "hybridize"):  # MXNet: the slopes are an input of the traced graph
+        layer.hybridize()
+    for _ in range(2):
+        out = layer(*[backend.from_numpy(x)] * 3, backend.from_numpy(lengths), causal=True)
+        assert_agrees(backend.to_numpy(out), expected, "float64")
+    assert_agrees(backend.to_numpy(layer.attention_weights), plain.attention_weights, "float64")
+
+
 def test_rope_in_multihead_attention_rotates_each_heads_queries_and_keys(backend, rng):
     # Written out: project, split heads, rotate by the complex formula, attend, merge
     config = dict(
@@ -193,6 +216,7 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         {"num_kv_heads": 2, "sinks": True, "sliding_window": 3, "rope_theta": 100.0},
         {"num_kv_heads": 2, "output_gate": True, "qk_norm": "head", "rope_theta": 100.0},
         {"num_kv_heads": 2, "qk_norm": "layer_norm_per_head", "rope_theta": 100.0},
+        {"num_kv_heads": 2, "alibi": True},
     ],
     ids=[
         "plain",
@@ -205,6 +229,7 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         "gpt-oss",
         "qwen3-next",
         "stablelm",
+        "bloom",
     ],
 )
 def test_cached_decoding_equals_full_causal_attention(backend, rng, options):

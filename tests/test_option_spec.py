@@ -77,6 +77,7 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "qk_norm",
         "qk_norm_eps",
         "sliding_window",
+        "alibi",
     }
 
 

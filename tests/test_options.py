@@ -209,3 +209,19 @@ def test_attn_bias_is_added_to_every_heads_scores(name, need_weights):
     weights = softmax(heads(q) @ heads(k).transpose(0, 1, 3, 2) + bias)
     expected = (weights @ heads(v)).transpose(0, 2, 1, 3).reshape(2, 4, 8) @ w["W_o"]
     np.testing.assert_allclose(module.to_numpy(output), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.torch
+def test_the_converters_refuse_alibi(tmp_path):
+    # ALiBi is config, no weight: the converters read it off mha's layer and mha's files
+    layer = backend_module("numpy").MultiHeadAttention(
+        8, 2, query_size=8, key_size=8, value_size=8, alibi=True
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=0))
+    with pytest.raises(ValueError, match="alibi=True"):
+        interop.to_torch(layer)
+    mha.save(layer, tmp_path / "a.safetensors")
+    for destination in ("a.pt", "a.weights.h5", "a.msgpack"):
+        with pytest.raises(ValueError, match="alibi=True"):
+            interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
+        assert not (tmp_path / destination).exists()

@@ -1248,12 +1248,16 @@ def test_falcon_query_key_value_of_each_kind_ports(name):
         _check_padded_causal(name, model.state_dict(), "h.0.self_attention", options, x, y)
 
 
-def test_bloom_and_falcon_alibi_are_refused_and_query_key_value_needs_the_heads():
-    # BLOOM's config does not say it adds ALiBi's biases: its model type does
+def test_falcon_alibi_and_mpt_options_are_refused_and_query_key_value_needs_the_heads():
+    # Falcon scales ALiBi's biases with the scores
     T = transformers()
-    for config in [T.BloomConfig(n_layer=1), T.FalconConfig(alibi=True, num_hidden_layers=1)]:
-        with pytest.raises(ValueError, match=r"ALiBi"):
-            porting.options_from_config(config.to_dict())
+    with pytest.raises(ValueError, match=r"alibi=True adds ALiBi's position biases"):
+        porting.options_from_config(T.FalconConfig(alibi=True, num_hidden_layers=1).to_dict())
+    # What transformers' MPT does not do as its config says, or mha's layer cannot
+    for field, value in [("alibi", False), ("alibi_bias_max", 4), ("clip_qkv", 6.0)]:
+        config = T.MptConfig(n_layers=1, attn_config={field: value}).to_dict()
+        with pytest.raises(ValueError, match=rf"attn_config\['{field}'\]={value!r}"):
+            porting.options_from_config(config)
     # ChatGLM (remote code) names its block-ordered q, k and v query_key_value too
     chatglm = {"model_type": "chatglm", "num_attention_heads": 4, "rope_ratio": 1.0}
     with pytest.raises(ValueError, match=r"model_type='chatglm' keeps q, k and v in blocks"):
@@ -1268,9 +1272,10 @@ def test_bloom_and_falcon_alibi_are_refused_and_query_key_value_needs_the_heads(
 
 
 @pytest.mark.parametrize("name", backend_params())
-def test_bloom_and_mpt_port_with_alibi_bias(name):
+def test_bloom_and_mpt_port_in_one_line_and_with_alibi_bias(name):
     # BLOOM's query_key_value per head and MPT's Wqkv blocks, 6 heads (not a power of 2, where
-    # the slopes' order matters), ALiBi's biases given at the call; causal with left padding
+    # the slopes' order matters); causal with left padding. Ported from the config (the alibi
+    # option), and with num_heads alone and ALiBi's biases given at the call
     T = transformers()
     torch.manual_seed(12)
     sizes = dict(vocab_size=50, n_layer=1)
@@ -1281,35 +1286,42 @@ def test_bloom_and_mpt_port_with_alibi_bias(name):
     module = backend_module(name)
     for model, prefix in models:
         model = model.double().eval()
-        attention = model.get_submodule(prefix)
-        seen = {}
-
-        def take(module, args, kwargs, seen=seen):
-            seen.update(x=args[0], residual=args[1:2])
-
-        attention.register_forward_pre_hook(take, with_kwargs=True)
-        padding = torch.tensor([[1] * 7, [0] * 2 + [1] * 5])
-        _, y = capture(
-            model,
-            attention,
-            attention,
-            input_ids=torch.randint(3, 50, (2, 7)),
-            attention_mask=padding,
-        )
-        x = seen["x"].numpy()
-        expected = y - seen["residual"][0].numpy() if seen["residual"] else y  # BLOOM adds it
-        layer = porting.from_state_dict(model.state_dict(), prefix, num_heads=6, backend=name)
+        options = porting.options_from_config(model.config.to_dict())
+        assert options == {"num_heads": 6, "alibi": True}
+        x, expected = _alibi_layer_call(model, prefix)
         mask = np.ones((2, 7, 7), bool)
         mask[1, :, :2] = False
-        output = layer(
-            *[module.from_numpy(x)] * 3,
-            mask=module.from_numpy(mask),
-            causal=True,
-            attn_bias=module.from_numpy(porting.alibi_bias(6, 7, 7, dtype="float64")),
-        )
-        rows = np.s_[:, 2:]
-        atol = 1e-6 * np.max(np.abs(expected[rows]))
-        np.testing.assert_allclose(module.to_numpy(output)[rows], expected[rows], atol=atol)
+        bias = module.from_numpy(porting.alibi_bias(6, 7, 7, dtype="float64"))
+        ports = {
+            "config": ({**options}, {}),
+            "attn_bias": ({"num_heads": 6}, {"attn_bias": bias}),
+        }
+        for way, (port_options, extra) in ports.items():
+            state = model.state_dict()
+            layer = porting.from_state_dict(state, prefix, backend=name, **port_options)
+            arguments = [module.from_numpy(x)] * 3
+            output = layer(*arguments, mask=module.from_numpy(mask), causal=True, **extra)
+            rows = np.s_[:, 2:]
+            atol = 1e-6 * np.max(np.abs(expected[rows]))
+            np.testing.assert_allclose(
+                module.to_numpy(output)[rows], expected[rows], atol=atol, err_msg=way
+            )
+
+
+def _alibi_layer_call(model, prefix):
+    """The attention's input and output (less BLOOM's residual) in a padded call."""
+    attention = model.get_submodule(prefix)
+    seen = {}
+
+    def take(module, args, kwargs):
+        seen.update(x=args[0], residual=args[1:2])
+
+    attention.register_forward_pre_hook(take, with_kwargs=True)
+    padding = torch.tensor([[1] * 7, [0] * 2 + [1] * 5])
+    ids = torch.randint(3, 50, (2, 7))
+    _, y = capture(model, attention, attention, input_ids=ids, attention_mask=padding)
+    residual = seen["residual"][0].numpy() if seen["residual"] else 0.0  # BLOOM adds it
+    return seen["x"].numpy(), y - residual
 
 
 def test_alibi_slopes_by_hand_and_bad_sizes():

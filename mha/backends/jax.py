@@ -37,6 +37,7 @@ from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import (
+    alibi_slopes,
     frozen_rope_scaling,
     rotary_angle_dtype,
     rotary_attention_factor,
@@ -282,6 +283,10 @@ class _Masks(Masks):
         queries = jnp.arange(self.num_queries)[:, None] + self.offset
         return jnp.abs(queries - jnp.arange(self.num_keys)[None, :]) < width
 
+    def distances(self, like):
+        queries = jnp.arange(self.num_queries)[:, None] + self.offset
+        return (jnp.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
+
     def windows(self, window_mask):
         return jnp.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
 
@@ -490,7 +495,7 @@ class MultiHeadAttention(nnx.Module):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, dtype: str = "float32",
+                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
@@ -536,6 +541,8 @@ class MultiHeadAttention(nnx.Module):
         self.output_gate = output_gate
         if output_gate:
             self.W_g = _Linear(num_hiddens, bias, query_size, self.dtype, rngs)
+        # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
+        self.alibi = alibi
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
@@ -556,8 +563,10 @@ class MultiHeadAttention(nnx.Module):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
+        slopes = _alibi_slopes(self.num_heads, self.dtype) if self.alibi else None
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window,
+                                   alibi_slopes=slopes)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None
@@ -764,6 +773,13 @@ class RotaryEmbedding(nnx.Module):
         if longer is None:
             return self.frequencies
         return jnp.asarray(longer.astype(rotary_angle_dtype(self.dtype)))
+
+
+@functools.cache
+def _alibi_slopes(num_heads: int, dtype: str) -> jax.Array:
+    # (num_heads, 1, 1), computed in float64 and cast once, concrete as _table's
+    with jax.ensure_compile_time_eval():
+        return jnp.asarray(alibi_slopes(num_heads).astype(dtype).reshape(-1, 1, 1))
 
 
 @functools.cache

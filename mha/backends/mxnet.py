@@ -53,6 +53,7 @@ from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import (
+    alibi_slopes,
     frozen_rope_scaling,
     rotary_angle_dtype,
     rotary_attention_factor,
@@ -394,6 +395,11 @@ class _Masks(Masks):
         distances = self.F.np.expand_dims(self.query_positions, -1) - self.key_positions
         return self.F.np.abs(distances) < width
 
+    def distances(self, like):
+        # A traced graph knows no dtypes: the call's is the scores'
+        distances = self.key_positions - self.F.np.expand_dims(self.query_positions, -1)
+        return distances.astype(self.call.dtype)
+
     def windows(self, window_mask):
         batch_positions = _positions(self.F, self.queries, 0, self.call.dtype)
         window_index = self.F.np.mod(batch_positions, self.call.num_windows).astype("int32")
@@ -424,14 +430,14 @@ class _Masks(Masks):
 
 
 def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias, call: _Call,
-                     multihead: bool = False, num_heads: int = 1, offset=0):
+                     multihead: bool = False, num_heads: int = 1, offset=0, alibi_slopes=None):
     """(keep, bias) of mha.masks for the call; queries and keys as `_Masks` takes them.
 
     When autograd records the call and valid_lens is the only mask (see `_by_lengths`), keep
     is instead a `_Lengths`: the lengths, one per row of the scores, for MXNet's fused length-masked
     softmax, whose backward is cheaper than that of an added mask (see `_softmax`).
     """
-    if _by_lengths(valid_lens, call):
+    if alibi_slopes is None and _by_lengths(valid_lens, call):
         # Shape of lengths: (batch_size, no. of queries), or with multihead
         # (batch_size, num_heads, no. of queries)
         key_positions = _positions(F, keys, -2, call.dtype)
@@ -443,7 +449,7 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
         return _Lengths(lengths), None
     masks = _Masks(F, queries, keys, call, attn_bias, offset)
     return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias,
-                         sliding_window=call.sliding_window)
+                         sliding_window=call.sliding_window, alibi_slopes=alibi_slopes)
 
 
 def _by_lengths(valid_lens, call: _Call) -> bool:
@@ -735,7 +741,7 @@ class MultiHeadAttention(Layer):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, dtype: str = "float32"):
+                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -777,6 +783,12 @@ class MultiHeadAttention(Layer):
         self.output_gate = output_gate
         if output_gate:
             self.W_g = _dense(num_hiddens, bias, query_size, self.dtype)
+        # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count,
+        # a plain array that reaches a traced graph as an input, as the rotary frequencies
+        self.alibi = alibi
+        self.alibi_slopes = from_numpy(
+            alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1)
+        ) if alibi else None
         self.attention_weights = None
         self.initialize(_LinearInit())
 
@@ -816,10 +828,12 @@ class MultiHeadAttention(Layer):
         if self.rotary is not None:
             # The sequence, whose length may choose them, runs to the last key
             frequencies = self.rotary.frequencies_at(offset + keys.shape[1], queries.ctx)
+        slopes = None if self.alibi_slopes is None else self.alibi_slopes.as_in_context(
+            queries.ctx)
         # So do the cached keys and values, so that one graph serves every decoding step
         cached = (cache.keys, cache.values) if call.cached else (None, None)
         outputs = self._run(call, queries, keys, values, valid_lens, mask, window_mask,
-                            head_mask, attn_bias, frequencies, *cached)
+                            head_mask, attn_bias, frequencies, slopes, *cached)
         # The graph's outputs: output, then the weights and the cache's keys and values
         output, *outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
         weights = outputs.pop(0) if need_weights else None
@@ -829,7 +843,8 @@ class MultiHeadAttention(Layer):
         return output if cache is None else (output, cache)
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
-                       head_mask, attn_bias, frequencies, cached_keys, cached_values):
+                       head_mask, attn_bias, frequencies, alibi_slopes, cached_keys,
+                       cached_values):
         call = self._structure
         # The positions before this call's, counted in the graph: a (1,) array, or 0
         offset = 0
@@ -854,7 +869,7 @@ class MultiHeadAttention(Layer):
         # the number of keys, cached ones included, from the keys alone
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
                                       attn_bias, call, multihead=True, num_heads=self.num_heads,
-                                      offset=offset)
+                                      offset=offset, alibi_slopes=alibi_slopes)
         # The cache holds num_kv_heads heads, before they are repeated
         cache = (keys, values) if call.cache else ()
         if num_kv_heads != self.num_heads:

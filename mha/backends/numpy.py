@@ -22,6 +22,7 @@ from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import (
+    alibi_slopes,
     frozen_rope_scaling,
     rotary_angle_dtype,
     rotary_attention_factor,
@@ -254,6 +255,10 @@ class _Masks(Masks):
         queries = np.arange(self.num_queries)[:, None] + self.offset
         return np.abs(queries - np.arange(self.num_keys)[None, :]) < width
 
+    def distances(self, like):
+        queries = np.arange(self.num_queries)[:, None] + self.offset
+        return (np.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
+
     def windows(self, window_mask):
         return np.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))
 
@@ -463,7 +468,7 @@ class MultiHeadAttention(Module):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, dtype: str = "float32"):
+                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -505,6 +510,10 @@ class MultiHeadAttention(Module):
         self.output_gate = output_gate
         if output_gate:
             self.W_g = Linear(num_hiddens, bias, query_size, self.dtype)
+        # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
+        self.alibi = alibi
+        self.alibi_slopes = alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1) \
+            if alibi else None
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -527,7 +536,8 @@ class MultiHeadAttention(Module):
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window,
+                                   alibi_slopes=self.alibi_slopes)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None

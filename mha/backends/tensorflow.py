@@ -34,6 +34,7 @@ from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import (
+    alibi_slopes,
     frozen_rope_scaling,
     rotary_angle_dtype,
     rotary_attention_factor,
@@ -229,6 +230,10 @@ class _Masks(Masks):
         # Shape of distances: (Q, K), query i being at position offset + i
         queries = tf.range(self.num_queries)[:, None] + self.offset
         return tf.abs(queries - tf.range(self.num_keys)[None, :]) < width
+
+    def distances(self, like):
+        queries = tf.range(self.num_queries)[:, None] + self.offset
+        return tf.cast(tf.range(self.num_keys)[None, :] - queries, like.dtype)
 
     def windows(self, window_mask):
         return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
@@ -524,7 +529,7 @@ class MultiHeadAttention(_AttentionLayer):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, dtype: str = "float32",
+                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32",
                  **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
@@ -567,6 +572,10 @@ class MultiHeadAttention(_AttentionLayer):
         self.output_gate = output_gate
         if output_gate:
             self.W_g = _projection(num_hiddens, bias, query_size, dtype)
+        # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
+        self.alibi = alibi
+        self.alibi_slopes = alibi_slopes(num_heads).astype(dtype).reshape(-1, 1, 1) \
+            if alibi else None
         self.attention_weights = None
         self.built = self.W_q.built and self.W_k.built and self.W_v.built
 
@@ -618,8 +627,10 @@ class MultiHeadAttention(_AttentionLayer):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
+        slopes = None if self.alibi_slopes is None else tf.constant(self.alibi_slopes)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window,
+                                   alibi_slopes=slopes)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = _apply_dense(self.W_g, queries) if self.output_gate else None

@@ -24,6 +24,7 @@ from mha.backends import torch_fused as fused
 from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import (
+    alibi_slopes,
     frozen_rope_scaling,
     rotary_angle_dtype,
     rotary_attention_factor,
@@ -214,6 +215,11 @@ class _Masks(Masks):
         queries = torch.arange(self.num_queries, device=self.device)[:, None] + self.offset
         keys = torch.arange(self.num_keys, device=self.device)[None, :]
         return (queries - keys).abs() < width
+
+    def distances(self, like):
+        queries = torch.arange(self.num_queries, device=self.device)[:, None] + self.offset
+        keys = torch.arange(self.num_keys, device=self.device)[None, :]
+        return (keys - queries).to(like.dtype)
 
     def windows(self, window_mask):
         return window_mask.repeat(self.batch_size // window_mask.shape[0], 1, 1)
@@ -443,7 +449,7 @@ class MultiHeadAttention(Module):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  softcap: float | None = None, sinks: bool = False,
                  qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, dtype: str = "float32"):
+                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -485,6 +491,11 @@ class MultiHeadAttention(Module):
         self.output_gate = output_gate
         if output_gate:
             self.W_g = _linear(num_hiddens, bias, query_size, self.dtype)
+        # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
+        self.alibi = alibi
+        slopes = torch.as_tensor(alibi_slopes(num_heads), dtype=_TORCH_DTYPES[self.dtype])
+        self.register_buffer("alibi_slopes", slopes.reshape(-1, 1, 1) if alibi else None,
+                             persistent=False)
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -507,7 +518,8 @@ class MultiHeadAttention(Module):
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
-                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window,
+                                   alibi_slopes=self.alibi_slopes)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None  # Qwen3-Next
@@ -526,7 +538,7 @@ class MultiHeadAttention(Module):
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
         causal_alone = causal and offset == 0 and self.sliding_window is None and all(
-            x is None for x in (valid_lens, mask, window_mask, attn_bias))
+            x is None for x in (valid_lens, mask, window_mask, attn_bias, self.alibi_slopes))
         path = fused.choose_path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
                                  self.attention.dropout, causal_alone, self.softcap, self.sinks)
         if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
@@ -537,8 +549,7 @@ class MultiHeadAttention(Module):
             values = values.repeat_interleave(group, dim=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, path,
-                                       sinks)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, path, sinks)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
