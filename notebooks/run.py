@@ -56,12 +56,15 @@ def execute(
     cwd: str | os.PathLike,
     backend: str | None = None,
     progress=None,
+    parameters: dict | None = None,
 ) -> nbformat.NotebookNode:
     """Run every cell of `notebook` (in place) in a fresh kernel working in `cwd`.
 
     Args:
         backend: MHA_BACKEND for the kernel; None keeps this process's setting.
         progress: called as progress(index, total, cell) before each code cell.
+        parameters: names and values (Python literals) that a cell added after the one
+            tagged "parameters" assigns, as papermill does (the tests' smaller runs).
 
     Raises:
         nbclient.exceptions.CellExecutionError: a cell raised; the notebook holds the
@@ -72,6 +75,8 @@ def execute(
     manager = KernelManager(
         kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[])
     )
+    if parameters:
+        _inject(notebook, parameters)
     code_cells = [cell for cell in notebook.cells if cell.cell_type == "code"]
 
     def on_cell_start(cell, cell_index):
@@ -91,6 +96,16 @@ def execute(
     finally:
         _drop_framework_start_up_logs(notebook)
     return notebook
+
+
+def _inject(notebook: nbformat.NotebookNode, parameters: dict) -> None:
+    """A code cell assigning `parameters`, after the cell tagged "parameters"."""
+    tagged = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
+    if len(tagged) != 1:
+        raise ValueError(f"{len(tagged)} cells are tagged parameters; parameters need one")
+    source = "\n".join(f"{name} = {value!r}" for name, value in parameters.items())
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    notebook.cells.insert(tagged[0] + 1, cell)
 
 
 # TensorFlow's C++ runtime logs these lines at import, to the process's stderr, whatever

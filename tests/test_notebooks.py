@@ -4,7 +4,9 @@ Each notebook is executed in a fresh kernel (notebooks/run.py's `execute`, the o
 project runs them) on a copy in a temporary directory, so the committed files are never
 written here. The notebooks that show one backend at a time read MHA_BACKEND and run under
 every backend; the others compare every framework installed, and must see every one the
-run requires. A cell that raises fails the test with the cell's traceback.
+run requires. A cell that raises fails the test with the cell's traceback. compare_frameworks
+runs every 8th case of its agreement matrix here (PARAMETERS), the whole of which
+tests/test_agreement.py holds every backend to.
 """
 
 from __future__ import annotations
@@ -102,13 +104,18 @@ def test_committed_notebook_holds_its_outputs(name):
     assert path.stat().st_size < 400_000, f"{name}: {path.stat().st_size} bytes"
 
 
+# What the runs here change, by notebook: compare_frameworks runs every 8th case of the matrix
+# that tests/test_agreement.py holds whole
+PARAMETERS = {"compare_frameworks": {"CASE_STEP": 8}}
+
+
 def _execute(name, tmp_path, backend=None):
     copy = tmp_path / f"{name}.ipynb"
     shutil.copyfile(NOTEBOOKS / copy.name, copy)
     notebook = nbformat.read(copy, as_version=4)
     for cell in _code_cells(notebook):
         cell.outputs, cell.execution_count = [], None
-    runner.execute(notebook, cwd=tmp_path, backend=backend)
+    runner.execute(notebook, cwd=tmp_path, backend=backend, parameters=PARAMETERS.get(name))
     nbformat.write(notebook, copy)  # kept in tmp_path, for a look after a failure
     _check_outputs(name, notebook)
     return notebook
