@@ -23,9 +23,10 @@ MHA_TEST_BACKENDS naming the lane's backends, so a backend of the lane that does
 fails its tests. pytest-xdist spreads the tests over one worker per core (up to 4), each with
 one thread per framework (ONE_THREAD_EACH), the tests marked slow first, and the 20 slowest
 are named at the end; arguments after -- that choose their own (-n 0, -p no:xdist) turn that
-off. `--lock` installs the lane's extras into a new environment with no constraints, that is
-the newest releases that fit the lane, and writes what was installed as the lane's
-constraints file.
+off. The processes of a run share JAX's compilation cache, in a folder removed after it.
+`--lock` installs the lane's extras into a new environment with no constraints, that is the
+newest releases that fit the lane, and writes what was installed as the lane's constraints
+file.
 
 The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
 packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
@@ -143,18 +144,27 @@ def test(name: str, python: pathlib.Path, pytest_args: list[str]) -> int:
     print(f"== {name}: pytest with MHA_TEST_BACKENDS={lane.backends}", flush=True)
     parallel = _parallel(pytest_args)
     threads = ONE_THREAD_EACH if parallel else {}
-    environment = {**threads, **os.environ, "MHA_TEST_BACKENDS": lane.backends}
     select = ["-m", lane.select] if lane.select else []
-    return run(
-        python,
-        "-m",
-        "pytest",
-        *parallel,
-        *select,
-        *pytest_args,
-        cwd=ROOT,
-        env=environment,
-    )
+    with tempfile.TemporaryDirectory(prefix="mha-jax-cache-") as cache:
+        environment = {
+            **threads,
+            **_shared_jax_cache(cache),
+            **os.environ,
+            "MHA_TEST_BACKENDS": lane.backends,
+        }
+        command = [python, "-m", "pytest", *parallel, *select, *pytest_args]
+        return run(*command, cwd=ROOT, env=environment)
+
+
+def _shared_jax_cache(folder: str) -> dict[str, str]:
+    """JAX's persistent compilation cache in `folder`, for every program: JAX compiles each
+    operation for each new shape, and the workers, and the kernels and processes the tests
+    start, compile many of the same. A variable the caller set is kept."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": folder,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def _parallel(pytest_args: list[str]) -> list[str]:
