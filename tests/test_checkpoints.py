@@ -35,6 +35,7 @@ CONFIG = {
     "qk_norm": None,
     "qk_norm_eps": 1e-06,
     "output_gate": False,
+    "alibi": False,
 }
 
 
