@@ -373,3 +373,14 @@ def test_compare_device_that_cannot_be_reached_is_a_usage_error():
     assert code == 2 and "--device" in err
     code, _, err = run("compare", "--backends", "numpy,tensorflow", "--device", "cpu")
     assert code == 2 and "cannot put the tensorflow backend on a device" in err
+
+
+@pytest.mark.parametrize("command", ["convert", "inspect", "verify"])
+def test_a_path_that_does_not_exist_is_a_usage_error(command, tmp_path):
+    # docs/cli.md: 2, with one line naming the path; nothing is written
+    missing = tmp_path / "missing.safetensors"
+    extra = [str(tmp_path / "out.pt")] if command == "convert" else []
+    code, out, err = run(command, str(missing), *extra)
+    assert code == 2 and out == ""
+    assert err.strip() == f"mha {command}: error: {missing} does not exist or is not a file"
+    assert sorted(tmp_path.iterdir()) == []
