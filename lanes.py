@@ -97,8 +97,14 @@ def python_of(environment: pathlib.Path) -> pathlib.Path:
 
 
 def run(*command, **options) -> int:
-    print("+", " ".join(str(part) for part in command), flush=True)
-    return subprocess.run([str(part) for part in command], check=False, **options).returncode
+    return subprocess.run(_shown(command), check=False, **options).returncode
+
+
+def _shown(command) -> list[str]:
+    """The command as strings, printed as a line starting "+ " first."""
+    parts = [str(part) for part in command]
+    print("+", " ".join(parts), flush=True)
+    return parts
 
 
 def set_up(names: list[str]) -> dict[str, pathlib.Path]:
@@ -119,8 +125,7 @@ def set_up(names: list[str]) -> dict[str, pathlib.Path]:
         print(f"== {name}: installing into {lane.environment} (minutes the first time)", flush=True)
         pins, project = ROOT / lane.constraints, f"{ROOT}[{lane.extras}]"
         command = [python, "-m", "pip", "install", "-q", "--no-compile", "-c", pins, "-e", project]
-        print("+", " ".join(str(part) for part in command), flush=True)
-        installs[name] = python, subprocess.Popen([str(part) for part in command])
+        installs[name] = python, subprocess.Popen(_shown(command))
     codes = {name: process.wait() for name, (_, process) in installs.items()}
     for name, code in codes.items():
         if code != 0:
