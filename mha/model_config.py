@@ -25,7 +25,8 @@ def options_from_config(
 ) -> dict[str, Any]:
     """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
     num_attention_heads, the rotary embedding (rope_theta, or transformers 5's
-    rope_parameters, also per layer type, with its scaling and partial_rotary_factor), the
+    rope_parameters, also per layer type, with its scaling and partial_rotary_factor;
+    transformers' defaults of the model type for what the config does not write), the
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
     scale_attn_by_inverse_layer_idx, MPT's softmax_scale), Gemma 2's soft cap
@@ -228,11 +229,52 @@ _QK_NORM_OFFSET = {"gemma3_text": 1.0, "qwen3_next": 1.0}
 # Model types whose query projection also gives a gate of the heads' output
 _OUTPUT_GATE = frozenset({"qwen3_next"})
 
-# Model types whose rotary base is fixed in their code, not written in their config
-_FIXED_THETA = {"gptj": 10000.0}
-
-# What transformers gives a GPT-NeoX config that does not write its rotary embedding
-_GPT_NEOX_ROPE = {"rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+# What transformers gives a rotary model type whose config does not write its rotary
+# embedding: the base (10000 where not listed), the fraction of each head rotated (all where
+# not listed), and the scaling; GPT-J's base is fixed in its code
+_DEFAULT_THETA = {
+    "apertus": 12_000_000.0,
+    "cohere": 500_000.0,
+    "ernie4_5": 500_000.0,
+    "gemma3_text": 1_000_000.0,
+    "gpt_oss": 150_000.0,
+    "helium": 100_000.0,
+    "mixtral": 1_000_000.0,
+    "smollm3": 2_000_000.0,
+}
+_DEFAULT_PARTIAL = {
+    "glm": 0.5,
+    "glm4": 0.5,
+    "gpt_neox": 0.25,
+    "nemotron": 0.5,
+    "phi": 0.5,
+    "qwen3_next": 0.25,
+    "stablelm": 0.25,
+}
+_DEFAULT_ROPE = {
+    "apertus": {
+        "rope_type": "llama3",
+        "rope_theta": 12_000_000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+    "gpt_oss": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
+# Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
+# no fraction outside its rope_parameters)
+_ROPE_FIELDS = {"gpt_neox": ("rotary_emb_base", "rotary_pct"), "gemma3_text": ("rope_theta", "")}
+# Model types whose sliding layers take their base from another field, unscaled, where the
+# config's rotary parameters are not per layer type: Gemma 3's rope_local_base_freq
+_LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0)}
 
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
@@ -327,21 +369,17 @@ def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> d
     if no_rope is not None and not no_rope[layer]:
         return {}  # SmolLM3's and Llama 4's layers without rotary embeddings
     rope, field = _rope_parameters(config, kind)
-    legacy = config.get("rope_scaling") or {}
-    if legacy and rope:
-        raise ValueError(
-            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
-            f"{dict(legacy)}; mha reads one"
-        )
-    rope, field = (legacy, "rope_scaling") if legacy else (rope, field)
-    # GPT-NeoX's older configs name the base rotary_emb_base and the fraction rotary_pct
-    neox = _GPT_NEOX_ROPE if config.get("model_type") == "gpt_neox" else {}
-    theta = rope.get("rope_theta", config.get("rope_theta", config.get("rotary_emb_base")))
-    theta = _FIXED_THETA.get(config.get("model_type"), theta) if theta is None else theta
-    theta = neox.get("rope_theta") if theta is None else theta
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial is None:
-        partial = config.get("rotary_pct", neox.get("partial_rotary_factor"))
+    model_type = config.get("model_type")
+    fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
+    base_field, partial_field = fields
+    default_theta = _DEFAULT_THETA.get(model_type, 10_000.0)
+    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
+        base_field, default_theta = _LOCAL_THETA[model_type]
+    theta = rope.get("rope_theta", config.get(base_field))
+    if theta is None and model_type in _ROTARY:
+        theta = default_theta
+    partial = rope.get("partial_rotary_factor", config.get(partial_field))
+    partial = _DEFAULT_PARTIAL.get(model_type) if partial is None else partial
     scaling = _rope_scaling(config, rope, field)
     if theta is None:
         if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
@@ -372,7 +410,9 @@ def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> d
 
 
 def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping, str]:
-    """The rotary parameters that apply to a layer of `kind`, and the field they are in."""
+    """The rotary parameters that apply to a layer of `kind`, and the field they are in:
+    rope_parameters (per layer type where they are) or rope_scaling, else the model type's
+    defaults. Gemma 3's sliding layers take none of a flat rope_scaling."""
     rope = config.get("rope_parameters") or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
@@ -385,6 +425,19 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
                 f"it has {which}"
             )
         return rope[kind], f"rope_parameters[{kind!r}]"
+    legacy = config.get("rope_scaling") or {}
+    if legacy and rope:
+        raise ValueError(
+            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
+            f"{dict(legacy)}; mha reads one"
+        )
+    model_type = config.get("model_type")
+    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
+        return {}, "rope_parameters"
+    if legacy:
+        return legacy, "rope_scaling"
+    if not rope and model_type in _DEFAULT_ROPE:
+        return _DEFAULT_ROPE[model_type], f"transformers' default rope_parameters of {model_type}"
     return rope, "rope_parameters"
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import mha
 from conftest import backend_module, backend_params, required_backends
-from mha import cli, interop, porting
+from mha import cli, interop, model_config, porting
 
 try:
     import torch
@@ -588,6 +588,55 @@ def test_convert_a_llama_layer_with_its_config(tmp_path, capsys):
     code = cli.main(["convert", str(source), str(tmp_path / "layer.pt"), *arguments])
     assert code == 1 and "rope_theta=500.0" in capsys.readouterr().err
     assert not (tmp_path / "layer.pt").exists()
+
+
+# What a config.json may write of its rotary embedding: nothing (transformers' defaults of
+# the model type), the base only, Gemma 3's older base of its sliding layers, a fraction
+ROPE_WRITTEN = {
+    "nothing": {},
+    "base": {"rope_theta": 20000.0},
+    "local base": {"rope_theta": 20000.0, "rope_local_base_freq": 30000.0},
+    "fraction": {"rope_theta": 20000.0, "partial_rotary_factor": 0.5},
+    "older GPT-NeoX": {"rotary_emb_base": 20000.0, "rotary_pct": 0.5},
+}
+
+
+def transformers_rotary(config, kind, head_size):
+    """The base, rotated features and rotary type of a layer of `kind` as transformers
+    resolves the config (its rope_parameters, after its defaults)."""
+    rope = config.rope_parameters
+    rope = rope[kind] if kind in rope else rope
+    fraction = rope.get("partial_rotary_factor") or 1.0
+    return rope["rope_theta"], int(head_size * fraction), rope.get("rope_type", "default")
+
+
+@pytest.mark.parametrize("model_type", sorted(set(model_config._ROTARY) - {"gptj"}))
+def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_defaults(
+    model_type,
+):
+    """Falcon-7B's config.json writes no rope_theta, Gemma 3's older configs give the sliding
+    layers' base as rope_local_base_freq: options_from_config reads what transformers reads
+    (GPT-J's base is in its code, not its config: its own test ports it)."""
+    for name, written in ROPE_WRITTEN.items():
+        small = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4}
+        small |= {"num_hidden_layers": 4, **written}
+        if model_type != "falcon":  # Falcon's head size follows from the others
+            small["head_dim"] = 16
+        config = transformers().AutoConfig.for_model(model_type, **small)
+        raw = {"model_type": model_type, **small}
+        if getattr(config, "layer_types", None):
+            raw["layer_types"] = list(config.layer_types)
+            raw["sliding_window"] = getattr(config, "sliding_window", None)
+        for layer in range(4):
+            kind = raw["layer_types"][layer] if "layer_types" in raw else None
+            if kind not in (None, "full_attention", "sliding_attention"):
+                continue  # Qwen3-Next's linear attention
+            if model_type == "cohere2" and kind == "full_attention":
+                continue  # Cohere 2 rotates its sliding layers only: its own test ports both
+            options = porting.options_from_config(raw, layer)
+            scaling = options.get("rope_scaling") or {"rope_type": "default"}
+            got = (options["rope_theta"], options.get("rope_dim", 16), scaling["rope_type"])
+            assert got == transformers_rotary(config, kind, 16), (name, layer)
 
 
 def test_options_from_config_reads_a_file_and_refuses_an_incomplete_scaling(tmp_path):
