@@ -92,6 +92,12 @@ def _add_port_arguments(parser) -> None:
         help="the layer's index in the model, for a --config whose layers differ (Gemma 2 and "
         "3, gpt-oss: sliding and full attention)",
     )
+    parser.add_argument(
+        "--without-positions",
+        action="store_true",
+        help="the layer adds no rotary embeddings or ALiBi, in a layout whose models all do "
+        "(GPT-NeoX, Falcon, BLOOM, MPT, Phi-3): it has none, or its biases come at each call",
+    )
 
 
 def file_command(arguments, out, err) -> int:
@@ -148,6 +154,8 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     from_model = arguments.prefix is not None
     if from_model and kinds[0] == "keras":
         raise UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
+    if arguments.without_positions and not from_model:
+        raise UsageError("--without-positions goes with --prefix")
     options = _layer_options(arguments)
     if options and arguments.command == "inspect" and not from_model:
         raise UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
@@ -194,6 +202,8 @@ def _layer_options(arguments) -> dict:
     options.update({key: value for key, value in given.items() if value is not None})
     if options.get("rope_interleaved") and "rope_theta" not in options:
         raise UsageError("--rope-interleaved goes with --rope-theta (or a --config giving it)")
+    if arguments.without_positions:
+        options["without_positions"] = True
     return options
 
 

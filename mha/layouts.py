@@ -40,6 +40,9 @@ class Layout(NamedTuple):
     # Names under the prefix that are not part of the layer's numbers (a name ending in "."
     # stands for every name it begins) -> why
     outside: Mapping[str, str] = MappingProxyType({})
+    # The positions that every model of the layout adds inside the attention, which the
+    # weights do not hold ("" where some add none)
+    positions: str = ""
 
 
 _ADD_NORM = "the layer norm after the residual, outside the attention"
@@ -77,6 +80,7 @@ LAYOUTS = (
         "fused qkv_proj and o_proj (Phi-3)",
         "fused_grouped",
         {"qkv": "qkv_proj", "o": "o_proj"},
+        positions="rotary embeddings",
     ),
     Layout(
         "T5",
@@ -89,9 +93,15 @@ LAYOUTS = (
         "fused query_key_value and dense (GPT-NeoX, Falcon, BLOOM)",
         "fused_per_group",
         {"qkv": "query_key_value", "o": "dense"},
+        positions="rotary embeddings (GPT-NeoX, Falcon) or ALiBi (BLOOM)",
     ),
     Layout("fused qkv and proj (timm)", "fused", {"qkv": "qkv", "o": "proj"}),
-    Layout("fused Wqkv and out_proj (MPT)", "fused", {"qkv": "Wqkv", "o": "out_proj"}),
+    Layout(
+        "fused Wqkv and out_proj (MPT)",
+        "fused",
+        {"qkv": "Wqkv", "o": "out_proj"},
+        positions="ALiBi",
+    ),
     Layout(
         "GPT-2 Conv1D (c_attn, c_proj)",
         "conv1d",

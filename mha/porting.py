@@ -107,15 +107,14 @@ def canonical_from_state_dict(
     scale: float | None = None,
     qk_norm_offset: float = 0.0,
     output_gate: bool = False,
+    without_positions: bool = False,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`.
 
     Args:
-        state: a state_dict (name -> tensor of any framework, or numpy array), or nested
-            parameters (Flax).
-        prefix: the attention module's path, e.g. "encoder.layer.0.attention"; "" when the
-            state holds the attention layer alone.
+        state: a state_dict (name -> tensor, any framework's, or array), or Flax's params.
+        prefix: the attention module's path, e.g. "encoder.layer.0.attention"; "" for all.
         num_heads: the number of heads; needed except for kernels per head, which tell it.
         scale: the score scale, when the model's differs from its layout's (for example
             GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
@@ -123,15 +122,17 @@ def canonical_from_state_dict(
             (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
         output_gate: the query projection gives each head's queries, then its gate
             (Qwen3-Next), split into W_q and the gate's W_g.
+        without_positions: no rotary embedding or ALiBi in a layout whose models all add
+            them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
             ... (`options_from_config` reads them from a Hugging Face config). Key and value
             projections with fewer outputs than the query's give num_kv_heads.
 
     Raises:
         ValueError: no layout, or more than one, under the prefix (the names found there and
-            the prefixes where a layout is found are listed); weights that do not fit mha's
-            MultiHeadAttention, or tensors under the prefix that take part in the attention
-            and mha cannot hold, such as q_norm or sinks (every problem is listed).
+            the prefixes where a layout is found are listed); weights that do not fit, or
+            tensors under the prefix in the attention that mha cannot hold, such as q_norm
+            (every problem is listed); positions the layout needs and no option gives.
     """
     check_untold_options(options)
     state = flatten(state)
@@ -155,8 +156,27 @@ def canonical_from_state_dict(
     config["scale"] = layout.scale if scale is None else scale
     config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
     validation.check_layer_args("MultiHeadAttention", config)
+    _check_positions(layout, config, without_positions, where)
     _use_inv_freq(names, config, where, used, left_out)
     return Port(weights, config, layout.name, sorted(used), left_out, notes)
+
+
+def _check_positions(layout: Layout, config: Mapping[str, Any], without: bool, where: str):
+    """The positions a layout's models all add inside the attention (rotary embeddings,
+    ALiBi) are given, or said to be absent: the weights do not tell them."""
+    given = [key for key in ("rope_theta", "alibi") if config[key]]
+    if without and given:
+        raise ValueError(
+            f"without_positions=True and {given[0]}={config[given[0]]!r} contradict each other"
+        )
+    if layout.positions and not given and not without:
+        raise ValueError(
+            f"the layer {where} is {layout.name}, whose models add {layout.positions} "
+            "inside the attention, which the weights do not hold: give the model's config "
+            "(options_from_config, mha convert --config), or rope_theta= or alibi=True; "
+            "without_positions=True (--without-positions) where the layer adds none or its "
+            "biases come at each call as attn_bias"
+        )
 
 
 _ZERO_BIAS = "its bias is zero, which gives the same numbers"
@@ -416,6 +436,7 @@ def from_state_dict(
     backend: str | None = None,
     qk_norm_offset: float = 0.0,
     output_gate: bool = False,
+    without_positions: bool = False,
     **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding the
@@ -427,6 +448,7 @@ def from_state_dict(
         scale=scale,
         qk_norm_offset=qk_norm_offset,
         output_gate=output_gate,
+        without_positions=without_positions,
         **options,
     )
     module = load_backend(backend if backend is not None else get_backend())

@@ -1320,6 +1320,42 @@ def test_falcon_alibi_and_mpt_options_are_refused_and_query_key_value_needs_the_
         porting.canonical_from_state_dict(state, "layers.0.attention", num_heads=3)
 
 
+def test_a_layout_whose_models_all_add_positions_needs_them_told(tmp_path, capsys):
+    # GPT-NeoX, Falcon and BLOOM (query_key_value), MPT (Wqkv) and Phi-3 (qkv_proj) add
+    # rotary embeddings or ALiBi that their weights do not hold: with num_heads alone the
+    # port would compute other numbers than the model
+    eye = np.eye(8)
+    states = {
+        "query_key_value": {"query_key_value.weight": np.eye(24, 8), "dense.weight": eye},
+        "Wqkv": {"Wqkv.weight": np.eye(24, 8), "out_proj.weight": eye},
+        "qkv_proj": {"qkv_proj.weight": np.eye(24, 8), "o_proj.weight": eye},
+    }
+    for name, state in states.items():
+        with pytest.raises(ValueError, match=r"add .* inside the attention, which the weights"):
+            porting.canonical_from_state_dict(state, num_heads=2)
+        port = porting.canonical_from_state_dict(state, num_heads=2, without_positions=True)
+        assert port.config["rope_theta"] is None and not port.config["alibi"], name
+        told = porting.canonical_from_state_dict(state, num_heads=2, rope_theta=100.0)
+        assert told.config["rope_theta"] == 100.0
+        with pytest.raises(ValueError, match=r"without_positions=True and alibi=True contra"):
+            porting.canonical_from_state_dict(state, num_heads=2, alibi=True, without_positions=1)
+    # Llama's names are ViT's too in transformers 5: only the config tells
+    llama = {f"{k}_proj.weight": eye for k in "qkvo"}
+    assert porting.canonical_from_state_dict(llama, num_heads=2).config["rope_theta"] is None
+    # From the command line: exit 1 naming the remedy, or the option
+    from safetensors.numpy import save_file
+
+    source = tmp_path / "model.safetensors"
+    save_file({f"h.0.{k}": v for k, v in states["Wqkv"].items()}, source)
+    arguments = ["convert", str(source), str(tmp_path / "layer.safetensors"), "--prefix", "h.0"]
+    assert cli.main([*arguments, "--num-heads", "2"]) == 1
+    assert "--without-positions" in capsys.readouterr().err
+    assert not (tmp_path / "layer.safetensors").exists()
+    assert cli.main([*arguments, "--num-heads", "2", "--without-positions"]) == 0
+    assert cli.main(["inspect", str(source), "--without-positions"]) == 2
+    assert "--without-positions goes with --prefix" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_bloom_and_mpt_port_in_one_line_and_with_alibi_bias(name):
     # BLOOM's query_key_value per head and MPT's Wqkv blocks, 6 heads (not a power of 2, where
@@ -1343,7 +1379,7 @@ def test_bloom_and_mpt_port_in_one_line_and_with_alibi_bias(name):
         bias = module.from_numpy(porting.alibi_bias(6, 7, 7, dtype="float64"))
         ports = {
             "config": ({**options}, {}),
-            "attn_bias": ({"num_heads": 6}, {"attn_bias": bias}),
+            "attn_bias": ({"num_heads": 6, "without_positions": True}, {"attn_bias": bias}),
         }
         for way, (port_options, extra) in ports.items():
             state = model.state_dict()
