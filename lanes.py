@@ -21,12 +21,12 @@ Each run installs the project into each lane's environment with the lane's const
 lanes side by side (quick when nothing changed), then runs pytest in each with
 MHA_TEST_BACKENDS naming the lane's backends, so a backend of the lane that does not import
 fails its tests. pytest-xdist spreads the tests over one worker per core (up to 4), each with
-one thread per framework (ONE_THREAD_EACH), the tests marked slow first, and the 20 slowest
-are named at the end; arguments after -- that choose their own (-n 0, -p no:xdist) turn that
-off. The processes of a run share JAX's compilation cache, in a folder removed after it.
-`--lock` installs the lane's extras into a new environment with no constraints, that is the
-newest releases that fit the lane, and writes what was installed as the lane's constraints
-file.
+one thread per framework (ONE_THREAD_EACH), the tests marked slow first; arguments after --
+that choose their own (-n 0, -p no:xdist) turn that off. The suite's own options name the 25
+slowest tests at the end. The processes of a run share JAX's compilation cache, in a folder
+removed after it. `--lock` installs the lane's extras into a new environment with no
+constraints, that is the newest releases that fit the lane, and writes what was installed as
+the lane's constraints file.
 
 The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
 packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
@@ -173,14 +173,14 @@ def _shared_jax_cache(folder: str) -> dict[str, str]:
 
 
 def _parallel(pytest_args: list[str]) -> list[str]:
-    """pytest-xdist's workers, one per core up to 4 (each imports every framework), and the
-    slowest tests named at the end; none where the arguments choose their own."""
+    """pytest-xdist's workers, one per core up to 4 (each imports every framework); none
+    where the arguments choose their own."""
     chosen = (
         arg.startswith(("-n", "--numprocesses")) or arg.endswith("no:xdist") for arg in pytest_args
     )
     if any(chosen):
         return []
-    return ["-n", str(min(4, os.cpu_count() or 1)), "--durations=20"]
+    return ["-n", str(min(4, os.cpu_count() or 1))]
 
 
 def lock(name: str, lane: Lane) -> None:

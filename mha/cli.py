@@ -2,8 +2,10 @@
 `mha bench`.
 
 Exit codes: 0 when everything agrees, 1 on any disagreement, 2 on a usage error (including a
-backend named with --backends that does not import). `mha convert` and `mha inspect` exit 1
-when a file cannot be read or written or the destination cannot express the layer.
+backend named with --backends that does not import); `mha compare` exits 3 when everything
+agrees but only numpy ran, so that nothing was compared across frameworks. `mha convert` and
+`mha inspect` exit 1 when a file cannot be read or written or the destination cannot express
+the layer.
 
 `mha convert` and `mha inspect` are `mha.cli_files`'s; what the commands share (the usage
 error, the types of arguments, the progress line) is `mha.cli_common`'s.
@@ -19,11 +21,10 @@ import sys
 from collections.abc import Sequence
 
 from mha import __version__, bench, golden, harness
-from mha.cli_common import UsageError, positive_int, progress, seed
+from mha.cli_common import UsageError, framework_logs_aside, positive_int, progress, seed
 from mha.cli_files import add_file_commands, file_command
 from mha.registry import (
     BACKENDS,
-    INSTALL,
     BackendUnavailableError,
     framework_version,
     load_backend,
@@ -63,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_TABLE_HELP = (
+    "print every row (default: each backend's largest differences and the rows that disagree)"
+)
+
+
 def _add_compare_command(commands) -> None:
     compare = commands.add_parser(
         "compare",
@@ -71,7 +77,8 @@ def _add_compare_command(commands) -> None:
         "canonical weight set and the same inputs, and compare each result with the NumPy "
         "reference computed in float64. A case whose options cannot take the sizes given "
         "(4 query heads, rotary embeddings' even head size) takes sizes of its own, named in "
-        "its label. Exit 0 when all agree within tolerance, 1 otherwise, 2 on a usage error.",
+        "its label. Exit 0 when all agree within tolerance, 1 otherwise, 2 on a usage error, 3 "
+        "when all agree but only numpy ran (nothing compared across frameworks).",
     )
     compare.add_argument(
         "--backends",
@@ -98,6 +105,7 @@ def _add_compare_command(commands) -> None:
             help=f"default {getattr(defaults, field)}",
         )
     compare.add_argument("--json", action="store_true", help="print the rows as JSON")
+    compare.add_argument("--table", "--verbose", action="store_true", help=_TABLE_HELP)
     compare.add_argument(
         "--record",
         metavar="CASES.safetensors",
@@ -126,21 +134,27 @@ def _add_verify_command(commands) -> None:
         choices=("float32", "float64"),
         help="the dtype to run in (default: each case's own)",
     )
+    verify.add_argument("--table", "--verbose", action="store_true", help=_TABLE_HELP)
 
 
-def _info(out) -> int:
+def _info(out, err) -> int:
+    """The backends: each one's status and version; what to install only where it is missing
+    or does not import. Progress on `err` while the frameworks import (seconds each)."""
     print(f"mha {__version__}", file=out)
-    print(f"{'backend':<12} {'status':<11} {'version':<10} detail", file=out)
-    for name in BACKENDS:
-        version = framework_version(name) or "-"
+    lines, report = [], progress(err)
+    for done, name in enumerate(BACKENDS):
+        report(done, len(BACKENDS), f"importing {name}")
         try:
             load_backend(name)
         except BackendUnavailableError as error:
             status, detail = "unavailable", str(error)
         else:
-            status = "ok"
-            detail = INSTALL[name] or "always available"
-        print(f"{name:<12} {status:<11} {version:<10} {detail}", file=out)
+            status, detail = "ok", ""
+        version = framework_version(name) or "-"
+        lines.append(f"{name:<12} {status:<11} {version:<10} {detail}".rstrip())
+    report(len(BACKENDS), len(BACKENDS), "done")
+    print(f"{'backend':<12} {'status':<11} {'version':<10} detail", file=out)
+    print("\n".join(lines), file=out)
     return 0
 
 
@@ -172,10 +186,11 @@ def _compare(arguments, out, err) -> int:
             "gradient_tolerance": harness.GRADIENT_TOLERANCES[arguments.dtype],
             "skipped": skipped,
             "own_sizes": own_sizes,
+            "across_frameworks": _across_frameworks(names),
             "rows": [row.as_dict() for row in rows],
         }
         print(json.dumps(report, indent=2), file=out)
-        return 0 if passed else 1
+        return _exit_code(passed, names)
     title = (
         f"Largest differences from the NumPy reference in float64 ({arguments.dtype} "
         f"runs, seed {arguments.seed})."
@@ -186,14 +201,42 @@ def _compare(arguments, out, err) -> int:
             f"\n  {cases} other sizes than those given: each takes sizes of its own, named in "
             "its label"
         )
-    _print_rows(rows, names, skipped, arguments.dtype, out, title)
+    _print_report(rows, names, skipped, arguments.dtype, out, title, table=arguments.table)
     if arguments.record:
         print(
             f"Recorded {len(harness.default_cases())} cases as {names[0]} computes them: "
             f"{arguments.record}",
             file=out,
         )
-    return 0 if passed else 1
+    if passed and not _across_frameworks(names):
+        print(
+            "Only numpy ran: each layer's float32 run agrees with its own float64 reference, "
+            "and nothing was compared across frameworks (exit 3). Install a framework "
+            '(pip install "mha[torch]") or name one with --backends.',
+            file=out,
+        )
+    _hint_table(arguments, out)
+    return _exit_code(passed, names)
+
+
+def _hint_table(arguments, out) -> None:
+    if not arguments.table:
+        print("Every row: --table (or --json).", file=out)
+
+
+# The exit code of a run that agrees where only numpy ran: nothing across frameworks
+NOTHING_ACROSS = 3
+
+
+def _across_frameworks(names) -> bool:
+    return any(name != "numpy" for name in names)
+
+
+def _exit_code(passed: bool, names) -> int:
+    """0 when every row agrees and a framework beside numpy ran; 1 on a disagreement."""
+    if not passed:
+        return 1
+    return 0 if _across_frameworks(names) else NOTHING_ACROSS
 
 
 def _run_compare(arguments, names, shapes, err) -> list:
@@ -265,7 +308,7 @@ def _verify(arguments, out, err) -> int:
     rows = golden.verify(cases, names, arguments.dtype, progress=progress(err))
     recorded = sorted({case.recorded_with for case in cases if case.recorded_with})
     dtype = arguments.dtype or (cases[0].dtype if cases else "float32")
-    _print_rows(
+    _print_report(
         rows,
         names,
         skipped,
@@ -274,64 +317,96 @@ def _verify(arguments, out, err) -> int:
         f"Largest differences from the numbers recorded in {arguments.path} "
         f"({', '.join(recorded) or 'recorded elsewhere'}; {len(cases)} cases).",
         gradients="grad~rec",
+        table=arguments.table,
     )
+    _hint_table(arguments, out)
     return 0 if all(row.passed for row in rows) else 1
 
 
-def _print_rows(rows, names, skipped, dtype, out, title, gradients=None) -> None:
-    """The agreement table of `mha compare` and `mha verify`."""
+def _print_report(rows, names, skipped, dtype, out, title, gradients=None, table=False) -> None:
+    """The agreement of `mha compare` and `mha verify`: the legend; every row (`table`), or
+    each backend's largest differences and the rows that disagree; the verdict."""
+    columns = _legend(rows, dtype, out, title, gradients)
+    if table:
+        _print_table(rows, columns, out)
+    else:
+        _print_backends(rows, names, columns, out)
+        failing = [row for row in rows if not row.passed]
+        if failing:
+            print("\nThe rows that disagree:", file=out)
+            _print_table(failing, columns, out)
+    _print_summary(rows, names, skipped, out)
+
+
+def _legend(rows, dtype, out, title, gradients) -> list[tuple[str, str]]:
+    """Print the title and what each difference is; return the columns of differences
+    (heading, Row field)."""
     tolerance = harness.TOLERANCES[dtype]
-    gradient_tolerance = harness.GRADIENT_TOLERANCES[dtype]
     scale = "absolute" if dtype == "float64" else "relative to the output's scale"
+    print(
+        f"{title}\n  output, weights: the layer's output and attention_weights, tolerance "
+        f"{tolerance:.0e} {scale}",
+        file=out,
+    )
+    columns = [("output", "output_difference"), ("weights", "weights_difference")]
     autograd = [
         row.backend
         for row in rows
         if row.gradient_difference is not None or row.gradient_agreement is not None
     ]
-    anchor = autograd[0] if autograd and gradients is None else None
-    print(
-        f"{title}\n"
-        f"  output, weights: the layer's output and attention_weights, tolerance "
-        f"{tolerance:.0e} {scale}",
-        file=out,
-    )
-    if anchor is not None:
+    if autograd and gradients is None:
+        anchor = autograd[0]
         print(
             f"  grad~fd: gradients of the inputs and weights against float64 central "
-            f"differences, tolerance {gradient_tolerance:.0e} relative\n"
+            f"differences, tolerance {harness.GRADIENT_TOLERANCES[dtype]:.0e} relative\n"
             f"  grad~{anchor}: gradients against {anchor}'s, tolerance {tolerance:.0e}",
             file=out,
         )
+        columns += [("grad~fd", "gradient_difference"), (f"grad~{anchor}", "gradient_agreement")]
     elif gradients is not None and autograd:
         print(
             f"  {gradients}: gradients against the recorded ones, tolerance {tolerance:.0e} "
             "relative",
             file=out,
         )
+        columns.append((gradients, "gradient_agreement"))
+    return columns
+
+
+def _print_table(rows, columns, out) -> None:
+    """One line per row: its case, backend, output shape, differences and result."""
     width = max([len(row.case) for row in rows] + [13])
-    columns = f"{'output':>8}  {'weights':>8}"
-    if anchor is not None:
-        columns += f"  {'grad~fd':>8}  {'grad~' + anchor:>10}"
-    elif gradients is not None and autograd:
-        columns += f"  {gradients:>10}"
-    header = f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  {columns}  result"
+    headings = "  ".join(f"{heading:>{max(8, len(heading))}}" for heading, _ in columns)
+    header = (
+        f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  {headings}  result"
+    )
     print(header, file=out)
     print("-" * len(header), file=out)
     for row in rows:
         shape = "-" if row.output_shape is None else str(row.output_shape)
-        result = "ok" if row.passed else "FAIL"
-        values = f"{_format(row.output_difference):>8}  {_format(row.weights_difference):>8}"
-        if anchor is not None:
-            values += (
-                f"  {_format(row.gradient_difference):>8}  {_format(row.gradient_agreement):>10}"
-            )
-        elif gradients is not None and autograd:
-            values += f"  {_format(row.gradient_agreement):>10}"
-        line = f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  {values}  {result}"
+        values = "  ".join(
+            f"{_format(getattr(row, field)):>{max(8, len(heading))}}" for heading, field in columns
+        )
+        line = f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  {values}  "
+        line += "ok" if row.passed else "FAIL"
         if row.error:
             line += f"  ({row.error})"
         print(line, file=out)
-    _print_summary(rows, names, skipped, out)
+
+
+def _print_backends(rows, names, columns, out) -> None:
+    """One line per backend: its rows, how many disagree, and its largest differences."""
+    headings = "  ".join(f"{heading:>{max(8, len(heading))}}" for heading, _ in columns)
+    header = f"{'backend':<10}  {'rows':>5}  {'disagree':>8}  {headings}"
+    print(f"{header}\n{'-' * len(header)}", file=out)
+    for name in names:
+        mine = [row for row in rows if row.backend == name]
+        values = []
+        for heading, field in columns:
+            found = [getattr(row, field) for row in mine if getattr(row, field) is not None]
+            values.append(f"{_format(max(found) if found else None):>{max(8, len(heading))}}")
+        disagree = sum(not row.passed for row in mine)
+        print(f"{name:<10}  {len(mine):>5}  {disagree:>8}  {'  '.join(values)}", file=out)
 
 
 def _print_summary(rows, names, skipped, out) -> None:
@@ -368,9 +443,24 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
             arguments = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse exits 2 on usage errors and 0 for --help
         return int(exit_.code or 0)
+    hidden: list[str] = []
+    code = 1
+    try:
+        with framework_logs_aside(err, hidden) as messages:
+            code = _run(arguments, out, messages)
+    finally:
+        # The frameworks' log lines may explain a failure: shown then, not otherwise
+        if code == 1 and "".join(hidden).strip():
+            print("The frameworks' log lines, set aside while mha ran:", file=err)
+            print("".join(hidden).rstrip(), file=err)
+    return code
+
+
+def _run(arguments, out, err) -> int:
+    """The command's exit code (2 for a UsageError, with its message)."""
     try:
         if arguments.command == "info":
-            return _info(out)
+            return _info(out, err)
         if arguments.command in ("convert", "inspect"):
             return file_command(arguments, out, err)
         if arguments.command == "bench":

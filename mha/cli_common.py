@@ -1,5 +1,5 @@
-"""What the commands of `mha` share: the usage error, the types of their arguments, and the
-progress line they write while they run.
+"""What the commands of `mha` share: the usage error, the types of their arguments, the
+progress line they write while they run, and the frameworks' log lines set aside meanwhile.
 
 A `UsageError` raised by a command exits 2 with its message (`mha.cli.main`); the types turn
 an argument's text into its value or tell argparse why they cannot.
@@ -8,9 +8,21 @@ an argument's text into its value or tell argparse why they cannot.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
+import os
+import sys
+import tempfile
 
-__all__ = ["UsageError", "finite_float", "positive_int", "progress", "seed"]
+__all__ = [
+    "UsageError",
+    "finite_float",
+    "framework_logs_aside",
+    "positive_int",
+    "progress",
+    "seed",
+]
 
 
 class UsageError(Exception):
@@ -63,3 +75,50 @@ def progress(err):
             print(f"[{done}/{total}] {description}", file=err, flush=True)
 
     return report
+
+
+_LOG_TAIL = 64 * 1024
+
+
+@contextlib.contextmanager
+def framework_logs_aside(err, kept: list[str]):
+    """While the body runs, what the frameworks' native code writes to the process's standard
+    error (TensorFlow's and XLA's C++ log lines, oneDNN's notes) goes to a temporary file, and
+    its text is appended to `kept` on leaving; the descriptor is restored then. Yields the
+    stream for mha's own messages: `err`, or where `err` is that standard error, a copy of it
+    that still reaches the terminal. Where the descriptor cannot be copied, nothing changes."""
+    try:
+        if sys.stderr is not None:
+            sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield err
+        return
+    own = None
+    try:
+        with tempfile.TemporaryFile() as aside:
+            os.dup2(aside.fileno(), 2)
+            if _descriptor(err) == 2:
+                copy = io.FileIO(os.dup(saved), "w")
+                own = err = io.TextIOWrapper(copy, encoding="utf-8", line_buffering=True)
+            try:
+                yield err
+            finally:
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+                os.dup2(saved, 2)
+                # The last lines, at most _LOG_TAIL bytes: a framework may write without end
+                aside.seek(max(0, aside.seek(0, os.SEEK_END) - _LOG_TAIL))
+                kept.append(aside.read(_LOG_TAIL).decode("utf-8", "replace"))
+    finally:
+        if own is not None:
+            own.close()
+        os.close(saved)
+
+
+def _descriptor(stream) -> int | None:
+    """The file descriptor `stream` writes to, or None (a StringIO, a captured stream)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
