@@ -315,7 +315,8 @@ def markdown_table(results: Sequence[Result]) -> str:
 
 
 def summary(results: Sequence[Result]) -> list[str]:
-    """Per backend, its range of ratios; then every row above BAR (numpy's aside)."""
+    """Per backend, its range of ratios; then every row above BAR (numpy's aside), where the
+    rows ran enough rounds for a verdict."""
     lines = []
     for backend in dict.fromkeys(r.backend for r in results):
         ratios = [r.ratio for r in results if r.backend == backend]
@@ -324,6 +325,14 @@ def summary(results: Sequence[Result]) -> list[str]:
             f"{backend}: {len(ratios)} rows, ratio to {against} {min(ratios):.3f} to "
             f"{max(ratios):.3f}"
         )
+    fewest = min((r.rounds for r in results), default=0)
+    if fewest < Budget.min_rounds:  # --quick: 3 rounds time one call each, noise included
+        lines.append(
+            f"A smoke run: rows of {fewest} rounds show that every layer runs and give no "
+            f"verdict on speed; without --quick each row runs {Budget.min_rounds} to "
+            f"{Budget.max_rounds} rounds, with its interval."
+        )
+        return lines
     above = [r for r in results if r.ratio > BAR and r.builtin != ROOFLINE]
     lines.append(f"rows above {BAR:.2f} against a built-in: {len(above) or 'none'}")
     for r in above:
@@ -368,7 +377,12 @@ def add_arguments(parser) -> None:
     """The options of `mha bench`."""
     add = parser.add_argument
     add("--backends", help="comma-separated backends (default: every installed one)")
-    add("--quick", action="store_true", help="one tiny shape, 3 rounds: a smoke run in seconds")
+    add(
+        "--quick",
+        action="store_true",
+        help="one tiny shape, 3 rounds: a smoke run that every layer runs, no verdict on speed "
+        "(about 20 s with every framework)",
+    )
     add("--json", action="store_true", help="print the report as JSON")
     add("--output", help="also write the JSON report to this file")
     default = ";".join(_shape_text(shape) for shape in SHAPES)

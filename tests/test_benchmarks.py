@@ -58,7 +58,9 @@ def test_a_quick_run_prints_a_markdown_table_a_summary_and_progress():
     assert all("| matmul roofline |" in row for row in rows)
     assert any(line.startswith("Machine: ") and "load average" in line for line in lines)
     assert "numpy: 4 rows, ratio to the roofline" in out
-    assert "rows above 1.10 against a built-in: none" in out  # the roofline is no built-in
+    # 3 rounds give no verdict: no row is called slower
+    assert "A smoke run: rows of 3 rounds show that every layer runs and give no verdict" in out
+    assert "rows above" not in out
     assert "[0/4]" in err and "[4/4] done" in err  # progress goes to stderr only
     assert "[0/4]" not in out
     # Each row is printed to stderr as soon as it is measured, before the table
@@ -313,6 +315,10 @@ def test_markdown_table_and_summary():
         "  torch eager (2, 16, 32, 4) valid_lens=True need_weights=False forward+backward "
         "against SDPA layer: 1.123",
     ]
+    # Fewer rounds than a full run's least: a smoke run, no row listed as slower
+    smoke = [dataclasses.replace(row, rounds=3) for row in rows]
+    assert bench.summary(smoke)[1].startswith("A smoke run: rows of 3 rounds")
+    assert len(bench.summary(smoke)) == 2
 
 
 def test_the_interval_is_the_median_confidence_interval_by_ranks():
