@@ -11,10 +11,13 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import venv
 
 import pytest
 from packaging.requirements import Requirement
@@ -224,3 +227,45 @@ def test_ci_runs_the_readmes_test_command():
     ]
     assert [line.split("  #")[0] for line in ci] == [commands[1]]
     assert "mha compare" in commands[0]
+
+
+def _run(*command, cwd=None):
+    completed = subprocess.run(
+        [str(part) for part in command], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    return completed
+
+
+@pytest.mark.slow
+def test_the_built_wheel_installs_and_runs_in_a_new_environment(tmp_path):
+    # What a package index takes: `python -m build` makes the sdist and the wheel of what the
+    # package is (pyproject.toml, README.md, LICENSE, mha/), twine checks them as the index
+    # would, and the wheel, installed into an environment of its own with its dependencies
+    # alone, runs `mha compare --backends numpy`
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        (source / name).write_bytes((ROOT / name).read_bytes())
+    ignored = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "mha", source / "mha", ignore=ignored)
+    dist = tmp_path / "dist"
+    _run(sys.executable, "-m", "build", "--outdir", dist, source)
+    version = importlib.metadata.version("mha")
+    wheel, sdist = f"mha-{version}-py3-none-any.whl", f"mha-{version}.tar.gz"
+    assert sorted(path.name for path in dist.iterdir()) == [wheel, sdist]
+    checked = _run(sys.executable, "-m", "twine", "check", "--strict", dist / wheel, dist / sdist)
+    assert checked.stdout.count("PASSED") == 2, checked.stdout
+    environment = tmp_path / "environment"
+    venv.create(environment, with_pip=True)
+    bin_folder = environment / ("Scripts" if os.name == "nt" else "bin")
+    _run(bin_folder / "python", "-m", "pip", "install", "-q", dist / wheel)
+    completed = subprocess.run(
+        [str(bin_folder / "mha"), "compare", "--backends", "numpy"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,  # not the repository: the installed package is the one imported
+    )
+    assert completed.returncode == 3, completed.stdout + completed.stderr
+    assert "nothing was compared across frameworks" in completed.stdout
