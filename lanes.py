@@ -43,6 +43,7 @@ import dataclasses
 import importlib.util
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -69,8 +70,11 @@ class Lane:
 # torch, TensorFlow, Keras, ONNX and LiteRT are the same releases in both lanes
 # (tests/test_packaging.py holds them equal): a test of torch or TensorFlow alone, naming none
 # of the backends whose release differs (numpy, MXNet, JAX), runs in the current lane only,
-# unless marked every_lane (the notebooks run with every backend)
-SAME_IN_BOTH_ONCE = "every_lane or numpy or mxnet or jax or not (torch or tensorflow)"
+# unless marked every_lane (the notebooks run with every backend); the documentation site's
+# tests (marked docs) run in the current lane, which installs the docs extra
+SAME_IN_BOTH_ONCE = (
+    "(every_lane or numpy or mxnet or jax or not (torch or tensorflow)) and not docs"
+)
 
 LANES = {
     "legacy": Lane(
@@ -85,11 +89,34 @@ LANES = {
     "current": Lane(
         environment=".venv-current",
         constraints="constraints-current.txt",
-        extras="torch,tensorflow-cpu,jax,test,notebooks",
+        extras="torch,tensorflow-cpu,jax,test,notebooks,docs",
         backends="numpy,torch,tensorflow,jax",
         lock=("numpy>=2", "torch==2.13.0"),
     ),
 }
+
+
+# The browsers the documentation site's test drives (tests/test_website.py), by command name
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def browser() -> None:
+    """Chromium, from the operating system's packages, for the documentation site's browser
+    test: installed with apt-get where it is missing and lanes.py runs as root (CI, a
+    container); elsewhere a line says how to get it, and the test says so too."""
+    if any(shutil.which(name) for name in BROWSERS):
+        return
+    if os.name != "posix" or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        print(
+            "== no Chromium here: the documentation site's test needs it (apt-get install chromium)"
+        )
+        return
+    print("== installing Chromium (apt-get) for the documentation site's test", flush=True)
+    quiet = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if run("apt-get", "update", "-qq", env=quiet) or run(
+        "apt-get", "install", "-y", "-qq", "chromium", env=quiet
+    ):
+        print("== Chromium did not install: the documentation site's test will say so")
 
 
 def python_of(environment: pathlib.Path) -> pathlib.Path:
@@ -314,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             lock(name, LANES[name])
         return 0
     pythons = set_up(names)
+    if "current" in names:
+        browser()
     results = {name: test(name, pythons[name], pytest_args) for name in names}
     verdicts = (f"{name} {'passed' if code == 0 else 'FAILED'}" for name, code in results.items())
     print("== lanes: " + ", ".join(verdicts))

@@ -59,16 +59,20 @@ def _ruff():
     return ruff
 
 
+# What ruff holds: the package, the tests, the lanes, the notebooks' runner and the site
+CHECKED = ("mha", "tests", "lanes.py", "notebooks/run.py", "website")
+
+
 def test_ruff_check():
     completed = subprocess.run(
-        [_ruff(), "check", "mha", "tests"], cwd=ROOT, capture_output=True, text=True, check=False
+        [_ruff(), "check", *CHECKED], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
 
 
 def test_ruff_format():
     completed = subprocess.run(
-        [_ruff(), "format", "--check", "mha", "tests"],
+        [_ruff(), "format", "--check", *CHECKED],
         cwd=ROOT,
         capture_output=True,
         text=True,
