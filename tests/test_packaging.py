@@ -209,7 +209,8 @@ def test_the_tests_the_legacy_lane_leaves_out_run_on_the_same_releases():
     # holds while the lanes differ in numpy, its dtype extension, JAX and MXNet alone
     module = _load_lanes()
     lanes = module.LANES
-    assert lanes["legacy"].select == module.SAME_IN_BOTH_ONCE and not lanes["current"].select
+    assert lanes["legacy"].select == module.SAME_IN_BOTH_ONCE
+    assert lanes["current"].select == "not mxnet"  # MXNet needs numpy < 2
     legacy, current = (_pins(ROOT / lanes[name].constraints) for name in ("legacy", "current"))
     # The current lane alone installs the documentation site's packages (the docs extra),
     # which no test of torch or TensorFlow imports
