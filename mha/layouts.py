@@ -72,6 +72,12 @@ LAYOUTS = (
         {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "out_proj"},
     ),
     Layout(
+        "q/k/v_proj and dense (Phi)",
+        "linear",
+        {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "dense"},
+        positions="rotary embeddings",
+    ),
+    Layout(
         "DistilBERT (q_lin, k_lin, v_lin, out_lin)",
         "linear",
         {"q": "q_lin", "k": "k_lin", "v": "v_lin", "o": "out_lin"},

@@ -216,6 +216,7 @@ _ROTARY = {
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
 # q_norm and k_norm): over each head, or over the whole projection
 _QK_NORM = {
+    "apertus": "head",
     "qwen3": "head",
     "qwen3_moe": "head",
     "qwen3_next": "head",

@@ -18,6 +18,7 @@ The layouts (q, k, v, o: the query, key, value and output projections; n = num_h
             output.dense                                       HF ViT
         q_proj, k_proj, v_proj, o_proj                         Llama, Mistral, Qwen
         q_proj, k_proj, v_proj, out_proj                       BART, OPT, Whisper
+    q_proj, k_proj, v_proj, dense                          Phi (1.5, 2)
         q, k, v, o (no biases, unscaled scores: scale=1)       T5
     one fused Linear, qkv.weight (3n, in) = [q; k; v], and proj    timm's Attention
     qkv_proj (q's rows, then k's and v's) and o_proj                 Phi-3

@@ -1,0 +1,103 @@
+"""Every rotary model type mha knows ports in one line: for each, a tiny random transformers
+model, its first attention layer (the first full or sliding one) ported with
+`options_from_config(config, layer)`, against the output of the model's own attention module
+in a run of the whole model.
+
+This holds the rotary convention of each model type (half or pairs), the defaults its config
+leaves to transformers, and its QK-norms, scales, windows and soft caps, together; the
+per-feature tests in test_porting.py and test_rope_scaling.py show each in every backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+
+from mha import porting
+from mha.model_config import _ROTARY
+
+torch = pytest.importorskip("torch")  # transformers' models are torch modules
+pytestmark = pytest.mark.torch
+
+SIZES = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    vocab_size=64,
+    pad_token_id=0,
+)
+# Model types whose config names a size otherwise, or needs one the others do not give
+OWN_SIZES = {
+    "falcon": {"head_dim": None, "new_decoder_architecture": True, "num_kv_heads": 2},
+    "gptj": {"rotary_dim": 4},  # its default, 64, is beyond the head size
+}
+
+
+def transformers():
+    try:
+        return importlib.import_module("transformers")
+    except ImportError as error:
+        if os.environ.get("MHA_TEST_BACKENDS"):
+            pytest.fail(f"transformers does not import: {error}", pytrace=False)
+        pytest.skip(str(error))
+
+
+def tiny_model(model_type: str):
+    """A tiny random model of the type in float32, its norms' weights away from 1."""
+    T = transformers()
+    sizes = {**SIZES, **OWN_SIZES.get(model_type, {})}
+    config = T.AutoConfig.for_model(model_type, **{k: v for k, v in sizes.items() if v is not None})
+    torch.manual_seed(3)
+    model = T.AutoModel.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name and parameter.dim() == 1:
+                parameter.uniform_(0.5, 1.5)
+    return config, model
+
+
+def attention_io(model, prefix: str):
+    """The attention module's input hidden states and output in a run of the whole model."""
+    module, seen = model.get_submodule(prefix), {}
+
+    def take_input(module, args, kwargs):
+        seen["x"] = (args[0] if args else kwargs["hidden_states"]).numpy()
+
+    def take_output(module, args, output):
+        seen["y"] = (output[0] if isinstance(output, tuple) else output).numpy()
+
+    handles = [
+        module.register_forward_pre_hook(take_input, with_kwargs=True),
+        module.register_forward_hook(take_output),
+    ]
+    ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11], [33, 4, 19, 7, 48, 26, 12]])
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    return seen["x"], seen["y"]
+
+
+ATTENTION = ("full_attention", "sliding_attention")  # the layer types mha's layer is
+
+
+@pytest.mark.parametrize("model_type", sorted(_ROTARY))
+def test_each_rotary_model_type_ports_in_one_line(model_type):
+    config, model = tiny_model(model_type)
+    kinds = list(getattr(config, "layer_types", None) or [])
+    # Qwen3-Next's first layers are linear attention: its first full-attention layer
+    layer = next((i for i, kind in enumerate(kinds) if kind in ATTENTION), 0)
+    prefixes = [prefix for prefix, _ in porting.find_attention(model.state_dict())]
+    prefix = next(prefix for prefix in prefixes if f".{layer}." in f"{prefix}.")
+    x, expected = attention_io(model, prefix)
+    options = porting.options_from_config(config.to_dict(), layer)
+    ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
+    output = ported(x, x, x, causal=True)
+    # float32's precision: transformers computes in float32, the reference in float64
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5 * np.max(np.abs(expected)))
