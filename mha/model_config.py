@@ -179,13 +179,18 @@ _ROTARY = {
     "arcee": "half",
     "cohere": "pairs",
     "cohere2": "pairs",
-    "falcon": "half",
+    "csm": "half",
     "ernie4_5": "pairs",
+    "ernie4_5_moe": "pairs",
+    "exaone4": "half",
+    "falcon": "half",
+    "flex_olmo": "half",
     "gemma": "half",
     "gemma2": "half",
     "gemma3_text": "half",
     "glm": "pairs",
     "glm4": "pairs",
+    "glm4_moe": "half",
     "gpt_neox": "half",
     "gpt_oss": "half",
     "gptj": "pairs",
@@ -199,8 +204,11 @@ _ROTARY = {
     "nemotron": "half",
     "olmo": "half",
     "olmo2": "half",
+    "olmo3": "half",
+    "olmoe": "half",
     "phi": "half",
     "phi3": "half",
+    "phimoe": "half",
     "qwen2": "half",
     "qwen2_moe": "half",
     "qwen3": "half",
@@ -217,11 +225,15 @@ _ROTARY = {
 # q_norm and k_norm): over each head, or over the whole projection
 _QK_NORM = {
     "apertus": "head",
+    "exaone4": "head",
+    "flex_olmo": "projection",
+    "gemma3_text": "head",
+    "olmo2": "projection",
+    "olmo3": "projection",
+    "olmoe": "projection",
     "qwen3": "head",
     "qwen3_moe": "head",
     "qwen3_next": "head",
-    "olmo2": "projection",
-    "gemma3_text": "head",
 }
 
 # Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
@@ -236,16 +248,22 @@ _OUTPUT_GATE = frozenset({"qwen3_next"})
 _DEFAULT_THETA = {
     "apertus": 12_000_000.0,
     "cohere": 500_000.0,
+    "csm": 500_000.0,
     "ernie4_5": 500_000.0,
+    "ernie4_5_moe": 500_000.0,
+    "flex_olmo": 500_000.0,
     "gemma3_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
     "helium": 100_000.0,
     "mixtral": 1_000_000.0,
+    "olmo3": 500_000.0,
+    "phimoe": 1_000_000.0,
     "smollm3": 2_000_000.0,
 }
 _DEFAULT_PARTIAL = {
     "glm": 0.5,
     "glm4": 0.5,
+    "glm4_moe": 0.5,
     "gpt_neox": 0.25,
     "nemotron": 0.5,
     "phi": 0.5,
@@ -272,13 +290,20 @@ _DEFAULT_ROPE = {
 }
 # Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
 # no fraction outside its rope_parameters)
-_ROPE_FIELDS = {"gpt_neox": ("rotary_emb_base", "rotary_pct"), "gemma3_text": ("rope_theta", "")}
+_ROPE_FIELDS = {
+    "gpt_neox": ("rotary_emb_base", "rotary_pct"),
+    "gemma3_text": ("rope_theta", ""),
+    "olmo3": ("rope_theta", ""),
+}
 # Model types whose sliding layers take their base from another field, unscaled, where the
-# config's rotary parameters are not per layer type: Gemma 3's rope_local_base_freq
-_LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0)}
+# config's rotary parameters are not per layer type: Gemma 3's rope_local_base_freq; OLMo 3's
+# sliding layers take transformers' default base whatever rope_theta says
+_LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
 
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
+# Model types whose full-attention layers have none where the config has a sliding window
+_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4"})
 
 _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 
@@ -304,6 +329,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
             )
         if model_type in _ROTARY_WITH_WINDOW_ONLY and "sliding_window" not in found:
             rotary = {}
+        if model_type in _NO_ROTARY_ON_FULL_LAYERS and window is not None:
+            rotary = {} if kind == "full_attention" else rotary
     if rotary:
         found.update(rotary)
         if _ROTARY.get(model_type) == "pairs":
@@ -442,17 +469,30 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     return rope, "rope_parameters"
 
 
+# What every rotary type's parameters may hold beside its own
+_ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
 def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict | None:
     """mha's rope_scaling of the config's rotary parameters (None for the plain frequencies),
-    with the lengths and factor transformers takes from the config where they are not given."""
+    with the lengths and factor transformers takes from the config where they are not given.
+    A parameter the type does not take is an error: Ministral 3's llama_4_scaling_beta, for
+    one, scales the queries by their position."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        return None
-    if rope_type not in ROPE_TYPES:
+    if rope_type != "default" and rope_type not in ROPE_TYPES:
         raise ValueError(
             f"the config's rotary embedding is {rope_type!r} ({field}={dict(rope)}); mha's "
             f"takes 'default' and {', '.join(map(repr, ROPE_TYPES))}"
         )
+    taken = set(_ROPE_COMMON).union(*ROPE_TYPES.get(rope_type, ((), ())))
+    unknown = sorted(set(rope) - taken)
+    if unknown:
+        raise ValueError(
+            f"the config's {field} gives {', '.join(unknown)}, which a {rope_type!r} rotary "
+            f"embedding does not take and mha does not compute ({field}={dict(rope)})"
+        )
+    if rope_type == "default":
+        return None
     longest = config.get("max_position_embeddings")
     original = rope.get("original_max_position_embeddings", longest)
     if rope_type == "longrope":  # Phi-3 keeps the pretrained length beside the parameters

@@ -1,7 +1,6 @@
 """Every rotary model type mha knows ports in one line: for each, a tiny random transformers
-model, its first attention layer (the first full or sliding one) ported with
-`options_from_config(config, layer)`, against the output of the model's own attention module
-in a run of the whole model.
+model, each of its attention layers ported with `options_from_config(config, layer)`, against
+the output of the model's own attention module in a run of the whole model.
 
 This holds the rotary convention of each model type (half or pairs), the defaults its config
 leaves to transformers, and its QK-norms, scales, windows and soft caps, together; the
@@ -62,26 +61,28 @@ def tiny_model(model_type: str):
     return config, model
 
 
-def attention_io(model, prefix: str):
-    """The attention module's input hidden states and output in a run of the whole model."""
-    module, seen = model.get_submodule(prefix), {}
+def attention_io(model, prefixes: list[str]):
+    """Each attention module's input hidden states and output in one run of the whole
+    model: {prefix: (x, y)}."""
+    seen: dict[str, list] = {prefix: [] for prefix in prefixes}
+    handles = []
+    for prefix in prefixes:
+        module = model.get_submodule(prefix)
 
-    def take_input(module, args, kwargs):
-        seen["x"] = (args[0] if args else kwargs["hidden_states"]).numpy()
+        def take_input(module, args, kwargs, prefix=prefix):
+            seen[prefix].append((args[0] if args else kwargs["hidden_states"]).numpy())
 
-    def take_output(module, args, output):
-        seen["y"] = (output[0] if isinstance(output, tuple) else output).numpy()
+        def take_output(module, args, output, prefix=prefix):
+            seen[prefix].append((output[0] if isinstance(output, tuple) else output).numpy())
 
-    handles = [
-        module.register_forward_pre_hook(take_input, with_kwargs=True),
-        module.register_forward_hook(take_output),
-    ]
+        handles.append(module.register_forward_pre_hook(take_input, with_kwargs=True))
+        handles.append(module.register_forward_hook(take_output))
     ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11], [33, 4, 19, 7, 48, 26, 12]])
     with torch.no_grad():
         model(input_ids=ids)
     for handle in handles:
         handle.remove()
-    return seen["x"], seen["y"]
+    return seen
 
 
 ATTENTION = ("full_attention", "sliding_attention")  # the layer types mha's layer is
@@ -89,15 +90,22 @@ ATTENTION = ("full_attention", "sliding_attention")  # the layer types mha's lay
 
 @pytest.mark.parametrize("model_type", sorted(_ROTARY))
 def test_each_rotary_model_type_ports_in_one_line(model_type):
+    # Every attention layer of the model: sliding and full ones differ in some families
+    # (windows, rotary bases, rotary on one kind alone); Qwen3-Next's linear ones are not
     config, model = tiny_model(model_type)
     kinds = list(getattr(config, "layer_types", None) or [])
-    # Qwen3-Next's first layers are linear attention: its first full-attention layer
-    layer = next((i for i, kind in enumerate(kinds) if kind in ATTENTION), 0)
+    layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
     prefixes = [prefix for prefix, _ in porting.find_attention(model.state_dict())]
-    prefix = next(prefix for prefix in prefixes if f".{layer}." in f"{prefix}.")
-    x, expected = attention_io(model, prefix)
-    options = porting.options_from_config(config.to_dict(), layer)
-    ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
-    output = ported(x, x, x, causal=True)
-    # float32's precision: transformers computes in float32, the reference in float64
-    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5 * np.max(np.abs(expected)))
+    chosen = {
+        layer: next(prefix for prefix in prefixes if f".{layer}." in f"{prefix}.")
+        for layer in layers
+    }
+    seen = attention_io(model, list(chosen.values()))
+    for layer, prefix in chosen.items():
+        (x, expected) = seen[prefix]
+        options = porting.options_from_config(config.to_dict(), layer)
+        ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
+        output = ported(x, x, x, causal=True)
+        # float32's precision: transformers computes in float32, the reference in float64
+        atol = 1e-5 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)

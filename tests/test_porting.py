@@ -631,8 +631,8 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
             kind = raw["layer_types"][layer] if "layer_types" in raw else None
             if kind not in (None, "full_attention", "sliding_attention"):
                 continue  # Qwen3-Next's linear attention
-            if model_type == "cohere2" and kind == "full_attention":
-                continue  # Cohere 2 rotates its sliding layers only: its own test ports both
+            if model_type in ("cohere2", "exaone4") and kind == "full_attention":
+                continue  # they rotate their sliding layers only (test_families.py ports both)
             options = porting.options_from_config(raw, layer)
             scaling = options.get("rope_scaling") or {"rope_type": "default"}
             got = (options["rope_theta"], options.get("rope_dim", 16), scaling["rope_type"])
@@ -1068,7 +1068,7 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 2},
             "max_window_layers=2",
         ),
-        ({"model_type": "exaone4", "rope_theta": 1e4}, "model_type='exaone4'"),
+        ({"model_type": "dots1", "rope_theta": 1e4}, "model_type='dots1'"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"text_config": {"num_attention_heads": 4}}, r"config\['text_config'\]"),
     ],
