@@ -43,6 +43,7 @@ class Layout(NamedTuple):
     # The positions that every model of the layout adds inside the attention, which the
     # weights do not hold ("" where some add none)
     positions: str = ""
+    biases: bool = True  # whether the layout's models have biases (T5's have none)
 
 
 _ADD_NORM = "the layer norm after the residual, outside the attention"
@@ -94,6 +95,7 @@ LAYOUTS = (
         {"q": "q", "k": "k", "v": "v", "o": "o"},
         scale=1.0,
         outside={"relative_attention_bias.weight": "give attn_bias=t5_position_bias(...)"},
+        biases=False,  # MPNet's q, k, v, o have biases, and scaled scores: not this layout
     ),
     Layout(
         "fused query_key_value and dense (GPT-NeoX, Falcon, BLOOM)",
@@ -178,6 +180,8 @@ def matches(layout: Layout, names: Iterable[str]) -> bool:
         return "out_proj.weight" in names and (
             "in_proj_weight" in names or "q_proj_weight" in names
         )
+    if not layout.biases and any(f"{path}.bias" in names for path in layout.paths.values()):
+        return False
     return all(f"{path}.{_MARK[layout.kind]}" in names for path in layout.paths.values())
 
 

@@ -14,8 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from mha.encoding import ROPE_TYPES, check_rope_scaling
 from mha.files import read_bytes
+from mha.model_rope import rotary_options
 
 __all__ = ["options_from_config"]
 
@@ -73,6 +73,7 @@ def options_from_config(
 # The fields that make one layer's options differ from another's
 _PER_LAYER = (
     "layer_types",
+    "attention_types",
     "no_rope_layers",
     "max_window_layers",
     "scale_attn_by_inverse_layer_idx",
@@ -110,7 +111,12 @@ _MPT_UNSUPPORTED = {
 _MISREAD_MODEL_TYPES = {
     "chatglm": "keeps q, k and v in blocks under query_key_value, where GPT-NeoX keeps those "
     "of each head, and rotates by a rule its config names rope_ratio",
+    "yoso": "approximates softmax attention by hashing, under BERT's names",
+    "mpnet": "adds a relative position bias to its scaled scores, under the names T5 keeps "
+    "unscaled",
 }
+# BigBird attends to blocks of the keys unless its config says attention_type='original_full'
+_BLOCK_SPARSE_MODEL_TYPES = frozenset({"big_bird", "bigbird_pegasus"})
 
 
 def _refuse_config(config: Mapping[str, Any]) -> None:
@@ -140,6 +146,9 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
     if config.get("model_type") in _MISREAD_MODEL_TYPES:
         model_type = config["model_type"]
         problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
+    sparse = config.get("attention_type", "block_sparse")
+    if config.get("model_type") in _BLOCK_SPARSE_MODEL_TYPES and sparse != "original_full":
+        problems.append(f"attention_type={sparse!r} attends to blocks of the keys")
     if any("ALiBi's position biases" in problem for problem in problems):
         problems.append(
             "(Falcon's ALiBi, scaled with the scores: port with from_state_dict(..., "
@@ -171,56 +180,6 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
     return None
 
 
-# The rotary convention of each model type checked against transformers' own layer, which
-# its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
-# (2i, 2i + 1) as GPT-J
-_ROTARY = {
-    "apertus": "half",
-    "arcee": "half",
-    "cohere": "pairs",
-    "cohere2": "pairs",
-    "csm": "half",
-    "ernie4_5": "pairs",
-    "ernie4_5_moe": "pairs",
-    "exaone4": "half",
-    "falcon": "half",
-    "flex_olmo": "half",
-    "gemma": "half",
-    "gemma2": "half",
-    "gemma3_text": "half",
-    "glm": "pairs",
-    "glm4": "pairs",
-    "glm4_moe": "half",
-    "gpt_neox": "half",
-    "gpt_oss": "half",
-    "gptj": "pairs",
-    "granite": "half",
-    "granitemoe": "half",
-    "helium": "pairs",
-    "llama": "half",
-    "ministral": "half",
-    "mistral": "half",
-    "mixtral": "half",
-    "nemotron": "half",
-    "olmo": "half",
-    "olmo2": "half",
-    "olmo3": "half",
-    "olmoe": "half",
-    "phi": "half",
-    "phi3": "half",
-    "phimoe": "half",
-    "qwen2": "half",
-    "qwen2_moe": "half",
-    "qwen3": "half",
-    "qwen3_moe": "half",
-    "qwen3_next": "half",
-    "seed_oss": "half",
-    "smollm3": "half",
-    "stablelm": "half",
-    "starcoder2": "half",
-    "vaultgemma": "half",
-}
-
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
 # q_norm and k_norm): over each head, or over the whole projection
 _QK_NORM = {
@@ -242,69 +201,6 @@ _QK_NORM_OFFSET = {"gemma3_text": 1.0, "qwen3_next": 1.0}
 # Model types whose query projection also gives a gate of the heads' output
 _OUTPUT_GATE = frozenset({"qwen3_next"})
 
-# What transformers gives a rotary model type whose config does not write its rotary
-# embedding: the base (10000 where not listed), the fraction of each head rotated (all where
-# not listed), and the scaling; GPT-J's base is fixed in its code
-_DEFAULT_THETA = {
-    "apertus": 12_000_000.0,
-    "cohere": 500_000.0,
-    "csm": 500_000.0,
-    "ernie4_5": 500_000.0,
-    "ernie4_5_moe": 500_000.0,
-    "flex_olmo": 500_000.0,
-    "gemma3_text": 1_000_000.0,
-    "gpt_oss": 150_000.0,
-    "helium": 100_000.0,
-    "mixtral": 1_000_000.0,
-    "olmo3": 500_000.0,
-    "phimoe": 1_000_000.0,
-    "smollm3": 2_000_000.0,
-}
-_DEFAULT_PARTIAL = {
-    "glm": 0.5,
-    "glm4": 0.5,
-    "glm4_moe": 0.5,
-    "gpt_neox": 0.25,
-    "nemotron": 0.5,
-    "phi": 0.5,
-    "qwen3_next": 0.25,
-    "stablelm": 0.25,
-}
-_DEFAULT_ROPE = {
-    "apertus": {
-        "rope_type": "llama3",
-        "rope_theta": 12_000_000.0,
-        "factor": 8.0,
-        "original_max_position_embeddings": 8192,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-    },
-    "gpt_oss": {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    },
-}
-# Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
-# no fraction outside its rope_parameters)
-_ROPE_FIELDS = {
-    "gpt_neox": ("rotary_emb_base", "rotary_pct"),
-    "gemma3_text": ("rope_theta", ""),
-    "olmo3": ("rope_theta", ""),
-}
-# Model types whose sliding layers take their base from another field, unscaled, where the
-# config's rotary parameters are not per layer type: Gemma 3's rope_local_base_freq; OLMo 3's
-# sliding layers take transformers' default base whatever rope_theta says
-_LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
-
-# Model types whose layers without a sliding window have no rotary embedding
-_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
-# Model types whose full-attention layers have none where the config has a sliding window
-_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4"})
-
 _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 
 
@@ -316,25 +212,13 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["num_heads"] = heads
     kind = _attention_kind(config, layer)
     window = config.get("sliding_window")
+    if config.get("model_type") == "gpt_neo":
+        window, kind = _gpt_neo_window(config, layer)
     if window is not None and config.get("use_sliding_window", True) and kind != "full_attention":
         found["sliding_window"] = int(window)
-    rotary = _rotary(config, kind, layer)
+    windowed = "sliding_window" in found
+    found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))
     model_type = config.get("model_type")
-    if rotary and model_type is not None:
-        if model_type not in _ROTARY:
-            raise ValueError(
-                f"the config's model_type={model_type!r} has a rotary embedding whose "
-                "convention mha does not know (the config does not tell it): give rope_theta "
-                "and rope_interleaved yourself. Known: " + ", ".join(sorted(_ROTARY))
-            )
-        if model_type in _ROTARY_WITH_WINDOW_ONLY and "sliding_window" not in found:
-            rotary = {}
-        if model_type in _NO_ROTARY_ON_FULL_LAYERS and window is not None:
-            rotary = {} if kind == "full_attention" else rotary
-    if rotary:
-        found.update(rotary)
-        if _ROTARY.get(model_type) == "pairs":
-            found["rope_interleaved"] = True
     scale = _scale(config, layer)
     if scale is not None:
         found["scale"] = scale
@@ -353,6 +237,23 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if model_type in _ALIBI_MODEL_TYPES:  # BLOOM, MPT
         found["alibi"] = True
     return found
+
+
+def _gpt_neo_window(config: Mapping[str, Any], layer: int | None) -> tuple[int | None, str]:
+    """GPT-Neo's window and layer type: attention_types, [[kinds, repeats], ...], makes its
+    layers global or local, a local one attending to the last window_size positions."""
+    kinds = [
+        kind for kinds, repeats in config.get("attention_types") or () for kind in kinds * repeats
+    ]
+    if len(set(kinds)) > 1 and layer is None:
+        raise ValueError(
+            f"the config's attention_types={config['attention_types']!r} makes some layers "
+            "local: give the layer's index"
+        )
+    kind = kinds[layer % len(kinds)] if kinds and layer is not None else (kinds or ["global"])[0]
+    if kind == "local":
+        return int(config.get("window_size", 256)), "sliding_attention"
+    return None, "full_attention"
 
 
 def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
@@ -387,132 +288,6 @@ def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
     return kind
 
 
-def _rotary(config: Mapping[str, Any], kind: str | None, layer: int | None) -> dict[str, Any]:
-    """The layer's rotary options: rope_theta, and rope_dim and rope_scaling where the config
-    rotates part of each head or scales the frequencies; {} where the layer has no rotary
-    embedding. A rotary embedding mha cannot hold is an error naming its field."""
-    no_rope = config.get("no_rope_layers")
-    if no_rope is not None and (layer is None or layer >= len(no_rope)):
-        raise ValueError(f"the config's no_rope_layers does not tell layer {layer}: {no_rope}")
-    if no_rope is not None and not no_rope[layer]:
-        return {}  # SmolLM3's and Llama 4's layers without rotary embeddings
-    rope, field = _rope_parameters(config, kind)
-    model_type = config.get("model_type")
-    fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
-    base_field, partial_field = fields
-    default_theta = _DEFAULT_THETA.get(model_type, 10_000.0)
-    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
-        base_field, default_theta = _LOCAL_THETA[model_type]
-    theta = rope.get("rope_theta", config.get(base_field))
-    if theta is None and model_type in _ROTARY:
-        theta = default_theta
-    partial = rope.get("partial_rotary_factor", config.get(partial_field))
-    partial = _DEFAULT_PARTIAL.get(model_type) if partial is None else partial
-    scaling = _rope_scaling(config, rope, field)
-    if theta is None:
-        if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
-            raise ValueError(
-                f"the config shapes a rotary embedding ({field}={dict(rope)}) and gives no "
-                "rope_theta: give the model's rope_theta"
-            )
-        return {}
-    found: dict[str, Any] = {"rope_theta": float(theta)}
-    if partial not in (None, 1.0):
-        head = _head_size(config)
-        if head is None:
-            where = (
-                f"{field}['partial_rotary_factor']"
-                if "partial_rotary_factor" in rope
-                else ("partial_rotary_factor")
-            )
-            raise ValueError(
-                f"the config rotates part of each head ({where}={partial!r}) and does not tell "
-                "the head size (head_dim, hidden_size)"
-            )
-        found["rope_dim"] = int(head * partial)  # transformers' rounding
-    if config.get("rotary_dim") is not None and config["rotary_dim"] != _head_size(config):
-        found["rope_dim"] = int(config["rotary_dim"])  # GPT-J's count of rotated features
-    if scaling is not None:
-        found["rope_scaling"] = scaling
-    return found
-
-
-def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping, str]:
-    """The rotary parameters that apply to a layer of `kind`, and the field they are in:
-    rope_parameters (per layer type where they are) or rope_scaling, else the model type's
-    defaults. Gemma 3's sliding layers take none of a flat rope_scaling."""
-    rope = config.get("rope_parameters") or {}
-    if not isinstance(rope, Mapping):
-        raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
-    if rope and all(isinstance(value, Mapping) for value in rope.values()):
-        # Gemma 3: one rotary embedding per layer type
-        if kind not in rope:
-            which = "no layer_types" if kind is None else f"{kind!r} layers (layer_types)"
-            raise ValueError(
-                f"the config's rope_parameters are per layer type ({', '.join(rope)}), and "
-                f"it has {which}"
-            )
-        return rope[kind], f"rope_parameters[{kind!r}]"
-    legacy = config.get("rope_scaling") or {}
-    if legacy and rope:
-        raise ValueError(
-            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
-            f"{dict(legacy)}; mha reads one"
-        )
-    model_type = config.get("model_type")
-    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
-        return {}, "rope_parameters"
-    if legacy:
-        return legacy, "rope_scaling"
-    if not rope and model_type in _DEFAULT_ROPE:
-        return _DEFAULT_ROPE[model_type], f"transformers' default rope_parameters of {model_type}"
-    return rope, "rope_parameters"
-
-
-# What every rotary type's parameters may hold beside its own
-_ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
-
-
-def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict | None:
-    """mha's rope_scaling of the config's rotary parameters (None for the plain frequencies),
-    with the lengths and factor transformers takes from the config where they are not given.
-    A parameter the type does not take is an error: Ministral 3's llama_4_scaling_beta, for
-    one, scales the queries by their position."""
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" and rope_type not in ROPE_TYPES:
-        raise ValueError(
-            f"the config's rotary embedding is {rope_type!r} ({field}={dict(rope)}); mha's "
-            f"takes 'default' and {', '.join(map(repr, ROPE_TYPES))}"
-        )
-    taken = set(_ROPE_COMMON).union(*ROPE_TYPES.get(rope_type, ((), ())))
-    unknown = sorted(set(rope) - taken)
-    if unknown:
-        raise ValueError(
-            f"the config's {field} gives {', '.join(unknown)}, which a {rope_type!r} rotary "
-            f"embedding does not take and mha does not compute ({field}={dict(rope)})"
-        )
-    if rope_type == "default":
-        return None
-    longest = config.get("max_position_embeddings")
-    original = rope.get("original_max_position_embeddings", longest)
-    if rope_type == "longrope":  # Phi-3 keeps the pretrained length beside the parameters
-        original = config.get("original_max_position_embeddings", original)
-    if rope_type == "dynamic":  # transformers scales from max_position_embeddings
-        original = longest
-    required, optional = ROPE_TYPES[rope_type]
-    scaling = {"rope_type": rope_type}
-    scaling |= {key: rope[key] for key in (*required, *optional) if rope.get(key) is not None}
-    if "original_max_position_embeddings" in required:
-        scaling["original_max_position_embeddings"] = original
-    if rope_type in ("yarn", "longrope") and rope.get("factor") is None and longest and original:
-        scaling["factor"] = longest / original
-    try:
-        check_rope_scaling(field, scaling)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"the config's rotary scaling: {error}") from None
-    return scaling
-
-
 def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     """The score scale the config gives the layer, or None where it is 1 / sqrt(head size)."""
     head = _head_size(config)
@@ -525,6 +300,8 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
         scale = 1.0
     if (config.get("attn_config") or {}).get("softmax_scale") is not None:  # MPT
         scale = float(config["attn_config"]["softmax_scale"])
+    if config.get("model_type") == "gpt_neo":  # its scores are not scaled
+        scale = 1.0
     if config.get("scale_attn_by_inverse_layer_idx"):
         if layer is None or (scale is None and head is None):
             raise ValueError(

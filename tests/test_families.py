@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mha import porting
-from mha.model_config import _ROTARY
+from mha.model_rope import ROTARY
 
 torch = pytest.importorskip("torch")  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
@@ -88,7 +88,7 @@ def attention_io(model, prefixes: list[str]):
 ATTENTION = ("full_attention", "sliding_attention")  # the layer types mha's layer is
 
 
-@pytest.mark.parametrize("model_type", sorted(_ROTARY))
+@pytest.mark.parametrize("model_type", sorted(ROTARY))
 def test_each_rotary_model_type_ports_in_one_line(model_type):
     # Every attention layer of the model: sliding and full ones differ in some families
     # (windows, rotary bases, rotary on one kind alone); Qwen3-Next's linear ones are not

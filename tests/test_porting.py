@@ -18,7 +18,7 @@ import pytest
 
 import mha
 from conftest import backend_module, backend_params, required_backends
-from mha import cli, interop, model_config, porting
+from mha import cli, interop, model_rope, porting
 
 try:
     import torch
@@ -610,7 +610,7 @@ def transformers_rotary(config, kind, head_size):
     return rope["rope_theta"], int(head_size * fraction), rope.get("rope_type", "default")
 
 
-@pytest.mark.parametrize("model_type", sorted(set(model_config._ROTARY) - {"gptj"}))
+@pytest.mark.parametrize("model_type", sorted(set(model_rope.ROTARY) - {"gptj"}))
 def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_defaults(
     model_type,
 ):
@@ -1071,12 +1071,77 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "dots1", "rope_theta": 1e4}, "model_type='dots1'"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"text_config": {"num_attention_heads": 4}}, r"config\['text_config'\]"),
+        # Attention that BERT's or T5's names hold and mha does not compute
+        ({"model_type": "yoso"}, "model_type='yoso' approximates softmax attention"),
+        ({"model_type": "mpnet"}, "model_type='mpnet' adds a relative position bias"),
+        ({"model_type": "big_bird"}, "attention_type='block_sparse' attends to blocks"),
+        # Ministral 3 scales its queries by their position
+        (
+            {"rope_parameters": {"rope_theta": 1e6, "llama_4_scaling_beta": 0.1}},
+            "llama_4_scaling_beta, which a 'default' rotary",
+        ),
     ],
     ids=lambda value: next(iter(value)) if isinstance(value, dict) else None,
 )
 def test_config_fields_mha_cannot_represent_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
         porting.options_from_config(config)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_gpt_neo_ports_unscaled_with_its_local_windows(name):
+    # GPT-Neo does not scale its scores, and its local layers attend to the last window_size
+    # positions; its projections have BART's names, so only its config tells either
+    T = transformers()
+    config = T.GPTNeoConfig(
+        hidden_size=16,
+        num_heads=4,
+        num_layers=2,
+        attention_types=[[["global", "local"], 1]],
+        window_size=3,
+        vocab_size=50,
+    )
+    torch.manual_seed(4)
+    model = T.GPTNeoModel(config).double().eval()
+    seen = {}
+    handles = []
+    for i in range(2):
+        attention = model.get_submodule(f"h.{i}.attn.attention")
+        handles += [
+            attention.register_forward_pre_hook(
+                lambda m, args, kwargs, i=i: seen.__setitem__((i, "x"), args[0].numpy()),
+                with_kwargs=True,
+            ),
+            attention.out_proj.register_forward_hook(
+                lambda m, args, output, i=i: seen.__setitem__((i, "y"), output.numpy())
+            ),
+        ]
+    with torch.no_grad():
+        model(input_ids=IDS)
+    for handle in handles:
+        handle.remove()
+    with pytest.raises(ValueError, match="attention_types"):
+        porting.options_from_config(config.to_dict())  # which layer: they differ
+    module = backend_module(name)
+    for i, window in ((0, {}), (1, {"sliding_window": 3})):
+        options = porting.options_from_config(config.to_dict(), i)
+        assert options == {"num_heads": 4, "scale": 1.0, **window}
+        layer = porting.from_state_dict(
+            model.state_dict(), f"h.{i}.attn.attention", backend=name, **options
+        )
+        x = module.from_numpy(seen[i, "x"])
+        output = module.to_numpy(layer(x, x, x, causal=True))
+        np.testing.assert_allclose(output, seen[i, "y"], rtol=0, atol=TOLERANCE)
+
+
+def test_t5_names_with_biases_are_no_layout_mha_knows():
+    # MPNet keeps q, k, v and o, with biases, and scales its scores: T5's have no biases
+    state = {f"attn.{k}.{p}": np.ones((8, 8) if p == "weight" else 8) for k in "qkvo"
+             for p in ("weight", "bias")}  # fmt: skip
+    with pytest.raises(ValueError, match="no"):
+        porting.canonical_from_state_dict(state, "attn", num_heads=2)
+    t5 = {name: value for name, value in state.items() if name.endswith("weight")}
+    assert porting.canonical_from_state_dict(t5, "attn", num_heads=2).config["scale"] == 1.0
 
 
 def test_qwen2_max_window_layers_and_gpt2_scales_per_layer():

@@ -1,0 +1,284 @@
+"""The rotary embedding a Hugging Face config gives a layer: its base, the part of each head
+it turns, its scaling and its convention, as transformers reads the config, with the defaults
+of each model type where the config does not write them. `mha.model_config` asks it for each
+layer's rotary options.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mha.encoding import ROPE_TYPES, check_rope_scaling
+
+__all__ = ["ROTARY", "rotary_options"]
+
+# The rotary convention of each model type checked against transformers' own layer, which
+# its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
+# (2i, 2i + 1) as GPT-J
+ROTARY = {
+    "apertus": "half",
+    "arcee": "half",
+    "cohere": "pairs",
+    "cohere2": "pairs",
+    "csm": "half",
+    "ernie4_5": "pairs",
+    "ernie4_5_moe": "pairs",
+    "exaone4": "half",
+    "falcon": "half",
+    "flex_olmo": "half",
+    "gemma": "half",
+    "gemma2": "half",
+    "gemma3_text": "half",
+    "glm": "pairs",
+    "glm4": "pairs",
+    "glm4_moe": "half",
+    "gpt_neox": "half",
+    "gpt_oss": "half",
+    "gptj": "pairs",
+    "granite": "half",
+    "granitemoe": "half",
+    "helium": "pairs",
+    "llama": "half",
+    "ministral": "half",
+    "mistral": "half",
+    "mixtral": "half",
+    "nemotron": "half",
+    "olmo": "half",
+    "olmo2": "half",
+    "olmo3": "half",
+    "olmoe": "half",
+    "phi": "half",
+    "phi3": "half",
+    "phimoe": "half",
+    "qwen2": "half",
+    "qwen2_moe": "half",
+    "qwen3": "half",
+    "qwen3_moe": "half",
+    "qwen3_next": "half",
+    "seed_oss": "half",
+    "smollm3": "half",
+    "stablelm": "half",
+    "starcoder2": "half",
+    "vaultgemma": "half",
+}
+
+# What transformers gives a rotary model type whose config does not write its rotary
+# embedding: the base (10000 where not listed), the fraction of each head rotated (all where
+# not listed), and the scaling; GPT-J's base is fixed in its code
+_DEFAULT_THETA = {
+    "apertus": 12_000_000.0,
+    "cohere": 500_000.0,
+    "csm": 500_000.0,
+    "ernie4_5": 500_000.0,
+    "ernie4_5_moe": 500_000.0,
+    "flex_olmo": 500_000.0,
+    "gemma3_text": 1_000_000.0,
+    "gpt_oss": 150_000.0,
+    "helium": 100_000.0,
+    "mixtral": 1_000_000.0,
+    "olmo3": 500_000.0,
+    "phimoe": 1_000_000.0,
+    "smollm3": 2_000_000.0,
+}
+_DEFAULT_PARTIAL = {
+    "glm": 0.5,
+    "glm4": 0.5,
+    "glm4_moe": 0.5,
+    "gpt_neox": 0.25,
+    "nemotron": 0.5,
+    "phi": 0.5,
+    "qwen3_next": 0.25,
+    "stablelm": 0.25,
+}
+_DEFAULT_ROPE = {
+    "apertus": {
+        "rope_type": "llama3",
+        "rope_theta": 12_000_000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+    "gpt_oss": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
+# Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
+# no fraction outside its rope_parameters)
+_ROPE_FIELDS = {
+    "gpt_neox": ("rotary_emb_base", "rotary_pct"),
+    "gemma3_text": ("rope_theta", ""),
+    "olmo3": ("rope_theta", ""),
+}
+# Model types whose sliding layers take their base from another field, unscaled, where the
+# config's rotary parameters are not per layer type: Gemma 3's rope_local_base_freq; OLMo 3's
+# sliding layers take transformers' default base whatever rope_theta says
+_LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
+
+# Model types whose layers without a sliding window have no rotary embedding
+_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
+# Model types whose full-attention layers have none where the config has a sliding window
+_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4"})
+
+
+def rotary_options(
+    config: Mapping[str, Any],
+    kind: str | None,
+    layer: int | None,
+    windowed: bool,
+    head: int | None,
+) -> dict[str, Any]:
+    """The rotary options of the layer of this index and type (rope_theta, and rope_dim,
+    rope_scaling and rope_interleaved where they apply); {} where it has no rotary embedding.
+    windowed: whether the layer has a sliding window; head: the head size, where the config
+    tells it. A rotary embedding of a model type whose convention mha does not know is an
+    error: the config does not tell it."""
+    rotary = _rotary(config, kind, layer, head)
+    model_type = config.get("model_type")
+    if not rotary or model_type is None:
+        return rotary
+    if model_type not in ROTARY:
+        raise ValueError(
+            f"the config's model_type={model_type!r} has a rotary embedding whose "
+            "convention mha does not know (the config does not tell it): give rope_theta "
+            "and rope_interleaved yourself. Known: " + ", ".join(sorted(ROTARY))
+        )
+    if model_type in _ROTARY_WITH_WINDOW_ONLY and not windowed:
+        return {}
+    no_rotary = model_type in _NO_ROTARY_ON_FULL_LAYERS and kind == "full_attention"
+    if no_rotary and config.get("sliding_window") is not None:
+        return {}
+    return {**rotary, "rope_interleaved": True} if ROTARY[model_type] == "pairs" else rotary
+
+
+def _rotary(
+    config: Mapping[str, Any], kind: str | None, layer: int | None, head: int | None
+) -> dict[str, Any]:
+    """The layer's rotary options: rope_theta, and rope_dim and rope_scaling where the config
+    rotates part of each head or scales the frequencies; {} where the layer has no rotary
+    embedding. A rotary embedding mha cannot hold is an error naming its field."""
+    no_rope = config.get("no_rope_layers")
+    if no_rope is not None and (layer is None or layer >= len(no_rope)):
+        raise ValueError(f"the config's no_rope_layers does not tell layer {layer}: {no_rope}")
+    if no_rope is not None and not no_rope[layer]:
+        return {}  # SmolLM3's and Llama 4's layers without rotary embeddings
+    rope, field = _rope_parameters(config, kind)
+    model_type = config.get("model_type")
+    fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
+    base_field, partial_field = fields
+    default_theta = _DEFAULT_THETA.get(model_type, 10_000.0)
+    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
+        base_field, default_theta = _LOCAL_THETA[model_type]
+    theta = rope.get("rope_theta", config.get(base_field))
+    if theta is None and model_type in ROTARY:
+        theta = default_theta
+    partial = rope.get("partial_rotary_factor", config.get(partial_field))
+    partial = _DEFAULT_PARTIAL.get(model_type) if partial is None else partial
+    scaling = _rope_scaling(config, rope, field)
+    if theta is None:
+        if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
+            raise ValueError(
+                f"the config shapes a rotary embedding ({field}={dict(rope)}) and gives no "
+                "rope_theta: give the model's rope_theta"
+            )
+        return {}
+    found: dict[str, Any] = {"rope_theta": float(theta)}
+    if partial not in (None, 1.0):
+        if head is None:
+            where = (
+                f"{field}['partial_rotary_factor']"
+                if "partial_rotary_factor" in rope
+                else ("partial_rotary_factor")
+            )
+            raise ValueError(
+                f"the config rotates part of each head ({where}={partial!r}) and does not tell "
+                "the head size (head_dim, hidden_size)"
+            )
+        found["rope_dim"] = int(head * partial)  # transformers' rounding
+    if config.get("rotary_dim") is not None and config["rotary_dim"] != head:
+        found["rope_dim"] = int(config["rotary_dim"])  # GPT-J's count of rotated features
+    if scaling is not None:
+        found["rope_scaling"] = scaling
+    return found
+
+
+def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping, str]:
+    """The rotary parameters that apply to a layer of `kind`, and the field they are in:
+    rope_parameters (per layer type where they are) or rope_scaling, else the model type's
+    defaults. Gemma 3's sliding layers take none of a flat rope_scaling."""
+    rope = config.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
+    if rope and all(isinstance(value, Mapping) for value in rope.values()):
+        # Gemma 3: one rotary embedding per layer type
+        if kind not in rope:
+            which = "no layer_types" if kind is None else f"{kind!r} layers (layer_types)"
+            raise ValueError(
+                f"the config's rope_parameters are per layer type ({', '.join(rope)}), and "
+                f"it has {which}"
+            )
+        return rope[kind], f"rope_parameters[{kind!r}]"
+    legacy = config.get("rope_scaling") or {}
+    if legacy and rope:
+        raise ValueError(
+            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
+            f"{dict(legacy)}; mha reads one"
+        )
+    model_type = config.get("model_type")
+    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
+        return {}, "rope_parameters"
+    if legacy:
+        return legacy, "rope_scaling"
+    if not rope and model_type in _DEFAULT_ROPE:
+        return _DEFAULT_ROPE[model_type], f"transformers' default rope_parameters of {model_type}"
+    return rope, "rope_parameters"
+
+
+# What every rotary type's parameters may hold beside its own
+_ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+
+
+def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict | None:
+    """mha's rope_scaling of the config's rotary parameters (None for the plain frequencies),
+    with the lengths and factor transformers takes from the config where they are not given.
+    A parameter the type does not take is an error: Ministral 3's llama_4_scaling_beta, for
+    one, scales the queries by their position."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default" and rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"the config's rotary embedding is {rope_type!r} ({field}={dict(rope)}); mha's "
+            f"takes 'default' and {', '.join(map(repr, ROPE_TYPES))}"
+        )
+    taken = set(_ROPE_COMMON).union(*ROPE_TYPES.get(rope_type, ((), ())))
+    unknown = sorted(set(rope) - taken)
+    if unknown:
+        raise ValueError(
+            f"the config's {field} gives {', '.join(unknown)}, which a {rope_type!r} rotary "
+            f"embedding does not take and mha does not compute ({field}={dict(rope)})"
+        )
+    if rope_type == "default":
+        return None
+    longest = config.get("max_position_embeddings")
+    original = rope.get("original_max_position_embeddings", longest)
+    if rope_type == "longrope":  # Phi-3 keeps the pretrained length beside the parameters
+        original = config.get("original_max_position_embeddings", original)
+    if rope_type == "dynamic":  # transformers scales from max_position_embeddings
+        original = longest
+    required, optional = ROPE_TYPES[rope_type]
+    scaling = {"rope_type": rope_type}
+    scaling |= {key: rope[key] for key in (*required, *optional) if rope.get(key) is not None}
+    if "original_max_position_embeddings" in required:
+        scaling["original_max_position_embeddings"] = original
+    if rope_type in ("yarn", "longrope") and rope.get("factor") is None and longest and original:
+        scaling["factor"] = longest / original
+    try:
+        check_rope_scaling(field, scaling)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the config's rotary scaling: {error}") from None
+    return scaling
