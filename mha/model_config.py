@@ -112,6 +112,8 @@ _MISREAD_MODEL_TYPES = {
     "chatglm": "keeps q, k and v in blocks under query_key_value, where GPT-NeoX keeps those "
     "of each head, and rotates by a rule its config names rope_ratio",
     "yoso": "approximates softmax attention by hashing, under BERT's names",
+    "mra": "approximates softmax attention at several resolutions, under BERT's names",
+    "longt5": "attends within blocks of the sequence (local or transient-global), under T5's names",
     "mpnet": "adds a relative position bias to its scaled scores, under the names T5 keeps "
     "unscaled",
 }

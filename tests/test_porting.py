@@ -1073,6 +1073,8 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"text_config": {"num_attention_heads": 4}}, r"config\['text_config'\]"),
         # Attention that BERT's or T5's names hold and mha does not compute
         ({"model_type": "yoso"}, "model_type='yoso' approximates softmax attention"),
+        ({"model_type": "mra"}, "model_type='mra' approximates softmax attention"),
+        ({"model_type": "longt5"}, "model_type='longt5' attends within blocks"),
         ({"model_type": "mpnet"}, "model_type='mpnet' adds a relative position bias"),
         ({"model_type": "big_bird"}, "attention_type='block_sparse' attends to blocks"),
         # Ministral 3 scales its queries by their position
