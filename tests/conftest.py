@@ -7,6 +7,7 @@ not required and not installed is skipped with the reason.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
@@ -26,6 +27,17 @@ def required_backends() -> list[str]:
     if not value:
         return list(BACKENDS)
     return [normalize_backend_name(name) for name in value.split(",") if name.strip()]
+
+
+def required_import(module: str):
+    """A module of a test extra (transformers, the docs extra's): a lane run, which names its
+    backends in MHA_TEST_BACKENDS, requires it; elsewhere the test skips without it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        if os.environ.get("MHA_TEST_BACKENDS"):
+            pytest.fail(f"{module} does not import: {error}", pytrace=False)
+        pytest.skip(str(error))
 
 
 def backend_params(names=None):

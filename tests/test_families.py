@@ -9,12 +9,10 @@ per-feature tests in test_porting.py and test_rope_scaling.py show each in every
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import numpy as np
 import pytest
 
+from conftest import required_import
 from mha import porting
 from mha.model_rope import ROTARY
 
@@ -38,18 +36,9 @@ OWN_SIZES = {
 }
 
 
-def transformers():
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as error:
-        if os.environ.get("MHA_TEST_BACKENDS"):
-            pytest.fail(f"transformers does not import: {error}", pytrace=False)
-        pytest.skip(str(error))
-
-
 def tiny_model(model_type: str):
     """A tiny random model of the type in float32, its norms' weights away from 1."""
-    T = transformers()
+    T = required_import("transformers")
     sizes = {**SIZES, **OWN_SIZES.get(model_type, {})}
     config = T.AutoConfig.for_model(model_type, **{k: v for k, v in sizes.items() if v is not None})
     torch.manual_seed(3)

@@ -9,15 +9,13 @@ layouts against Keras's and Flax's own layers.
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 
 import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module, backend_params, required_backends
+from conftest import backend_module, backend_params, required_backends, required_import
 from mha import cli, interop, model_rope, porting
 
 try:
@@ -32,12 +30,7 @@ TOLERANCE = 1e-10  # float64, as mha.harness holds the backends to the reference
 
 def transformers():
     """transformers is in the test extra: a lane run requires it, elsewhere it may be absent."""
-    try:
-        return importlib.import_module("transformers")
-    except ImportError as error:
-        if os.environ.get("MHA_TEST_BACKENDS"):
-            pytest.fail(f"transformers does not import: {error}", pytrace=False)
-        pytest.skip(str(error))
+    return required_import("transformers")
 
 
 def capture(model, inputs_of, output_of, **call):

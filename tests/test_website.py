@@ -21,19 +21,11 @@ import threading
 
 import pytest
 
+from conftest import required_import
+
 pytestmark = pytest.mark.docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def needed(module: str):
-    """A module of the docs extra: a lane run requires it, elsewhere it may be absent."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as error:
-        if os.environ.get("MHA_TEST_BACKENDS"):
-            pytest.fail(f"{module} does not import: {error}", pytrace=False)
-        pytest.skip(str(error))
 
 
 def chromium() -> str:
@@ -52,7 +44,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    needed("mkdocs")
+    required_import("mkdocs")
     sys.path.insert(0, str(ROOT / "website"))
     try:
         build = importlib.import_module("build_site")
@@ -91,7 +83,7 @@ PAGES = {
 
 
 def test_a_browser_loads_the_pages_and_sees_the_plots(served):
-    sync_api = needed("playwright.sync_api")
+    sync_api = required_import("playwright.sync_api")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
         page = browser.new_page()
