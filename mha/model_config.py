@@ -89,6 +89,7 @@ _UNSUPPORTED = {
     "attn_temperature_tuning": ((None, False), "scales the queries by their position"),
     "use_bidirectional_attention": ((None, False), "attends both ways, with windows of its own"),
     "alibi": ((None, False), "adds ALiBi's position biases"),
+    "rotary_value": ((None, False), "turns the values by their positions too (RoFormer)"),
 }
 
 # Model types whose attention adds ALiBi's position biases, which their configs do not say:

@@ -56,6 +56,7 @@ ROTARY = {
     "qwen3": "half",
     "qwen3_moe": "half",
     "qwen3_next": "half",
+    "roformer": "pairs",
     "seed_oss": "half",
     "smollm3": "half",
     "stablelm": "half",
@@ -109,9 +110,13 @@ _DEFAULT_ROPE = {
         "original_max_position_embeddings": 4096,
     },
 }
+# Model types whose base is 10000 in transformers' code, which reads no rotary field of the
+# config (GPT-J's rotary_dim aside)
+_THETA_IN_CODE = frozenset({"gptj", "roformer"})
 # Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
 # no fraction outside its rope_parameters)
 _ROPE_FIELDS = {
+    **{model_type: ("", "") for model_type in _THETA_IN_CODE},
     "gpt_neox": ("rotary_emb_base", "rotary_pct"),
     "gemma3_text": ("rope_theta", ""),
     "olmo3": ("rope_theta", ""),
@@ -121,6 +126,9 @@ _ROPE_FIELDS = {
 # sliding layers take transformers' default base whatever rope_theta says
 _LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
 
+# Model types whose cross-attention layers have no rotary embedding, which a layer's index
+# does not tell apart from its self-attention
+_SELF_ATTENTION_ONLY = frozenset({"roformer"})
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
 # Model types whose full-attention layers have none where the config has a sliding window
@@ -148,6 +156,12 @@ def rotary_options(
             f"the config's model_type={model_type!r} has a rotary embedding whose "
             "convention mha does not know (the config does not tell it): give rope_theta "
             "and rope_interleaved yourself. Known: " + ", ".join(sorted(ROTARY))
+        )
+    if model_type in _SELF_ATTENTION_ONLY and config.get("add_cross_attention"):
+        raise ValueError(
+            f"the config's model_type={model_type!r} turns the self-attention's queries and "
+            "keys, not the cross-attention's, and the config has both (add_cross_attention): "
+            "give rope_theta and rope_interleaved=True for a self-attention layer yourself"
         )
     if model_type in _ROTARY_WITH_WINDOW_ONLY and not windowed:
         return {}
@@ -212,6 +226,9 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     """The rotary parameters that apply to a layer of `kind`, and the field they are in:
     rope_parameters (per layer type where they are) or rope_scaling, else the model type's
     defaults. Gemma 3's sliding layers take none of a flat rope_scaling."""
+    model_type = config.get("model_type")
+    if model_type in _THETA_IN_CODE:
+        return {}, f"{model_type}'s code"
     rope = config.get("rope_parameters") or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
@@ -230,7 +247,6 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
             f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
             f"{dict(legacy)}; mha reads one"
         )
-    model_type = config.get("model_type")
     if kind == "sliding_attention" and model_type in _LOCAL_THETA:
         return {}, "rope_parameters"
     if legacy:

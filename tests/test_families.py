@@ -14,6 +14,7 @@ import pytest
 
 from conftest import required_import
 from mha import porting
+from mha.layouts import LAYOUTS
 from mha.model_rope import ROTARY
 
 torch = pytest.importorskip("torch")  # transformers' models are torch modules
@@ -33,7 +34,14 @@ SIZES = dict(
 OWN_SIZES = {
     "falcon": {"head_dim": None, "new_decoder_architecture": True, "num_kv_heads": 2},
     "gptj": {"rotary_dim": 4},  # its default, 64, is beyond the head size
+    "roformer": {"head_dim": None, "num_key_value_heads": None},  # no grouped heads
 }
+# A base their code ignores, 10000 being in it
+for model_type in ("gptj", "roformer"):
+    OWN_SIZES[model_type]["rope_theta"] = 20000.0
+# Model types whose attention looks both ways (encoders)
+ENCODERS = frozenset({"roformer"})
+BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
 def tiny_model(model_type: str):
@@ -50,13 +58,14 @@ def tiny_model(model_type: str):
     return config, model
 
 
-def attention_io(model, prefixes: list[str]):
-    """Each attention module's input hidden states and output in one run of the whole
-    model: {prefix: (x, y)}."""
-    seen: dict[str, list] = {prefix: [] for prefix in prefixes}
+def attention_io(model, found: list[tuple[str, str]]):
+    """Each attention module's input hidden states and its output projection's output in one
+    run of the whole model: {prefix: (x, y)}. found: (prefix, layout name) pairs."""
+    seen: dict[str, list] = {prefix: [] for prefix, _ in found}
     handles = []
-    for prefix in prefixes:
+    for prefix, layout in found:
         module = model.get_submodule(prefix)
+        output = model.get_submodule(f"{prefix}.{BY_NAME[layout].paths['o']}")
 
         def take_input(module, args, kwargs, prefix=prefix):
             seen[prefix].append((args[0] if args else kwargs["hidden_states"]).numpy())
@@ -65,7 +74,7 @@ def attention_io(model, prefixes: list[str]):
             seen[prefix].append((output[0] if isinstance(output, tuple) else output).numpy())
 
         handles.append(module.register_forward_pre_hook(take_input, with_kwargs=True))
-        handles.append(module.register_forward_hook(take_output))
+        handles.append(output.register_forward_hook(take_output))
     ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11], [33, 4, 19, 7, 48, 26, 12]])
     with torch.no_grad():
         model(input_ids=ids)
@@ -84,17 +93,17 @@ def test_each_rotary_model_type_ports_in_one_line(model_type):
     config, model = tiny_model(model_type)
     kinds = list(getattr(config, "layer_types", None) or [])
     layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
-    prefixes = [prefix for prefix, _ in porting.find_attention(model.state_dict())]
+    found = porting.find_attention(model.state_dict())
     chosen = {
-        layer: next(prefix for prefix in prefixes if f".{layer}." in f"{prefix}.")
+        layer: next((prefix, name) for prefix, name in found if f".{layer}." in f"{prefix}.")
         for layer in layers
     }
     seen = attention_io(model, list(chosen.values()))
-    for layer, prefix in chosen.items():
+    for layer, (prefix, _) in chosen.items():
         (x, expected) = seen[prefix]
         options = porting.options_from_config(config.to_dict(), layer)
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
-        output = ported(x, x, x, causal=True)
+        output = ported(x, x, x, causal=model_type not in ENCODERS)
         # float32's precision: transformers computes in float32, the reference in float64
         atol = 1e-5 * np.max(np.abs(expected))
         np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)

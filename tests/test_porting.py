@@ -603,7 +603,7 @@ def transformers_rotary(config, kind, head_size):
     return rope["rope_theta"], int(head_size * fraction), rope.get("rope_type", "default")
 
 
-@pytest.mark.parametrize("model_type", sorted(set(model_rope.ROTARY) - {"gptj"}))
+@pytest.mark.parametrize("model_type", sorted(set(model_rope.ROTARY) - {"gptj", "roformer"}))
 def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_defaults(
     model_type,
 ):
@@ -630,6 +630,15 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
             scaling = options.get("rope_scaling") or {"rope_type": "default"}
             got = (options["rope_theta"], options.get("rope_dim", 16), scaling["rope_type"])
             assert got == transformers_rotary(config, kind, 16), (name, layer)
+
+
+@pytest.mark.parametrize("model_type", ["gptj", "roformer"])
+def test_a_rotary_base_fixed_in_transformers_code_is_not_read_from_the_config(model_type):
+    # Their modeling code turns by 10000 ** (-2i / d) whatever the config writes (the tiny
+    # models of test_families.py write another base, which they ignore)
+    written = {"rope_theta": 20000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+    options = porting.options_from_config({"model_type": model_type, **written, "num_heads": 4})
+    assert options == {"num_heads": 4, "rope_theta": 10000.0, "rope_interleaved": True}
 
 
 def test_options_from_config_reads_a_file_and_refuses_an_incomplete_scaling(tmp_path):
@@ -1070,6 +1079,12 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "longt5"}, "model_type='longt5' attends within blocks"),
         ({"model_type": "mpnet"}, "model_type='mpnet' adds a relative position bias"),
         ({"model_type": "big_bird"}, "attention_type='block_sparse' attends to blocks"),
+        # RoFormer turns the values too where rotary_value says, and not its cross-attention
+        ({"model_type": "roformer", "rotary_value": True}, "rotary_value=True turns the values"),
+        (
+            {"model_type": "roformer", "add_cross_attention": True},
+            "not the cross-attention's.*rope_interleaved=True",
+        ),
         # Ministral 3 scales its queries by their position
         (
             {"rope_parameters": {"rope_theta": 1e6, "llama_4_scaling_beta": 0.1}},
