@@ -15,6 +15,7 @@ every check is `mha.validation.<name>`. The checks of the calls are here.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -127,23 +128,42 @@ def _check_valid_lens(valid_lens: Any, batch_size: int | None, num_queries: int 
         )
 
 
+# Up to this many lengths are read as Python numbers: between a call's other operations a
+# short list is read faster than numpy's reductions start (one length per example, or per
+# query of a few examples)
+_FEW_LENGTHS = 1024
+
+
 def check_valid_lens_values(values: np.ndarray) -> None:
     """Check the values of valid_lens, read into numpy by the backend: non-negative whole
-    numbers. Only an eager call has values; the backends skip this in traced ones."""
+    numbers (or infinity). Only an eager call has values; the backends skip this in traced
+    ones."""
     if values.size == 0:
         return
-    if values.dtype.kind not in "iub":
-        fractional = values != np.floor(values)
-        if fractional.any():
-            raise ValueError(
-                "valid_lens must hold whole numbers. Received: valid_lens containing "
-                f"{values[fractional][0].item()!r}"
-            )
-    smallest = values.min().item()
+    whole = values.dtype.kind in "iub"
+    if values.size <= _FEW_LENGTHS:
+        lengths = values.ravel().tolist()
+        fractional = None if whole else next((v for v in lengths if not _is_whole(v)), None)
+        smallest = min(lengths)
+    else:
+        fractional = None
+        if not whole:
+            found = values[values != np.floor(values)]
+            fractional = found[0].item() if found.size else None
+        smallest = values.min().item()
+    if fractional is not None:
+        raise ValueError(
+            f"valid_lens must hold whole numbers. Received: valid_lens containing {fractional!r}"
+        )
     if smallest < 0:
         raise ValueError(
             f"valid_lens must be non-negative. Received: valid_lens containing {smallest!r}"
         )
+
+
+def _is_whole(number: float) -> bool:
+    """Whether a length is a whole number or infinite, as numpy's x == floor(x) says."""
+    return math.isinf(number) or number.is_integer()
 
 
 def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import mha
+from agreement_cases import all_cases
 from conftest import assert_agrees, backend_module
 from mha import harness
 from mha.backends import numpy as N
@@ -150,6 +151,31 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, case):
     row, _ = harness.check("torch", prepared)
     assert calls, "the fused path was not taken"
     assert row.passed, row
+
+
+# The masked product, taken where the scores are not few
+
+
+@pytest.mark.slow
+def test_masked_product_path_agrees_on_every_case_it_takes(T, torch, monkeypatch):
+    """The case matrix's scores are few, which the scores path computes: with no call's scores
+    counted few, the masked product computes every call it can, and agrees with the reference
+    (outputs, weights, gradients)."""
+    from mha.backends import torch_fused as fused
+
+    monkeypatch.setattr(fused, "SMALL_SCORES", 0)
+    product, taken = fused.masked_product, []
+    monkeypatch.setattr(fused, "masked_product", lambda *a: taken.append(1) or product(*a))
+    failed = []
+    for case in all_cases():
+        if case.layer not in ("DotProductAttention", "MultiHeadAttention"):
+            continue
+        before = len(taken)
+        row, _ = harness.check("torch", harness.prepare(case, dtype="float64", seed=7))
+        if len(taken) > before and not row.passed:
+            failed.append(row)
+    assert len(taken) > 50, "the masked product was hardly taken"
+    assert not failed, failed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -353,6 +353,33 @@ def test_shape_and_dtype_readers():
     assert validation.check_dtype(np.dtype("float16")) == "float16"
 
 
+@pytest.mark.parametrize(
+    "lengths, message",
+    [
+        ([2, 0, 3], None),
+        ([2, -1, -3], "must be non-negative. Received: valid_lens containing -3"),
+        ([2.0, 1.5, 0.25], "must hold whole numbers. Received: valid_lens containing 1.5"),
+        ([2.0, np.nan], "must hold whole numbers. Received: valid_lens containing nan"),
+        ([2.0, np.inf], None),  # every key, as numpy's x == floor(x) says of infinity
+        ([2.0, -np.inf], "must be non-negative. Received: valid_lens containing -inf"),
+        ([np.float32(0.1)], "containing 0.10000000149011612"),  # float32's value, in full
+        ([True, False], None),
+    ],
+)
+def test_valid_lens_values_few_or_many_give_the_same_verdict(lengths, message):
+    # A few lengths are read as Python numbers, many by numpy's reductions: the same rule
+    dtype = np.asarray(lengths).dtype if not isinstance(lengths[0], np.float32) else "float32"
+    few = np.array(lengths, dtype)
+    many = np.concatenate([few, np.ones(validation._FEW_LENGTHS, dtype)]).reshape(-1, 1)
+    assert many.size > validation._FEW_LENGTHS >= few.size
+    for values in (few, many):
+        if message is None:
+            validation.check_valid_lens_values(values)
+        else:
+            with pytest.raises(ValueError, match="valid_lens " + re.escape(message) + "$"):
+                validation.check_valid_lens_values(values)
+
+
 def test_valid_lens_larger_than_keys_is_accepted():
     output = mha_layer()(f32, keys32, values32, np.array([7, 100]))
     assert output.shape == (2, 3, 8)

@@ -124,7 +124,8 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     - "is_causal": F.scaled_dot_product_attention's own causal mask, `causal` saying that the
       mask is mha's causal one alone, nothing cached (top-left aligned, as is_causal is);
     - "fused": F.scaled_dot_product_attention with the mask (see _why_not_fused);
-    - "masked product": the mask added inside one batched product (_why_not_masked_product);
+    - "masked product": the mask added inside one batched product (_why_not_masked_product),
+      when the scores are not few (_few_scores);
     - "scores": the masked scores replaced by -inf, whatever the keys hold; also the cheapest
       for one query under a mask, and the only one with a soft cap (`softcap`) or sinks,
       which the kernels do not take.
@@ -141,9 +142,22 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
     if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
         return "fused"
+    if _few_scores(queries, keys):
+        return "scores"
     if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
         return "masked product"
     return "scores"
+
+
+# The masked product saves a pass over the scores, and copies the queries and keys into one
+# batch and builds an additive mask: on the CPU, below this many scores the copies cost more
+SMALL_SCORES = 2**15
+
+
+def _few_scores(queries, keys) -> bool:
+    """Whether the call's scores, (..., Q, K), are too few for the masked product to pay."""
+    count = math.prod(queries.shape[:-1]) * keys.shape[-2]
+    return queries.device.type == "cpu" and count < SMALL_SCORES
 
 
 def _kernel_takes_causal(queries, values, dropout) -> bool:
