@@ -16,6 +16,7 @@ operators on every framework's tensors are written here.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -100,6 +101,49 @@ class Masks:
             alibi = self.expand_dims(alibi_slopes * self.distances(alibi_slopes), 0)
             bias = alibi if bias is None else bias + alibi
         return keep, bias
+
+    def function_masks(
+        self, valid_lens: Any, mask: Any, causal: bool, window: Any, bias: Any
+    ) -> tuple[Any, Any]:
+        """(keep, bias) of a call of dot_product_attention, each broadcastable to its scores
+        (batch_size, heads, Q, K) or None: its masks broadcast as numpy broadcasts, and the
+        diagonal of causal and of the window is the offset's (the alignment's). window: the
+        (left, right) of function_checks.window_sides, or None."""
+        keep = None
+        masks = [mask]
+        if valid_lens is not None:
+            # Shape (batch_size, 1, 1 or no. of queries, no. of keys): every head alike
+            masks.append(self.expand_dims(self.length_mask(valid_lens), 1))
+        if causal:
+            masks.append(self.causal_mask())
+        if window is not None:
+            masks.append(self.window_keep(*window))
+        if bias is not None:
+            # A bias's -inf entries leave their keys out exactly; the others are added
+            blocked = self.isneginf(bias)
+            masks.append(self.negate(blocked))
+            bias = self.zeros_where(blocked, bias)
+        for each in masks:
+            if each is not None:
+                keep = each if keep is None else self.both(keep, each)
+        return keep, bias
+
+    def window_keep(self, left: int | None, right: int | None) -> Any:
+        """keep (Q, K): True where p - left <= j <= p + right for query i at p = offset + i,
+        a side that is None open; the causal masks of the diagonals shifted to its edges."""
+        keep = None
+        if right is not None:
+            keep = self.shifted(right).causal_mask()  # j <= p + right
+        if left is not None:
+            after = self.negate(self.shifted(-left - 1).causal_mask())  # j >= p - left
+            keep = after if keep is None else self.both(keep, after)
+        return keep
+
+    def shifted(self, by: int) -> Masks:
+        """These masks with every query `by` positions further on."""
+        moved = copy.copy(self)
+        moved.offset = self.offset + by
+        return moved
 
     def to_scores(self, x: Any, rank: int, multihead: bool) -> Any:
         """(..., Q, K) of `rank` axes -> (1, ..., Q, K) of 3 axes; with multihead, then the

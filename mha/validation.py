@@ -54,8 +54,11 @@ __all__ = [
     "check_masked_softmax_call",
     "check_positional_encoding_call",
     "check_rotary_call",
+    "check_valid_lens",
     "check_valid_lens_values",
     "dtype_name",
+    "require_framework",
+    "require_tensor",
     "shape_of",
 ]
 
@@ -66,7 +69,7 @@ INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 # Call arguments
 
 
-def _require_tensor(name: str, x: Any) -> None:
+def require_tensor(name: str, x: Any) -> None:
     if not is_tensor(x):
         raise TypeError(
             f"{name} must be an array or tensor of the layer's framework. "
@@ -74,7 +77,7 @@ def _require_tensor(name: str, x: Any) -> None:
         )
 
 
-def _require_framework(tensor_type: Any, **tensors: Any) -> None:
+def require_framework(tensor_type: Any, **tensors: Any) -> None:
     """Each given tensor is one of the layer's framework (`tensor_type`): another framework's
     tensor is a TypeError here rather than an internal error in the first operation."""
     for name, x in tensors.items():
@@ -86,7 +89,7 @@ def _require_framework(tensor_type: Any, **tensors: Any) -> None:
 
 
 def _check_input(name: str, x: Any, dtype: str) -> Shape:
-    _require_tensor(name, x)
+    require_tensor(name, x)
     shape = shape_of(x)
     if len(shape) != 3:
         raise ValueError(
@@ -108,8 +111,8 @@ def _check_size(name: str, x: Any, shape: Shape, size_name: str, size: int | Non
         )
 
 
-def _check_valid_lens(valid_lens: Any, batch_size: int | None, num_queries: int | None) -> None:
-    _require_tensor("valid_lens", valid_lens)
+def check_valid_lens(valid_lens: Any, batch_size: int | None, num_queries: int | None) -> None:
+    require_tensor("valid_lens", valid_lens)
     shape = shape_of(valid_lens)
     dtype = dtype_name(valid_lens)
     if dtype not in INTEGER_DTYPES and dtype not in FLOAT_DTYPES:
@@ -167,7 +170,7 @@ def _is_whole(number: float) -> bool:
 
 
 def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
-    _require_tensor("mask", mask)
+    require_tensor("mask", mask)
     if dtype_name(mask) != "bool":
         raise TypeError(
             f"mask must be a boolean keep-mask (True = attend). Received: {describe('mask', mask)}"
@@ -176,7 +179,7 @@ def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
 
 
 def _check_attn_bias(attn_bias: Any, target: Shape, allow_heads: bool, dtype: str) -> None:
-    _require_tensor("attn_bias", attn_bias)
+    require_tensor("attn_bias", attn_bias)
     if dtype_name(attn_bias) != dtype:
         raise TypeError(
             f"attn_bias must have the layer's dtype {dtype} (it is added to the scores). "
@@ -204,7 +207,7 @@ def _check_broadcast(name: str, tensor: Any, target: Shape, allow_heads: bool) -
 
 
 def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype: str) -> None:
-    _require_tensor("window_mask", window_mask)
+    require_tensor("window_mask", window_mask)
     if dtype_name(window_mask) not in ("bool", dtype):
         raise TypeError(
             f"window_mask must be boolean (True = attend) or have the layer's dtype {dtype} "
@@ -228,7 +231,7 @@ def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtyp
 
 
 def _check_head_mask(head_mask: Any, batch_size, num_heads: int, dtype: str) -> None:
-    _require_tensor("head_mask", head_mask)
+    require_tensor("head_mask", head_mask)
     if dtype_name(head_mask) not in ("bool", dtype):
         raise TypeError(
             f"head_mask must be boolean or have the layer's dtype {dtype}. "
@@ -281,7 +284,7 @@ def check_attention_call(
     given.update(window_mask=window_mask, head_mask=head_mask, attn_bias=attn_bias)
     if _is_cache(cache):
         given.update({"cache.keys": cache.keys, "cache.values": cache.values})
-    _require_framework(tensor_type, **given)
+    require_framework(tensor_type, **given)
     q_shape, k_shape, v_shape = _check_inputs(queries, keys, values, dtype, same_query_key_size)
     batch_size, num_queries, num_keys = q_shape[0], q_shape[1], k_shape[1]
     tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
@@ -292,7 +295,7 @@ def check_attention_call(
             raise TypeError("cache is only accepted by MultiHeadAttention")
         num_keys = _add(num_keys, _check_cache(cache, batch_size, *kv_heads, dtype))
     if valid_lens is not None:
-        _check_valid_lens(valid_lens, batch_size, num_queries)
+        check_valid_lens(valid_lens, batch_size, num_queries)
     check_bool("causal", causal)
     check_bool("need_weights", need_weights)
     _check_masks(
@@ -378,7 +381,7 @@ def _check_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dtyp
     expected = (batch_size, num_kv_heads, None, head_size)
     shapes = []
     for name, tensor in (("cache.keys", cache.keys), ("cache.values", cache.values)):
-        _require_tensor(name, tensor)
+        require_tensor(name, tensor)
         if dtype_name(tensor) != dtype:
             raise TypeError(
                 f"{name} must have the layer's dtype {dtype}. Received: {describe(name, tensor)}"
@@ -407,9 +410,9 @@ def check_masked_softmax_call(
     X: Any, valid_lens: Any = None, *, tensor_type: Any = object, empty_rows: Any = "zeros"
 ) -> None:
     """Check masked_softmax(X, valid_lens): X (batch_size, ..., no. of queries, no. of keys)."""
-    _require_framework(tensor_type, X=X, valid_lens=valid_lens)
+    require_framework(tensor_type, X=X, valid_lens=valid_lens)
     check_empty_rows(empty_rows)
-    _require_tensor("X", X)
+    require_tensor("X", X)
     shape = shape_of(X)
     if dtype_name(X) not in FLOAT_DTYPES:
         raise TypeError(f"X must have a floating dtype. Received: {describe('X', X)}")
@@ -425,20 +428,20 @@ def check_masked_softmax_call(
         )
     if valid_lens is None:
         return
-    _require_tensor("valid_lens", valid_lens)
+    require_tensor("valid_lens", valid_lens)
     if len(shape_of(valid_lens)) == 2 and len(shape) < 3:
         raise ValueError(
             "2-D valid_lens needs X of rank 3 or more: (batch_size, no. of queries, no. of "
             f"keys). Received: {describe('X', X)}, {describe('valid_lens', valid_lens)}"
         )
-    _check_valid_lens(valid_lens, shape[0], shape[-2])
+    check_valid_lens(valid_lens, shape[0], shape[-2])
 
 
 def check_positional_encoding_call(
     X: Any, num_hiddens: int, max_len: int, dtype: str, *, tensor_type: Any = object
 ) -> None:
     """Check PositionalEncoding's call: X (batch_size, no. of steps <= max_len, num_hiddens)."""
-    _require_framework(tensor_type, X=X)
+    require_framework(tensor_type, X=X)
     shape = _check_input("X", X, dtype)
     _check_size("X", X, shape, "num_hiddens", num_hiddens)
     if shape[1] is not None and shape[1] > max_len:
@@ -453,8 +456,8 @@ def check_rotary_call(
 ) -> None:
     """Check RotaryEmbedding's call: X (..., no. of positions, num_hiddens), offset the
     position of X's first row, a non-negative integer."""
-    _require_framework(tensor_type, X=X)
-    _require_tensor("X", X)
+    require_framework(tensor_type, X=X)
+    require_tensor("X", X)
     shape = shape_of(X)
     if len(shape) < 2:
         raise ValueError(
@@ -472,9 +475,9 @@ def check_add_norm_call(
     X: Any, Y: Any, num_hiddens: int, dtype: str, *, tensor_type: Any = object
 ) -> None:
     """Check AddNorm's call: X and Y of the same shape, last axis num_hiddens."""
-    _require_framework(tensor_type, X=X, Y=Y)
+    require_framework(tensor_type, X=X, Y=Y)
     for name, tensor in (("X", X), ("Y", Y)):
-        _require_tensor(name, tensor)
+        require_tensor(name, tensor)
         if dtype_name(tensor) != dtype:
             raise TypeError(
                 f"{name} must have the layer's dtype {dtype}. Received: {describe(name, tensor)}"

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mha import validation
+from mha import function_checks, validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
@@ -350,6 +350,84 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
     if sinks is not None:
         weights = weights[..., :-1]
     return dropout(weights) @ values, weights if need_weights else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+
+
+def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
+                          alignment="top_left", window=None, valid_lens=None, softcap=None,
+                          empty_rows="zeros", return_weights=False, return_lse=False):
+    """Attention of one call on (batch_size, heads, positions, head size), as kernels and
+    ONNX's Attention compute it: softmax(Q K^T * scale + bias) V over the kept keys.
+
+    key and value have as many heads as query or fewer (grouped: query head h attends with
+    key-value head h // (heads / kv heads)); value's head size is its own. mask (boolean,
+    True = attend) and bias (added; its -inf entries leave their keys out) broadcast to the
+    scores (batch_size, heads, Q, K) as numpy broadcasts. causal keeps keys at or before each
+    query's position, and window (w: within w - 1 positions; (left, right): from p - left to
+    p + right, None open) keeps keys near it; a query's position is its index with
+    alignment="top_left", its index + K - Q with "bottom_right", its index + n with
+    alignment=n (n keys cached before the queries). valid_lens (batch_size,) or
+    (batch_size, Q) keeps each row's first keys. softcap squashes the scores into
+    (-softcap, softcap) before the masks. A row with no kept key gives zeros (empty_rows=
+    "uniform": equal weights). Returns the output (batch_size, heads, Q, value's head size),
+    then the weights with return_weights and each row's log-sum-exp of its kept scores
+    (batch_size, heads, Q; -inf for a row with none) with return_lse.
+
+    The same, as a few lines of numpy (keep and bias of the masks, key and value repeated to
+    every query head):
+        scores = (query * scale) @ key.swapaxes(-1, -2)
+        scores = softcap * np.tanh(scores / softcap)
+        scores = np.where(keep, scores + bias, -np.inf)
+        output = softmax(scores, axis=-1) @ value
+    """
+    sizes = function_checks.check_dot_product_attention_call(
+        query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
+        alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
+        empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
+        tensor_type=_TENSOR_TYPES,
+    )
+    _check_valid_lens_values(valid_lens)
+    batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
+    offset = function_checks.first_position(alignment, num_queries, num_keys)
+    masks = _Masks(batch_size, num_queries, num_keys, offset)
+    keep, bias = masks.function_masks(valid_lens, mask, causal,
+                                      function_checks.window_sides(window), bias)
+    # Query head h attends with key-value head h // group, as Llama's repeat_kv
+    group = num_heads // num_kv_heads
+    key, value = np.repeat(key, group, axis=1), np.repeat(value, group, axis=1)
+    d = query.shape[-1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    # Shape of scores: (batch_size, heads, no. of queries, no. of keys); a masked key may hold
+    # anything, whose NaN or inf scores the mask replaces
+    with np.errstate(invalid="ignore"):
+        scores = (query * query.dtype.type(scale)) @ np.swapaxes(key, -1, -2)
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / scores.dtype.type(softcap))
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(scores, keep, empty_rows)
+    output = weights @ value
+    if not (return_weights or return_lse):
+        return output
+    extras = [weights] if return_weights else []
+    if return_lse:
+        extras.append(_log_sum_exp(scores, keep))
+    return (output, *extras)
+
+
+def _log_sum_exp(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
+    row with none."""
+    if keep is not None:
+        scores = np.where(keep, scores, scores.dtype.type(-np.inf))
+    row_max = scores.max(axis=-1)
+    # A row with no kept score has maximum -inf: shifting by 0 keeps its sum 0, its log -inf
+    shift = np.where(np.isneginf(row_max), scores.dtype.type(0), row_max)
+    with np.errstate(divide="ignore"):
+        return shift + np.log(np.exp(scores - shift[..., None]).sum(axis=-1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,383 @@
+"""dot_product_attention, the attention function, in the NumPy reference and in torch: held
+to ONNX's own `Attention` cases (read from the installed onnx package, with the outputs its
+reference computed), to torch's F.scaled_dot_product_attention and jax.nn.dot_product_attention,
+to hand-worked masks (alignment, windows, lengths, soft cap, the log-sum-exp), and torch to the
+reference, gradients included.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import backend_module, backend_params, required_import
+
+# The backends that have the function
+BACKENDS = backend_params(["numpy", "torch"])
+
+
+def attention(name: str, *tensors, **options):
+    """dot_product_attention of backend `name` on numpy arrays (tensors and masks), its
+    results as numpy arrays."""
+    module = backend_module(name)
+    convert = {
+        k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in options.items()
+    }
+    results = module.dot_product_attention(*map(module.from_numpy, tensors), **convert)
+    if isinstance(results, tuple):
+        return tuple(module.to_numpy(x) for x in results)
+    return module.to_numpy(results)
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX's Attention cases
+
+# Cases whose numbers mha's function does not give, and why (the conformance table of
+# docs/attention-function.md)
+ONNX_LEFT_OUT = {
+    "nonpad_kv_seqlen with a window": "ONNX centres each batch row's window on its own "
+    "positions (nonpad_kv_seqlen - Q + i); the function's windows share one alignment",
+}
+# Tolerance of each dtype, against ONNX's outputs computed in that dtype
+ONNX_TOLERANCE = {"float16": 2e-3, "bfloat16": 2e-2, "float32": 1e-5, "float64": 1e-12}
+
+
+def onnx_cases() -> list[tuple]:
+    """(name, attributes, inputs by name, outputs by name) of every Attention case the
+    installed onnx package ships, each computed by its reference as its test data is."""
+    import onnx
+    from onnx.backend.test.case.node import attention
+
+    captured = []
+
+    def expect(node, inputs, outputs, name, **_):
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        # An input or output left out has the name "" and no array
+        named_inputs = dict(zip([n for n in node.input if n], inputs, strict=True))
+        named_outputs = dict(zip([n for n in node.output if n], outputs, strict=True))
+        captured.append((name, attributes, named_inputs, named_outputs))
+
+    original, attention.expect = attention.expect, expect
+    try:
+        np.random.seed(0)
+        for export in sorted(n for n in dir(attention.Attention) if n.startswith("export")):
+            getattr(attention.Attention, export)()
+    finally:
+        attention.expect = original
+    return captured
+
+
+def onnx_call(attributes: dict, inputs: dict) -> tuple[dict, dict] | str:
+    """dot_product_attention's arguments for an ONNX case, its tensors on (batch, heads,
+    positions, head size); or the reason (a key of ONNX_LEFT_OUT) it has none."""
+    q = _heads_first(inputs["Q"], attributes.get("q_num_heads"))
+    k, v = (_heads_first(inputs[n], attributes.get("kv_num_heads")) for n in "KV")
+    if "past_key" in inputs:
+        k = np.concatenate([inputs["past_key"], k], axis=2)
+        v = np.concatenate([inputs["past_value"], v], axis=2)
+    left, right = attributes.get("left_window_size", -1), attributes.get("right_window_size", -1)
+    window = (
+        None
+        if left < 0 and right < 0
+        else (None if left < 0 else left, None if right < 0 else right)
+    )
+    causal = bool(attributes.get("is_causal", 0))
+    lengths = inputs.get("nonpad_kv_seqlen")
+    if lengths is not None and window is not None:
+        return "nonpad_kv_seqlen with a window"
+    if lengths is not None and causal:
+        # Each row's query i sits at nonpad - Q + i: it keeps the keys before nonpad - Q + i + 1
+        frontier = lengths[:, None] - q.shape[2] + 1 + np.arange(q.shape[2])[None, :]
+        lengths, causal = np.maximum(frontier, 0), False
+    options = {"causal": causal, "window": window, "valid_lens": lengths}
+    # ONNX's query i sits at position i after the cached keys (past_key's, or none)
+    options["alignment"] = inputs["past_key"].shape[2] if "past_key" in inputs else 0
+    if attributes.get("scale") is not None:
+        options["scale"] = attributes["scale"]
+    if attributes.get("softcap", 0.0) > 0:
+        options["softcap"] = attributes["softcap"]
+    mask = inputs.get("attn_mask")
+    if mask is not None:
+        # A mask shorter than the keys leaves the others out
+        missing = k.shape[2] - mask.shape[-1]
+        pad = [(0, 0)] * (mask.ndim - 1) + [(0, missing)]
+        fill = False if mask.dtype == np.bool_ else -np.inf
+        mask = np.pad(mask, pad, constant_values=fill)
+        options["mask" if mask.dtype == np.bool_ else "bias"] = mask
+    return {"query": q, "key": k, "value": v}, options
+
+
+def _heads_first(x: np.ndarray, heads: int | None) -> np.ndarray:
+    """(batch, positions, heads * size) -> (batch, heads, positions, size); 4-D as it is."""
+    if x.ndim == 4:
+        return x
+    return x.reshape(x.shape[0], x.shape[1], heads, -1).transpose(0, 2, 1, 3)
+
+
+try:
+    CASES = onnx_cases()
+except ImportError:  # test_every_onnx_case_runs_or_is_listed says so in a lane run
+    CASES = []
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_onnx_attention_case(name, case):
+    case_name, attributes, inputs, outputs = case
+    call = onnx_call(attributes, inputs)
+    if isinstance(call, str):
+        assert call in ONNX_LEFT_OUT
+        return
+    tensors, options = call
+    dtype = tensors["query"].dtype
+    mode = attributes.get("qk_matmul_output_mode", 0)
+    q, k, v = tensors["query"], tensors["key"], tensors["value"]
+    output, weights = attention(name, q, k, v, **options, return_weights=True)
+    expected = outputs["Y"]
+    if expected.ndim == 3:
+        output = output.transpose(0, 2, 1, 3).reshape(expected.shape)
+    tolerance = ONNX_TOLERANCE[str(dtype)]
+    scale = max(1.0, float(np.max(np.abs(expected.astype("float64")))))
+    np.testing.assert_allclose(
+        output.astype("float64"),
+        expected.astype("float64"),
+        rtol=0,
+        atol=tolerance * scale,
+        err_msg=case_name,
+    )
+    if "present_key" in outputs:
+        np.testing.assert_array_equal(tensors["key"], outputs["present_key"])
+        np.testing.assert_array_equal(tensors["value"], outputs["present_value"])
+    if mode == 3 and "qk_matmul_output" in outputs:  # the weights
+        np.testing.assert_allclose(
+            weights.astype("float64"),
+            outputs["qk_matmul_output"].astype("float64"),
+            rtol=0,
+            atol=tolerance,
+            err_msg=case_name,
+        )
+
+
+def test_every_onnx_case_runs_or_is_listed():
+    onnx = required_import("onnx")
+    assert len(CASES) >= 90, onnx.__version__
+    left_out = [case[0] for case in CASES if isinstance(onnx_call(case[1], case[2]), str)]
+    assert len(left_out) <= 4, left_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the frameworks' own attention functions
+
+
+def random_call(rng, batch=2, heads=4, kv_heads=2, queries=5, keys=7, d=8, dv=6):
+    query = rng.standard_normal((batch, heads, queries, d))
+    key = rng.standard_normal((batch, kv_heads, keys, d))
+    value = rng.standard_normal((batch, kv_heads, keys, dv))
+    return query, key, value
+
+
+TORCH_CALLS = {
+    "plain": {},
+    "grouped, scale": {"scale": 0.3},
+    "causal (top-left)": {"causal": True},
+    "boolean mask (batch, 1, 1, K)": {"mask": "keys"},
+    "boolean mask (Q, K)": {"mask": "queries"},
+    "bias (heads, Q, K)": {"bias": "heads"},
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("call", TORCH_CALLS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_torch_scaled_dot_product_attention_gives_the_same(name, call, rng):
+    torch = required_import("torch")
+    query, key, value = random_call(rng)
+    options = dict(TORCH_CALLS[call])
+    theirs = {"scale": options.get("scale"), "is_causal": options.get("causal", False)}
+    if options.get("mask") == "keys":
+        options["mask"] = rng.random((2, 1, 1, 7)) < 0.7
+        options["mask"][:, :, :, 0] = True  # a kept key in every row: no empty row
+    elif options.get("mask") == "queries":
+        options["mask"] = np.tri(5, 7, k=1, dtype=bool)
+    if options.get("bias") == "heads":
+        options["bias"] = rng.standard_normal((4, 5, 7))
+    for ours, torch_name in (("mask", "attn_mask"), ("bias", "attn_mask")):
+        if ours in options:
+            theirs[torch_name] = torch.from_numpy(options[ours])
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(x) for x in (query, key, value)), enable_gqa=True, **theirs
+    )
+    output = attention(name, query, key, value, **options)
+    np.testing.assert_allclose(output, expected.numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True},
+        {"window": (2, 1)},
+        {"window": (1, 0), "causal": True},
+        {"valid_lens": "lengths"},
+        {"bias": "bias", "scale": 0.5},
+    ],
+    ids=["causal", "window (2, 1)", "window (1, 0), causal", "valid_lens", "bias, scale"],
+)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_jax_dot_product_attention_gives_the_same(name, options, rng):
+    # JAX's takes (batch, positions, heads, head size), its windows as (left, right) about
+    # query i at position i, and the keys' lengths per batch row
+    jax = required_import("jax")
+    query, key, value = random_call(rng, queries=6, keys=6, dv=8)
+    options = dict(options)
+    theirs = {"is_causal": options.get("causal", False), "scale": options.get("scale")}
+    if "window" in options:
+        theirs["local_window_size"] = options["window"]
+    if options.get("valid_lens") == "lengths":
+        options["valid_lens"] = np.array([3, 6])
+        theirs["key_value_seq_lengths"] = jax.numpy.asarray(options["valid_lens"], "int32")
+    if options.get("bias") == "bias":
+        options["bias"] = rng.standard_normal((2, 4, 6, 6)).astype("float32")
+        theirs["bias"] = options["bias"]
+    query, key, value = (x.astype("float32") for x in (query, key, value))
+    inputs = [x.transpose(0, 2, 1, 3) for x in (query, key, value)]
+    expected = jax.nn.dot_product_attention(*inputs, **theirs)
+    if "window" in options and not theirs["is_causal"]:
+        unwindowed = jax.nn.dot_product_attention(*inputs, is_causal=False, scale=None)
+        if np.array_equal(expected, unwindowed):
+            pytest.skip(f"jax {jax.__version__} ignores local_window_size without is_causal")
+    output = attention(name, query, key, value, **options)
+    np.testing.assert_allclose(output, np.asarray(expected).transpose(0, 2, 1, 3), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# By hand
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
+    # 2 queries, 4 keys; the weights of equal scores are 1 / (kept keys) on the kept keys
+    query, key = np.zeros((1, 1, 2, 1)), np.zeros((1, 1, 4, 1))
+    value = np.eye(4).reshape(1, 1, 4, 4)
+
+    def kept(**options):
+        return attention(name, query, key, value, **options)[0, 0] > 0
+
+    yes, no = True, False
+    # Top-left: query i at position i; bottom-right: at i + 2
+    assert (kept(causal=True) == [[yes, no, no, no], [yes, yes, no, no]]).all()
+    assert (kept(causal=True, alignment="bottom_right") == [[yes] * 3 + [no], [yes] * 4]).all()
+    assert (kept(causal=True, alignment=1) == [[yes, yes, no, no], [yes] * 3 + [no]]).all()
+    # window=2: within one position; (0, 2): the query's and the next two
+    assert (kept(window=2) == [[yes, yes, no, no], [yes, yes, yes, no]]).all()
+    assert (kept(window=(0, 2)) == [[yes, yes, yes, no], [no, yes, yes, yes]]).all()
+    assert (kept(window=(None, 0), alignment=2) == [[yes] * 3 + [no], [yes] * 4]).all()
+    assert (kept(valid_lens=np.array([[1, 3]])) == [[yes] + [no] * 3, [yes] * 3 + [no]]).all()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_weights_log_sum_exp_soft_cap_and_empty_rows_by_the_formula(name, rng):
+    query, key, value = random_call(rng, heads=2, kv_heads=2)
+    mask = rng.random((2, 1, 5, 7)) < 0.6
+    mask[0, 0, 1] = False  # an empty row
+    key[:, :, 3] = np.nan  # kept out wherever the mask leaves key 3 out
+    mask[..., 3] = False
+    output, weights, lse = attention(
+        name, query, key, value, mask=mask, softcap=2.0, return_weights=True, return_lse=True
+    )
+    scores = np.einsum("bhqd,bhkd->bhqk", query / math.sqrt(8), np.nan_to_num(key))
+    scores = 2.0 * np.tanh(scores / 2.0)
+    exp = np.where(mask, np.exp(scores), 0.0)
+    total = exp.sum(-1, keepdims=True)
+    expected = np.divide(exp, total, out=np.zeros_like(exp), where=total > 0)
+    np.testing.assert_allclose(weights, expected, atol=1e-14)
+    np.testing.assert_allclose(output, expected @ value, atol=1e-14)
+    with np.errstate(divide="ignore"):
+        np.testing.assert_allclose(lse, np.log(total[..., 0]), atol=1e-14)
+    assert (output[0, :, 1] == 0).all() and np.isneginf(lse[0, :, 1]).all()
+    uniform = attention(
+        name, query, key, value, mask=mask, empty_rows="uniform", return_weights=True
+    )[1]
+    assert np.allclose(uniform[0, :, 1], 1 / 7)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"alignment": "centre"}, ValueError, "alignment must be 'top_left', 'bottom_right'"),
+        ({"window": 0}, ValueError, "window must be a positive int"),
+        ({"window": (1, -1)}, ValueError, r"window=\(1, -1\)"),
+        ({"softcap": 0.0}, ValueError, "softcap must be a positive number"),
+        ({"mask": np.ones((3, 7), bool)}, ValueError, r"mask must broadcast to the scores"),
+        ({"mask": np.ones((5, 7))}, TypeError, "mask must be a boolean keep-mask"),
+        ({"bias": np.ones((5, 7), "float32")}, TypeError, "bias must be added to the scores"),
+        ({"valid_lens": np.array([1.5, 2.0])}, ValueError, "valid_lens must hold whole numbers"),
+        ({"causal": 1}, TypeError, "causal must be True or False"),
+    ],
+)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_bad_calls_are_refused_with_the_argument_named(name, options, error, message, rng):
+    with pytest.raises(error, match=message):
+        attention(name, *random_call(rng), **options)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_bad_tensors_are_refused(name, rng):
+    query, key, value = random_call(rng)
+    with pytest.raises(ValueError, match="query must have rank 4"):
+        attention(name, query[0], key, value)
+    with pytest.raises(ValueError, match="one number of heads that divides query's"):
+        attention(name, query, key[:, :1], value)
+    with pytest.raises(TypeError, match="share one floating dtype"):
+        attention(name, query, key.astype("float32"), value)
+    with pytest.raises(TypeError, match="must be an array or tensor of the layer's framework"):
+        backend_module(name).dot_product_attention(query.tolist(), key, value)
+
+
+@pytest.mark.torch
+def test_torch_gradients_are_the_references_finite_differences(rng):
+    # Grouped heads, a value head size of its own, every mask kind and the soft cap; the loss
+    # weighs the output and the log-sum-exp by fixed random numbers
+    torch = required_import("torch")
+    from mha.backends import numpy as N
+    from mha.backends import torch as T
+
+    query, key, value = random_call(rng, batch=1, heads=2, kv_heads=1, queries=3, keys=4, d=2, dv=3)
+    bias = rng.standard_normal((2, 3, 4))
+    options = {
+        "causal": True,
+        "alignment": "bottom_right",
+        "window": (2, None),
+        "softcap": 1.5,
+        "mask": np.array([True, True, False, True]),
+        "valid_lens": np.array([4]),
+    }
+    weigh_output, weigh_lse = rng.standard_normal((1, 2, 3, 3)), rng.standard_normal((1, 2, 3))
+
+    def loss(q, k, v, b):
+        output, lse = N.dot_product_attention(q, k, v, bias=b, return_lse=True, **options)
+        return np.sum(output * weigh_output) + np.sum(lse * weigh_lse)
+
+    tensors = [torch.from_numpy(x).requires_grad_() for x in (query, key, value, bias)]
+    torch_options = {
+        k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in options.items()
+    }
+    output, lse = T.dot_product_attention(
+        *tensors[:3], bias=tensors[3], return_lse=True, **torch_options
+    )
+    total = (output * torch.from_numpy(weigh_output)).sum() + (
+        lse * torch.from_numpy(weigh_lse)
+    ).sum()
+    gradients = torch.autograd.grad(total, tensors)
+    arrays = [query, key, value, bias]
+    for i, (array, gradient) in enumerate(zip(arrays, gradients, strict=True)):
+        numeric = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            step = np.zeros_like(array)
+            step[index] = 1e-6
+            plus = [a + step if j == i else a for j, a in enumerate(arrays)]
+            minus = [a - step if j == i else a for j, a in enumerate(arrays)]
+            numeric[index] = (loss(*plus) - loss(*minus)) / 2e-6
+        np.testing.assert_allclose(gradient.numpy(), numeric, atol=1e-7, err_msg=str(i))
