@@ -48,6 +48,7 @@ __all__ = [
     "RotaryEmbedding",
     "available_backends",
     "conversion",
+    "dot_product_attention",
     "from_numpy",
     "get_backend",
     "get_weights",

@@ -54,6 +54,7 @@ FRAMEWORKS: dict[str, str] = {
 # The names every backend module exports, with the same signatures.
 PUBLIC_NAMES: tuple[str, ...] = (
     "masked_softmax",
+    "dot_product_attention",
     "DotProductAttention",
     "AdditiveAttention",
     "MultiHeadAttention",

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mha import validation
+from mha import function_checks, validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
@@ -364,6 +364,58 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
     if sinks is not None:
         weights = weights[..., :-1]
     return _matmul(dropout(weights), values), weights if need_weights else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+
+
+def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
+                          alignment="top_left", window=None, valid_lens=None, softcap=None,
+                          empty_rows="zeros", return_weights=False, return_lse=False):
+    """Attention of one call on (batch_size, heads, positions, head size): the NumPy
+    reference's dot_product_attention (mha.backends.numpy, whose docstring has the
+    arguments), in JAX."""
+    sizes = function_checks.check_dot_product_attention_call(
+        query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
+        alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
+        empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
+        tensor_type=_TENSOR_TYPES,
+    )
+    _check_valid_lens_values(valid_lens)
+    batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
+    offset = function_checks.first_position(alignment, num_queries, num_keys)
+    masks = _Masks(batch_size, num_queries, num_keys, offset)
+    keep, bias = masks.function_masks(valid_lens, mask, causal,
+                                      function_checks.window_sides(window), bias)
+    # Query head h attends with key-value head h // group, as Llama's repeat_kv
+    group = num_heads // num_kv_heads
+    key, value = jnp.repeat(key, group, axis=1), jnp.repeat(value, group, axis=1)
+    d = query.shape[-1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    # Shape of scores: (batch_size, heads, no. of queries, no. of keys); a masked key may hold
+    # anything, whose NaN or inf scores the mask replaces
+    scores = _matmul(query * jnp.asarray(scale, query.dtype), jnp.swapaxes(key, -1, -2))
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(scores, keep, empty_rows)
+    output = _matmul(weights, value)
+    if not (return_weights or return_lse):
+        return output
+    extras = [weights] if return_weights else []
+    if return_lse:
+        extras.append(_log_sum_exp(scores, keep))
+    return (output, *extras)
+
+
+def _log_sum_exp(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
+    """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
+    row with none (jax.nn.logsumexp gives it)."""
+    if keep is not None:
+        scores = jnp.where(keep, scores, jnp.asarray(-jnp.inf, scores.dtype))
+    return jax.nn.logsumexp(scores, axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------

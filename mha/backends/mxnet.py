@@ -48,7 +48,7 @@ if "bool" not in vars(numpy):
 import mxnet as mx
 from mxnet.gluon import nn
 
-from mha import validation
+from mha import function_checks, validation
 from mha.adapter import Adapter
 from mha.cache import KVCache
 from mha.docstrings import documented
@@ -428,6 +428,10 @@ class _Masks(Masks):
     def expand_dims(self, x, axis):
         return self.F.np.expand_dims(x, axis)
 
+    def shifted(self, by):
+        # New masks: a copy would keep the positions cached at the old offset
+        return _Masks(self.F, self.queries, self.keys, self.call, self.attn_bias, self.offset + by)
+
 
 def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias, call: _Call,
                      multihead: bool = False, num_heads: int = 1, offset=0, alibi_slopes=None):
@@ -599,6 +603,65 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call, sinks=N
     # Gluon's Dropout copies its input when its rate is 0: a pass over the weights, skipped
     dropped = weights if _rate(dropout) == 0 else dropout(weights)
     return F.npx.batch_dot(dropped, values), weights if call.need_weights else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention function
+
+
+@mx.util.use_np
+def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
+                          alignment="top_left", window=None, valid_lens=None, softcap=None,
+                          empty_rows="zeros", return_weights=False, return_lse=False):
+    """Attention of one call on (batch_size, heads, positions, head size): the NumPy
+    reference's dot_product_attention (mha.backends.numpy, whose docstring has the
+    arguments), in MXNet, on arrays."""
+    sizes = function_checks.check_dot_product_attention_call(
+        query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
+        alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
+        empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
+        tensor_type=_TENSOR_TYPES,
+    )
+    _check_valid_lens_values(valid_lens)
+    _, num_heads, num_kv_heads, num_queries, num_keys = sizes
+    F, dtype = mx.nd, numpy.dtype(query.dtype).name
+    _check_float16_context(dtype, query)
+    call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens)
+    offset = function_checks.first_position(alignment, num_queries, num_keys)
+    masks = _Masks(F, query, key, call, offset=offset)
+    keep, bias = masks.function_masks(valid_lens, mask, causal,
+                                      function_checks.window_sides(window), bias)
+    # Query head h attends with key-value head h // group, as Llama's repeat_kv
+    group = num_heads // num_kv_heads
+    key, value = F.np.repeat(key, group, axis=1), F.np.repeat(value, group, axis=1)
+    d = query.shape[-1]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    # Shape of scores: (batch_size, heads, no. of queries, no. of keys); a masked key may hold
+    # anything, whose NaN or inf scores the mask replaces
+    scores = F.npx.batch_dot(query * scale, key, transpose_b=True)
+    if softcap is not None:
+        scores = softcap * F.np.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias
+    weights = _softmax(F, scores, keep, dtype, mx.autograd.is_recording(), empty_rows=empty_rows)
+    output = F.npx.batch_dot(weights, value)
+    if not (return_weights or return_lse):
+        return output
+    extras = [weights] if return_weights else []
+    if return_lse:
+        extras.append(_log_sum_exp(F, scores, keep))
+    return (output, *extras)
+
+
+def _log_sum_exp(F, scores, keep):
+    """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
+    row with none."""
+    if keep is not None:
+        scores = F.np.where(keep, scores, F.np.full_like(scores, -numpy.inf))
+    row_max = scores.max(axis=-1)
+    # A row with no kept score has maximum -inf: shifting by 0 keeps its sum 0, its log -inf
+    shift = F.np.where(F.np.isneginf(row_max), F.np.zeros_like(row_max), row_max)
+    return shift + F.np.log(F.np.exp(scores - F.np.expand_dims(shift, -1)).sum(axis=-1))
 
 
 # ---------------------------------------------------------------------------------------------
