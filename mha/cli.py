@@ -1,9 +1,10 @@
-"""The `mha` command: `mha info`, `mha compare`, `mha verify`, `mha convert`, `mha inspect` and
-`mha bench`.
+"""The `mha` command: `mha info`, `mha compare`, `mha verify`, `mha conform`, `mha convert`,
+`mha inspect` and `mha bench`.
 
-Exit codes: 0 when everything agrees, 1 on any disagreement, 2 on a usage error (including a
-backend named with --backends that does not import); `mha compare` exits 3 when everything
-agrees but only numpy ran, so that nothing was compared across frameworks. `mha convert` and
+Exit codes: 0 when everything agrees (for `mha conform`, every case the function takes), 1 on
+any disagreement, 2 on a usage error (including a backend named with --backends that does not
+import); `mha compare` exits 3 when everything agrees but only numpy ran, so that nothing was
+compared across frameworks. `mha convert` and
 `mha inspect` exit 1 when a file cannot be read or written or the destination cannot express
 the layer.
 
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 
-from mha import __version__, bench, golden, harness
+from mha import __version__, bench, conformance, conformance_adapters, golden, harness
 from mha.cli_common import UsageError, framework_logs_aside, positive_int, progress, seed
 from mha.cli_files import add_file_commands, file_command
 from mha.registry import (
@@ -50,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_compare_command(commands)
     _add_verify_command(commands)
+    _add_conform_command(commands)
     bench.add_arguments(
         commands.add_parser(
             "bench",
@@ -433,6 +437,77 @@ def _bench(arguments, out, err) -> int:
         return 1
 
 
+def _add_conform_command(commands) -> None:
+    conform = commands.add_parser(
+        "conform",
+        help="hold an attention function (yours, or a framework's) to mha's reference",
+        description="Call an attention function on every case of mha.conformance (each mask "
+        "kind, both causal alignments, grouped heads, windows, soft cap, lengths, a row with "
+        "no key, NaN at masked keys) in each dtype, and compare it with the float64 "
+        "reference. The function takes (query, key, value, **options) on (batch, heads, "
+        "positions, head size) tensors, options named as mha.dot_product_attention's; one "
+        "that raises TypeError or NotImplementedError for an option has not taken that case. "
+        "Exit 0 when every case it takes agrees, 1 otherwise.",
+    )
+    adapters = ", ".join(conformance_adapters.ADAPTERS)
+    conform.add_argument("target", help=f"MODULE:FUNCTION (with --framework), or {adapters}")
+    conform.add_argument(
+        "--framework", choices=list(BACKENDS), help="whose tensors MODULE:FUNCTION takes"
+    )
+    conform.add_argument(
+        "--dtypes",
+        default=",".join(conformance.DTYPES),
+        help="comma-separated (default: %(default)s; float64 too)",
+    )
+    conform.add_argument(
+        "--empty-rows",
+        choices=("zeros", "uniform"),
+        default="zeros",
+        help="what a row with no key must give (default: zeros)",
+    )
+    conform.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def _conform(arguments, out, err) -> int:
+    try:
+        function, framework = _conform_target(arguments.target, arguments.framework)
+    except BackendUnavailableError as error:
+        raise UsageError(str(error)) from None
+    dtypes = [d.strip() for d in arguments.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in conformance.TOLERANCES]
+    if unknown or not dtypes:
+        raise UsageError(f"--dtypes takes {', '.join(conformance.TOLERANCES)}: {unknown}")
+    rows = conformance.run(function, framework, dtypes, empty_rows=arguments.empty_rows)
+    if arguments.json:
+        print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1), file=out)
+    else:
+        print(f"{arguments.target} on {framework} tensors", file=out)
+        print(conformance.format_table(rows), file=out)
+    return 0 if all(row.status in ("agrees", "not taken") for row in rows) else 1
+
+
+def _conform_target(target: str, framework: str | None):
+    """The function `mha conform` runs, and the framework whose tensors it takes."""
+    if target in conformance_adapters.ADAPTERS:
+        named, make = conformance_adapters.ADAPTERS[target]
+        if framework not in (None, named):
+            raise UsageError(f"{target} takes {named} tensors, not {framework}'s")
+        load_backend(named)  # a missing framework is a usage error, as --backends's
+        return make(), named
+    module_name, _, name = target.partition(":")
+    if not name or framework is None:
+        raise UsageError(
+            "the target is MODULE:FUNCTION with --framework, or one of "
+            + ", ".join(conformance_adapters.ADAPTERS)
+        )
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as error:
+        raise UsageError(f"cannot load {target}: {error}") from None
+    load_backend(framework)
+    return function, framework
+
+
 def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     """Run the command line; returns the exit code."""
     out = out or sys.stdout
@@ -467,6 +542,8 @@ def _run(arguments, out, err) -> int:
             return _bench(arguments, out, err)
         if arguments.command == "verify":
             return _verify(arguments, out, err)
+        if arguments.command == "conform":
+            return _conform(arguments, out, err)
         return _compare(arguments, out, err)
     except UsageError as error:
         print(f"mha {arguments.command}: error: {error}", file=err)

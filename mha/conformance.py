@@ -1,0 +1,205 @@
+"""Hold someone's attention function to mha's reference: a kit for kernel authors.
+
+`run(function, framework)` calls `function(query, key, value, **options)` on the framework's
+tensors, (batch, heads, positions, head size), for each case of `CASES` (every mask kind,
+both causal alignments, grouped heads, windows, soft cap, lengths, rows with no key, NaN at a
+masked key) in each dtype, and compares its output with the NumPy reference's
+`dot_product_attention` of the same inputs in float64, at the dtype's tolerance. `options`
+are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap), only those
+a case sets: a function that raises TypeError or NotImplementedError for one has "not taken"
+it. `mha.conformance_adapters` gives the frameworks' own functions those names; `mha conform`
+is the command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from mha.backends import numpy as reference
+from mha.registry import load_backend
+from mha.weights import numpy_dtype
+
+__all__ = ["CASES", "DTYPES", "TOLERANCES", "Case", "Row", "format_table", "run"]
+
+DTYPES = ("float32", "float16", "bfloat16")
+# Of the largest reference output's magnitude (at least 1): float32's rounding of a sum of a few
+# products, float16's and bfloat16's 11 and 8 bits, with room for their softmax
+TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call: sizes (batch, heads, kv heads, queries, keys, head size, value head size),
+    the options it sets, and what it makes of the inputs (`inputs`: "plain", or
+    "nan at masked keys")."""
+
+    name: str
+    sizes: tuple[int, int, int, int, int, int, int] = (2, 4, 4, 5, 7, 8, 8)
+    options: tuple[tuple[str, Any], ...] = ()
+    masks: tuple[str, ...] = ()  # made from the sizes: "key padding", "per head", "bias", ...
+    inputs: str = "plain"
+
+
+CASES = (
+    Case("plain"),
+    Case("scale", options=(("scale", 0.3),)),
+    Case("grouped heads (4 query, 2 key-value)", sizes=(2, 4, 2, 5, 7, 8, 8)),
+    Case("value head size 12", sizes=(2, 4, 4, 5, 7, 8, 12)),
+    Case("causal, Q = K", sizes=(2, 4, 4, 6, 6, 8, 8), options=(("causal", True),)),
+    Case("causal, Q < K (top_left)", options=(("causal", True),)),
+    Case("causal bottom_right, Q < K", options=(("causal", True), ("alignment", "bottom_right"))),
+    Case("boolean mask (batch, 1, 1, K)", masks=("key padding",)),
+    Case("boolean mask (batch, heads, Q, K)", masks=("per head",)),
+    Case("additive bias (batch, heads, Q, K)", masks=("bias",)),
+    Case("valid_lens (batch,)", masks=("lengths",)),
+    Case("window (2, 1)", sizes=(2, 4, 4, 7, 7, 8, 8), options=(("window", (2, 1)),)),
+    Case("softcap 5", options=(("softcap", 5.0),)),
+    Case("a row with no key", masks=("empty row",)),
+    Case("NaN at masked keys", masks=("key padding",), inputs="nan at masked keys"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A case in a dtype: status "agrees", "differs", "not taken" or "error"; difference, the
+    largest absolute difference from the reference (NaN where the output holds NaN)."""
+
+    case: str
+    dtype: str
+    status: str
+    difference: float | None = None
+    tolerance: float | None = None
+    note: str = ""
+
+
+def run(
+    function: Callable,
+    framework: str,
+    dtypes: Sequence[str] = DTYPES,
+    cases: Sequence[Case] = CASES,
+    seed: int = 0,
+    empty_rows: str = "zeros",
+) -> list[Row]:
+    """Each case of `cases` in each dtype of `dtypes`, through `function` on `framework`'s
+    tensors (an mha backend's name: numpy, torch, tensorflow, mxnet, jax). A row with no key
+    is held to `empty_rows`: "zeros" (mha's and ONNX's) or "uniform" (the mean of the values,
+    the softmax of equal scores: JAX's and Keras's)."""
+    module = load_backend(framework)
+    rows = []
+    for case in cases:
+        arrays = _inputs(case, np.random.default_rng(seed))
+        for dtype in dtypes:
+            rows.append(_row(function, module, case, arrays, dtype, empty_rows))
+    return rows
+
+
+def _row(function, module, case: Case, arrays: dict, dtype: str, empty_rows: str) -> Row:
+    rounded = {k: _rounded(v, dtype) for k, v in arrays.items()}
+    expected = reference.dot_product_attention(
+        **rounded, **dict(case.options), empty_rows=empty_rows
+    )
+    try:
+        given = {k: module.from_numpy(_cast(v, dtype)) for k, v in arrays.items()}
+        output = module.to_numpy(function(**given, **dict(case.options)))
+    except (TypeError, NotImplementedError) as error:
+        return Row(case.name, dtype, "not taken", note=_first_line(error))
+    except Exception as error:
+        return Row(case.name, dtype, "error", note=f"{type(error).__name__}: {_first_line(error)}")
+    output = np.asarray(output, dtype="float64")
+    if output.shape != expected.shape:
+        note = f"output shape {output.shape}, expected {expected.shape}"
+        return Row(case.name, dtype, "differs", note=note)
+    tolerance = TOLERANCES[dtype] * max(1.0, float(np.max(np.abs(expected))))
+    difference = float(np.max(np.abs(output - expected)))  # NaN if the output holds NaN
+    agrees = difference <= tolerance
+    note = "" if agrees else _where(output, expected, tolerance)
+    return Row(case.name, dtype, "agrees" if agrees else "differs", difference, tolerance, note)
+
+
+def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The case's query, key and value and masks, float64 (boolean and integer masks as such)."""
+    batch, heads, kv_heads, queries, keys, d, dv = case.sizes
+    arrays = {
+        "query": rng.standard_normal((batch, heads, queries, d)),
+        "key": rng.standard_normal((batch, kv_heads, keys, d)),
+        "value": rng.standard_normal((batch, kv_heads, keys, dv)),
+    }
+    lengths = np.array([keys - 2, keys][:batch])
+    padding = (np.arange(keys) < lengths[:, None])[:, None, None, :]
+    made = {
+        "key padding": ("mask", padding),
+        "per head": ("mask", rng.random((batch, heads, queries, keys)) < 0.6),
+        "bias": ("bias", rng.standard_normal((batch, heads, queries, keys))),
+        "lengths": ("valid_lens", lengths),
+        "empty row": ("mask", _with_an_empty_row(rng.random((batch, 1, queries, keys)) < 0.6)),
+    }
+    for name in case.masks:
+        argument, value = made[name]
+        arrays[argument] = value
+    if "per head" in case.masks:
+        arrays["mask"][..., 0] = True  # a kept key in every row
+    if case.inputs == "nan at masked keys":  # padding: what a masked key holds is not read
+        arrays["key"] = np.where(np.moveaxis(padding, -1, -2), arrays["key"], np.nan)
+    return arrays
+
+
+def _with_an_empty_row(mask: np.ndarray) -> np.ndarray:
+    mask[..., 0] = True
+    mask[0, :, 1] = False  # example 0's query 1 keeps no key
+    return mask
+
+
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """A float input in the dtype the function gets (bfloat16 as ml_dtypes'); masks as they are."""
+    return x.astype(numpy_dtype(dtype)) if x.dtype.kind == "f" else x
+
+
+def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """What the function gets, in float64 for the reference: only its arithmetic is judged."""
+    return _cast(x, dtype).astype("float64") if x.dtype.kind == "f" else x
+
+
+def _where(output: np.ndarray, expected: np.ndarray, tolerance: float) -> str:
+    """Where an output differs: NaN, or the first element out of tolerance."""
+    if np.isnan(output).any():
+        return f"NaN in {int(np.isnan(output).sum())} of {output.size} outputs"
+    index = tuple(int(i) for i in np.argwhere(np.abs(output - expected) > tolerance)[0])
+    return f"at {index}: {output[index]:.6g}, reference {expected[index]:.6g}"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:160]
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """One line per case, one column per dtype: the largest difference when it agrees,
+    DIFFERS or not taken with its note; then the count of each status."""
+    dtypes = list(dict.fromkeys(row.dtype for row in rows))
+    cases = list(dict.fromkeys(row.case for row in rows))
+    cell = {(row.case, row.dtype): row for row in rows}
+    width = max(len(case) for case in cases) + 2
+    lines = ["case".ljust(width) + "".join(dtype.ljust(14) for dtype in dtypes)]
+    notes = []
+    for case in cases:
+        texts = []
+        for dtype in dtypes:
+            row = cell[case, dtype]
+            texts.append(_cell(row).ljust(14))
+            if row.note and row.status != "agrees":
+                notes.append(f"  {case}, {dtype}: {row.status}: {row.note}")
+        lines.append(case.ljust(width) + "".join(texts).rstrip())
+    counts = {
+        s: sum(row.status == s for row in rows) for s in ("agrees", "differs", "not taken", "error")
+    }
+    summary = ", ".join(f"{count} {status}" for status, count in counts.items() if count)
+    return "\n".join([*lines, "", *dict.fromkeys(notes), "", f"{len(rows)} rows: {summary}"])
+
+
+def _cell(row: Row) -> str:
+    if row.status == "agrees":
+        return f"ok {row.difference:.0e}"
+    return {"differs": "DIFFERS", "not taken": "not taken", "error": "ERROR"}[row.status]

@@ -1,0 +1,160 @@
+"""The frameworks' own attention functions, called with mha's names, for `mha.conformance`:
+each adapter takes what its function can express and raises NotImplementedError for the rest,
+naming it, so that the kit reports the case as not taken rather than wrong.
+
+    from mha import conformance, conformance_adapters
+    rows = conformance.run(conformance_adapters.torch_sdpa("math"), "torch")
+
+`ADAPTERS` names them for `mha conform`: torch-sdpa (torch's choice of kernel), torch-sdpa-math,
+torch-sdpa-efficient, torch-sdpa-flash, torch-sdpa-cudnn, jax (jax.nn.dot_product_attention)
+and keras (keras.ops.dot_product_attention), with the framework whose tensors each takes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = ["ADAPTERS", "jax_dot_product_attention", "keras_dot_product_attention", "torch_sdpa"]
+
+
+# mha's names of the options, and their defaults: what the kit passes
+_OPTIONS = {
+    "mask": None,
+    "bias": None,
+    "scale": None,
+    "causal": False,
+    "alignment": "top_left",
+    "window": None,
+    "valid_lens": None,
+    "softcap": None,
+}
+
+
+def _read(options: dict) -> SimpleNamespace:
+    """The call's options, each defaulted; a name that is not mha's is a TypeError."""
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown options: {', '.join(unknown)}")
+    return SimpleNamespace(**{**_OPTIONS, **options})
+
+
+def _refuse(name: str, value: Any, taken: Any = None) -> None:
+    if value is not None and value != taken:
+        raise NotImplementedError(f"{name}={value!r} is not an argument of this function")
+
+
+def torch_sdpa(kernel: str | None = None) -> Callable:
+    """torch.nn.functional.scaled_dot_product_attention, under torch's kernel `kernel` ("math",
+    "efficient", "flash", "cudnn"; None: torch's choice). It takes one mask, boolean or
+    additive, top-left causal alone, and grouped heads (enable_gqa); valid_lens become a
+    boolean mask of keys."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "math": SDPBackend.MATH,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
+
+    def attention(query, key, value, **options):
+        o = _read(options)
+        _refuse("window", o.window)
+        _refuse("softcap", o.softcap)
+        if o.causal:
+            _refuse("alignment", o.alignment, "top_left")
+        mask = o.mask
+        if o.valid_lens is not None:
+            mask = torch.arange(key.shape[-2]) < o.valid_lens[:, None, None, None]
+        if mask is not None and o.bias is not None:
+            raise NotImplementedError("a mask and a bias together: SDPA takes one attn_mask")
+        within = sdpa_kernel(backends[kernel]) if kernel else contextlib.nullcontext()
+        with within:
+            return F.scaled_dot_product_attention(
+                query,
+                key,
+                value,
+                attn_mask=o.bias if mask is None else mask,
+                is_causal=o.causal,
+                scale=o.scale,
+                enable_gqa=key.shape[1] != query.shape[1],
+            )
+
+    return attention
+
+
+def jax_dot_product_attention(implementation: str | None = None) -> Callable:
+    """jax.nn.dot_product_attention on (batch, positions, heads, head size): a bias and a mask,
+    top-left causal, windows, lengths of the keys, grouped heads, one head size."""
+    import jax
+    import jax.numpy as jnp
+
+    def attention(query, key, value, **options):
+        o = _read(options)
+        _refuse("softcap", o.softcap)
+        if o.causal or o.window is not None:
+            _refuse("alignment", o.alignment, "top_left")
+        if value.shape[-1] != query.shape[-1]:
+            raise NotImplementedError("a value head size of its own: it takes one head size")
+        window = (o.window - 1, o.window - 1) if isinstance(o.window, int) else o.window
+        if window is not None and None in window:
+            raise NotImplementedError(f"window={window!r}: its sides are counts, not open")
+        lengths = None if o.valid_lens is None else o.valid_lens.astype("int32")
+        output = jax.nn.dot_product_attention(
+            *(jnp.swapaxes(x, 1, 2) for x in (query, key, value)),
+            bias=o.bias,
+            mask=o.mask,
+            scale=o.scale,
+            is_causal=o.causal,
+            local_window_size=window,
+            key_value_seq_lengths=lengths,
+            implementation=implementation,
+        )
+        return jnp.swapaxes(output, 1, 2)
+
+    return attention
+
+
+def keras_dot_product_attention() -> Callable:
+    """keras.ops.dot_product_attention on (batch, positions, heads, head size): a bias and a
+    mask, top-left causal, grouped heads, the soft cap (attn_logits_soft_cap) on JAX."""
+    import keras
+
+    def attention(query, key, value, **options):
+        o = _read(options)
+        _refuse("window", o.window)
+        _refuse("valid_lens", None if o.valid_lens is None else "given")
+        if o.causal:
+            _refuse("alignment", o.alignment, "top_left")
+        if o.softcap is not None and keras.backend.backend() != "jax":
+            raise NotImplementedError("softcap: Keras takes attn_logits_soft_cap on JAX only")
+        cap = {} if o.softcap is None else {"attn_logits_soft_cap": o.softcap}
+        swap = keras.ops.swapaxes
+        output = keras.ops.dot_product_attention(
+            *(swap(x, 1, 2) for x in (query, key, value)),
+            bias=o.bias,
+            mask=o.mask,
+            scale=o.scale,
+            is_causal=o.causal,
+            **cap,
+        )
+        return swap(output, 1, 2)
+
+    return attention
+
+
+# Name -> (the framework whose tensors the function takes, how to make it)
+ADAPTERS: dict[str, tuple[str, Callable[[], Callable]]] = {
+    "torch-sdpa": ("torch", torch_sdpa),
+    "torch-sdpa-math": ("torch", lambda: torch_sdpa("math")),
+    "torch-sdpa-efficient": ("torch", lambda: torch_sdpa("efficient")),
+    "torch-sdpa-flash": ("torch", lambda: torch_sdpa("flash")),
+    "torch-sdpa-cudnn": ("torch", lambda: torch_sdpa("cudnn")),
+    "jax": ("jax", jax_dot_product_attention),
+    "keras": ("tensorflow", keras_dot_product_attention),
+}

@@ -1,0 +1,168 @@
+"""mha.conformance and `mha conform`: the kit that holds someone's attention function to the
+reference. mha's own function agrees in every backend; torch's SDPA (math kernel) and
+jax.nn.dot_product_attention are reported as they behave (what they cannot express as not
+taken, what they compute otherwise as differing); a deliberately broken function is flagged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import backend_module, backend_params, required_import
+from mha import cli, conformance, conformance_adapters
+
+DTYPES = ("float32", "float64")
+
+
+def statuses(rows) -> dict[str, set[str]]:
+    """Status -> the cases with it (in any dtype)."""
+    found: dict[str, set[str]] = {}
+    for row in rows:
+        found.setdefault(row.status, set()).add(row.case)
+    return found
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_mhas_own_function_agrees_on_every_case(name):
+    module = backend_module(name)
+    dtypes = ("float32", "float64", "float16", "bfloat16")
+    if name == "mxnet":  # no bfloat16; float16 products on a GPU only
+        dtypes = ("float32", "float64")
+    rows = conformance.run(module.dot_product_attention, name, dtypes)
+    assert len(rows) == len(conformance.CASES) * len(dtypes)
+    assert statuses(rows) == {"agrees": {case.name for case in conformance.CASES}}
+
+
+@pytest.mark.torch
+def test_torch_sdpa_math_is_reported_as_it_behaves():
+    required_import("torch")
+    rows = conformance.run(conformance_adapters.torch_sdpa("math"), "torch", DTYPES)
+    found = statuses(rows)
+    assert "error" not in found
+    # What SDPA cannot express: bottom-right causal, windows, a soft cap
+    assert found["not taken"] == {"causal bottom_right, Q < K", "window (2, 1)", "softcap 5"}
+    # It adds its mask to the scores: a NaN at a masked key stays NaN
+    assert "NaN at masked keys" in found["differs"]
+    for case in (
+        "plain",
+        "grouped heads (4 query, 2 key-value)",
+        "causal, Q < K (top_left)",
+        "boolean mask (batch, heads, Q, K)",
+        "additive bias (batch, heads, Q, K)",
+    ):
+        assert case in found["agrees"], case
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("empty_rows", ["zeros", "uniform"])
+def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
+    jax = required_import("jax")
+    adapter = conformance_adapters.jax_dot_product_attention()
+    rows = conformance.run(adapter, "jax", ("float32",), empty_rows=empty_rows)
+    found = statuses(rows)
+    assert found["not taken"] == {"value head size 12", "causal bottom_right, Q < K", "softcap 5"}
+    # A row with no key: the mean of the values (equal scores), not zeros
+    no_key = "a row with no key"
+    assert no_key in (found["agrees"] if empty_rows == "uniform" else found["differs"])
+    assert "NaN at masked keys" in found["agrees"]  # it replaces masked scores
+    # Some releases (0.7.1) apply local_window_size only with is_causal: the kit says so
+    ignored = _ignores_windows_alone(jax)
+    assert ("window (2, 1)" in found.get("differs", ())) is ignored
+    assert len(found.get("differs", ())) == (empty_rows == "zeros") + ignored
+
+
+def _ignores_windows_alone(jax) -> bool:
+    x = np.eye(4, dtype="float32").reshape(1, 4, 1, 4)
+    windowed = jax.nn.dot_product_attention(x, x, x, local_window_size=(0, 0))
+    return bool(np.allclose(windowed, jax.nn.dot_product_attention(x, x, x)))
+
+
+def broken_attention(query, key, value, *, mask=None, causal=False, scale=None):
+    """A kernel that forgets the scale and drops every causal mask."""
+    scores = query @ np.swapaxes(key, -1, -2)
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return weights / weights.sum(-1, keepdims=True) @ value
+
+
+def test_a_broken_function_is_flagged_on_the_cases_it_breaks(capsys):
+    rows = conformance.run(broken_attention, "numpy", ("float64",))
+    found = statuses(rows)
+    assert {"plain", "causal, Q = K", "boolean mask (batch, 1, 1, K)"} <= found["differs"]
+    assert "scale" not in found.get("agrees", ())
+    module = sys.modules[__name__]
+    code = cli.main(
+        [
+            "conform",
+            f"{module.__name__}:broken_attention",
+            "--framework",
+            "numpy",
+            "--dtypes",
+            "float64",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    plain = next(line for line in out.splitlines() if line.startswith("plain "))
+    assert "DIFFERS" in plain and "plain, float64: differs: at (0, 0, 0, 0)" in out
+
+
+def test_the_command_runs_a_framework_function_and_writes_json(capsys):
+    code = cli.main(
+        [
+            "conform",
+            "mha.backends.numpy:dot_product_attention",
+            "--framework",
+            "numpy",
+            "--dtypes",
+            "float32",
+            "--json",
+        ]
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(rows) == len(conformance.CASES)
+    assert {row["status"] for row in rows} == {"agrees"}
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["nothing"], "the target is MODULE:FUNCTION with --framework"),
+        (["math:cos"], "the target is MODULE:FUNCTION with --framework"),
+        (["no_such_module:f", "--framework", "numpy"], "cannot load no_such_module:f"),
+        (["jax", "--framework", "torch"], "jax takes jax tensors, not torch's"),
+        (
+            [
+                "mha.backends.numpy:dot_product_attention",
+                "--framework",
+                "numpy",
+                "--dtypes",
+                "float8",
+            ],
+            "--dtypes takes",
+        ),
+    ],
+)
+def test_usage_errors_exit_2(arguments, message, capsys):
+    assert cli.main(["conform", *arguments]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.tensorflow
+def test_keras_dot_product_attention_is_reported_as_it_behaves():
+    required_import("keras")
+    adapter = conformance_adapters.keras_dot_product_attention()
+    rows = conformance.run(adapter, "tensorflow", ("float32",), empty_rows="uniform")
+    found = statuses(rows)
+    assert found["not taken"] == {
+        "causal bottom_right, Q < K",
+        "valid_lens (batch,)",
+        "window (2, 1)",
+        "softcap 5",
+    }
+    assert set(found) == {"agrees", "not taken"}  # a row with no key: uniform, as held to
