@@ -3,12 +3,12 @@
 `run(function, framework)` calls `function(query, key, value, **options)` on the framework's
 tensors, (batch, heads, positions, head size), for each case of `CASES` (every mask kind,
 both causal alignments, grouped heads, windows, soft cap, lengths, rows with no key, NaN at a
-masked key) in each dtype, and compares its output with the NumPy reference's
-`dot_product_attention` of the same inputs in float64, at the dtype's tolerance. `options`
-are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap), only those
-a case sets: a function that raises TypeError or NotImplementedError for one has "not taken"
-it. `mha.conformance_adapters` gives the frameworks' own functions those names; `mha conform`
-is the command.
+masked key, packed segments) in each dtype, and compares its output with the NumPy
+reference's `dot_product_attention` of the same inputs in float64, at the dtype's tolerance.
+`options` are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap,
+segment_ids), only those a case sets: a function that raises TypeError or NotImplementedError
+for one has "not taken" it. `mha.conformance_adapters` gives the frameworks' own functions
+those names; `mha conform` is the command.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ CASES = (
     Case("valid_lens (batch,)", masks=("lengths",)),
     Case("window (2, 1)", sizes=(2, 4, 4, 7, 7, 8, 8), options=(("window", (2, 1)),)),
     Case("softcap 5", options=(("softcap", 5.0),)),
+    Case("packed segments (3 + 4, 5 + 2)", sizes=(2, 4, 4, 7, 7, 8, 8), masks=("segments",)),
     Case("a row with no key", masks=("empty row",)),
     Case("NaN at masked keys", masks=("key padding",), inputs="nan at masked keys"),
 )
@@ -136,6 +137,7 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
         "bias": ("bias", rng.standard_normal((batch, heads, queries, keys))),
         "lengths": ("valid_lens", lengths),
         "empty row": ("mask", _with_an_empty_row(rng.random((batch, 1, queries, keys)) < 0.6)),
+        "segments": ("segment_ids", np.array([[0] * 3 + [1] * 4, [0] * 5 + [1] * 2][:batch])),
     }
     for name in case.masks:
         argument, value = made[name]

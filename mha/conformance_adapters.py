@@ -30,6 +30,7 @@ _OPTIONS = {
     "window": None,
     "valid_lens": None,
     "softcap": None,
+    "segment_ids": None,
 }
 
 
@@ -64,6 +65,7 @@ def torch_sdpa(kernel: str | None = None) -> Callable:
 
     def attention(query, key, value, **options):
         o = _read(options)
+        _refuse("segment_ids", None if o.segment_ids is None else "given")
         _refuse("window", o.window)
         _refuse("softcap", o.softcap)
         if o.causal:
@@ -96,6 +98,7 @@ def jax_dot_product_attention(implementation: str | None = None) -> Callable:
 
     def attention(query, key, value, **options):
         o = _read(options)
+        _refuse("segment_ids", None if o.segment_ids is None else "given")
         _refuse("softcap", o.softcap)
         if o.causal or o.window is not None:
             _refuse("alignment", o.alignment, "top_left")
@@ -127,6 +130,7 @@ def keras_dot_product_attention() -> Callable:
 
     def attention(query, key, value, **options):
         o = _read(options)
+        _refuse("segment_ids", None if o.segment_ids is None else "given")
         _refuse("window", o.window)
         _refuse("valid_lens", None if o.valid_lens is None else "given")
         if o.causal:

@@ -11,9 +11,15 @@ from typing import Any
 
 from mha.layer_args import FLOAT_DTYPES, check_bool, check_empty_rows
 from mha.tensors import broadcastable, describe, dtype_name, format_shape, shape_of
-from mha.validation import check_valid_lens, require_framework, require_tensor
+from mha.validation import INTEGER_DTYPES, check_valid_lens, require_framework, require_tensor
 
-__all__ = ["ALIGNMENTS", "check_dot_product_attention_call", "first_position", "window_sides"]
+__all__ = [
+    "ALIGNMENTS",
+    "check_dot_product_attention_call",
+    "first_position",
+    "segment_pair",
+    "window_sides",
+]
 
 # Where the causal diagonal and the windows' centres lie when queries and keys differ in
 # number: query i at position i ("top_left", torch's is_causal) or at i + K - Q, the last query
@@ -45,11 +51,16 @@ def check_dot_product_attention_call(
     empty_rows: Any,
     return_weights: Any,
     return_lse: Any,
+    segment_ids: Any = None,
     tensor_type: Any = object,
 ) -> tuple[int, int, int, int, int]:
     """Check a call of dot_product_attention; returns (batch_size, heads, key-value heads,
     no. of queries, no. of keys)."""
     given = dict(query=query, key=key, value=value, mask=mask, bias=bias, valid_lens=valid_lens)
+    if isinstance(segment_ids, tuple):
+        given.update(zip(("query segment_ids", "key segment_ids"), segment_ids, strict=False))
+    else:
+        given["segment_ids"] = segment_ids
     require_framework(tensor_type, **given)
     sizes = _check_tensors(query, key, value)
     batch_size, num_heads, _, num_queries, num_keys = sizes
@@ -61,6 +72,8 @@ def check_dot_product_attention_call(
         _check_score_mask("bias", bias, target, (dtype_name(query),), what)
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
+    if segment_ids is not None:
+        _check_segments(segment_pair(segment_ids), batch_size, num_queries, num_keys)
     for name, flag in (("causal", causal), ("return_weights", return_weights)):
         check_bool(name, flag)
     check_bool("return_lse", return_lse)
@@ -102,6 +115,31 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
             f"value {format_shape(v)}"
         )
     return batch_size, heads, k[1], queries, k[2]
+
+
+def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
+    """(query segment ids, key segment ids) of segment_ids: one tensor for both, where the
+    queries are the keys' positions, or a pair."""
+    return segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+
+
+def _check_segments(pair: tuple, batch_size: int, num_queries: int, num_keys: int) -> None:
+    if len(pair) != 2:
+        raise ValueError(
+            "segment_ids must be a tensor (batch_size, positions) or a pair (query segment "
+            f"ids (batch_size, no. of queries), key segment ids (batch_size, no. of keys)). "
+            f"Received: a tuple of {len(pair)}"
+        )
+    for name, ids, positions in zip(
+        ("queries", "keys"), pair, (num_queries, num_keys), strict=True
+    ):
+        require_tensor("segment_ids", ids)
+        if dtype_name(ids) not in INTEGER_DTYPES or shape_of(ids) != (batch_size, positions):
+            raise ValueError(
+                f"segment_ids of the {name} must be integers of shape (batch_size, no. of "
+                f"{name}) = ({batch_size}, {positions}); one tensor stands for both only where "
+                f"there are as many queries as keys. Received: {describe('segment_ids', ids)}"
+            )
 
 
 def _check_score_mask(name: str, x: Any, target, dtypes, what: str) -> None:

@@ -103,17 +103,24 @@ class Masks:
         return keep, bias
 
     def function_masks(
-        self, valid_lens: Any, mask: Any, causal: bool, window: Any, bias: Any
+        self, valid_lens: Any, mask: Any, causal: bool, window: Any, bias: Any, segments=None
     ) -> tuple[Any, Any]:
         """(keep, bias) of a call of dot_product_attention, each broadcastable to its scores
         (batch_size, heads, Q, K) or None: its masks broadcast as numpy broadcasts, and the
         diagonal of causal and of the window is the offset's (the alignment's). window: the
-        (left, right) of function_checks.window_sides, or None."""
+        (left, right) of function_checks.window_sides, or None; segments: (query segment
+        ids, key segment ids), each (batch_size, positions), or None."""
         keep = None
         masks = [mask]
         if valid_lens is not None:
             # Shape (batch_size, 1, 1 or no. of queries, no. of keys): every head alike
             masks.append(self.expand_dims(self.length_mask(valid_lens), 1))
+        if segments is not None:
+            # Packed sequences: a query keeps the keys of its own segment; shape
+            # (batch_size, 1, Q, K)
+            queries, keys = segments
+            same = self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
+            masks.append(self.expand_dims(same, 1))
         if causal:
             masks.append(self.causal_mask())
         if window is not None:

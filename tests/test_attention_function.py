@@ -7,6 +7,7 @@ reference, gradients included.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from pathlib import Path
@@ -24,9 +25,13 @@ def attention(name: str, *tensors, **options):
     """dot_product_attention of backend `name` on numpy arrays (tensors and masks), its
     results as numpy arrays."""
     module = backend_module(name)
-    convert = {
-        k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in options.items()
-    }
+
+    def convert_one(v):
+        if isinstance(v, tuple):
+            return tuple(convert_one(x) for x in v)
+        return module.from_numpy(v) if isinstance(v, np.ndarray) else v
+
+    convert = {k: convert_one(v) for k, v in options.items()}
     results = module.dot_product_attention(*map(module.from_numpy, tensors), **convert)
     if isinstance(results, tuple):
         return tuple(module.to_numpy(x) for x in results)
@@ -468,3 +473,39 @@ def test_the_docs_example_runs_and_gives_the_shapes_it_says():
     shapes = [names[n].shape for n in ("output", "weights", "lse")]
     assert [str(shape) for shape in shapes] == list(said)
     assert np.isfinite(names["output"]).all()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_packed_sequences_give_the_numbers_of_each_sequence_alone(name, rng):
+    # Row 0 packs sequences of 3, 4 and 2 positions; row 1 one of 5 and 4 of padding (id -1,
+    # whose outputs are not compared); causal with a window, as a decoder runs packed batches
+    query, key, value = random_call(rng, batch=2, heads=4, kv_heads=2, queries=9, keys=9)
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [7, 7, 7, 7, 7, -1, -1, -1, -1]])
+    options = {"causal": True, "window": (2, 0)}
+    packed = attention(name, query, key, value, segment_ids=ids, **options)
+    for row, starts in ((0, (0, 3, 7, 9)), (1, (0, 5))):
+        for start, end in itertools.pairwise(starts):
+            part = (slice(row, row + 1), slice(None), slice(start, end))
+            alone = attention(name, query[part], key[part], value[part], **options)
+            np.testing.assert_allclose(packed[part], alone, atol=1e-12, err_msg=f"{row}")
+    # A pair: queries of one segment against keys of several
+    pair = (ids[:, 5:], ids)
+    cross = attention(name, query[:, :, 5:], key, value, segment_ids=pair, return_weights=True)
+    kept = cross[1] > 0
+    assert (kept == (pair[0][:, None, :, None] == pair[1][:, None, None, :])).all()
+
+
+@pytest.mark.parametrize(
+    "segment_ids, message",
+    [
+        (
+            np.zeros((2, 4), "int64"),
+            r"of the queries must be integers .* = \(2, 5\)",
+        ),
+        (np.zeros((2, 5)), "must be integers"),
+        ((np.zeros((2, 5), "int64"),), "a tuple of 1"),
+    ],
+)
+def test_bad_segment_ids_are_refused(segment_ids, message, rng):
+    with pytest.raises(ValueError, match=message):
+        attention("numpy", *random_call(rng), segment_ids=segment_ids)

@@ -16,6 +16,7 @@ from conftest import backend_module, backend_params, required_import
 from mha import cli, conformance, conformance_adapters
 
 DTYPES = ("float32", "float64")
+PACKED = "packed segments (3 + 4, 5 + 2)"  # none of the frameworks' functions takes segments
 
 
 def statuses(rows) -> dict[str, set[str]]:
@@ -44,7 +45,12 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
     found = statuses(rows)
     assert "error" not in found
     # What SDPA cannot express: bottom-right causal, windows, a soft cap
-    assert found["not taken"] == {"causal bottom_right, Q < K", "window (2, 1)", "softcap 5"}
+    assert found["not taken"] == {
+        "causal bottom_right, Q < K",
+        "window (2, 1)",
+        "softcap 5",
+        PACKED,
+    }
     # It adds its mask to the scores: a NaN at a masked key stays NaN
     assert "NaN at masked keys" in found["differs"]
     for case in (
@@ -64,7 +70,12 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
     adapter = conformance_adapters.jax_dot_product_attention()
     rows = conformance.run(adapter, "jax", ("float32",), empty_rows=empty_rows)
     found = statuses(rows)
-    assert found["not taken"] == {"value head size 12", "causal bottom_right, Q < K", "softcap 5"}
+    assert found["not taken"] == {
+        "value head size 12",
+        "causal bottom_right, Q < K",
+        "softcap 5",
+        PACKED,
+    }
     # A row with no key: the mean of the values (equal scores), not zeros
     no_key = "a row with no key"
     assert no_key in (found["agrees"] if empty_rows == "uniform" else found["differs"])
@@ -164,5 +175,6 @@ def test_keras_dot_product_attention_is_reported_as_it_behaves():
         "valid_lens (batch,)",
         "window (2, 1)",
         "softcap 5",
+        PACKED,
     }
     assert set(found) == {"agrees", "not taken"}  # a row with no key: uniform, as held to

@@ -612,7 +612,8 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call, sinks=N
 @mx.util.use_np
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
                           alignment="top_left", window=None, valid_lens=None, softcap=None,
-                          empty_rows="zeros", return_weights=False, return_lse=False):
+                          empty_rows="zeros", return_weights=False, return_lse=False,
+                          segment_ids=None):
     """Attention of one call on (batch_size, heads, positions, head size): the NumPy
     reference's dot_product_attention (mha.backends.numpy, whose docstring has the
     arguments), in MXNet, on arrays."""
@@ -620,7 +621,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
         alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
-        tensor_type=_TENSOR_TYPES,
+        segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
     _check_valid_lens_values(valid_lens)
     _, num_heads, num_kv_heads, num_queries, num_keys = sizes
@@ -629,8 +630,9 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(F, query, key, call, offset=offset)
+    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias)
+                                      function_checks.window_sides(window), bias, segments)
     # Query head h attends with key-value head h // group, as Llama's repeat_kv
     group = num_heads // num_kv_heads
     key, value = F.np.repeat(key, group, axis=1), F.np.repeat(value, group, axis=1)

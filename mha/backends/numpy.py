@@ -358,43 +358,37 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
 
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
                           alignment="top_left", window=None, valid_lens=None, softcap=None,
-                          empty_rows="zeros", return_weights=False, return_lse=False):
+                          empty_rows="zeros", return_weights=False, return_lse=False,
+                          segment_ids=None):
     """Attention of one call on (batch_size, heads, positions, head size), as kernels and
-    ONNX's Attention compute it: softmax(Q K^T * scale + bias) V over the kept keys.
-
-    key and value have as many heads as query or fewer (grouped: query head h attends with
-    key-value head h // (heads / kv heads)); value's head size is its own. mask (boolean,
-    True = attend) and bias (added; its -inf entries leave their keys out) broadcast to the
-    scores (batch_size, heads, Q, K) as numpy broadcasts. causal keeps keys at or before each
-    query's position, and window (w: within w - 1 positions; (left, right): from p - left to
-    p + right, None open) keeps keys near it; a query's position is its index with
-    alignment="top_left", its index + K - Q with "bottom_right", its index + n with
-    alignment=n (n keys cached before the queries). valid_lens (batch_size,) or
-    (batch_size, Q) keeps each row's first keys. softcap squashes the scores into
-    (-softcap, softcap) before the masks. A row with no kept key gives zeros (empty_rows=
-    "uniform": equal weights). Returns the output (batch_size, heads, Q, value's head size),
-    then the weights with return_weights and each row's log-sum-exp of its kept scores
-    (batch_size, heads, Q; -inf for a row with none) with return_lse.
-
-    The same, as a few lines of numpy (keep and bias of the masks, key and value repeated to
-    every query head):
-        scores = (query * scale) @ key.swapaxes(-1, -2)
+    ONNX's Attention compute it (docs/attention-function.md has every argument):
+        scores = (query * scale) @ key.swapaxes(-1, -2)    # key heads repeated to query's
         scores = softcap * np.tanh(scores / softcap)
-        scores = np.where(keep, scores + bias, -np.inf)
+        scores = np.where(keep, scores + bias, -np.inf)     # keep: every mask's kept keys
         output = softmax(scores, axis=-1) @ value
+
+    mask (True = attend) and bias broadcast to the scores (batch_size, heads, Q, K) as numpy
+    broadcasts; causal and window (w, or (left, right)) keep keys by a query's position: its
+    index ("top_left"), its index + K - Q ("bottom_right") or its index + n (alignment=n).
+    valid_lens (batch_size,) or (batch_size, Q) keep each row's first keys; segment_ids
+    (batch_size, positions), or a pair for the queries and the keys, keep each query's own
+    segment. A row with no kept key gives zeros (empty_rows="uniform": equal weights).
+    Returns the output (batch_size, heads, Q, value's head size), then the weights with
+    return_weights and each row's log-sum-exp of its kept scores with return_lse.
     """
     sizes = function_checks.check_dot_product_attention_call(
         query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
         alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
-        tensor_type=_TENSOR_TYPES,
+        segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
     _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
+    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias)
+                                      function_checks.window_sides(window), bias, segments)
     # Query head h attends with key-value head h // group, as Llama's repeat_kv
     group = num_heads // num_kv_heads
     key, value = np.repeat(key, group, axis=1), np.repeat(value, group, axis=1)

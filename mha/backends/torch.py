@@ -321,7 +321,8 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
 
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
                           alignment="top_left", window=None, valid_lens=None, softcap=None,
-                          empty_rows="zeros", return_weights=False, return_lse=False):
+                          empty_rows="zeros", return_weights=False, return_lse=False,
+                          segment_ids=None):
     """Attention of one call on (batch_size, heads, positions, head size): the NumPy
     reference's dot_product_attention (mha.backends.numpy, whose docstring has the
     arguments), in torch."""
@@ -329,14 +330,15 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
         alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
-        tensor_type=_TENSOR_TYPES,
+        segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
     _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset, device=query.device)
+    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias)
+                                      function_checks.window_sides(window), bias, segments)
     # Query head h attends with key-value head h // group, as Llama's repeat_kv
     group = num_heads // num_kv_heads
     key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
