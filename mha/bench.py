@@ -398,7 +398,7 @@ def add_arguments(parser) -> None:
     modes = sorted({mode for entry in BENCHES.values() for mode in entry.modes})
     add("--mode", choices=modes, help="only the rows of this mode (MXNet: imperative, hybridized)")
     add("--dtype", choices=DTYPES, help="of layers, inputs and weights (default: float32)")
-    add("--device", choices=("cpu", "gpu"), help="cpu (default) or gpu: torch and TensorFlow")
+    add("--device", choices=("cpu", "gpu"), help="cpu (default) or gpu: torch, TensorFlow and JAX")
     add("--report", metavar="FILE", help="print a saved JSON report (--output) without running")
 
 
