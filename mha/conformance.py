@@ -67,7 +67,8 @@ CASES = (
 @dataclasses.dataclass(frozen=True)
 class Row:
     """A case in a dtype: status "agrees", "differs", "not taken" or "error"; difference, the
-    largest absolute difference from the reference (NaN where the output holds NaN)."""
+    largest absolute difference from the reference (NaN where the output holds NaN), and
+    gradient_difference that of the gradients of query, key and value (None: not compared)."""
 
     case: str
     dtype: str
@@ -75,6 +76,7 @@ class Row:
     difference: float | None = None
     tolerance: float | None = None
     note: str = ""
+    gradient_difference: float | None = None
 
 
 def run(
@@ -84,18 +86,73 @@ def run(
     cases: Sequence[Case] = CASES,
     seed: int = 0,
     empty_rows: str = "zeros",
+    gradients: bool = True,
 ) -> list[Row]:
     """Each case of `cases` in each dtype of `dtypes`, through `function` on `framework`'s
     tensors (an mha backend's name: numpy, torch, tensorflow, mxnet, jax). A row with no key
     is held to `empty_rows`: "zeros" (mha's and ONNX's) or "uniform" (the mean of the values,
-    the softmax of equal scores: JAX's and Keras's)."""
+    the softmax of equal scores: JAX's and Keras's). With `gradients`, on a framework with
+    autograd, the gradients of query, key and value are held to those of mha's function of
+    that framework in float64 (itself held to the reference's finite differences)."""
     module = load_backend(framework)
     rows = []
     for case in cases:
         arrays = _inputs(case, np.random.default_rng(seed))
         for dtype in dtypes:
-            rows.append(_row(function, module, case, arrays, dtype, empty_rows))
+            row = _row(function, module, case, arrays, dtype, empty_rows)
+            if gradients and row.status == "agrees" and module.ADAPTER.autograd:
+                row = _with_gradients(row, function, module, case, arrays, empty_rows)
+            rows.append(row)
     return rows
+
+
+def _with_gradients(row: Row, function, module, case: Case, arrays: dict, empty_rows) -> Row:
+    """The row with its gradients compared (of sum(output * cotangent)); a NaN at a masked
+    key is compared by outputs only: 0 x NaN makes the query's gradient NaN in any product."""
+    if case.inputs != "plain":
+        return row
+    options = dict(case.options)
+    cotangent = np.random.default_rng(1).standard_normal(_output_shape(arrays))
+    wrt = ["query", "key", "value"]
+
+    def gradients_of(call, dtype):
+        tensors = {
+            k: module.from_numpy(_cast(_rounded(v, row.dtype), dtype)) for k, v in arrays.items()
+        }
+        _, found, _ = module.ADAPTER.value_and_gradients(
+            lambda t: call(**t, **options),
+            tensors,
+            wrt,
+            None,
+            module.from_numpy(_cast(cotangent, dtype)),
+        )
+        return {k: np.asarray(v, dtype="float64") for k, v in found.items()}
+
+    def reference_call(**given):
+        return module.dot_product_attention(**given, empty_rows=empty_rows)
+
+    try:
+        got = gradients_of(function, row.dtype)
+    except Exception as error:
+        return dataclasses.replace(row, status="error", note=f"gradients: {_first_line(error)}")
+    try:
+        expected = gradients_of(reference_call, "float64")
+    except ValueError:  # JAX without its 64-bit mode has no float64: outputs only
+        return row
+    worst, where = 0.0, ""
+    for name in wrt:
+        tolerance = TOLERANCES[row.dtype] * max(1.0, float(np.max(np.abs(expected[name]))))
+        difference = float(np.max(np.abs(got[name] - expected[name])))
+        if not difference <= tolerance:
+            where = where or f"the gradient of {name} differs by {difference:.3g} ({tolerance:.1g})"
+        worst = difference if np.isnan(difference) else max(worst, difference)
+    status = "differs" if where else "agrees"
+    return dataclasses.replace(row, status=status, note=where, gradient_difference=worst)
+
+
+def _output_shape(arrays: dict) -> tuple[int, ...]:
+    """The output's shape of a case's inputs: (batch, heads, queries, value head size)."""
+    return (*arrays["query"].shape[:3], arrays["value"].shape[-1])
 
 
 def _row(function, module, case: Case, arrays: dict, dtype: str, empty_rows: str) -> Row:
@@ -184,13 +241,13 @@ def format_table(rows: Sequence[Row]) -> str:
     cases = list(dict.fromkeys(row.case for row in rows))
     cell = {(row.case, row.dtype): row for row in rows}
     width = max(len(case) for case in cases) + 2
-    lines = ["case".ljust(width) + "".join(dtype.ljust(14) for dtype in dtypes)]
+    lines = ["case".ljust(width) + "".join(dtype.ljust(16) for dtype in dtypes)]
     notes = []
     for case in cases:
         texts = []
         for dtype in dtypes:
             row = cell[case, dtype]
-            texts.append(_cell(row).ljust(14))
+            texts.append(_cell(row).ljust(16))
             if row.note and row.status != "agrees":
                 notes.append(f"  {case}, {dtype}: {row.status}: {row.note}")
         lines.append(case.ljust(width) + "".join(texts).rstrip())
@@ -198,10 +255,14 @@ def format_table(rows: Sequence[Row]) -> str:
         s: sum(row.status == s for row in rows) for s in ("agrees", "differs", "not taken", "error")
     }
     summary = ", ".join(f"{count} {status}" for status, count in counts.items() if count)
+    graded = sum(row.gradient_difference is not None for row in rows)
+    summary += f"; gradients compared in {graded}" + (" (+grad)" if graded else "")
     return "\n".join([*lines, "", *dict.fromkeys(notes), "", f"{len(rows)} rows: {summary}"])
 
 
 def _cell(row: Row) -> str:
     if row.status == "agrees":
-        return f"ok {row.difference:.0e}"
+        return f"ok {row.difference:.0e}" + (
+            " +grad" if row.gradient_difference is not None else ""
+        )
     return {"differs": "DIFFERS", "not taken": "not taken", "error": "ERROR"}[row.status]

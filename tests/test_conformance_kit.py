@@ -33,7 +33,9 @@ def test_mhas_own_function_agrees_on_every_case(name):
     dtypes = ("float32", "float64", "float16", "bfloat16")
     if name == "mxnet":  # no bfloat16; float16 products on a GPU only
         dtypes = ("float32", "float64")
-    rows = conformance.run(module.dot_product_attention, name, dtypes)
+    # Its gradients against its own in float64 would tell nothing: test_attention_function.py
+    # holds them to the reference's finite differences
+    rows = conformance.run(module.dot_product_attention, name, dtypes, gradients=False)
     assert len(rows) == len(conformance.CASES) * len(dtypes)
     assert statuses(rows) == {"agrees": {case.name for case in conformance.CASES}}
 
@@ -178,3 +180,21 @@ def test_keras_dot_product_attention_is_reported_as_it_behaves():
         PACKED,
     }
     assert set(found) == {"agrees", "not taken"}  # a row with no key: uniform, as held to
+
+
+@pytest.mark.torch
+def test_a_wrong_gradient_is_flagged(capsys):
+    # Right outputs, and no gradient for the values: only the gradients can tell
+    backend_module("torch")
+    from mha.backends import torch as T
+
+    def detached_values(query, key, value, **options):
+        return T.dot_product_attention(query, key, value.detach(), **options)
+
+    rows = conformance.run(detached_values, "torch", ("float32",))
+    found = statuses(rows)
+    assert "plain" in found["differs"] and "NaN at masked keys" in found["agrees"]
+    plain = next(row for row in rows if row.case == "plain")
+    assert plain.note.startswith("the gradient of value differs") and plain.difference < 1e-6
+    without = conformance.run(detached_values, "torch", ("float32",), gradients=False)
+    assert statuses(without) == {"agrees": {case.name for case in conformance.CASES}}
