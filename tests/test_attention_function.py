@@ -343,6 +343,8 @@ def test_bad_tensors_are_refused(name, rng):
         attention(name, query[0], key, value)
     with pytest.raises(ValueError, match="one number of heads that divides query's"):
         attention(name, query, key[:, :1], value)
+    with pytest.raises(ValueError, match="one number of heads that divides query's"):
+        attention(name, query, key[:, :0], value[:, :0])  # no key-value head
     with pytest.raises(TypeError, match="share one floating dtype"):
         attention(name, query, key.astype("float32"), value)
     with pytest.raises(TypeError, match="must be an array or tensor of the layer's framework"):
