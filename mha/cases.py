@@ -51,7 +51,9 @@ class Case:
     masks: names from MASKS. The masks: "valid_lens_1d", "valid_lens_2d" (lengths of 0, 1,
     the number of keys and more), "mask_1d" (keys), "mask_2d" (queries x keys), "mask_keys"
     (batch x 1 x keys, key padding), "mask_3d", "mask_4d", "mask_4d_heads" (1 x heads x 1 x
-    keys), "mask_4d_batch" (batch x 1 x queries x keys), "causal", "window_mask" (additive:
+    keys), "mask_4d_batch" (batch x 1 x queries x keys), "causal" (with "bottom_right" or
+    "aligned_2", the masks' alignment: the last query beside the last key, or the first query
+    at position 2), "window_mask" (additive:
     finite biases and -inf), "window_bool", "head_mask" (heads,), "head_mask_2d" (batch x
     heads), "head_mask_bool" (batch x heads, boolean), "attn_bias" (batch x queries x keys,
     finite and -inf, a row all -inf), "attn_bias_4d" (1 x heads x queries x keys, finite, as
@@ -102,6 +104,8 @@ MASKS = (
     "mask_4d_heads",
     "mask_4d_batch",
     "causal",
+    "bottom_right",
+    "aligned_2",
     "window_mask",
     "window_bool",
     "head_mask",
@@ -486,6 +490,10 @@ def _keep_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]
         inputs["mask"] = draw.keep(B, 1, Q, K, empty=None if empty is None else (0, 0, empty))
     if "causal" in masks:
         inputs["causal"] = True
+    if "bottom_right" in masks:  # the masks' last query beside the last key
+        inputs["alignment"] = "bottom_right"
+    if "aligned_2" in masks:  # the masks' first query at position 2
+        inputs["alignment"] = 2
     return inputs
 
 

@@ -57,6 +57,10 @@ Call arguments:
     mask: boolean keep-mask broadcastable to (batch_size, no. of queries, no. of keys).
     causal: query i attends to keys j <= i.
     window_mask: (num_windows, no. of queries, no. of keys), boolean or additive.
+    alignment: where the masks put query i when queries and keys differ in number:
+        None (default; at i, after the cached positions with a cache), "top_left" (at i),
+        "bottom_right" (at i + no. of keys - no. of queries) or an int n (at n + i). It
+        moves causal, a sliding window and ALiBi, not rotary positions.
     attn_bias: added to the scores (a relative position bias, ALiBi), of the layer's
         dtype, broadcastable to (batch_size, no. of queries, no. of keys); its -inf entries
         exclude their key exactly, as a float window_mask's do.
@@ -82,7 +86,8 @@ by W_o.
 {_args("MultiHeadAttention")}
 
 Call arguments:
-    queries, keys, values, valid_lens, causal, window_mask: as DotProductAttention.
+    queries, keys, values, valid_lens, causal, window_mask, alignment: as
+        DotProductAttention.
     mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
         (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
     attn_bias: added to the scores, of the layer's dtype; as `mask`, 1-D to 3-D applies

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from mha.layer_args import FLOAT_DTYPES, check_bool, check_empty_rows
+from mha.layer_args import ALIGNMENTS, FLOAT_DTYPES, check_alignment, check_bool, check_empty_rows
 from mha.tensors import broadcastable, describe, dtype_name, format_shape, shape_of
 from mha.validation import INTEGER_DTYPES, check_valid_lens, require_framework, require_tensor
 
@@ -17,22 +17,28 @@ __all__ = [
     "ALIGNMENTS",
     "check_dot_product_attention_call",
     "first_position",
+    "layer_first_position",
     "segment_pair",
     "window_sides",
 ]
 
-# Where the causal diagonal and the windows' centres lie when queries and keys differ in
-# number: query i at position i ("top_left", torch's is_causal) or at i + K - Q, the last query
-# beside the last key ("bottom_right", FlashAttention's); an int n puts it at n + i (n cached
-# keys before the queries, as ONNX's past_key)
-ALIGNMENTS = ("top_left", "bottom_right")
-
 
 def first_position(alignment: str | int, num_queries: int, num_keys: int) -> int:
-    """The position among the keys of the first query, under `alignment`."""
+    """The position among the keys of the first query, under `alignment` (ALIGNMENTS)."""
     if alignment == "top_left":
         return 0
     return num_keys - num_queries if alignment == "bottom_right" else alignment
+
+
+def layer_first_position(
+    alignment: str | int | None, num_queries: int, num_keys: int, cached: int = 0
+) -> int:
+    """The position among the keys of a layer call's first query: after the `cached` ones
+    when alignment is None (the layers' default; 0 without a cache), else as the function
+    places it. num_keys counts the cached keys."""
+    if alignment is None:
+        return cached
+    return first_position(alignment, num_queries, num_keys)
 
 
 def check_dot_product_attention_call(
@@ -77,11 +83,7 @@ def check_dot_product_attention_call(
     for name, flag in (("causal", causal), ("return_weights", return_weights)):
         check_bool(name, flag)
     check_bool("return_lse", return_lse)
-    if not (_whole(alignment) or alignment in ALIGNMENTS):
-        raise ValueError(
-            "alignment must be 'top_left', 'bottom_right' or the position of the first query "
-            f"(an int). Received: alignment={alignment!r}"
-        )
+    check_alignment(alignment)
     window_sides(window)
     for name, number in (("scale", scale), ("softcap", softcap)):
         if number is not None and not _positive_number(number):

@@ -162,6 +162,18 @@ def build_layer(backend: str, case: Case, config: Mapping[str, Any], weights=Non
     return layer
 
 
+# The keyword arguments of an attention layer's call that a case may give
+_CALL_OPTIONS = (
+    "mask",
+    "causal",
+    "alignment",
+    "window_mask",
+    "head_mask",
+    "need_weights",
+    "attn_bias",
+)
+
+
 def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) -> Any:
     """Call `layer` (or the backend's masked_softmax) on the case's tensors."""
     if case.layer == "masked_softmax":
@@ -173,11 +185,7 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
         return layer(tensors["X"], **({"offset": tensors["offset"]} if "offset" in tensors else {}))
     if case.layer == "AddNorm":
         return layer(tensors["X"], tensors["Y"])
-    arguments = {
-        key: tensors[key]
-        for key in ("mask", "causal", "window_mask", "head_mask", "need_weights", "attn_bias")
-        if key in tensors
-    }
+    arguments = {key: tensors[key] for key in _CALL_OPTIONS if key in tensors}
     queries = tensors["queries"]
     keys, values = tensors.get("keys", queries), tensors.get("values", queries)
     return layer(queries, keys, values, tensors.get("valid_lens"), **arguments)

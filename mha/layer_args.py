@@ -131,6 +131,23 @@ def check_empty_rows(empty_rows: Any) -> None:
         )
 
 
+# Where the causal diagonal and the windows' centres lie when queries and keys differ in
+# number: query i at position i ("top_left", torch's is_causal) or at i + K - Q, the last query
+# beside the last key ("bottom_right", FlashAttention's); an int n puts it at n + i (n cached
+# keys before the queries, as ONNX's past_key)
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def check_alignment(alignment: Any) -> None:
+    """alignment: one of ALIGNMENTS or the position of the first query (an int)."""
+    whole = isinstance(alignment, numbers.Integral) and not isinstance(alignment, bool)
+    if not (whole or (isinstance(alignment, str) and alignment in ALIGNMENTS)):
+        raise ValueError(
+            "alignment must be 'top_left', 'bottom_right' or the position of the first query "
+            f"(an int). Received: alignment={alignment!r}"
+        )
+
+
 QK_NORMS = ("head", "projection", "layer_norm_per_head")
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from mha.layer_args import (
     EMPTY_ROWS,
     FLOAT_DTYPES,
+    check_alignment,
     check_backend_dtype,
     check_bool,
     check_dtype,
@@ -262,6 +263,7 @@ def check_attention_call(
     need_weights: Any = True,
     attn_bias: Any = None,
     cache: Any = None,
+    alignment: Any = None,
     dtype: str,
     sizes: Sequence[tuple[str, str, int | None]] = (),
     same_query_key_size: bool = False,
@@ -296,8 +298,7 @@ def check_attention_call(
         num_keys = _add(num_keys, _check_cache(cache, batch_size, *kv_heads, dtype))
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
-    check_bool("causal", causal)
-    check_bool("need_weights", need_weights)
+    _check_flags(causal, need_weights, alignment)
     _check_masks(
         mask,
         attn_bias,
@@ -308,6 +309,13 @@ def check_attention_call(
         (batch_size, num_queries, num_keys),
     )
     return batch_size, num_queries, num_keys
+
+
+def _check_flags(causal: Any, need_weights: Any, alignment: Any) -> None:
+    check_bool("causal", causal)
+    check_bool("need_weights", need_weights)
+    if alignment is not None:
+        check_alignment(alignment)
 
 
 def _check_inputs(queries, keys, values, dtype: str, same_query_key_size: bool):

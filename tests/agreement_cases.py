@@ -62,6 +62,9 @@ MORE = (
     ("valid_lens_2d", "lens_int32", "window_bool"),
     ("tall", "causal"),
     ("tall", "valid_lens_1d", "mask_keys", "causal", "window_mask"),
+    ("causal", "bottom_right"),
+    ("tall", "causal", "bottom_right"),
+    ("valid_lens_1d", "causal", "aligned_2"),
 )
 
 # Multi-head attention, with and without biases: the masks of the head axis, the path without
@@ -110,6 +113,8 @@ SCALES = (
 # Grouped-query attention, rotary embeddings and sliding windows beyond `mha compare`'s
 MODERN_MORE = (
     ("MultiHeadAttention", ("tall", "causal"), {**MQA, **ROPE, "sliding_window": 2}),
+    ("MultiHeadAttention", ("causal", "bottom_right"), {**GQA, **ROPE, "sliding_window": 2}),
+    ("MultiHeadAttention", ("square", "causal", "aligned_2", "no_weights"), {"alibi": True}),
     ("MultiHeadAttention", ("self", "valid_lens_2d", "no_weights"), {**GQA, **ROPE}),
     ("MultiHeadAttention", ("valid_lens_1d", "attn_bias"), {**GQA, "bias": True}),
     ("MultiHeadAttention", ("square",), {"rope_theta": 500000.0, "num_hiddens": 16}),

@@ -242,6 +242,8 @@ MASKS = {
     "attn_bias 4-D on single head": call(DOT, *QKV, attn_bias=f(1, 1, Q, K)),
     "causal not bool": call(DOT, *QKV, causal="yes"),
     "causal int": call(MHA, *QKV, causal=1),
+    "alignment unknown": call(ADD, *QKV, causal=True, alignment="bottom"),
+    "alignment a float": call(MHA, *QKV, causal=True, alignment=1.0),
     "need_weights not bool": call(MHA, *QKV, need_weights=None),
     "window_mask rank 2": call(MHA, *QKV, window_mask=np.ones((Q, K), bool)),
     "window_mask not a batch divisor": call(MHA, *QKV, window_mask=np.ones((3, Q, K), bool)),

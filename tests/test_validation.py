@@ -248,6 +248,12 @@ ERRORS = {
         TypeError,
         "causal must be True or False. Received: causal='yes'",
     ),
+    "alignment unknown": (
+        lambda: attend(causal=True, alignment="bottom"),
+        ValueError,
+        "alignment must be 'top_left', 'bottom_right' or the position of the first query "
+        "(an int). Received: alignment='bottom'",
+    ),
     "need_weights not bool": (
         lambda: attend(need_weights=None),
         TypeError,

@@ -157,14 +157,25 @@ class _Call(NamedTuple):
     cache: bool = False  # a KVCache is given: the graph returns its keys and values too
     cached: bool = False  # it holds positions: graph inputs, their number this call's offset
     sinks: bool = False  # the layer's: each head's sink joins the softmax (see _with_sinks)
+    # The position of the first query for the masks, where the call's alignment places it;
+    # None: after the cached positions (a graph input), as the layers do by default
+    first_position: int | None = None
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
+
+
+def _first_position(alignment, num_queries: int, num_keys: int) -> int | None:
+    """The position of a layer call's first query for its masks: None (after the cached ones)
+    unless `alignment` places it; num_keys counts the cached keys."""
+    if alignment is None:
+        return None
+    return function_checks.layer_first_position(alignment, num_queries, num_keys)
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
                     empty_rows="zeros", sliding_window=None, cache=None, offset=0,
-                    sinks=False) -> _Call:
+                    sinks=False, first_position=None) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -181,6 +192,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         cache=cache is not None,
         cached=offset > 0,
         sinks=sinks,
+        first_position=first_position,
         recording=mx.autograd.is_recording(),
     )
 
@@ -451,6 +463,8 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
         if multihead:
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
+    if call.first_position is not None:
+        offset = call.first_position  # the alignment's, not the cache's
     masks = _Masks(F, queries, keys, call, attn_bias, offset)
     return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias,
                          sliding_window=call.sliding_window, alibi_slopes=alibi_slopes)
@@ -608,6 +622,9 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call, sinks=N
 # ---------------------------------------------------------------------------------------------
 # The attention function
 
+# The function drops no weights: dropout is the layers'
+_NO_DROPOUT = nn.Dropout(0.0)
+
 
 @mx.util.use_np
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
@@ -627,32 +644,49 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     _, num_heads, num_kv_heads, num_queries, num_keys = sizes
     F, dtype = mx.nd, numpy.dtype(query.dtype).name
     _check_float16_context(dtype, query)
-    call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens)
+    call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens,
+                           need_weights=return_weights, empty_rows=empty_rows)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(F, query, key, call, offset=offset)
     segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segments)
-    # Query head h attends with key-value head h // group, as Llama's repeat_kv
-    group = num_heads // num_kv_heads
-    key, value = F.np.repeat(key, group, axis=1), F.np.repeat(value, group, axis=1)
-    d = query.shape[-1]
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    # Shape of scores: (batch_size, heads, no. of queries, no. of keys); a masked key may hold
-    # anything, whose NaN or inf scores the mask replaces
-    scores = F.npx.batch_dot(query * scale, key, transpose_b=True)
-    if softcap is not None:
-        scores = softcap * F.np.tanh(scores / softcap)
-    if bias is not None:
-        scores = scores + bias
-    weights = _softmax(F, scores, keep, dtype, mx.autograd.is_recording(), empty_rows=empty_rows)
-    output = F.npx.batch_dot(weights, value)
+    # What the layers compute too, without dropout
+    output, weights, lse = _attention(F, query, key, value, call, keep, bias, _NO_DROPOUT,
+                                      scale=scale, softcap=softcap, lse=return_lse,
+                                      group=num_heads // num_kv_heads)
     if not (return_weights or return_lse):
         return output
-    extras = [weights] if return_weights else []
-    if return_lse:
-        extras.append(_log_sum_exp(F, scores, keep))
-    return (output, *extras)
+    return (output, *(x for x in (weights, lse) if x is not None))
+
+
+def _attention(F, queries, keys, values, call: _Call, keep, bias, dropout, *, scale=None,
+               softcap=None, sinks=None, lse=False, group=1):
+    """Attention on prepared inputs with any leading axes (no checks): what
+    dot_product_attention and every layer's DotProductAttention.attend compute.
+
+    queries (..., Q, d); keys (..., K, d) and values (..., K, v), with a head (axis -3) for
+    every `group` heads of the queries; keep and bias broadcastable to the scores (..., Q, K),
+    or None; `call` gives d, the dtype, need_weights, empty_rows and whether autograd records;
+    sinks, each head's sink logit broadcastable to the scores' rows, or None. Returns
+    (output, weights, lse): weights unless call.need_weights, and each row's log-sum-exp
+    unless lse, are None.
+    """
+    if group > 1:
+        # Query head h attends with key-value head h // group, as Llama's repeat_kv
+        keys, values = F.np.repeat(keys, group, axis=-3), F.np.repeat(values, group, axis=-3)
+    # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
+    queries = queries / math.sqrt(call.d) if scale is None else queries * scale
+    # Shape of scores: (..., no. of queries, no. of keys). npx.batch_dot is MXNet's batched
+    # GEMM, faster than np.matmul on 4-D arrays and free of its transposed copy of keys
+    scores = F.npx.batch_dot(queries, keys, transpose_b=True)
+    if softcap is not None:
+        # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+        scores = softcap * F.np.tanh(scores / softcap)
+    # The pool may write over the scores: the log-sum-exp reads them first
+    row_lse = _log_sum_exp(F, scores if bias is None else scores + bias, keep) if lse else None
+    output, weights = _attention_pool(F, scores, values, keep, bias, dropout, call, sinks)
+    return output, weights, row_lse
 
 
 def _log_sum_exp(F, scores, keep):
@@ -686,10 +720,10 @@ class DotProductAttention(Layer):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None):
+                window_mask=None, attn_bias=None, alignment=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, attn_bias)
-        validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+        _, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
@@ -700,7 +734,8 @@ class DotProductAttention(Layer):
             return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
                                window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows,
-                               sliding_window=self.sliding_window)
+                               sliding_window=self.sliding_window,
+                               first_position=_first_position(alignment, num_queries, num_keys))
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
@@ -712,27 +747,22 @@ class DotProductAttention(Layer):
                                       attn_bias, self._structure)
         return self.attend(F, queries, keys, values, self._structure, keep, bias)
 
-    def attend(self, F, queries, keys, values, call: _Call, keep=None, bias=None, sinks=None):
-        """Attention on prepared inputs with any leading axes (no checks).
+    def attend(self, F, queries, keys, values, call: _Call, keep=None, bias=None, sinks=None,
+               group=1):
+        """Attention on prepared inputs with any leading axes (no checks), as the attention
+        function computes it (_attention).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         the mask helpers; `call` gives d, the dtype, need_weights and whether autograd
         records; sinks, each head's sink logit broadcastable to the scores' rows (num_heads,
-        1, 1), or None. MultiHeadAttention calls this with a head axis. Returns (output,
-        weights), weights None unless call.need_weights.
+        1, 1), or None. MultiHeadAttention calls this with a head axis, keys and values with a
+        head for every `group` heads of the queries. Returns (output, weights), weights None
+        unless call.need_weights.
         """
-        # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
-        if self.scale is None:
-            queries = queries / math.sqrt(call.d)
-        else:
-            queries = queries * self.scale
-        # Shape of scores: (..., no. of queries, no. of keys). npx.batch_dot is MXNet's batched
-        # GEMM, faster than np.matmul on 4-D arrays and free of its transposed copy of keys
-        scores = F.npx.batch_dot(queries, keys, transpose_b=True)
-        if self.softcap is not None:
-            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
-            scores = self.softcap * F.np.tanh(scores / self.softcap)
-        return _attention_pool(F, scores, values, keep, bias, self.dropout, call, sinks)
+        output, weights, _ = _attention(F, queries, keys, values, call, keep, bias, self.dropout,
+                                        scale=self.scale, softcap=self.softcap, sinks=sinks,
+                                        group=group)
+        return output, weights
 
 
 @documented
@@ -755,10 +785,10 @@ class AdditiveAttention(Layer):
         self.initialize(_LinearInit())
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None):
+                window_mask=None, attn_bias=None, alignment=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, attn_bias)
-        validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+        _, num_queries, num_keys = validation.check_attention_call(
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
@@ -771,7 +801,8 @@ class AdditiveAttention(Layer):
             return _empty(queries, 0, queries.shape[1], values.shape[2])
         call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask,
                                attn_bias=attn_bias, empty_rows=self.empty_rows,
-                               sliding_window=self.sliding_window)
+                               sliding_window=self.sliding_window,
+                               first_position=_first_position(alignment, num_queries, num_keys))
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
@@ -859,13 +890,13 @@ class MultiHeadAttention(Layer):
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                cache=None):
+                cache=None, alignment=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, head_mask,
                                attn_bias)
         num_kv_heads = self.num_kv_heads or self.num_heads
         head_size = self.num_hiddens // self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, head_size),
@@ -887,7 +918,8 @@ class MultiHeadAttention(Layer):
             return output if cache is None else (output, cache)
         call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
                                head_mask, need_weights, attn_bias, self.empty_rows,
-                               self.sliding_window, cache, offset, self.sinks)
+                               self.sliding_window, cache, offset, self.sinks,
+                               _first_position(alignment, num_queries, num_keys))
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
@@ -937,14 +969,10 @@ class MultiHeadAttention(Layer):
                                       offset=offset, alibi_slopes=alibi_slopes)
         # The cache holds num_kv_heads heads, before they are repeated
         cache = (keys, values) if call.cache else ()
-        if num_kv_heads != self.num_heads:
-            # Query head h attends with key-value head h // group, as Llama's repeat_kv
-            group = self.num_heads // num_kv_heads
-            keys, values = F.np.repeat(keys, group, axis=1), F.np.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits(queries) if self.sinks else None
         output, weights = self.attention.attend(F, queries, keys, values, call, keep, bias,
-                                                sinks)
+                                                sinks, self.num_heads // num_kv_heads)
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             head_mask = F.np.expand_dims(F.np.expand_dims(head_mask.astype(self.dtype), -1), -1)

@@ -355,6 +355,9 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
 # ---------------------------------------------------------------------------------------------
 # The attention function
 
+# The function drops no weights: dropout is the layers'
+_NO_DROPOUT = Dropout(0.0)
+
 
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
                           alignment="top_left", window=None, valid_lens=None, softcap=None,
@@ -389,27 +392,49 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segments)
-    # Query head h attends with key-value head h // group, as Llama's repeat_kv
-    group = num_heads // num_kv_heads
-    key, value = np.repeat(key, group, axis=1), np.repeat(value, group, axis=1)
-    d = query.shape[-1]
-    scale = 1 / np.sqrt(d) if scale is None else scale
-    # Shape of scores: (batch_size, heads, no. of queries, no. of keys); a masked key may hold
-    # anything, whose NaN or inf scores the mask replaces
-    with np.errstate(invalid="ignore"):
-        scores = (query * query.dtype.type(scale)) @ np.swapaxes(key, -1, -2)
-    if softcap is not None:
-        scores = softcap * np.tanh(scores / scores.dtype.type(softcap))
-    if bias is not None:
-        scores = scores + bias
-    weights = _softmax(scores, keep, empty_rows)
-    output = weights @ value
+    # What the layers compute too, without dropout
+    output, weights, lse = _attention(query, key, value, keep, bias, _NO_DROPOUT, scale=scale,
+                                      softcap=softcap, empty_rows=empty_rows,
+                                      need_weights=return_weights, lse=return_lse,
+                                      group=num_heads // num_kv_heads)
     if not (return_weights or return_lse):
         return output
-    extras = [weights] if return_weights else []
-    if return_lse:
-        extras.append(_log_sum_exp(scores, keep))
-    return (output, *extras)
+    return (output, *(x for x in (weights, lse) if x is not None))
+
+
+def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
+               empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1):
+    """Attention on prepared inputs with any leading axes (no checks): what
+    dot_product_attention and every layer's DotProductAttention.attend compute.
+
+    queries (..., Q, d); keys (..., K, d) and values (..., K, v), with a head (axis -3) for
+    every `group` heads of the queries; keep and bias broadcastable to the scores (..., Q, K),
+    or None; sinks, each head's sink logit broadcastable to the scores' rows, or None. Returns
+    (output, weights, lse): weights unless need_weights, and each row's log-sum-exp unless
+    lse, are None.
+    """
+    if group > 1:
+        # Query head h attends with key-value head h // group, as Llama's repeat_kv
+        keys, values = np.repeat(keys, group, axis=-3), np.repeat(values, group, axis=-3)
+    d = queries.shape[-1]
+    # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
+    if scale is None:
+        queries = queries / np.sqrt(queries.dtype.type(d))
+    else:
+        queries = queries * queries.dtype.type(scale)
+    # Shape of scores: (..., no. of queries, no. of keys). A masked key may hold anything
+    # (padding): its NaN or inf scores are replaced by the mask, so their arithmetic does
+    # not warn
+    with np.errstate(invalid="ignore"):
+        scores = queries @ np.swapaxes(keys, -1, -2)
+    if softcap is not None:
+        # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+        scores = softcap * np.tanh(scores / scores.dtype.type(softcap))
+    output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
+                                      empty_rows, sinks)
+    if not lse:
+        return output, weights, None
+    return output, weights, _log_sum_exp(scores if bias is None else scores + bias, keep)
 
 
 def _log_sum_exp(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
@@ -443,42 +468,33 @@ class DotProductAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None):
+                window_mask=None, attn_bias=None, alignment=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
-        masks = _Masks(batch_size, num_queries, num_keys)
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
+        masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               sinks=None):
-        """Attention on prepared inputs with any leading axes (no checks).
+               sinks=None, group=1):
+        """Attention on prepared inputs with any leading axes (no checks), as the attention
+        function computes it (_attention).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         the mask helpers; sinks, each head's sink logit broadcastable to the scores' rows
-        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis.
+        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis, keys and
+        values with a head for every `group` heads of the queries.
         """
-        d = queries.shape[-1]
-        # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
-        if self.scale is None:
-            queries = queries / np.sqrt(queries.dtype.type(d))
-        else:
-            queries = queries * queries.dtype.type(self.scale)
-        # Shape of scores: (..., no. of queries, no. of keys). A masked key may hold anything
-        # (padding): its NaN or inf scores are replaced by the mask, so their arithmetic does
-        # not warn
-        with np.errstate(invalid="ignore"):
-            scores = queries @ np.swapaxes(keys, -1, -2)
-        if self.softcap is not None:
-            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
-            scores = self.softcap * np.tanh(scores / scores.dtype.type(self.softcap))
-        output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows, sinks
+        output, self.attention_weights, _ = _attention(
+            queries, keys, values, keep, bias, self.dropout, scale=self.scale,
+            softcap=self.softcap, empty_rows=self.empty_rows, need_weights=need_weights,
+            sinks=sinks, group=group,
         )
         return output
 
@@ -501,16 +517,17 @@ class AdditiveAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None):
+                window_mask=None, attn_bias=None, alignment=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", self.W_q.in_features),
                    ("keys", "key_size", self.W_k.in_features)),
         )
         _check_valid_lens_values(valid_lens)
-        masks = _Masks(batch_size, num_queries, num_keys)
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
+        masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
@@ -590,10 +607,10 @@ class MultiHeadAttention(Module):
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                cache=None):
+                cache=None, alignment=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
@@ -603,7 +620,10 @@ class MultiHeadAttention(Module):
         )
         _check_valid_lens_values(valid_lens)
         # The positions before this call's: those in the cache
-        offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        cached = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        # The position of the first query, for the masks: after the cached ones unless
+        # alignment places it
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys, cached)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
@@ -615,24 +635,21 @@ class MultiHeadAttention(Module):
         gates = self.W_g(queries) if self.output_gate else None
         queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...;
+            # Each head's queries and keys turned by their positions cached, cached + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
-            length = offset + keys.shape[-2]
-            queries = self.rotary.rotate(queries, offset, length)
-            keys = self.rotary.rotate(keys, offset, length)
+            length = cached + keys.shape[-2]
+            queries = self.rotary.rotate(queries, cached, length)
+            keys = self.rotary.rotate(keys, cached, length)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
                 keys = np.concatenate([cache.keys, keys], axis=2)
                 values = np.concatenate([cache.values, values], axis=2)
             cache = KVCache(keys, values)
-        if num_kv_heads != self.num_heads:
-            # Query head h attends with key-value head h // group, as Llama's repeat_kv
-            group = self.num_heads // num_kv_heads
-            keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
+                                       self.num_heads // num_kv_heads)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

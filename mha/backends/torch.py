@@ -318,6 +318,9 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
 # ---------------------------------------------------------------------------------------------
 # The attention function
 
+# The function drops no weights: dropout is the layers'
+_NO_DROPOUT = nn.Dropout(0.0).eval()
+
 
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
                           alignment="top_left", window=None, valid_lens=None, softcap=None,
@@ -339,26 +342,65 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segments)
-    # Query head h attends with key-value head h // group, as Llama's repeat_kv
-    group = num_heads // num_kv_heads
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    d = query.shape[-1]
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    # Shape of scores: (batch_size, heads, no. of queries, no. of keys); a masked key may hold
-    # anything, whose NaN or inf scores the mask replaces
-    scores = (query * scale) @ key.transpose(-1, -2)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if bias is not None:
-        scores = scores + bias
-    weights = _softmax(scores, keep, empty_rows=empty_rows)
-    output = weights @ value
+    # The causal mask alone, top-left aligned: the kernels' own is_causal where they have it
+    causal_alone = causal and offset == 0 and window is None and all(
+        x is None for x in (mask, bias, valid_lens, segment_ids))
+    # What the layers compute too, without dropout
+    output, weights, lse = _attention(query, key, value, keep, bias, _NO_DROPOUT, scale=scale,
+                                      softcap=softcap, empty_rows=empty_rows,
+                                      need_weights=return_weights, lse=return_lse,
+                                      group=num_heads // num_kv_heads, causal_alone=causal_alone)
     if not (return_weights or return_lse):
         return output
-    extras = [weights] if return_weights else []
-    if return_lse:
-        extras.append(_log_sum_exp(scores, keep))
-    return (output, *extras)
+    return (output, *(x for x in (weights, lse) if x is not None))
+
+
+def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
+               empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1,
+               causal_alone=False):
+    """Attention on prepared inputs with any leading axes (no checks): what
+    dot_product_attention and every layer's DotProductAttention.attend compute.
+
+    queries (..., Q, d); keys (..., K, d) and values (..., K, v), with a head (axis -3) for
+    every `group` heads of the queries; keep and bias broadcastable to the scores (..., Q, K),
+    or None; sinks, each head's sink logit broadcastable to the scores' rows, or None; causal_alone:
+    keep is the top-left causal mask and nothing else. Returns (output, weights, lse):
+    weights unless need_weights, and each row's log-sum-exp unless lse, are None. torch's
+    fused kernel or a product with the mask inside compute the same numbers where they can
+    (torch_fused.choose_path).
+    """
+    d = queries.shape[-1]
+    # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
+    # no product overflows whose scaled score would not
+    queries = queries / math.sqrt(d) if scale is None else queries * scale
+    path = "scores" if lse else fused.choose_path(
+        queries, keys, values, keep, bias, need_weights, empty_rows, dropout, causal_alone,
+        softcap, sinks is not None)
+    if group > 1 and path not in ("is_causal", "fused"):
+        # Query head h attends with key-value head h // group, as Llama's repeat_kv (the
+        # fused paths pair them themselves: see torch_fused)
+        keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
+    output = fused.attend(queries, keys, values, keep, bias, dropout, path)
+    if output is not None:  # F.scaled_dot_product_attention computed it, without weights
+        return output, None, None
+    if path == "masked product":
+        # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
+        # a pass over the scores fewer, forward and backward
+        scores, attended = fused.masked_product(queries, keys, keep)
+        output, weights = _attention_pool(scores, values, None, None, dropout)
+        if attended is not None:
+            output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
+        return output, weights if need_weights else None, None
+    # Shape of scores: (..., no. of queries, no. of keys)
+    scores = queries @ keys.transpose(-1, -2)
+    if softcap is not None:
+        # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
+        scores = softcap * torch.tanh(scores / softcap)
+    # The pool writes its softmax over the scores: the log-sum-exp reads them first
+    row_lse = _log_sum_exp(scores if bias is None else scores + bias, keep) if lse else None
+    output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
+                                      empty_rows, sinks)
+    return output, weights, row_lse
 
 
 def _log_sum_exp(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -388,56 +430,34 @@ class DotProductAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None):
+                window_mask=None, attn_bias=None, alignment=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
-        masks = _Masks(batch_size, num_queries, num_keys, device=queries.device)
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
+        masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               path=None, sinks=None):
-        """Attention on prepared inputs with any leading axes (no checks).
+               sinks=None, group=1, causal_alone=False):
+        """Attention on prepared inputs with any leading axes (no checks), as the attention
+        function computes it (_attention).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         _Masks.combine; sinks, each head's sink logit broadcastable to the scores' rows
-        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis, and with
-        the `path` it chose (fused.choose_path; chosen here when None): torch's fused kernel or a
-        product with the mask inside compute the same numbers where they can.
+        (num_heads, 1, 1), or None; causal_alone: keep is the causal mask alone, top-left.
+        MultiHeadAttention calls this with a head axis, keys and values with a head for every
+        `group` heads of the queries.
         """
-        d = queries.shape[-1]
-        # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
-        # no product overflows whose scaled score would not
-        queries = queries / math.sqrt(d) if self.scale is None else queries * self.scale
-        if path is None:
-            path = fused.choose_path(queries, keys, values, keep, bias, need_weights,
-                                     self.empty_rows, self.dropout, softcap=self.softcap,
-                                     sinks=sinks is not None)
-        output = fused.attend(queries, keys, values, keep, bias, self.dropout, path)
-        if output is not None:  # F.scaled_dot_product_attention computed it, without weights
-            self.attention_weights = None
-            return output
-        if path == "masked product":
-            # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
-            # a pass over the scores fewer, forward and backward
-            scores, attended = fused.masked_product(queries, keys, keep)
-            output, weights = _attention_pool(scores, values, None, None, self.dropout)
-            if attended is not None:
-                output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
-            self.attention_weights = weights if need_weights else None
-            return output
-        # Shape of scores: (..., no. of queries, no. of keys)
-        scores = queries @ keys.transpose(-1, -2)
-        if self.softcap is not None:
-            # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
-            scores = self.softcap * torch.tanh(scores / self.softcap)
-        output, self.attention_weights = _attention_pool(
-            scores, values, keep, bias, self.dropout, need_weights, self.empty_rows, sinks
+        output, self.attention_weights, _ = _attention(
+            queries, keys, values, keep, bias, self.dropout, scale=self.scale,
+            softcap=self.softcap, empty_rows=self.empty_rows, need_weights=need_weights,
+            sinks=sinks, group=group, causal_alone=causal_alone,
         )
         return output
 
@@ -460,16 +480,17 @@ class AdditiveAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None):
+                window_mask=None, attn_bias=None, alignment=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
         )
         _check_valid_lens_values(valid_lens)
-        masks = _Masks(batch_size, num_queries, num_keys, device=queries.device)
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
+        masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window)
         queries, keys = self.W_q(queries), self.W_k(keys)
@@ -554,10 +575,10 @@ class MultiHeadAttention(Module):
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                cache=None):
+                cache=None, alignment=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries, keys, values, valid_lens, mask=mask, causal=causal,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
@@ -567,7 +588,10 @@ class MultiHeadAttention(Module):
         )
         _check_valid_lens_values(valid_lens)
         # The positions before this call's: those in the cache
-        offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        cached = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
+        # The position of the first query, for the masks: after the cached ones unless
+        # alignment places it
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys, cached)
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
@@ -579,11 +603,11 @@ class MultiHeadAttention(Module):
         gates = self.W_g(queries) if self.output_gate else None  # Qwen3-Next
         queries, keys, values = self.project(queries, keys, values)
         if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...;
+            # Each head's queries and keys turned by their positions cached, cached + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
-            length = offset + keys.shape[-2]
-            queries = self.rotary.rotate(queries, offset, length)
-            keys = self.rotary.rotate(keys, offset, length)
+            length = cached + keys.shape[-2]
+            queries = self.rotary.rotate(queries, cached, length)
+            keys = self.rotary.rotate(keys, cached, length)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -593,17 +617,10 @@ class MultiHeadAttention(Module):
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
         causal_alone = causal and offset == 0 and self.sliding_window is None and all(
             x is None for x in (valid_lens, mask, window_mask, attn_bias, self.alibi_slopes))
-        path = fused.choose_path(queries, keys, values, keep, bias, need_weights, self.empty_rows,
-                                 self.attention.dropout, causal_alone, self.softcap, self.sinks)
-        if num_kv_heads != self.num_heads and path not in ("is_causal", "fused"):
-            # Query head h attends with key-value head h // group, as Llama's repeat_kv
-            # (the fused paths pair them themselves: see torch_fused)
-            group = self.num_heads // num_kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
-        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, path, sinks)
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
+                                       self.num_heads // num_kv_heads, causal_alone)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

@@ -1,0 +1,110 @@
+"""The layers' `alignment`, the attention function's: where the causal mask, the sliding window
+and ALiBi put the first query when queries and keys differ in number. Each call is held to the
+same layer given the keep-mask worked out by hand, in every backend, and to the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params
+
+BACKENDS = backend_params()
+Q, K = 3, 5
+
+
+def _hand_mask(first: int, band: int | None = None) -> np.ndarray:
+    """(Q, K): query i, at position first + i, keeps keys j <= first + i, and with a band only
+    those with first + i - j < band."""
+    position = first + np.arange(Q)[:, None]
+    keep = np.arange(K)[None, :] <= position
+    if band is not None:
+        keep &= position - np.arange(K)[None, :] < band
+    return keep
+
+
+def _numbers(name, layer_name, config, rng, **call):
+    """(the layer's output with call, the output of the same weights with `hand`, mha's mask
+    worked by hand, instead and no sliding window, the NumPy reference's output with call) on
+    one draw."""
+    module = backend_module(name)
+    hand = call.pop("hand")
+    layer = getattr(module, layer_name)(**config)
+    queries = rng.standard_normal((2, Q, 4)).astype(np.float32)
+    keys = rng.standard_normal((2, K, 4)).astype(np.float32)
+    tensors = [module.from_numpy(x) for x in (queries, keys, keys)]
+    output = module.to_numpy(layer(*tensors, **call))
+    weights = mha.get_weights(layer)
+    reference = getattr(backend_module("numpy"), layer_name)(**config)
+    mha.set_weights(reference, weights)
+    expected = reference(queries, keys, keys, **call)
+    plain = {k: v for k, v in config.items() if k != "sliding_window"}
+    by_hand = getattr(module, layer_name)(**plain)
+    mha.set_weights(by_hand, weights)
+    by_hand = module.to_numpy(by_hand(*tensors, mask=module.from_numpy(hand)))
+    return output, by_hand, expected
+
+
+@pytest.mark.parametrize(
+    "alignment, first", [("top_left", 0), ("bottom_right", K - Q), (1, 1), (-1, -1)]
+)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_causal_keeps_the_keys_of_the_alignments_first_position(name, alignment, first, rng):
+    for layer_name, config in (
+        ("DotProductAttention", {}),
+        ("AdditiveAttention", {"num_hiddens": 4}),
+        ("MultiHeadAttention", {"num_hiddens": 4, "num_heads": 2, "num_kv_heads": 1}),
+    ):
+        # alignment -1: the first query is before every key, a row with no key (zeros)
+        output, by_hand, expected = _numbers(
+            name,
+            layer_name,
+            config,
+            rng,
+            causal=True,
+            alignment=alignment,
+            hand=_hand_mask(first),
+        )
+        np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_sliding_window_follows_the_alignment(name, rng):
+    config = {"num_hiddens": 4, "num_heads": 2, "sliding_window": 2}
+    output, by_hand, expected = _numbers(
+        name,
+        "MultiHeadAttention",
+        config,
+        rng,
+        causal=True,
+        alignment="bottom_right",
+        hand=_hand_mask(K - Q, band=2),
+    )
+    np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_default_is_top_left_and_after_the_cache(name, rng):
+    module = backend_module(name)
+    layer = module.MultiHeadAttention(num_hiddens=4, num_heads=2, rope_theta=10000.0)
+    queries = rng.standard_normal((2, Q, 4)).astype(np.float32)
+    keys = rng.standard_normal((2, K, 4)).astype(np.float32)
+    X, Y = (module.from_numpy(x) for x in (queries, keys))
+    default = module.to_numpy(layer(X, Y, Y, causal=True))
+    top_left = module.to_numpy(layer(X, Y, Y, causal=True, alignment="top_left"))
+    np.testing.assert_array_equal(default, top_left)
+    # Decoding: after two cached positions, the third query is the last key's neighbour,
+    # as bottom_right places it; rotary positions follow the cache either way
+    _, cache = layer(Y[:, :2], Y[:, :2], Y[:, :2], causal=True, cache=mha.KVCache())
+    after_cache, _ = layer(Y[:, 2:], Y[:, 2:], Y[:, 2:], causal=True, cache=cache)
+    aligned, _ = layer(
+        Y[:, 2:], Y[:, 2:], Y[:, 2:], causal=True, cache=cache, alignment="bottom_right"
+    )
+    np.testing.assert_array_equal(module.to_numpy(after_cache), module.to_numpy(aligned))
+    whole = layer(Y, Y, Y, causal=True)
+    np.testing.assert_allclose(
+        module.to_numpy(after_cache), module.to_numpy(whole)[:, 2:], rtol=1e-5, atol=1e-6
+    )
