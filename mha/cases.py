@@ -53,7 +53,8 @@ class Case:
     (batch x 1 x keys, key padding), "mask_3d", "mask_4d", "mask_4d_heads" (1 x heads x 1 x
     keys), "mask_4d_batch" (batch x 1 x queries x keys), "causal" (with "bottom_right" or
     "aligned_2", the masks' alignment: the last query beside the last key, or the first query
-    at position 2), "window_mask" (additive:
+    at position 2), "segments" (segment_ids: each row two packed sequences; with "square"
+    or "self"), "window_mask" (additive:
     finite biases and -inf), "window_bool", "head_mask" (heads,), "head_mask_2d" (batch x
     heads), "head_mask_bool" (batch x heads, boolean), "attn_bias" (batch x queries x keys,
     finite and -inf, a row all -inf), "attn_bias_4d" (1 x heads x queries x keys, finite, as
@@ -106,6 +107,7 @@ MASKS = (
     "causal",
     "bottom_right",
     "aligned_2",
+    "segments",
     "window_mask",
     "window_bool",
     "head_mask",
@@ -529,6 +531,9 @@ def _other_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any
         inputs["attn_bias"] = draw.normal(1, H, Q, K)
     if "no_weights" in masks:
         inputs["need_weights"] = False
+    if "segments" in masks:  # packed sequences: each row split in two at its own place
+        cuts = draw.rng.integers(1, max(2, K), size=(B, 1))
+        inputs["segment_ids"] = (np.arange(K)[None, :] >= cuts).astype(np.int64)
     return inputs
 
 

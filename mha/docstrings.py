@@ -61,6 +61,9 @@ Call arguments:
         None (default; at i, after the cached positions with a cache), "top_left" (at i),
         "bottom_right" (at i + no. of keys - no. of queries) or an int n (at n + i). It
         moves causal, a sliding window and ALiBi, not rotary positions.
+    segment_ids: packed sequences: integers (batch_size, positions), as many queries as keys,
+        or a pair (query ids (batch_size, no. of queries), key ids (batch_size, no. of
+        keys)); a query attends to the keys of its own segment only.
     attn_bias: added to the scores (a relative position bias, ALiBi), of the layer's
         dtype, broadcastable to (batch_size, no. of queries, no. of keys); its -inf entries
         exclude their key exactly, as a float window_mask's do.
@@ -88,6 +91,8 @@ by W_o.
 Call arguments:
     queries, keys, values, valid_lens, causal, window_mask, alignment: as
         DotProductAttention.
+    segment_ids: as DotProductAttention; rotary positions restart at each segment (a
+        position's index among its segment's), and there is no cache.
     mask: boolean keep-mask; 1-D to 3-D applies to every head, 4-D is read as
         (batch_size, num_heads, no. of queries, no. of keys), each axis broadcastable.
     attn_bias: added to the scores, of the layer's dtype; as `mask`, 1-D to 3-D applies

@@ -10,8 +10,9 @@ import numbers
 from typing import Any
 
 from mha.layer_args import ALIGNMENTS, FLOAT_DTYPES, check_alignment, check_bool, check_empty_rows
+from mha.masks import segment_pair
 from mha.tensors import broadcastable, describe, dtype_name, format_shape, shape_of
-from mha.validation import INTEGER_DTYPES, check_valid_lens, require_framework, require_tensor
+from mha.validation import check_segment_ids, check_valid_lens, require_framework, require_tensor
 
 __all__ = [
     "ALIGNMENTS",
@@ -79,7 +80,7 @@ def check_dot_product_attention_call(
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
     if segment_ids is not None:
-        _check_segments(segment_pair(segment_ids), batch_size, num_queries, num_keys)
+        check_segment_ids(segment_ids, batch_size, num_queries, num_keys)
     for name, flag in (("causal", causal), ("return_weights", return_weights)):
         check_bool(name, flag)
     check_bool("return_lse", return_lse)
@@ -117,31 +118,6 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
             f"value {format_shape(v)}"
         )
     return batch_size, heads, k[1], queries, k[2]
-
-
-def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
-    """(query segment ids, key segment ids) of segment_ids: one tensor for both, where the
-    queries are the keys' positions, or a pair."""
-    return segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
-
-
-def _check_segments(pair: tuple, batch_size: int, num_queries: int, num_keys: int) -> None:
-    if len(pair) != 2:
-        raise ValueError(
-            "segment_ids must be a tensor (batch_size, positions) or a pair (query segment "
-            f"ids (batch_size, no. of queries), key segment ids (batch_size, no. of keys)). "
-            f"Received: a tuple of {len(pair)}"
-        )
-    for name, ids, positions in zip(
-        ("queries", "keys"), pair, (num_queries, num_keys), strict=True
-    ):
-        require_tensor("segment_ids", ids)
-        if dtype_name(ids) not in INTEGER_DTYPES or shape_of(ids) != (batch_size, positions):
-            raise ValueError(
-                f"segment_ids of the {name} must be integers of shape (batch_size, no. of "
-                f"{name}) = ({batch_size}, {positions}); one tensor stands for both only where "
-                f"there are as many queries as keys. Received: {describe('segment_ids', ids)}"
-            )
 
 
 def _check_score_mask(name: str, x: Any, target, dtypes, what: str) -> None:

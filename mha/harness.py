@@ -171,6 +171,7 @@ _CALL_OPTIONS = (
     "head_mask",
     "need_weights",
     "attn_bias",
+    "segment_ids",
 )
 
 

@@ -21,6 +21,12 @@ import math
 from typing import Any
 
 
+def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
+    """(query segment ids, key segment ids) of segment_ids: one tensor for both, where the
+    queries are the keys' positions, or a pair."""
+    return segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+
+
 class Masks:
     """The mask rules; subclasses give the array operations below, for one call's sizes."""
 
@@ -39,9 +45,11 @@ class Masks:
         attn_bias: Any = None,
         sliding_window: int | None = None,
         alibi_slopes: Any = None,
+        segment_ids: Any = None,
     ) -> tuple[Any, Any]:
         """(keep, bias) for the given masks; see the module's docstring. alibi_slopes: each
-        head's ALiBi slope, (num_heads, 1, 1) in the scores' dtype, or None."""
+        head's ALiBi slope, (num_heads, 1, 1) in the scores' dtype, or None; segment_ids, of
+        packed sequences: (batch_size, positions), or a pair for the queries and the keys."""
         keep = bias = None
         # Each mask with its rank: the scores' leading axes it lacks are inserted at the end
         masks = []
@@ -51,6 +59,10 @@ class Masks:
         if mask is not None and self.rank(mask) <= 3:
             # A keep-mask of 1 to 3 axes, broadcastable to (batch_size, Q, K)
             masks.append((mask, self.rank(mask)))
+        if segment_ids is not None:
+            # Packed sequences: a query keeps the keys of its own segment; shape
+            # (batch_size, Q, K)
+            masks.append((self.same_segment(segment_pair(segment_ids)), 3))
         if causal:
             # Query i, at position offset + i, attends to keys j <= offset + i (top-left
             # aligned when Q != K and nothing is cached); shape (Q, K)
@@ -103,24 +115,22 @@ class Masks:
         return keep, bias
 
     def function_masks(
-        self, valid_lens: Any, mask: Any, causal: bool, window: Any, bias: Any, segments=None
+        self, valid_lens: Any, mask: Any, causal: bool, window: Any, bias: Any, segment_ids=None
     ) -> tuple[Any, Any]:
         """(keep, bias) of a call of dot_product_attention, each broadcastable to its scores
         (batch_size, heads, Q, K) or None: its masks broadcast as numpy broadcasts, and the
         diagonal of causal and of the window is the offset's (the alignment's). window: the
-        (left, right) of function_checks.window_sides, or None; segments: (query segment
-        ids, key segment ids), each (batch_size, positions), or None."""
+        (left, right) of function_checks.window_sides, or None; segment_ids: (batch_size,
+        positions), or a pair for the queries and the keys, or None."""
         keep = None
         masks = [mask]
         if valid_lens is not None:
             # Shape (batch_size, 1, 1 or no. of queries, no. of keys): every head alike
             masks.append(self.expand_dims(self.length_mask(valid_lens), 1))
-        if segments is not None:
+        if segment_ids is not None:
             # Packed sequences: a query keeps the keys of its own segment; shape
             # (batch_size, 1, Q, K)
-            queries, keys = segments
-            same = self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
-            masks.append(self.expand_dims(same, 1))
+            masks.append(self.expand_dims(self.same_segment(segment_pair(segment_ids)), 1))
         if causal:
             masks.append(self.causal_mask())
         if window is not None:
@@ -134,6 +144,22 @@ class Masks:
             if each is not None:
                 keep = each if keep is None else self.both(keep, each)
         return keep, bias
+
+    def packed_positions(self, segment_ids: Any) -> tuple[Any, Any]:
+        """(query positions, key positions) of packed sequences, each (batch_size, positions):
+        a position's index within its segment, where rotary embeddings restart; (None, None)
+        without segment_ids."""
+        if segment_ids is None:
+            return None, None
+        queries, keys = segment_pair(segment_ids)
+        # One tensor for both: the queries' positions are the keys'
+        positions = self.segment_positions(keys)
+        return positions if queries is keys else self.segment_positions(queries), positions
+
+    def same_segment(self, segments: tuple[Any, Any]) -> Any:
+        """keep (batch_size, Q, K): True where query i and key j have the same segment id."""
+        queries, keys = segments
+        return self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
 
     def window_keep(self, left: int | None, right: int | None) -> Any:
         """keep (Q, K): True where p - left <= j <= p + right for query i at p = offset + i,
@@ -185,6 +211,11 @@ class Masks:
         raise NotImplementedError
 
     def is_bool(self, windows: Any) -> bool:
+        raise NotImplementedError
+
+    def segment_positions(self, segment_ids: Any) -> Any:
+        """segment_ids (batch_size, n) -> (batch_size, n) integers: how many earlier positions
+        of the row share each position's segment id (its index within a run of equal ids)."""
         raise NotImplementedError
 
     def zeros_where(self, blocked: Any, x: Any) -> Any:

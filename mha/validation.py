@@ -32,6 +32,7 @@ from mha.layer_args import (
     check_empty_rows,
     check_layer_args,
 )
+from mha.masks import segment_pair
 from mha.tensors import (
     Shape,
     broadcastable,
@@ -264,6 +265,8 @@ def check_attention_call(
     attn_bias: Any = None,
     cache: Any = None,
     alignment: Any = None,
+    segment_ids: Any = None,
+    rope_scaling: Any = None,
     dtype: str,
     sizes: Sequence[tuple[str, str, int | None]] = (),
     same_query_key_size: bool = False,
@@ -284,9 +287,7 @@ def check_attention_call(
     """
     given = dict(queries=queries, keys=keys, values=values, valid_lens=valid_lens, mask=mask)
     given.update(window_mask=window_mask, head_mask=head_mask, attn_bias=attn_bias)
-    if _is_cache(cache):
-        given.update({"cache.keys": cache.keys, "cache.values": cache.values})
-    require_framework(tensor_type, **given)
+    require_framework(tensor_type, **given, **_other_tensors(segment_ids, cache))
     q_shape, k_shape, v_shape = _check_inputs(queries, keys, values, dtype, same_query_key_size)
     batch_size, num_queries, num_keys = q_shape[0], q_shape[1], k_shape[1]
     tensors = {"queries": (queries, q_shape), "keys": (keys, k_shape), "values": (values, v_shape)}
@@ -299,16 +300,71 @@ def check_attention_call(
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
     _check_flags(causal, need_weights, alignment)
-    _check_masks(
-        mask,
-        attn_bias,
-        window_mask,
-        head_mask,
-        dtype,
-        num_heads,
-        (batch_size, num_queries, num_keys),
-    )
+    if segment_ids is not None:
+        _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys)
+    scores = (batch_size, num_queries, num_keys)
+    _check_masks(mask, attn_bias, window_mask, head_mask, dtype, num_heads, scores)
     return batch_size, num_queries, num_keys
+
+
+def _other_tensors(segment_ids: Any, cache: Any) -> dict[str, Any]:
+    """The tensors of a layer call's segment_ids and cache, by name."""
+    given = {}
+    if segment_ids is not None:
+        names = ("query segment_ids", "key segment_ids")
+        given.update(zip(names, segment_pair(segment_ids), strict=False))
+    if _is_cache(cache):
+        given.update({"cache.keys": cache.keys, "cache.values": cache.values})
+    return given
+
+
+def check_segment_ids(segment_ids: Any, batch_size, num_queries, num_keys) -> None:
+    """segment_ids: integers (batch_size, positions), where there are as many queries as keys,
+    or a pair (query ids (batch_size, no. of queries), key ids (batch_size, no. of keys))."""
+    pair = segment_pair(segment_ids)
+    if len(pair) != 2:
+        raise ValueError(
+            "segment_ids must be a tensor (batch_size, positions) or a pair (query segment "
+            f"ids (batch_size, no. of queries), key segment ids (batch_size, no. of keys)). "
+            f"Received: a tuple of {len(pair)}"
+        )
+    for name, ids, positions in zip(
+        ("queries", "keys"), pair, (num_queries, num_keys), strict=True
+    ):
+        require_tensor("segment_ids", ids)
+        if dtype_name(ids) not in INTEGER_DTYPES or not _shape_is(ids, (batch_size, positions)):
+            raise ValueError(
+                f"segment_ids of the {name} must be integers of shape (batch_size, no. of "
+                f"{name}) = ({batch_size}, {positions}); one tensor stands for both only where "
+                f"there are as many queries as keys. Received: {describe('segment_ids', ids)}"
+            )
+
+
+def _shape_is(x: Any, shape: tuple) -> bool:
+    """Whether x has `shape`, a size unknown while tracing matching any."""
+    actual = shape_of(x)
+    return len(actual) == len(shape) and all(map(same, actual, shape))
+
+
+def _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys):
+    """A layer's segment_ids: well formed, without a cache (whose keys' segments are not
+    known), and with rotary frequencies that do not depend on the row's length."""
+    if cache is not None:
+        raise ValueError(
+            "segment_ids cannot be given with a cache: packed sequences are attended whole"
+        )
+    check_segment_ids(segment_ids, batch_size, num_queries, num_keys)
+    scaling_type = None if rope_scaling is None else rope_scaling.get("rope_type")
+    original = (
+        None if rope_scaling is None else rope_scaling.get("original_max_position_embeddings")
+    )
+    longer = isinstance(num_keys, int) and original is not None and num_keys > original
+    if scaling_type in ("dynamic", "longrope") and (longer or not isinstance(num_keys, int)):
+        raise ValueError(
+            f"segment_ids with a {scaling_type!r} rope_scaling need rows of at most its "
+            f"original_max_position_embeddings ({original}) positions: beyond, the frequencies "
+            f"follow the row's length, not each sequence's. Received: {num_keys} keys"
+        )
 
 
 def _check_flags(causal: Any, need_weights: Any, alignment: Any) -> None:

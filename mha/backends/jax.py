@@ -293,6 +293,12 @@ class _Masks(Masks):
     def is_bool(self, windows):
         return windows.dtype == jnp.bool_
 
+    def segment_positions(self, segment_ids):
+        # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        earlier = jnp.tri(segment_ids.shape[1], k=-1, dtype=bool)
+        return (same & earlier).sum(axis=-1)
+
     def zeros_where(self, blocked, x):
         return jnp.where(blocked, jnp.zeros((), x.dtype), x)
 
@@ -387,9 +393,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
-    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias, segments)
+                                      function_checks.window_sides(window), bias, segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(query, key, value, keep, bias, _no_dropout, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
@@ -466,17 +471,20 @@ class DotProductAttention(nnx.Module):
         self.attention_weights = nnx.data(None)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, attn_bias=None, alignment=None):
+                 window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
@@ -523,10 +531,12 @@ class AdditiveAttention(nnx.Module):
         self.attention_weights = nnx.data(None)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, attn_bias=None, alignment=None):
+                 window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -535,7 +545,8 @@ class AdditiveAttention(nnx.Module):
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -620,12 +631,13 @@ class MultiHeadAttention(nnx.Module):
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                 cache=None, alignment=None):
+                 cache=None, alignment=None, segment_ids=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
+            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
@@ -643,7 +655,7 @@ class MultiHeadAttention(nnx.Module):
         slopes = _alibi_slopes(self.num_heads, self.dtype) if self.alibi else None
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window,
-                                   alibi_slopes=slopes)
+                                   alibi_slopes=slopes, segment_ids=segment_ids)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None
@@ -652,8 +664,10 @@ class MultiHeadAttention(nnx.Module):
             # Each head's queries and keys turned by their positions cached, cached + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
             length = cached + keys.shape[-2]
-            queries = self.rotary.rotate(queries, cached, length)
-            keys = self.rotary.rotate(keys, cached, length)
+            # Packed sequences restart them at each segment
+            query_positions, key_positions = masks.packed_positions(segment_ids)
+            queries = self.rotary.rotate(queries, cached, length, query_positions)
+            keys = self.rotary.rotate(keys, cached, length, key_positions)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -812,16 +826,21 @@ class RotaryEmbedding(nnx.Module):
         )
         return self.rotate(X, offset)
 
-    def rotate(self, X: jax.Array, offset: int = 0, length=None) -> jax.Array:
+    def rotate(self, X: jax.Array, offset: int = 0, length=None, positions=None) -> jax.Array:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
         checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
-        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
-        keys."""
-        # Shape of angles, cos and sin: (n, rotated / 2)
+        dynamic or longrope scaling. `positions` (batch_size, n), each row's own (packed
+        sequences, X (batch_size, heads, n, num_hiddens)), replace offset's. MultiHeadAttention
+        calls this on each head's queries and keys."""
+        # Shape of angles, cos and sin: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
         n = X.shape[-2]
         frequencies = self.frequencies_at(offset + n if length is None else length)
-        positions = jnp.arange(offset, offset + n, dtype=frequencies.dtype)
-        angles = positions[:, None] * frequencies[None, :]
+        if positions is None:
+            positions = jnp.arange(offset, offset + n, dtype=frequencies.dtype)
+        else:
+            # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
+            positions = positions[:, None, :].astype(frequencies.dtype)
+        angles = positions[..., None] * frequencies
         cos = (jnp.cos(angles) * self.attention_factor).astype(X.dtype)
         sin = (jnp.sin(angles) * self.attention_factor).astype(X.dtype)
         # The features that turn; shape of X: (..., n, rotated)

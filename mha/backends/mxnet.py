@@ -160,8 +160,14 @@ class _Call(NamedTuple):
     # The position of the first query for the masks, where the call's alignment places it;
     # None: after the cached positions (a graph input), as the layers do by default
     first_position: int | None = None
+    segments: bool = False  # segment_ids are given: graph inputs of query and key ids
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
+
+
+def _segment_inputs(segment_ids) -> tuple:
+    """The graph's inputs of segment_ids: (query ids, key ids), or (None, None)."""
+    return (None, None) if segment_ids is None else function_checks.segment_pair(segment_ids)
 
 
 def _first_position(alignment, num_queries: int, num_keys: int) -> int | None:
@@ -175,7 +181,7 @@ def _first_position(alignment, num_queries: int, num_keys: int) -> int | None:
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
                     empty_rows="zeros", sliding_window=None, cache=None, offset=0,
-                    sinks=False, first_position=None) -> _Call:
+                    sinks=False, first_position=None, segment_ids=None) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -193,6 +199,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         cached=offset > 0,
         sinks=sinks,
         first_position=first_position,
+        segments=segment_ids is not None,
         recording=mx.autograd.is_recording(),
     )
 
@@ -424,6 +431,17 @@ class _Masks(Masks):
     def is_bool(self, windows):
         return self.call.window_is_bool
 
+    def same_segment(self, segments):
+        queries, keys = segments
+        return self.F.np.equal(self.F.np.expand_dims(queries, -1), self.F.np.expand_dims(keys, -2))
+
+    def segment_positions(self, segment_ids):
+        # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
+        same = self.same_segment((segment_ids, segment_ids)).astype("int32")
+        positions = _positions(self.F, segment_ids.astype("float32"), -1, "float32")
+        earlier = self.F.np.expand_dims(positions, 0) < self.F.np.expand_dims(positions, -1)
+        return (same * earlier.astype("int32")).sum(axis=-1)
+
     def isneginf(self, x):
         return self.F.np.isneginf(x)
 
@@ -446,7 +464,8 @@ class _Masks(Masks):
 
 
 def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias, call: _Call,
-                     multihead: bool = False, num_heads: int = 1, offset=0, alibi_slopes=None):
+                     multihead: bool = False, num_heads: int = 1, offset=0, alibi_slopes=None,
+                     segments=(None, None)):
     """(keep, bias) of mha.masks for the call; queries and keys as `_Masks` takes them.
 
     When autograd records the call and valid_lens is the only mask (see `_by_lengths`), keep
@@ -467,7 +486,8 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
         offset = call.first_position  # the alignment's, not the cache's
     masks = _Masks(F, queries, keys, call, attn_bias, offset)
     return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias,
-                         sliding_window=call.sliding_window, alibi_slopes=alibi_slopes)
+                         sliding_window=call.sliding_window, alibi_slopes=alibi_slopes,
+                         segment_ids=segments if call.segments else None)
 
 
 def _by_lengths(valid_lens, call: _Call) -> bool:
@@ -483,6 +503,7 @@ def _by_lengths(valid_lens, call: _Call) -> bool:
         and call.attn_bias_ndim is None  # its -inf entries are a mask, and it adds to the scores
         and call.empty_rows == "zeros"  # npx.softmax makes a row of length 0 all 0, not uniform
         and not call.sinks  # the sinks' column follows the keys, past every length
+        and not call.segments  # a query keeps its segment's keys only
     )
 
 
@@ -648,9 +669,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
                            need_weights=return_weights, empty_rows=empty_rows)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(F, query, key, call, offset=offset)
-    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias, segments)
+                                      function_checks.window_sides(window), bias, segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(F, query, key, value, call, keep, bias, _NO_DROPOUT,
                                       scale=scale, softcap=softcap, lse=return_lse,
@@ -720,11 +740,13 @@ class DotProductAttention(Layer):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None, alignment=None):
+                window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, attn_bias)
         _, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
@@ -735,16 +757,19 @@ class DotProductAttention(Layer):
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
                                window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows,
                                sliding_window=self.sliding_window,
-                               first_position=_first_position(alignment, num_queries, num_keys))
+                               first_position=_first_position(alignment, num_queries, num_keys),
+                               segment_ids=segment_ids)
         output, self.attention_weights = self._run(
-            call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
+            call, queries, keys, values, valid_lens, mask, window_mask, attn_bias,
+            *_segment_inputs(segment_ids)
         )
         return output
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
-                       attn_bias):
+                       attn_bias, query_segments, key_segments):
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
-                                      attn_bias, self._structure)
+                                      attn_bias, self._structure,
+                                      segments=(query_segments, key_segments))
         return self.attend(F, queries, keys, values, self._structure, keep, bias)
 
     def attend(self, F, queries, keys, values, call: _Call, keep=None, bias=None, sinks=None,
@@ -785,11 +810,13 @@ class AdditiveAttention(Layer):
         self.initialize(_LinearInit())
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None, alignment=None):
+                window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, attn_bias)
         _, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -802,16 +829,19 @@ class AdditiveAttention(Layer):
         call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask,
                                attn_bias=attn_bias, empty_rows=self.empty_rows,
                                sliding_window=self.sliding_window,
-                               first_position=_first_position(alignment, num_queries, num_keys))
+                               first_position=_first_position(alignment, num_queries, num_keys),
+                               segment_ids=segment_ids)
         output, self.attention_weights = self._run(
-            call, queries, keys, values, valid_lens, mask, window_mask, attn_bias
+            call, queries, keys, values, valid_lens, mask, window_mask, attn_bias,
+            *_segment_inputs(segment_ids)
         )
         return output
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
-                       attn_bias):
+                       attn_bias, query_segments, key_segments):
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
-                                      attn_bias, self._structure)
+                                      attn_bias, self._structure,
+                                      segments=(query_segments, key_segments))
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -890,7 +920,7 @@ class MultiHeadAttention(Layer):
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                cache=None, alignment=None):
+                cache=None, alignment=None, segment_ids=None):
         self._require_ndarrays(queries, keys, values, valid_lens, mask, window_mask, head_mask,
                                attn_bias)
         num_kv_heads = self.num_kv_heads or self.num_heads
@@ -898,7 +928,8 @@ class MultiHeadAttention(Layer):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
+            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, head_size),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
@@ -919,7 +950,7 @@ class MultiHeadAttention(Layer):
         call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
                                head_mask, need_weights, attn_bias, self.empty_rows,
                                self.sliding_window, cache, offset, self.sinks,
-                               _first_position(alignment, num_queries, num_keys))
+                               _first_position(alignment, num_queries, num_keys), segment_ids)
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
@@ -930,7 +961,8 @@ class MultiHeadAttention(Layer):
         # So do the cached keys and values, so that one graph serves every decoding step
         cached = (cache.keys, cache.values) if call.cached else (None, None)
         outputs = self._run(call, queries, keys, values, valid_lens, mask, window_mask,
-                            head_mask, attn_bias, frequencies, slopes, *cached)
+                            head_mask, attn_bias, frequencies, slopes, *cached,
+                            *_segment_inputs(segment_ids))
         # The graph's outputs: output, then the weights and the cache's keys and values
         output, *outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
         weights = outputs.pop(0) if need_weights else None
@@ -941,7 +973,7 @@ class MultiHeadAttention(Layer):
 
     def hybrid_forward(self, F, queries, keys, values, valid_lens, mask, window_mask,
                        head_mask, attn_bias, frequencies, alibi_slopes, cached_keys,
-                       cached_values):
+                       cached_values, query_segments, key_segments):
         call = self._structure
         # The positions before this call's, counted in the graph: a (1,) array, or 0
         offset = 0
@@ -955,8 +987,13 @@ class MultiHeadAttention(Layer):
         queries, keys, values = self.project(F, queries, keys, values)
         if self.rotary is not None:
             # Each head's queries and keys turned by their positions offset, offset + 1, ...
-            queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies)
-            keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies)
+            # (packed sequences restart them at each segment)
+            positions = _Masks(F, queries, keys, call).packed_positions(
+                (query_segments, key_segments) if call.segments else None)
+            queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies,
+                                         positions=positions[0])
+            keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies,
+                                      positions=positions[1])
         if call.cached:
             # This call's keys and values follow those of the positions before it
             keys = F.np.concatenate([cached_keys, keys], axis=2)
@@ -966,7 +1003,8 @@ class MultiHeadAttention(Layer):
         # the number of keys, cached ones included, from the keys alone
         keep, bias = _attention_masks(F, queries, keys, valid_lens, mask, window_mask,
                                       attn_bias, call, multihead=True, num_heads=self.num_heads,
-                                      offset=offset, alibi_slopes=alibi_slopes)
+                                      offset=offset, alibi_slopes=alibi_slopes,
+                                      segments=(query_segments, key_segments))
         # The cache holds num_kv_heads heads, before they are repeated
         cache = (keys, values) if call.cache else ()
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
@@ -1126,14 +1164,19 @@ class RotaryEmbedding(Layer):
             return self.frequencies.as_in_context(ctx)
         return mx.np.array(longer, dtype=self.frequencies.dtype, ctx=ctx)
 
-    def rotate(self, F, X, offset=0, *, frequencies):
+    def rotate(self, F, X, offset=0, *, frequencies, positions=None):
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
         checks). MultiHeadAttention calls this on each head's queries and keys.
         frequencies: those of the call (frequencies_at), on X's context (an input of the graph
-        being traced)."""
+        being traced); positions (batch_size, n), each row's own (packed sequences, X
+        (batch_size, heads, n, num_hiddens)), replace offset's."""
         # Shape of angles, cos and sin: (n, rotated / 2); positions are counted in the
         # angles' dtype (float32 for float16)
-        positions = _positions(F, X, -2, self.dtype) + offset
+        if positions is None:
+            positions = _positions(F, X, -2, self.dtype) + offset
+        else:
+            # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
+            positions = F.np.expand_dims(positions, 1).astype(frequencies.dtype)
         angles = F.np.expand_dims(positions, -1) * F.np.expand_dims(frequencies, 0)
         cos = (F.np.cos(angles) * self.attention_factor).astype(self.dtype)
         sin = (F.np.sin(angles) * self.attention_factor).astype(self.dtype)

@@ -241,6 +241,13 @@ class _Masks(Masks):
     def is_bool(self, windows):
         return windows.dtype == tf.bool
 
+    def segment_positions(self, segment_ids):
+        # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        positions = tf.range(tf.shape(segment_ids)[1])
+        earlier = positions[None, :] < positions[:, None]
+        return tf.reduce_sum(tf.cast(same & earlier, tf.int32), axis=-1)
+
     def zeros_where(self, blocked, x):
         return tf.where(blocked, tf.zeros_like(x), x)
 
@@ -352,6 +359,13 @@ def _as_tensors(*arguments):
     return [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x for x in arguments]
 
 
+def _as_segments(segment_ids):
+    # segment_ids, one tensor or a pair, as _as_tensors makes them
+    if isinstance(segment_ids, tuple):
+        return tuple(_as_tensors(*segment_ids))
+    return _as_tensors(segment_ids)[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # The attention function
 
@@ -377,9 +391,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
-    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias, segments)
+                                      function_checks.window_sides(window), bias, segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(query, key, value, keep, bias, _no_dropout, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
@@ -476,10 +489,12 @@ class DotProductAttention(_AttentionLayer):
         self.built = True  # no weights
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, attn_bias=None, alignment=None, training=None):
+                 window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
+                 training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
@@ -488,16 +503,19 @@ class DotProductAttention(_AttentionLayer):
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
-                                alignment=alignment, training=training)
+                                alignment=alignment, segment_ids=_as_segments(segment_ids),
+                                training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-             window_mask=None, attn_bias=None, alignment=None, training=None):
+             window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
+                 training=None):
         batch_size, num_queries, _ = _dims(queries)
         num_keys = _dims(keys)[1]
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         return self.attend(queries, keys, values, keep, bias, training=training)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
@@ -551,10 +569,12 @@ class AdditiveAttention(_AttentionLayer):
                 dense.build((None, shape[-1]))
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                 window_mask=None, attn_bias=None, alignment=None, training=None):
+                 window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
+                 training=None):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -565,16 +585,19 @@ class AdditiveAttention(_AttentionLayer):
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
-                                alignment=alignment, training=training)
+                                alignment=alignment, segment_ids=_as_segments(segment_ids),
+                                training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-             window_mask=None, attn_bias=None, alignment=None, training=None):
+             window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
+                 training=None):
         batch_size, num_queries, _ = _dims(queries)
         num_keys = _dims(keys)[1]
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes (by expand_dims, not indexing with None: see _length_mask):
         # queries (batch_size, no. of queries, 1, num_hiddens) and keys
@@ -671,7 +694,7 @@ class MultiHeadAttention(_AttentionLayer):
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                 cache=None, alignment=None, training=None):
+                 cache=None, alignment=None, segment_ids=None, training=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         if _is_stored_cache(cache, queries):
             # A .keras file stores the KVCache as a list, which its loading calls this with
@@ -679,7 +702,8 @@ class MultiHeadAttention(_AttentionLayer):
         validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
+            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
@@ -695,11 +719,12 @@ class MultiHeadAttention(_AttentionLayer):
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
-                                alignment=alignment, training=training)
+                                alignment=alignment, segment_ids=_as_segments(segment_ids),
+                                training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-             cache=None, alignment=None, training=None):
+             cache=None, alignment=None, segment_ids=None, training=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, _ = _dims(queries)
         # The positions before this call's: those in the cache (a scalar tensor when the
@@ -715,7 +740,7 @@ class MultiHeadAttention(_AttentionLayer):
         slopes = None if self.alibi_slopes is None else tf.constant(self.alibi_slopes)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window,
-                                   alibi_slopes=slopes)
+                                   alibi_slopes=slopes, segment_ids=segment_ids)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = _apply_dense(self.W_g, queries) if self.output_gate else None
@@ -724,8 +749,10 @@ class MultiHeadAttention(_AttentionLayer):
             # Each head's queries and keys turned by their positions cached, cached + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
             length = cached + _dims(keys)[-2]
-            queries = self.rotary.rotate(queries, cached, length)
-            keys = self.rotary.rotate(keys, cached, length)
+            # Packed sequences restart them at each segment
+            query_positions, key_positions = masks.packed_positions(segment_ids)
+            queries = self.rotary.rotate(queries, cached, length, query_positions)
+            keys = self.rotary.rotate(keys, cached, length, key_positions)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -898,17 +925,23 @@ class RotaryEmbedding(keras.layers.Layer):
     def call(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
         return self.rotate(X, offset)
 
-    def rotate(self, X: tf.Tensor, offset: int = 0, length=None) -> tf.Tensor:
+    def rotate(self, X: tf.Tensor, offset: int = 0, length=None, positions=None) -> tf.Tensor:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
         checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
-        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
-        keys, the offset
+        dynamic or longrope scaling. `positions` (batch_size, n), each row's own (packed
+        sequences, X (batch_size, heads, n, num_hiddens)), replace offset's. MultiHeadAttention
+        calls this on each head's queries and keys, the offset
         being the cached length: an int, or a scalar tensor when unknown while tracing."""
-        # Shape of angles, cos and sin: (n, rotated / 2)
+        # Shape of angles, cos and sin: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
         n = _dims(X)[-2]
-        positions = tf.cast(tf.range(offset, offset + n), self.frequencies.dtype)
+        if positions is None:
+            positions = tf.cast(tf.range(offset, offset + n), self.frequencies.dtype)
+        else:
+            # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
+            positions = tf.cast(positions[:, None, :], self.frequencies.dtype)
         frequencies = self.frequencies_at(offset + n if length is None else length)
-        angles = positions[:, None] * frequencies[None, :]
+        # Shape of angles: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
+        angles = positions[..., None] * frequencies
         cos = tf.cast(tf.cos(angles) * self.attention_factor, X.dtype)
         sin = tf.cast(tf.sin(angles) * self.attention_factor, X.dtype)
         # The features that turn; shape of X: (..., n, rotated)

@@ -227,6 +227,13 @@ class _Masks(Masks):
     def is_bool(self, windows):
         return windows.dtype == torch.bool
 
+    def segment_positions(self, segment_ids):
+        # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        n = segment_ids.shape[1]
+        earlier = torch.ones(n, n, dtype=torch.bool, device=segment_ids.device).tril(-1)
+        return (same & earlier).sum(dim=-1)
+
     def zeros_where(self, blocked, x):
         return torch.where(blocked, 0.0, x)
 
@@ -339,9 +346,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset, device=query.device)
-    segments = None if segment_ids is None else function_checks.segment_pair(segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
-                                      function_checks.window_sides(window), bias, segments)
+                                      function_checks.window_sides(window), bias, segment_ids)
     # The causal mask alone, top-left aligned: the kernels' own is_causal where they have it
     causal_alone = causal and offset == 0 and window is None and all(
         x is None for x in (mask, bias, valid_lens, segment_ids))
@@ -430,17 +436,20 @@ class DotProductAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None, alignment=None):
+                window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
@@ -480,10 +489,12 @@ class AdditiveAttention(Module):
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
-                window_mask=None, attn_bias=None, alignment=None):
+                window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
-            window_mask=window_mask, attn_bias=attn_bias, dtype=self.dtype,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
+            dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -492,7 +503,8 @@ class AdditiveAttention(Module):
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
-                                   sliding_window=self.sliding_window)
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -575,12 +587,13 @@ class MultiHeadAttention(Module):
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
-                cache=None, alignment=None):
+                cache=None, alignment=None, segment_ids=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
-            attn_bias=attn_bias, cache=cache, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
+            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
@@ -597,7 +610,7 @@ class MultiHeadAttention(Module):
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window,
-                                   alibi_slopes=self.alibi_slopes)
+                                   alibi_slopes=self.alibi_slopes, segment_ids=segment_ids)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None  # Qwen3-Next
@@ -606,8 +619,10 @@ class MultiHeadAttention(Module):
             # Each head's queries and keys turned by their positions cached, cached + 1, ...;
             # the sequence, whose length may choose the frequencies, runs to the last key
             length = cached + keys.shape[-2]
-            queries = self.rotary.rotate(queries, cached, length)
-            keys = self.rotary.rotate(keys, cached, length)
+            # Packed sequences restart them at each segment
+            query_positions, key_positions = masks.packed_positions(segment_ids)
+            queries = self.rotary.rotate(queries, cached, length, query_positions)
+            keys = self.rotary.rotate(keys, cached, length, key_positions)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -750,17 +765,22 @@ class RotaryEmbedding(Module):
         )
         return self.rotate(X, offset)
 
-    def rotate(self, X: torch.Tensor, offset: int = 0, length=None) -> torch.Tensor:
+    def rotate(self, X: torch.Tensor, offset: int = 0, length=None, positions=None) -> torch.Tensor:
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
         checks). `length`, the sequence's (offset + n when None), picks the frequencies of a
-        dynamic or longrope scaling. MultiHeadAttention calls this on each head's queries and
-        keys."""
-        # Shape of angles, cos and sin: (n, rotated / 2)
+        dynamic or longrope scaling. `positions` (batch_size, n), each row's own (packed
+        sequences, X (batch_size, heads, n, num_hiddens)), replace offset's. MultiHeadAttention
+        calls this on each head's queries and keys."""
+        # Shape of angles, cos and sin: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
         n = X.shape[-2]
-        positions = torch.arange(offset, offset + n, dtype=self.frequencies.dtype,
-                                 device=X.device)
+        if positions is None:
+            positions = torch.arange(offset, offset + n, dtype=self.frequencies.dtype,
+                                     device=X.device)
+        else:
+            # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
+            positions = positions[:, None, :].to(self.frequencies.dtype)
         frequencies = self.frequencies_at(offset + n if length is None else length)
-        angles = positions[:, None] * frequencies[None, :]
+        angles = positions[..., None] * frequencies
         cos = (angles.cos() * self.attention_factor).to(X.dtype)
         sin = (angles.sin() * self.attention_factor).to(X.dtype)
         # The features that turn; shape of X: (..., n, rotated)

@@ -77,6 +77,11 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False):
     attn_mask = keep
     if bias is not None:
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
+    if attn_mask is not None and torch.compiler.is_compiling():
+        # A graph being exported gets a mask row for every query: ONNX Runtime's Attention
+        # kernel, which the ONNX exporter makes of this call, broadcasts no other
+        rows = (*attn_mask.shape[:-2], queries.shape[-2], attn_mask.shape[-1])
+        attn_mask = attn_mask.expand(rows)
     dropout_p = dropout.p if dropout.training else 0.0
     group = queries.shape[-3] // keys.shape[-3] if keys.dim() > 2 else 1
     # enable_gqa where a kernel of SDPA's own takes it: the CPU's, and CUDA's flash kernel

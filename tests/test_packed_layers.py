@@ -1,0 +1,120 @@
+"""Packed sequences in the layers: segment_ids keep each query to its own sequence, and rotary
+positions restart at each one, so that a packed row gives the numbers of its sequences run one
+by one, in every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mha
+from conftest import backend_module, backend_params
+
+BACKENDS = backend_params()
+
+# Each row of the batch: the lengths of the sequences packed into it, seven positions each
+ROWS = ((3, 4), (5, 2))
+CONFIGS = {
+    "rotary, grouped heads, causal": (
+        "MultiHeadAttention",
+        {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0},
+        {"causal": True},
+    ),
+    "ALiBi and a sliding window, causal": (
+        "MultiHeadAttention",
+        {"num_hiddens": 8, "num_heads": 2, "alibi": True, "sliding_window": 2},
+        {"causal": True},
+    ),
+    "rotary, no weights": (
+        "MultiHeadAttention",
+        {"num_hiddens": 8, "num_heads": 2, "rope_theta": 500.0, "rope_interleaved": True},
+        {"need_weights": False},
+    ),
+    "dot product": ("DotProductAttention", {}, {}),
+    "additive, causal": ("AdditiveAttention", {"num_hiddens": 8}, {"causal": True}),
+}
+
+
+def _segment_ids(rows) -> np.ndarray:
+    """(batch, positions): each sequence of a row numbered 0, 1, ..."""
+    return np.stack([np.repeat(np.arange(len(row)), row) for row in rows]).astype(np.int64)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_packed_row_gives_the_numbers_of_its_sequences_alone(name, config, rng):
+    module = backend_module(name)
+    layer_name, arguments, call = CONFIGS[config]
+    layer = getattr(module, layer_name)(**arguments)
+    X = rng.standard_normal((len(ROWS), 7, 8)).astype(np.float32)
+    packed = layer(
+        *[module.from_numpy(X)] * 3, segment_ids=module.from_numpy(_segment_ids(ROWS)), **call
+    )
+    packed = module.to_numpy(packed)
+    for b, row in enumerate(ROWS):
+        start = 0
+        for length in row:
+            alone = module.from_numpy(X[b : b + 1, start : start + length])
+            expected = module.to_numpy(layer(alone, alone, alone, **call))[0]
+            np.testing.assert_allclose(
+                packed[b, start : start + length], expected, rtol=1e-5, atol=1e-5
+            )
+            start += length
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_packed_queries_and_keys_of_their_own(name, rng):
+    # Cross-attention over packed rows: query ids (batch, Q) and key ids (batch, K)
+    module = backend_module(name)
+    config = {"num_hiddens": 8, "num_heads": 2, "rope_theta": 10000.0}
+    layer = module.MultiHeadAttention(**config)
+    queries_rows, keys_rows = ((2, 3),), ((4, 3),)
+    queries = rng.standard_normal((1, 5, 8)).astype(np.float32)
+    keys = rng.standard_normal((1, 7, 8)).astype(np.float32)
+    pair = tuple(module.from_numpy(_segment_ids(rows)) for rows in (queries_rows, keys_rows))
+    packed = module.to_numpy(
+        layer(module.from_numpy(queries), *[module.from_numpy(keys)] * 2, segment_ids=pair)
+    )
+    reference = backend_module("numpy").MultiHeadAttention(**config)
+    mha.set_weights(reference, mha.get_weights(layer))
+    q0 = k0 = 0
+    for q_len, k_len in zip(queries_rows[0], keys_rows[0], strict=True):
+        k = keys[:, k0 : k0 + k_len]
+        expected = reference(queries[:, q0 : q0 + q_len], k, k)
+        np.testing.assert_allclose(packed[:, q0 : q0 + q_len], expected, rtol=1e-4, atol=1e-5)
+        q0, k0 = q0 + q_len, k0 + k_len
+
+
+@pytest.mark.parametrize(
+    "arguments, call, message",
+    [
+        ({}, {"cache": "empty"}, "segment_ids cannot be given with a cache"),
+        ({}, {"segment_ids": np.zeros((2, 6), np.int64)}, "segment_ids of the queries must be"),
+        ({}, {"segment_ids": np.zeros((2, 7), np.float32)}, "must be integers"),
+        (
+            {
+                "rope_theta": 10000.0,
+                "rope_scaling": {
+                    "rope_type": "dynamic",
+                    "factor": 2.0,
+                    "original_max_position_embeddings": 4,
+                },
+            },
+            {},
+            "need rows of at most its original_max_position_embeddings (4)",
+        ),
+    ],
+    ids=["with a cache", "wrong length", "floats", "dynamic scaling, longer rows"],
+)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_bad_packing_is_refused(name, arguments, call, message, rng):
+    module = backend_module(name)
+    layer = module.MultiHeadAttention(num_hiddens=8, num_heads=2, **arguments)
+    X = module.from_numpy(rng.standard_normal((2, 7, 8)).astype(np.float32))
+    call = dict(call)
+    segment_ids = call.pop("segment_ids", _segment_ids(ROWS))
+    if call.get("cache") == "empty":
+        call["cache"] = mha.KVCache()
+    with pytest.raises(ValueError, match=None) as error:
+        layer(X, X, X, segment_ids=module.from_numpy(segment_ids), **call)
+    assert message in str(error.value)
