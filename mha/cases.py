@@ -53,12 +53,14 @@ class Case:
     (batch x 1 x keys, key padding), "mask_3d", "mask_4d", "mask_4d_heads" (1 x heads x 1 x
     keys), "mask_4d_batch" (batch x 1 x queries x keys), "causal" (with "bottom_right" or
     "aligned_2", the masks' alignment: the last query beside the last key, or the first query
-    at position 2), "segments" (segment_ids: each row two packed sequences; with "square"
-    or "self"), "window_mask" (additive:
-    finite biases and -inf), "window_bool", "head_mask" (heads,), "head_mask_2d" (batch x
-    heads), "head_mask_bool" (batch x heads, boolean), "attn_bias" (batch x queries x keys,
-    finite and -inf, a row all -inf), "attn_bias_4d" (1 x heads x queries x keys, finite, as
-    T5's), "no_weights" (need_weights=False).
+    at position 2), "segments" (segment_ids: each row two packed sequences; with "square" or
+    "self"), "window_mask" (additive: finite biases and -inf), "window_bool", "head_mask"
+    (heads,), "head_mask_2d" (batch x heads), "head_mask_bool" (batch x heads, boolean),
+    "attn_bias" (batch x queries x keys, finite and -inf, a row all -inf), "attn_bias_4d" (1 x
+    heads x queries x keys, finite, as T5's), "no_weights" (need_weights=False). The layer
+    "dot_product_attention" is the attention function: its config holds its options (scale,
+    softcap, window, empty_rows) and the heads of its inputs (num_heads, num_kv_heads), and
+    attn_bias_4d is its bias.
     Every boolean mask but mask_1d and mask_4d_heads, and every window, leaves one row with no
     key. The variants: "square" for as many keys as queries, "tall" for fewer keys than
     queries, "self" for self-attention (one tensor passed as queries, keys and values, the
@@ -438,12 +440,31 @@ def _layer_inputs(case: Case, s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> 
         shape = {"rank_2": (B, n), "rank_4": (B, 2, Q, n)}
         shape = shape.get(next((key for key in shape if key in masks), None), (B, Q, n))
         return {"X": draw.normal(*shape), "Y": draw.normal(*shape)}
+    if case.layer == "dot_product_attention":
+        return _function_inputs(case, s, sizes, draw)
     query_size = s.key_size if case.layer == "DotProductAttention" else s.query_size
     inputs = {"queries": draw.normal(B, Q, query_size)}
     if "self" not in masks:  # self-attention: queries serve as keys and values
         inputs["keys"] = draw.normal(B, K, s.key_size)
         inputs["values"] = draw.normal(B, K, s.value_size)
     return inputs
+
+
+# The attention function's config: what sizes its inputs (the others are its options)
+FUNCTION_SIZES = ("num_heads", "num_kv_heads")
+
+
+def _function_inputs(case: Case, s: Shapes, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
+    """query (B, heads, Q, query_size), key (B, kv heads, K, query_size) and value (B, kv
+    heads, K, value_size) of the attention function: a value head size of its own."""
+    B, Q, K = s.batch_size, sizes.num_queries, sizes.num_keys
+    heads = case.config.get("num_heads", s.num_heads)
+    kv_heads = case.config.get("num_kv_heads", heads)
+    return {
+        "query": draw.normal(B, heads, Q, s.query_size),
+        "key": draw.normal(B, kv_heads, K, s.query_size),
+        "value": draw.normal(B, kv_heads, K, s.value_size),
+    }
 
 
 def _length_inputs(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:

@@ -108,7 +108,8 @@ def run(
 
 def _with_gradients(row: Row, function, module, case: Case, arrays: dict, empty_rows) -> Row:
     """The row with its gradients compared (of sum(output * cotangent)); a NaN at a masked
-    key is compared by outputs only: 0 x NaN makes the query's gradient NaN in any product."""
+    key is compared by outputs only: 0 x NaN makes the query's gradient NaN in any product, and
+    so is a function whose backward raises NotImplementedError (the row's note says so)."""
     if case.inputs != "plain":
         return row
     options = dict(case.options)
@@ -133,6 +134,8 @@ def _with_gradients(row: Row, function, module, case: Case, arrays: dict, empty_
 
     try:
         got = gradients_of(function, row.dtype)
+    except NotImplementedError as error:  # no backward: the outputs alone are compared
+        return dataclasses.replace(row, note=f"gradients not taken: {_first_line(error)}")
     except Exception as error:
         return dataclasses.replace(row, status="error", note=f"gradients: {_first_line(error)}")
     try:

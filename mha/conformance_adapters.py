@@ -6,8 +6,9 @@ naming it, so that the kit reports the case as not taken rather than wrong.
     rows = conformance.run(conformance_adapters.torch_sdpa("math"), "torch")
 
 `ADAPTERS` names them for `mha conform`: torch-sdpa (torch's choice of kernel), torch-sdpa-math,
-torch-sdpa-efficient, torch-sdpa-flash, torch-sdpa-cudnn, jax (jax.nn.dot_product_attention)
-and keras (keras.ops.dot_product_attention), with the framework whose tensors each takes.
+torch-sdpa-efficient, torch-sdpa-flash, torch-sdpa-cudnn, torch-flex (FlexAttention), jax
+(jax.nn.dot_product_attention; jax-cudnn, its cuDNN implementation, on a GPU) and keras
+(keras.ops.dot_product_attention), with the framework whose tensors each takes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["ADAPTERS", "jax_dot_product_attention", "keras_dot_product_attention", "torch_sdpa"]
+__all__ = [
+    "ADAPTERS",
+    "jax_dot_product_attention",
+    "keras_dot_product_attention",
+    "torch_flex_attention",
+    "torch_sdpa",
+]
 
 
 # mha's names of the options, and their defaults: what the kit passes
@@ -90,6 +97,76 @@ def torch_sdpa(kernel: str | None = None) -> Callable:
     return attention
 
 
+def torch_flex_attention() -> Callable:
+    """torch's FlexAttention (torch.nn.attention.flex_attention), eager: every mask as a
+    mask_mod of the positions (a boolean mask, causal at any alignment, windows, lengths,
+    packed segments, a bias's -inf entries) and the bias and soft cap as a score_mod, with
+    grouped heads (enable_gqa). Outside torch.compile it runs its unfused implementation."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def attention(query, key, value, **options):
+        o = _read(options)
+        sizes = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        keep, score = _flex_mods(torch, o, sizes)
+        block_mask = create_block_mask(keep, *sizes, device=query.device)
+        return flex_attention(
+            query,
+            key,
+            value,
+            score_mod=score,
+            block_mask=block_mask,
+            scale=o.scale,
+            enable_gqa=key.shape[1] != query.shape[1],
+        )
+
+    return attention
+
+
+def _flex_mods(torch, o: SimpleNamespace, sizes: tuple[int, int, int, int]):
+    """FlexAttention's (mask_mod, score_mod) of the call's options; sizes: (B, H, Q, K)."""
+    from mha.function_checks import first_position, window_sides
+
+    def whole(x):  # a mask or bias as (B, H, Q, K), broadcast as numpy broadcasts
+        return x.reshape((1,) * (4 - x.dim()) + tuple(x.shape)).expand(*sizes)
+
+    first = first_position(o.alignment, sizes[2], sizes[3])
+    sides = window_sides(o.window) or (None, None)
+    mask = None if o.mask is None else whole(o.mask)
+    bias = None if o.bias is None else whole(o.bias)
+    segments = o.segment_ids if isinstance(o.segment_ids, tuple) else (o.segment_ids,) * 2
+
+    def keep(b, h, q, k):
+        kept, p = k >= 0, q + first  # p: the query's position among the keys
+        if mask is not None:
+            kept = kept & mask[b, h, q, k]
+        if bias is not None:
+            kept = kept & (bias[b, h, q, k] != float("-inf"))
+        if o.causal:
+            kept = kept & (k <= p)
+        if sides[0] is not None:
+            kept = kept & (k >= p - sides[0])
+        if sides[1] is not None:
+            kept = kept & (k <= p + sides[1])
+        if o.valid_lens is not None:
+            lengths = o.valid_lens
+            kept = kept & (k < (lengths[b] if lengths.dim() == 1 else lengths[b, q]))
+        if o.segment_ids is not None:
+            kept = kept & (segments[0][b, q] == segments[1][b, k])
+        return kept
+
+    def score(s, b, h, q, k):
+        if o.softcap is not None:
+            s = o.softcap * torch.tanh(s / o.softcap)
+        return (
+            s
+            if bias is None
+            else s + torch.where(torch.isinf(bias[b, h, q, k]), 0.0, bias[b, h, q, k]).to(s.dtype)
+        )
+
+    return keep, score
+
+
 def jax_dot_product_attention(implementation: str | None = None) -> Callable:
     """jax.nn.dot_product_attention on (batch, positions, heads, head size): a bias and a mask,
     top-left causal, windows, lengths of the keys, grouped heads, one head size."""
@@ -159,6 +236,8 @@ ADAPTERS: dict[str, tuple[str, Callable[[], Callable]]] = {
     "torch-sdpa-efficient": ("torch", lambda: torch_sdpa("efficient")),
     "torch-sdpa-flash": ("torch", lambda: torch_sdpa("flash")),
     "torch-sdpa-cudnn": ("torch", lambda: torch_sdpa("cudnn")),
+    "torch-flex": ("torch", torch_flex_attention),
     "jax": ("jax", jax_dot_product_attention),
+    "jax-cudnn": ("jax", lambda: jax_dot_product_attention("cudnn")),
     "keras": ("tensorflow", keras_dot_product_attention),
 }

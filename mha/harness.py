@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mha import weights as weights_module
-from mha.cases import Case, Shapes, default_cases, fit, make_inputs
+from mha.cases import FUNCTION_SIZES, Case, Shapes, default_cases, fit, make_inputs
 from mha.registry import load_backend, normalize_backend_name
 from mha.weights import random_weights, set_weights
 
@@ -149,12 +149,16 @@ DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
     "DotProductAttention": ("queries", "keys", "values"),
     "AdditiveAttention": ("queries", "keys", "values"),
     "MultiHeadAttention": ("queries", "keys", "values"),
+    "dot_product_attention": ("query", "key", "value"),
 }
+
+# The cases that call a function: no layer, no weights
+FUNCTIONS = ("masked_softmax", "dot_product_attention")
 
 
 def build_layer(backend: str, case: Case, config: Mapping[str, Any], weights=None) -> Any:
     """The layer of `case` in `backend` with `config`, holding `weights` when given."""
-    if case.layer == "masked_softmax":
+    if case.layer in FUNCTIONS:
         return None
     layer = weights_module.build_layer(load_backend(backend), case.layer, config)
     if weights:
@@ -186,10 +190,32 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
         return layer(tensors["X"], **({"offset": tensors["offset"]} if "offset" in tensors else {}))
     if case.layer == "AddNorm":
         return layer(tensors["X"], tensors["Y"])
+    if case.layer == "dot_product_attention":
+        return _call_function(module, case, tensors)
     arguments = {key: tensors[key] for key in _CALL_OPTIONS if key in tensors}
     queries = tensors["queries"]
     keys, values = tensors.get("keys", queries), tensors.get("values", queries)
     return layer(queries, keys, values, tensors.get("valid_lens"), **arguments)
+
+
+# The attention function's arguments a case's inputs give, by the inputs' names
+_FUNCTION_ARGUMENTS = {
+    "mask": "mask",
+    "attn_bias": "bias",
+    "causal": "causal",
+    "alignment": "alignment",
+    "valid_lens": "valid_lens",
+    "segment_ids": "segment_ids",
+}
+
+
+def _call_function(module: Any, case: Case, tensors: Mapping[str, Any]) -> Any:
+    """The backend's dot_product_attention on the case's tensors and options (its config
+    less the sizes of its inputs)."""
+    arguments = {name: tensors[key] for key, name in _FUNCTION_ARGUMENTS.items() if key in tensors}
+    options = {k: v for k, v in case.config.items() if k not in FUNCTION_SIZES}
+    query, key, value = (tensors[name] for name in ("query", "key", "value"))
+    return module.dot_product_attention(query, key, value, **arguments, **options)
 
 
 def run_case(
@@ -358,9 +384,7 @@ def prepare(
     case = fit(case, shapes)
     config = _config(case, shapes, dtype)
     reference_config = {**config, "dtype": "float64"}
-    weights = (
-        random_weights(case.layer, seed=seed, **config) if case.layer != "masked_softmax" else {}
-    )
+    weights = random_weights(case.layer, seed=seed, **config) if case.layer not in FUNCTIONS else {}
     inputs = make_inputs(case, shapes, dtype, seed)
     # The reference sees exactly the numbers the backends see, upcast to float64, so that the
     # difference measures the computation alone.

@@ -139,6 +139,18 @@ UNIFORM_AND_BIASES = (
     ("MultiHeadAttention", ("self", "attn_bias", "window_bool"), {"bias": True}),
 )
 
+# The attention function: its masks, alignments, grouped heads, windows, soft cap, packed
+# segments and a row with no key, each with a value head size of its own
+FUNCTION = (
+    ("dot_product_attention", (), {}),
+    ("dot_product_attention", ("valid_lens_1d", "causal"), {"scale": 0.3}),
+    ("dot_product_attention", ("valid_lens_2d", "causal", "bottom_right"), GQA),
+    ("dot_product_attention", ("mask_4d", "attn_bias_4d"), {"softcap": 2.0}),
+    ("dot_product_attention", ("mask_2d", "causal", "aligned_2"), {"window": (2, 1)}),
+    ("dot_product_attention", ("square", "segments", "causal"), {**MQA, "window": 3}),
+    ("dot_product_attention", ("tall", "causal", "bottom_right"), {"empty_rows": "uniform"}),
+)
+
 # The positional encoding and AddNorm, of every rank AddNorm takes
 ENCODINGS_AND_NORMS = (
     ("PositionalEncoding", (), {}),
@@ -161,7 +173,7 @@ def all_cases() -> list[Case]:
         *_cases(multihead, MULTIHEAD, {"bias": True}),
         *_cases(multihead, MULTIHEAD_MORE, {"bias": True}),
         *_rows(options, SCALES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES),
-        *_rows(MODERN_MORE, UNIFORM_AND_BIASES, ENCODINGS_AND_NORMS),
+        *_rows(MODERN_MORE, UNIFORM_AND_BIASES, ENCODINGS_AND_NORMS, FUNCTION),
     ]
 
 

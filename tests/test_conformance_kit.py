@@ -1,11 +1,13 @@
 """mha.conformance and `mha conform`: the kit that holds someone's attention function to the
-reference. mha's own function agrees in every backend; torch's SDPA (math kernel) and
-jax.nn.dot_product_attention are reported as they behave (what they cannot express as not
-taken, what they compute otherwise as differing); a deliberately broken function is flagged.
+reference. mha's own function agrees in every backend, and so does torch's FlexAttention;
+torch's SDPA (math kernel) and jax.nn.dot_product_attention are reported as they behave (what
+they cannot express as not taken, what they compute otherwise as differing); a deliberately
+broken function is flagged.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 
@@ -63,6 +65,20 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
         "additive bias (batch, heads, Q, K)",
     ):
         assert case in found["agrees"], case
+
+
+@pytest.mark.torch
+def test_torch_flex_attention_takes_every_case_and_agrees():
+    # FlexAttention expresses every mask as a mask_mod and the bias and soft cap as a
+    # score_mod: every case agrees (its CPU backward does not exist: outputs alone are
+    # compared, and the row says so)
+    torch = required_import("torch")
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        pytest.skip(f"torch {torch.__version__} has no FlexAttention")
+    rows = conformance.run(conformance_adapters.torch_flex_attention(), "torch", DTYPES)
+    assert statuses(rows) == {"agrees": {case.name for case in conformance.CASES}}
+    plain = {case.name for case in conformance.CASES if case.inputs == "plain"}
+    assert all("gradients not taken" in row.note for row in rows if row.case in plain)
 
 
 @pytest.mark.jax

@@ -118,3 +118,43 @@ def test_bad_packing_is_refused(name, arguments, call, message, rng):
     with pytest.raises(ValueError, match=None) as error:
         layer(X, X, X, segment_ids=module.from_numpy(segment_ids), **call)
     assert message in str(error.value)
+
+
+def _compiled(name, module, layer):
+    """A call of `layer` (X, segment_ids, alignment fixed) under the framework's compiler."""
+
+    def call(X, keys, segment_ids):
+        return layer(X, keys, keys, segment_ids=segment_ids, causal=True, alignment=1)
+
+    if name == "torch":
+        return module.torch.compile(call, dynamic=False)
+    if name == "tensorflow":
+        return module.tf.function(call)
+    if name == "jax":
+        jitted = module.nnx.jit(
+            lambda layer, X, keys, ids: layer(
+                X, keys, keys, segment_ids=ids, causal=True, alignment=1
+            )
+        )
+        return lambda *tensors: jitted(layer, *tensors)
+    layer.hybridize()  # mxnet: the graph takes the segment ids as inputs
+    return call
+
+
+@pytest.mark.parametrize("name", backend_params(["torch", "tensorflow", "jax", "mxnet"]))
+def test_a_compiled_layer_packs_and_aligns_as_the_reference(name, rng):
+    # Packed rows and an alignment, through torch.compile, tf.function, nnx.jit and a
+    # hybridized graph: the reference's numbers
+    module = backend_module(name)
+    config = {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0}
+    sizes = {"query_size": 8, "key_size": 8, "value_size": 8}
+    layer = module.MultiHeadAttention(**config, **sizes)
+    reference = backend_module("numpy").MultiHeadAttention(**config, **sizes)
+    mha.set_weights(reference, mha.get_weights(layer))
+    X = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    segment_ids = _segment_ids(ROWS)
+    expected = reference(X, X, X, segment_ids=segment_ids, causal=True, alignment=1)
+    compiled = _compiled(name, module, layer)
+    tensors = [module.from_numpy(x) for x in (X, X, segment_ids)]
+    output = module.to_numpy(compiled(*tensors))
+    np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)

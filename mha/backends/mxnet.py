@@ -1176,7 +1176,7 @@ class RotaryEmbedding(Layer):
             positions = _positions(F, X, -2, self.dtype) + offset
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
-            positions = F.np.expand_dims(positions, 1).astype(frequencies.dtype)
+            positions = F.np.expand_dims(positions, 1).astype(rotary_angle_dtype(self.dtype))
         angles = F.np.expand_dims(positions, -1) * F.np.expand_dims(frequencies, 0)
         cos = (F.np.cos(angles) * self.attention_factor).astype(self.dtype)
         sin = (F.np.sin(angles) * self.attention_factor).astype(self.dtype)
