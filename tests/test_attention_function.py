@@ -466,6 +466,46 @@ def test_a_compiled_call_gives_the_references_numbers(name, rng):
     assert (output[1] == 0).all() and np.isneginf(lse[1]).all()
 
 
+# Masks that leave key 6 (a NaN) out of every row, as each fast path takes them: lengths,
+# a boolean mask of keys, a bias's -inf, and causal alone (top-left: the 5 queries see keys 0
+# to 4)
+NAN_KEY_MASKS = {
+    "valid_lens": {"valid_lens": np.array([6, 6])},
+    "mask of keys": {"mask": np.arange(7) < 6},
+    "bias -inf": {"bias": np.where(np.arange(7) < 6, 0.0, -np.inf)},
+    "causal alone": {"causal": True},
+}
+
+
+@pytest.mark.parametrize("masks", NAN_KEY_MASKS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_nan_at_a_masked_key_reaches_no_output_without_weights(name, masks, rng):
+    # Without weights or log-sum-exp the function takes the frameworks' fast paths (torch's
+    # fused kernels among them), eager and, for torch, compiled: the NaN stays out
+    from mha.backends import numpy as N
+
+    module = backend_module(name)
+    query, key, value = random_call(rng, queries=5, keys=7)
+    key[:, :, 6] = np.nan
+    options = NAN_KEY_MASKS[masks]
+    expected = N.dot_product_attention(query, key, value, **options)
+    assert np.isfinite(expected).all()
+    calls = [lambda *t, **o: module.dot_product_attention(*t, **o)]
+    if name == "torch" and masks in ("valid_lens", "causal alone"):  # the fused kernels' paths
+        calls.append(module.torch.compile(module.dot_product_attention, dynamic=False))
+    for call in calls:
+        output = attention_with(module, call, query, key, value, **options)
+        np.testing.assert_allclose(output, expected, rtol=1e-12, atol=1e-12)
+
+
+def attention_with(module, call, *tensors, **options):
+    """`call` on the backend's tensors of numpy arrays, its output as numpy."""
+    convert = {
+        k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in options.items()
+    }
+    return module.to_numpy(call(*map(module.from_numpy, tensors), **convert))
+
+
 def test_the_docs_example_runs_and_gives_the_shapes_it_says():
     page = (Path(__file__).resolve().parents[1] / "docs" / "attention-function.md").read_text()
     example = re.findall(r"```python\n(.*?)```", page, re.S)[0]

@@ -75,7 +75,8 @@ def test_torch_flex_attention_takes_every_case_and_agrees():
     torch = required_import("torch")
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         pytest.skip(f"torch {torch.__version__} has no FlexAttention")
-    rows = conformance.run(conformance_adapters.torch_flex_attention(), "torch", DTYPES)
+    # float32 alone: its eager path builds a block mask per call, the slowest of the adapters
+    rows = conformance.run(conformance_adapters.torch_flex_attention(), "torch", ("float32",))
     assert statuses(rows) == {"agrees": {case.name for case in conformance.CASES}}
     plain = {case.name for case in conformance.CASES if case.inputs == "plain"}
     assert all("gradients not taken" in row.note for row in rows if row.case in plain)

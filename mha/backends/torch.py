@@ -348,6 +348,9 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     masks = _Masks(batch_size, num_queries, num_keys, offset, device=query.device)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
+    # The fast paths read the masks' axes: each gets the scores' four
+    keep, bias = (None if x is None else x.reshape((1,) * (4 - x.dim()) + x.shape)
+                  for x in (keep, bias))
     # The causal mask alone, top-left aligned: the kernels' own is_causal where they have it
     causal_alone = causal and offset == 0 and window is None and all(
         x is None for x in (mask, bias, valid_lens, segment_ids))
