@@ -125,7 +125,7 @@ def _check_score_mask(name: str, x: Any, target, dtypes, what: str) -> None:
     if dtype_name(x) not in dtypes:
         raise TypeError(f"{name} must be {what}. Received: {describe(name, x)}")
     shape = shape_of(x)
-    if len(shape) > 4 or not broadcastable(shape, target[4 - len(shape) :]):
+    if not 1 <= len(shape) <= 4 or not broadcastable(shape, target[4 - len(shape) :]):
         raise ValueError(
             f"{name} must broadcast to the scores (batch_size, heads, no. of queries, no. of "
             f"keys) = {format_shape(target)}, its last axis against the keys. Received: "

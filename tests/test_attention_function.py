@@ -324,6 +324,7 @@ def test_weights_log_sum_exp_soft_cap_and_empty_rows_by_the_formula(name, rng):
         ({"window": (1, -1)}, ValueError, r"window=\(1, -1\)"),
         ({"softcap": 0.0}, ValueError, "softcap must be a positive number"),
         ({"mask": np.ones((3, 7), bool)}, ValueError, r"mask must broadcast to the scores"),
+        ({"mask": np.array(True)}, ValueError, r"mask must broadcast to the scores .* its last"),
         ({"mask": np.ones((5, 7))}, TypeError, "mask must be a boolean keep-mask"),
         ({"bias": np.ones((5, 7), "float32")}, TypeError, "bias must be added to the scores"),
         ({"valid_lens": np.array([1.5, 2.0])}, ValueError, "valid_lens must hold whole numbers"),

@@ -47,7 +47,9 @@ def _numbers(name, layer_name, config, rng, **call):
 
 
 @pytest.mark.parametrize(
-    "alignment, first", [("top_left", 0), ("bottom_right", K - Q), (1, 1), (-1, -1)]
+    "alignment, first",
+    [("top_left", 0), ("bottom_right", K - Q), (1, 1), (-1, -1), (np.int64(1), 1)],
+    ids=["top_left", "bottom_right", "1", "-1", "numpy 1"],
 )
 @pytest.mark.parametrize("name", BACKENDS)
 def test_causal_keeps_the_keys_of_the_alignments_first_position(name, alignment, first, rng):

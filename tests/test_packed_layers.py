@@ -71,7 +71,9 @@ def test_packed_queries_and_keys_of_their_own(name, rng):
     queries_rows, keys_rows = ((2, 3),), ((4, 3),)
     queries = rng.standard_normal((1, 5, 8)).astype(np.float32)
     keys = rng.standard_normal((1, 7, 8)).astype(np.float32)
-    pair = tuple(module.from_numpy(_segment_ids(rows)) for rows in (queries_rows, keys_rows))
+    # The query ids in int32, the key ids in int64: ids of two dtypes compare as numbers
+    ids = (_segment_ids(queries_rows).astype(np.int32), _segment_ids(keys_rows))
+    pair = tuple(module.from_numpy(x) for x in ids)
     packed = module.to_numpy(
         layer(module.from_numpy(queries), *[module.from_numpy(keys)] * 2, segment_ids=pair)
     )

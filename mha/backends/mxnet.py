@@ -432,7 +432,8 @@ class _Masks(Masks):
         return self.call.window_is_bool
 
     def same_segment(self, segments):
-        queries, keys = segments
+        # np.equal takes one dtype: query and key ids may differ in theirs
+        queries, keys = (ids.astype("int64") for ids in segments)
         return self.F.np.equal(self.F.np.expand_dims(queries, -1), self.F.np.expand_dims(keys, -2))
 
     def segment_positions(self, segment_ids):

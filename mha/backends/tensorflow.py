@@ -241,6 +241,11 @@ class _Masks(Masks):
     def is_bool(self, windows):
         return windows.dtype == tf.bool
 
+    def same_segment(self, segments):
+        # tf.equal takes one dtype: query and key ids may differ in theirs
+        queries, keys = (tf.cast(ids, tf.int64) for ids in segments)
+        return queries[:, :, None] == keys[:, None, :]
+
     def segment_positions(self, segment_ids):
         # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
         same = segment_ids[:, :, None] == segment_ids[:, None, :]
@@ -357,6 +362,11 @@ def _is_stored_cache(cache, queries) -> bool:
 def _as_tensors(*arguments):
     # numpy arrays become tensors (after the checks, which read shapes and dtypes only)
     return [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x for x in arguments]
+
+
+def _as_int(alignment):
+    # Keras makes a numpy integer argument a tensor, which the alignment's names do not equal
+    return int(alignment) if isinstance(alignment, np.integer) else alignment
 
 
 def _as_segments(segment_ids):
@@ -503,7 +513,7 @@ class DotProductAttention(_AttentionLayer):
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
-                                alignment=alignment, segment_ids=_as_segments(segment_ids),
+                                alignment=_as_int(alignment), segment_ids=_as_segments(segment_ids),
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -585,7 +595,7 @@ class AdditiveAttention(_AttentionLayer):
         )
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
-                                alignment=alignment, segment_ids=_as_segments(segment_ids),
+                                alignment=_as_int(alignment), segment_ids=_as_segments(segment_ids),
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -719,7 +729,7 @@ class MultiHeadAttention(_AttentionLayer):
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
-                                alignment=alignment, segment_ids=_as_segments(segment_ids),
+                                alignment=_as_int(alignment), segment_ids=_as_segments(segment_ids),
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
