@@ -295,3 +295,16 @@ _ROPE_VALUE_KINDS = {
     "short_factor": "a list of positive numbers",
     "long_factor": "a list of positive numbers",
 }
+
+
+def latent_attention_scale(head_size: int, scaling: Mapping[str, Any] | None) -> float:
+    """The softmax scale of multi-head latent attention: 1 / sqrt(head size), times yarn's
+    mscale(factor, mscale_all_dim) squared when the rotary is scaled (DeepSeek-V3's)."""
+    scale = head_size**-0.5
+    if scaling is None or scaling.get("rope_type", "default") == "default":
+        return scale
+    weight, factor = scaling.get("mscale_all_dim", 0), scaling.get("factor", 1.0)
+    if not weight or factor <= 1:
+        return scale
+    mscale = 0.1 * weight * math.log(factor) + 1.0
+    return scale * mscale * mscale

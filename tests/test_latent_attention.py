@@ -1,0 +1,106 @@
+"""Multi-head latent attention (work in progress): the NumPy reference's
+MultiHeadLatentAttention against transformers' own DeepseekV3Attention, tiny and random, with
+and without the low-rank queries, with a causal mask, and with yarn's scaled rotary."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import required_import
+from mha.backends import numpy as N
+
+pytestmark = pytest.mark.torch
+
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def _their_layer(torch, q_lora_rank, rope_parameters):
+    transformers = required_import("transformers")
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
+
+    config = transformers.DeepseekV3Config(
+        hidden_size=16,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        rope_interleave=True,
+        rope_parameters=rope_parameters,
+        attention_bias=False,
+        max_position_embeddings=64,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    layer = deepseek.DeepseekV3Attention(config, layer_idx=0).double().eval()
+    for name, parameter in layer.named_parameters():  # norms away from 1
+        with torch.no_grad():
+            parameter.copy_(torch.randn_like(parameter) * (0.3 if "norm" not in name else 1.0))
+    rotary = deepseek.DeepseekV3RotaryEmbedding(config).double()
+    return config, layer, rotary
+
+
+def _our_layer(config, theirs, q_lora_rank, scaling):
+    ours = N.MultiHeadLatentAttention(
+        16,
+        2,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=q_lora_rank,
+        rope_theta=config.rope_parameters["rope_theta"],
+        rope_scaling=scaling,
+        norm_eps=config.rms_norm_eps,
+        dtype="float64",
+    )
+    weights = {name: p.detach().numpy() for name, p in theirs.named_parameters()}
+    linear = {
+        "q_proj": "W_q",
+        "q_a_proj": "W_qa",
+        "q_b_proj": "W_qb",
+        "kv_a_proj_with_mqa": "W_kva",
+        "kv_b_proj": "W_kvb",
+        "o_proj": "W_o",
+    }
+    for their_name, our_name in linear.items():
+        if f"{their_name}.weight" in weights:
+            getattr(ours, our_name).weight = weights[f"{their_name}.weight"].T.copy()
+            getattr(ours, our_name).in_features = weights[f"{their_name}.weight"].shape[1]
+    for their_name, our_name in (("q_a_layernorm", "q_norm"), ("kv_a_layernorm", "kv_norm")):
+        if f"{their_name}.weight" in weights:
+            getattr(ours, our_name).gamma = weights[f"{their_name}.weight"].copy()
+    return ours
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8], ids=["plain queries", "low-rank queries"])
+@pytest.mark.parametrize("scaling", [None, YARN], ids=["default rotary", "yarn"])
+def test_the_reference_is_transformers_own(q_lora_rank, scaling):
+    torch = required_import("torch")
+    rope = (
+        {"rope_type": "default", "rope_theta": 10000.0}
+        if scaling is None
+        else {**scaling, "rope_theta": 10000.0}
+    )
+    config, theirs, rotary = _their_layer(torch, q_lora_rank, rope)
+    ours = _our_layer(config, theirs, q_lora_rank, scaling)
+    X = np.random.default_rng(1).standard_normal((2, 5, 16))
+    hidden = torch.from_numpy(X)
+    positions = torch.arange(5)[None].expand(2, -1)
+    causal = torch.full((5, 5), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        expected, _ = theirs(hidden, rotary(hidden, positions), causal.expand(2, 1, 5, 5))
+    output = ours(X, causal=True)
+    # transformers turns the rotary by float32 angles whatever the dtype: 1e-6 of it
+    np.testing.assert_allclose(output, expected.numpy(), rtol=1e-6, atol=1e-6)
