@@ -23,8 +23,8 @@ from mha.cache import KVCache
 from mha.docstrings import documented
 from mha.encoding import (
     alibi_slopes,
-    latent_attention_scale,
     frozen_rope_scaling,
+    latent_attention_scale,
     rotary_angle_dtype,
     rotary_attention_factor,
     rotary_frequencies,
