@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "LatentCache"]
 
 
 class KVCache(NamedTuple):
@@ -26,3 +26,13 @@ class KVCache(NamedTuple):
 
     keys: Any = None
     values: Any = None
+
+
+class LatentCache(NamedTuple):
+    """What multi-head latent attention keeps of the positions seen so far: each position's
+    compressed latent (batch_size, no. of positions, kv_lora_rank) and its rotary key, shared
+    by the heads (batch_size, 1, no. of positions, rope head size), not the expanded keys and
+    values. `LatentCache()`, both None, is the cache before the first call."""
+
+    latent: Any = None
+    rotary_keys: Any = None

@@ -104,3 +104,54 @@ def test_the_reference_is_transformers_own(q_lora_rank, scaling):
     output = ours(X, causal=True)
     # transformers turns the rotary by float32 angles whatever the dtype: 1e-6 of it
     np.testing.assert_allclose(output, expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _layer(q_lora_rank=8):
+    np.random.seed(0)
+    layer = N.MultiHeadLatentAttention(
+        16,
+        4,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=q_lora_rank,
+        dtype="float64",
+    )
+    rng = np.random.default_rng(3)
+    if q_lora_rank is not None:  # norms away from 1
+        layer.q_norm.gamma = rng.uniform(0.5, 1.5, q_lora_rank)
+    layer.kv_norm.gamma = rng.uniform(0.5, 1.5, 6)
+    return layer
+
+
+def test_the_absorbed_form_gives_the_expanded_numbers():
+    # W_kvb folded into the queries and the output: one shared key per position (the latent
+    # and its rotary key), the numbers of the heads expanded from it
+    layer = _layer()
+    X = np.random.default_rng(4).standard_normal((2, 6, 16))
+    lengths = np.array([4, 6])
+    expanded = layer(X, lengths, causal=True)
+    weights = layer.attention_weights
+    absorbed = layer(X, lengths, causal=True, absorbed=True)
+    np.testing.assert_allclose(absorbed, expanded, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(layer.attention_weights, weights, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("absorbed", [False, True], ids=["expanded", "absorbed"])
+def test_decoding_with_the_latent_cache_is_full_causal_attention(absorbed):
+    # A prompt of 3, then one position at a time: each step's output is that position's row
+    # of full causal attention over the whole sequence; the cache holds latents and rotary
+    # keys (kv_lora_rank + rope numbers per position), not expanded keys and values
+    import mha
+
+    layer = _layer(q_lora_rank=None)
+    X = np.random.default_rng(5).standard_normal((2, 6, 16))
+    full = layer(X, causal=True)
+    output, cache = layer(X[:, :3], causal=True, cache=mha.cache.LatentCache(), absorbed=absorbed)
+    steps = [output]
+    for t in range(3, 6):
+        output, cache = layer(X[:, t : t + 1], causal=True, cache=cache, absorbed=absorbed)
+        steps.append(output)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-12)
+    assert cache.latent.shape == (2, 6, 6) and cache.rotary_keys.shape == (2, 1, 6, 4)

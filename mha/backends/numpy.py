@@ -19,7 +19,7 @@ import numpy as np
 
 from mha import function_checks, validation
 from mha.adapter import Adapter
-from mha.cache import KVCache
+from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
 from mha.encoding import (
     alibi_slopes,
@@ -969,44 +969,72 @@ class MultiHeadLatentAttention(Module):
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
-    def forward(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True):
+    def forward(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
+                cache=None, absorbed=False):
         batch_size, num_steps = X.shape[0], X.shape[1]
-        masks = _Masks(batch_size, num_steps, num_steps)
-        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        # The positions before this call's: those in the cache
+        cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
         # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
-        queries = self.project_queries(X)
+        queries = self.project_queries(X, cached)
         # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
         # (batch_size, 1, no. of steps, rope), one rotary key for every head
-        latent, rotary_keys = self.compress(X)
+        latent, rotary_keys = self.compress(X, cached)
+        if cache is not None:
+            # This call's latents and rotary keys follow those of the positions before it
+            if cache.latent is not None:
+                latent = np.concatenate([cache.latent, latent], axis=1)
+                rotary_keys = np.concatenate([cache.rotary_keys, rotary_keys], axis=2)
+            cache = LatentCache(latent, rotary_keys)
+        masks = _Masks(batch_size, num_steps, latent.shape[1], cached)
+        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        output = attend(queries, latent, rotary_keys, keep, bias, need_weights)
+        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
+        output = self.W_o(output.transpose(0, 2, 1, 3).reshape(batch_size, num_steps, -1))
+        return output if cache is None else (output, cache)
+
+    def attend_expanded(self, queries, latent, rotary_keys, keep, bias, need_weights):
+        """Attention over each head's keys and values, expanded from the latent."""
         keys, values = self.expand(latent, rotary_keys)
         output, self.attention_weights, _ = _attention(
-            queries,
-            keys,
-            values,
-            keep,
-            bias,
-            self.dropout,
-            scale=self.scale,
-            empty_rows=self.empty_rows,
-            need_weights=need_weights,
+            queries, keys, values, keep, bias, self.dropout, scale=self.scale,
+            empty_rows=self.empty_rows, need_weights=need_weights,
         )
-        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
-        output = output.transpose(0, 2, 1, 3).reshape(batch_size, num_steps, -1)
-        return self.W_o(output)
+        return output
 
-    def project_queries(self, X):
-        """Each head's query, its rotary part turned: (batch_size, num_heads, n, nope + rope)."""
+    def attend_absorbed(self, queries, latent, rotary_keys, keep, bias, need_weights):
+        """The same numbers with W_kvb folded into the queries and the output: q_nope k_nope =
+        (q_nope W_uk^T) latent, so every head attends over one shared key, the latent and the
+        rotary key, and its values are the latent, W_uv applied after (multi-query attention
+        over the latent)."""
+        # W_kvb per head: its key part W_uk (kv_lora_rank, H, nope), value part W_uv
+        W = self.W_kvb.weight.reshape(self.kv_lora_rank, self.num_heads, -1)
+        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
+        absorbed = np.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
+        queries = np.concatenate([absorbed, queries[..., self.nope :]], axis=-1)
+        keys = np.concatenate([latent[:, None], rotary_keys], axis=-1)
+        output, self.attention_weights, _ = _attention(
+            queries, keys, latent[:, None], keep, bias, self.dropout, scale=self.scale,
+            empty_rows=self.empty_rows, need_weights=need_weights, group=self.num_heads,
+        )
+        # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
+        return np.einsum("bhqr,rhv->bhqv", output, W_uv)
+
+    def project_queries(self, X, offset=0):
+        """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
+        num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
         Q = Q.reshape(*X.shape[:2], self.num_heads, -1).transpose(0, 2, 1, 3)
-        rotated = self.rotary.rotate(Q[..., self.nope :])
+        rotated = self.rotary.rotate(Q[..., self.nope :], offset)
         return np.concatenate([Q[..., : self.nope], rotated], axis=-1)
 
-    def compress(self, X):
+    def compress(self, X, offset=0):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
-        n, rope), turned): what a latent cache keeps for each position."""
+        n, rope) at positions offset, ..., turned): what a latent cache keeps."""
         compressed = self.W_kva(X)
         latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
-        rotary_keys = self.rotary.rotate(compressed[:, None, :, self.kv_lora_rank :])
+        rotary_keys = self.rotary.rotate(compressed[:, None, :, self.kv_lora_rank :], offset)
         return latent, rotary_keys
 
     def expand(self, latent, rotary_keys):
