@@ -155,3 +155,40 @@ def test_decoding_with_the_latent_cache_is_full_causal_attention(absorbed):
         steps.append(output)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-12)
     assert cache.latent.shape == (2, 6, 6) and cache.rotary_keys.shape == (2, 1, 6, 4)
+
+
+def test_torch_gives_the_references_numbers():
+    # The same weights in torch, expanded and absorbed, with lengths, causal and a latent
+    # cache: the reference's numbers
+    import mha
+
+    T = required_import("mha.backends.torch")
+    reference = _layer()
+    layer = T.MultiHeadLatentAttention(
+        16,
+        4,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=8,
+        dtype="float64",
+    )
+    torch = T.torch
+    with torch.no_grad():
+        for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
+            getattr(layer, name).weight.copy_(torch.from_numpy(getattr(reference, name).weight.T))
+        layer.q_norm.weight.copy_(torch.from_numpy(reference.q_norm.gamma))
+        layer.kv_norm.weight.copy_(torch.from_numpy(reference.kv_norm.gamma))
+    X = np.random.default_rng(6).standard_normal((2, 5, 16))
+    lengths = np.array([3, 5])
+    expected = reference(X, lengths, causal=True)
+    for absorbed in (False, True):
+        output = layer(
+            torch.from_numpy(X), torch.from_numpy(lengths), causal=True, absorbed=absorbed
+        )
+        np.testing.assert_allclose(output.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
+    output, cache = layer(torch.from_numpy(X[:, :2]), causal=True, cache=mha.cache.LatentCache())
+    step, cache = layer(torch.from_numpy(X[:, 2:]), causal=True, cache=cache, absorbed=True)
+    full = reference(X, causal=True)
+    np.testing.assert_allclose(step.detach().numpy(), full[:, 2:], rtol=1e-12, atol=1e-12)
