@@ -192,3 +192,42 @@ def test_torch_gives_the_references_numbers():
     step, cache = layer(torch.from_numpy(X[:, 2:]), causal=True, cache=cache, absorbed=True)
     full = reference(X, causal=True)
     np.testing.assert_allclose(step.detach().numpy(), full[:, 2:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.jax
+def test_jax_gives_the_references_numbers():
+    # The same weights in JAX, expanded and absorbed, eager and under nnx.jit, with a latent
+    # cache: the reference's numbers
+    import mha
+
+    J = required_import("mha.backends.jax")
+    jnp, nnx = J.jnp, J.nnx
+    reference = _layer()
+    layer = J.MultiHeadLatentAttention(
+        16,
+        4,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=8,
+        dtype="float32",
+    )
+    for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
+        getattr(layer, name).kernel[...] = jnp.asarray(getattr(reference, name).weight, "float32")
+    layer.q_norm.scale[...] = jnp.asarray(reference.q_norm.gamma, "float32")
+    layer.kv_norm.scale[...] = jnp.asarray(reference.kv_norm.gamma, "float32")
+    X = np.random.default_rng(7).standard_normal((2, 5, 16))
+    lengths = np.array([3, 5])
+    expected = reference(X, lengths, causal=True)
+    jitted = nnx.jit(lambda layer, X, lengths: layer(X, lengths, causal=True, absorbed=True))
+    outputs = [
+        layer(jnp.asarray(X, "float32"), jnp.asarray(lengths), causal=True),
+        jitted(layer, jnp.asarray(X, "float32"), jnp.asarray(lengths)),
+    ]
+    for output in outputs:
+        np.testing.assert_allclose(np.asarray(output), expected, rtol=1e-5, atol=1e-5)
+    _, cache = layer(jnp.asarray(X[:, :2], "float32"), causal=True, cache=mha.cache.LatentCache())
+    step, _ = layer(jnp.asarray(X[:, 2:], "float32"), causal=True, cache=cache, absorbed=True)
+    full = reference(X, causal=True)
+    np.testing.assert_allclose(np.asarray(step), full[:, 2:], rtol=1e-5, atol=1e-5)
