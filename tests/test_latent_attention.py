@@ -231,3 +231,42 @@ def test_jax_gives_the_references_numbers():
     step, _ = layer(jnp.asarray(X[:, 2:], "float32"), causal=True, cache=cache, absorbed=True)
     full = reference(X, causal=True)
     np.testing.assert_allclose(np.asarray(step), full[:, 2:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.tensorflow
+def test_tensorflow_gives_the_references_numbers():
+    # The same weights in TensorFlow, expanded and absorbed, eager and under tf.function,
+    # with a latent cache: the reference's numbers
+    import mha
+
+    TF = required_import("mha.backends.tensorflow")
+    tf = TF.tf
+    reference = _layer()
+    layer = TF.MultiHeadLatentAttention(
+        16,
+        4,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=8,
+        dtype="float64",
+    )
+    for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
+        getattr(layer, name).kernel.assign(getattr(reference, name).weight)
+    layer.q_norm.gamma.assign(reference.q_norm.gamma)
+    layer.kv_norm.gamma.assign(reference.kv_norm.gamma)
+    X = np.random.default_rng(8).standard_normal((2, 5, 16))
+    lengths = np.array([3, 5])
+    expected = reference(X, lengths, causal=True)
+    traced = tf.function(lambda X, lengths: layer(X, lengths, causal=True, absorbed=True))
+    outputs = [
+        layer(tf.constant(X), tf.constant(lengths), causal=True),
+        traced(tf.constant(X), tf.constant(lengths)),
+    ]
+    for output in outputs:
+        np.testing.assert_allclose(output.numpy(), expected, rtol=1e-12, atol=1e-12)
+    _, cache = layer(tf.constant(X[:, :2]), causal=True, cache=mha.cache.LatentCache())
+    step, _ = layer(tf.constant(X[:, 2:]), causal=True, cache=cache, absorbed=True)
+    full = reference(X, causal=True)
+    np.testing.assert_allclose(step.numpy(), full[:, 2:], rtol=1e-12, atol=1e-12)

@@ -31,11 +31,12 @@ import numpy as np
 
 from mha import function_checks, validation
 from mha.adapter import Adapter
-from mha.cache import KVCache
+from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
 from mha.encoding import (
     alibi_slopes,
     frozen_rope_scaling,
+    latent_attention_scale,
     rotary_angle_dtype,
     rotary_attention_factor,
     rotary_frequencies,
@@ -820,6 +821,125 @@ class MultiHeadAttention(_AttentionLayer):
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **layer_config(self)}
+
+
+class MultiHeadLatentAttention(keras.layers.Layer):
+    """Multi-head latent attention (DeepSeek-V2 and V3): the NumPy reference's
+    MultiHeadLatentAttention (mha.backends.numpy), in TensorFlow. Work in progress (not
+    exported; eager calls and tf.function, no Keras serialization yet)."""
+
+    def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
+                 rope_theta: float = 10000.0, rope_interleaved: bool = True,
+                 rope_scaling: dict | None = None, norm_eps: float = 1e-6,
+                 empty_rows: str = "zeros", dtype: str = "float32", **kwargs):
+        super().__init__(dtype=dtype, **{"autocast": False, **kwargs})
+        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.W_q = _projection(num_heads * qk_head, False, num_hiddens, dtype)
+        else:  # queries through a low-rank pair, normalized between
+            self.W_qa = _projection(q_lora_rank, bias, num_hiddens, dtype)
+            self.q_norm = _RMSNorm(q_lora_rank, norm_eps, dtype)
+            self.W_qb = _projection(num_heads * qk_head, False, q_lora_rank, dtype)
+        # One projection gives each position's latent and its shared rotary key
+        self.W_kva = _projection(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, dtype)
+        self.kv_norm = _RMSNorm(kv_lora_rank, norm_eps, dtype)
+        self.W_kvb = _projection(num_heads * (qk_nope_head_dim + v_head_dim), False,
+                                 kv_lora_rank, dtype)
+        self.W_o = _projection(num_hiddens, bias, num_heads * v_head_dim, dtype)
+        self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
+                                      scaling=rope_scaling, dtype=dtype)
+        # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
+        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
+        self.attention_weights = None
+        self.built = True
+
+    def call(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
+             cache=None, absorbed=False, training=None):
+        batch_size, num_steps, _ = _dims(X)
+        # The positions before this call's: those in the cache
+        cached = 0 if cache is None or cache.latent is None else _dims(cache.latent)[1]
+        # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
+        queries = self.project_queries(X, cached)
+        # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
+        # (batch_size, 1, no. of steps, rope), one rotary key for every head
+        latent, rotary_keys = self.compress(X, cached)
+        if cache is not None:
+            # This call's latents and rotary keys follow those of the positions before it
+            if cache.latent is not None:
+                latent = tf.concat([cache.latent, latent], axis=1)
+                rotary_keys = tf.concat([cache.rotary_keys, rotary_keys], axis=2)
+            cache = LatentCache(latent, rotary_keys)
+        masks = _Masks(batch_size, num_steps, _dims(latent)[1], cached)
+        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        output = attend(queries, latent, rotary_keys, keep, bias, need_weights, training)
+        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
+        output = tf.reshape(tf.transpose(output, [0, 2, 1, 3]), [batch_size, num_steps, -1])
+        output = _apply_dense(self.W_o, output)
+        return output if cache is None else (output, cache)
+
+    def attend_expanded(self, queries, latent, rotary_keys, keep, bias, need_weights, training):
+        """Attention over each head's keys and values, expanded from the latent."""
+        keys, values = self.expand(latent, rotary_keys)
+        output, self.attention_weights, _ = _attention(
+            queries, keys, values, keep, bias, self.dropout, training=training,
+            scale=self.scale, empty_rows=self.empty_rows, need_weights=need_weights,
+        )
+        return output
+
+    def attend_absorbed(self, queries, latent, rotary_keys, keep, bias, need_weights, training):
+        """The same numbers with W_kvb folded into the queries and the output (multi-query
+        attention over the latent; see the NumPy reference)."""
+        # W_kvb per head: its key part W_uk (kv_lora_rank, H, nope), value part W_uv
+        W = tf.reshape(self.W_kvb.kernel, [self.kv_lora_rank, self.num_heads, -1])
+        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
+        absorbed = tf.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
+        queries = tf.concat([absorbed, queries[..., self.nope :]], axis=-1)
+        keys = tf.concat([latent[:, None], rotary_keys], axis=-1)
+        output, self.attention_weights, _ = _attention(
+            queries, keys, latent[:, None], keep, bias, self.dropout, training=training,
+            scale=self.scale, empty_rows=self.empty_rows, need_weights=need_weights,
+            group=self.num_heads,
+        )
+        # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
+        return tf.einsum("bhqr,rhv->bhqv", output, W_uv)
+
+    def project_queries(self, X, offset=0):
+        """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
+        num_heads, n, nope + rope)."""
+        if self.q_lora_rank is None:
+            Q = _apply_dense(self.W_q, X)
+        else:
+            Q = _apply_dense(self.W_qb, self.q_norm(_apply_dense(self.W_qa, X)))
+        batch_size, num_steps, _ = _dims(X)
+        Q = tf.transpose(tf.reshape(Q, [batch_size, num_steps, self.num_heads, -1]), [0, 2, 1, 3])
+        rotated = self.rotary.rotate(Q[..., self.nope :], offset)
+        return tf.concat([Q[..., : self.nope], rotated], axis=-1)
+
+    def compress(self, X, offset=0):
+        """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
+        n, rope) at positions offset, ..., turned): what a latent cache keeps."""
+        compressed = _apply_dense(self.W_kva, X)
+        latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
+        rotary_keys = self.rotary.rotate(compressed[:, None, :, self.kv_lora_rank :], offset)
+        return latent, rotary_keys
+
+    def expand(self, latent, rotary_keys):
+        """Each head's keys (batch_size, num_heads, n, nope + rope) and values (batch_size,
+        num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
+        batch_size, num_steps, _ = _dims(latent)
+        KV = _apply_dense(self.W_kvb, latent)
+        KV = tf.transpose(tf.reshape(KV, [batch_size, num_steps, self.num_heads, -1]), [0, 2, 1, 3])
+        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
+        shared = tf.broadcast_to(rotary_keys, [*_dims(keys_nope)[:-1], self.rope])
+        return tf.concat([keys_nope, shared], axis=-1), values
 
 
 @documented
