@@ -270,3 +270,42 @@ def test_tensorflow_gives_the_references_numbers():
     step, _ = layer(tf.constant(X[:, 2:]), causal=True, cache=cache, absorbed=True)
     full = reference(X, causal=True)
     np.testing.assert_allclose(step.numpy(), full[:, 2:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.mxnet
+def test_mxnet_gives_the_references_numbers():
+    # The same weights in MXNet (imperative), expanded and absorbed, with a latent cache: the
+    # reference's numbers
+    import mha
+
+    MX = required_import("mha.backends.mxnet")
+    mx = MX.mx
+    reference = _layer()
+    layer = MX.MultiHeadLatentAttention(
+        16,
+        4,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=8,
+        dtype="float64",
+    )
+    layer.initialize(mx.init.Zero())  # its weights come from the reference below
+    for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
+        getattr(layer, name).weight.set_data(mx.np.array(getattr(reference, name).weight.T))
+    layer.q_norm.gamma.set_data(mx.np.array(reference.q_norm.gamma))
+    layer.kv_norm.gamma.set_data(mx.np.array(reference.kv_norm.gamma))
+    X = np.random.default_rng(9).standard_normal((2, 5, 16))
+    lengths = np.array([3, 5])
+    expected = reference(X, lengths, causal=True)
+    for absorbed in (False, True):
+        output = layer(
+            mx.np.array(X, dtype="float64"), mx.np.array(lengths), causal=True, absorbed=absorbed
+        )
+        np.testing.assert_allclose(output.asnumpy(), expected, rtol=1e-12, atol=1e-12)
+    X64 = mx.np.array(X, dtype="float64")
+    _, cache = layer(X64[:, :2], causal=True, cache=mha.cache.LatentCache())
+    step, _ = layer(X64[:, 2:], causal=True, cache=cache, absorbed=True)
+    full = reference(X, causal=True)
+    np.testing.assert_allclose(step.asnumpy(), full[:, 2:], rtol=1e-12, atol=1e-12)

@@ -50,11 +50,12 @@ from mxnet.gluon import nn
 
 from mha import function_checks, validation
 from mha.adapter import Adapter
-from mha.cache import KVCache
+from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
 from mha.encoding import (
     alibi_slopes,
     frozen_rope_scaling,
+    latent_attention_scale,
     rotary_angle_dtype,
     rotary_attention_factor,
     rotary_frequencies,
@@ -1053,6 +1054,128 @@ class MultiHeadAttention(Layer):
         """Reverse transpose_qkv: -> (batch_size, n, num_hiddens)."""
         X = F.np.transpose(X, (0, 2, 1, 3))
         return F.npx.reshape(X, (-2, -2, self.num_hiddens))
+
+
+@mx.util.use_np
+class MultiHeadLatentAttention(nn.Block):
+    """Multi-head latent attention (DeepSeek-V2 and V3): the NumPy reference's
+    MultiHeadLatentAttention (mha.backends.numpy), in MXNet. Work in progress (not exported;
+    imperative only, a gluon.Block: no hybridized graph yet)."""
+
+    def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
+                 rope_theta: float = 10000.0, rope_interleaved: bool = True,
+                 rope_scaling: dict | None = None, norm_eps: float = 1e-6,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
+        super().__init__()
+        self.dtype = dtype
+        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
+        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        qk_head = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank is None:
+            self.W_q = _dense(num_heads * qk_head, False, num_hiddens, dtype)
+        else:  # queries through a low-rank pair, normalized between
+            self.W_qa = _dense(q_lora_rank, bias, num_hiddens, dtype)
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps, dtype)
+            self.W_qb = _dense(num_heads * qk_head, False, q_lora_rank, dtype)
+        # One projection gives each position's latent and its shared rotary key
+        self.W_kva = _dense(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, dtype)
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, dtype)
+        self.W_kvb = _dense(num_heads * (qk_nope_head_dim + v_head_dim), False, kv_lora_rank,
+                            dtype)
+        self.W_o = _dense(num_hiddens, bias, num_heads * v_head_dim, dtype)
+        self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
+                                      scaling=rope_scaling, dtype=dtype)
+        # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
+        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.dropout = nn.Dropout(dropout)
+        self.attention_weights = None
+
+    def __call__(self, *args, **kwargs):
+        # Block.__call__ takes positional arguments only
+        return self.forward(*args, **kwargs)
+
+    def forward(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
+                cache=None, absorbed=False):
+        batch_size, num_steps = X.shape[0], X.shape[1]
+        # The positions before this call's: those in the cache
+        cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
+        frequencies = self.rotary.frequencies_at(cached + num_steps, X.ctx)
+        # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
+        queries = self.project_queries(X, cached, frequencies)
+        # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
+        # (batch_size, 1, no. of steps, rope), one rotary key for every head
+        latent, rotary_keys = self.compress(X, cached, frequencies)
+        if cache is not None:
+            # This call's latents and rotary keys follow those of the positions before it
+            if cache.latent is not None:
+                latent = mx.np.concatenate([cache.latent, latent], axis=1)
+                rotary_keys = mx.np.concatenate([cache.rotary_keys, rotary_keys], axis=2)
+            cache = LatentCache(latent, rotary_keys)
+        call = _call_structure(self.dtype, valid_lens=valid_lens, mask=mask, causal=causal,
+                               need_weights=need_weights, empty_rows=self.empty_rows)
+        keep, bias = _attention_masks(mx.nd, queries, mx.np.ones_like(latent[:, None]),
+                                      valid_lens, mask, None, None, call, multihead=True,
+                                      num_heads=self.num_heads, offset=cached)
+        attend = self.attend_absorbed if absorbed else self.attend_expanded
+        output = attend(queries, latent, rotary_keys, keep, bias, call)
+        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
+        output = self.W_o(output.transpose(0, 2, 1, 3).reshape(batch_size, num_steps, -1))
+        return output if cache is None else (output, cache)
+
+    def attend_expanded(self, queries, latent, rotary_keys, keep, bias, call):
+        """Attention over each head's keys and values, expanded from the latent."""
+        keys, values = self.expand(latent, rotary_keys)
+        output, self.attention_weights, _ = _attention(
+            mx.nd, queries, keys, values, call, keep, bias, self.dropout, scale=self.scale
+        )
+        return output
+
+    def attend_absorbed(self, queries, latent, rotary_keys, keep, bias, call):
+        """The same numbers with W_kvb folded into the queries and the output (multi-query
+        attention over the latent; see the NumPy reference)."""
+        # W_kvb per head (Gluon keeps it (out, in)): its key part W_uk (kv_lora_rank, H,
+        # nope), value part W_uv
+        W = self.W_kvb.weight.data().T.reshape(self.kv_lora_rank, self.num_heads, -1)
+        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
+        absorbed = mx.np.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
+        queries = mx.np.concatenate([absorbed, queries[..., self.nope :]], axis=-1)
+        keys = mx.np.concatenate([latent[:, None], rotary_keys], axis=-1)
+        output, self.attention_weights, _ = _attention(
+            mx.nd, queries, keys, latent[:, None], call, keep, bias, self.dropout,
+            scale=self.scale, group=self.num_heads,
+        )
+        # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
+        return mx.np.einsum("bhqr,rhv->bhqv", output, W_uv)
+
+    def project_queries(self, X, offset, frequencies):
+        """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
+        num_heads, n, nope + rope)."""
+        Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
+        Q = Q.reshape(X.shape[0], X.shape[1], self.num_heads, -1).transpose(0, 2, 1, 3)
+        rotated = self.rotary.rotate(mx.nd, Q[..., self.nope :], offset, frequencies=frequencies)
+        return mx.np.concatenate([Q[..., : self.nope], rotated], axis=-1)
+
+    def compress(self, X, offset, frequencies):
+        """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
+        n, rope) at positions offset, ..., turned): what a latent cache keeps."""
+        compressed = self.W_kva(X)
+        latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
+        rotary_keys = self.rotary.rotate(mx.nd, compressed[:, None, :, self.kv_lora_rank :],
+                                         offset, frequencies=frequencies)
+        return latent, rotary_keys
+
+    def expand(self, latent, rotary_keys):
+        """Each head's keys (batch_size, num_heads, n, nope + rope) and values (batch_size,
+        num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
+        KV = self.W_kvb(latent).reshape(latent.shape[0], latent.shape[1], self.num_heads, -1)
+        KV = KV.transpose(0, 2, 1, 3)
+        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
+        shared = mx.np.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.rope))
+        return mx.np.concatenate([keys_nope, shared], axis=-1), values
 
 
 @documented
