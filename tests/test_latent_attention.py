@@ -1,16 +1,16 @@
-"""Multi-head latent attention (work in progress): the NumPy reference's
-MultiHeadLatentAttention against transformers' own DeepseekV3Attention, tiny and random, with
-and without the low-rank queries, with a causal mask, and with yarn's scaled rotary."""
+"""Multi-head latent attention (work in progress, not exported yet): the NumPy reference's
+MultiHeadLatentAttention against transformers' own DeepseekV3Attention (tiny and random, with
+and without the low-rank queries, causal, with yarn's scaled rotary); its absorbed form
+against its expanded one; decoding with the latent cache against full causal attention; and
+each other backend's class against the reference, expanded, absorbed and cached."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from conftest import required_import
+from conftest import backend_module, required_import
 from mha.backends import numpy as N
-
-pytestmark = pytest.mark.torch
 
 YARN = {
     "rope_type": "yarn",
@@ -84,6 +84,7 @@ def _our_layer(config, theirs, q_lora_rank, scaling):
     return ours
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("q_lora_rank", [None, 8], ids=["plain queries", "low-rank queries"])
 @pytest.mark.parametrize("scaling", [None, YARN], ids=["default rotary", "yarn"])
 def test_the_reference_is_transformers_own(q_lora_rank, scaling):
@@ -157,12 +158,13 @@ def test_decoding_with_the_latent_cache_is_full_causal_attention(absorbed):
     assert cache.latent.shape == (2, 6, 6) and cache.rotary_keys.shape == (2, 1, 6, 4)
 
 
+@pytest.mark.torch
 def test_torch_gives_the_references_numbers():
     # The same weights in torch, expanded and absorbed, with lengths, causal and a latent
     # cache: the reference's numbers
     import mha
 
-    T = required_import("mha.backends.torch")
+    T = backend_module("torch")
     reference = _layer()
     layer = T.MultiHeadLatentAttention(
         16,
@@ -200,7 +202,7 @@ def test_jax_gives_the_references_numbers():
     # cache: the reference's numbers
     import mha
 
-    J = required_import("mha.backends.jax")
+    J = backend_module("jax")
     jnp, nnx = J.jnp, J.nnx
     reference = _layer()
     layer = J.MultiHeadLatentAttention(
@@ -239,7 +241,7 @@ def test_tensorflow_gives_the_references_numbers():
     # with a latent cache: the reference's numbers
     import mha
 
-    TF = required_import("mha.backends.tensorflow")
+    TF = backend_module("tensorflow")
     tf = TF.tf
     reference = _layer()
     layer = TF.MultiHeadLatentAttention(
@@ -278,7 +280,7 @@ def test_mxnet_gives_the_references_numbers():
     # reference's numbers
     import mha
 
-    MX = required_import("mha.backends.mxnet")
+    MX = backend_module("mxnet")
     mx = MX.mx
     reference = _layer()
     layer = MX.MultiHeadLatentAttention(
