@@ -317,13 +317,11 @@ def _sigmoid(X: np.ndarray) -> np.ndarray:
 
 
 @documented
-def masked_softmax(
-    X: np.ndarray, valid_lens: np.ndarray | None = None, *, empty_rows: str = "zeros"
-) -> np.ndarray:
+def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None, *,
+                   empty_rows: str = "zeros") -> np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
-    validation.check_masked_softmax_call(
-        X, valid_lens, tensor_type=_TENSOR_TYPES, empty_rows=empty_rows
-    )
+    validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
+                                         empty_rows=empty_rows)
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -347,9 +345,8 @@ def _with_sinks(scores: np.ndarray, keep: np.ndarray | None, sinks: np.ndarray):
     return np.concatenate([scores, column], axis=-1), keep
 
 
-def _attention_pool(
-    scores, values, keep, bias, dropout, need_weights=True, empty_rows="zeros", sinks=None
-):
+def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
+                    empty_rows="zeros", sinks=None):
     """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
@@ -369,24 +366,10 @@ def _attention_pool(
 _NO_DROPOUT = Dropout(0.0)
 
 
-def dot_product_attention(
-    query,
-    key,
-    value,
-    *,
-    mask=None,
-    bias=None,
-    scale=None,
-    causal=False,
-    alignment="top_left",
-    window=None,
-    valid_lens=None,
-    softcap=None,
-    empty_rows="zeros",
-    return_weights=False,
-    return_lse=False,
-    segment_ids=None,
-):
+def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
+                          alignment="top_left", window=None, valid_lens=None, softcap=None,
+                          empty_rows="zeros", return_weights=False, return_lse=False,
+                          segment_ids=None):
     """Attention of one call on (batch_size, heads, positions, head size), as kernels and
     ONNX's Attention compute it (docs/attention-function.md has every argument):
         scores = (query * scale) @ key.swapaxes(-1, -2)    # key heads repeated to query's
@@ -404,66 +387,29 @@ def dot_product_attention(
     return_weights and each row's log-sum-exp of its kept scores with return_lse.
     """
     sizes = function_checks.check_dot_product_attention_call(
-        query,
-        key,
-        value,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        causal=causal,
-        alignment=alignment,
-        window=window,
-        valid_lens=valid_lens,
-        softcap=softcap,
-        empty_rows=empty_rows,
-        return_weights=return_weights,
-        return_lse=return_lse,
-        segment_ids=segment_ids,
-        tensor_type=_TENSOR_TYPES,
+        query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
+        alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
+        empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
+        segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
     _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
-    keep, bias = masks.function_masks(
-        valid_lens, mask, causal, function_checks.window_sides(window), bias, segment_ids
-    )
+    keep, bias = masks.function_masks(valid_lens, mask, causal,
+                                      function_checks.window_sides(window), bias, segment_ids)
     # What the layers compute too, without dropout
-    output, weights, lse = _attention(
-        query,
-        key,
-        value,
-        keep,
-        bias,
-        _NO_DROPOUT,
-        scale=scale,
-        softcap=softcap,
-        empty_rows=empty_rows,
-        need_weights=return_weights,
-        lse=return_lse,
-        group=num_heads // num_kv_heads,
-    )
+    output, weights, lse = _attention(query, key, value, keep, bias, _NO_DROPOUT, scale=scale,
+                                      softcap=softcap, empty_rows=empty_rows,
+                                      need_weights=return_weights, lse=return_lse,
+                                      group=num_heads // num_kv_heads)
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
 
 
-def _attention(
-    queries,
-    keys,
-    values,
-    keep,
-    bias,
-    dropout,
-    *,
-    scale=None,
-    softcap=None,
-    empty_rows="zeros",
-    need_weights=True,
-    sinks=None,
-    lse=False,
-    group=1,
-):
+def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
+               empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1):
     """Attention on prepared inputs with any leading axes (no checks): what
     dot_product_attention and every layer's DotProductAttention.attend compute.
 
@@ -490,9 +436,8 @@ def _attention(
     if softcap is not None:
         # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
         scores = softcap * np.tanh(scores / scores.dtype.type(softcap))
-    output, weights = _attention_pool(
-        scores, values, keep, bias, dropout, need_weights, empty_rows, sinks
-    )
+    output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
+                                      empty_rows, sinks)
     if not lse:
         return output, weights, None
     return output, weights, _log_sum_exp(scores if bias is None else scores + bias, keep)
@@ -518,16 +463,9 @@ def _log_sum_exp(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
 class DotProductAttention(Module):
     """Scaled dot-product attention: softmax(Q K^T / sqrt(d)) V."""
 
-    def __init__(
-        self,
-        dropout: float = 0.0,
-        *,
-        scale: float | None = None,
-        empty_rows: str = "zeros",
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        dtype: str = "float32",
-    ):
+    def __init__(self, dropout: float = 0.0, *, scale: float | None = None,
+                 empty_rows: str = "zeros", sliding_window: int | None = None,
+                 softcap: float | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("DotProductAttention", locals())
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
@@ -535,52 +473,25 @@ class DotProductAttention(Module):
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        mask=None,
-        causal=False,
-        window_mask=None,
-        attn_bias=None,
-        alignment=None,
-        segment_ids=None,
-    ):
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            mask=mask,
-            causal=causal,
-            alignment=alignment,
-            window_mask=window_mask,
-            attn_bias=attn_bias,
-            segment_ids=segment_ids,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
             dtype=self.dtype,
-            tensor_type=_TENSOR_TYPES,
-            same_query_key_size=True,
+            tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         _check_valid_lens_values(valid_lens)
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
-        keep, bias = masks.combine(
-            valid_lens,
-            mask,
-            causal,
-            window_mask,
-            attn_bias=attn_bias,
-            sliding_window=self.sliding_window,
-            segment_ids=segment_ids,
-        )
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         return self.attend(queries, keys, values, keep, bias)
 
-    def attend(
-        self, queries, keys, values, keep=None, bias=None, need_weights=True, sinks=None, group=1
-    ):
+    def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
+               sinks=None, group=1):
         """Attention on prepared inputs with any leading axes (no checks), as the attention
         function computes it (_attention).
 
@@ -590,18 +501,9 @@ class DotProductAttention(Module):
         values with a head for every `group` heads of the queries.
         """
         output, self.attention_weights, _ = _attention(
-            queries,
-            keys,
-            values,
-            keep,
-            bias,
-            self.dropout,
-            scale=self.scale,
-            softcap=self.softcap,
-            empty_rows=self.empty_rows,
-            need_weights=need_weights,
-            sinks=sinks,
-            group=group,
+            queries, keys, values, keep, bias, self.dropout, scale=self.scale,
+            softcap=self.softcap, empty_rows=self.empty_rows, need_weights=need_weights,
+            sinks=sinks, group=group,
         )
         return output
 
@@ -610,17 +512,9 @@ class DotProductAttention(Module):
 class AdditiveAttention(Module):
     """Additive attention: scores w_v^T tanh(W_q q + W_k k)."""
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        empty_rows: str = "zeros",
-        sliding_window: int | None = None,
-        dtype: str = "float32",
-    ):
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, query_size: int | None = None,
+                 key_size: int | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("AdditiveAttention", locals())
         self.num_hiddens, self.empty_rows = num_hiddens, empty_rows
@@ -631,50 +525,23 @@ class AdditiveAttention(Module):
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        mask=None,
-        causal=False,
-        window_mask=None,
-        attn_bias=None,
-        alignment=None,
-        segment_ids=None,
-    ):
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None, attn_bias=None, alignment=None,
+                segment_ids=None):
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            mask=mask,
-            causal=causal,
-            alignment=alignment,
-            window_mask=window_mask,
-            attn_bias=attn_bias,
-            segment_ids=segment_ids,
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
+            window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
             dtype=self.dtype,
             tensor_type=_TENSOR_TYPES,
-            sizes=(
-                ("queries", "query_size", self.W_q.in_features),
-                ("keys", "key_size", self.W_k.in_features),
-            ),
+            sizes=(("queries", "query_size", self.W_q.in_features),
+                   ("keys", "key_size", self.W_k.in_features)),
         )
         _check_valid_lens_values(valid_lens)
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
-        keep, bias = masks.combine(
-            valid_lens,
-            mask,
-            causal,
-            window_mask,
-            attn_bias=attn_bias,
-            sliding_window=self.sliding_window,
-            segment_ids=segment_ids,
-        )
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
+                                   sliding_window=self.sliding_window,
+                                   segment_ids=segment_ids)
         queries, keys = self.W_q(queries), self.W_k(keys)
         # After adding axes: queries (batch_size, no. of queries, 1, num_hiddens) and keys
         # (batch_size, 1, no. of keys, num_hiddens); their sum broadcasts to
@@ -692,34 +559,17 @@ class AdditiveAttention(Module):
 class MultiHeadAttention(Module):
     """Multi-head attention: num_heads scaled dot-product attentions in parallel."""
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: int | None = None,
-        key_size: int | None = None,
-        value_size: int | None = None,
-        out_bias: bool | None = None,
-        out_features: int | None = None,
-        scale: float | None = None,
-        empty_rows: str = "zeros",
-        sliding_window: int | None = None,
-        num_kv_heads: int | None = None,
-        rope_theta: float | None = None,
-        rope_interleaved: bool = False,
-        rope_dim: int | None = None,
-        rope_scaling: dict | None = None,
-        softcap: float | None = None,
-        sinks: bool = False,
-        qk_norm: str | None = None,
-        qk_norm_eps: float = 1e-6,
-        output_gate: bool = False,
-        alibi: bool = False,
-        dtype: str = "float32",
-    ):
+    def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,
+                 bias: bool = False, *, query_size: int | None = None,
+                 key_size: int | None = None, value_size: int | None = None,
+                 out_bias: bool | None = None, out_features: int | None = None,
+                 scale: float | None = None, empty_rows: str = "zeros",
+                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 rope_theta: float | None = None, rope_interleaved: bool = False,
+                 rope_dim: int | None = None, rope_scaling: dict | None = None,
+                 softcap: float | None = None, sinks: bool = False,
+                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -729,33 +579,20 @@ class MultiHeadAttention(Module):
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
         self.softcap = softcap
-        self.attention = DotProductAttention(
-            dropout, scale=scale, empty_rows=empty_rows, softcap=softcap, dtype=self.dtype
-        )
+        self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
+                                             softcap=softcap, dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
         head_size = num_hiddens // num_heads
         kv_hiddens = (num_kv_heads or num_heads) * head_size
-        self.rotary = (
-            None
-            if rope_theta is None
-            else RotaryEmbedding(
-                head_size,
-                rope_theta,
-                interleaved=rope_interleaved,
-                rotary_dim=rope_dim,
-                scaling=self.rope_scaling,
-                dtype=self.dtype,
-            )
+        self.rotary = None if rope_theta is None else RotaryEmbedding(
+            head_size, rope_theta, interleaved=rope_interleaved, rotary_dim=rope_dim,
+            scaling=self.rope_scaling, dtype=self.dtype
         )
         self.W_q = Linear(num_hiddens, bias, query_size, self.dtype)
         self.W_k = Linear(kv_hiddens, bias, key_size, self.dtype)
         self.W_v = Linear(kv_hiddens, bias, value_size, self.dtype)
-        self.W_o = Linear(
-            out_features or num_hiddens,
-            bias if out_bias is None else out_bias,
-            num_hiddens,
-            self.dtype,
-        )
+        self.W_o = Linear(out_features or num_hiddens, bias if out_bias is None else out_bias,
+                          num_hiddens, self.dtype)
         # Each head's sink logit (gpt-oss)
         self.sinks = sinks
         if sinks:
@@ -776,53 +613,23 @@ class MultiHeadAttention(Module):
             self.W_g = Linear(num_hiddens, bias, query_size, self.dtype)
         # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
         self.alibi = alibi
-        self.alibi_slopes = (
-            alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1) if alibi else None
-        )
+        self.alibi_slopes = alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1) \
+            if alibi else None
         self.attention_weights = None
 
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        mask=None,
-        causal=False,
-        window_mask=None,
-        head_mask=None,
-        need_weights=True,
-        attn_bias=None,
-        cache=None,
-        alignment=None,
-        segment_ids=None,
-    ):
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
+                window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
+                cache=None, alignment=None, segment_ids=None):
         num_kv_heads = self.num_kv_heads or self.num_heads
         batch_size, num_queries, num_keys = validation.check_attention_call(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            mask=mask,
-            causal=causal,
-            alignment=alignment,
-            window_mask=window_mask,
-            head_mask=head_mask,
-            need_weights=need_weights,
-            attn_bias=attn_bias,
-            cache=cache,
-            segment_ids=segment_ids,
-            rope_scaling=self.rope_scaling,
-            dtype=self.dtype,
-            tensor_type=_TENSOR_TYPES,
-            num_heads=self.num_heads,
-            kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
-            sizes=(
-                ("queries", "query_size", self.W_q.in_features),
-                ("keys", "key_size", self.W_k.in_features),
-                ("values", "value_size", self.W_v.in_features),
-            ),
+            queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
+            window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
+            attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
+            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
+            sizes=(("queries", "query_size", self.W_q.in_features),
+                   ("keys", "key_size", self.W_k.in_features),
+                   ("values", "value_size", self.W_v.in_features)),
         )
         _check_valid_lens_values(valid_lens)
         # The positions before this call's: those in the cache
@@ -833,17 +640,9 @@ class MultiHeadAttention(Module):
         # Shape of keep and bias: broadcastable to
         # (batch_size, num_heads, no. of queries, no. of keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
-        keep, bias = masks.combine(
-            valid_lens,
-            mask,
-            causal,
-            window_mask,
-            multihead=True,
-            attn_bias=attn_bias,
-            sliding_window=self.sliding_window,
-            alibi_slopes=self.alibi_slopes,
-            segment_ids=segment_ids,
-        )
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window,
+                                   alibi_slopes=self.alibi_slopes, segment_ids=segment_ids)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None
@@ -864,9 +663,8 @@ class MultiHeadAttention(Module):
             cache = KVCache(keys, values)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
-        output = self.attention.attend(
-            queries, keys, values, keep, bias, need_weights, sinks, self.num_heads // num_kv_heads
-        )
+        output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
+                                       self.num_heads // num_kv_heads)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
@@ -914,32 +712,18 @@ class MultiHeadLatentAttention(Module):
     compressed latent per position, and each head's query and key are split into a part
     without rotary embeddings and a rotary part whose key every head shares.
 
-    Work in progress (not exported yet): the NumPy reference, held to transformers'
-    DeepseekV3Attention. Weights: W_q (num_hiddens, H (nope + rope)), or with q_lora_rank
-    W_qa (num_hiddens, q_lora_rank), q_norm, W_qb (q_lora_rank, H (nope + rope)); W_kva
-    (num_hiddens, kv_lora_rank + rope), kv_norm, W_kvb (kv_lora_rank, H (nope + v)), W_o
-    (H v, num_hiddens).
+    Work in progress (not exported from mha yet; docs/latent-attention.md). Weights: W_q
+    (num_hiddens, H (nope + rope)), or with q_lora_rank W_qa (num_hiddens, q_lora_rank),
+    q_norm, W_qb (q_lora_rank, H (nope + rope)); W_kva (num_hiddens, kv_lora_rank + rope),
+    kv_norm, W_kvb (kv_lora_rank, H (nope + v)), W_o (H v, num_hiddens).
     """
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        *,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        q_lora_rank: int | None = None,
-        dropout: float = 0.0,
-        bias: bool = False,
-        rope_theta: float = 10000.0,
-        rope_interleaved: bool = True,
-        rope_scaling: dict | None = None,
-        norm_eps: float = 1e-6,
-        empty_rows: str = "zeros",
-        dtype: str = "float32",
-    ):
+    def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+                 q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
+                 rope_theta: float = 10000.0, rope_interleaved: bool = True,
+                 rope_scaling: dict | None = None, norm_eps: float = 1e-6,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
         super().__init__()
         self.dtype = dtype
         self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
@@ -955,15 +739,11 @@ class MultiHeadLatentAttention(Module):
         # One projection gives each position's latent and its shared rotary key
         self.W_kva = Linear(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, dtype)
         self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, dtype)
-        self.W_kvb = Linear(num_heads * (qk_nope_head_dim + v_head_dim), False, kv_lora_rank, dtype)
+        self.W_kvb = Linear(num_heads * (qk_nope_head_dim + v_head_dim), False, kv_lora_rank,
+                            dtype)
         self.W_o = Linear(num_hiddens, bias, num_heads * v_head_dim, dtype)
-        self.rotary = RotaryEmbedding(
-            qk_rope_head_dim,
-            rope_theta,
-            interleaved=rope_interleaved,
-            scaling=rope_scaling,
-            dtype=dtype,
-        )
+        self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
+                                      scaling=rope_scaling, dtype=dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
         self.scale = latent_attention_scale(qk_head, rope_scaling)
         self.dropout = Dropout(dropout)
@@ -1051,9 +831,8 @@ class MultiHeadLatentAttention(Module):
 class PositionalEncoding(Module):
     """Add the sinusoidal positional encoding P to X, then dropout."""
 
-    def __init__(
-        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *, dtype: str = "float32"
-    ):
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("PositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
@@ -1073,9 +852,8 @@ class LearnedPositionalEncoding(Module):
     """Add a learned positional embedding to X, then dropout: P is a weight, one row per
     position, trained with the rest."""
 
-    def __init__(
-        self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *, dtype: str = "float32"
-    ):
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000, *,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("LearnedPositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
@@ -1096,16 +874,9 @@ class RotaryEmbedding(Module):
     """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
     with the position."""
 
-    def __init__(
-        self,
-        num_hiddens: int,
-        theta: float = 10000.0,
-        *,
-        interleaved: bool = False,
-        rotary_dim: int | None = None,
-        scaling: dict | None = None,
-        dtype: str = "float32",
-    ):
+    def __init__(self, num_hiddens: int, theta: float = 10000.0, *, interleaved: bool = False,
+                 rotary_dim: int | None = None, scaling: dict | None = None,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("RotaryEmbedding", locals())
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
@@ -1168,9 +939,8 @@ class RotaryEmbedding(Module):
 class AddNorm(Module):
     """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis."""
 
-    def __init__(
-        self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5, dtype: str = "float32"
-    ):
+    def __init__(self, num_hiddens: int, dropout: float = 0.0, *, eps: float = 1e-5,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("AddNorm", locals())
         self.num_hiddens, self.eps = num_hiddens, eps
@@ -1195,13 +965,8 @@ def layer_config(layer: Module) -> dict[str, Any]:
 
 # How this backend keeps each kind of parameter of mha.weights.weight_places: the attribute,
 # and whether it holds the canonical array transposed (Linear keeps W as (in, out))
-PARAMETERS = {
-    "kernel": ("weight", False),
-    "bias": ("bias", False),
-    "scale": ("gamma", False),
-    "shift": ("beta", False),
-    "table": ("weight", False),
-}
+PARAMETERS = {"kernel": ("weight", False), "bias": ("bias", False),
+              "scale": ("gamma", False), "shift": ("beta", False), "table": ("weight", False)}
 
 
 def read_parameter(parameter: np.ndarray, transposed: bool) -> np.ndarray:
@@ -1221,11 +986,6 @@ def write_parameter(sublayer: Module, kind: str, value: np.ndarray) -> None:
 # What mha's glue needs beside the layers. NumPy has no autograd, so there is no
 # value_and_gradients: mha.harness differentiates the reference by central differences.
 ADAPTER = Adapter(
-    to_numpy,
-    from_numpy,
-    layer_config,
-    PARAMETERS,
-    read_parameter,
-    write_parameter,
+    to_numpy, from_numpy, layer_config, PARAMETERS, read_parameter, write_parameter,
     without_gradients=contextlib.nullcontext,
 )
