@@ -147,13 +147,14 @@ def rotary_attention_factor(scaling: Mapping[str, Any] | None) -> float:
     if scaling["rope_type"] == "longrope":
         original = scaling["original_max_position_embeddings"]
         return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-
-    def mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
     if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
-    return mscale(factor)
+        return _mscale(factor, scaling["mscale"]) / _mscale(factor, scaling["mscale_all_dim"])
+    return _mscale(factor)
+
+
+def _mscale(scale: float, weight: float = 1.0) -> float:
+    """yarn's magnitude correction of a context `scale` times longer, weighted."""
+    return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
 
 
 def rotary_angle_dtype(dtype: str) -> str:
@@ -301,10 +302,6 @@ def latent_attention_scale(head_size: int, scaling: Mapping[str, Any] | None) ->
     """The softmax scale of multi-head latent attention: 1 / sqrt(head size), times yarn's
     mscale(factor, mscale_all_dim) squared when the rotary is scaled (DeepSeek-V3's)."""
     scale = head_size**-0.5
-    if scaling is None or scaling.get("rope_type", "default") == "default":
+    if scaling is None or not scaling.get("mscale_all_dim"):
         return scale
-    weight, factor = scaling.get("mscale_all_dim", 0), scaling.get("factor", 1.0)
-    if not weight or factor <= 1:
-        return scale
-    mscale = 0.1 * weight * math.log(factor) + 1.0
-    return scale * mscale * mscale
+    return scale * _mscale(scaling.get("factor", 1.0), scaling["mscale_all_dim"]) ** 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import backend_module, required_import
+from conftest import backend_module, backend_params, required_import
 from mha.backends import numpy as N
 
 YARN = {
@@ -158,132 +158,61 @@ def test_decoding_with_the_latent_cache_is_full_causal_attention(absorbed):
     assert cache.latent.shape == (2, 6, 6) and cache.rotary_keys.shape == (2, 1, 6, 4)
 
 
-@pytest.mark.torch
-def test_torch_gives_the_references_numbers():
-    # The same weights in torch, expanded and absorbed, with lengths, causal and a latent
-    # cache: the reference's numbers
-    import mha
-
-    T = backend_module("torch")
-    reference = _layer()
-    layer = T.MultiHeadLatentAttention(
-        16,
-        4,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        q_lora_rank=8,
-        dtype="float64",
-    )
-    torch = T.torch
-    with torch.no_grad():
-        for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
-            getattr(layer, name).weight.copy_(torch.from_numpy(getattr(reference, name).weight.T))
-        layer.q_norm.weight.copy_(torch.from_numpy(reference.q_norm.gamma))
-        layer.kv_norm.weight.copy_(torch.from_numpy(reference.kv_norm.gamma))
-    X = np.random.default_rng(6).standard_normal((2, 5, 16))
-    lengths = np.array([3, 5])
-    expected = reference(X, lengths, causal=True)
-    for absorbed in (False, True):
-        output = layer(
-            torch.from_numpy(X), torch.from_numpy(lengths), causal=True, absorbed=absorbed
-        )
-        np.testing.assert_allclose(output.detach().numpy(), expected, rtol=1e-12, atol=1e-12)
-    output, cache = layer(torch.from_numpy(X[:, :2]), causal=True, cache=mha.cache.LatentCache())
-    step, cache = layer(torch.from_numpy(X[:, 2:]), causal=True, cache=cache, absorbed=True)
-    full = reference(X, causal=True)
-    np.testing.assert_allclose(step.detach().numpy(), full[:, 2:], rtol=1e-12, atol=1e-12)
+def _load_torch(T, layer, reference):
+    with T.torch.no_grad():
+        for name in LINEARS:
+            getattr(layer, name).weight.copy_(T.from_numpy(getattr(reference, name).weight.T))
+        layer.q_norm.weight.copy_(T.from_numpy(reference.q_norm.gamma))
+        layer.kv_norm.weight.copy_(T.from_numpy(reference.kv_norm.gamma))
 
 
-@pytest.mark.jax
-def test_jax_gives_the_references_numbers():
-    # The same weights in JAX, expanded and absorbed, eager and under nnx.jit, with a latent
-    # cache: the reference's numbers
-    import mha
-
-    J = backend_module("jax")
-    jnp, nnx = J.jnp, J.nnx
-    reference = _layer()
-    layer = J.MultiHeadLatentAttention(
-        16,
-        4,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        q_lora_rank=8,
-        dtype="float32",
-    )
-    for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
-        getattr(layer, name).kernel[...] = jnp.asarray(getattr(reference, name).weight, "float32")
-    layer.q_norm.scale[...] = jnp.asarray(reference.q_norm.gamma, "float32")
-    layer.kv_norm.scale[...] = jnp.asarray(reference.kv_norm.gamma, "float32")
-    X = np.random.default_rng(7).standard_normal((2, 5, 16))
-    lengths = np.array([3, 5])
-    expected = reference(X, lengths, causal=True)
-    jitted = nnx.jit(lambda layer, X, lengths: layer(X, lengths, causal=True, absorbed=True))
-    outputs = [
-        layer(jnp.asarray(X, "float32"), jnp.asarray(lengths), causal=True),
-        jitted(layer, jnp.asarray(X, "float32"), jnp.asarray(lengths)),
-    ]
-    for output in outputs:
-        np.testing.assert_allclose(np.asarray(output), expected, rtol=1e-5, atol=1e-5)
-    _, cache = layer(jnp.asarray(X[:, :2], "float32"), causal=True, cache=mha.cache.LatentCache())
-    step, _ = layer(jnp.asarray(X[:, 2:], "float32"), causal=True, cache=cache, absorbed=True)
-    full = reference(X, causal=True)
-    np.testing.assert_allclose(np.asarray(step), full[:, 2:], rtol=1e-5, atol=1e-5)
+def _load_jax(J, layer, reference):
+    for name in LINEARS:
+        getattr(layer, name).kernel[...] = J.from_numpy(getattr(reference, name).weight)
+    layer.q_norm.scale[...] = J.from_numpy(reference.q_norm.gamma)
+    layer.kv_norm.scale[...] = J.from_numpy(reference.kv_norm.gamma)
 
 
-@pytest.mark.tensorflow
-def test_tensorflow_gives_the_references_numbers():
-    # The same weights in TensorFlow, expanded and absorbed, eager and under tf.function,
-    # with a latent cache: the reference's numbers
-    import mha
-
-    TF = backend_module("tensorflow")
-    tf = TF.tf
-    reference = _layer()
-    layer = TF.MultiHeadLatentAttention(
-        16,
-        4,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        q_lora_rank=8,
-        dtype="float64",
-    )
-    for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
+def _load_tensorflow(TF, layer, reference):
+    for name in LINEARS:
         getattr(layer, name).kernel.assign(getattr(reference, name).weight)
     layer.q_norm.gamma.assign(reference.q_norm.gamma)
     layer.kv_norm.gamma.assign(reference.kv_norm.gamma)
-    X = np.random.default_rng(8).standard_normal((2, 5, 16))
-    lengths = np.array([3, 5])
-    expected = reference(X, lengths, causal=True)
-    traced = tf.function(lambda X, lengths: layer(X, lengths, causal=True, absorbed=True))
-    outputs = [
-        layer(tf.constant(X), tf.constant(lengths), causal=True),
-        traced(tf.constant(X), tf.constant(lengths)),
-    ]
-    for output in outputs:
-        np.testing.assert_allclose(output.numpy(), expected, rtol=1e-12, atol=1e-12)
-    _, cache = layer(tf.constant(X[:, :2]), causal=True, cache=mha.cache.LatentCache())
-    step, _ = layer(tf.constant(X[:, 2:]), causal=True, cache=cache, absorbed=True)
-    full = reference(X, causal=True)
-    np.testing.assert_allclose(step.numpy(), full[:, 2:], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.mxnet
-def test_mxnet_gives_the_references_numbers():
-    # The same weights in MXNet (imperative), expanded and absorbed, with a latent cache: the
-    # reference's numbers
+def _load_mxnet(MX, layer, reference):
+    layer.initialize(MX.mx.init.Zero())  # its weights come from the reference below
+    for name in LINEARS:
+        getattr(layer, name).weight.set_data(MX.from_numpy(getattr(reference, name).weight.T))
+    layer.q_norm.gamma.set_data(MX.from_numpy(reference.q_norm.gamma))
+    layer.kv_norm.gamma.set_data(MX.from_numpy(reference.kv_norm.gamma))
+
+
+LINEARS = ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o")
+# How each backend's class takes the reference's weights, and its compiler where the call
+# also runs compiled (JAX without its 64-bit mode computes in float32)
+LOADERS = {
+    "torch": _load_torch,
+    "jax": _load_jax,
+    "tensorflow": _load_tensorflow,
+    "mxnet": _load_mxnet,
+}
+COMPILERS = {
+    "jax": lambda module, call: module.nnx.jit(call),
+    "tensorflow": lambda module, call: module.tf.function(call),
+}
+
+
+@pytest.mark.parametrize("name", backend_params(list(LOADERS)))
+def test_each_backend_gives_the_references_numbers(name):
+    # The same weights in each backend, expanded and absorbed (and compiled where the
+    # framework compiles), with lengths, causal and a latent cache: the reference's numbers
     import mha
 
-    MX = backend_module("mxnet")
-    mx = MX.mx
+    module = backend_module(name)
+    dtype, tolerance = ("float32", 1e-5) if name == "jax" else ("float64", 1e-12)
     reference = _layer()
-    layer = MX.MultiHeadLatentAttention(
+    layer = module.MultiHeadLatentAttention(
         16,
         4,
         kv_lora_rank=6,
@@ -291,23 +220,27 @@ def test_mxnet_gives_the_references_numbers():
         qk_rope_head_dim=4,
         v_head_dim=6,
         q_lora_rank=8,
-        dtype="float64",
+        dtype=dtype,
     )
-    layer.initialize(mx.init.Zero())  # its weights come from the reference below
-    for name in ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o"):
-        getattr(layer, name).weight.set_data(mx.np.array(getattr(reference, name).weight.T))
-    layer.q_norm.gamma.set_data(mx.np.array(reference.q_norm.gamma))
-    layer.kv_norm.gamma.set_data(mx.np.array(reference.kv_norm.gamma))
-    X = np.random.default_rng(9).standard_normal((2, 5, 16))
+    LOADERS[name](module, layer, reference)
+    X = np.random.default_rng(6).standard_normal((2, 5, 16))
     lengths = np.array([3, 5])
     expected = reference(X, lengths, causal=True)
-    for absorbed in (False, True):
-        output = layer(
-            mx.np.array(X, dtype="float64"), mx.np.array(lengths), causal=True, absorbed=absorbed
-        )
-        np.testing.assert_allclose(output.asnumpy(), expected, rtol=1e-12, atol=1e-12)
-    X64 = mx.np.array(X, dtype="float64")
-    _, cache = layer(X64[:, :2], causal=True, cache=mha.cache.LatentCache())
-    step, _ = layer(X64[:, 2:], causal=True, cache=cache, absorbed=True)
+
+    def call(layer, X, lengths, absorbed):
+        return layer(X, lengths, causal=True, absorbed=absorbed)
+
+    calls = [call]
+    if name in COMPILERS:
+        compiled = COMPILERS[name](module, lambda layer, X, lengths: call(layer, X, lengths, True))
+        calls.append(lambda layer, X, lengths, absorbed: compiled(layer, X, lengths))
+    tensors = (module.from_numpy(X.astype(dtype)), module.from_numpy(lengths))
+    for each in calls:
+        for absorbed in (False, True):
+            output = module.to_numpy(each(layer, *tensors, absorbed))
+            np.testing.assert_allclose(output, expected, rtol=tolerance, atol=tolerance)
+    queries = tensors[0]
+    _, cache = layer(queries[:, :2], causal=True, cache=mha.cache.LatentCache())
+    step, _ = layer(queries[:, 2:], causal=True, cache=cache, absorbed=True)
     full = reference(X, causal=True)
-    np.testing.assert_allclose(step.asnumpy(), full[:, 2:], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(module.to_numpy(step), full[:, 2:], rtol=tolerance, atol=tolerance)
