@@ -30,6 +30,12 @@ CONFIGS = {
         {"num_hiddens": 8, "num_heads": 2, "rope_theta": 500.0, "rope_interleaved": True},
         {"need_weights": False},
     ),
+    # Causal alone takes the frameworks' own causal kernels: the segments must not be lost
+    "causal, no weights": (
+        "MultiHeadAttention",
+        {"num_hiddens": 8, "num_heads": 2},
+        {"causal": True, "need_weights": False},
+    ),
     "dot product": ("DotProductAttention", {}, {}),
     "additive, causal": ("AdditiveAttention", {"num_hiddens": 8}, {"causal": True}),
 }

@@ -635,7 +635,8 @@ class MultiHeadAttention(Module):
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
         causal_alone = causal and offset == 0 and self.sliding_window is None and all(
-            x is None for x in (valid_lens, mask, window_mask, attn_bias, self.alibi_slopes))
+            x is None
+            for x in (valid_lens, mask, window_mask, attn_bias, self.alibi_slopes, segment_ids))
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
