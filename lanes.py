@@ -31,8 +31,9 @@ the lane's constraints file.
 
 The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
 packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
-and nothing to download: each step of tests/gpu_lane.py (the agreement matrix, the masked-key
-and synchronization checks, a short benchmark) in its own process under a time limit. With no
+and nothing to download: each step of tests/gpu_lane.py in its own process under a time limit,
+the checks side by side (the agreement matrix, the masked-key and synchronization checks, the
+frameworks' own attention functions held to the reference), then a short benchmark alone. With no
 GPU visible it says so and exits 0; `python3 lanes.py gpu --device cpu` runs it on the CPU.
 It uses only the standard library, so that it runs with nothing but Python 3.
 """
@@ -242,15 +243,17 @@ def lock(name: str, lane: Lane) -> None:
     print(f"== {name}: wrote {len(pins)} pins to {lane.constraints}")
 
 
-# Seconds each step may take: the whole lane fits in ten minutes on one GPU
-GPU_STEPS = {"agreement": 200, "masked_keys": 90, "sync": 60, "bench": 230}
+# The checks run side by side, then the benchmark alone; seconds each phase may take (the
+# whole lane fits in ten minutes on one GPU)
+GPU_PHASES = ((("agreement", "masked_keys", "sync", "conform"), 240), (("bench",), 260))
 # JAX compiles each case's programs on the CPU, so its matrix is shared by processes
 JAX_PARTS = 3
 
 
 def gpu_lane(device: str = "gpu") -> int:
-    """Every step of tests/gpu_lane.py on `device`, each in its own process and time limit;
-    the agreement matrix of each framework in a process of its own, side by side."""
+    """Every step of tests/gpu_lane.py on `device`, each in its own process and time limit:
+    the checks side by side (the agreement matrix of each framework in processes of its own),
+    then the benchmark alone, so that nothing else runs while it times."""
     environment = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -263,29 +266,24 @@ def gpu_lane(device: str = "gpu") -> int:
         return 0
     run(*script, "versions", "--device", device, env=environment)
     codes = {}
-    for step, limit in GPU_STEPS.items():
-        print(f"== gpu: {step} (at most {limit} s)", flush=True)
-        frameworks = [name for name in ("torch", "jax") if importlib.util.find_spec(name)]
-        split = (
-            [
-                ["--backends", name, "--part", f"{k}/{JAX_PARTS if name == 'jax' else 1}"]
-                for name in frameworks
-                for k in range(1, (JAX_PARTS if name == "jax" else 1) + 1)
-            ]
-            if step == "agreement"
-            else [[]]
-        )
+    for steps, limit in GPU_PHASES:
+        print(f"== gpu: {', '.join(steps)} (at most {limit} s)", flush=True)
         processes = [
             # A session of its own, so that a step past its limit is killed with its children
-            subprocess.Popen(
-                [*script, step, "--device", device, *more],
-                env=environment,
-                start_new_session=True,
+            (
+                step,
+                subprocess.Popen(
+                    [*script, step, "--device", device, *more],
+                    env=environment,
+                    start_new_session=True,
+                ),
             )
-            for more in split
+            for step in steps
+            for more in _gpu_parts(step)
         ]
         deadline = time.monotonic() + limit
-        codes[step] = max(_wait(process, deadline) for process in processes)
+        for step, process in processes:
+            codes[step] = max(codes.get(step, 0), _wait(process, deadline))
     print(
         "== gpu lane: "
         + ", ".join(
@@ -294,6 +292,19 @@ def gpu_lane(device: str = "gpu") -> int:
         )
     )
     return max(codes.values())
+
+
+def _gpu_parts(step: str) -> list[list[str]]:
+    """The arguments of each process of `step`: the agreement matrix split by framework, and
+    JAX's in JAX_PARTS parts; one process for every other step."""
+    if step != "agreement":
+        return [[]]
+    frameworks = [name for name in ("torch", "jax") if importlib.util.find_spec(name)]
+    return [
+        ["--backends", name, "--part", f"{k}/{JAX_PARTS if name == 'jax' else 1}"]
+        for name in frameworks
+        for k in range(1, (JAX_PARTS if name == "jax" else 1) + 1)
+    ]
 
 
 def _wait(process: subprocess.Popen, deadline: float) -> int:

@@ -420,6 +420,8 @@ def _jax_calls(config: Config, mode: str) -> Calls:
     layers = {"mha": (call_ours, ours), "nnx.MultiHeadAttention": (call_theirs, theirs)}
     if not config.need_weights:  # dot_product_attention cannot return the weights
         layers["dot_product_attention layer"] = (call_dpa, theirs)
+    if not config.need_weights and _cudnn_runs(_call_cudnn, theirs, X, valid_lens):
+        layers["cuDNN dot_product_attention layer"] = (_call_cudnn, theirs)
     # Jitted on both sides; a timed call ends when its results are ready
     forwards = {name: nnx.jit(call) for name, (call, _) in layers.items()}
     backwards = {
@@ -441,6 +443,32 @@ def _jax_calls(config: Config, mode: str) -> Calls:
         return jax.block_until_ready(backwards[names[id(call)]](layer, X, valid_lens))
 
     return _passes(layers, forward, backward)
+
+
+def _call_cudnn(layer, X, lens):
+    """Flax's weights on cuDNN's fused kernel, lengths as it takes them."""
+    import jax
+
+    q, k, v = (getattr(layer, p)(X) for p in ("query", "key", "value"))
+    output = jax.nn.dot_product_attention(
+        q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, implementation="cudnn"
+    )
+    return layer.out(output), None
+
+
+def _cudnn_runs(call, layer, X, valid_lens) -> bool:
+    """Whether JAX's cuDNN attention takes the call here (a GPU, float16 or bfloat16, a head
+    size and sequence it supports); JAX raises when it does not."""
+    import jax
+    from flax import nnx
+
+    if X.dtype not in ("float16", "bfloat16") or all(d.platform != "gpu" for d in X.devices()):
+        return False
+    try:
+        jax.block_until_ready(nnx.jit(call)(layer, X, valid_lens))
+    except Exception:  # not taken: no row
+        return False
+    return True
 
 
 def _jax_layers_and_inputs(config: Config):

@@ -465,6 +465,13 @@ def _add_conform_command(commands) -> None:
         default="zeros",
         help="what a row with no key must give (default: zeros)",
     )
+    conform.add_argument(
+        "--device",
+        choices=("cpu", "gpu"),
+        help="give the function torch or jax tensors there (a GPU: CUDA's current device, "
+        "JAX's first GPU); the references run where the framework puts its arrays. Default: "
+        "where the framework puts them",
+    )
     conform.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
@@ -477,7 +484,12 @@ def _conform(arguments, out, err) -> int:
     unknown = [d for d in dtypes if d not in conformance.TOLERANCES]
     if unknown or not dtypes:
         raise UsageError(f"--dtypes takes {', '.join(conformance.TOLERANCES)}: {unknown}")
-    rows = conformance.run(function, framework, dtypes, empty_rows=arguments.empty_rows)
+    try:
+        rows = conformance.run(
+            function, framework, dtypes, empty_rows=arguments.empty_rows, device=arguments.device
+        )
+    except ValueError as error:  # a framework mha does not place
+        raise UsageError(str(error)) from None
     if arguments.json:
         print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1), file=out)
     else:

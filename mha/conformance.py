@@ -87,26 +87,39 @@ def run(
     seed: int = 0,
     empty_rows: str = "zeros",
     gradients: bool = True,
+    device: str | None = None,
 ) -> list[Row]:
     """Each case of `cases` in each dtype of `dtypes`, through `function` on `framework`'s
     tensors (an mha backend's name: numpy, torch, tensorflow, mxnet, jax). A row with no key
     is held to `empty_rows`: "zeros" (mha's and ONNX's) or "uniform" (the mean of the values,
     the softmax of equal scores: JAX's and Keras's). With `gradients`, on a framework with
     autograd, the gradients of query, key and value are held to those of mha's function of
-    that framework in float64 (itself held to the reference's finite differences)."""
+    that framework in float64 (itself held to the reference's finite differences). `device`
+    ("cpu", "gpu") places the function's tensors; None leaves them where the framework puts
+    them. The references run where the framework puts them, in float64."""
     module = load_backend(framework)
+    place = _placer(module, device)
     rows = []
     for case in cases:
         arrays = _inputs(case, np.random.default_rng(seed))
         for dtype in dtypes:
-            row = _row(function, module, case, arrays, dtype, empty_rows)
+            row = _row(function, module, place, case, arrays, dtype, empty_rows)
             if gradients and row.status == "agrees" and module.ADAPTER.autograd:
-                row = _with_gradients(row, function, module, case, arrays, empty_rows)
+                row = _with_gradients(row, function, module, place, case, arrays, empty_rows)
             rows.append(row)
     return rows
 
 
-def _with_gradients(row: Row, function, module, case: Case, arrays: dict, empty_rows) -> Row:
+def _placer(module, device: str | None) -> Callable:
+    """What puts a tensor on `device`; a ValueError where the backend places nothing."""
+    if device is None:
+        return lambda x: x
+    if module.ADAPTER.to_device is None:
+        raise ValueError(f"mha does not place {module.__name__.split('.')[-1]}'s tensors")
+    return lambda x: module.ADAPTER.to_device(x, device)
+
+
+def _with_gradients(row: Row, function, module, place, case: Case, arrays: dict, empty_rows) -> Row:
     """The row with its gradients compared (of sum(output * cotangent)); a NaN at a masked
     key is compared by outputs only: 0 x NaN makes the query's gradient NaN in any product, and
     so is a function whose backward raises NotImplementedError (the row's note says so)."""
@@ -116,16 +129,17 @@ def _with_gradients(row: Row, function, module, case: Case, arrays: dict, empty_
     cotangent = np.random.default_rng(1).standard_normal(_output_shape(arrays))
     wrt = ["query", "key", "value"]
 
-    def gradients_of(call, dtype):
+    def gradients_of(call, dtype, place=lambda x: x):
         tensors = {
-            k: module.from_numpy(_cast(_rounded(v, row.dtype), dtype)) for k, v in arrays.items()
+            k: place(module.from_numpy(_cast(_rounded(v, row.dtype), dtype)))
+            for k, v in arrays.items()
         }
         _, found, _ = module.ADAPTER.value_and_gradients(
             lambda t: call(**t, **options),
             tensors,
             wrt,
             None,
-            module.from_numpy(_cast(cotangent, dtype)),
+            place(module.from_numpy(_cast(cotangent, dtype))),
         )
         return {k: np.asarray(v, dtype="float64") for k, v in found.items()}
 
@@ -133,7 +147,7 @@ def _with_gradients(row: Row, function, module, case: Case, arrays: dict, empty_
         return module.dot_product_attention(**given, empty_rows=empty_rows)
 
     try:
-        got = gradients_of(function, row.dtype)
+        got = gradients_of(function, row.dtype, place)
     except NotImplementedError as error:  # no backward: the outputs alone are compared
         return dataclasses.replace(row, note=f"gradients not taken: {_first_line(error)}")
     except Exception as error:
@@ -158,13 +172,13 @@ def _output_shape(arrays: dict) -> tuple[int, ...]:
     return (*arrays["query"].shape[:3], arrays["value"].shape[-1])
 
 
-def _row(function, module, case: Case, arrays: dict, dtype: str, empty_rows: str) -> Row:
+def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_rows: str) -> Row:
     rounded = {k: _rounded(v, dtype) for k, v in arrays.items()}
     expected = reference.dot_product_attention(
         **rounded, **dict(case.options), empty_rows=empty_rows
     )
     try:
-        given = {k: module.from_numpy(_cast(v, dtype)) for k, v in arrays.items()}
+        given = {k: place(module.from_numpy(_cast(v, dtype))) for k, v in arrays.items()}
         output = module.to_numpy(function(**given, **dict(case.options)))
     except (TypeError, NotImplementedError) as error:
         return Row(case.name, dtype, "not taken", note=_first_line(error))

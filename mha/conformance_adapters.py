@@ -79,7 +79,9 @@ def torch_sdpa(kernel: str | None = None) -> Callable:
             _refuse("alignment", o.alignment, "top_left")
         mask = o.mask
         if o.valid_lens is not None:
-            mask = torch.arange(key.shape[-2]) < o.valid_lens[:, None, None, None]
+            mask = (
+                torch.arange(key.shape[-2], device=key.device) < o.valid_lens[:, None, None, None]
+            )
         if mask is not None and o.bias is not None:
             raise NotImplementedError("a mask and a bias together: SDPA takes one attn_mask")
         within = sdpa_kernel(backends[kernel]) if kernel else contextlib.nullcontext()

@@ -27,6 +27,13 @@ def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
     return segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
 
 
+def is_causal_alone(causal: bool, offset: int, *others: Any) -> bool:
+    """Whether the causal mask, top-left (its first query at position 0), is the call's only
+    mask: the fused kernels' own causal mask computes it then. `others`: every other mask,
+    window, bias, slope or segment id of the call, each None when absent."""
+    return bool(causal) and offset == 0 and all(x is None for x in others)
+
+
 class Masks:
     """The mask rules; subclasses give the array operations below, for one call's sizes."""
 

@@ -13,6 +13,10 @@ TensorFlow, no MXNet, no pytest) and nothing to download:
 - sync: no call reads the device's memory from the host: torch's sync debug mode set to
   "error", JAX's device-to-host transfer guard set to "disallow", around every layer and mask,
   forward and backward;
+- conform: the frameworks' own attention functions (`mha conform`'s adapters: torch's SDPA
+  kernels and FlexAttention, JAX's XLA and cuDNN implementations) held to the reference on the
+  device, float32, float16 and bfloat16: a survey, each table printed; it fails only when an
+  adapter cannot run at all;
 - bench: `mha bench` on the device, float32 and bfloat16 (8, 2048, 2048, 16), with valid_lens
   and grouped-query heads.
 
@@ -256,12 +260,62 @@ def _call_without_reads(name, layer, tensors, arguments, device) -> None:
         nnx.jit(lambda layer, x, masks: layer(*x, **masks, **flags))(layer, tensors, arrays)
 
 
+# The adapters the conform step runs on a GPU, by framework; on the CPU, the first of each
+CONFORM = {
+    "torch": (
+        "torch-sdpa-math",
+        "torch-sdpa",
+        "torch-sdpa-flash",
+        "torch-sdpa-efficient",
+        "torch-sdpa-cudnn",
+        "torch-flex",
+    ),
+    "jax": ("jax", "jax-cudnn"),
+}
+# mha's own function of each framework, its fused kernels taken on the device where they apply
+MHA_FUNCTIONS = {name: f"mha.backends.{name}:dot_product_attention" for name in ("torch", "jax")}
+
+
+def conform(device: str, quick: bool) -> bool:
+    """Each framework's own attention functions through mha's conformance kit on `device`."""
+    from mha import cli, conformance, conformance_adapters
+
+    quick = quick or device == "cpu"
+    dtypes = ("float32",) if quick else ("float32", "float16", "bfloat16")
+    if "jax" in BACKENDS and not quick:  # gradients held to mha's function in float64
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    passed = True
+    for name in BACKENDS:
+        targets = CONFORM[name][:1] if quick else (*CONFORM[name], MHA_FUNCTIONS[name])
+        for target in targets:
+            try:
+                function = (
+                    cli._conform_target(target, name)[0]
+                    if ":" in target
+                    else conformance_adapters.ADAPTERS[target][1]()
+                )
+                rows = conformance.run(function, name, dtypes, device=device)
+            except Exception as error:  # the adapter itself, not a case, broke
+                say(f"conform {target} on {device}: FAILED to run: {type(error).__name__}: {error}")
+                passed = False
+                continue
+            say(f"conform {target} on {device}:")
+            say(conformance.format_table(rows))
+    return passed
+
+
+SMALL_AND_DECODING = "32,64,256,8;1,1,512,8;1,1,512,8+512;1,1,512,8+4096"
+
+
 def bench(device: str, quick: bool) -> bool:
-    """mha bench on the device: float32 at the default shapes' first, bfloat16 at
-    (8, 2048, 2048, 16) with valid_lens and grouped-query heads; a tiny shape on the CPU."""
+    """mha bench on the device: float32 at the default shapes' first, the small shape and one
+    decoding step after 512 and 4,096 cached positions, bfloat16 at (8, 2048, 2048, 16) with
+    valid_lens and grouped-query heads; a tiny shape on the CPU."""
     quick = quick or device == "cpu"
     runs = [
-        ["--dtype", "float32", "--shapes", "2,16,32,4" if quick else "32,64,256,8;1,1,512,8"],
+        ["--dtype", "float32", "--shapes", "2,16,32,4" if quick else SMALL_AND_DECODING],
         [
             "--dtype",
             "bfloat16",
@@ -291,7 +345,13 @@ def bench(device: str, quick: bool) -> bool:
     return all(code == 0 for code in codes)
 
 
-STEPS = {"agreement": agreement, "masked_keys": masked_keys, "sync": sync, "bench": bench}
+STEPS = {
+    "agreement": agreement,
+    "masked_keys": masked_keys,
+    "sync": sync,
+    "conform": conform,
+    "bench": bench,
+}
 
 
 def main(argv=None) -> int:

@@ -176,11 +176,34 @@ def test_the_command_runs_a_framework_function_and_writes_json(capsys):
             ],
             "--dtypes takes",
         ),
+        (
+            ["mha.backends.numpy:dot_product_attention", "--framework", "numpy", "--device", "cpu"],
+            "mha does not place numpy's tensors",
+        ),
     ],
 )
 def test_usage_errors_exit_2(arguments, message, capsys):
     assert cli.main(["conform", *arguments]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.jax
+def test_device_places_the_functions_tensors():
+    # JAX commits an array to a device only when it is placed there: the function sees every
+    # tensor placed with device="cpu" and none without (a GPU's run places them on the GPU)
+    module = backend_module("jax")
+    seen = []
+
+    def spy(query, key, value, **options):
+        seen.append(all(x.committed for x in (query, key, value)))
+        return module.dot_product_attention(query, key, value, **options)
+
+    cases = conformance.CASES[:2]
+    rows = conformance.run(spy, "jax", ("float32",), cases=cases, gradients=False, device="cpu")
+    assert {row.status for row in rows} == {"agrees"} and seen and all(seen)
+    seen.clear()
+    conformance.run(spy, "jax", ("float32",), cases=cases, gradients=False)
+    assert seen and not any(seen)
 
 
 @pytest.mark.tensorflow

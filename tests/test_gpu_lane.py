@@ -22,13 +22,13 @@ def both_frameworks():
         backend_module(name)
 
 
-@pytest.mark.parametrize("step", ["masked_keys", "sync"])
+@pytest.mark.parametrize("step", ["masked_keys", "sync", "conform"])
 def test_a_step_passes_on_the_cpu(step, capsys):
     assert gpu_lane.main([step, "--device", "cpu", "--quick"]) == 0
     out = capsys.readouterr().out
     assert out.strip().endswith(f"{step} on cpu: ok")
     for name in gpu_lane.BACKENDS:
-        assert f" {name} on cpu: " in out
+        assert f" {name} on cpu: " in out or f" {gpu_lane.CONFORM[name][0]} on cpu:" in out
 
 
 class Leaky:

@@ -1,8 +1,10 @@
 """Multi-head latent attention (work in progress, not exported yet): the NumPy reference's
 MultiHeadLatentAttention against transformers' own DeepseekV3Attention (tiny and random, with
-and without the low-rank queries, causal, with yarn's scaled rotary); its absorbed form
-against its expanded one; decoding with the latent cache against full causal attention; and
-each other backend's class against the reference, expanded, absorbed and cached."""
+and without the low-rank queries, causal, with yarn's scaled rotary, with a sliding window and
+an additive bias); its absorbed form against its expanded one; decoding with the latent cache
+against full causal attention; and each other backend's class against the reference,
+expanded, absorbed and cached, eager and under its compiler (torch.compile, tf.function,
+nnx.jit; MXNet's class is not hybridizable yet)."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _their_layer(torch, q_lora_rank, rope_parameters):
     return config, layer, rotary
 
 
-def _our_layer(config, theirs, q_lora_rank, scaling):
+def _our_layer(config, theirs, q_lora_rank, scaling, sliding_window=None):
     ours = N.MultiHeadLatentAttention(
         16,
         2,
@@ -63,6 +65,7 @@ def _our_layer(config, theirs, q_lora_rank, scaling):
         rope_theta=config.rope_parameters["rope_theta"],
         rope_scaling=scaling,
         norm_eps=config.rms_norm_eps,
+        sliding_window=sliding_window,
         dtype="float64",
     )
     weights = {name: p.detach().numpy() for name, p in theirs.named_parameters()}
@@ -107,7 +110,29 @@ def test_the_reference_is_transformers_own(q_lora_rank, scaling):
     np.testing.assert_allclose(output, expected.numpy(), rtol=1e-6, atol=1e-6)
 
 
-def _layer(q_lora_rank=8):
+@pytest.mark.torch
+def test_a_sliding_window_and_an_additive_bias_are_transformers_own():
+    # transformers takes one additive mask: causal, the band of the 2 latest keys and a bias,
+    # each written here by hand; mha takes causal, sliding_window=2 and attn_bias
+    torch = required_import("torch")
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    config, theirs, rotary = _their_layer(torch, 8, rope)
+    ours = _our_layer(config, theirs, 8, None, sliding_window=2)
+    rng = np.random.default_rng(2)
+    X, bias = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 2, 5, 5))
+    i, j = np.arange(5)[:, None], np.arange(5)[None, :]
+    kept = (j <= i) & (j > i - 2)
+    additive = np.where(kept, 0.0, -np.inf) + bias
+    hidden = torch.from_numpy(X)
+    positions = torch.arange(5)[None].expand(2, -1)
+    with torch.no_grad():
+        expected, _ = theirs(hidden, rotary(hidden, positions), torch.from_numpy(additive))
+    for absorbed in (False, True):
+        output = ours(X, causal=True, attn_bias=bias, absorbed=absorbed)
+        np.testing.assert_allclose(output, expected.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def _layer(q_lora_rank=8, sliding_window=None):
     np.random.seed(0)
     layer = N.MultiHeadLatentAttention(
         16,
@@ -117,6 +142,7 @@ def _layer(q_lora_rank=8):
         qk_rope_head_dim=4,
         v_head_dim=6,
         q_lora_rank=q_lora_rank,
+        sliding_window=sliding_window,
         dtype="float64",
     )
     rng = np.random.default_rng(3)
@@ -200,6 +226,7 @@ LOADERS = {
 COMPILERS = {
     "jax": lambda module, call: module.nnx.jit(call),
     "tensorflow": lambda module, call: module.tf.function(call),
+    "torch": lambda module, call: module.torch.compile(call, dynamic=False),
 }
 
 
@@ -239,8 +266,39 @@ def test_each_backend_gives_the_references_numbers(name):
         for absorbed in (False, True):
             output = module.to_numpy(each(layer, *tensors, absorbed))
             np.testing.assert_allclose(output, expected, rtol=tolerance, atol=tolerance)
-    queries = tensors[0]
+    # Decoding after a prompt of 2 with the latent cache, eager and compiled
+    queries, full = tensors[0], reference(X, causal=True)
     _, cache = layer(queries[:, :2], causal=True, cache=mha.cache.LatentCache())
-    step, _ = layer(queries[:, 2:], causal=True, cache=cache, absorbed=True)
-    full = reference(X, causal=True)
-    np.testing.assert_allclose(module.to_numpy(step), full[:, 2:], rtol=tolerance, atol=tolerance)
+
+    def decode(layer, X, cache):
+        return layer(X, causal=True, cache=cache, absorbed=True)[0]
+
+    for each in [decode] + ([COMPILERS[name](module, decode)] if name in COMPILERS else []):
+        step = module.to_numpy(each(layer, queries[:, 2:], cache))
+        np.testing.assert_allclose(step, full[:, 2:], rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("name", backend_params(list(LOADERS)))
+def test_each_backend_takes_windows_and_a_bias_as_the_reference(name):
+    # A sliding window, a window mask per example and an additive bias, expanded and absorbed
+    module = backend_module(name)
+    dtype, tolerance = ("float32", 1e-5) if name == "jax" else ("float64", 1e-12)
+    reference = _layer(sliding_window=3)
+    sizes = dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+    layer = module.MultiHeadLatentAttention(
+        16, 4, **sizes, q_lora_rank=8, sliding_window=3, dtype=dtype
+    )
+    LOADERS[name](module, layer, reference)
+    rng = np.random.default_rng(7)
+    X, bias = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 4, 5, 5))
+    windows = rng.random((2, 5, 5)) < 0.7
+    windows[:, :, 0] = True  # a key for every query
+    expected = reference(X, window_mask=windows, attn_bias=bias)
+    given = [module.from_numpy(x.astype(dtype)) for x in (X, bias)]
+    for absorbed in (False, True):
+        output = layer(
+            given[0], window_mask=module.from_numpy(windows), attn_bias=given[1], absorbed=absorbed
+        )
+        np.testing.assert_allclose(
+            module.to_numpy(output), expected, rtol=tolerance, atol=tolerance
+        )

@@ -34,6 +34,7 @@ from flax import nnx
 
 from mha import function_checks, validation
 from mha.adapter import Adapter
+from mha.backends import jax_fused as fused
 from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
 from mha.encoding import (
@@ -46,7 +47,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks
+from mha.masks import Masks, is_causal_alone
 from mha.weights import canonical_parameters, read_config
 
 __all__ = [
@@ -394,13 +395,15 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
+    # The causal mask alone, top-left aligned: the kernels' own where they have it
+    alone = is_causal_alone(causal, offset, window, mask, bias, valid_lens, segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(query, key, value, keep, bias, _no_dropout, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
                                       need_weights=return_weights, lse=return_lse,
-                                      group=num_heads // num_kv_heads)
+                                      group=num_heads // num_kv_heads, causal_alone=alone)
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
@@ -411,17 +414,39 @@ def _no_dropout(weights: jax.Array) -> jax.Array:
     return weights
 
 
+def _may_drop(dropout) -> bool:
+    """Whether `dropout` may drop a weight in this call (a layer's, training, rate above 0)."""
+    return dropout is not _no_dropout and dropout.rate > 0 and not dropout.deterministic
+
+
 def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
-               empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1):
+               empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1,
+               causal_alone=False, fuse=True):
     """Attention on prepared inputs with any leading axes (no checks): what
     dot_product_attention and every layer's DotProductAttention.attend compute.
 
     queries (..., Q, d); keys (..., K, d) and values (..., K, v), with a head (axis -3) for
     every `group` heads of the queries; keep and bias broadcastable to the scores (..., Q, K),
-    or None; sinks, each head's sink logit broadcastable to the scores' rows, or None. Returns
-    (output, weights, lse): weights unless need_weights, and each row's log-sum-exp unless
-    lse, are None.
+    or None; sinks, each head's sink logit broadcastable to the scores' rows, or None;
+    causal_alone: keep is the top-left causal mask and nothing else. Returns (output, weights,
+    lse): weights unless need_weights, and each row's log-sum-exp unless lse, are None. With
+    `fuse`, cuDNN's kernel computes the same numbers on a GPU where it can (jax_fused).
     """
+    if fuse and fused.may_fuse(
+        queries, values, keep, causal_alone=causal_alone, empty_rows=empty_rows,
+        others=need_weights or lse or any(x is not None for x in (bias, softcap, sinks)),
+        dropping=_may_drop(dropout),
+    ):
+        d = queries.shape[-1]
+        scaled = queries / math.sqrt(d) if scale is None else queries * scale
+
+        def unfused(queries, keys, values):  # the steps below, on any other device
+            return _attention(queries, keys, values, keep, None, dropout, scale=1.0,
+                              need_weights=False, group=group, fuse=False)[0]
+
+        output = fused.attend(scaled, keys, values, keep, causal_alone=causal_alone,
+                              unfused=unfused)
+        return output, None, None
     if group > 1:
         # Query head h attends with key-value head h // group, as Llama's repeat_kv
         keys, values = jnp.repeat(keys, group, axis=-3), jnp.repeat(values, group, axis=-3)
@@ -489,19 +514,20 @@ class DotProductAttention(nnx.Module):
         return self.attend(queries, keys, values, keep, bias)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               sinks=None, group=1):
+               sinks=None, group=1, causal_alone=False):
         """Attention on prepared inputs with any leading axes (no checks), as the attention
         function computes it (_attention).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         _Masks.combine; sinks, each head's sink logit broadcastable to the scores' rows
-        (num_heads, 1, 1), or None. MultiHeadAttention calls this with a head axis, keys and
-        values with a head for every `group` heads of the queries.
+        (num_heads, 1, 1), or None; causal_alone: keep is the causal mask alone, top-left.
+        MultiHeadAttention calls this with a head axis, keys and values with a head for every
+        `group` heads of the queries.
         """
         output, weights, _ = _attention(
             queries, keys, values, keep, bias, self.dropout, scale=self.scale,
             softcap=self.softcap, empty_rows=self.empty_rows, need_weights=need_weights,
-            sinks=sinks, group=group,
+            sinks=sinks, group=group, causal_alone=causal_alone,
         )
         _set_if_allowed(self, "attention_weights", weights)
         return output
@@ -675,19 +701,19 @@ class MultiHeadAttention(nnx.Module):
                 keys = jnp.concatenate([cache.keys, keys], axis=2)
                 values = jnp.concatenate([cache.values, values], axis=2)
             cache = KVCache(keys, values)
+        # mha's causal mask alone, nothing cached: the kernels' own causal mask where they have it
+        alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
+                                self.sliding_window, slopes, segment_ids)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias[...].reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
-                                       self.num_heads // num_kv_heads)
+                                       self.num_heads // num_kv_heads, alone)
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
-        if gates is not None:
-            # Qwen3-Next: each feature of the heads' output scaled by its gate, in (0, 1)
-            output_concat = output_concat * jax.nn.sigmoid(gates)
-        output = self.W_o(output_concat)
+        output = self.W_o(output_concat if gates is None else output_concat * jax.nn.sigmoid(gates))
         return output if cache is None else (output, cache)
 
     # The weights are held once, by self.attention: nnx.jit carries one array out, not a copy
@@ -738,11 +764,13 @@ class MultiHeadLatentAttention(nnx.Module):
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
                  rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 empty_rows: str = "zeros", dtype: str = "float32",
+                 sliding_window: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         rngs = _rngs(rngs)
         self.dtype = dtype
         self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.sliding_window = sliding_window
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -765,8 +793,8 @@ class MultiHeadLatentAttention(nnx.Module):
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         self.attention_weights = nnx.data(None)
 
-    def __call__(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
-                 cache=None, absorbed=False):
+    def __call__(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
+                 need_weights=True, attn_bias=None, cache=None, absorbed=False):
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -782,7 +810,8 @@ class MultiHeadLatentAttention(nnx.Module):
                 rotary_keys = jnp.concatenate([cache.rotary_keys, rotary_keys], axis=2)
             cache = LatentCache(latent, rotary_keys)
         masks = _Masks(batch_size, num_steps, latent.shape[1], cached)
-        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, need_weights)
         # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)

@@ -1067,10 +1067,12 @@ class MultiHeadLatentAttention(nn.Block):
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
                  rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 empty_rows: str = "zeros", dtype: str = "float32"):
+                 sliding_window: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = dtype
         self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.sliding_window = sliding_window
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -1097,8 +1099,8 @@ class MultiHeadLatentAttention(nn.Block):
         # Block.__call__ takes positional arguments only
         return self.forward(*args, **kwargs)
 
-    def forward(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
-                cache=None, absorbed=False):
+    def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
+                need_weights=True, attn_bias=None, cache=None, absorbed=False):
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -1115,10 +1117,12 @@ class MultiHeadLatentAttention(nn.Block):
                 rotary_keys = mx.np.concatenate([cache.rotary_keys, rotary_keys], axis=2)
             cache = LatentCache(latent, rotary_keys)
         call = _call_structure(self.dtype, valid_lens=valid_lens, mask=mask, causal=causal,
-                               need_weights=need_weights, empty_rows=self.empty_rows)
+                               window_mask=window_mask, need_weights=need_weights,
+                               attn_bias=attn_bias, empty_rows=self.empty_rows,
+                               sliding_window=self.sliding_window)
         keep, bias = _attention_masks(mx.nd, queries, mx.np.ones_like(latent[:, None]),
-                                      valid_lens, mask, None, None, call, multihead=True,
-                                      num_heads=self.num_heads, offset=cached)
+                                      valid_lens, mask, window_mask, attn_bias, call,
+                                      multihead=True, num_heads=self.num_heads, offset=cached)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, call)
         # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)

@@ -715,7 +715,8 @@ class MultiHeadLatentAttention(Module):
     Work in progress (not exported from mha yet; docs/latent-attention.md). Weights: W_q
     (num_hiddens, H (nope + rope)), or with q_lora_rank W_qa (num_hiddens, q_lora_rank),
     q_norm, W_qb (q_lora_rank, H (nope + rope)); W_kva (num_hiddens, kv_lora_rank + rope),
-    kv_norm, W_kvb (kv_lora_rank, H (nope + v)), W_o (H v, num_hiddens).
+    kv_norm, W_kvb (kv_lora_rank, H (nope + v)), W_o (H v, num_hiddens). The masks, windows
+    and attn_bias are MultiHeadAttention's.
     """
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
@@ -723,10 +724,12 @@ class MultiHeadLatentAttention(Module):
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
                  rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 empty_rows: str = "zeros", dtype: str = "float32"):
+                 sliding_window: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = dtype
         self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.sliding_window = sliding_window
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -749,8 +752,8 @@ class MultiHeadLatentAttention(Module):
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
-    def forward(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
-                cache=None, absorbed=False):
+    def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
+                need_weights=True, attn_bias=None, cache=None, absorbed=False):
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -766,7 +769,8 @@ class MultiHeadLatentAttention(Module):
                 rotary_keys = np.concatenate([cache.rotary_keys, rotary_keys], axis=2)
             cache = LatentCache(latent, rotary_keys)
         masks = _Masks(batch_size, num_steps, latent.shape[1], cached)
-        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, need_weights)
         # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)

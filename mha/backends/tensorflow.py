@@ -833,9 +833,11 @@ class MultiHeadLatentAttention(keras.layers.Layer):
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
                  rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 empty_rows: str = "zeros", dtype: str = "float32", **kwargs):
+                 sliding_window: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32", **kwargs):
         super().__init__(dtype=dtype, **{"autocast": False, **kwargs})
         self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.sliding_window = sliding_window
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -859,8 +861,8 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         self.attention_weights = None
         self.built = True
 
-    def call(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
-             cache=None, absorbed=False, training=None):
+    def call(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
+             need_weights=True, attn_bias=None, cache=None, absorbed=False, training=None):
         batch_size, num_steps, _ = _dims(X)
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else _dims(cache.latent)[1]
@@ -876,7 +878,8 @@ class MultiHeadLatentAttention(keras.layers.Layer):
                 rotary_keys = tf.concat([cache.rotary_keys, rotary_keys], axis=2)
             cache = LatentCache(latent, rotary_keys)
         masks = _Masks(batch_size, num_steps, _dims(latent)[1], cached)
-        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, need_weights, training)
         # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)

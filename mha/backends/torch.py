@@ -33,7 +33,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks
+from mha.masks import Masks, is_causal_alone
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
@@ -353,13 +353,12 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     keep, bias = (None if x is None else x.reshape((1,) * (4 - x.dim()) + x.shape)
                   for x in (keep, bias))
     # The causal mask alone, top-left aligned: the kernels' own is_causal where they have it
-    causal_alone = causal and offset == 0 and window is None and all(
-        x is None for x in (mask, bias, valid_lens, segment_ids))
+    alone = is_causal_alone(causal, offset, window, mask, bias, valid_lens, segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(query, key, value, keep, bias, _NO_DROPOUT, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
                                       need_weights=return_weights, lse=return_lse,
-                                      group=num_heads // num_kv_heads, causal_alone=causal_alone)
+                                      group=num_heads // num_kv_heads, causal_alone=alone)
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
@@ -634,13 +633,12 @@ class MultiHeadAttention(Module):
                 values = torch.cat([cache.values, values], dim=2)
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
-        causal_alone = causal and offset == 0 and self.sliding_window is None and all(
-            x is None
-            for x in (valid_lens, mask, window_mask, attn_bias, self.alibi_slopes, segment_ids))
+        alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
+                                self.sliding_window, self.alibi_slopes, segment_ids)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
-                                       self.num_heads // num_kv_heads, causal_alone)
+                                       self.num_heads // num_kv_heads, alone)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
@@ -689,10 +687,12 @@ class MultiHeadLatentAttention(Module):
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
                  rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 empty_rows: str = "zeros", dtype: str = "float32"):
+                 sliding_window: int | None = None, empty_rows: str = "zeros",
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = dtype
         self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
+        self.sliding_window = sliding_window
         self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
         self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -715,8 +715,8 @@ class MultiHeadLatentAttention(Module):
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
-    def forward(self, X, valid_lens=None, *, mask=None, causal=False, need_weights=True,
-                cache=None, absorbed=False):
+    def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
+                need_weights=True, attn_bias=None, cache=None, absorbed=False):
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -732,7 +732,8 @@ class MultiHeadLatentAttention(Module):
                 rotary_keys = torch.cat([cache.rotary_keys, rotary_keys], dim=2)
             cache = LatentCache(latent, rotary_keys)
         masks = _Masks(batch_size, num_steps, latent.shape[1], cached, device=X.device)
-        keep, bias = masks.combine(valid_lens, mask, causal, None, multihead=True)
+        keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
+                                   attn_bias=attn_bias, sliding_window=self.sliding_window)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, need_weights)
         # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)

@@ -1,0 +1,134 @@
+"""JAX's cuDNN path (mha/backends/jax_fused.py) on the CPU: which calls may take it, and that
+its steps around the kernel keep a masked key's NaN out and zero a row with no key even when
+the mask is added to the scores as a large negative number, as cuDNN adds it (here XLA's
+function stands in for the kernel, which needs a GPU; the GPU lane runs the kernel itself)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import backend_module
+
+pytestmark = pytest.mark.jax
+
+
+@pytest.fixture
+def modules():
+    backend_module("jax")
+    import jax.numpy as jnp
+
+    from mha.backends import jax_fused
+
+    return jnp, jax_fused
+
+
+def test_which_calls_may_take_cudnn(modules):
+    jnp, fused = modules
+    q = jnp.zeros((2, 4, 8, 16), jnp.bfloat16)
+    padding = jnp.ones((2, 1, 1, 8), bool)
+    per_query = jnp.ones((1, 1, 8, 8), bool)
+    plain = dict(causal_alone=False, others=False, dropping=False, empty_rows="zeros")
+
+    def may(queries=q, values=q, keep=None, **changes):
+        return fused.may_fuse(queries, values, keep, **{**plain, **changes})
+
+    assert may() and may(keep=padding) and may(q.astype(jnp.float16))
+    assert may(keep=per_query, causal_alone=True)  # the causal mask, as cuDNN's own
+    # A mask that varies by query or head would be added to a NaN key's score
+    assert not may(keep=per_query) and not may(keep=jnp.ones((2, 4, 1, 8), bool))
+    assert not may(q.astype(jnp.float32))  # cuDNN's kernels: float16 and bfloat16 only
+    assert not may(others=True) and not may(dropping=True)  # weights, lse, bias, dropout ...
+    assert not may(empty_rows="uniform")
+    assert not may(values=jnp.zeros((2, 4, 8, 12), jnp.bfloat16))  # a value size of its own
+    assert not may(q[0])  # four axes, as cuDNN takes them
+
+
+def _added_mask(real):
+    """jax.nn.dot_product_attention as cuDNN computes it: XLA's, with a boolean mask added to
+    the scores as a large negative number (JAX's combine_bias_and_mask)."""
+    import jax.numpy as jnp
+
+    def kernel(query, key, value, *, mask=None, implementation=None, **options):
+        assert implementation == "cudnn"
+        bias = None if mask is None else jnp.where(mask, 0.0, -0.7 * jnp.finfo(query.dtype).max)
+        return real(
+            query,
+            key,
+            value,
+            bias=None if bias is None else bias.astype(query.dtype),
+            implementation="xla",
+            **options,
+        )
+
+    return kernel
+
+
+def _run(fused, jnp, q, k, v, keep, causal_alone):
+    scaled = jnp.asarray(q / np.sqrt(q.shape[-1]), jnp.float32)
+    keys, values = (jnp.asarray(x, jnp.float32) for x in (k, v))
+    return np.asarray(fused._cudnn(scaled, keys, values, keep, causal_alone))
+
+
+def test_masked_keys_are_zeroed_and_empty_rows_zeros(modules, monkeypatch):
+    jnp, fused = modules
+    import jax
+
+    from mha.backends import numpy as reference
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _added_mask(jax.nn.dot_product_attention))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((3, 4, 6, 8)) for _ in range(3))
+    lengths = np.array([4, 0, 6])  # example 1 keeps no key: its rows must be zeros
+    expected = reference.dot_product_attention(q, k, v, valid_lens=lengths)
+    k[0, :, 4:] = np.nan  # what a masked key holds is not read
+    k[1] = np.inf
+    keep = jnp.asarray((np.arange(6) < lengths[:, None])[:, None, None, :])
+    got = _run(fused, jnp, q, k, v, keep, False)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_causal_mask_is_the_kernels_own(modules, monkeypatch):
+    jnp, fused = modules
+    import jax
+
+    from mha.backends import numpy as reference
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _added_mask(jax.nn.dot_product_attention))
+    rng = np.random.default_rng(1)
+    # Grouped heads (4 query heads, 2 key-value heads) and fewer queries than keys, top-left
+    q, k, v = (rng.standard_normal(shape) for shape in [(2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8)])
+    expected = reference.dot_product_attention(q, k, v, causal=True)
+    causal = jnp.asarray(np.tril(np.ones((5, 7), bool)))[None, None]
+    np.testing.assert_allclose(_run(fused, jnp, q, k, v, causal, True), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "call, alone",
+    [
+        ({"causal": True}, True),
+        ({"causal": True, "segment_ids": np.array([[0, 0, 0, 1, 1, 1]] * 2)}, False),
+        ({"causal": True, "valid_lens": np.array([3, 6])}, False),
+        ({"causal": True, "alignment": 1}, False),
+    ],
+)
+def test_only_the_causal_mask_alone_takes_the_kernels_own(modules, monkeypatch, call, alone):
+    # The kernel's own causal mask knows nothing of segments, lengths or a moved diagonal
+    jnp, fused = modules
+    module = backend_module("jax")
+    seen = []
+    real = fused.attend
+
+    def spy(*arguments, causal_alone, unfused):
+        seen.append(causal_alone)
+        return real(*arguments, causal_alone=causal_alone, unfused=unfused)
+
+    monkeypatch.setattr(fused, "attend", spy)
+    layer = module.MultiHeadAttention(
+        16, 2, query_size=16, key_size=16, value_size=16, dtype="bfloat16"
+    )
+    X = jnp.ones((2, 6, 16), jnp.bfloat16)
+    call = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in call.items()}
+    layer(X, X, X, need_weights=False, **call)
+    # Otherwise the mask varies by query: mha's own steps compute it, not the kernel
+    assert seen == ([True] if alone else [])
