@@ -42,6 +42,8 @@ def test_which_calls_may_take_cudnn(modules):
     assert not may(empty_rows="uniform")
     assert not may(values=jnp.zeros((2, 4, 8, 12), jnp.bfloat16))  # a value size of its own
     assert not may(q[0])  # four axes, as cuDNN takes them
+    assert not may(jnp.zeros((2, 4, 8, 12), jnp.bfloat16), jnp.zeros((2, 4, 8, 12), jnp.bfloat16))
+    assert not may(jnp.zeros((2, 4, 8, 256), jnp.bfloat16), jnp.zeros((2, 4, 8, 256), jnp.bfloat16))
 
 
 def _added_mask(real):

@@ -8,7 +8,7 @@ scores. It is taken only where neither can happen by construction, without readi
 the causal mask alone (its own, applied by position), or a mask that is the same for every
 query and head (key padding, valid_lens), whose masked keys are zeroed first and whose rows
 with no key are zeroed after. float16 and bfloat16 only (cuDNN's); no weights, log-sum-exp,
-bias, soft cap, sinks or dropout; one head size for keys and values.
+bias, soft cap, sinks or dropout; one head size for keys and values, a multiple of 8 up to 128.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def may_fuse(
         and queries.ndim == 4
         and queries.dtype in (jnp.float16, jnp.bfloat16)
         and queries.shape[-1] == values.shape[-1]
+        # cuDNN's head sizes on every GPU it runs on (Hopper's 256 left to mha's own steps)
+        and queries.shape[-1] % 8 == 0
+        and queries.shape[-1] <= 128
     )
 
 
