@@ -12,7 +12,7 @@ TensorFlow, no MXNet, no pytest) and nothing to download:
   reach the fused kernels);
 - sync: no call reads the device's memory from the host: torch's sync debug mode set to
   "error", JAX's device-to-host transfer guard set to "disallow", around every layer and mask,
-  forward and backward;
+  forward and backward, float32 and bfloat16;
 - conform: the frameworks' own attention functions (`mha conform`'s adapters: torch's SDPA
   kernels and FlexAttention, JAX's XLA and cuDNN implementations) held to the reference on the
   device, float32, float16 and bfloat16: a survey, each table printed; it fails only when an
@@ -217,23 +217,27 @@ def _torch_no_sync(device: str):
 
 
 def sync(device: str, quick: bool) -> bool:
-    """Every layer and mask, forward and backward, with the device's reads of the host off."""
+    """Every layer and mask, forward and backward, with the device's reads of the host off;
+    bfloat16 too, whose calls without weights reach the fused kernels."""
     problems = []
     for name in BACKENDS:
         module = mha.load_backend(name)
         calls = 0
-        for kind in KINDS:
-            for masks in MASKS:
-                _, layer = _layers(module, kind, "float32", device)
-                need_weights = None if kind == "dot" else kind == "multihead"
-                arguments = _arguments(module, masks, "float32", device, need_weights)
-                tensors = [_as(module, x, "float32", device) for x in _inputs()]
-                try:
-                    _call_without_reads(name, layer, tensors, arguments, device)
-                    calls += 1
-                except Exception as error:  # the framework's own sync error, reported
-                    problems.append(f"{name} {kind} {masks}: {type(error).__name__}: {error}")
-                    say("  FAILED", problems[-1])
+        for dtype in ("float32",) if quick else ("float32", "bfloat16"):
+            for kind in KINDS:
+                for masks in MASKS:
+                    _, layer = _layers(module, kind, dtype, device)
+                    need_weights = None if kind == "dot" else kind == "multihead"
+                    arguments = _arguments(module, masks, dtype, device, need_weights)
+                    tensors = [_as(module, x, dtype, device) for x in _inputs()]
+                    try:
+                        _call_without_reads(name, layer, tensors, arguments, device)
+                        calls += 1
+                    except Exception as error:  # the framework's own sync error, reported
+                        problems.append(
+                            f"{name} {dtype} {kind} {masks}: {type(error).__name__}: {error}"
+                        )
+                        say("  FAILED", problems[-1])
         say(f"sync {name} on {device}: {calls} calls read nothing from the device")
     return not problems
 
