@@ -484,12 +484,11 @@ def _conform(arguments, out, err) -> int:
     unknown = [d for d in dtypes if d not in conformance.TOLERANCES]
     if unknown or not dtypes:
         raise UsageError(f"--dtypes takes {', '.join(conformance.TOLERANCES)}: {unknown}")
-    try:
-        rows = conformance.run(
-            function, framework, dtypes, empty_rows=arguments.empty_rows, device=arguments.device
-        )
-    except ValueError as error:  # a framework mha does not place
-        raise UsageError(str(error)) from None
+    if arguments.device is not None and load_backend(framework).ADAPTER.to_device is None:
+        raise UsageError(f"mha does not place {framework}'s tensors (--device: torch, jax)")
+    rows = conformance.run(
+        function, framework, dtypes, empty_rows=arguments.empty_rows, device=arguments.device
+    )
     if arguments.json:
         print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1), file=out)
     else:

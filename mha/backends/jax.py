@@ -395,7 +395,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
-    # The causal mask alone, top-left aligned: the kernels' own where they have it
+    # The causal mask alone, top-left aligned: the kernels' own causal mask where they have it
     alone = is_causal_alone(causal, offset, window, mask, bias, valid_lens, segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
@@ -701,7 +701,7 @@ class MultiHeadAttention(nnx.Module):
                 keys = jnp.concatenate([cache.keys, keys], axis=2)
                 values = jnp.concatenate([cache.values, values], axis=2)
             cache = KVCache(keys, values)
-        # mha's causal mask alone, nothing cached: the kernels' own causal mask where they have it
+        # mha's causal mask alone, nothing cached: cuDNN's own causal mask where it applies
         alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
                                 self.sliding_window, slopes, segment_ids)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
