@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mha.cache import KVCache
+from mha.cache import KVCache, LatentCache
 from mha.config import get_backend, set_backend, use_backend
 from mha.registry import (
     PUBLIC_NAMES,
@@ -42,8 +42,10 @@ __all__ = [
     "BackendUnavailableError",
     "DotProductAttention",
     "KVCache",
+    "LatentCache",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
     "available_backends",

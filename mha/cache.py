@@ -4,14 +4,18 @@ A decoder generating one position at a time would project and attend the keys an
 every earlier position again at each step. `MultiHeadAttention(..., cache=KVCache())` keeps
 them instead: the call returns (output, cache), the cache now holding this call's keys and
 values after those of the calls before, and the next call continues from it. Its numbers are
-those of full causal attention over the whole sequence.
+those of full causal attention over the whole sequence. MultiHeadLatentAttention keeps a
+`LatentCache` instead. The checks that a call's cache fits its layer, which mha.validation
+makes, are here too.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["KVCache", "LatentCache"]
+from mha.tensors import describe, dtype_name, require_tensor, same, shape_of
+
+__all__ = ["KVCache", "LatentCache", "check_kv_cache", "check_latent_cache"]
 
 
 class KVCache(NamedTuple):
@@ -36,3 +40,75 @@ class LatentCache(NamedTuple):
 
     latent: Any = None
     rotary_keys: Any = None
+
+
+# The checks of a call's cache, which mha.validation makes
+
+
+def check_kv_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dtype: str):
+    """The number of cached positions of a KVCache that fits the call and the layer."""
+    if not isinstance(cache, KVCache):
+        raise TypeError(
+            "cache must be an mha.KVCache: KVCache() before the first call, then the cache the "
+            f"previous call returned. Received: cache of type {type(cache).__name__}"
+        )
+    shape = (batch_size, num_kv_heads, None, head_size)
+    described = (
+        f"(batch_size, num_kv_heads, no. of positions, head size) = ({batch_size}, "
+        f"{num_kv_heads}, positions, {head_size})"
+    )
+    return _cached_positions(
+        cache, {"keys": (shape, described), "values": (shape, described)}, dtype
+    )
+
+
+def check_latent_cache(cache: Any, batch_size, kv_lora_rank: int, rope: int, dtype: str):
+    """The number of cached positions of a LatentCache that fits the call and the layer."""
+    if not isinstance(cache, LatentCache):
+        raise TypeError(
+            "cache must be an mha.LatentCache: LatentCache() before the first call, then "
+            f"the cache the previous call returned. Received: cache of type "
+            f"{type(cache).__name__}"
+        )
+    expected = {
+        "latent": (
+            (batch_size, None, kv_lora_rank),
+            f"(batch_size, no. of positions, kv_lora_rank) = ({batch_size}, positions, "
+            f"{kv_lora_rank})",
+        ),
+        "rotary_keys": (
+            (batch_size, 1, None, rope),
+            f"(batch_size, 1, no. of positions, qk_rope_head_dim) = ({batch_size}, 1, "
+            f"positions, {rope})",
+        ),
+    }
+    return _cached_positions(cache, expected, dtype)
+
+
+def _cached_positions(cache: Any, expected: dict[str, tuple[tuple, str]], dtype: str):
+    """The positions a cache holds: field -> (its shape, None at the positions' axis, and that
+    shape in words); each field a tensor of that shape and the layer's dtype, or all None."""
+    tensors = {field: getattr(cache, field) for field in expected}
+    if all(tensor is None for tensor in tensors.values()):
+        return 0
+    positions = []
+    for field, (shape, described) in expected.items():
+        name, tensor = f"cache.{field}", tensors[field]
+        require_tensor(name, tensor)
+        if dtype_name(tensor) != dtype:
+            raise TypeError(
+                f"{name} must have the layer's dtype {dtype}. Received: {describe(name, tensor)}"
+            )
+        actual = shape_of(tensor)
+        if len(actual) != len(shape) or not all(map(same, actual, shape)):
+            raise ValueError(
+                f"{name} must have shape {described}. Received: {describe(name, tensor)}"
+            )
+        positions.append(actual[shape.index(None)])
+    if not same(positions[0], positions[1]):
+        raise ValueError(
+            f"{' and '.join(f'cache.{field}' for field in expected)} must hold the same "
+            "positions. Received: "
+            + ", ".join(describe(f"cache.{field}", t) for field, t in tensors.items())
+        )
+    return positions[0]

@@ -27,10 +27,10 @@ import numpy as np
 from mha import validation
 from mha.config import get_backend
 from mha.files import write_atomically
+from mha.options import added_defaults
 from mha.registry import backend_of, load_backend
 from mha.weights import (
     LAYER_CLASSES,
-    OPTION_DEFAULTS,
     build_layer,
     find_problems,
     get_weights,
@@ -170,7 +170,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     class_name, config, tensors, metadata = _read_mha_file(path)
     expected = LAYER_CLASSES[class_name]
     # A file written before an argument existed has that argument's default
-    config = {**{k: v for k, v in OPTION_DEFAULTS.items() if k in expected}, **config}
+    config = {**added_defaults(class_name), **config}
     unknown = sorted(set(config) - set(expected))
     missing = [key for key in expected if key not in config]
     if unknown or missing:

@@ -110,6 +110,37 @@ Returns:
     holding every key and value so far, (batch_size, num_kv_heads, positions, head size)
     each; `attention_weights` holds (batch_size, num_heads, no. of queries, no. of keys).
 """,
+    "MultiHeadLatentAttention": f"""
+Self-attention over X. Each position is compressed to a latent c = RMSNorm(X W_kva[:, :r]),
+r = kv_lora_rank, from which W_kvb makes each head's key part without rotary embeddings and
+its value; the key's rotary part, rotate(X W_kva[:, r:]), is one for every head. Queries come
+from W_q, or with q_lora_rank from W_qb(RMSNorm(X W_qa)); their rotary part is rotated too.
+The scores' factor is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times a yarn scaling's
+mscale squared. Canonical weights: W_q (num_hiddens, num_heads (nope + rope)), or W_qa
+(num_hiddens, q_lora_rank), q_norm (q_lora_rank,) and W_qb (q_lora_rank, num_heads (nope +
+rope)); W_kva (num_hiddens, kv_lora_rank + rope), kv_norm (kv_lora_rank,), W_kvb
+(kv_lora_rank, num_heads (nope + v)), W_o (num_heads v, num_hiddens); with bias=True also
+b_qa, b_kva and b_o.
+
+{_args("MultiHeadLatentAttention")}
+
+Call arguments:
+    X: (batch_size, no. of steps, num_hiddens).
+    valid_lens, mask, causal, window_mask, attn_bias, need_weights: as MultiHeadAttention's,
+        the keys being X's positions (after the cached ones with a cache).
+    cache: None, or an `mha.LatentCache` for decoding: `LatentCache()` at the first
+        call, then the cache the previous call returned. It keeps each position's latent
+        and rotary key, not the expanded keys and values; this call's positions follow the
+        cached ones.
+    absorbed: compute with W_kvb folded into the queries and the output (every head attends
+        over the latent, as MLA decodes); the same numbers as the expanded form, to rounding.
+
+Returns:
+    (batch_size, no. of steps, num_hiddens), and with a cache `(output, cache)`, the cache
+    holding latent (batch_size, positions, kv_lora_rank) and rotary_keys (batch_size, 1,
+    positions, qk_rope_head_dim); `attention_weights` holds (batch_size, num_heads, no. of
+    queries, no. of keys).
+""",
     "PositionalEncoding": f"""
 {_args("PositionalEncoding")}
 

@@ -248,6 +248,21 @@ def _rotary_size_even(arguments: Mapping[str, Any]) -> None:
     check_rope_scaling_size("scaling", arguments["scaling"], rotary_dim or num_hiddens)
 
 
+def _latent_rotary(arguments: Mapping[str, Any]) -> None:
+    if arguments["rope_theta"] is None:
+        raise ValueError(
+            "MultiHeadLatentAttention rotates the rotary part of each query and key: rope_theta "
+            "must be a positive number. Received: rope_theta=None"
+        )
+    rope = arguments["qk_rope_head_dim"]
+    if rope % 2 != 0:
+        raise ValueError(
+            "qk_rope_head_dim must be even: rotary embeddings rotate pairs of features. "
+            f"Received: qk_rope_head_dim={rope}"
+        )
+    check_rope_scaling_size("rope_scaling", arguments["rope_scaling"], rope)
+
+
 # Rules between a layer's options, checked once each option holds a value of its kind
 _LAYER_RULES = {
     "MultiHeadAttention": (
@@ -258,6 +273,7 @@ _LAYER_RULES = {
         _rope_dim_in_head,
         _sinks_take_empty_rows,
     ),
+    "MultiHeadLatentAttention": (_latent_rotary,),
     "RotaryEmbedding": (_rotary_size_even,),
 }
 

@@ -27,6 +27,7 @@ __all__ = [
     "OPTIONS",
     "REQUIRED",
     "Option",
+    "added_defaults",
     "layer_defaults",
     "layer_options",
     "untold",
@@ -35,7 +36,7 @@ __all__ = [
 # The layers that take options: the classes every backend exports, in the order the docs list them
 LAYERS = tuple(name for name in PUBLIC_NAMES if name[0].isupper())
 
-# The default of an option that must be given (num_hiddens, num_heads)
+# The default of an option that must be given (num_hiddens, num_heads, ...)
 REQUIRED = object()
 
 
@@ -57,8 +58,9 @@ class Option:
         layers: the layers that take it.
         added: an option beyond the book's arguments: a file written before it existed, and
             another framework's layer, which has none, take its default.
-        told: whether MultiHeadAttention's weights tell its value (sizes, bias, heads of
-            keys and values); an untold one is given to a port or a conversion.
+        told: whether the layer's weights tell its value (sizes, bias, heads of keys and
+            values); an untold one is given to a port or a conversion.
+        defaults: the layers whose default differs from `default`, and theirs.
     """
 
     name: str
@@ -68,13 +70,20 @@ class Option:
     layers: tuple[str, ...]
     added: bool = False
     told: bool = True
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def default_for(self, layer: str) -> Any:
+        """The option's default in `layer`."""
+        return self.defaults.get(layer, self.default)
 
 
-_ATTENTION = ("DotProductAttention", "AdditiveAttention", "MultiHeadAttention")
+_MHA = ("MultiHeadAttention",)
+_MLA = ("MultiHeadLatentAttention",)
+_HEADS = (*_MHA, *_MLA)
+_ATTENTION = ("DotProductAttention", "AdditiveAttention", *_HEADS)
 _SIZED = tuple(layer for layer in LAYERS if layer != "DotProductAttention")
 _DROPOUT = tuple(layer for layer in LAYERS if layer != "RotaryEmbedding")
 _ENCODINGS = ("PositionalEncoding", "LearnedPositionalEncoding")
-_MHA = ("MultiHeadAttention",)
 
 _INPUT_SIZE_DOC = "input size; None infers it at the first call."
 
@@ -88,6 +97,7 @@ OPTIONS: tuple[Option, ...] = (
         {
             "AdditiveAttention": "size of the hidden layer that queries and keys are projected to.",
             "MultiHeadAttention": "size of the projections and of the output.",
+            "MultiHeadLatentAttention": "size of the input X and of the output (hidden_size).",
             "PositionalEncoding": "feature size of X (odd sizes work).",
             "LearnedPositionalEncoding": "feature size of X.",
             "RotaryEmbedding": "feature size d of X; must be even.",
@@ -99,8 +109,11 @@ OPTIONS: tuple[Option, ...] = (
         "num_heads",
         REQUIRED,
         "positive integer",
-        {"*": "number of heads; must divide num_hiddens."},
-        _MHA,
+        {
+            "*": "number of heads; must divide num_hiddens.",
+            "MultiHeadLatentAttention": "number of heads (num_attention_heads).",
+        },
+        _HEADS,
     ),
     Option(
         "dropout",
@@ -118,8 +131,12 @@ OPTIONS: tuple[Option, ...] = (
         "bias",
         False,
         "boolean",
-        {"*": "whether the query, key and value projections have biases."},
-        _MHA,
+        {
+            "*": "whether the query, key and value projections have biases.",
+            "MultiHeadLatentAttention": "whether W_qa, W_kva and W_o have biases "
+            "(attention_bias); W_q, W_qb and W_kvb have none, as DeepSeek's.",
+        },
+        _HEADS,
     ),
     Option(
         "query_size",
@@ -136,6 +153,58 @@ OPTIONS: tuple[Option, ...] = (
         ("AdditiveAttention", "MultiHeadAttention"),
     ),
     Option("value_size", None, "optional positive integer", {"*": _INPUT_SIZE_DOC}, _MHA),
+    Option(
+        "q_lora_rank",
+        None,
+        "optional positive integer",
+        {
+            "*": "None (default) projects the queries with one W_q; a rank r projects them "
+            "through W_qa (num_hiddens, r), an RMSNorm and W_qb (r, heads' query size)."
+        },
+        _MLA,
+    ),
+    Option(
+        "kv_lora_rank",
+        REQUIRED,
+        "positive integer",
+        {"*": "size of each position's compressed latent, from which keys and values come."},
+        _MLA,
+    ),
+    Option(
+        "qk_nope_head_dim",
+        REQUIRED,
+        "positive integer",
+        {"*": "size of the part of each head's query and key without rotary embeddings."},
+        _MLA,
+    ),
+    Option(
+        "qk_rope_head_dim",
+        REQUIRED,
+        "positive integer",
+        {
+            "*": "size of the rotary part of each head's query and key (even); one rotary key "
+            "per position serves every head."
+        },
+        _MLA,
+    ),
+    Option(
+        "v_head_dim",
+        REQUIRED,
+        "positive integer",
+        {"*": "size of each head's value."},
+        _MLA,
+    ),
+    Option(
+        "norm_eps",
+        1e-6,
+        "positive number",
+        {
+            "*": "added to the mean square in the RMSNorms of the latent and the low-rank query "
+            "(rms_norm_eps)."
+        },
+        _MLA,
+        told=False,
+    ),
     Option(
         "max_len",
         1000,
@@ -254,11 +323,14 @@ OPTIONS: tuple[Option, ...] = (
         {
             "*": "the base of rotary position embeddings applied to each head's queries and keys "
             "(10000.0 in Llama 2, 500000.0 in Llama 3); None (default) applies none. Queries "
-            "and keys take positions 0, 1, ... along their axis."
+            "and keys take positions 0, 1, ... along their axis.",
+            "MultiHeadLatentAttention": "the base of the rotary embeddings of the rotary parts "
+            "(10000.0, the default, in DeepSeek-V3); the layer needs one.",
         },
-        _MHA,
+        _HEADS,
         told=False,
         added=True,
+        defaults={"MultiHeadLatentAttention": 10000.0},
     ),
     Option(
         "rope_interleaved",
@@ -267,11 +339,15 @@ OPTIONS: tuple[Option, ...] = (
         {
             "*": "False (default) rotates feature i with feature i + head size / 2 (Hugging "
             "Face's convention); True rotates pairs (2i, 2i + 1) (GPT-J, Meta's original "
-            "Llama)."
+            "Llama).",
+            "MultiHeadLatentAttention": "True (default) rotates pairs (2i, 2i + 1) of the "
+            "rotary parts (DeepSeek's rope_interleave); False rotates feature i with feature "
+            "i + qk_rope_head_dim / 2.",
         },
-        _MHA,
+        _HEADS,
         told=False,
         added=True,
+        defaults={"MultiHeadLatentAttention": True},
     ),
     Option(
         "rope_dim",
@@ -293,9 +369,12 @@ OPTIONS: tuple[Option, ...] = (
         {
             "*": "None (default), or the rotary frequencies' scaling as Hugging Face's "
             "rope_parameters give it: a mapping of rope_type ('linear', 'dynamic', 'yarn', "
-            "'llama3', 'longrope') and that type's numbers (mha.encoding.ROPE_TYPES)."
+            "'llama3', 'longrope') and that type's numbers (mha.encoding.ROPE_TYPES).",
+            "MultiHeadLatentAttention": "None (default), or the rotary frequencies' scaling "
+            "as MultiHeadAttention's; a yarn scaling with mscale_all_dim also multiplies the "
+            "scores' factor by its mscale squared, as DeepSeek-V3's.",
         },
-        _MHA,
+        _HEADS,
         told=False,
         added=True,
     ),
@@ -407,7 +486,14 @@ def layer_options(layer: str) -> tuple[Option, ...]:
 
 def layer_defaults(layer: str) -> dict[str, Any]:
     """The defaults of `layer`'s options that have one."""
-    return {o.name: o.default for o in layer_options(layer) if o.default is not REQUIRED}
+    defaults = {o.name: o.default_for(layer) for o in layer_options(layer)}
+    return {name: default for name, default in defaults.items() if default is not REQUIRED}
+
+
+def added_defaults(layer: str) -> dict[str, Any]:
+    """The defaults of `layer`'s options beyond the book's arguments, which a file written
+    before they existed takes."""
+    return {o.name: o.default_for(layer) for o in layer_options(layer) if o.added}
 
 
 def untold(layer: str = "MultiHeadAttention") -> tuple[str, ...]:

@@ -58,6 +58,7 @@ PUBLIC_NAMES: tuple[str, ...] = (
     "DotProductAttention",
     "AdditiveAttention",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "LearnedPositionalEncoding",
     "RotaryEmbedding",

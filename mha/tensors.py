@@ -16,6 +16,7 @@ __all__ = [
     "format_shape",
     "is_tensor",
     "plain_dtype_name",
+    "require_tensor",
     "same",
     "shape_of",
 ]
@@ -86,6 +87,14 @@ def _read_dtype_name(dtype: Any) -> str:
 def is_tensor(x: Any) -> bool:
     """Whether `x` has a shape and a dtype, as arrays and tensors of every framework have."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def require_tensor(name: str, x: Any) -> None:
+    if not is_tensor(x):
+        raise TypeError(
+            f"{name} must be an array or tensor of the layer's framework. "
+            f"Received: {name} of type {type(x).__name__}"
+        )
 
 
 def describe(name: str, x: Any) -> str:

@@ -8,9 +8,10 @@ The checks read `.shape` and `.dtype` of any framework's tensor; they never conv
 numpy. The one check that needs values (valid_lens must be non-negative whole numbers) takes
 the smallest value and a sample non-integer, which each backend computes with its own ops.
 
-The checks of the constructors' arguments are `mha.layer_args`'s, and the reading of a
-tensor's shape and dtype `mha.tensors`'s; this module names their public ones too, so that
-every check is `mha.validation.<name>`. The checks of the calls are here.
+The checks of the constructors' arguments are `mha.layer_args`'s, those of a call's cache
+`mha.cache`'s, and the reading of a tensor's shape and dtype `mha.tensors`'s; this module
+names their public ones too, so that every check is `mha.validation.<name>`. The checks of
+the calls are here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from mha.cache import KVCache, check_kv_cache, check_latent_cache
 from mha.layer_args import (
     EMPTY_ROWS,
     FLOAT_DTYPES,
@@ -40,6 +42,7 @@ from mha.tensors import (
     dtype_name,
     format_shape,
     is_tensor,
+    require_tensor,
     same,
     shape_of,
 )
@@ -52,6 +55,9 @@ __all__ = [
     "check_backend_dtype",
     "check_dtype",
     "check_empty_rows",
+    "check_kv_cache",
+    "check_latent_attention_call",
+    "check_latent_cache",
     "check_layer_args",
     "check_masked_softmax_call",
     "check_positional_encoding_call",
@@ -69,14 +75,6 @@ INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 
 # ---------------------------------------------------------------------------------------------
 # Call arguments
-
-
-def require_tensor(name: str, x: Any) -> None:
-    if not is_tensor(x):
-        raise TypeError(
-            f"{name} must be an array or tensor of the layer's framework. "
-            f"Received: {name} of type {type(x).__name__}"
-        )
 
 
 def require_framework(tensor_type: Any, **tensors: Any) -> None:
@@ -296,7 +294,7 @@ def check_attention_call(
     if cache is not None:
         if kv_heads is None:
             raise TypeError("cache is only accepted by MultiHeadAttention")
-        num_keys = _add(num_keys, _check_cache(cache, batch_size, *kv_heads, dtype))
+        num_keys = _add(num_keys, check_kv_cache(cache, batch_size, *kv_heads, dtype))
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
     _check_flags(causal, need_weights, alignment)
@@ -313,7 +311,7 @@ def _other_tensors(segment_ids: Any, cache: Any) -> dict[str, Any]:
     if segment_ids is not None:
         names = ("query segment_ids", "key segment_ids")
         given.update(zip(names, segment_pair(segment_ids), strict=False))
-    if _is_cache(cache):
+    if isinstance(cache, KVCache):
         given.update({"cache.keys": cache.keys, "cache.values": cache.values})
     return given
 
@@ -427,43 +425,50 @@ def _check_masks(mask, attn_bias, window_mask, head_mask, dtype: str, num_heads,
         _check_head_mask(head_mask, batch_size, num_heads, dtype)
 
 
-def _is_cache(cache: Any) -> bool:
-    from mha.cache import KVCache
-
-    return isinstance(cache, KVCache)
-
-
-def _check_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dtype: str):
-    """The number of cached positions of a KVCache that fits the call and the layer."""
-    if not _is_cache(cache):
-        raise TypeError(
-            "cache must be an mha.KVCache: KVCache() before the first call, then the cache the "
-            f"previous call returned. Received: cache of type {type(cache).__name__}"
-        )
-    if cache.keys is None and cache.values is None:
-        return 0
-    expected = (batch_size, num_kv_heads, None, head_size)
-    shapes = []
-    for name, tensor in (("cache.keys", cache.keys), ("cache.values", cache.values)):
-        require_tensor(name, tensor)
-        if dtype_name(tensor) != dtype:
-            raise TypeError(
-                f"{name} must have the layer's dtype {dtype}. Received: {describe(name, tensor)}"
-            )
-        shape = shape_of(tensor)
-        if len(shape) != 4 or not all(map(same, shape, expected)):
-            raise ValueError(
-                f"{name} must have shape (batch_size, num_kv_heads, no. of positions, head "
-                f"size) = ({batch_size}, {num_kv_heads}, positions, {head_size}). "
-                f"Received: {describe(name, tensor)}"
-            )
-        shapes.append(shape)
-    if not same(shapes[0][2], shapes[1][2]):
+def check_latent_attention_call(
+    X: Any,
+    valid_lens: Any = None,
+    *,
+    mask: Any = None,
+    causal: Any = False,
+    window_mask: Any = None,
+    need_weights: Any = True,
+    attn_bias: Any = None,
+    cache: Any = None,
+    absorbed: Any = False,
+    dtype: str,
+    num_hiddens: int,
+    num_heads: int,
+    latent_sizes: tuple[int, int],
+    tensor_type: Any = object,
+) -> tuple[int | None, int | None, int | None]:
+    """Check the call of MultiHeadLatentAttention; returns (batch_size, no. of queries, no.
+    of keys), the keys counting the cached ones. `latent_sizes`: (kv_lora_rank,
+    qk_rope_head_dim), the sizes of what its cache keeps."""
+    given = dict(X=X, valid_lens=valid_lens, mask=mask, window_mask=window_mask)
+    cached = (
+        {}
+        if cache is None
+        else {f"cache.{f}": getattr(cache, f, None) for f in ("latent", "rotary_keys")}
+    )
+    require_framework(tensor_type, **given, attn_bias=attn_bias, **cached)
+    shape = _check_input("X", X, dtype)
+    _check_size("X", X, shape, "num_hiddens", num_hiddens)
+    batch_size, num_queries = shape[0], shape[1]
+    if num_queries == 0:
         raise ValueError(
-            "cache.keys and cache.values must hold the same positions. Received: "
-            f"{describe('cache.keys', cache.keys)}, {describe('cache.values', cache.values)}"
+            f"X must hold at least one position (axis 1). Received: {describe('X', X)}"
         )
-    return shapes[0][2]
+    num_keys = num_queries
+    if cache is not None:
+        num_keys = _add(num_keys, check_latent_cache(cache, batch_size, *latent_sizes, dtype))
+    if valid_lens is not None:
+        check_valid_lens(valid_lens, batch_size, num_queries)
+    _check_flags(causal, need_weights, None)
+    check_bool("absorbed", absorbed)
+    scores = (batch_size, num_queries, num_keys)
+    _check_masks(mask, attn_bias, window_mask, None, dtype, num_heads, scores)
+    return batch_size, num_queries, num_keys
 
 
 def _add(a: int | None, b: int | None) -> int | None:

@@ -7,6 +7,12 @@ The canonical weights of a layer are a plain `dict[str, numpy.ndarray]` computin
                          W_v (value_size, num_hiddens), W_o (num_hiddens, out_features);
                          with bias=True also b_q, b_k, b_v (num_hiddens,), and with
                          out_bias (None: bias) b_o (out_features,)
+    MultiHeadLatentAttention  W_q (num_hiddens, num_heads (nope + rope)), or W_qa
+                         (num_hiddens, q_lora_rank), W_qb (q_lora_rank, num_heads (nope
+                         + rope)), q_norm (q_lora_rank,); W_kva (num_hiddens, kv_lora_rank
+                         + rope), W_kvb (kv_lora_rank, num_heads (nope + v)), kv_norm
+                         (kv_lora_rank,), W_o (num_heads v, num_hiddens); with bias=True
+                         also b_qa, b_kva, b_o (nope, rope, v: the head dims)
     AdditiveAttention    W_q (query_size, num_hiddens), W_k (key_size, num_hiddens),
                          w_v (num_hiddens, 1)
     AddNorm              gamma (num_hiddens,), beta (num_hiddens,)
@@ -88,6 +94,8 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
             head = n // config["num_heads"]
             shapes.update({"q_norm": (config["num_heads"], head), "k_norm": (kv // head, head)})
         return shapes
+    if class_name == "MultiHeadLatentAttention":
+        return _latent_shapes(config)
     if class_name == "AdditiveAttention":
         n = config["num_hiddens"]
         return {
@@ -102,9 +110,36 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
         return {"P": (config.get("max_len", 1000), config["num_hiddens"])}
     if class_name in ("DotProductAttention", "PositionalEncoding", "RotaryEmbedding"):
         return {}
-    raise ValueError(
+    raise _unknown_class(class_name)
+
+
+def _unknown_class(class_name: Any) -> ValueError:
+    return ValueError(
         f"Unknown layer class. Valid names: {', '.join(LAYER_CLASSES)}. Received: {class_name!r}"
     )
+
+
+def _latent_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """MultiHeadLatentAttention's weights, in the order of its places: queries through W_q,
+    or W_qa, q_norm and W_qb; the latent and the rotary key through W_kva and kv_norm; each
+    head's key part and value through W_kvb."""
+    n, heads, rank = config["num_hiddens"], config["num_heads"], config["kv_lora_rank"]
+    nope, rope, v = (config[k] for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q_rank = config.get("q_lora_rank")
+    shapes = {
+        "W_q": (n, heads * (nope + rope)),
+        "W_qa": (n, q_rank),
+        "W_qb": (q_rank, heads * (nope + rope)),
+        "W_kva": (n, rank + rope),
+        "W_kvb": (rank, heads * (nope + v)),
+        "W_o": (heads * v, n),
+        "b_qa": (q_rank,),
+        "b_kva": (rank + rope,),
+        "b_o": (n,),
+        "q_norm": (q_rank,),
+        "kv_norm": (rank,),
+    }
+    return {name: shapes[name] for name in _latent_places(q_rank, config.get("bias", False))}
 
 
 # The sub-layer whose input size each size argument is
@@ -142,6 +177,7 @@ def weight_places(
     qk_norm: str | None = None,
     sinks: bool = False,
     output_gate: bool = False,
+    q_lora_rank: int | None = None,
 ) -> dict[str, tuple[str, str]]:
     """Where each canonical weight lives in a layer, the same in every backend.
 
@@ -166,6 +202,8 @@ def weight_places(
         if qk_norm is not None:  # the scales of the RMSNorms of queries and keys
             places.update({"q_norm": ("q_norm", "scale"), "k_norm": ("k_norm", "scale")})
         return places
+    if class_name == "MultiHeadLatentAttention":
+        return _latent_places(q_lora_rank, bias)
     if class_name == "AdditiveAttention":
         return {name: (name, "kernel") for name in ("W_q", "W_k", "w_v")}
     if class_name == "AddNorm":
@@ -173,6 +211,18 @@ def weight_places(
     if class_name == "LearnedPositionalEncoding":
         return {"P": ("embedding", "table")}
     return {}
+
+
+def _latent_places(q_lora_rank: int | None, bias: bool) -> dict[str, tuple[str, str]]:
+    """weight_places of MultiHeadLatentAttention."""
+    kernels = ("W_q",) if q_lora_rank is None else ("W_qa", "W_qb")
+    places = {name: (name, "kernel") for name in (*kernels, "W_kva", "W_kvb", "W_o")}
+    if bias:  # as DeepSeek's: the first projections and the output's
+        biased = ("W_kva", "W_o") if q_lora_rank is None else ("W_qa", "W_kva", "W_o")
+        places.update({f"b_{name[2:]}": (name, "bias") for name in biased})
+    norms = ("kv_norm",) if q_lora_rank is None else ("q_norm", "kv_norm")
+    places.update({name: (name, "scale") for name in norms})
+    return places
 
 
 def canonical_parameters(
@@ -189,6 +239,8 @@ def canonical_parameters(
 
 def _weight_places_of(layer: Any) -> dict[str, tuple[str, str]]:
     class_name = _layer_class_name(layer)
+    if class_name == "MultiHeadLatentAttention":
+        return weight_places(class_name, layer.bias, q_lora_rank=layer.q_lora_rank)
     if class_name != "MultiHeadAttention":
         return weight_places(class_name)
     return weight_places(
@@ -350,7 +402,8 @@ def random_weights(
     """
     if isinstance(layer, str) or isinstance(layer, type):
         class_name = layer if isinstance(layer, str) else _layer_class_name_of_type(layer)
-        weight_shapes(class_name, {"num_hiddens": 1})  # rejects an unknown name
+        if class_name not in LAYER_CLASSES:
+            raise _unknown_class(class_name)
         unknown = sorted(set(config) - set(LAYER_CLASSES[class_name]))
         if unknown:
             raise TypeError(
@@ -377,7 +430,7 @@ def random_weights(
     weights = {}
     for key in sorted(shapes):
         shape = shapes[key]
-        if key in ("gamma", "q_norm", "k_norm"):  # scales of norms: near 1
+        if key in ("gamma", "q_norm", "k_norm", "kv_norm"):  # scales of norms: near 1
             value = 1.0 + 0.1 * rng.standard_normal(shape)
         elif key == "beta":
             value = 0.1 * rng.standard_normal(shape)

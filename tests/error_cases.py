@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mha.cache import KVCache
 from mha.options import OPTIONS
 from mha.registry import load_backend
 from mha.weights import random_weights, set_weights
@@ -145,6 +146,14 @@ GOOD_ARGUMENTS = {
     "LearnedPositionalEncoding": {"num_hiddens": 4},
     "RotaryEmbedding": {"num_hiddens": 4},
     "AddNorm": {"num_hiddens": 4},
+    "MultiHeadLatentAttention": {
+        "num_hiddens": 8,
+        "num_heads": 2,
+        "kv_lora_rank": 4,
+        "qk_nope_head_dim": 2,
+        "qk_rope_head_dim": 2,
+        "v_head_dim": 2,
+    },
 }
 
 
@@ -194,6 +203,23 @@ CONSTRUCTORS = {
         scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
     ),
     "num_heads negative": build("MultiHeadAttention", 8, -2),
+    "latent rope odd": build(
+        "MultiHeadLatentAttention",
+        **{**GOOD_ARGUMENTS["MultiHeadLatentAttention"], "qk_rope_head_dim": 3},
+    ),
+    "latent without rope_theta": build(
+        "MultiHeadLatentAttention", **GOOD_ARGUMENTS["MultiHeadLatentAttention"], rope_theta=None
+    ),
+    "latent longrope factors per pair": build(
+        "MultiHeadLatentAttention",
+        **GOOD_ARGUMENTS["MultiHeadLatentAttention"],
+        rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [1.0] * 2,
+            "long_factor": [2.0] * 2,
+            "original_max_position_embeddings": 4,
+        },
+    ),
     "dropout positional": build("PositionalEncoding", 4, -0.1),
 }
 
@@ -286,12 +312,40 @@ OTHER_LAYERS = {
     "gqa value_size mismatch": call(GQA, *QKV[:2], f(B, K, 5)),
 }
 
+# Multi-head latent attention: its input X, its latent cache
+LATENT = ("MultiHeadLatentAttention", (), GOOD_ARGUMENTS["MultiHeadLatentAttention"])
+XL = f(B, Q, 8)
+
+LATENT_ATTENTION = {
+    "latent X rank 2": call(LATENT, f(B, 8)),
+    "latent X wrong size": call(LATENT, f(B, Q, 4)),
+    "latent X wrong dtype": call(LATENT, f(B, Q, 8, dtype="float64")),
+    "latent X not a tensor": call(LATENT, [[[1.0] * 8]]),
+    "latent no positions": call(LATENT, f(B, 0, 8)),
+    "latent valid_lens wrong batch": call(LATENT, XL, np.array([1, 2, 3])),
+    "latent valid_lens negative": call(LATENT, XL, np.array([1, -1])),
+    "latent valid_lens fractional": call(LATENT, XL, np.array([1.5, 2.0])),
+    "latent mask wrong keys": call(LATENT, XL, mask=np.ones((Q, Q + 1), bool)),
+    "latent mask 4-D wrong heads": call(LATENT, XL, mask=np.ones((B, 3, Q, Q), bool)),
+    "latent attn_bias wrong dtype": call(LATENT, XL, attn_bias=f(B, Q, Q, dtype="float64")),
+    "latent window_mask rank 2": call(LATENT, XL, window_mask=np.ones((Q, Q), bool)),
+    "latent causal int": call(LATENT, XL, causal=1),
+    "latent need_weights not bool": call(LATENT, XL, need_weights=None),
+    "latent absorbed not bool": call(LATENT, XL, absorbed="yes"),
+    "latent a KVCache": call(LATENT, XL, cache=KVCache()),
+}
+
 WEIGHTS = random_weights(
     "MultiHeadAttention", num_hiddens=8, num_heads=2, query_size=4, key_size=4, value_size=6
 )
 # Four problems: one missing, one unexpected, one transposed, one of the wrong shape
 BAD_WEIGHTS = {**WEIGHTS, "W_q": WEIGHTS["W_q"].T, "W_o": WEIGHTS["W_o"][:, :3]}
 BAD_WEIGHTS["W_x"] = BAD_WEIGHTS.pop("W_v")
+
+LATENT_WEIGHTS = random_weights(LATENT[0], **LATENT[2])
+# Three problems: one missing, one unexpected (W_qa without q_lora_rank), one transposed
+BAD_LATENT_WEIGHTS = {**LATENT_WEIGHTS, "W_kvb": LATENT_WEIGHTS["W_kvb"].T}
+BAD_LATENT_WEIGHTS["W_qa"] = BAD_LATENT_WEIGHTS.pop("kv_norm")
 
 # mha.set_weights: every problem listed, with the layer's config (sizes inferred so far, None
 # while lazy)
@@ -300,6 +354,7 @@ SET_WEIGHTS = {
     "set_weights problems (lazy)": ErrorCase(
         ("MultiHeadAttention", (8, 2), {"query_size": 4}), weights=BAD_WEIGHTS
     ),
+    "set_weights problems (latent)": ErrorCase(LATENT, weights=BAD_LATENT_WEIGHTS),
 }
 
 # Self-attention without weights or gradients, inference's commonest call
@@ -318,7 +373,16 @@ INFERENCE = {
     "self valid_lens fractional (inference)": inference(X, X, X, np.array([1.5, 2.0], "float32")),
 }
 
-TABLES = (CONSTRUCTORS, INPUTS, VALID_LENS, MASKS, OTHER_LAYERS, SET_WEIGHTS, INFERENCE)
+TABLES = (
+    CONSTRUCTORS,
+    INPUTS,
+    VALID_LENS,
+    MASKS,
+    OTHER_LAYERS,
+    LATENT_ATTENTION,
+    SET_WEIGHTS,
+    INFERENCE,
+)
 
 # id -> the bad input; tests/test_errors.py runs every one on every backend
 ERRORS: dict[str, ErrorCase] = {name: case for table in TABLES for name, case in table.items()}

@@ -1,10 +1,11 @@
-"""Multi-head latent attention (work in progress, not exported yet): the NumPy reference's
+"""Multi-head latent attention: the NumPy reference's
 MultiHeadLatentAttention against transformers' own DeepseekV3Attention (tiny and random, with
 and without the low-rank queries, causal, with yarn's scaled rotary, with a sliding window and
 an additive bias); its absorbed form against its expanded one; decoding with the latent cache
-against full causal attention; and each other backend's class against the reference,
-expanded, absorbed and cached, eager and under its compiler (torch.compile, tf.function,
-nnx.jit; MXNet's class is not hybridizable yet)."""
+against full causal attention; and each other backend's class, given the reference's
+canonical weights (mha.set_weights), against the reference, expanded, absorbed and cached,
+eager and under its compiler (torch.compile, tf.function, nnx.jit; MXNet's class is not
+hybridizable yet)."""
 
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ def test_decoding_with_the_latent_cache_is_full_causal_attention(absorbed):
     layer = _layer(q_lora_rank=None)
     X = np.random.default_rng(5).standard_normal((2, 6, 16))
     full = layer(X, causal=True)
-    output, cache = layer(X[:, :3], causal=True, cache=mha.cache.LatentCache(), absorbed=absorbed)
+    output, cache = layer(X[:, :3], causal=True, cache=mha.LatentCache(), absorbed=absorbed)
     steps = [output]
     for t in range(3, 6):
         output, cache = layer(X[:, t : t + 1], causal=True, cache=cache, absorbed=absorbed)
@@ -184,45 +185,20 @@ def test_decoding_with_the_latent_cache_is_full_causal_attention(absorbed):
     assert cache.latent.shape == (2, 6, 6) and cache.rotary_keys.shape == (2, 1, 6, 4)
 
 
-def _load_torch(T, layer, reference):
-    with T.torch.no_grad():
-        for name in LINEARS:
-            getattr(layer, name).weight.copy_(T.from_numpy(getattr(reference, name).weight.T))
-        layer.q_norm.weight.copy_(T.from_numpy(reference.q_norm.gamma))
-        layer.kv_norm.weight.copy_(T.from_numpy(reference.kv_norm.gamma))
+def _load(layer, reference, dtype):
+    """The reference's weights, canonical, in a layer of another backend."""
+    import mha
+
+    weights = {name: w.astype(dtype) for name, w in mha.get_weights(reference).items()}
+    mha.set_weights(layer, weights)
+    # and back: the canonical weights the layer was given
+    for name, value in mha.get_weights(layer).items():
+        np.testing.assert_array_equal(value, weights[name], err_msg=name)
 
 
-def _load_jax(J, layer, reference):
-    for name in LINEARS:
-        getattr(layer, name).kernel[...] = J.from_numpy(getattr(reference, name).weight)
-    layer.q_norm.scale[...] = J.from_numpy(reference.q_norm.gamma)
-    layer.kv_norm.scale[...] = J.from_numpy(reference.kv_norm.gamma)
-
-
-def _load_tensorflow(TF, layer, reference):
-    for name in LINEARS:
-        getattr(layer, name).kernel.assign(getattr(reference, name).weight)
-    layer.q_norm.gamma.assign(reference.q_norm.gamma)
-    layer.kv_norm.gamma.assign(reference.kv_norm.gamma)
-
-
-def _load_mxnet(MX, layer, reference):
-    layer.initialize(MX.mx.init.Zero())  # its weights come from the reference below
-    for name in LINEARS:
-        getattr(layer, name).weight.set_data(MX.from_numpy(getattr(reference, name).weight.T))
-    layer.q_norm.gamma.set_data(MX.from_numpy(reference.q_norm.gamma))
-    layer.kv_norm.gamma.set_data(MX.from_numpy(reference.kv_norm.gamma))
-
-
-LINEARS = ("W_qa", "W_qb", "W_kva", "W_kvb", "W_o")
-# How each backend's class takes the reference's weights, and its compiler where the call
-# also runs compiled (JAX without its 64-bit mode computes in float32)
-LOADERS = {
-    "torch": _load_torch,
-    "jax": _load_jax,
-    "tensorflow": _load_tensorflow,
-    "mxnet": _load_mxnet,
-}
+BACKENDS = ("torch", "jax", "tensorflow", "mxnet")
+# Each backend's compiler, where the call also runs compiled (JAX without its 64-bit mode
+# computes in float32)
 COMPILERS = {
     "jax": lambda module, call: module.nnx.jit(call),
     "tensorflow": lambda module, call: module.tf.function(call),
@@ -230,7 +206,7 @@ COMPILERS = {
 }
 
 
-@pytest.mark.parametrize("name", backend_params(list(LOADERS)))
+@pytest.mark.parametrize("name", backend_params(list(BACKENDS)))
 def test_each_backend_gives_the_references_numbers(name):
     # The same weights in each backend, expanded and absorbed (and compiled where the
     # framework compiles), with lengths, causal and a latent cache: the reference's numbers
@@ -249,7 +225,7 @@ def test_each_backend_gives_the_references_numbers(name):
         q_lora_rank=8,
         dtype=dtype,
     )
-    LOADERS[name](module, layer, reference)
+    _load(layer, reference, dtype)
     X = np.random.default_rng(6).standard_normal((2, 5, 16))
     lengths = np.array([3, 5])
     expected = reference(X, lengths, causal=True)
@@ -268,7 +244,7 @@ def test_each_backend_gives_the_references_numbers(name):
             np.testing.assert_allclose(output, expected, rtol=tolerance, atol=tolerance)
     # Decoding after a prompt of 2 with the latent cache, eager and compiled
     queries, full = tensors[0], reference(X, causal=True)
-    _, cache = layer(queries[:, :2], causal=True, cache=mha.cache.LatentCache())
+    _, cache = layer(queries[:, :2], causal=True, cache=mha.LatentCache())
 
     def decode(layer, X, cache):
         return layer(X, causal=True, cache=cache, absorbed=True)[0]
@@ -278,7 +254,7 @@ def test_each_backend_gives_the_references_numbers(name):
         np.testing.assert_allclose(step, full[:, 2:], rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("name", backend_params(list(LOADERS)))
+@pytest.mark.parametrize("name", backend_params(list(BACKENDS)))
 def test_each_backend_takes_windows_and_a_bias_as_the_reference(name):
     # A sliding window, a window mask per example and an additive bias, expanded and absorbed
     module = backend_module(name)
@@ -288,7 +264,7 @@ def test_each_backend_takes_windows_and_a_bias_as_the_reference(name):
     layer = module.MultiHeadLatentAttention(
         16, 4, **sizes, q_lora_rank=8, sliding_window=3, dtype=dtype
     )
-    LOADERS[name](module, layer, reference)
+    _load(layer, reference, dtype)
     rng = np.random.default_rng(7)
     X, bias = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 4, 5, 5))
     windows = rng.random((2, 5, 5)) < 0.7
@@ -302,3 +278,37 @@ def test_each_backend_takes_windows_and_a_bias_as_the_reference(name):
         np.testing.assert_allclose(
             module.to_numpy(output), expected, rtol=tolerance, atol=tolerance
         )
+
+
+@pytest.mark.parametrize("name", backend_params(["numpy", *BACKENDS]))
+def test_a_file_rebuilds_the_layer_in_each_backend(name, tmp_path):
+    # Saved from the reference with every option its weights do not tell (yarn, a window,
+    # eps, interleaving), loaded by mha.load: the same class, config and numbers
+    import mha
+
+    reference = N.MultiHeadLatentAttention(
+        16,
+        4,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=8,
+        bias=True,
+        rope_theta=500.0,
+        rope_interleaved=False,
+        rope_scaling=YARN,
+        norm_eps=1e-5,
+        sliding_window=3,
+        dtype="float64",
+    )
+    mha.set_weights(reference, mha.random_weights(reference, seed=8))
+    mha.save(reference, tmp_path / "latent.safetensors")
+    module = backend_module(name)
+    layer = mha.load(tmp_path / "latent.safetensors", backend=name)
+    assert isinstance(layer, module.MultiHeadLatentAttention)
+    assert mha.weights.layer_info(layer)[2] == mha.weights.layer_info(reference)[2]
+    X = np.random.default_rng(9).standard_normal((2, 5, 16))
+    output = module.to_numpy(layer(module.from_numpy(X), causal=True))
+    tolerance = 1e-5 if name == "jax" else 1e-12  # JAX without x64 computes in float32
+    np.testing.assert_allclose(output, reference(X, causal=True), rtol=tolerance, atol=tolerance)

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from conftest import backend_module, backend_params
-from error_cases import BAD_VALUES
+from error_cases import BAD_VALUES, GOOD_ARGUMENTS
 from mha import options, validation, weights
 
 # Keywords a framework adds to its layers beside the options: Flax's random streams, and
@@ -28,13 +28,13 @@ def test_every_constructor_takes_its_options_with_their_defaults(name, layer):
     declared = options.layer_options(layer)
     assert set(taken) == {option.name for option in declared}
     for option in declared:
-        expected = inspect.Parameter.empty if option.default is options.REQUIRED else option.default
+        default = option.default_for(layer)
+        expected = inspect.Parameter.empty if default is options.REQUIRED else default
         assert taken[option.name] == expected, option.name
 
 
 def _valid_config(layer):
-    sizes = {"num_hiddens": 8, "num_heads": 2}
-    return {**sizes, **options.layer_defaults(layer)}
+    return {**GOOD_ARGUMENTS[layer], **options.layer_defaults(layer)}
 
 
 @pytest.mark.parametrize(

@@ -337,13 +337,13 @@ def test_error_message(case):
     with pytest.raises(error_type) as caught:
         action()
     assert str(caught.value) == message
-    # Raised by the shared checks, before any framework call: mha.validation's own, or those of
-    # the constructors' arguments it names from mha.layer_args
+    # Raised by the shared checks, before any framework call: mha.validation's own, or those it
+    # names from mha.layer_args (constructors' arguments), mha.cache and mha.tensors
     frame = caught.tb
     while frame.tb_next is not None:
         frame = frame.tb_next
     assert frame.tb_frame.f_code.co_filename.endswith(
-        ("validation.py", "layer_args.py", "registry.py")
+        ("validation.py", "layer_args.py", "registry.py", "cache.py", "tensors.py")
     )
 
 

@@ -55,8 +55,18 @@ def test_every_canonical_weight_has_a_place():
         for bias in (False, True):
             config = {**CONFIG, "bias": bias}
             assert list(W.weight_places(class_name, bias)) == list(
-                W.weight_shapes(class_name, config)
+                W.weight_shapes(class_name, {**config, **LATENT})
             ), (class_name, bias)
+    # Multi-head latent attention: with low-rank queries, or one W_q
+    for bias in (False, True):
+        for q_lora_rank in (None, 3):
+            config = {**CONFIG, **LATENT, "bias": bias, "q_lora_rank": q_lora_rank}
+            places = W.weight_places("MultiHeadLatentAttention", bias, q_lora_rank=q_lora_rank)
+            assert list(places) == list(W.weight_shapes("MultiHeadLatentAttention", config))
+
+
+# The sizes of multi-head latent attention beside CONFIG's
+LATENT = {"kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3}
 
 
 def test_weights_compute_x_at_W_plus_b():

@@ -56,6 +56,7 @@ __all__ = [
     "DotProductAttention",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
     "from_numpy",
@@ -755,9 +756,10 @@ class MultiHeadAttention(nnx.Module):
         return X.reshape(X.shape[0], X.shape[1], self.num_hiddens)
 
 
+@documented
 class MultiHeadLatentAttention(nnx.Module):
-    """Multi-head latent attention (DeepSeek-V2 and V3): the NumPy reference's
-    MultiHeadLatentAttention (mha.backends.numpy), in JAX. Work in progress (not exported)."""
+    """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): the NumPy reference's
+    MultiHeadLatentAttention (mha.backends.numpy), in JAX (Flax NNX)."""
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -768,11 +770,14 @@ class MultiHeadLatentAttention(nnx.Module):
                  dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         rngs = _rngs(rngs)
-        self.dtype = dtype
-        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
-        self.sliding_window = sliding_window
-        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
-        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.kv_lora_rank, self.q_lora_rank, self.norm_eps = kv_lora_rank, q_lora_rank, norm_eps
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
+        self.rope_interleaved = rope_interleaved
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _Linear(num_heads * qk_head, False, num_hiddens, dtype, rngs)
@@ -787,14 +792,21 @@ class MultiHeadLatentAttention(nnx.Module):
                              dtype, rngs)
         self.W_o = _Linear(num_hiddens, bias, num_heads * v_head_dim, dtype, rngs)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
-                                      scaling=rope_scaling, dtype=dtype)
+                                      scaling=self.rope_scaling, dtype=dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
-        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.scale = latent_attention_scale(qk_head, self.rope_scaling)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
         self.attention_weights = nnx.data(None)
 
     def __call__(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
                  need_weights=True, attn_bias=None, cache=None, absorbed=False):
+        validation.check_latent_attention_call(
+            X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
+            need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
+            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
+        )
+        _check_valid_lens_values(valid_lens)
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -833,11 +845,11 @@ class MultiHeadLatentAttention(nnx.Module):
         attention over the latent; see the NumPy reference)."""
         # W_kvb per head: its key part W_uk (kv_lora_rank, H, nope), value part W_uv
         W = self.W_kvb.kernel[...].reshape(self.kv_lora_rank, self.num_heads, -1)
-        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = jnp.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk,
+        absorbed = jnp.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk,
                               precision=jax.lax.Precision.HIGHEST)
-        queries = jnp.concatenate([absorbed, queries[..., self.nope :]], axis=-1)
+        queries = jnp.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = jnp.concatenate([latent[:, None], rotary_keys], axis=-1)
         output, weights, _ = _attention(
             queries, keys, latent[:, None], keep, bias, self.dropout, scale=self.scale,
@@ -852,8 +864,8 @@ class MultiHeadLatentAttention(nnx.Module):
         num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
         Q = Q.reshape(*X.shape[:2], self.num_heads, -1).transpose(0, 2, 1, 3)
-        rotated = self.rotary.rotate(Q[..., self.nope :], offset)
-        return jnp.concatenate([Q[..., : self.nope], rotated], axis=-1)
+        rotated = self.rotary.rotate(Q[..., self.qk_nope_head_dim :], offset)
+        return jnp.concatenate([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
 
     def compress(self, X, offset=0):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
@@ -868,8 +880,8 @@ class MultiHeadLatentAttention(nnx.Module):
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
         KV = self.W_kvb(latent).reshape(*latent.shape[:2], self.num_heads, -1)
         KV = KV.transpose(0, 2, 1, 3)
-        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
-        shared = jnp.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.rope))
+        keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
+        shared = jnp.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.qk_rope_head_dim))
         return jnp.concatenate([keys_nope, shared], axis=-1), values
 
 

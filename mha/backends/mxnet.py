@@ -71,6 +71,7 @@ __all__ = [
     "DotProductAttention",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
     "from_numpy",
@@ -1056,11 +1057,12 @@ class MultiHeadAttention(Layer):
         return F.npx.reshape(X, (-2, -2, self.num_hiddens))
 
 
+@documented
 @mx.util.use_np
 class MultiHeadLatentAttention(nn.Block):
-    """Multi-head latent attention (DeepSeek-V2 and V3): the NumPy reference's
-    MultiHeadLatentAttention (mha.backends.numpy), in MXNet. Work in progress (not exported;
-    imperative only, a gluon.Block: no hybridized graph yet)."""
+    """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): the NumPy reference's
+    MultiHeadLatentAttention (mha.backends.numpy), in MXNet: imperative only, a gluon.Block
+    (no hybridized graph yet)."""
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -1070,11 +1072,14 @@ class MultiHeadLatentAttention(nn.Block):
                  sliding_window: int | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = dtype
-        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
-        self.sliding_window = sliding_window
-        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
-        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.kv_lora_rank, self.q_lora_rank, self.norm_eps = kv_lora_rank, q_lora_rank, norm_eps
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
+        self.rope_interleaved = rope_interleaved
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _dense(num_heads * qk_head, False, num_hiddens, dtype)
@@ -1089,11 +1094,12 @@ class MultiHeadLatentAttention(nn.Block):
                             dtype)
         self.W_o = _dense(num_hiddens, bias, num_heads * v_head_dim, dtype)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
-                                      scaling=rope_scaling, dtype=dtype)
+                                      scaling=self.rope_scaling, dtype=dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
-        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.scale = latent_attention_scale(qk_head, self.rope_scaling)
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
+        self.initialize(_LinearInit())
 
     def __call__(self, *args, **kwargs):
         # Block.__call__ takes positional arguments only
@@ -1101,6 +1107,13 @@ class MultiHeadLatentAttention(nn.Block):
 
     def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
                 need_weights=True, attn_bias=None, cache=None, absorbed=False):
+        validation.check_latent_attention_call(
+            X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
+            need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
+            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
+        )
+        _check_valid_lens_values(valid_lens)
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -1143,10 +1156,10 @@ class MultiHeadLatentAttention(nn.Block):
         # W_kvb per head (Gluon keeps it (out, in)): its key part W_uk (kv_lora_rank, H,
         # nope), value part W_uv
         W = self.W_kvb.weight.data().T.reshape(self.kv_lora_rank, self.num_heads, -1)
-        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = mx.np.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
-        queries = mx.np.concatenate([absorbed, queries[..., self.nope :]], axis=-1)
+        absorbed = mx.np.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
+        queries = mx.np.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = mx.np.concatenate([latent[:, None], rotary_keys], axis=-1)
         output, self.attention_weights, _ = _attention(
             mx.nd, queries, keys, latent[:, None], call, keep, bias, self.dropout,
@@ -1160,8 +1173,9 @@ class MultiHeadLatentAttention(nn.Block):
         num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
         Q = Q.reshape(X.shape[0], X.shape[1], self.num_heads, -1).transpose(0, 2, 1, 3)
-        rotated = self.rotary.rotate(mx.nd, Q[..., self.nope :], offset, frequencies=frequencies)
-        return mx.np.concatenate([Q[..., : self.nope], rotated], axis=-1)
+        rotated = self.rotary.rotate(mx.nd, Q[..., self.qk_nope_head_dim :], offset,
+                                     frequencies=frequencies)
+        return mx.np.concatenate([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
 
     def compress(self, X, offset, frequencies):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
@@ -1177,8 +1191,8 @@ class MultiHeadLatentAttention(nn.Block):
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
         KV = self.W_kvb(latent).reshape(latent.shape[0], latent.shape[1], self.num_heads, -1)
         KV = KV.transpose(0, 2, 1, 3)
-        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
-        shared = mx.np.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.rope))
+        keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
+        shared = mx.np.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.qk_rope_head_dim))
         return mx.np.concatenate([keys_nope, shared], axis=-1), values
 
 

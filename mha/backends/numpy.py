@@ -40,6 +40,7 @@ __all__ = [
     "DotProductAttention",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
     "from_numpy",
@@ -707,17 +708,12 @@ class MultiHeadAttention(Module):
         return X.reshape(X.shape[0], X.shape[1], self.num_hiddens)
 
 
+@documented
 class MultiHeadLatentAttention(Module):
-    """Multi-head latent attention (DeepSeek-V2 and V3): keys and values come from one shared
-    compressed latent per position, and each head's query and key are split into a part
-    without rotary embeddings and a rotary part whose key every head shares.
-
-    Work in progress (not exported from mha yet; docs/latent-attention.md). Weights: W_q
-    (num_hiddens, H (nope + rope)), or with q_lora_rank W_qa (num_hiddens, q_lora_rank),
-    q_norm, W_qb (q_lora_rank, H (nope + rope)); W_kva (num_hiddens, kv_lora_rank + rope),
-    kv_norm, W_kvb (kv_lora_rank, H (nope + v)), W_o (H v, num_hiddens). The masks, windows
-    and attn_bias are MultiHeadAttention's.
-    """
+    """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): keys and values come from
+    one shared compressed latent per position, and each head's query and key are split into a
+    part without rotary embeddings and a rotary part whose key every head shares
+    (docs/latent-attention.md)."""
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -727,11 +723,14 @@ class MultiHeadLatentAttention(Module):
                  sliding_window: int | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = dtype
-        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
-        self.sliding_window = sliding_window
-        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
-        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.kv_lora_rank, self.q_lora_rank, self.norm_eps = kv_lora_rank, q_lora_rank, norm_eps
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
+        self.rope_interleaved = rope_interleaved
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = Linear(num_heads * qk_head, False, num_hiddens, dtype)
@@ -746,14 +745,21 @@ class MultiHeadLatentAttention(Module):
                             dtype)
         self.W_o = Linear(num_hiddens, bias, num_heads * v_head_dim, dtype)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
-                                      scaling=rope_scaling, dtype=dtype)
+                                      scaling=self.rope_scaling, dtype=dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
-        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.scale = latent_attention_scale(qk_head, self.rope_scaling)
         self.dropout = Dropout(dropout)
         self.attention_weights = None
 
     def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
                 need_weights=True, attn_bias=None, cache=None, absorbed=False):
+        validation.check_latent_attention_call(
+            X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
+            need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
+            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
+        )
+        _check_valid_lens_values(valid_lens)
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -793,10 +799,10 @@ class MultiHeadLatentAttention(Module):
         over the latent)."""
         # W_kvb per head: its key part W_uk (kv_lora_rank, H, nope), value part W_uv
         W = self.W_kvb.weight.reshape(self.kv_lora_rank, self.num_heads, -1)
-        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = np.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
-        queries = np.concatenate([absorbed, queries[..., self.nope :]], axis=-1)
+        absorbed = np.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
+        queries = np.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = np.concatenate([latent[:, None], rotary_keys], axis=-1)
         output, self.attention_weights, _ = _attention(
             queries, keys, latent[:, None], keep, bias, self.dropout, scale=self.scale,
@@ -810,8 +816,8 @@ class MultiHeadLatentAttention(Module):
         num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
         Q = Q.reshape(*X.shape[:2], self.num_heads, -1).transpose(0, 2, 1, 3)
-        rotated = self.rotary.rotate(Q[..., self.nope :], offset)
-        return np.concatenate([Q[..., : self.nope], rotated], axis=-1)
+        rotated = self.rotary.rotate(Q[..., self.qk_nope_head_dim :], offset)
+        return np.concatenate([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
 
     def compress(self, X, offset=0):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
@@ -826,8 +832,8 @@ class MultiHeadLatentAttention(Module):
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
         KV = self.W_kvb(latent).reshape(*latent.shape[:2], self.num_heads, -1)
         KV = KV.transpose(0, 2, 1, 3)
-        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
-        shared = np.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.rope))
+        keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
+        shared = np.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.qk_rope_head_dim))
         return np.concatenate([keys_nope, shared], axis=-1), values
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "DotProductAttention",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
     "from_numpy",
@@ -823,10 +824,11 @@ class MultiHeadAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+@documented
 class MultiHeadLatentAttention(keras.layers.Layer):
-    """Multi-head latent attention (DeepSeek-V2 and V3): the NumPy reference's
-    MultiHeadLatentAttention (mha.backends.numpy), in TensorFlow. Work in progress (not
-    exported; eager calls and tf.function, no Keras serialization yet)."""
+    """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): the NumPy reference's
+    MultiHeadLatentAttention (mha.backends.numpy), in TensorFlow: eager calls and
+    tf.function (no Keras serialization yet)."""
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -835,11 +837,15 @@ class MultiHeadLatentAttention(keras.layers.Layer):
                  rope_scaling: dict | None = None, norm_eps: float = 1e-6,
                  sliding_window: int | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32", **kwargs):
+        dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
         super().__init__(dtype=dtype, **{"autocast": False, **kwargs})
-        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
-        self.sliding_window = sliding_window
-        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
-        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.kv_lora_rank, self.q_lora_rank, self.norm_eps = kv_lora_rank, q_lora_rank, norm_eps
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
+        self.rope_interleaved = rope_interleaved
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _projection(num_heads * qk_head, False, num_hiddens, dtype)
@@ -854,12 +860,31 @@ class MultiHeadLatentAttention(keras.layers.Layer):
                                  kv_lora_rank, dtype)
         self.W_o = _projection(num_hiddens, bias, num_heads * v_head_dim, dtype)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
-                                      scaling=rope_scaling, dtype=dtype)
+                                      scaling=self.rope_scaling, dtype=dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
-        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.scale = latent_attention_scale(qk_head, self.rope_scaling)
         self.dropout = keras.layers.Dropout(dropout, dtype=dtype)
         self.attention_weights = None
         self.built = True
+
+    def __call__(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
+                 need_weights=True, attn_bias=None, cache=None, absorbed=False, training=None):
+        validation.check_latent_attention_call(
+            X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
+            need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
+            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
+        )
+        _check_valid_lens_values(valid_lens)
+        X, valid_lens, mask, window_mask, attn_bias = _as_tensors(
+            X, valid_lens, mask, window_mask, attn_bias
+        )
+        if cache is not None:
+            # A LatentCache of tensors (numpy arrays converted), as the call returns it
+            cache = LatentCache(*_as_tensors(*cache))
+        return super().__call__(X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
+                                need_weights=need_weights, attn_bias=attn_bias, cache=cache,
+                                absorbed=absorbed, training=training)
 
     def call(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
              need_weights=True, attn_bias=None, cache=None, absorbed=False, training=None):
@@ -901,10 +926,10 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         attention over the latent; see the NumPy reference)."""
         # W_kvb per head: its key part W_uk (kv_lora_rank, H, nope), value part W_uv
         W = tf.reshape(self.W_kvb.kernel, [self.kv_lora_rank, self.num_heads, -1])
-        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = tf.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
-        queries = tf.concat([absorbed, queries[..., self.nope :]], axis=-1)
+        absorbed = tf.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
+        queries = tf.concat([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = tf.concat([latent[:, None], rotary_keys], axis=-1)
         output, self.attention_weights, _ = _attention(
             queries, keys, latent[:, None], keep, bias, self.dropout, training=training,
@@ -923,8 +948,8 @@ class MultiHeadLatentAttention(keras.layers.Layer):
             Q = _apply_dense(self.W_qb, self.q_norm(_apply_dense(self.W_qa, X)))
         batch_size, num_steps, _ = _dims(X)
         Q = tf.transpose(tf.reshape(Q, [batch_size, num_steps, self.num_heads, -1]), [0, 2, 1, 3])
-        rotated = self.rotary.rotate(Q[..., self.nope :], offset)
-        return tf.concat([Q[..., : self.nope], rotated], axis=-1)
+        rotated = self.rotary.rotate(Q[..., self.qk_nope_head_dim :], offset)
+        return tf.concat([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
 
     def compress(self, X, offset=0):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
@@ -940,8 +965,8 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         batch_size, num_steps, _ = _dims(latent)
         KV = _apply_dense(self.W_kvb, latent)
         KV = tf.transpose(tf.reshape(KV, [batch_size, num_steps, self.num_heads, -1]), [0, 2, 1, 3])
-        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
-        shared = tf.broadcast_to(rotary_keys, [*_dims(keys_nope)[:-1], self.rope])
+        keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
+        shared = tf.broadcast_to(rotary_keys, [*_dims(keys_nope)[:-1], self.qk_rope_head_dim])
         return tf.concat([keys_nope, shared], axis=-1), values
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "DotProductAttention",
     "LearnedPositionalEncoding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
     "from_numpy",
@@ -678,9 +679,10 @@ class MultiHeadAttention(Module):
         return X.reshape(X.shape[0], X.shape[1], self.num_hiddens)
 
 
+@documented
 class MultiHeadLatentAttention(Module):
-    """Multi-head latent attention (DeepSeek-V2 and V3): the NumPy reference's
-    MultiHeadLatentAttention (mha.backends.numpy), in torch. Work in progress (not exported)."""
+    """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): the NumPy reference's
+    MultiHeadLatentAttention (mha.backends.numpy), in torch."""
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -690,11 +692,14 @@ class MultiHeadLatentAttention(Module):
                  sliding_window: int | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32"):
         super().__init__()
-        self.dtype = dtype
-        self.num_hiddens, self.num_heads, self.empty_rows = num_hiddens, num_heads, empty_rows
-        self.sliding_window = sliding_window
-        self.kv_lora_rank, self.q_lora_rank = kv_lora_rank, q_lora_rank
-        self.nope, self.rope, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
+        self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
+        self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.kv_lora_rank, self.q_lora_rank, self.norm_eps = kv_lora_rank, q_lora_rank, norm_eps
+        self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
+        self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
+        self.rope_interleaved = rope_interleaved
+        self.rope_scaling = frozen_rope_scaling(rope_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _linear(num_heads * qk_head, False, num_hiddens, dtype)
@@ -709,14 +714,21 @@ class MultiHeadLatentAttention(Module):
                              dtype)
         self.W_o = _linear(num_hiddens, bias, num_heads * v_head_dim, dtype)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
-                                      scaling=rope_scaling, dtype=dtype)
+                                      scaling=self.rope_scaling, dtype=dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
-        self.scale = latent_attention_scale(qk_head, rope_scaling)
+        self.scale = latent_attention_scale(qk_head, self.rope_scaling)
         self.dropout = nn.Dropout(dropout)
         self.attention_weights = None
 
     def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
                 need_weights=True, attn_bias=None, cache=None, absorbed=False):
+        validation.check_latent_attention_call(
+            X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
+            need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
+            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
+        )
+        _check_valid_lens_values(valid_lens)
         batch_size, num_steps = X.shape[0], X.shape[1]
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
@@ -754,10 +766,10 @@ class MultiHeadLatentAttention(Module):
         attention over the latent; see the NumPy reference)."""
         # W_kvb per head: its key part W_uk (kv_lora_rank, H, nope), value part W_uv
         W = self.W_kvb.weight.T.reshape(self.kv_lora_rank, self.num_heads, -1)
-        W_uk, W_uv = W[..., : self.nope], W[..., self.nope :]
+        W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = torch.einsum("bhqn,rhn->bhqr", queries[..., : self.nope], W_uk)
-        queries = torch.cat([absorbed, queries[..., self.nope :]], dim=-1)
+        absorbed = torch.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
+        queries = torch.cat([absorbed, queries[..., self.qk_nope_head_dim :]], dim=-1)
         keys = torch.cat([latent[:, None], rotary_keys], dim=-1)
         output, self.attention_weights, _ = _attention(
             queries, keys, latent[:, None], keep, bias, self.dropout, scale=self.scale,
@@ -771,8 +783,8 @@ class MultiHeadLatentAttention(Module):
         num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
         Q = Q.reshape(*X.shape[:2], self.num_heads, -1).transpose(1, 2)
-        rotated = self.rotary.rotate(Q[..., self.nope :], offset)
-        return torch.cat([Q[..., : self.nope], rotated], dim=-1)
+        rotated = self.rotary.rotate(Q[..., self.qk_nope_head_dim :], offset)
+        return torch.cat([Q[..., : self.qk_nope_head_dim], rotated], dim=-1)
 
     def compress(self, X, offset=0):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
@@ -786,8 +798,8 @@ class MultiHeadLatentAttention(Module):
         """Each head's keys (batch_size, num_heads, n, nope + rope) and values (batch_size,
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
         KV = self.W_kvb(latent).reshape(*latent.shape[:2], self.num_heads, -1).transpose(1, 2)
-        keys_nope, values = KV[..., : self.nope], KV[..., self.nope :]
-        shared = rotary_keys.expand(*keys_nope.shape[:-1], self.rope)
+        keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
+        shared = rotary_keys.expand(*keys_nope.shape[:-1], self.qk_rope_head_dim)
         return torch.cat([keys_nope, shared], dim=-1), values
 
 
