@@ -57,7 +57,9 @@ class Case:
     "self"), "window_mask" (additive: finite biases and -inf), "window_bool", "head_mask"
     (heads,), "head_mask_2d" (batch x heads), "head_mask_bool" (batch x heads, boolean),
     "attn_bias" (batch x queries x keys, finite and -inf, a row all -inf), "attn_bias_4d" (1 x
-    heads x queries x keys, finite, as T5's), "no_weights" (need_weights=False). The layer
+    heads x queries x keys, finite, as T5's), "no_weights" (need_weights=False), "absorbed"
+    (MultiHeadLatentAttention's absorbed form; its X is self-attention's, as many keys as
+    queries, and its sizes beside num_hiddens and num_heads LATENT_SIZES'). The layer
     "dot_product_attention" is the attention function: its config holds its options (scale,
     softcap, window, empty_rows) and the heads of its inputs (num_heads, num_kv_heads), and
     attn_bias_4d is its bias.
@@ -118,6 +120,7 @@ MASKS = (
     "attn_bias",
     "attn_bias_4d",
     "no_weights",
+    "absorbed",
     "rank_2",
     "rank_4",
     "offset",
@@ -164,6 +167,7 @@ def default_cases() -> list[Case]:
     cases += [Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25})]
     cases += [Case(layer, masks, config) for layer, masks, config in EMPTY_ROWS_AND_BIAS_CASES]
     cases += [Case(layer, masks, config) for layer, masks, config in MODERN_CASES]
+    cases += [Case(layer, masks, config) for layer, masks, config in LATENT_CASES]
     cases += [Case("PositionalEncoding"), Case("AddNorm")]
     return cases
 
@@ -366,6 +370,28 @@ MODERN_CASES = (
 )
 
 
+# Multi-head latent attention (DeepSeek-V2, V3): its sizes beside num_hiddens and num_heads,
+# and its cases: low-rank queries, biases, the absorbed form, windows, yarn's scale
+LATENT_SIZES = {"kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 3}
+LATENT_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 4,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+LATENT = "MultiHeadLatentAttention"
+LATENT_CASES = (
+    (LATENT, (), {}),
+    (LATENT, ("valid_lens_1d", "causal"), {"q_lora_rank": 6, "bias": True}),
+    (LATENT, ("valid_lens_2d", "absorbed"), {}),
+    (LATENT, ("mask_4d", "window_mask"), {"q_lora_rank": 6}),
+    (LATENT, ("causal", "no_weights", "absorbed"), {"sliding_window": 2}),
+    (LATENT, ("valid_lens_1d", "attn_bias_4d"), {"rope_scaling": LATENT_YARN}),
+    (LATENT, ("mask_3d",), {**UNIFORM, "rope_interleaved": False}),
+)
+
+
 def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, Any]:
     """Seeded numpy inputs for `case`: tensors in `dtype`, masks and lengths as they are.
 
@@ -412,8 +438,8 @@ class _Sizes:
 
 def _call_sizes(case: Case, s: Shapes, masks: set[str]) -> _Sizes:
     num_queries, num_keys = s.num_queries, s.num_keys
-    if {"square", "self"} & masks:  # causal masks differ when the counts differ
-        num_keys = num_queries
+    if {"square", "self"} & masks or case.layer == LATENT:  # causal masks differ when the
+        num_keys = num_queries  # counts differ; latent attention attends over its X
     elif "tall" in masks:  # queries past the last key attend to every key under causal
         num_keys = max(1, num_queries - 2)
     num_hiddens = case.config.get("num_hiddens", s.num_hiddens)
@@ -429,7 +455,7 @@ def _layer_inputs(case: Case, s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> 
         shape = {"rank_2": (B, K), "rank_4": (B, s.num_heads, Q, K)}
         rank = next((key for key in shape if key in masks), None)
         return {"X": draw.normal(*shape.get(rank, (B, Q, K)))}
-    if case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
+    if case.layer in ("PositionalEncoding", "LearnedPositionalEncoding", LATENT):
         return {"X": draw.normal(B, Q, n)}
     if case.layer == "RotaryEmbedding":
         return {
@@ -552,6 +578,8 @@ def _other_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any
         inputs["attn_bias"] = draw.normal(1, H, Q, K)
     if "no_weights" in masks:
         inputs["need_weights"] = False
+    if "absorbed" in masks:
+        inputs["absorbed"] = True
     if "segments" in masks:  # packed sequences: each row split in two at its own place
         cuts = draw.rng.integers(1, max(2, K), size=(B, 1))
         inputs["segment_ids"] = (np.arange(K)[None, :] >= cuts).astype(np.int64)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mha import weights as weights_module
-from mha.cases import FUNCTION_SIZES, Case, Shapes, default_cases, fit, make_inputs
+from mha.cases import FUNCTION_SIZES, LATENT_SIZES, Case, Shapes, default_cases, fit, make_inputs
 from mha.registry import load_backend, normalize_backend_name
 from mha.weights import random_weights, set_weights
 
@@ -117,6 +117,8 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
             key_size=s.key_size,
             value_size=s.value_size,
         )
+    elif case.layer == "MultiHeadLatentAttention":
+        config.update(num_hiddens=s.num_hiddens, num_heads=s.num_heads, **LATENT_SIZES)
     elif case.layer in (
         "PositionalEncoding",
         "LearnedPositionalEncoding",
@@ -149,6 +151,7 @@ DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
     "DotProductAttention": ("queries", "keys", "values"),
     "AdditiveAttention": ("queries", "keys", "values"),
     "MultiHeadAttention": ("queries", "keys", "values"),
+    "MultiHeadLatentAttention": ("X",),
     "dot_product_attention": ("query", "key", "value"),
 }
 
@@ -177,6 +180,8 @@ _CALL_OPTIONS = (
     "attn_bias",
     "segment_ids",
 )
+# ... and MultiHeadLatentAttention's
+_LATENT_CALL_OPTIONS = ("mask", "causal", "window_mask", "need_weights", "attn_bias", "absorbed")
 
 
 def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) -> Any:
@@ -192,6 +197,9 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
         return layer(tensors["X"], tensors["Y"])
     if case.layer == "dot_product_attention":
         return _call_function(module, case, tensors)
+    if case.layer == "MultiHeadLatentAttention":
+        arguments = {key: tensors[key] for key in _LATENT_CALL_OPTIONS if key in tensors}
+        return layer(tensors["X"], tensors.get("valid_lens"), **arguments)
     arguments = {key: tensors[key] for key in _CALL_OPTIONS if key in tensors}
     queries = tensors["queries"]
     keys, values = tensors.get("keys", queries), tensors.get("values", queries)

@@ -52,6 +52,9 @@ MULTIHEAD_CASES = {
     "cache": (GROUPED, ["causal", "valid_lens_1d", "cache"]),
     "cache+no_weights": (GROUPED, ["causal", "valid_lens_1d", "cache", "no_weights"]),
     "uniform_empty_rows": ({"empty_rows": "uniform"}, ["valid_lens_2d"]),
+    # Norms of queries and keys, each head's (Qwen3) and StableLM's per-head layer norm
+    "qk_norm": ({**GROUPED, "qk_norm": "head"}, ["causal", "valid_lens_1d"]),
+    "qk_layer_norm_per_head": ({"qk_norm": "layer_norm_per_head"}, ["valid_lens_2d"]),
 }
 # masked_softmax: id -> (shapes of X for (batch, queries, keys), mask kinds, empty_rows)
 SOFTMAX_CASES = {

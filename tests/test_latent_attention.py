@@ -312,3 +312,31 @@ def test_a_file_rebuilds_the_layer_in_each_backend(name, tmp_path):
     output = module.to_numpy(layer(module.from_numpy(X), causal=True))
     tolerance = 1e-5 if name == "jax" else 1e-12  # JAX without x64 computes in float32
     np.testing.assert_allclose(output, reference(X, causal=True), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.tensorflow
+def test_a_keras_file_keeps_the_layer(tmp_path):
+    # A functional model with the layer, saved as .keras and loaded: its config (yarn
+    # included) and weights, so the same numbers
+    TF = backend_module("tensorflow")
+    keras = TF.keras
+    layer = TF.MultiHeadLatentAttention(
+        16,
+        2,
+        kv_lora_rank=6,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=8,
+        rope_scaling=YARN,
+        sliding_window=3,
+    )
+    X = keras.Input((5, 16))
+    model = keras.Model(X, layer(X, causal=True))
+    model.save(tmp_path / "latent.keras")
+    loaded = keras.models.load_model(tmp_path / "latent.keras")
+    inputs = np.random.default_rng(10).standard_normal((2, 5, 16)).astype("float32")
+    np.testing.assert_allclose(loaded(inputs), model(inputs), rtol=1e-6, atol=1e-6)
+    again = loaded.layers[-1]
+    assert isinstance(again, TF.MultiHeadLatentAttention)
+    assert TF.layer_config(again) == TF.layer_config(layer)

@@ -204,7 +204,7 @@ class _Sinks(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((num_heads,), _DTYPES[dtype]))
 
 
-class _RMSNorm(nnx.Module):
+class RMSNorm(nnx.Module):
     """Scale the last axis to a mean square of 1, then by scale (float32 sums for half)."""
 
     def __init__(self, num_hiddens: int, eps: float, dtype: str):
@@ -217,7 +217,7 @@ class _RMSNorm(nnx.Module):
         return self.scale[...] * x.astype(X.dtype)
 
 
-class _HeadLayerNorm(nnx.Module):
+class HeadLayerNorm(nnx.Module):
     """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
     square 1, then scaled by that head's row of scale (num_heads, head size): StableLM's
     layer norm per head, without a shift (float32 sums for half)."""
@@ -643,13 +643,13 @@ class MultiHeadAttention(nnx.Module):
         # a layer norm of each head
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
-            self.q_norm = _HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
-            self.k_norm = _HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps,
+            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps,
                                          self.dtype)
         elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
-            self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, self.dtype)
-            self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+            self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
+            self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
         # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
         self.output_gate = output_gate
         if output_gate:
@@ -783,11 +783,11 @@ class MultiHeadLatentAttention(nnx.Module):
             self.W_q = _Linear(num_heads * qk_head, False, num_hiddens, dtype, rngs)
         else:  # queries through a low-rank pair, normalized between
             self.W_qa = _Linear(q_lora_rank, bias, num_hiddens, dtype, rngs)
-            self.q_norm = _RMSNorm(q_lora_rank, norm_eps, dtype)
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps, dtype)
             self.W_qb = _Linear(num_heads * qk_head, False, q_lora_rank, dtype, rngs)
         # One projection gives each position's latent and its shared rotary key
         self.W_kva = _Linear(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, dtype, rngs)
-        self.kv_norm = _RMSNorm(kv_lora_rank, norm_eps, dtype)
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, dtype)
         self.W_kvb = _Linear(num_heads * (qk_nope_head_dim + v_head_dim), False, kv_lora_rank,
                              dtype, rngs)
         self.W_o = _Linear(num_hiddens, bias, num_heads * v_head_dim, dtype, rngs)

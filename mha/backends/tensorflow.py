@@ -147,7 +147,7 @@ class _Sinks(keras.layers.Layer):
         self.built = True
 
 
-class _RMSNorm(keras.layers.Layer):
+class RMSNorm(keras.layers.Layer):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for half)."""
 
     def __init__(self, num_hiddens: int, eps: float, dtype: str, **kwargs):
@@ -162,7 +162,7 @@ class _RMSNorm(keras.layers.Layer):
         return self.gamma * tf.cast(x, X.dtype)
 
 
-class _HeadLayerNorm(keras.layers.Layer):
+class HeadLayerNorm(keras.layers.Layer):
     """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
     square 1, then scaled by that head's row of gamma (num_heads, head size): StableLM's
     layer norm per head, without a shift (float32 sums for half)."""
@@ -679,12 +679,12 @@ class MultiHeadAttention(_AttentionLayer):
         # a layer norm of each head
         self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
-            self.q_norm = _HeadLayerNorm(num_heads, head_size, qk_norm_eps, dtype)
-            self.k_norm = _HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, dtype)
+            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, dtype)
         elif qk_norm is not None:
             sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
-            self.q_norm = _RMSNorm(sizes[0], qk_norm_eps, dtype)
-            self.k_norm = _RMSNorm(sizes[1], qk_norm_eps, dtype)
+            self.q_norm = RMSNorm(sizes[0], qk_norm_eps, dtype)
+            self.k_norm = RMSNorm(sizes[1], qk_norm_eps, dtype)
         # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
         self.output_gate = output_gate
         if output_gate:
@@ -825,10 +825,14 @@ class MultiHeadAttention(_AttentionLayer):
 
 
 @documented
-class MultiHeadLatentAttention(keras.layers.Layer):
+@keras.utils.register_keras_serializable(package="mha")
+class MultiHeadLatentAttention(_AttentionLayer):
     """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): the NumPy reference's
-    MultiHeadLatentAttention (mha.backends.numpy), in TensorFlow: eager calls and
-    tf.function (no Keras serialization yet)."""
+    MultiHeadLatentAttention (mha.backends.numpy), in TensorFlow.
+
+    A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
+    call's `training` decides dropout.
+    """
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -838,7 +842,7 @@ class MultiHeadLatentAttention(keras.layers.Layer):
                  sliding_window: int | None = None, empty_rows: str = "zeros",
                  dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
-        super().__init__(dtype=dtype, **{"autocast": False, **kwargs})
+        super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.kv_lora_rank, self.q_lora_rank, self.norm_eps = kv_lora_rank, q_lora_rank, norm_eps
@@ -851,11 +855,11 @@ class MultiHeadLatentAttention(keras.layers.Layer):
             self.W_q = _projection(num_heads * qk_head, False, num_hiddens, dtype)
         else:  # queries through a low-rank pair, normalized between
             self.W_qa = _projection(q_lora_rank, bias, num_hiddens, dtype)
-            self.q_norm = _RMSNorm(q_lora_rank, norm_eps, dtype)
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps, dtype)
             self.W_qb = _projection(num_heads * qk_head, False, q_lora_rank, dtype)
         # One projection gives each position's latent and its shared rotary key
         self.W_kva = _projection(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, dtype)
-        self.kv_norm = _RMSNorm(kv_lora_rank, norm_eps, dtype)
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, dtype)
         self.W_kvb = _projection(num_heads * (qk_nope_head_dim + v_head_dim), False,
                                  kv_lora_rank, dtype)
         self.W_o = _projection(num_hiddens, bias, num_heads * v_head_dim, dtype)
@@ -968,6 +972,9 @@ class MultiHeadLatentAttention(keras.layers.Layer):
         keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
         shared = tf.broadcast_to(rotary_keys, [*_dims(keys_nope)[:-1], self.qk_rope_head_dim])
         return tf.concat([keys_nope, shared], axis=-1), values
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), **layer_config(self)}
 
 
 @documented
