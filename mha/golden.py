@@ -35,7 +35,7 @@ __all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "v
 FORMAT = "mha-golden"
 FORMAT_VERSION = "1"
 # The call's options that are not arrays
-_OPTIONS = ("causal", "need_weights", "offset")
+_OPTIONS = ("causal", "need_weights", "absorbed", "offset")
 # What each layer's call takes as arrays, in harness.call_layer's names
 _ARRAYS = {
     "masked_softmax": ("X", "valid_lens"),
@@ -43,8 +43,18 @@ _ARRAYS = {
     "RotaryEmbedding": ("X",),
     "LearnedPositionalEncoding": ("X",),
     "AddNorm": ("X", "Y"),
+    "MultiHeadLatentAttention": ("X", "valid_lens", "mask", "window_mask", "attn_bias"),
 }
-_ATTENTION_ARRAYS = ("queries", "keys", "values", "valid_lens", "mask", "window_mask", "head_mask")
+_ATTENTION_ARRAYS = (
+    "queries",
+    "keys",
+    "values",
+    "valid_lens",
+    "mask",
+    "window_mask",
+    "head_mask",
+    "attn_bias",
+)
 
 
 @dataclasses.dataclass
@@ -52,7 +62,7 @@ class GoldenCase:
     """One recorded call and its numbers.
 
     inputs: the call's arrays (queries, keys, values, valid_lens, masks; X and Y for the other
-    layers) and its options (causal, need_weights), by harness.call_layer's names; self-
+    layers) and its options (causal, need_weights, absorbed), by harness.call_layer's names; self-
     attention passes queries alone. gradients: keyed by input names and canonical weight
     names, of sum(output * cotangent); None when not recorded.
     """
@@ -86,7 +96,9 @@ def case_of(
     numbers expected of it, for example captured from the layer it was ported from.
 
     inputs: "queries", "keys", "values" (keys and values default to queries), "valid_lens",
-    "mask", "causal", "window_mask", "head_mask", "need_weights"; arrays of any framework.
+    "mask", "causal", "window_mask", "head_mask", "attn_bias", "need_weights"
+    (MultiHeadLatentAttention: "X", "valid_lens", "mask", "causal", "window_mask",
+    "attn_bias", "need_weights", "absorbed"); arrays of any framework.
     """
     _, class_name, config = layer_info(layer)
     known = _ARRAYS.get(class_name, _ATTENTION_ARRAYS) + _OPTIONS
@@ -192,10 +204,10 @@ def _case_of_entry(
         }
 
     options = entry.get("options", {})
-    # causal and need_weights are booleans, offset a non-negative integer
+    # causal, need_weights and absorbed are booleans, offset a non-negative integer
     offset = options.get("offset", 0)
     if not (
-        all(isinstance(options.get(key, True), bool) for key in _OPTIONS[:2])
+        all(isinstance(options.get(key, True), bool) for key in _OPTIONS[:3])
         and type(offset) is int
         and offset >= 0
     ):

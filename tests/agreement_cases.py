@@ -17,6 +17,8 @@ from typing import Any
 from mha.cases import (
     EMPTY_ROWS_AND_BIAS_CASES,
     GQA,
+    LATENT,
+    LATENT_CASES,
     MODERN_CASES,
     MQA,
     OPTION_CASES,
@@ -161,6 +163,17 @@ ENCODINGS_AND_NORMS = (
 )
 
 
+# Multi-head latent attention beside mha compare's cases (LATENT_CASES): the other masks, a
+# head per query, rows of queries without keys under a window, the absorbed form with each
+LATENT_MORE = (
+    (LATENT, ("mask_2d", "absorbed"), {"q_lora_rank": 6}),
+    (LATENT, ("window_bool", "no_weights"), {}),
+    (LATENT, ("valid_lens_2d", "lens_float", "causal", "absorbed"), {"num_heads": 4}),
+    (LATENT, ("mask_4d_heads", "attn_bias"), {"bias": True, "sliding_window": 3}),
+    (LATENT, ("mask_keys", "no_weights", "absorbed"), {"q_lora_rank": 6, "num_heads": 1}),
+)
+
+
 def all_cases() -> list[Case]:
     """The full matrix the test suite runs, in a fixed order (see the module's docstring)."""
     attention = ("DotProductAttention", "AdditiveAttention")
@@ -174,6 +187,7 @@ def all_cases() -> list[Case]:
         *_cases(multihead, MULTIHEAD_MORE, {"bias": True}),
         *_rows(options, SCALES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES),
         *_rows(MODERN_MORE, UNIFORM_AND_BIASES, ENCODINGS_AND_NORMS, FUNCTION),
+        *_rows(LATENT_CASES, LATENT_MORE),
     ]
 
 
