@@ -4,7 +4,8 @@ A `Case` names a layer (or masked_softmax), the masks and input variants of its 
 options of its config; `Shapes` gives the sizes of a run. `default_cases()` is what `mha
 compare` runs, and its tables (mha.case_tables) are the test suite's too
 (tests/agreement_cases.py). `make_inputs` draws a case's seeded inputs, and `fit` gives a
-case sizes of its own where those of the run cannot build it. `mha.harness` names all of them as well, and runs them.
+case sizes of its own where those of the run cannot build it. `mha.harness` names all of
+them as well, and runs them.
 """
 
 from __future__ import annotations
