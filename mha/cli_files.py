@@ -130,6 +130,7 @@ def file_command(arguments, out, err) -> int:
         return 1
     layout, left_out = config.pop("layout", None), config.pop("left_out", None)
     notes = config.pop("notes", None) or []
+    layer = config.pop("layer", "MultiHeadAttention")
     described = ", ".join(f"{key}={value!r}" for key, value in config.items())
     source = (
         f"{arguments.prefix!r} of {paths[0]} ({layout})"
@@ -138,7 +139,7 @@ def file_command(arguments, out, err) -> int:
     )
     print(
         f"{source} -> {paths[1]} ({conversion.FILE_KINDS[kinds[1]]})\n"
-        f"MultiHeadAttention({described}); read back: the same weights",
+        f"{layer}({described}); read back: the same weights",
         file=out,
     )
     if left_out:
@@ -216,7 +217,7 @@ def _inspect_port(path: str, arguments, options, out) -> int:
         **options,
     )
     print(f"{path}, under {arguments.prefix!r}: {port.layout}", file=out)
-    print("class: MultiHeadAttention (config inferred from the weights)", file=out)
+    print(f"class: {port.layer} (config inferred from the weights)", file=out)
     print(f"config: {json.dumps(port.config, sort_keys=True)}", file=out)
     print("weights:", file=out)
     for name, value in port.weights.items():

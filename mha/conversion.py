@@ -34,7 +34,13 @@ from mha.interop.keras import KERAS_DENSE, canonical_from_keras, to_keras
 from mha.interop.torch import canonical_from_torch, torch_state_dict
 from mha.options import layer_defaults
 from mha.registry import BackendUnavailableError, load_backend
-from mha.weights import LAYER_CLASSES, OPTION_DEFAULTS, check_untold_options
+from mha.weights import (
+    LAYER_CLASSES,
+    OPTION_DEFAULTS,
+    build_layer,
+    check_untold_options,
+    set_weights,
+)
 
 __all__ = ["FILE_KINDS", "convert", "file_kind", "read_file", "read_state", "write_file"]
 
@@ -478,6 +484,9 @@ def convert(
             destination that does not read back as the same weights.
     """
     weights, config, extra = _source_layer(source, num_heads, prefix, scale, options)
+    if extra.get("layer", "MultiHeadAttention") != "MultiHeadAttention":
+        _write_latent(destination, weights, config)
+        return {**config, **extra}
     if config["num_heads"] is None and file_kind(destination) != "torch":
         raise ValueError(
             f"{os.fspath(source)} is a torch state_dict, which does not tell the number of "
@@ -494,6 +503,24 @@ def convert(
     return {**config, **extra}
 
 
+def _write_latent(path, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> None:
+    """A ported MultiHeadLatentAttention as an mha checkpoint, the one kind of file that holds
+    it, replacing `path` only once it reads back as the same weights."""
+    if file_kind(path) != "mha":
+        raise ValueError(
+            f"{os.fspath(path)}: multi-head latent attention goes into an mha checkpoint "
+            "(.safetensors) only; the frameworks' own layers do not hold it"
+        )
+    layer = build_layer(load_backend("numpy"), "MultiHeadLatentAttention", config)
+    set_weights(layer, weights)
+
+    def check(temporary: str) -> None:
+        if not _same_weights(read_checkpoint(temporary).weights, weights):
+            raise ValueError(f"{os.fspath(path)} would not read back as the same weights")
+
+    write_atomically(path, checkpoint_bytes(layer), suffix=_SUFFIXES["mha"], check=check)
+
+
 def _source_layer(
     source: str | os.PathLike,
     num_heads: int | None,
@@ -507,6 +534,7 @@ def _source_layer(
             read_state(source), prefix, num_heads=num_heads, scale=scale, **options
         )
         extra = {"layout": port.layout, "left_out": port.left_out, "notes": list(port.notes)}
+        extra["layer"] = port.layer
         return port.weights, port.config, extra
     check_untold_options(options)
     weights, config = read_file(source, num_heads=num_heads)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mha import validation
+from mha import latent_layout, validation
 from mha.interop.torch import TORCH_WEIGHT_NAMES, canonical_from_torch
 
 __all__ = [
@@ -209,6 +209,11 @@ def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
                     if (prefix, layout.name) not in seen and matches(layout, under(state, prefix)):
                         seen.add((prefix, layout.name))
                         found.append((prefix, layout.name))
+        tail = latent_layout.MARK
+        if name == tail or name.endswith("." + tail):  # DeepSeek-V3's latent attention
+            prefix = name[: -len(tail)].rstrip(".")
+            if latent_layout.matches(under(state, prefix)):
+                found.append((prefix, latent_layout.NAME))
     return found
 
 

@@ -209,6 +209,8 @@ _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 
 def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """The options of the layer of this index (None: where the config tells no layers)."""
+    if config.get("model_type") in _LATENT_MODEL_TYPES:
+        return _latent_options(config, layer)
     found: dict[str, Any] = {}
     heads = _num_heads(config)
     if heads is not None:
@@ -239,6 +241,29 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["output_gate"] = True
     if model_type in _ALIBI_MODEL_TYPES:  # BLOOM, MPT
         found["alibi"] = True
+    return found
+
+
+# Model types whose attention is multi-head latent attention (mha.MultiHeadLatentAttention)
+_LATENT_MODEL_TYPES = frozenset({"deepseek_v3"})
+
+
+def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """num_heads and the options of a latent attention layer that its weights do not tell:
+    the rotary embedding of each head's rotary part (rope_interleave's convention), the
+    RMSNorms' eps. Every one is given, the layer's defaults being DeepSeek-V3's."""
+    # The rotary part's size: transformers' default where the config does not write it
+    rotary = rotary_options(config, None, layer, False, config.get("qk_rope_head_dim", 64))
+    if "rope_dim" in rotary or "rope_theta" not in rotary:
+        raise ValueError(
+            f"the config's latent attention rotates {rotary.get('rope_dim', 'none')} of the "
+            "rotary part of each head; mha's MultiHeadLatentAttention rotates all of it"
+        )
+    found = {"num_heads": _num_heads(config), "rope_theta": rotary["rope_theta"]}
+    found["rope_interleaved"] = rotary.get("rope_interleaved", False)
+    if "rope_scaling" in rotary:
+        found["rope_scaling"] = rotary["rope_scaling"]
+    found["norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     return found
 
 

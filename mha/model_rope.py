@@ -15,13 +15,15 @@ __all__ = ["ROTARY", "rotary_options"]
 
 # The rotary convention of each model type checked against transformers' own layer, which
 # its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
-# (2i, 2i + 1) as GPT-J
+# (2i, 2i + 1) as GPT-J, "rope_interleave" as the config's field of that name says (pairs when
+# True, its default)
 ROTARY = {
     "apertus": "half",
     "arcee": "half",
     "cohere": "pairs",
     "cohere2": "pairs",
     "csm": "half",
+    "deepseek_v3": "rope_interleave",
     "ernie4_5": "pairs",
     "ernie4_5_moe": "pairs",
     "exaone4": "half",
@@ -168,7 +170,10 @@ def rotary_options(
     no_rotary = model_type in _NO_ROTARY_ON_FULL_LAYERS and kind == "full_attention"
     if no_rotary and config.get("sliding_window") is not None:
         return {}
-    return {**rotary, "rope_interleaved": True} if ROTARY[model_type] == "pairs" else rotary
+    convention = ROTARY[model_type]
+    if convention == "rope_interleave":  # DeepSeek-V3
+        convention = "pairs" if config.get("rope_interleave", True) else "half"
+    return {**rotary, "rope_interleaved": True} if convention == "pairs" else rotary
 
 
 def _rotary(

@@ -30,6 +30,9 @@ The layouts (q, k, v, o: the query, key, value and output projections; n = num_h
         (heads, head size), likewise key and value; attention_output/kernel (Keras) or
         out/kernel (Flax) (heads, head size, out)
     torch.nn.MultiheadAttention: in_proj_weight or q/k/v_proj_weight, out_proj
+    q_proj or q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
+        kv_b_proj; o_proj: multi-head latent attention, a MultiHeadLatentAttention
+        (mha.latent_layout)                                    DeepSeek-V3
 
 Names under the prefix that are outside the attention's numbers (BERT's LayerNorm after the
 residual, T5's relative position bias table that the caller gives as attn_bias, GPT-2's
@@ -50,7 +53,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from mha import validation
+from mha import latent_layout, validation
 from mha.config import get_backend
 from mha.encoding import alibi_slopes, rotary_frequencies
 from mha.interop.common import as_numpy
@@ -98,6 +101,7 @@ class Port(NamedTuple):
     used: list[str]
     left_out: list[str]
     notes: tuple[str, ...] = ()
+    layer: str = "MultiHeadAttention"  # or "MultiHeadLatentAttention"
 
 
 def canonical_from_state_dict(
@@ -111,7 +115,8 @@ def canonical_from_state_dict(
     without_positions: bool = False,
     **options: Any,
 ) -> Port:
-    """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`.
+    """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`
+    (MultiHeadLatentAttention's for DeepSeek-V3's layout: `Port.layer`; mha.latent_layout).
 
     Args:
         state: a state_dict (name -> tensor, any framework's, or array), or Flax's params.
@@ -130,15 +135,17 @@ def canonical_from_state_dict(
             projections with fewer outputs than the query's give num_kv_heads.
 
     Raises:
-        ValueError: no layout, or more than one, under the prefix (the names found there and
-            the prefixes where a layout is found are listed); weights that do not fit, or
-            tensors under the prefix in the attention that mha cannot hold, such as q_norm
-            (every problem is listed); positions the layout needs and no option gives.
+        ValueError: no layout, or more than one, under the prefix (the names there and the
+            prefixes of layouts are listed); weights that do not fit, or tensors there that
+            mha cannot hold (each listed); positions the layout needs and no option gives.
     """
-    check_untold_options(options)
     state = flatten(state)
     names = under(state, prefix)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
+    if latent_layout.matches(names):
+        given = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
+        return _latent_port(names, num_heads, options, where, without_positions, **given)
+    check_untold_options(options)
     layout = _only_layout(state, names, prefix, where)
     used = layout_names(layout, names)
     extra = _beside_projections(layout, names, options.get("qk_norm"), where)
@@ -153,13 +160,43 @@ def canonical_from_state_dict(
     notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
     if kv_hiddens != config["num_hiddens"]:
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
-    config = {**OPTION_DEFAULTS, "dropout": 0.0, **config, **options}
-    config["scale"] = layout.scale if scale is None else scale
-    config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
-    validation.check_layer_args("MultiHeadAttention", config)
+    config = _checked_config(layout, config, options, scale)
     _check_positions(layout, config, without_positions, where)
     _use_inv_freq(names, config, where, used, left_out)
     return Port(weights, config, layout.name, sorted(used), left_out, notes)
+
+
+def _checked_config(layout: Layout, told, options, scale: float | None) -> dict[str, Any]:
+    """MultiHeadAttention's whole config: what the weights told, the options given, the
+    defaults of the rest; checked."""
+    config = {**OPTION_DEFAULTS, "dropout": 0.0, **told, **options}
+    config["scale"] = layout.scale if scale is None else scale
+    config = {key: config[key] for key in LAYER_CLASSES["MultiHeadAttention"]}
+    validation.check_layer_args("MultiHeadAttention", config)
+    return config
+
+
+# The port options of MultiHeadAttention's layouts, and their defaults
+_MHA_PORT_OPTIONS = {
+    "scale": None,
+    "qk_norm_offset": 0.0,
+    "output_gate": False,
+    "without_positions": False,
+}
+
+
+def _latent_port(names, num_heads, options, where: str, without_positions, **given) -> Port:
+    """The Port of DeepSeek-V3's latent attention, which takes none of the port options of
+    MultiHeadAttention's layouts."""
+    given["without_positions"] = without_positions
+    changed = sorted(key for key, value in given.items() if value != _MHA_PORT_OPTIONS[key])
+    if changed:
+        raise ValueError(
+            f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} MultiHeadAttention's; "
+            f"the attention {where} is multi-head latent attention ({latent_layout.NAME})"
+        )
+    weights, config, used = latent_layout.read(names, num_heads, options, where)
+    return Port(weights, config, latent_layout.NAME, used, [], (), "MultiHeadLatentAttention")
 
 
 def _check_positions(layout: Layout, config: Mapping[str, Any], without: bool, where: str):
@@ -440,8 +477,9 @@ def from_state_dict(
     without_positions: bool = False,
     **options: Any,
 ) -> Any:
-    """An mha MultiHeadAttention in `backend` (default: the current one) holding the
-    attention layer under `prefix`; see `canonical_from_state_dict` for the arguments."""
+    """An mha MultiHeadAttention (or MultiHeadLatentAttention) in `backend` (default: the
+    current one) holding the attention layer under `prefix`; see `canonical_from_state_dict`
+    for the arguments."""
     port = canonical_from_state_dict(
         state,
         prefix,
@@ -453,7 +491,7 @@ def from_state_dict(
         **options,
     )
     module = load_backend(backend if backend is not None else get_backend())
-    layer = build_layer(module, "MultiHeadAttention", port.config)
+    layer = build_layer(module, port.layer, port.config)
     set_weights(layer, port.weights)
     return layer
 

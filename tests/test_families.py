@@ -35,6 +35,22 @@ OWN_SIZES = {
     "falcon": {"head_dim": None, "new_decoder_architecture": True, "num_kv_heads": 2},
     "gptj": {"rotary_dim": 4},  # its default, 64, is beyond the head size
     "roformer": {"head_dim": None, "num_key_value_heads": None},  # no grouped heads
+    # Multi-head latent attention, and few small experts
+    "deepseek_v3": {
+        "head_dim": None,  # its rotary part's, qk_rope_head_dim
+        "num_key_value_heads": 4,  # every head's keys and values from the latent
+        "q_lora_rank": 16,
+        "kv_lora_rank": 8,
+        "qk_nope_head_dim": 4,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "moe_intermediate_size": 16,
+        "first_k_dense_replace": 1,
+    },
 }
 # A base their code ignores, 10000 being in it
 for model_type in ("gptj", "roformer"):
@@ -65,7 +81,8 @@ def attention_io(model, found: list[tuple[str, str]]):
     handles = []
     for prefix, layout in found:
         module = model.get_submodule(prefix)
-        output = model.get_submodule(f"{prefix}.{BY_NAME[layout].paths['o']}")
+        out = BY_NAME[layout].paths["o"] if layout in BY_NAME else "o_proj"  # latent's
+        output = model.get_submodule(f"{prefix}.{out}")
 
         def take_input(module, args, kwargs, prefix=prefix):
             seen[prefix].append((args[0] if args else kwargs["hidden_states"]).numpy())
@@ -103,7 +120,9 @@ def test_each_rotary_model_type_ports_in_one_line(model_type):
         (x, expected) = seen[prefix]
         options = porting.options_from_config(config.to_dict(), layer)
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
-        output = ported(x, x, x, causal=model_type not in ENCODERS)
+        causal = model_type not in ENCODERS
+        latent = type(ported).__name__ == "MultiHeadLatentAttention"  # DeepSeek-V3's
+        output = ported(x, causal=causal) if latent else ported(x, x, x, causal=causal)
         # float32's precision: transformers computes in float32, the reference in float64
         atol = 1e-5 * np.max(np.abs(expected))
         np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)

@@ -26,7 +26,7 @@ YARN = {
 }
 
 
-def _their_layer(torch, q_lora_rank, rope_parameters):
+def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True):
     transformers = required_import("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
@@ -39,7 +39,7 @@ def _their_layer(torch, q_lora_rank, rope_parameters):
         qk_nope_head_dim=4,
         qk_rope_head_dim=4,
         v_head_dim=6,
-        rope_interleave=True,
+        rope_interleave=interleave,
         rope_parameters=rope_parameters,
         attention_bias=False,
         max_position_embeddings=64,
@@ -340,3 +340,109 @@ def test_a_keras_file_keeps_the_layer(tmp_path):
     again = loaded.layers[-1]
     assert isinstance(again, TF.MultiHeadLatentAttention)
     assert TF.layer_config(again) == TF.layer_config(layer)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("name", backend_params(["numpy", *BACKENDS]))
+def test_deepseek_v3_ports_in_one_line(name, interleave, dtype):
+    # A model's state_dict and config (yarn, low-rank queries, rope_interleave as given): the
+    # port's numbers are transformers' own module's, causal with padding, in every backend
+    import mha
+
+    torch = required_import("torch")
+    config, theirs, rotary = _their_layer(
+        torch, 8, {**YARN, "rope_theta": 10000.0}, interleave=interleave
+    )
+    if dtype == "float32":
+        theirs, rotary = theirs.float(), rotary.float()
+    prefix = "model.layers.0.self_attn"
+    state = {f"{prefix}.{key}": value for key, value in theirs.state_dict().items()}
+    options = mha.porting.options_from_config(config.to_dict())
+    layer = mha.porting.from_state_dict(state, prefix, backend=name, **options)
+    X = np.random.default_rng(11).standard_normal((2, 5, 16)).astype(dtype)
+    lengths = np.array([3, 5])
+    keep = np.tril(np.ones((5, 5), bool)) & (np.arange(5) < lengths[:, None, None])
+    hidden = torch.from_numpy(X)
+    additive = torch.from_numpy(np.where(keep, 0.0, -np.inf).astype(dtype))[:, None]
+    positions = torch.arange(5)[None].expand(2, -1)
+    with torch.no_grad():
+        expected, _ = theirs(hidden, rotary(hidden, positions), additive)
+    module = backend_module(name)
+    output = layer(module.from_numpy(X), module.from_numpy(lengths), causal=True)
+    # transformers turns the rotary by float32 angles whatever the dtype; JAX without its
+    # 64-bit mode computes in float32
+    tolerance = 1e-5 if dtype == "float32" or name == "jax" else 1e-6
+    np.testing.assert_allclose(
+        module.to_numpy(output), expected.numpy(), rtol=tolerance, atol=tolerance
+    )
+
+
+def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
+    # Written by hand as a config.json has them: the rotary embedding (yarn, its convention
+    # from rope_interleave), the norms' eps; a partial rotary part is refused
+    from mha.porting import options_from_config
+
+    config = {
+        "model_type": "deepseek_v3",
+        "num_attention_heads": 128,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-6,
+        "rope_interleave": True,
+        "max_position_embeddings": 163840,
+        "rope_parameters": {
+            "rope_theta": 10000.0,
+            **YARN,
+            "original_max_position_embeddings": 4096,
+        },
+    }
+    assert options_from_config(config) == {
+        "num_heads": 128,
+        "rope_theta": 10000.0,
+        "rope_interleaved": True,
+        "rope_scaling": {**YARN, "original_max_position_embeddings": 4096},
+        "norm_eps": 1e-6,
+    }
+    halves = options_from_config({**config, "rope_interleave": False, "rms_norm_eps": 1e-5})
+    assert halves["rope_interleaved"] is False and halves["norm_eps"] == 1e-5
+    partial = {**config, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    with pytest.raises(ValueError, match="rotates 32 of the rotary part of each head"):
+        options_from_config(partial)
+
+
+@pytest.mark.torch
+def test_mha_convert_writes_a_deepseek_v3_layer_as_a_checkpoint(tmp_path, capsys):
+    # A model's safetensors file and config.json: `mha convert --prefix --config` writes the
+    # latent layer, which rebuilds in any backend with transformers' numbers; a framework's
+    # file, which cannot hold it, is refused
+    import json
+
+    import safetensors.numpy
+
+    import mha
+    from mha import cli
+
+    torch = required_import("torch")
+    config, theirs, rotary = _their_layer(torch, None, {**YARN, "rope_theta": 10000.0})
+    prefix = "model.layers.3.self_attn"
+    state = {f"{prefix}.{key}": value.numpy() for key, value in theirs.state_dict().items()}
+    safetensors.numpy.save_file(state, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    paths = [str(tmp_path / name) for name in ("model.safetensors", "layer.safetensors")]
+    arguments = ["--prefix", prefix, "--config", str(tmp_path / "config.json")]
+    assert cli.main(["convert", *paths, *arguments]) == 0
+    assert "MultiHeadLatentAttention(" in capsys.readouterr().out
+    assert cli.main(["inspect", paths[0], *arguments]) == 0
+    assert "class: MultiHeadLatentAttention" in capsys.readouterr().out
+    X = np.random.default_rng(12).standard_normal((2, 5, 16))
+    hidden, positions = torch.from_numpy(X), torch.arange(5)[None].expand(2, -1)
+    causal = torch.full((5, 5), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    with torch.no_grad():
+        expected, _ = theirs(hidden, rotary(hidden, positions), causal.expand(2, 1, 5, 5))
+    layer = mha.load(paths[1], backend="numpy")
+    np.testing.assert_allclose(layer(X, causal=True), expected.numpy(), rtol=1e-6, atol=1e-6)
+    torch_file = str(tmp_path / "layer.pt")
+    assert cli.main(["convert", paths[0], torch_file, *arguments]) == 1
+    assert "goes into an mha checkpoint (.safetensors) only" in capsys.readouterr().err
+    assert not (tmp_path / "layer.pt").exists()
