@@ -26,6 +26,11 @@ YARN = {
 }
 
 
+# The sizes of the layers of these tests beside num_hiddens and num_heads (transformers'
+# config below has the same)
+SIZES = dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+
+
 def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True):
     transformers = required_import("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
@@ -58,10 +63,7 @@ def _our_layer(config, theirs, q_lora_rank, scaling, sliding_window=None):
     ours = N.MultiHeadLatentAttention(
         16,
         2,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
+        **SIZES,
         q_lora_rank=q_lora_rank,
         rope_theta=config.rope_parameters["rope_theta"],
         rope_scaling=scaling,
@@ -138,10 +140,7 @@ def _layer(q_lora_rank=8, sliding_window=None):
     layer = N.MultiHeadLatentAttention(
         16,
         4,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
+        **SIZES,
         q_lora_rank=q_lora_rank,
         sliding_window=sliding_window,
         dtype="float64",
@@ -218,10 +217,7 @@ def test_each_backend_gives_the_references_numbers(name):
     layer = module.MultiHeadLatentAttention(
         16,
         4,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
+        **SIZES,
         q_lora_rank=8,
         dtype=dtype,
     )
@@ -260,9 +256,8 @@ def test_each_backend_takes_windows_and_a_bias_as_the_reference(name):
     module = backend_module(name)
     dtype, tolerance = ("float32", 1e-5) if name == "jax" else ("float64", 1e-12)
     reference = _layer(sliding_window=3)
-    sizes = dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
     layer = module.MultiHeadLatentAttention(
-        16, 4, **sizes, q_lora_rank=8, sliding_window=3, dtype=dtype
+        16, 4, **SIZES, q_lora_rank=8, sliding_window=3, dtype=dtype
     )
     _load(layer, reference, dtype)
     rng = np.random.default_rng(7)
@@ -289,10 +284,7 @@ def test_a_file_rebuilds_the_layer_in_each_backend(name, tmp_path):
     reference = N.MultiHeadLatentAttention(
         16,
         4,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
+        **SIZES,
         q_lora_rank=8,
         bias=True,
         rope_theta=500.0,
@@ -323,10 +315,7 @@ def test_a_keras_file_keeps_the_layer(tmp_path):
     layer = TF.MultiHeadLatentAttention(
         16,
         2,
-        kv_lora_rank=6,
-        qk_nope_head_dim=4,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
+        **SIZES,
         q_lora_rank=8,
         rope_scaling=YARN,
         sliding_window=3,
