@@ -702,19 +702,19 @@ class MultiHeadLatentAttention(Module):
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
-            self.W_q = _linear(num_heads * qk_head, False, num_hiddens, dtype)
+            self.W_q = _linear(num_heads * qk_head, False, num_hiddens, self.dtype)
         else:  # queries through a low-rank pair, normalized between
-            self.W_qa = _linear(q_lora_rank, bias, num_hiddens, dtype)
-            self.q_norm = RMSNorm(q_lora_rank, norm_eps, dtype)
-            self.W_qb = _linear(num_heads * qk_head, False, q_lora_rank, dtype)
+            self.W_qa = _linear(q_lora_rank, bias, num_hiddens, self.dtype)
+            self.q_norm = RMSNorm(q_lora_rank, norm_eps, self.dtype)
+            self.W_qb = _linear(num_heads * qk_head, False, q_lora_rank, self.dtype)
         # One projection gives each position's latent and its shared rotary key
-        self.W_kva = _linear(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, dtype)
-        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, dtype)
+        self.W_kva = _linear(kv_lora_rank + qk_rope_head_dim, bias, num_hiddens, self.dtype)
+        self.kv_norm = RMSNorm(kv_lora_rank, norm_eps, self.dtype)
         self.W_kvb = _linear(num_heads * (qk_nope_head_dim + v_head_dim), False, kv_lora_rank,
-                             dtype)
-        self.W_o = _linear(num_hiddens, bias, num_heads * v_head_dim, dtype)
+                             self.dtype)
+        self.W_o = _linear(num_hiddens, bias, num_heads * v_head_dim, self.dtype)
         self.rotary = RotaryEmbedding(qk_rope_head_dim, rope_theta, interleaved=rope_interleaved,
-                                      scaling=self.rope_scaling, dtype=dtype)
+                                      scaling=self.rope_scaling, dtype=self.dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
         self.scale = latent_attention_scale(qk_head, self.rope_scaling)
         self.dropout = nn.Dropout(dropout)
