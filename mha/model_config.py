@@ -251,7 +251,8 @@ _LATENT_MODEL_TYPES = frozenset({"deepseek_v3"})
 def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """num_heads and the options of a latent attention layer that its weights do not tell:
     the rotary embedding of each head's rotary part (rope_interleave's convention), the
-    RMSNorms' eps. Every one is given, the layer's defaults being DeepSeek-V3's."""
+    RMSNorms' eps (1e-6 whatever rms_norm_eps says, as transformers' module). Every one is
+    given, the layer's defaults being DeepSeek-V3's."""
     # The rotary part's size: transformers' default where the config does not write it
     rotary = rotary_options(config, None, layer, False, config.get("qk_rope_head_dim", 64))
     if "rope_dim" in rotary or "rope_theta" not in rotary:
@@ -263,7 +264,8 @@ def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, A
     found["rope_interleaved"] = rotary.get("rope_interleaved", False)
     if "rope_scaling" in rotary:
         found["rope_scaling"] = rotary["rope_scaling"]
-    found["norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
+    # transformers' (and DeepSeek's) latent norms take RMSNorm's default, not rms_norm_eps
+    found["norm_eps"] = 1e-6
     return found
 
 

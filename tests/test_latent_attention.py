@@ -31,7 +31,7 @@ YARN = {
 SIZES = dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
 
 
-def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True):
+def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True, rms_norm_eps=1e-6):
     transformers = required_import("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
 
@@ -48,6 +48,7 @@ def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True):
         rope_parameters=rope_parameters,
         attention_bias=False,
         max_position_embeddings=64,
+        rms_norm_eps=rms_norm_eps,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -67,7 +68,7 @@ def _our_layer(config, theirs, q_lora_rank, scaling, sliding_window=None):
         q_lora_rank=q_lora_rank,
         rope_theta=config.rope_parameters["rope_theta"],
         rope_scaling=scaling,
-        norm_eps=config.rms_norm_eps,
+        norm_eps=1e-6,  # the eps of transformers' latent norms, whatever rms_norm_eps
         sliding_window=sliding_window,
         dtype="float64",
     )
@@ -341,8 +342,10 @@ def test_deepseek_v3_ports_in_one_line(name, interleave, dtype):
     import mha
 
     torch = required_import("torch")
+    # rms_norm_eps far from 1e-6: the latent norms of transformers' module take 1e-6 all the
+    # same (the model's other norms take it)
     config, theirs, rotary = _their_layer(
-        torch, 8, {**YARN, "rope_theta": 10000.0}, interleave=interleave
+        torch, 8, {**YARN, "rope_theta": 10000.0}, interleave=interleave, rms_norm_eps=0.5
     )
     if dtype == "float32":
         theirs, rotary = theirs.float(), rotary.float()
@@ -370,7 +373,7 @@ def test_deepseek_v3_ports_in_one_line(name, interleave, dtype):
 
 def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
     # Written by hand as a config.json has them: the rotary embedding (yarn, its convention
-    # from rope_interleave), the norms' eps; a partial rotary part is refused
+    # from rope_interleave), the latent norms' eps; a partial rotary part is refused
     from mha.porting import options_from_config
 
     config = {
@@ -393,8 +396,9 @@ def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
         "rope_scaling": {**YARN, "original_max_position_embeddings": 4096},
         "norm_eps": 1e-6,
     }
+    # The latent norms' eps is transformers' RMSNorm default, whatever rms_norm_eps says
     halves = options_from_config({**config, "rope_interleave": False, "rms_norm_eps": 1e-5})
-    assert halves["rope_interleaved"] is False and halves["norm_eps"] == 1e-5
+    assert halves["rope_interleaved"] is False and halves["norm_eps"] == 1e-6
     partial = {**config, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
     with pytest.raises(ValueError, match="rotates 32 of the rotary part of each head"):
         options_from_config(partial)
