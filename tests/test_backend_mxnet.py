@@ -5,9 +5,9 @@ tests/test_errors.py's.
 
 Here: hybridized blocks (the harness's cases run through a hybridized block, gradients
 included; a repeated structure of call traced once; lazy sizes; no tracing inside a parent
-graph; cached decoding through one graph; the learned positional encoding's embedding),
-float16, train_mode, inputs left untouched, numpy semantics kept inside the blocks, contexts,
-weights and parameter files.
+graph; cached decoding through one graph, with a KVCache and with a LatentCache; the learned
+positional encoding's embedding), float16, train_mode, inputs left untouched, numpy semantics
+kept inside the blocks, contexts, weights and parameter files.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 import mha
 from conftest import assert_agrees, backend_module
-from mha import harness
+from mha import cases, harness
 from mha.backends import numpy as NP
 
 pytestmark = pytest.mark.mxnet
@@ -203,6 +203,8 @@ HYBRID_CASES = [
     harness.Case("PositionalEncoding"),
     harness.Case("RotaryEmbedding", ("offset",), {"interleaved": True}),
     harness.Case("AddNorm", ("rank_4",), {"eps": 1e-3}),
+    # Multi-head latent attention: every case of the defaults (absorbed among them)
+    *(harness.Case(layer, masks, config) for layer, masks, config in cases.LATENT_CASES),
 ]
 
 
@@ -359,6 +361,59 @@ def test_hybridized_cached_decoding_equals_full_causal_attention(MX, mx):
     assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
     assert hybrid.attention_weights.shape == (2, 4, 1, 7)
     assert traces == [mx.sym, mx.sym]  # the empty cache's graph, then one for every step
+
+
+def _traces(layer) -> list:
+    """The F of each of layer's hybrid_forward calls from now on: mx.sym where it traces."""
+    traces, trace = [], layer.hybrid_forward
+    layer.hybrid_forward = lambda F, *args: traces.append(F) or trace(F, *args)
+    return traces
+
+
+def test_hybridized_latent_decoding_equals_full_causal_attention(MX, mx):
+    # Multi-head latent attention with low-rank queries, yarn and a sliding window decodes a
+    # prompt of 3 positions, then one position per call, through the hybridized graph, in its
+    # expanded and absorbed forms: the cached latents and rotary keys are the graph's inputs
+    # and outputs and the offset is counted in it, so every step after the first reuses one
+    # graph. Expected: the reference's full causal attention and the imperative layer's cache.
+    config = {
+        "num_hiddens": 8,
+        "num_heads": 2,
+        **cases.LATENT_SIZES,
+        "q_lora_rank": 5,
+        "bias": True,
+        "rope_scaling": cases.LATENT_YARN,
+        "sliding_window": 3,
+        "dtype": "float64",
+    }
+    weights = mha.random_weights(cases.LATENT, seed=2, **config)
+    full = NP.MultiHeadLatentAttention(**config)
+    mha.set_weights(full, weights)
+    X = np.random.default_rng(7).standard_normal((2, 7, 8))
+    valid_lens = np.array([7, 5])  # the second example's last two keys are padding
+    expected = full(X, valid_lens, causal=True)
+    for absorbed in (False, True):
+        hybrid, imperative = (MX.MultiHeadLatentAttention(**config) for _ in range(2))
+        for layer in (hybrid, imperative):
+            mha.set_weights(layer, weights)
+        hybrid.hybridize()
+        traces = _traces(hybrid)
+        caches, outputs = [mha.LatentCache(), mha.LatentCache()], []
+        for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6), (6, 7)):
+            x = MX.from_numpy(X[:, start:stop])
+            lengths = MX.from_numpy(np.minimum(valid_lens, stop))
+            for i, layer in enumerate((hybrid, imperative)):
+                output, caches[i] = layer(
+                    x, lengths, causal=True, cache=caches[i], absorbed=absorbed
+                )
+                if i == 0:
+                    outputs.append(MX.to_numpy(output))
+            assert caches[0].latent.shape == (2, stop, 6)
+            for hybrid_held, held in zip(*caches, strict=True):
+                np.testing.assert_allclose(MX.to_numpy(hybrid_held), MX.to_numpy(held), atol=1e-12)
+        assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
+        assert hybrid.attention_weights.shape == (2, 2, 1, 7)
+        assert traces == [mx.sym, mx.sym]  # the empty cache's graph, then one for every step
 
 
 def test_learned_positional_encoding_hybridized_and_its_gradient(MX, mx):

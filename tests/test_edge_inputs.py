@@ -8,6 +8,7 @@ import pytest
 import mha
 from conftest import assert_agrees, backend_module, backend_params
 from mha.backends import numpy as N
+from mha.cases import LATENT, LATENT_SIZES
 
 Q, K, D, H = 3, 4, 8, 2
 
@@ -20,6 +21,7 @@ def build(module, name, **extra):
         "AdditiveAttention": lambda m: m.AdditiveAttention(5, query_size=D, key_size=D, **extra),
         "AddNorm": lambda m: m.AddNorm(D, **extra),
         "PositionalEncoding": lambda m: m.PositionalEncoding(D, **extra),
+        LATENT: lambda m: m.MultiHeadLatentAttention(D, H, **LATENT_SIZES, q_lora_rank=4, **extra),
     }
     reference, layer = makers[name](N), makers[name](module)
     weights = mha.get_weights(reference)
@@ -34,7 +36,33 @@ CALLS = {
     "AdditiveAttention": [{"valid_lens": np.zeros(0, "int32")}],
     "AddNorm": [{}],
     "PositionalEncoding": [{}],
+    # A cache, empty or holding K positions (of an empty batch too): the output and the cache
+    LATENT: [
+        {"valid_lens": np.zeros(0, "int64")},
+        {"causal": True, "absorbed": True},
+        {"cache": "empty"},
+        {"cache": "held", "absorbed": True, "need_weights": False},
+    ],
 }
+
+
+def latent_cache(module, kind):
+    """A LatentCache of an empty batch, holding no position or K."""
+    if kind == "empty":
+        return mha.LatentCache()
+    held = np.zeros((0, K, LATENT_SIZES["kv_lora_rank"]), "float32")
+    rotary = np.zeros((0, 1, K, LATENT_SIZES["qk_rope_head_dim"]), "float32")
+    return mha.LatentCache(module.from_numpy(held), module.from_numpy(rotary))
+
+
+def arguments_in(module, kwargs) -> dict:
+    """kwargs with its arrays, and a cache named by its kind, in the module's tensors."""
+    arguments = {
+        k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
+    }
+    if "cache" in kwargs:
+        arguments["cache"] = latent_cache(module, kwargs["cache"])
+    return arguments
 
 
 @pytest.mark.parametrize("layer_name", CALLS)
@@ -46,14 +74,16 @@ def test_an_empty_batch_gives_an_empty_result(name, layer_name):
     inputs = {
         "AddNorm": (X, X),
         "PositionalEncoding": (X,),
+        LATENT: (X,),
     }.get(layer_name, (X, Y, Y))
     for kwargs in CALLS[layer_name]:
-        expected = reference(*inputs, **kwargs)
-        arguments = {
-            k: module.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()
-        }
-        output = module.to_numpy(layer(*map(module.from_numpy, inputs), **arguments))
-        assert output.shape == expected.shape == (0, Q, D)
+        expected = reference(*inputs, **arguments_in(N, kwargs))
+        output = layer(*map(module.from_numpy, inputs), **arguments_in(module, kwargs))
+        if "cache" in kwargs:
+            (expected, held), (output, cache) = expected, output
+            positions = K * (kwargs["cache"] == "held") + Q
+            assert module.to_numpy(cache.latent).shape == held.latent.shape == (0, positions, 6)
+        assert module.to_numpy(output).shape == expected.shape == (0, Q, D)
     # The framework is still usable after it (MXNet once failed on its next operation)
     ones = np.ones((1, Q, D), "float32")
     assert module.to_numpy(module.from_numpy(ones) + module.from_numpy(ones)).sum() == 2 * Q * D

@@ -826,8 +826,10 @@ class MultiHeadLatentAttention(nnx.Module):
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, need_weights)
-        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
-        output = self.W_o(output.transpose(0, 2, 1, 3).reshape(batch_size, num_steps, -1))
+        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim), sized
+        # (not -1): the batch may be empty
+        width = self.num_heads * self.v_head_dim
+        output = self.W_o(output.transpose(0, 2, 1, 3).reshape(batch_size, num_steps, width))
         return output if cache is None else (output, cache)
 
     def attend_expanded(self, queries, latent, rotary_keys, keep, bias, need_weights):
@@ -863,7 +865,8 @@ class MultiHeadLatentAttention(nnx.Module):
         """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
         num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
-        Q = Q.reshape(*X.shape[:2], self.num_heads, -1).transpose(0, 2, 1, 3)
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        Q = Q.reshape(*X.shape[:2], self.num_heads, qk_head).transpose(0, 2, 1, 3)
         rotated = self.rotary.rotate(Q[..., self.qk_nope_head_dim :], offset)
         return jnp.concatenate([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
 
@@ -878,7 +881,8 @@ class MultiHeadLatentAttention(nnx.Module):
     def expand(self, latent, rotary_keys):
         """Each head's keys (batch_size, num_heads, n, nope + rope) and values (batch_size,
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
-        KV = self.W_kvb(latent).reshape(*latent.shape[:2], self.num_heads, -1)
+        kv_head = self.qk_nope_head_dim + self.v_head_dim
+        KV = self.W_kvb(latent).reshape(*latent.shape[:2], self.num_heads, kv_head)
         KV = KV.transpose(0, 2, 1, 3)
         keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
         shared = jnp.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.qk_rope_head_dim))

@@ -18,8 +18,9 @@ hybridized Gluon block. A hybridized block traces its graph again when a call's 
 differs from the previous call's (as Gluon does when a block changes), and a layer takes one
 call at a time, so that threads sharing it each get their own masks and result; a graph
 does not depend on batch size or sequence lengths. A KVCache's keys and values are inputs and
-outputs of MultiHeadAttention's graph, their number of positions the offset counted in it:
-one graph serves every decoding step after the first. Two limits:
+outputs of MultiHeadAttention's graph (a LatentCache's latents and rotary keys of
+MultiHeadLatentAttention's), their number of positions the offset counted in it: one graph
+serves every decoding step after the first. Two limits:
 the blocks cannot be traced inside a hybridized parent block's graph (their checks and masks
 need concrete arrays: hybridize the mha block itself, or put it in a `gluon.Block`), and a
 hybridized block checks valid_lens values before running the graph, as the imperative one does.
@@ -165,6 +166,7 @@ class _Call(NamedTuple):
     segments: bool = False  # segment_ids are given: graph inputs of query and key ids
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
+    absorbed: bool = False  # MultiHeadLatentAttention's up-projections folded (its absorbed form)
 
 
 def _segment_inputs(segment_ids) -> tuple:
@@ -1059,10 +1061,10 @@ class MultiHeadAttention(Layer):
 
 @documented
 @mx.util.use_np
-class MultiHeadLatentAttention(nn.Block):
+class MultiHeadLatentAttention(Layer):
     """Multi-head latent attention (DeepSeek-V2 and V3, Kimi K2): the NumPy reference's
-    MultiHeadLatentAttention (mha.backends.numpy), in MXNet: imperative only, a gluon.Block
-    (no hybridized graph yet)."""
+    MultiHeadLatentAttention (mha.backends.numpy), in MXNet. A LatentCache's latent and rotary
+    keys are inputs and outputs of its graph, as MultiHeadAttention's KVCache."""
 
     def __init__(self, num_hiddens: int, num_heads: int, *, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
@@ -1101,12 +1103,9 @@ class MultiHeadLatentAttention(nn.Block):
         self.attention_weights = None
         self.initialize(_LinearInit())
 
-    def __call__(self, *args, **kwargs):
-        # Block.__call__ takes positional arguments only
-        return self.forward(*args, **kwargs)
-
     def forward(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
                 need_weights=True, attn_bias=None, cache=None, absorbed=False):
+        self._require_ndarrays(X, valid_lens, mask, window_mask, attn_bias)
         validation.check_latent_attention_call(
             X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
             need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
@@ -1114,86 +1113,118 @@ class MultiHeadLatentAttention(nn.Block):
             latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
         )
         _check_valid_lens_values(valid_lens)
-        batch_size, num_steps = X.shape[0], X.shape[1]
+        _check_float16_context(self.dtype, X)
         # The positions before this call's: those in the cache
-        cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
-        frequencies = self.rotary.frequencies_at(cached + num_steps, X.ctx)
-        # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
-        queries = self.project_queries(X, cached, frequencies)
-        # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
-        # (batch_size, 1, no. of steps, rope), one rotary key for every head
-        latent, rotary_keys = self.compress(X, cached, frequencies)
-        if cache is not None:
-            # This call's latents and rotary keys follow those of the positions before it
-            if cache.latent is not None:
-                latent = mx.np.concatenate([cache.latent, latent], axis=1)
-                rotary_keys = mx.np.concatenate([cache.rotary_keys, rotary_keys], axis=2)
-            cache = LatentCache(latent, rotary_keys)
+        offset = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
+        if X.shape[0] == 0:
+            return self.empty_batch(X, offset, need_weights, cache)
         call = _call_structure(self.dtype, valid_lens=valid_lens, mask=mask, causal=causal,
                                window_mask=window_mask, need_weights=need_weights,
                                attn_bias=attn_bias, empty_rows=self.empty_rows,
-                               sliding_window=self.sliding_window)
-        keep, bias = _attention_masks(mx.nd, queries, mx.np.ones_like(latent[:, None]),
-                                      valid_lens, mask, window_mask, attn_bias, call,
-                                      multihead=True, num_heads=self.num_heads, offset=cached)
-        attend = self.attend_absorbed if absorbed else self.attend_expanded
-        output = attend(queries, latent, rotary_keys, keep, bias, call)
+                               sliding_window=self.sliding_window, cache=cache, offset=offset)
+        # The rotary frequencies, and the cached latents and rotary keys, reach a traced
+        # graph as inputs, so that one graph serves every decoding step
+        frequencies = self.rotary.frequencies_at(offset + X.shape[1], X.ctx)
+        cached = (cache.latent, cache.rotary_keys) if call.cached else (None, None)
+        outputs = self._run(call._replace(absorbed=absorbed), X, valid_lens, mask, window_mask,
+                            attn_bias, frequencies, *cached)
+        # The graph's outputs: output, then the weights and the cache's latents and rotary keys
+        output, *outputs = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+        self.attention_weights = outputs.pop(0) if need_weights else None
+        return output if cache is None else (output, LatentCache(*outputs))
+
+    def hybrid_forward(self, F, X, valid_lens, mask, window_mask, attn_bias, frequencies,
+                       cached_latent, cached_rotary_keys):
+        call = self._structure
+        # The positions before this call's, counted in the graph: a (1,) array, or 0
+        offset = 0
+        if call.cached:
+            cached_positions = _positions(F, cached_latent, 1, self.dtype)
+            offset = F.np.sum(F.np.ones_like(cached_positions), keepdims=True)
+        # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
+        queries = self.project_queries(F, X, offset, frequencies)
+        # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
+        # (batch_size, 1, no. of steps, rope), one rotary key for every head
+        latent, rotary_keys = self.compress(F, X, offset, frequencies)
+        if call.cached:
+            # This call's latents and rotary keys follow those of the positions before it
+            latent = F.np.concatenate([cached_latent, latent], axis=1)
+            rotary_keys = F.np.concatenate([cached_rotary_keys, rotary_keys], axis=2)
+        cache = (latent, rotary_keys) if call.cache else ()
+        keep, bias = _attention_masks(F, queries, F.np.expand_dims(latent, 1), valid_lens, mask,
+                                      window_mask, attn_bias, call, multihead=True,
+                                      num_heads=self.num_heads, offset=offset)
+        attend = self.attend_absorbed if call.absorbed else self.attend_expanded
+        output, weights = attend(F, queries, latent, rotary_keys, keep, bias, call)
         # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
-        output = self.W_o(output.transpose(0, 2, 1, 3).reshape(batch_size, num_steps, -1))
-        return output if cache is None else (output, cache)
+        output = F.npx.reshape(F.np.transpose(output, (0, 2, 1, 3)),
+                               (-2, -2, self.num_heads * self.v_head_dim))
+        output = self.W_o(output)
+        outputs = ((output, weights) if call.need_weights else (output,)) + cache
+        return outputs if len(outputs) > 1 else output
 
-    def attend_expanded(self, queries, latent, rotary_keys, keep, bias, call):
+    def attend_expanded(self, F, queries, latent, rotary_keys, keep, bias, call):
         """Attention over each head's keys and values, expanded from the latent."""
-        keys, values = self.expand(latent, rotary_keys)
-        output, self.attention_weights, _ = _attention(
-            mx.nd, queries, keys, values, call, keep, bias, self.dropout, scale=self.scale
-        )
-        return output
+        keys, values = self.expand(F, latent, rotary_keys)
+        output, weights, _ = _attention(F, queries, keys, values, call, keep, bias,
+                                        self.dropout, scale=self.scale)
+        return output, weights
 
-    def attend_absorbed(self, queries, latent, rotary_keys, keep, bias, call):
+    def attend_absorbed(self, F, queries, latent, rotary_keys, keep, bias, call):
         """The same numbers with W_kvb folded into the queries and the output (multi-query
         attention over the latent; see the NumPy reference)."""
         # W_kvb per head (Gluon keeps it (out, in)): its key part W_uk (kv_lora_rank, H,
-        # nope), value part W_uv
-        W = self.W_kvb.weight.data().T.reshape(self.kv_lora_rank, self.num_heads, -1)
-        W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
+        # nope), value part W_uv; read from the graph's parameters when it is traced
+        W = self.W_kvb.weight.var() if F is mx.sym else self.W_kvb.weight.data(latent.ctx)
+        W = F.npx.reshape(F.np.transpose(W), (self.kv_lora_rank, self.num_heads, -1))
+        W_uk, W_uv = F.np.split(W, [self.qk_nope_head_dim], axis=-1)
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = mx.np.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
-        queries = mx.np.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
-        keys = mx.np.concatenate([latent[:, None], rotary_keys], axis=-1)
-        output, self.attention_weights, _ = _attention(
-            mx.nd, queries, keys, latent[:, None], call, keep, bias, self.dropout,
-            scale=self.scale, group=self.num_heads,
-        )
+        nope, rope = F.np.split(queries, [self.qk_nope_head_dim], axis=-1)
+        queries = F.np.concatenate([F.np.einsum("bhqn,rhn->bhqr", nope, W_uk), rope], axis=-1)
+        latent = F.np.expand_dims(latent, 1)
+        keys = F.np.concatenate([latent, rotary_keys], axis=-1)
+        output, weights, _ = _attention(F, queries, keys, latent, call, keep, bias, self.dropout,
+                                        scale=self.scale, group=self.num_heads)
         # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
-        return mx.np.einsum("bhqr,rhv->bhqv", output, W_uv)
+        return F.np.einsum("bhqr,rhv->bhqv", output, W_uv), weights
 
-    def project_queries(self, X, offset, frequencies):
+    def project_queries(self, F, X, offset, frequencies):
         """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
         num_heads, n, nope + rope)."""
         Q = self.W_q(X) if self.q_lora_rank is None else self.W_qb(self.q_norm(self.W_qa(X)))
-        Q = Q.reshape(X.shape[0], X.shape[1], self.num_heads, -1).transpose(0, 2, 1, 3)
-        rotated = self.rotary.rotate(mx.nd, Q[..., self.qk_nope_head_dim :], offset,
-                                     frequencies=frequencies)
-        return mx.np.concatenate([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        Q = F.np.transpose(F.npx.reshape(Q, (-2, -2, self.num_heads, qk_head)), (0, 2, 1, 3))
+        nope, rope = F.np.split(Q, [self.qk_nope_head_dim], axis=-1)
+        rotated = self.rotary.rotate(F, rope, offset, frequencies=frequencies)
+        return F.np.concatenate([nope, rotated], axis=-1)
 
-    def compress(self, X, offset, frequencies):
+    def compress(self, F, X, offset, frequencies):
         """(latent (batch_size, n, kv_lora_rank), normalized; the rotary key (batch_size, 1,
         n, rope) at positions offset, ..., turned): what a latent cache keeps."""
-        compressed = self.W_kva(X)
-        latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
-        rotary_keys = self.rotary.rotate(mx.nd, compressed[:, None, :, self.kv_lora_rank :],
-                                         offset, frequencies=frequencies)
-        return latent, rotary_keys
+        latent, rope = F.np.split(self.W_kva(X), [self.kv_lora_rank], axis=-1)
+        rotary_keys = self.rotary.rotate(F, F.np.expand_dims(rope, 1), offset,
+                                         frequencies=frequencies)
+        return self.kv_norm(latent), rotary_keys
 
-    def expand(self, latent, rotary_keys):
+    def expand(self, F, latent, rotary_keys):
         """Each head's keys (batch_size, num_heads, n, nope + rope) and values (batch_size,
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
-        KV = self.W_kvb(latent).reshape(latent.shape[0], latent.shape[1], self.num_heads, -1)
-        KV = KV.transpose(0, 2, 1, 3)
-        keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
-        shared = mx.np.broadcast_to(rotary_keys, (*keys_nope.shape[:-1], self.qk_rope_head_dim))
-        return mx.np.concatenate([keys_nope, shared], axis=-1), values
+        kv_head = self.qk_nope_head_dim + self.v_head_dim
+        KV = F.npx.reshape(self.W_kvb(latent), (-2, -2, self.num_heads, kv_head))
+        keys_nope, values = F.np.split(F.np.transpose(KV, (0, 2, 1, 3)),
+                                       [self.qk_nope_head_dim], axis=-1)
+        shared = F.np.repeat(rotary_keys, self.num_heads, axis=1)
+        return F.np.concatenate([keys_nope, shared], axis=-1), values
+
+    def empty_batch(self, X, offset, need_weights, cache):
+        """The result of a call on an empty batch, made directly (see _empty)."""
+        steps, positions = X.shape[1], offset + X.shape[1]
+        weights = _empty(X, 0, self.num_heads, steps, positions) if need_weights else None
+        self.attention_weights, output = weights, _empty(X, 0, steps, self.num_hiddens)
+        if cache is None:
+            return output
+        return output, LatentCache(_empty(X, 0, positions, self.kv_lora_rank),
+                                   _empty(X, 0, 1, positions, self.qk_rope_head_dim))
 
 
 @documented

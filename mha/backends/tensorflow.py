@@ -911,8 +911,10 @@ class MultiHeadLatentAttention(_AttentionLayer):
                                    attn_bias=attn_bias, sliding_window=self.sliding_window)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
         output = attend(queries, latent, rotary_keys, keep, bias, need_weights, training)
-        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim)
-        output = tf.reshape(tf.transpose(output, [0, 2, 1, 3]), [batch_size, num_steps, -1])
+        # Shape of output: (batch_size, no. of steps, num_heads * v_head_dim), sized
+        # (not -1): the batch may be empty
+        width = self.num_heads * self.v_head_dim
+        output = tf.reshape(tf.transpose(output, [0, 2, 1, 3]), [batch_size, num_steps, width])
         output = _apply_dense(self.W_o, output)
         return output if cache is None else (output, cache)
 
@@ -951,7 +953,9 @@ class MultiHeadLatentAttention(_AttentionLayer):
         else:
             Q = _apply_dense(self.W_qb, self.q_norm(_apply_dense(self.W_qa, X)))
         batch_size, num_steps, _ = _dims(X)
-        Q = tf.transpose(tf.reshape(Q, [batch_size, num_steps, self.num_heads, -1]), [0, 2, 1, 3])
+        qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
+        Q = tf.reshape(Q, [batch_size, num_steps, self.num_heads, qk_head])
+        Q = tf.transpose(Q, [0, 2, 1, 3])
         rotated = self.rotary.rotate(Q[..., self.qk_nope_head_dim :], offset)
         return tf.concat([Q[..., : self.qk_nope_head_dim], rotated], axis=-1)
 
@@ -968,7 +972,9 @@ class MultiHeadLatentAttention(_AttentionLayer):
         num_heads, n, v_head_dim) from the latent, the rotary key shared by the heads."""
         batch_size, num_steps, _ = _dims(latent)
         KV = _apply_dense(self.W_kvb, latent)
-        KV = tf.transpose(tf.reshape(KV, [batch_size, num_steps, self.num_heads, -1]), [0, 2, 1, 3])
+        kv_head = self.qk_nope_head_dim + self.v_head_dim
+        KV = tf.reshape(KV, [batch_size, num_steps, self.num_heads, kv_head])
+        KV = tf.transpose(KV, [0, 2, 1, 3])
         keys_nope, values = KV[..., : self.qk_nope_head_dim], KV[..., self.qk_nope_head_dim :]
         shared = tf.broadcast_to(rotary_keys, [*_dims(keys_nope)[:-1], self.qk_rope_head_dim])
         return tf.concat([keys_nope, shared], axis=-1), values
