@@ -1,5 +1,6 @@
-"""DeepSeek-V3's attention layout: multi-head latent attention's modules under a prefix, read
-as mha.MultiHeadLatentAttention's canonical weights and the sizes they tell.
+"""DeepSeek-V3's attention layout (V2's and Kimi K2's too): multi-head latent attention's
+modules under a prefix, read as mha.MultiHeadLatentAttention's canonical weights and the sizes
+they tell.
 
     q_proj, or q_a_proj, q_a_layernorm, q_b_proj     W_q, or W_qa, q_norm, W_qb (queries)
     kv_a_proj_with_mqa, kv_a_layernorm               W_kva, kv_norm (latent and rotary key)

@@ -244,15 +244,16 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     return found
 
 
-# Model types whose attention is multi-head latent attention (mha.MultiHeadLatentAttention)
-_LATENT_MODEL_TYPES = frozenset({"deepseek_v3"})
+# Model types whose attention is multi-head latent attention (mha.MultiHeadLatentAttention);
+# transformers reads a kimi_k2 config as DeepSeek-V3's
+_LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
 
 
 def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
     """num_heads and the options of a latent attention layer that its weights do not tell:
-    the rotary embedding of each head's rotary part (rope_interleave's convention), the
-    RMSNorms' eps (1e-6 whatever rms_norm_eps says, as transformers' module). Every one is
-    given, the layer's defaults being DeepSeek-V3's."""
+    the rotary embedding of each head's rotary part (pairs in DeepSeek-V2, rope_interleave's
+    convention in V3), the RMSNorms' eps (1e-6 whatever rms_norm_eps says, as transformers'
+    modules). Every one is given, the layer's defaults being DeepSeek-V3's."""
     # The rotary part's size: transformers' default where the config does not write it
     rotary = rotary_options(config, None, layer, False, config.get("qk_rope_head_dim", 64))
     if "rope_dim" in rotary or "rope_theta" not in rotary:

@@ -23,6 +23,7 @@ ROTARY = {
     "cohere": "pairs",
     "cohere2": "pairs",
     "csm": "half",
+    "deepseek_v2": "pairs",
     "deepseek_v3": "rope_interleave",
     "ernie4_5": "pairs",
     "ernie4_5_moe": "pairs",
@@ -41,6 +42,8 @@ ROTARY = {
     "granite": "half",
     "granitemoe": "half",
     "helium": "pairs",
+    # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
+    "kimi_k2": "rope_interleave",
     "llama": "half",
     "ministral": "half",
     "mistral": "half",
@@ -171,7 +174,7 @@ def rotary_options(
     if no_rotary and config.get("sliding_window") is not None:
         return {}
     convention = ROTARY[model_type]
-    if convention == "rope_interleave":  # DeepSeek-V3
+    if convention == "rope_interleave":  # DeepSeek-V3, Kimi K2
         convention = "pairs" if config.get("rope_interleave", True) else "half"
     return {**rotary, "rope_interleaved": True} if convention == "pairs" else rotary
 

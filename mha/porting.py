@@ -32,7 +32,7 @@ The layouts (q, k, v, o: the query, key, value and output projections; n = num_h
     torch.nn.MultiheadAttention: in_proj_weight or q/k/v_proj_weight, out_proj
     q_proj or q_a_proj, q_a_layernorm, q_b_proj; kv_a_proj_with_mqa, kv_a_layernorm,
         kv_b_proj; o_proj: multi-head latent attention, a MultiHeadLatentAttention
-        (mha.latent_layout)                                    DeepSeek-V3
+        (mha.latent_layout)                     DeepSeek-V2 and V3, Kimi K2
 
 Names under the prefix that are outside the attention's numbers (BERT's LayerNorm after the
 residual, T5's relative position bias table that the caller gives as attn_bias, GPT-2's

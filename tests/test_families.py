@@ -52,6 +52,10 @@ OWN_SIZES = {
         "first_k_dense_replace": 1,
     },
 }
+# DeepSeek-V2's attention without low-rank queries (V2-Lite's), its experts as V3's; Kimi K2's
+# config is DeepSeek-V3's (see tiny_model)
+OWN_SIZES["deepseek_v2"] = {**OWN_SIZES["deepseek_v3"], "q_lora_rank": None}
+OWN_SIZES["kimi_k2"] = OWN_SIZES["deepseek_v3"]
 # A base their code ignores, 10000 being in it
 for model_type in ("gptj", "roformer"):
     OWN_SIZES[model_type]["rope_theta"] = 20000.0
@@ -64,7 +68,15 @@ def tiny_model(model_type: str):
     """A tiny random model of the type in float32, its norms' weights away from 1."""
     T = required_import("transformers")
     sizes = {**SIZES, **OWN_SIZES.get(model_type, {})}
-    config = T.AutoConfig.for_model(model_type, **{k: v for k, v in sizes.items() if v is not None})
+    sizes = {k: v for k, v in sizes.items() if v is not None or k == "q_lora_rank"}
+    if model_type == "kimi_k2":
+        # Kimi K2's own config.json (model_type kimi_k2), as transformers reads it: Kimi
+        # K2.5's text_config, a DeepSeek-V3 config
+        from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+        config = Kimi_K25Config(text_config={"model_type": model_type, **sizes}).text_config
+    else:
+        config = T.AutoConfig.for_model(model_type, **sizes)
     torch.manual_seed(3)
     model = T.AutoModel.from_config(config).float().eval()
     with torch.no_grad():
@@ -118,10 +130,11 @@ def test_each_rotary_model_type_ports_in_one_line(model_type):
     seen = attention_io(model, list(chosen.values()))
     for layer, (prefix, _) in chosen.items():
         (x, expected) = seen[prefix]
-        options = porting.options_from_config(config.to_dict(), layer)
+        # The config as the model's config.json writes it
+        options = porting.options_from_config({**config.to_dict(), "model_type": model_type}, layer)
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
         causal = model_type not in ENCODERS
-        latent = type(ported).__name__ == "MultiHeadLatentAttention"  # DeepSeek-V3's
+        latent = type(ported).__name__ == "MultiHeadLatentAttention"  # DeepSeek's, Kimi K2's
         output = ported(x, causal=causal) if latent else ported(x, x, x, causal=causal)
         # float32's precision: transformers computes in float32, the reference in float64
         atol = 1e-5 * np.max(np.abs(expected))

@@ -8,6 +8,8 @@ eager and under its compiler (torch.compile, tf.function, nnx.jit, MXNet's hybri
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -30,11 +32,17 @@ YARN = {
 SIZES = dict(kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
 
 
-def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True, rms_norm_eps=1e-6):
+def _their_layer(
+    torch, q_lora_rank, rope_parameters, interleave=True, rms_norm_eps=1e-6, model="deepseek_v3"
+):
+    """transformers' DeepseekV3Attention (or V2's: model="deepseek_v2", whose rotary always
+    turns pairs), its weights random, and its rotary embedding."""
     transformers = required_import("transformers")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as deepseek
-
-    config = transformers.DeepseekV3Config(
+    deepseek = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    version = "V2" if model == "deepseek_v2" else "V3"
+    their = {"rope_interleave": interleave} if version == "V3" else {}
+    config = getattr(transformers, f"Deepseek{version}Config")(
+        **their,
         hidden_size=16,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -43,7 +51,6 @@ def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True, rms_norm_
         qk_nope_head_dim=4,
         qk_rope_head_dim=4,
         v_head_dim=6,
-        rope_interleave=interleave,
         rope_parameters=rope_parameters,
         attention_bias=False,
         max_position_embeddings=64,
@@ -51,11 +58,11 @@ def _their_layer(torch, q_lora_rank, rope_parameters, interleave=True, rms_norm_
     )
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    layer = deepseek.DeepseekV3Attention(config, layer_idx=0).double().eval()
+    layer = getattr(deepseek, f"Deepseek{version}Attention")(config, layer_idx=0).double().eval()
     for name, parameter in layer.named_parameters():  # norms away from 1
         with torch.no_grad():
             parameter.copy_(torch.randn_like(parameter) * (0.3 if "norm" not in name else 1.0))
-    rotary = deepseek.DeepseekV3RotaryEmbedding(config).double()
+    rotary = getattr(deepseek, f"Deepseek{version}RotaryEmbedding")(config).double()
     return config, layer, rotary
 
 
@@ -347,20 +354,29 @@ def test_a_keras_file_keeps_the_layer(tmp_path):
     assert TF.layer_config(again) == TF.layer_config(layer)
 
 
+# DeepSeek-V3's module, its rotary as rope_interleave says; DeepSeek-V2's (pairs)
+MODELS = {
+    "v3-interleaved": ("deepseek_v3", True),
+    "v3-halves": ("deepseek_v3", False),
+    "v2": ("deepseek_v2", None),
+}
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("name", backend_params(["numpy", *BACKENDS]))
-def test_deepseek_v3_ports_in_one_line(name, interleave, dtype):
-    # A model's state_dict and config (yarn, low-rank queries, rope_interleave as given): the
-    # port's numbers are transformers' own module's, causal with padding, in every backend
+def test_deepseek_ports_in_one_line(name, model, dtype):
+    # A model's state_dict and config (yarn, low-rank queries, V3's rope_interleave as given):
+    # the port's numbers are transformers' own module's, causal with padding, in every backend
     import mha
 
     torch = required_import("torch")
+    model_type, interleave = MODELS[model]
     # rms_norm_eps far from 1e-6: the latent norms of transformers' module take 1e-6 all the
     # same (the model's other norms take it)
     config, theirs, rotary = _their_layer(
-        torch, 8, {**YARN, "rope_theta": 10000.0}, interleave=interleave, rms_norm_eps=0.5
+        torch, 8, {**YARN, "rope_theta": 10000.0}, interleave, 0.5, model_type
     )
     if dtype == "float32":
         theirs, rotary = theirs.float(), rotary.float()
@@ -375,7 +391,9 @@ def test_deepseek_v3_ports_in_one_line(name, interleave, dtype):
     additive = torch.from_numpy(np.where(keep, 0.0, -np.inf).astype(dtype))[:, None]
     positions = torch.arange(5)[None].expand(2, -1)
     with torch.no_grad():
-        expected, _ = theirs(hidden, rotary(hidden, positions), additive)
+        # keywords: V2's module takes the mask before the rotary's angles, V3's after
+        embeddings = rotary(hidden, positions)
+        expected, _ = theirs(hidden, position_embeddings=embeddings, attention_mask=additive)
     module = backend_module(name)
     output = layer(module.from_numpy(X), module.from_numpy(lengths), causal=True)
     # transformers turns the rotary by float32 angles whatever the dtype; JAX without its
@@ -417,6 +435,36 @@ def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
     partial = {**config, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
     with pytest.raises(ValueError, match="rotates 32 of the rotary part of each head"):
         options_from_config(partial)
+
+
+def test_deepseek_v2_and_kimi_k2_configs_give_their_options():
+    # DeepSeek-V2's config.json (transformers 4's rope_scaling, yarn's "type"): its rotary
+    # always turns pairs; Kimi K2's own config.json (model_type kimi_k2) is read as
+    # DeepSeek-V3's, as transformers reads it (Kimi K2.5's text_config)
+    from mha.porting import options_from_config
+
+    transformers = required_import("transformers")
+    v2 = {
+        "model_type": "deepseek_v2",
+        "num_attention_heads": 16,
+        "qk_rope_head_dim": 64,
+        "rope_theta": 10000,
+        "rope_scaling": {**YARN, "type": "yarn", "mscale": 0.707, "mscale_all_dim": 0.707},
+    }
+    del v2["rope_scaling"]["rope_type"]
+    options = options_from_config(v2)
+    assert options["rope_interleaved"] is True and options["norm_eps"] == 1e-6
+    assert options["rope_scaling"]["mscale_all_dim"] == 0.707
+    # Where the config writes no rotary embedding: transformers' default base
+    unwritten = {key: v2[key] for key in ("model_type", "num_attention_heads")}
+    theirs = transformers.DeepseekV2Config(num_attention_heads=16).rope_parameters["rope_theta"]
+    assert options_from_config(unwritten)["rope_theta"] == theirs
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+    k2 = {**v2, "model_type": "kimi_k2", "rope_theta": 50000.0, "rope_interleave": False}
+    assert Kimi_K25Config(text_config=dict(k2)).text_config.model_type == "deepseek_v3"
+    v3 = options_from_config({**k2, "model_type": "deepseek_v3"})
+    assert options_from_config(k2) == v3 and v3["rope_interleaved"] is False
 
 
 @pytest.mark.torch

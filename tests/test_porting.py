@@ -603,10 +603,13 @@ def transformers_rotary(config, kind, head_size):
     return rope["rope_theta"], int(head_size * fraction), rope.get("rope_type", "default")
 
 
-# GPT-J's and RoFormer's bases are in their code; DeepSeek-V3's latent attention has tests of
-# its own (test_latent_attention.py)
+# GPT-J's and RoFormer's bases are in their code; latent attention (DeepSeek-V2 and V3, Kimi
+# K2) has tests of its own (test_latent_attention.py)
+LATENT_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+
+
 @pytest.mark.parametrize(
-    "model_type", sorted(set(model_rope.ROTARY) - {"gptj", "roformer", "deepseek_v3"})
+    "model_type", sorted(set(model_rope.ROTARY) - {"gptj", "roformer"} - LATENT_TYPES)
 )
 def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_defaults(
     model_type,
