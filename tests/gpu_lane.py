@@ -11,8 +11,9 @@ TensorFlow, no MXNet, no pytest) and nothing to download:
   kind of mask, with and without weights, float32 and bfloat16 (whose calls without weights
   reach the fused kernels);
 - sync: no call reads the device's memory from the host: torch's sync debug mode set to
-  "error", JAX's device-to-host transfer guard set to "disallow", around every layer and mask,
-  forward and backward, float32 and bfloat16;
+  "error", JAX's device-to-host transfer guard set to "disallow", around every layer and mask
+  (the latent layer's, expanded and absorbed, among them), forward and backward, float32 and
+  bfloat16;
 - conform: the frameworks' own attention functions (`mha conform`'s adapters: torch's SDPA
   kernels and FlexAttention, JAX's XLA and cuDNN implementations) held to the reference on the
   device, float32, float16 and bfloat16: a survey, each table printed; it fails only when an
@@ -111,6 +112,12 @@ def _every(step: int):
 KINDS = ("dot", "multihead", "multihead_no_weights", "grouped_no_weights")
 
 
+# The sync step's layers besides KINDS': the latent layer (self-attention, its one input the
+# queries'), expanded with weights and absorbed without
+SYNC_KINDS = (*KINDS, "latent", "latent_absorbed")
+LATENT_SIZES = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8)
+
+
 def _layers(module, kind: str, dtype: str, device: str):
     """The float64 reference and the backend's layer of `kind` with its weights, placed."""
     if kind == "dot":
@@ -118,13 +125,16 @@ def _layers(module, kind: str, dtype: str, device: str):
             N.DotProductAttention(dtype="float64"),
             module.DotProductAttention(dtype=dtype),
         )
+        return reference, module.to_device(layer, device)
+    if kind.startswith("latent"):
+        name, sizes = "MultiHeadLatentAttention", LATENT_SIZES
     else:
-        sizes = dict(query_size=D, key_size=D, value_size=D)
+        name, sizes = "MultiHeadAttention", dict(query_size=D, key_size=D, value_size=D)
         sizes["num_kv_heads"] = KV if kind.startswith("grouped") else None
-        reference = N.MultiHeadAttention(D, H, **sizes, dtype="float64")
-        layer = module.MultiHeadAttention(D, H, **sizes, dtype=dtype)
-        weights = mha.get_weights(reference)
-        mha.set_weights(layer, {k: v.astype(dtype) for k, v in weights.items()})
+    reference = getattr(N, name)(D, H, **sizes, dtype="float64")
+    layer = getattr(module, name)(D, H, **sizes, dtype=dtype)
+    weights = mha.get_weights(reference)
+    mha.set_weights(layer, {k: v.astype(dtype) for k, v in weights.items()})
     return reference, module.to_device(layer, device)
 
 
@@ -224,12 +234,15 @@ def sync(device: str, quick: bool) -> bool:
         module = mha.load_backend(name)
         calls = 0
         for dtype in ("float32",) if quick else ("float32", "bfloat16"):
-            for kind in KINDS:
+            for kind in SYNC_KINDS:
                 for masks in MASKS:
                     _, layer = _layers(module, kind, dtype, device)
-                    need_weights = None if kind == "dot" else kind == "multihead"
+                    need_weights = None if kind == "dot" else kind in ("multihead", "latent")
                     arguments = _arguments(module, masks, dtype, device, need_weights)
                     tensors = [_as(module, x, dtype, device) for x in _inputs()]
+                    if kind.startswith("latent"):
+                        tensors = tensors[:1]  # self-attention: X alone
+                        arguments["absorbed"] = kind == "latent_absorbed"
                     try:
                         _call_without_reads(name, layer, tensors, arguments, device)
                         calls += 1
