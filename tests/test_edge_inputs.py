@@ -11,6 +11,7 @@ from mha.backends import numpy as N
 from mha.cases import LATENT, LATENT_SIZES
 
 Q, K, D, H = 3, 4, 8, 2
+RANK = LATENT_SIZES["kv_lora_rank"]
 
 
 def build(module, name, **extra):
@@ -50,7 +51,7 @@ def latent_cache(module, kind):
     """A LatentCache of an empty batch, holding no position or K."""
     if kind == "empty":
         return mha.LatentCache()
-    held = np.zeros((0, K, LATENT_SIZES["kv_lora_rank"]), "float32")
+    held = np.zeros((0, K, RANK), "float32")
     rotary = np.zeros((0, 1, K, LATENT_SIZES["qk_rope_head_dim"]), "float32")
     return mha.LatentCache(module.from_numpy(held), module.from_numpy(rotary))
 
@@ -82,7 +83,7 @@ def test_an_empty_batch_gives_an_empty_result(name, layer_name):
         if "cache" in kwargs:
             (expected, held), (output, cache) = expected, output
             positions = K * (kwargs["cache"] == "held") + Q
-            assert module.to_numpy(cache.latent).shape == held.latent.shape == (0, positions, 6)
+            assert module.to_numpy(cache.latent).shape == held.latent.shape == (0, positions, RANK)
         assert module.to_numpy(output).shape == expected.shape == (0, Q, D)
     # The framework is still usable after it (MXNet once failed on its next operation)
     ones = np.ones((1, Q, D), "float32")
