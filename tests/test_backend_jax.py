@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 import mha
+from agreement_cases import all_cases
 from conftest import backend_module
+from mha import harness
 from mha.backends import numpy as N
 
 pytestmark = pytest.mark.jax
@@ -515,6 +517,34 @@ def test_every_layer_runs_under_jax_jit_and_grad(J, jax, nnx, name):
     gradient = jax.grad(lambda x: f(x).sum())(X)
     expected = nnx.grad(lambda layer, x: layer(*[x] * ARITY[name]).sum(), argnums=1)(layer, X)
     np.testing.assert_allclose(J.to_numpy(gradient), J.to_numpy(expected), rtol=0, atol=1e-12)
+
+
+def test_no_case_of_the_matrix_reads_a_value_while_traced(J, jax, nnx):
+    """Every case of the agreement matrix (every layer, mask, option and the function), its
+    gradient traced by jax.eval_shape (no compile) with the weights and every tensor of the
+    call as traced arguments: a read of a value raises while tracing, where an eager call on a
+    GPU would wait for the device."""
+    failed = []
+    for case in all_cases():
+        prepared = harness.prepare(case, dtype="float32", gradients=False)
+        run = prepared.case
+        layer = harness.build_layer("jax", run, prepared.config, prepared.weights)
+        graph, params, rest = nnx.split(layer, nnx.Param, ...) if layer else (None, {}, None)
+        arrays = {k: v for k, v in prepared.inputs.items() if isinstance(v, np.ndarray)}
+        wrt = {k: J.from_numpy(arrays[k]) for k in harness.differentiable(run)}
+        others = {k: J.from_numpy(v) for k, v in arrays.items() if k not in wrt}
+        static = {k: v for k, v in prepared.inputs.items() if k not in arrays}
+
+        def loss(params, wrt, others, run=run, graph=graph, rest=rest, static=static):
+            called = None if graph is None else nnx.merge(graph, params, rest)
+            tensors = {**wrt, **others, **static}
+            return harness.call_layer(J, run, called, tensors).sum()
+
+        try:
+            jax.eval_shape(jax.grad(loss, argnums=(0, 1)), params, wrt, others)
+        except Exception as error:  # each case's failure named, not the first alone
+            failed.append(f"{case}: {type(error).__name__}: {error}")
+    assert not failed, "\n".join(failed)
 
 
 def test_a_lazy_layer_first_called_under_jax_jit_is_a_clear_error(J, jax):

@@ -452,6 +452,62 @@ def test_no_tensor_is_created_on_the_cpu(T, torch):
     assert T.masked_softmax(torch.zeros(B, 3, 6, device="meta"), lengths).device.type == "meta"
 
 
+def test_no_case_of_the_matrix_reads_values_or_makes_a_cpu_tensor_off_the_cpu(T, torch):
+    """Every case of the agreement matrix (every layer, mask, option and the function) on the
+    meta device, forward and backward: a read of a value, or a tensor made on the CPU, raises
+    there, as either would wait for a GPU or fail on it."""
+    failed = []
+    for case in all_cases():
+        prepared = harness.prepare(case, dtype="float32", gradients=False)
+        layer = harness.build_layer("torch", prepared.case, prepared.config, prepared.weights)
+        layer = None if layer is None else layer.to("meta")
+        tensors = {
+            key: T.from_numpy(value).to("meta") if isinstance(value, np.ndarray) else value
+            for key, value in prepared.inputs.items()
+        }
+        for name in harness.differentiable(prepared.case):
+            tensors[name].requires_grad_(True)
+        try:
+            output = harness.call_layer(T, prepared.case, layer, tensors)
+            output.sum().backward()
+            assert output.device.type == "meta"
+        except Exception as error:  # each case's failure named, not the first alone
+            failed.append(f"{case}: {type(error).__name__}: {error}")
+    assert not failed, "\n".join(failed)
+
+
+@pytest.mark.parametrize("absorbed", [None, False, True], ids=["kv_cache", "latent", "absorbed"])
+def test_cached_decoding_reads_nothing_off_the_cpu(T, torch, absorbed):
+    """Decoding steps with a cache on the meta device, a prompt then one position with
+    lengths: the cache's positions are counted from shapes, never read."""
+    latent = absorbed is not None
+    if latent:
+        layer = T.MultiHeadLatentAttention(
+            16, 4, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=8
+        )
+        call = lambda X, **k: layer(X, causal=True, absorbed=absorbed, **k)  # noqa: E731
+        cache = T.LatentCache()
+    else:
+        layer = T.MultiHeadAttention(
+            16, 4, num_kv_heads=2, rope_theta=1e4, query_size=16, key_size=16, value_size=16
+        )
+        call = lambda X, **k: layer(X, X, X, causal=True, **k)  # noqa: E731
+        cache = T.KVCache()
+    layer.to("meta")
+    _, cache = call(torch.zeros(B, 3, 16, device="meta"), cache=cache)
+    lengths = torch.tensor([4, 2, 3, 1], device="meta")
+    for need_weights in (True, False):
+        output, cache = call(
+            torch.zeros(B, 1, 16, device="meta"),
+            cache=cache,
+            valid_lens=lengths,
+            need_weights=need_weights,
+        )
+        assert output.device.type == "meta" and output.shape == (B, 1, 16)
+    stored = cache.latent if latent else cache.keys
+    assert stored.shape[-2 if not latent else 1] == 5
+
+
 def test_no_call_reads_values_off_the_cpu(T, torch):
     """No call of any layer, with any mask, forward or backward, reads a tensor's values when
     the tensors are not on the CPU (where a read would wait for the device): a meta tensor
