@@ -34,6 +34,21 @@ def is_causal_alone(causal: bool, offset: int, *others: Any) -> bool:
     return bool(causal) and offset == 0 and all(x is None for x in others)
 
 
+def grouped_rows(shape: tuple[int, ...], heads: int, rows: int, group: int):
+    """How a mask (keep, bias or sinks) of `shape`, broadcastable to (..., heads, rows, n),
+    follows the queries when each key-value head's `group` query heads become one head of
+    group x rows query rows: None where it broadcasts against them as it is (one mask row
+    for every head and query), else (expand to, then reshape to). Keys and values then stay
+    as they are, where repeating them per query head (Llama's repeat_kv) would copy them
+    `group` times: a decoding step's whole cache."""
+    shape = (1,) * (3 - len(shape)) + tuple(shape)
+    *leading, num_heads, num_rows, n = shape
+    # A size unknown while tracing (a tensor) is taken as not 1: expanding it is right either way
+    if all(isinstance(size, int) and size == 1 for size in (num_heads, num_rows)):
+        return None
+    return (*leading, heads, rows, n), (*leading, heads // group, group * rows, n)
+
+
 class Masks:
     """The mask rules; subclasses give the array operations below, for one call's sizes."""
 

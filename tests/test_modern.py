@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import assert_agrees
+from conftest import assert_agrees, backend_module
 from mha.backends import numpy as reference
 
 
@@ -103,6 +103,93 @@ def test_grouped_query_attention_is_multihead_attention_with_shared_heads(
     expected = full(q, k, v, valid_lens)
     assert_agrees(backend.to_numpy(out), expected, "float64")
     assert_agrees(backend.to_numpy(layer.attention_weights), full.attention_weights, "float64")
+
+
+def _refuse_repeats(name: str, monkeypatch) -> None:
+    """Make the function that would repeat keys and values per query head raise in `name`."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("keys or values repeated for each query head")
+
+    if name == "torch":
+        import torch
+
+        monkeypatch.setattr(torch.Tensor, "repeat_interleave", refuse)
+    elif name == "tensorflow":
+        import tensorflow as tf
+
+        monkeypatch.setattr(tf, "repeat", refuse)
+    else:
+        import jax.numpy as jnp
+
+        monkeypatch.setattr(jnp, "repeat", refuse)
+
+
+LATENT_SIZES = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+
+
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+@pytest.mark.parametrize("name", ["torch", "tensorflow", "jax"])
+def test_grouped_heads_and_the_absorbed_latent_read_the_keys_without_copies(
+    name, rng, monkeypatch, need_weights
+):
+    """torch, TensorFlow and JAX attend with fewer key-value heads than query heads (grouped
+    queries under every mask kind, a decoding step after a cache, the latent layer's absorbed
+    form) without repeating keys or values per query head: the repeat raises, and the numbers
+    are the reference's, which repeats them."""
+    backend = backend_module(name)
+    _refuse_repeats(name, monkeypatch)
+    B, Q, K = 2, 3, 5
+    config = dict(num_hiddens=8, num_heads=4, num_kv_heads=2, dtype="float64", rope_theta=1e4)
+    sizes = dict(query_size=8, key_size=8, value_size=8)
+    weights = mha.random_weights("MultiHeadAttention", seed=1, **config, **sizes)
+    q, kv = rng.standard_normal((B, Q, 8)), rng.standard_normal((B, K, 8))
+    calls = [
+        {"valid_lens": np.array([2, 5])},
+        {"valid_lens": rng.integers(0, 6, (B, Q)).astype(np.float64)},
+        {"mask": rng.random((B, 4, Q, K)) > 0.3},
+        {"causal": True, "alignment": "bottom_right"},
+        {"attn_bias": rng.standard_normal((B, 4, Q, K)), "causal": True},
+    ]
+    for arguments in calls:
+        layer = backend.MultiHeadAttention(**config, **sizes)
+        expected = reference.MultiHeadAttention(**config, **sizes)
+        for each in (layer, expected):
+            mha.set_weights(each, weights)
+        wanted = expected(q, kv, kv, **arguments)
+        given = {
+            k: backend.from_numpy(v) if isinstance(v, np.ndarray) else v
+            for k, v in arguments.items()
+        }
+        output = layer(*map(backend.from_numpy, (q, kv, kv)), need_weights=need_weights, **given)
+        assert_agrees(backend.to_numpy(output), wanted, "float64")
+    # The latent layer's absorbed form, and a decoding step after a cache of it
+    latent = mha.random_weights(
+        "MultiHeadLatentAttention",
+        seed=2,
+        num_hiddens=8,
+        num_heads=4,
+        **LATENT_SIZES,
+        dtype="float64",
+    )
+    layer = backend.MultiHeadLatentAttention(8, 4, **LATENT_SIZES, dtype="float64")
+    expected = reference.MultiHeadLatentAttention(8, 4, **LATENT_SIZES, dtype="float64")
+    for each in (layer, expected):
+        mha.set_weights(each, latent)
+    X = rng.standard_normal((B, 4, 8))
+    wanted = expected(X, np.array([3, 4]), causal=True)
+    _, cache = layer(
+        backend.from_numpy(X[:, :3]), causal=True, absorbed=True, cache=backend.LatentCache()
+    )
+    output, _ = layer(
+        backend.from_numpy(X[:, 3:]),
+        backend.from_numpy(np.array([3, 4])),
+        causal=True,
+        absorbed=True,
+        need_weights=need_weights,
+        cache=cache,
+    )
+    assert_agrees(backend.to_numpy(output), wanted[:, 3:], "float64")
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -47,7 +47,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks, is_causal_alone
+from mha.masks import Masks, grouped_rows, is_causal_alone
 from mha.weights import canonical_parameters, read_config
 
 __all__ = [
@@ -433,11 +433,26 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     lse): weights unless need_weights, and each row's log-sum-exp unless lse, are None. With
     `fuse`, cuDNN's kernel computes the same numbers on a GPU where it can (jax_fused).
     """
-    if fuse and fused.may_fuse(
+    fusable = fuse and fused.may_fuse(
         queries, values, keep, causal_alone=causal_alone, empty_rows=empty_rows,
         others=need_weights or lse or any(x is not None for x in (bias, softcap, sinks)),
         dropping=_may_drop(dropout),
-    ):
+    )
+    if group > 1 and not (fusable and causal_alone):
+        # Each key-value head's `group` query heads as one head of group x Q query rows: the
+        # keys and values are read as they are (see masks.grouped_rows)
+        heads, rows = queries.shape[-3], queries.shape[-2]
+        queries, keep, bias, sinks = (_grouped(x, heads, rows, group)
+                                      for x in (queries, keep, bias, sinks))
+        output, weights, row_lse = _attention(
+            queries, keys, values, keep, bias, dropout, scale=scale, softcap=softcap,
+            empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse, fuse=fuse)
+        # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
+        output, weights = (None if x is None else x.reshape(*x.shape[:-3], heads, rows, -1)
+                           for x in (output, weights))
+        return output, weights, None if row_lse is None else row_lse.reshape(
+            *row_lse.shape[:-2], heads, rows)
+    if fusable:
         d = queries.shape[-1]
         scaled = queries / math.sqrt(d) if scale is None else queries * scale
 
@@ -448,9 +463,6 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
         output = fused.attend(scaled, keys, values, keep, causal_alone=causal_alone,
                               unfused=unfused)
         return output, None, None
-    if group > 1:
-        # Query head h attends with key-value head h // group, as Llama's repeat_kv
-        keys, values = jnp.repeat(keys, group, axis=-3), jnp.repeat(values, group, axis=-3)
     d = queries.shape[-1]
     # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
     queries = queries / math.sqrt(d) if scale is None else queries * scale
@@ -464,6 +476,13 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     if not lse:
         return output, weights, None
     return output, weights, _log_sum_exp(scores if bias is None else scores + bias, keep)
+
+
+def _grouped(x, heads: int, rows: int, group: int):
+    """x (the queries, or a mask broadcastable to the scores or to their rows) with each
+    key-value head's `group` query heads as one head of group x rows query rows."""
+    sizes = None if x is None else grouped_rows(x.shape, heads, rows, group)
+    return x if sizes is None else jnp.broadcast_to(x, sizes[0]).reshape(sizes[1])
 
 
 def _log_sum_exp(scores: jax.Array, keep: jax.Array | None) -> jax.Array:

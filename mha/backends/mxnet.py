@@ -698,7 +698,8 @@ def _attention(F, queries, keys, values, call: _Call, keep, bias, dropout, *, sc
     unless lse, are None.
     """
     if group > 1:
-        # Query head h attends with key-value head h // group, as Llama's repeat_kv
+        # Query head h attends with key-value head h // group, as Llama's repeat_kv (a
+        # hybridized graph knows no sizes to fold the query heads by, as torch's does)
         keys, values = F.np.repeat(keys, group, axis=-3), F.np.repeat(values, group, axis=-3)
     # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
     queries = queries / math.sqrt(call.d) if scale is None else queries * scale

@@ -421,7 +421,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     lse, are None.
     """
     if group > 1:
-        # Query head h attends with key-value head h // group, as Llama's repeat_kv
+        # Query head h attends with key-value head h // group, as Llama's repeat_kv (torch,
+        # TensorFlow and JAX fold the query heads instead, without the copies: the same
+        # numbers, see masks.grouped_rows)
         keys, values = np.repeat(keys, group, axis=-3), np.repeat(values, group, axis=-3)
     d = queries.shape[-1]
     # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K

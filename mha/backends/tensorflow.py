@@ -43,7 +43,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks
+from mha.masks import Masks, grouped_rows
 from mha.weights import canonical_parameters, read_config
 
 _KERAS_BACKEND = os.environ.get("KERAS_BACKEND", "").strip().lower()
@@ -415,6 +415,13 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     return (output, *(x for x in (weights, lse) if x is not None))
 
 
+def _grouped(x, heads, rows, group: int):
+    """x (the queries, or a mask broadcastable to the scores or to their rows) with each
+    key-value head's `group` query heads as one head of group x rows query rows."""
+    sizes = None if x is None else grouped_rows(_dims(x), heads, rows, group)
+    return x if sizes is None else tf.reshape(tf.broadcast_to(x, sizes[0]), sizes[1])
+
+
 def _no_dropout(weights: tf.Tensor, training=None) -> tf.Tensor:
     """The function drops no weights: dropout is the layers'."""
     return weights
@@ -433,8 +440,20 @@ def _attention(queries, keys, values, keep, bias, dropout, *, training=None, sca
     and each row's log-sum-exp unless lse, are None.
     """
     if group > 1:
-        # Query head h attends with key-value head h // group, as Llama's repeat_kv
-        keys, values = tf.repeat(keys, group, axis=-3), tf.repeat(values, group, axis=-3)
+        # Each key-value head's `group` query heads as one head of group x Q query rows: the
+        # keys and values are read as they are (see masks.grouped_rows)
+        heads, rows = _dims(queries)[-3:-1]
+        queries, keep, bias, sinks = (_grouped(x, heads, rows, group)
+                                      for x in (queries, keep, bias, sinks))
+        output, weights, row_lse = _attention(
+            queries, keys, values, keep, bias, dropout, training=training, scale=scale,
+            softcap=softcap, empty_rows=empty_rows, need_weights=need_weights, sinks=sinks,
+            lse=lse)
+        # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
+        output, weights = (None if x is None else tf.reshape(x, [*_dims(x)[:-3], heads, rows, -1])
+                           for x in (output, weights))
+        return output, weights, None if row_lse is None else tf.reshape(
+            row_lse, [*_dims(row_lse)[:-2], heads, rows])
     d = _dims(queries)[-1]
     # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
     if scale is None:

@@ -33,7 +33,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks, is_causal_alone
+from mha.masks import Masks, grouped_rows, is_causal_alone
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
@@ -379,6 +379,22 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     fused kernel or a product with the mask inside compute the same numbers where they can
     (torch_fused.choose_path).
     """
+    kernel_causal = not lse and fused.takes_is_causal(
+        queries, values, need_weights, dropout, causal_alone, softcap, sinks is not None)
+    if group > 1 and not kernel_causal:
+        # Each key-value head's `group` query heads as one head of group x Q query rows: the
+        # keys and values are read as they are (see masks.grouped_rows)
+        heads, rows = queries.shape[-3], queries.shape[-2]
+        queries, keep, bias, sinks = (_grouped(x, heads, rows, group)
+                                      for x in (queries, keep, bias, sinks))
+        output, weights, row_lse = _attention(
+            queries, keys, values, keep, bias, dropout, scale=scale, softcap=softcap,
+            empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse)
+        # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
+        output, weights = (None if x is None else x.reshape(*x.shape[:-3], heads, rows, -1)
+                           for x in (output, weights))
+        return output, weights, None if row_lse is None else row_lse.reshape(
+            *row_lse.shape[:-2], heads, rows)
     d = queries.shape[-1]
     # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
     # no product overflows whose scaled score would not
@@ -386,10 +402,6 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     path = "scores" if lse else fused.choose_path(
         queries, keys, values, keep, bias, need_weights, empty_rows, dropout, causal_alone,
         softcap, sinks is not None)
-    if group > 1 and path not in ("is_causal", "fused"):
-        # Query head h attends with key-value head h // group, as Llama's repeat_kv (the
-        # fused paths pair them themselves: see torch_fused)
-        keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = fused.attend(queries, keys, values, keep, bias, dropout, path)
     if output is not None:  # F.scaled_dot_product_attention computed it, without weights
         return output, None, None
@@ -411,6 +423,13 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
                                       empty_rows, sinks)
     return output, weights, row_lse
+
+
+def _grouped(x, heads: int, rows: int, group: int):
+    """x (the queries, or a mask broadcastable to the scores or to their rows) with each
+    key-value head's `group` query heads as one head of group x rows query rows."""
+    sizes = None if x is None else grouped_rows(x.shape, heads, rows, group)
+    return x if sizes is None else x.expand(sizes[0]).reshape(sizes[1])
 
 
 def _log_sum_exp(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
@@ -526,8 +545,9 @@ class AdditiveAttention(Module):
 class MultiHeadAttention(Module):
     """Multi-head attention: num_heads scaled dot-product attentions in parallel.
 
-    Without need_weights the attention runs in F.scaled_dot_product_attention, which pairs
-    query heads with fewer key-value heads itself (enable_gqa) where its kernels allow.
+    Without need_weights the attention runs in F.scaled_dot_product_attention where it can;
+    each key-value head's group of query heads attends as one head of more query rows (see
+    _attention), or, under the kernels' own causal mask, SDPA pairs them (enable_gqa).
     """
 
     def __init__(self, num_hiddens: int, num_heads: int, dropout: float = 0.0,

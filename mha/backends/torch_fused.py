@@ -15,7 +15,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend", "choose_path", "keep_every_row", "masked_product", "may_have_empty_rows"]
+__all__ = [
+    "attend",
+    "choose_path",
+    "keep_every_row",
+    "masked_product",
+    "may_have_empty_rows",
+    "takes_is_causal",
+]
 
 
 def masked_product(queries, keys, keep):
@@ -65,9 +72,10 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False):
     other: see choose_path).
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
-    scores, so keep and bias combine into one float mask when both are given. Keys and values
-    may have fewer heads (axis -3) than the queries, query head h attending with key-value
-    head h // group: its enable_gqa pairs them, or they are repeated first.
+    scores, so keep and bias combine into one float mask when both are given. Under
+    is_causal keys and values may have fewer heads (axis -3) than the queries, query head h
+    attending with key-value head h // group: its enable_gqa pairs them, or they are
+    repeated first (the layers fold the other grouped calls' query heads before).
     """
     attended = None
     if keep is not None:
@@ -137,7 +145,7 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     """
     if softcap is not None or sinks:
         return "scores"
-    if not need_weights and causal and _kernel_takes_causal(queries, values, dropout):
+    if takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks):
         return "is_causal"
     if keep is not None and queries.shape[-2] == 1 and queries.shape[:-2] == keys.shape[:-2]:
         # One query (a decoding step), as many heads as the keys: replacing its masked scores
@@ -152,6 +160,13 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
         return "masked product"
     return "scores"
+
+
+def takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks) -> bool:
+    """Whether choose_path gives the call "is_causal": `causal`, mha's causal mask alone,
+    without weights, soft cap or sinks, on a kernel with a causal mask of its own."""
+    return (softcap is None and not sinks and not need_weights and causal
+            and _kernel_takes_causal(queries, values, dropout))
 
 
 # The masked product saves a pass over the scores, and copies the queries and keys into one
