@@ -448,7 +448,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
             queries, keys, values, keep, bias, dropout, scale=scale, softcap=softcap,
             empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse, fuse=fuse)
         # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
-        output, weights = (None if x is None else x.reshape(*x.shape[:-3], heads, rows, -1)
+        output, weights = (None if x is None else x.reshape(*x.shape[:-3], heads, rows, x.shape[-1])
                            for x in (output, weights))
         return output, weights, None if row_lse is None else row_lse.reshape(
             *row_lse.shape[:-2], heads, rows)

@@ -450,8 +450,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, training=None, sca
             softcap=softcap, empty_rows=empty_rows, need_weights=need_weights, sinks=sinks,
             lse=lse)
         # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
-        output, weights = (None if x is None else tf.reshape(x, [*_dims(x)[:-3], heads, rows, -1])
-                           for x in (output, weights))
+        output, weights = (
+            None if x is None else tf.reshape(x, [*_dims(x)[:-3], heads, rows, _dims(x)[-1]])
+            for x in (output, weights))
         return output, weights, None if row_lse is None else tf.reshape(
             row_lse, [*_dims(row_lse)[:-2], heads, rows])
     d = _dims(queries)[-1]
