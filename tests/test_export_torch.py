@@ -20,6 +20,7 @@ import mha
 from conftest import assert_agrees, backend_module
 from export_cases import (
     ATTENTION_MASKS,
+    HEADS,
     LAYERS,
     MULTIHEAD_CASES,
     OTHER_CASES,
@@ -211,6 +212,24 @@ def test_exported_encodings_and_add_norm_give_the_reference(
     # Sequences of 5 positions, and 7 in the second draw when sizes are dynamic (max_len 10)
     draws = _draws(lambda B, Q, K: [(B, Q + 2, 8)] * num_inputs, [], way)
     _check_exported(T, layer, reference, [(args, kwargs) for args, _ in draws], way)
+
+
+# A draw longer than SIZES': its scores are more than torch_fused.SMALL_SCORES, past the sizes
+# at which a call's path changes
+LONG = (3, 100, 120, 40)
+
+
+@pytest.mark.parametrize("way", ["export-dynamic", "onnx"])
+@pytest.mark.parametrize(
+    "case", ["grouped_rotary", "grouped_rotary+no_weights", "cache", "no_weights+mask_3d"]
+)
+def test_a_program_with_free_sizes_runs_at_sizes_that_take_another_path(T, case, way):
+    config, kinds = MULTIHEAD_CASES[case]
+    layer, reference = _pair(T, "MultiHeadAttention", {**LAYERS["MultiHeadAttention"], **config})
+    from mha.backends import torch_fused
+
+    assert LONG[0] * HEADS * LONG[1] * LONG[2] > torch_fused.SMALL_SCORES
+    _check_exported(T, layer, reference, draws(attention_shapes, kinds, [SIZES[0], LONG]), way)
 
 
 def test_value_checks_of_valid_lens_still_raise_eagerly(T):

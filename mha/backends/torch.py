@@ -390,10 +390,10 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
             queries, keys, values, keep, bias, dropout, scale=scale, softcap=softcap,
             empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse)
         # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
-        output, weights = (None if x is None else x.reshape(*x.shape[:-3], heads, rows, x.shape[-1])
+        output, weights = (None if x is None else x.unflatten(-2, (group, rows)).flatten(-4, -3)
                            for x in (output, weights))
-        return output, weights, None if row_lse is None else row_lse.reshape(
-            *row_lse.shape[:-2], heads, rows)
+        return output, weights, None if row_lse is None else row_lse.unflatten(
+            -1, (group, rows)).flatten(-3, -2)
     d = queries.shape[-1]
     # The queries are scaled rather than the scores: Q x d numbers instead of Q x K, and
     # no product overflows whose scaled score would not
@@ -428,7 +428,14 @@ def _grouped(x, heads: int, rows: int, group: int):
     """x (the queries, or a mask broadcastable to the scores or to their rows) with each
     key-value head's `group` query heads as one head of group x rows query rows."""
     sizes = None if x is None else grouped_rows(x.shape, heads, rows, group)
-    return x if sizes is None else x.expand(sizes[0]).reshape(sizes[1])
+    if sizes is None:
+        return x
+    full, folded = sizes
+    if isinstance(x.shape[-1], int):
+        return x.expand(full).reshape(folded)
+    # A mask over a number of keys left free by torch.export, which cannot prove that reshape
+    # (nor the output's): each query head's rows joined
+    return torch.cat(x.expand(full).unflatten(-3, (heads // group, group)).unbind(-3), dim=-2)
 
 
 def _log_sum_exp(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
