@@ -1,6 +1,7 @@
 """Each framework's calls that `mha bench` times: mha's MultiHeadAttention and the
 framework's own attention layer, holding the same weights (see mha/bench.py for what is timed
-and how). A backend is benchmarked through its entry in BENCHES.
+and how; mha/bench_config.py for what the frameworks share, mha/bench_jax.py for JAX's
+calls). A backend is benchmarked through its entry in BENCHES.
 """
 
 from __future__ import annotations
@@ -9,99 +10,25 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
+from mha.bench_config import DTYPES, PASSES, Calls, Config, inputs, mha_layer, passes, weights
+from mha.bench_jax import jax_calls
 from mha.registry import load_backend
 
 __all__ = ["BENCHES", "DTYPES", "PASSES", "ROOFLINE", "ROOFLINE_SIZE", "Bench", "Calls", "Config"]
 
-PASSES = ("forward", "forward+backward")
-DTYPES = ("float32", "bfloat16", "float16")
 ROOFLINE, ROOFLINE_SIZE = "matmul roofline", 1024
-
-Calls = dict[str, dict[str, Callable[[], Any]]]  # {pass: {"mha": call, built-in: call, ...}}
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One benchmarked call: self-attention on X (batch_size, length, num_hiddens)."""
-
-    batch_size: int
-    length: int
-    num_hiddens: int
-    num_heads: int
-    valid_lens: bool
-    need_weights: bool
-    dtype: str = "float32"
-    device: str = "cpu"  # or "gpu": torch's "cuda", TensorFlow's "/GPU:0"
-    num_kv_heads: int | None = None  # grouped-query attention
-    # Decoding: positions in a KV cache before the call, whose `length` queries attend to them
-    # and to themselves
-    cached: int = 0
-
-    @property
-    def shape(self) -> str:
-        kv = "" if self.num_kv_heads is None else f", kv {self.num_kv_heads}"
-        kv += f", cache {self.cached}" if self.cached else ""
-        return f"({self.batch_size}, {self.length}, {self.num_hiddens}, {self.num_heads}{kv})"
-
-    def forward_flops(self) -> float:
-        """2 x the multiply-adds of the four projections of the call's positions and the two
-        attention products over every key (the cached ones too)."""
-        b, n, d = self.batch_size, self.length, self.num_hiddens
-        kv = d // self.num_heads * (self.num_kv_heads or self.num_heads)
-        keys = n + self.cached
-        return 2.0 * (2 * b * n * d * d + 2 * b * n * d * kv + 2 * b * n * keys * d)
 
 
 # ---------------------------------------------------------------------------------------------
 # The layers and calls of each backend
 
 
-def _inputs(config: Config, seed: int = 0) -> tuple[np.ndarray, np.ndarray | None]:
-    rng = np.random.default_rng(seed)
-    X = rng.standard_normal((config.batch_size, config.length, config.num_hiddens), "float32")
-    if not config.valid_lens:
-        return X, None
-    # Between half the keys and all of them (the cached ones too): every row keeps some
-    keys = config.length + config.cached
-    return X, rng.integers(max(1, keys // 2), keys + 1, config.batch_size).astype("int64")
-
-
-def _weights(config: Config, seed: int = 0) -> dict[str, np.ndarray]:
-    from mha import random_weights
-
-    d, h = config.num_hiddens, config.num_heads
-    sizes = dict(num_hiddens=d, num_heads=h, query_size=d, key_size=d, value_size=d)
-    sizes["num_kv_heads"] = config.num_kv_heads
-    return random_weights("MultiHeadAttention", **sizes, seed=seed, dtype=config.dtype)
-
-
-def _mha_layer(backend: str, config: Config):
-    import mha
-
-    d, module = config.num_hiddens, load_backend(backend)
-    sizes = dict(query_size=d, key_size=d, value_size=d, dtype=config.dtype)
-    layer = module.MultiHeadAttention(
-        d, config.num_heads, num_kv_heads=config.num_kv_heads, **sizes
-    )
-    mha.set_weights(layer, _weights(config))
-    return layer
-
-
-def _passes(layers: dict, forward: Callable, backward: Callable) -> Calls:
-    """{pass: {name: call}} from {name: (run, layer)} and each pass's `how(run, layer)`."""
-    return {
-        name: {key: functools.partial(how, *run_layer) for key, run_layer in layers.items()}
-        for name, how in (("forward", forward), ("forward+backward", backward))
-    }
-
-
 def _numpy_calls(config: Config, mode: str) -> Calls:
-    ours = _mha_layer("numpy", config)
-    X, valid_lens = _inputs(config)
+    ours = mha_layer("numpy", config)
+    X, valid_lens = inputs(config)
     a, b = np.random.default_rng(0).standard_normal((2, ROOFLINE_SIZE, ROOFLINE_SIZE), "float32")
     run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
     return {"forward": {"mha": run_ours, ROOFLINE: functools.partial(np.matmul, a, b)}}
@@ -111,10 +38,10 @@ def _torch_calls(config: Config, mode: str) -> Calls:
     import torch
 
     device = "cuda" if config.device == "gpu" else "cpu"
-    X_np, lens_np = _inputs(config)
+    X_np, lens_np = inputs(config)
     X = torch.from_numpy(X_np).to(device, getattr(torch, config.dtype))
     valid_lens = None if lens_np is None else torch.from_numpy(lens_np).to(device)
-    ours = _mha_layer("torch", config).to(device).eval()
+    ours = mha_layer("torch", config).to(device).eval()
     run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
     if config.cached:
         layers = _torch_decoding_layers(config, ours, X, valid_lens)
@@ -139,7 +66,7 @@ def _torch_calls(config: Config, mode: str) -> Calls:
         synchronize()
         return gradients
 
-    calls = _passes(layers, forward, backward) if layers else {}
+    calls = passes(layers, forward, backward) if layers else {}
     return {"forward": calls["forward"]} if config.cached else calls  # decoding: inference
 
 
@@ -257,11 +184,11 @@ def _tensorflow_calls(config: Config, mode: str) -> Calls:
     tf = load_backend("tensorflow").tf
     # Every variable, constant and op on one device: TensorFlow would pick a GPU by itself
     device, n = "/GPU:0" if config.device == "gpu" else "/CPU:0", config.length
-    X_np, lens_np = _inputs(config)
+    X_np, lens_np = inputs(config)
     with tf.device(device):
         X = tf.constant(X_np, dtype=config.dtype)
         valid_lens = None if lens_np is None else tf.constant(lens_np)
-        ours = _mha_layer("tensorflow", config)
+        ours = mha_layer("tensorflow", config)
         theirs = mha.interop.to_keras(ours)
 
     def attention_mask():  # (batch_size, queries, keys), made inside the call: True = attend
@@ -295,7 +222,7 @@ def _tensorflow_calls(config: Config, mode: str) -> Calls:
         return [g.numpy() for g in tape.gradient(loss, [X, *layer.trainable_variables])]
 
     layers = {"mha": (run_ours, ours), f"keras {type(theirs).__name__}": (run_theirs, theirs)}
-    return _passes(layers, forward, backward)
+    return passes(layers, forward, backward)
 
 
 def _d2l_gluon_attention(mx, num_hiddens: int, num_heads: int, return_weights: bool = False):
@@ -345,16 +272,16 @@ def _mxnet_calls(config: Config, mode: str) -> Calls:
     mx = load_backend("mxnet").mx
     from mxnet import autograd
 
-    X_np, lens_np = _inputs(config)
+    X_np, lens_np = inputs(config)
     X = mx.np.array(X_np, dtype="float32")
     valid_lens = None if lens_np is None else mx.np.array(lens_np, dtype="int64")
-    ours = _mha_layer("mxnet", config)
+    ours = mha_layer("mxnet", config)
     # Hybridized, the book's block hands out weights only as a second output
     returns_weights = config.need_weights and mode == "hybridized"
     theirs = _d2l_gluon_attention(mx, config.num_hiddens, config.num_heads, returns_weights)
-    weights = _weights(config)
+    canonical = weights(config)
     for name in "qkvo":
-        getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(weights[f"W_{name}"].T))
+        getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(canonical[f"W_{name}"].T))
     their_lens = None  # d2l's 2-D valid_lens: (batch_size, no. of queries)
     if lens_np is not None:
         their_lens = mx.np.array(np.repeat(lens_np[:, None], config.length, 1), dtype="int32")
@@ -385,109 +312,7 @@ def _mxnet_calls(config: Config, mode: str) -> Calls:
 
     run_ours = functools.partial(ours, X, X, X, valid_lens, need_weights=config.need_weights)
     layers = {"mha": (run_ours, ours), "d2l Gluon MultiHeadAttention": (run_theirs, theirs)}
-    return _passes(layers, forward, backward)
-
-
-def _jax_calls(config: Config, mode: str) -> Calls:
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    ours, theirs, X, valid_lens = _jax_layers_and_inputs(config)
-    n = config.length
-
-    def keep(lens):  # Flax's mask (True = attend), made inside the call as mha makes its own
-        return None if lens is None else (jnp.arange(n) < lens[:, None])[:, None, None, :]
-
-    # Each call returns (output, what else leaves it): the weights leave both layers' calls,
-    # mha's as the layer's state, Flax's sown ones popped and returned
-    def call_ours(layer, X, lens):
-        return layer(X, X, X, lens, need_weights=config.need_weights), None
-
-    def call_theirs(layer, X, lens):
-        output = layer(X, X, X, mask=keep(lens), sow_weights=config.need_weights)
-        return output, nnx.pop(layer, nnx.Intermediate)
-
-    def call_dpa(layer, X, lens):  # Flax's weights on jax.nn.dot_product_attention
-        q, k, v = (getattr(layer, p)(X) for p in ("query", "key", "value"))
-        output = jax.nn.dot_product_attention(q, k, v, mask=keep(lens))
-        return layer.out(output), None
-
-    def summed(result):
-        output, taken = result
-        return output.sum(), taken
-
-    layers = {"mha": (call_ours, ours), "nnx.MultiHeadAttention": (call_theirs, theirs)}
-    if not config.need_weights:  # dot_product_attention cannot return the weights
-        layers["dot_product_attention layer"] = (call_dpa, theirs)
-    if not config.need_weights and _cudnn_runs(_call_cudnn, theirs, X, valid_lens):
-        layers["cuDNN dot_product_attention layer"] = (_call_cudnn, theirs)
-    # Jitted on both sides; a timed call ends when its results are ready
-    forwards = {name: nnx.jit(call) for name, (call, _) in layers.items()}
-    backwards = {
-        name: nnx.jit(
-            nnx.grad(
-                lambda layer, X, lens, call=call: summed(call(layer, X, lens)),
-                argnums=(0, 1),
-                has_aux=True,
-            )
-        )
-        for name, (call, _) in layers.items()
-    }
-    names = {id(call): name for name, (call, _) in layers.items()}
-
-    def forward(call, layer):
-        return jax.block_until_ready(forwards[names[id(call)]](layer, X, valid_lens))[0]
-
-    def backward(call, layer):
-        return jax.block_until_ready(backwards[names[id(call)]](layer, X, valid_lens))
-
-    return _passes(layers, forward, backward)
-
-
-def _call_cudnn(layer, X, lens):
-    """Flax's weights on cuDNN's fused kernel, lengths as it takes them."""
-    import jax
-
-    q, k, v = (getattr(layer, p)(X) for p in ("query", "key", "value"))
-    output = jax.nn.dot_product_attention(
-        q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, implementation="cudnn"
-    )
-    return layer.out(output), None
-
-
-def _cudnn_runs(call, layer, X, valid_lens) -> bool:
-    """Whether JAX's cuDNN attention takes the call here (a GPU, float16 or bfloat16, a head
-    size and sequence it supports); JAX raises when it does not."""
-    import jax
-    from flax import nnx
-
-    if X.dtype not in ("float16", "bfloat16") or all(d.platform != "gpu" for d in X.devices()):
-        return False
-    try:
-        jax.block_until_ready(nnx.jit(call)(layer, X, valid_lens))
-    except Exception:  # not taken: no row
-        return False
-    return True
-
-
-def _jax_layers_and_inputs(config: Config):
-    """mha's layer, Flax's with the same weights, X and valid_lens, all committed to the device
-    asked for: the jitted calls run where their arguments are, whatever JAX's default device."""
-    import jax.numpy as jnp
-
-    import mha
-
-    to_device = load_backend("jax").ADAPTER.to_device
-    X_np, lens_np = _inputs(config)
-    X = to_device(jnp.asarray(X_np, config.dtype), config.device)
-    valid_lens = None if lens_np is None else to_device(lens_np.astype("int32"), config.device)
-    ours = _mha_layer("jax", config)
-    theirs = mha.interop.to_flax(ours)
-    for layer in (ours, theirs):
-        layer.eval()
-        to_device(layer, config.device)
-    return ours, theirs, X, valid_lens
+    return passes(layers, forward, backward)
 
 
 def _jax_sees_gpu() -> bool:
@@ -539,6 +364,11 @@ BENCHES = {
     # MXNet 1.9: float16 on GPU only; neither the book nor Gluon has grouped-query attention
     "mxnet": Bench(_mxnet_calls, ("imperative", "hybridized"), grouped=lambda: False),
     "jax": Bench(
-        _jax_calls, ("jit",), dtypes=DTYPES, gpu=_jax_sees_gpu, grouped=_flax_has_num_kv_heads
+        jax_calls,
+        ("jit",),
+        dtypes=DTYPES,
+        gpu=_jax_sees_gpu,
+        grouped=_flax_has_num_kv_heads,
+        decoding=True,
     ),
 }

@@ -14,7 +14,7 @@ import pytest
 
 import mha
 from conftest import backend_module
-from mha import bench, bench_frameworks, cli, harness
+from mha import bench, bench_config, bench_frameworks, cli, harness
 from mha.registry import select_backends
 
 pytestmark = pytest.mark.numpy
@@ -356,9 +356,9 @@ def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
     calls = bench.BENCHES["mxnet"].calls(config, mode)["forward"]
     outputs = {name: call().asnumpy() for name, call in calls.items()}
     np.testing.assert_allclose(*outputs.values(), rtol=1e-5, atol=1e-6)
-    X_np, lens_np = bench_frameworks._inputs(config)
+    X_np, lens_np = bench_config.inputs(config)
     theirs = bench_frameworks._d2l_gluon_attention(mx, 8, 2, return_weights=True)
-    weights = bench_frameworks._weights(config)
+    weights = bench_config.weights(config)
     for name in "qkvo":
         getattr(theirs, f"W_{name}").weight.set_data(mx.np.array(weights[f"W_{name}"].T))
     ours = MX.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
@@ -398,7 +398,7 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     assert len(calls) == (2 if need_weights or backend == "tensorflow" else 3)
     outputs = {name: module.to_numpy(call()) for name, call in calls.items()}
     assert {output.dtype.name for output in outputs.values()} == {dtype}
-    X, lens = bench_frameworks._inputs(config)
+    X, lens = bench_config.inputs(config)
     assert lens.min() < 10  # some keys are masked
     # Each against the float64 NumPy layer on the same inputs and weights, rounded to the
     # dtype as the timed layers hold them, relative to the output's scale: the harness's
@@ -407,7 +407,7 @@ def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dty
     from mha.weights import numpy_dtype
 
     exact_layer = reference.MultiHeadAttention(8, 2, dtype="float64")
-    weights = bench_frameworks._weights(config)
+    weights = bench_config.weights(config)
     mha.set_weights(exact_layer, {name: w.astype(np.float64) for name, w in weights.items()})
     X = X.astype(numpy_dtype(dtype)).astype(np.float64)
     expected = exact_layer(X, X, X, lens)
@@ -461,34 +461,58 @@ def test_grouped_query_rows_time_the_frameworks_grouped_layers():
         assert code == 2 and "no grouped-query attention layer" in err
 
 
-@pytest.mark.torch
+DECODING_BUILTINS = {  # (backend, need_weights, grouped): the built-ins of a decoding row
+    ("torch", True, False): {"nn.MultiheadAttention (no cache)"},
+    ("torch", True, True): set(),
+    ("torch", False, False): {"nn.MultiheadAttention (no cache)", "SDPA layer with the cache"},
+    ("torch", False, True): {"SDPA layer with the cache"},
+    ("jax", True, False): {"nnx.MultiHeadAttention with its cache"},
+    ("jax", True, True): {"nnx.MultiHeadAttention with its cache"},
+    ("jax", False, False): {
+        "nnx.MultiHeadAttention with its cache",
+        "dot_product_attention layer with the cache",
+    },
+    ("jax", False, True): {
+        "nnx.MultiHeadAttention with its cache",
+        "dot_product_attention layer with the cache",
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("torch", marks=pytest.mark.torch), pytest.param("jax", marks=pytest.mark.jax)],
+)
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
-def test_decoding_rows_time_one_step_after_the_cache(need_weights, num_kv_heads):
+def test_decoding_rows_time_one_step_after_the_cache(backend, need_weights, num_kv_heads):
     # A +C shape: one decoding step after C cached positions. Every timed layer returns the
     # float64 reference's output of the step's query attending to every position (the cached
-    # ones are the bench's own, made from a second draw), forward only
-    module = backend_module("torch")
+    # ones are the bench's own, made from a second draw), forward only; called twice, so that
+    # a layer whose cache moves on with each call would be caught
+    module = backend_module(backend)
+    if num_kv_heads and not bench.BENCHES[backend].grouped():  # Flax before 0.12.1: no rows
+        assert "no grouped-query" in bench.why_not(backend, grouped=True, decoding=True)
+        return
     config = bench.Config(2, 1, 8, 4, True, need_weights, num_kv_heads=num_kv_heads, cached=6)
-    calls = bench.BENCHES["torch"].calls(config, "eager")
+    calls = bench.BENCHES[backend].calls(config, bench.BENCHES[backend].modes[0])
     assert list(calls) == ["forward"]
-    expected_names = {"mha"}
-    expected_names |= set() if need_weights else {"SDPA layer with the cache"}
-    expected_names |= {"nn.MultiheadAttention (no cache)"} if num_kv_heads is None else set()
+    expected_names = {"mha"} | DECODING_BUILTINS[backend, need_weights, bool(num_kv_heads)]
     assert set(calls["forward"]) == expected_names
     from mha.backends import numpy as reference
 
-    X, lens = bench_frameworks._inputs(config)
+    X, lens = bench_config.inputs(config)
     assert lens.max() <= 7 and lens.min() >= 3  # over the 7 keys, cached ones included
     before = np.random.default_rng(1).standard_normal((2, 6, 8), "float32")
     everything = np.concatenate([before, X], axis=1).astype(np.float64)
     exact = reference.MultiHeadAttention(8, 4, num_kv_heads=num_kv_heads, dtype="float64")
-    weights = bench_frameworks._weights(config)
+    weights = bench_config.weights(config)
     mha.set_weights(exact, {name: w.astype(np.float64) for name, w in weights.items()})
     expected = exact(everything, everything, everything, lens, causal=True)[:, 6:]
     for name, call in calls["forward"].items():
-        output = module.to_numpy(call())
-        assert harness.difference(output, expected, relative=True) <= 1e-5, name
+        for _ in range(2):
+            output = module.to_numpy(call())
+            assert harness.difference(output, expected, relative=True) <= 1e-5, name
 
 
 def test_decoding_shapes_parse_and_name_the_cache(monkeypatch):
@@ -501,7 +525,7 @@ def test_decoding_shapes_parse_and_name_the_cache(monkeypatch):
     )
     for shape in bench.SHAPES:
         assert bench._parse_shapes(bench._shape_text(shape)) == [shape]
-    # Only torch has decoding rows; a backend without them says so
+    # torch and JAX have decoding rows; a backend without them says so
     code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+4")
     assert code == 2 and "no layer with a KV cache" in err
     code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+x")

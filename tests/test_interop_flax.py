@@ -179,6 +179,26 @@ def test_flax_num_kv_heads_into_every_backend_and_back(flax, name):
     np.testing.assert_allclose(np.asarray(again(q, k, v)), np.asarray(source(q, k, v)), atol=1e-6)
 
 
+@pytest.mark.parametrize("name", backend_params())
+def test_a_flax_layer_in_decode_mode_ports_and_decodes_as_mha_does(flax, name):
+    # decode=True is how a Flax layer is called, not what it holds: its weights port, and mha's
+    # KVCache, one position a call, gives each of Flax's cached decoding steps
+    import jax.numpy as jnp
+    from flax import nnx
+
+    module = backend_module(name)
+    source = nnx.MultiHeadAttention(H, D, decode=True, rngs=nnx.Rngs(5))
+    steps = np.random.default_rng(6).standard_normal((B, 4, D)).astype("float32")
+    source.init_cache(steps.shape)
+    layer, cache = interop.from_flax(source, backend=name), mha.KVCache()
+    for t in range(steps.shape[1]):
+        expected = np.asarray(source(jnp.asarray(steps[:, t : t + 1])))
+        x = module.from_numpy(steps[:, t : t + 1])
+        output, cache = layer(x, x, x, cache=cache)
+        np.testing.assert_allclose(module.to_numpy(output), expected, atol=2e-5)
+    assert module.to_numpy(cache.keys).shape == (B, H, 4, D // H)
+
+
 def test_convert_through_a_flax_msgpack_file(flax, tmp_path):
     from flax import serialization
 

@@ -66,7 +66,9 @@ def canonical_from_flax(
     Raises:
         ValueError: parameters that are not those of Flax's multi-head attention, or a layer
             with no mha equivalent (an output size other than num_heads * head size, a value
-            head size other than the key's, normalize_qk, a decoding cache).
+            head size other than the key's, normalize_qk). A layer in decode mode ports: its
+            weights are those of any other call; what its cache holds is not carried (mha's
+            KVCache, filled by calling the layer on the positions so far, continues it).
     """
     kernels, biases = _kernels_and_biases(_flax_params_of(source))
     _refuse_flax_shapes(kernels, biases)
@@ -169,8 +171,6 @@ def _flax_params_of(source: Any) -> Any:
     unsupported = []
     if source.normalize_qk:
         unsupported.append("normalize_qk=True (mha does not normalize queries and keys)")
-    if getattr(source, "decode", False):
-        unsupported.append("decode=True (mha has no decoding cache)")
     if unsupported:
         raise ValueError(
             "This flax.nnx.MultiHeadAttention has no mha equivalent:\n"
