@@ -17,7 +17,9 @@ A shape with a fifth number, num_kv_heads, times grouped-query attention: agains
 layer with `enable_gqa` in torch (torch has no such layer), `keras.layers.GroupQueryAttention`
 and `nnx.MultiHeadAttention(num_kv_heads=...)` where Flax has it; MXNet has none. A shape
 ending in +C times one decoding step after C cached positions, mha's KVCache against the
-SDPA layer with the same cache in torch and Flax's layer with its own cache in JAX.
+SDPA layer with the same cache in torch and Flax's layer with its own cache in JAX. torch's
+grouped and decoding calls with weights, which no torch layer makes, are timed against
+transformers' eager attention (Llama's, repeat_kv) where transformers is installed.
 
 A row's ratio is the median over rounds of mha's time over the built-in's in the same round
 (below 1.0: mha is faster), with a 95% interval of that median: one that holds 1.0 is a tie.

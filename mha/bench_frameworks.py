@@ -73,8 +73,9 @@ def _torch_calls(config: Config, mode: str) -> Calls:
 def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
     """One decoding step: the call's positions after `config.cached` cached ones. mha's layer
     with its KVCache; the SDPA layer on the same weights with the same cache (its projections,
-    the new keys and values appended, F.scaled_dot_product_attention); nn.MultiheadAttention,
-    which has no cache, on every position's keys and values, as its users call it."""
+    the new keys and values appended, F.scaled_dot_product_attention), or with weights
+    transformers' eager attention with the cache; nn.MultiheadAttention, which has no cache,
+    on every position's keys and values, as its users call it."""
     import torch
     import torch.nn.functional as F
 
@@ -92,6 +93,9 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
         None if valid_lens is None else (torch.arange(keys, device=X.device) < valid_lens[:, None])
     )
 
+    def heads_keep():  # (batch_size, 1, 1, keys): True = attend
+        return None if keep is None else keep[:, None, None, :]
+
     def run_ours():
         return ours(X, X, X, valid_lens, need_weights=config.need_weights, cache=cache)[0]
 
@@ -99,13 +103,14 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
         q = ours.W_q(X).view(b, n, h, d // h).transpose(1, 2)
         k, v = (w(X).view(b, n, kv, d // h).transpose(1, 2) for w in (ours.W_k, ours.W_v))
         k, v = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
-        mask = None if keep is None else keep[:, None, None, :]
-        output = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv != h)
+        output = F.scaled_dot_product_attention(q, k, v, attn_mask=heads_keep(), enable_gqa=kv != h)
         return ours.W_o(output.transpose(1, 2).reshape(b, n, d))
 
     layers = {"mha": (run_ours, ours)}
     if not config.need_weights:  # SDPA cannot return the weights
         layers["SDPA layer with the cache"] = (run_sdpa, ours)
+    elif (eager := _transformers_eager(ours, X, heads_keep, cache)) is not None:
+        layers["transformers eager attention with the cache"] = (eager, ours)
     if kv == h:
         theirs = mha.interop.to_torch(ours, batch_first=True).to(X.device).eval()
         options = {"need_weights": config.need_weights, "average_attn_weights": False}
@@ -153,29 +158,69 @@ def _torch_layers(config: Config, ours, run_ours, X, valid_lens) -> dict:
 
 
 def _torch_grouped_layers(config: Config, ours, run_ours, X, valid_lens) -> dict:
-    """Grouped-query attention: torch has no such layer, so the built-in is the SDPA layer
-    with enable_gqa on mha's weights (nn.Linear layers holding them); it returns no weights,
-    so there are rows without need_weights only (none: an empty dict)."""
+    """Grouped-query attention: torch has no such layer, so the built-ins are the SDPA layer
+    with enable_gqa on mha's weights (nn.Linear layers holding them), which returns no weights,
+    and with weights transformers' eager attention (Llama's, repeat_kv) where it is installed
+    (neither: an empty dict)."""
     import torch
     import torch.nn.functional as F
 
-    if config.need_weights:
-        return {}
     b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
     kv = config.num_kv_heads
     theirs = torch.nn.ModuleDict({name: getattr(ours, name) for name in ("W_q", "W_k", "W_v")})
     theirs["W_o"] = ours.W_o
 
+    def keep():  # made inside the call, as mha makes its own: True = attend
+        if valid_lens is None:
+            return None
+        return (torch.arange(n, device=X.device) < valid_lens[:, None])[:, None, None, :]
+
     def run_sdpa():
-        keep = None
-        if valid_lens is not None:
-            keep = (torch.arange(n, device=X.device) < valid_lens[:, None])[:, None, None, :]
         q = theirs["W_q"](X).view(b, n, h, d // h).transpose(1, 2)
         k, v = (theirs[w](X).view(b, n, kv, d // h).transpose(1, 2) for w in ("W_k", "W_v"))
-        output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+        output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep(), enable_gqa=True)
         return theirs["W_o"](output.transpose(1, 2).reshape(b, n, d))
 
-    return {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
+    if not config.need_weights:
+        return {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
+    eager = _transformers_eager(ours, X, keep)
+    return {} if eager is None else {"mha": (run_ours, ours), EAGER: (eager, theirs)}
+
+
+EAGER = "transformers eager attention (repeat_kv)"
+
+
+def _transformers_eager(ours, X, keep: Callable, cache=None) -> Callable | None:
+    """A call of transformers' eager attention (Llama's eager_attention_forward: each
+    key-value head repeated for its query heads, softmax in float32) on mha's projections of
+    X, after the cached keys and values if given, its additive mask made from `keep()` inside
+    the call; it keeps the weights it returns, as mha does. None without transformers."""
+    try:
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+    except ImportError:
+        return None
+    import types
+
+    import torch
+
+    (b, n, d), h = X.shape, ours.num_heads
+    kv, held = ours.num_kv_heads or h, {}
+    module = types.SimpleNamespace(num_key_value_groups=h // kv, training=False)
+
+    def run():
+        q = ours.W_q(X).view(b, n, h, d // h).transpose(1, 2)
+        k, v = (w(X).view(b, n, kv, d // h).transpose(1, 2) for w in (ours.W_k, ours.W_v))
+        if cache is not None:
+            k, v = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
+        mask = keep()
+        if mask is not None:  # transformers' additive mask: the dtype's least value at a masked key
+            mask = torch.zeros(mask.shape, dtype=X.dtype, device=X.device).masked_fill(
+                ~mask, torch.finfo(X.dtype).min
+            )
+        output, held["weights"] = eager_attention_forward(module, q, k, v, mask, (d // h) ** -0.5)
+        return ours.W_o(output.reshape(b, n, d))
+
+    return run
 
 
 def _tensorflow_calls(config: Config, mode: str) -> Calls:

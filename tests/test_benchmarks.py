@@ -449,21 +449,58 @@ def test_grouped_query_rows_time_the_frameworks_grouped_layers():
     document, _ = _quick_rows("--backends", ",".join(backends), "--shapes", "2,8,16,4,2")
     builtins = {(row["backend"], row["builtin"]) for row in document["results"]}
     expected = {
-        "torch": ("torch", "SDPA layer (enable_gqa)"),
-        "tensorflow": ("tensorflow", "keras GroupedQueryAttention"),
+        "torch": {("torch", "SDPA layer (enable_gqa)")},
+        "tensorflow": {("tensorflow", "keras GroupedQueryAttention")},
     }
-    assert builtins == {expected[name] for name in backends}
+    if _installed("transformers"):  # torch's rows with weights
+        expected["torch"].add(("torch", bench_frameworks.EAGER))
+    assert builtins == set().union(*(expected[name] for name in backends))
     for row in document["results"]:
         assert row["config"]["num_kv_heads"] == 2
-        assert row["backend"] != "torch" or not row["config"]["need_weights"]
+        eager = row["builtin"] == bench_frameworks.EAGER
+        assert row["backend"] != "torch" or row["config"]["need_weights"] == eager
     if _installed("mxnet"):
         code, _, err = run("--quick", "--backends", "mxnet", "--shapes", "2,8,16,4,2")
         assert code == 2 and "no grouped-query attention layer" in err
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_torch_grouped_rows_compute_what_mha_computes(need_weights):
+    # torch's grouped built-ins (the SDPA layer with enable_gqa; with weights, transformers'
+    # eager attention) give the float64 reference's output, and their backward pass every
+    # weight's gradient, as mha's layer does
+    module = backend_module("torch")
+    config = bench.Config(2, 6, 8, 4, True, need_weights, num_kv_heads=2)
+    calls = bench.BENCHES["torch"].calls(config, "eager")
+    if need_weights and not _installed("transformers"):
+        assert calls == {}
+        return
+    from mha.backends import numpy as reference
+
+    X, lens = bench_config.inputs(config)
+    exact = reference.MultiHeadAttention(8, 4, num_kv_heads=2, dtype="float64")
+    weights = bench_config.weights(config)
+    mha.set_weights(exact, {name: w.astype(np.float64) for name, w in weights.items()})
+    X = X.astype(np.float64)
+    expected = exact(X, X, X, lens)
+    assert len(calls["forward"]) == 2
+    for name, call in calls["forward"].items():
+        output = module.to_numpy(call())
+        assert harness.difference(output, expected, relative=True) <= 1e-5, name
+    for name, call in calls["forward+backward"].items():
+        gradients = [g.detach().numpy() for g in call()]
+        assert len(gradients) == 5 and all(np.abs(g).sum() > 0 for g in gradients), name
+
+
+# transformers' eager attention (Llama's) times the calls with weights that torch's layers
+# cannot make, where transformers is installed (the test extra installs it)
+EAGER_WITH_THE_CACHE = (
+    {"transformers eager attention with the cache"} if _installed("transformers") else set()
+)
 DECODING_BUILTINS = {  # (backend, need_weights, grouped): the built-ins of a decoding row
-    ("torch", True, False): {"nn.MultiheadAttention (no cache)"},
-    ("torch", True, True): set(),
+    ("torch", True, False): {"nn.MultiheadAttention (no cache)", *EAGER_WITH_THE_CACHE},
+    ("torch", True, True): EAGER_WITH_THE_CACHE,
     ("torch", False, False): {"nn.MultiheadAttention (no cache)", "SDPA layer with the cache"},
     ("torch", False, True): {"SDPA layer with the cache"},
     ("jax", True, False): {"nnx.MultiHeadAttention with its cache"},
