@@ -34,7 +34,8 @@ packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet
 and nothing to download: each step of tests/gpu_lane.py in its own process under a time limit,
 the checks side by side (the agreement matrix, the masked-key and synchronization checks, the
 frameworks' own attention functions held to the reference), then a short benchmark alone. With no
-GPU visible it says so and exits 0; `python3 lanes.py gpu --device cpu` runs it on the CPU.
+GPU visible it says so and exits 0; `python3 lanes.py gpu --device cpu` runs it on the CPU,
+each phase given four times as long (CPU_SLOWER).
 It uses only the standard library, so that it runs with nothing but Python 3.
 """
 
@@ -246,8 +247,12 @@ def lock(name: str, lane: Lane) -> None:
 # The checks run side by side, then the benchmark alone; seconds each phase may take (the
 # whole lane fits in ten minutes on one GPU)
 GPU_PHASES = ((("agreement", "masked_keys", "sync", "conform"), 240), (("bench",), 260))
-# JAX compiles each case's programs on the CPU, so its matrix is shared by processes
-JAX_PARTS = 3
+# On the CPU (--device cpu, a check of the lane itself) the checks' processes share its cores
+# and JAX compiles for them: each phase may take this many times as long
+CPU_SLOWER = 4
+# JAX compiles each case's programs on the CPU, so its matrix is shared by processes: six,
+# which a GPU machine's cores run side by side (three took 225 s each on two cores)
+JAX_PARTS = 6
 
 
 def gpu_lane(device: str = "gpu") -> int:
@@ -267,6 +272,7 @@ def gpu_lane(device: str = "gpu") -> int:
     run(*script, "versions", "--device", device, env=environment)
     codes = {}
     for steps, limit in GPU_PHASES:
+        limit *= CPU_SLOWER if device == "cpu" else 1
         print(f"== gpu: {', '.join(steps)} (at most {limit} s)", flush=True)
         processes = [
             # A session of its own, so that a step past its limit is killed with its children
