@@ -170,6 +170,8 @@ def why_not(
         return "has no layer with a KV cache to time decoding against"
     if dtype not in entry.dtypes or (device == "gpu" and entry.gpu is None):
         return f"benchmarked in {', '.join(entry.dtypes)} on the CPU only"
+    if device == "cpu" and dtype in entry.gpu_only[0]:
+        return f"benchmarked in {dtype} on a GPU only: {entry.gpu_only[1]}"
     if device == "gpu" and not entry.gpu():
         return f"{'TensorFlow' if backend == 'tensorflow' else backend} sees no GPU"
     if mode is not None and mode not in entry.modes:

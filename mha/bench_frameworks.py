@@ -20,6 +20,7 @@ from mha.registry import load_backend
 __all__ = ["BENCHES", "DTYPES", "PASSES", "ROOFLINE", "ROOFLINE_SIZE", "Bench", "Calls", "Config"]
 
 ROOFLINE, ROOFLINE_SIZE = "matmul roofline", 1024
+EAGER = "transformers eager attention (repeat_kv)"  # torch's grouped built-in with weights
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,9 +186,6 @@ def _torch_grouped_layers(config: Config, ours, run_ours, X, valid_lens) -> dict
         return {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
     eager = _transformers_eager(ours, X, keep)
     return {} if eager is None else {"mha": (run_ours, ours), EAGER: (eager, theirs)}
-
-
-EAGER = "transformers eager attention (repeat_kv)"
 
 
 def _transformers_eager(ours, X, keep: Callable, cache=None) -> Callable | None:
@@ -400,6 +398,8 @@ class Bench:
     # Whether the framework has a grouped-query attention layer to time against
     grouped: Callable[[], bool] = lambda: True
     decoding: bool = False  # whether it has rows of one decoding step (Config.cached)
+    # The dtypes timed on a GPU only, and why
+    gpu_only: tuple[tuple[str, ...], str] = ((), "")
 
 
 BENCHES = {
@@ -415,5 +415,10 @@ BENCHES = {
         gpu=_jax_sees_gpu,
         grouped=_flax_has_num_kv_heads,
         decoding=True,
+        gpu_only=(
+            ("float16",),
+            "Flax's attention asks for a float16 product accumulated in float32, which XLA's "
+            "CPU does not compute",
+        ),
     ),
 }

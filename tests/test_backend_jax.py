@@ -101,6 +101,26 @@ def test_nnx_jit_gives_the_eager_numbers_and_the_weights(J, nnx, call):
         assert layer.attention_weights is None
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_nnx_jit_compiles_a_call_that_keeps_weights_twice_and_one_without_once(
+    J, nnx, need_weights
+):
+    # docs/backends.md: the weights going from None to an array change the graph once
+    layer, reference = pair(J)
+    q, k, v = map(J.from_numpy, inputs())
+    traced = []
+
+    @nnx.jit
+    def run(layer, q, k, v):
+        traced.append(1)  # runs only while tracing
+        return layer(q, k, v, need_weights=need_weights)
+
+    for _ in range(4):
+        output = run(layer, q, k, v)
+    assert len(traced) == (2 if need_weights else 1)
+    np.testing.assert_allclose(J.to_numpy(output), reference(*inputs()), atol=1e-12)
+
+
 def test_jax_jit_over_split_and_merge(J, jax, nnx):
     # The functional style: the layer as (graphdef, state), the weights read from the state
     layer, reference = pair(J)

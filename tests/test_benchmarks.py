@@ -225,6 +225,10 @@ def test_usage_errors_exit_2_with_the_reason(monkeypatch):
         ("--backends", "numpy", "--valid-lens", "maybe"): "--valid-lens",
         ("--backends", "numpy", "--memory-scaling"): "unrecognized arguments",
     }
+    if _installed("jax"):
+        cases["--backends", "jax", "--dtype", "float16"] = (
+            "--backends jax: benchmarked in float16 on a GPU only: Flax's attention"
+        )
     for argv, message in cases.items():
         code, out, err = run("--quick", *argv)
         assert code == 2 and message in err, (argv, err)
