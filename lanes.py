@@ -250,8 +250,8 @@ GPU_PHASES = ((("agreement", "masked_keys", "sync", "conform"), 240), (("bench",
 # On the CPU (--device cpu, a check of the lane itself) the checks' processes share its cores
 # and JAX compiles for them: each phase may take this many times as long
 CPU_SLOWER = 4
-# JAX compiles each case's programs on the CPU, so its matrix is shared by processes: six,
-# which a GPU machine's cores run side by side (three took 225 s each on two cores)
+# JAX compiles each case's programs on the CPU, so its matrix is shared by processes: as many
+# as a GPU machine's cores run side by side beside the other steps
 JAX_PARTS = 6
 
 

@@ -101,9 +101,7 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
         return ours(X, X, X, valid_lens, need_weights=config.need_weights, cache=cache)[0]
 
     def run_sdpa():
-        q = ours.W_q(X).view(b, n, h, d // h).transpose(1, 2)
-        k, v = (w(X).view(b, n, kv, d // h).transpose(1, 2) for w in (ours.W_k, ours.W_v))
-        k, v = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
+        q, k, v = _heads(ours, X, cache)
         output = F.scaled_dot_product_attention(q, k, v, attn_mask=heads_keep(), enable_gqa=kv != h)
         return ours.W_o(output.transpose(1, 2).reshape(b, n, d))
 
@@ -166,8 +164,8 @@ def _torch_grouped_layers(config: Config, ours, run_ours, X, valid_lens) -> dict
     import torch
     import torch.nn.functional as F
 
-    b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
-    kv = config.num_kv_heads
+    b, n, d = config.batch_size, config.length, config.num_hiddens
+    # mha's own projections, whose gradients the built-ins' backward passes take
     theirs = torch.nn.ModuleDict({name: getattr(ours, name) for name in ("W_q", "W_k", "W_v")})
     theirs["W_o"] = ours.W_o
 
@@ -177,10 +175,9 @@ def _torch_grouped_layers(config: Config, ours, run_ours, X, valid_lens) -> dict
         return (torch.arange(n, device=X.device) < valid_lens[:, None])[:, None, None, :]
 
     def run_sdpa():
-        q = theirs["W_q"](X).view(b, n, h, d // h).transpose(1, 2)
-        k, v = (theirs[w](X).view(b, n, kv, d // h).transpose(1, 2) for w in ("W_k", "W_v"))
+        q, k, v = _heads(ours, X)
         output = F.scaled_dot_product_attention(q, k, v, attn_mask=keep(), enable_gqa=True)
-        return theirs["W_o"](output.transpose(1, 2).reshape(b, n, d))
+        return ours.W_o(output.transpose(1, 2).reshape(b, n, d))
 
     if not config.need_weights:
         return {"mha": (run_ours, ours), "SDPA layer (enable_gqa)": (run_sdpa, theirs)}
@@ -201,15 +198,13 @@ def _transformers_eager(ours, X, keep: Callable, cache=None) -> Callable | None:
 
     import torch
 
-    (b, n, d), h = X.shape, ours.num_heads
-    kv, held = ours.num_kv_heads or h, {}
-    module = types.SimpleNamespace(num_key_value_groups=h // kv, training=False)
+    (b, n, d), h, held = X.shape, ours.num_heads, {}
+    module = types.SimpleNamespace(
+        num_key_value_groups=h // (ours.num_kv_heads or h), training=False
+    )
 
     def run():
-        q = ours.W_q(X).view(b, n, h, d // h).transpose(1, 2)
-        k, v = (w(X).view(b, n, kv, d // h).transpose(1, 2) for w in (ours.W_k, ours.W_v))
-        if cache is not None:
-            k, v = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
+        q, k, v = _heads(ours, X, cache)
         mask = keep()
         if mask is not None:  # transformers' additive mask: the dtype's least value at a masked key
             mask = torch.zeros(mask.shape, dtype=X.dtype, device=X.device).masked_fill(
@@ -219,6 +214,20 @@ def _transformers_eager(ours, X, keep: Callable, cache=None) -> Callable | None:
         return ours.W_o(output.reshape(b, n, d))
 
     return run
+
+
+def _heads(ours, X, cache=None):
+    """mha's projections of X split into heads, (batch_size, heads, n, head size), the keys
+    and values after the cached ones if a cache is given."""
+    import torch
+
+    (b, n, d), h = X.shape, ours.num_heads
+    kv = ours.num_kv_heads or h
+    q = ours.W_q(X).view(b, n, h, d // h).transpose(1, 2)
+    k, v = (w(X).view(b, n, kv, d // h).transpose(1, 2) for w in (ours.W_k, ours.W_v))
+    if cache is not None:
+        k, v = torch.cat([cache.keys, k], dim=2), torch.cat([cache.values, v], dim=2)
+    return q, k, v
 
 
 def _tensorflow_calls(config: Config, mode: str) -> Calls:
