@@ -30,10 +30,11 @@ def options_from_config(
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
     scale_attn_by_inverse_layer_idx, MPT's softmax_scale), Gemma 2's soft cap
-    (attn_logit_softcapping), the QK-norm of Qwen3, OLMo 2, Gemma 3 and Qwen3-Next (qk_norm,
-    qk_norm_eps, and qk_norm_offset=1.0 for the norms that scale by 1 + weight: a port
-    option, not a layer's), Qwen3-Next's output gate (output_gate=True: the port splits the
-    query projection), and BLOOM's and MPT's ALiBi (alibi=True), which their model type tells.
+    (attn_logit_softcapping), the QK-norm of Qwen3, OLMo 2, Gemma 3, Qwen3-Next and GLM-4.5
+    with use_qk_norm (qk_norm, qk_norm_eps, and qk_norm_offset=1.0 for the norms that scale
+    by 1 + weight: a port option, not a layer's), Qwen3-Next's output gate (output_gate=True:
+    the port splits the query projection), and BLOOM's and MPT's ALiBi (alibi=True), which
+    their model type tells.
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -167,7 +168,10 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
 
 def _held(config: Mapping[str, Any], key: str) -> bool:
     """Whether mha holds what the field does for the config's model type."""
-    return key == "qk_layernorm" and config.get("model_type") == "stablelm"
+    model_type = config.get("model_type")
+    if key == "use_qk_norm":
+        return model_type in _QK_NORM_FIELD
+    return key == "qk_layernorm" and model_type == "stablelm"
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -187,9 +191,11 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
 # q_norm and k_norm): over each head, or over the whole projection
 _QK_NORM = {
     "apertus": "head",
+    "apertus1p5_text": "head",
     "exaone4": "head",
     "flex_olmo": "projection",
     "gemma3_text": "head",
+    "lara_mini": "head",
     "olmo2": "projection",
     "olmo3": "projection",
     "olmoe": "projection",
@@ -197,6 +203,9 @@ _QK_NORM = {
     "qwen3_moe": "head",
     "qwen3_next": "head",
 }
+
+# Model types whose config's use_qk_norm adds _QK_NORM's "head" norms, and its default there
+_QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
 
 # Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
 _QK_NORM_OFFSET = {"gemma3_text": 1.0, "qwen3_next": 1.0}
@@ -229,8 +238,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["scale"] = scale
     if config.get("attn_logit_softcapping") is not None:  # Gemma 2
         found["softcap"] = float(config["attn_logit_softcapping"])
-    if model_type in _QK_NORM:  # RMSNorms of queries and keys, scaled by their weights
-        found["qk_norm"] = _QK_NORM[model_type]
+    asked = model_type in _QK_NORM_FIELD and config.get("use_qk_norm", _QK_NORM_FIELD[model_type])
+    if model_type in _QK_NORM or asked:  # RMSNorms of queries and keys, scaled by their weights
+        found["qk_norm"] = _QK_NORM.get(model_type, "head")
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     if model_type == "stablelm" and config.get("qk_layernorm"):  # a layer norm of each head
         found["qk_norm"] = "layer_norm_per_head"
@@ -246,7 +256,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
 
 # Model types whose attention is multi-head latent attention (mha.MultiHeadLatentAttention);
 # transformers reads a kimi_k2 config as DeepSeek-V3's
-_LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2"})
+_LATENT_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla"})
 
 
 def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ __all__ = ["ROTARY", "rotary_options"]
 # True, its default)
 ROTARY = {
     "apertus": "half",
+    "apertus1p5_text": "half",  # Apertus 1.5's text model is Apertus's
     "arcee": "half",
     "cohere": "pairs",
     "cohere2": "pairs",
@@ -27,6 +28,7 @@ ROTARY = {
     "deepseek_v3": "rope_interleave",
     "ernie4_5": "pairs",
     "ernie4_5_moe": "pairs",
+    "exaone": "half",  # EXAONE 3 and 3.5, Llama's layers in transformers
     "exaone4": "half",
     "falcon": "half",
     "flex_olmo": "half",
@@ -42,6 +44,7 @@ ROTARY = {
     "granite": "half",
     "granitemoe": "half",
     "helium": "pairs",
+    "lara_mini": "half",
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
     "llama": "half",
@@ -62,6 +65,8 @@ ROTARY = {
     "qwen3_moe": "half",
     "qwen3_next": "half",
     "roformer": "pairs",
+    "sarvam_mla": "rope_interleave",  # DeepSeek-V3's layers in transformers
+    "sarvam_moe": "half",  # GLM-4.5's layers in transformers, the whole head rotated
     "seed_oss": "half",
     "smollm3": "half",
     "stablelm": "half",
@@ -74,10 +79,12 @@ ROTARY = {
 # not listed), and the scaling; GPT-J's base is fixed in its code
 _DEFAULT_THETA = {
     "apertus": 12_000_000.0,
+    "apertus1p5_text": 12_000_000.0,
     "cohere": 500_000.0,
     "csm": 500_000.0,
     "ernie4_5": 500_000.0,
     "ernie4_5_moe": 500_000.0,
+    "exaone": 500_000.0,
     "flex_olmo": 500_000.0,
     "gemma3_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
@@ -85,6 +92,7 @@ _DEFAULT_THETA = {
     "mixtral": 1_000_000.0,
     "olmo3": 500_000.0,
     "phimoe": 1_000_000.0,
+    "sarvam_moe": 8_000_000.0,
     "smollm3": 2_000_000.0,
 }
 _DEFAULT_PARTIAL = {
@@ -115,6 +123,7 @@ _DEFAULT_ROPE = {
         "original_max_position_embeddings": 4096,
     },
 }
+_DEFAULT_ROPE["apertus1p5_text"] = _DEFAULT_ROPE["apertus"]
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})
@@ -131,11 +140,14 @@ _ROPE_FIELDS = {
 # sliding layers take transformers' default base whatever rope_theta says
 _LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
 
+# Model types whose older configs name YaRN 'deepseek_yarn' (rope_scaling's type)
+_DEEPSEEK_YARN = frozenset({"sarvam_mla"})
+
 # Model types whose cross-attention layers have no rotary embedding, which a layer's index
 # does not tell apart from its self-attention
 _SELF_ATTENTION_ONLY = frozenset({"roformer"})
 # Model types whose layers without a sliding window have no rotary embedding
-_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2"})
+_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "lara_mini"})
 # Model types whose full-attention layers have none where the config has a sliding window
 _NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4"})
 
@@ -257,6 +269,10 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
         )
     if kind == "sliding_attention" and model_type in _LOCAL_THETA:
         return {}, "rope_parameters"
+    if legacy and model_type in _DEEPSEEK_YARN and legacy.get("type") == "deepseek_yarn":
+        # transformers reads Sarvam's older configs' DeepSeek YaRN as YaRN
+        legacy = {key: value for key, value in legacy.items() if key != "type"}
+        return {**legacy, "rope_type": "yarn"}, "rope_scaling"
     if legacy:
         return legacy, "rope_scaling"
     if not rope and model_type in _DEFAULT_ROPE:

@@ -53,9 +53,23 @@ OWN_SIZES = {
     },
 }
 # DeepSeek-V2's attention without low-rank queries (V2-Lite's), its experts as V3's; Kimi K2's
-# config is DeepSeek-V3's (see tiny_model)
+# config is DeepSeek-V3's (see tiny_model), Sarvam's latent model is DeepSeek-V3's
 OWN_SIZES["deepseek_v2"] = {**OWN_SIZES["deepseek_v3"], "q_lora_rank": None}
 OWN_SIZES["kimi_k2"] = OWN_SIZES["deepseek_v3"]
+OWN_SIZES["sarvam_mla"] = OWN_SIZES["deepseek_v3"]
+# Few small experts; LaraMini's linear-attention layers small, its window within the sequence
+FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
+OWN_SIZES["lara_mini"] = {
+    **FEW_EXPERTS,
+    "num_experts": 4,
+    "shared_expert_intermediate_size": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "sliding_window": 4,
+}
 # A base their code ignores, 10000 being in it
 for model_type in ("gptj", "roformer"):
     OWN_SIZES[model_type]["rope_theta"] = 20000.0
@@ -139,3 +153,25 @@ def test_each_rotary_model_type_ports_in_one_line(model_type):
         # float32's precision: transformers computes in float32, the reference in float64
         atol = 1e-5 * np.max(np.abs(expected))
         np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)
+
+
+def test_exaone_ports_under_the_names_of_its_checkpoints():
+    # EXAONE 3's checkpoints keep Llama's projections as transformer.h.N.attn.attention's
+    # q/k/v_proj and out_proj, which transformers renames on loading: BART's names, rotary
+    # from the config all the same
+    config, model = tiny_model("exaone")
+    seen = attention_io(model, [("layers.0.self_attn", "q/k/v/o_proj (Llama, Mistral, Qwen)")])
+    (x, expected) = seen["layers.0.self_attn"]
+    renamed = {}
+    for name, value in model.state_dict().items():
+        name = name.replace("self_attn.o_proj.", "self_attn.out_proj.")
+        name = name.replace("layers.", "transformer.h.", 1).replace("self_attn.", "attn.attention.")
+        renamed[name] = value
+    prefix = "transformer.h.0.attn.attention"
+    assert (prefix, "q/k/v_proj and out_proj (BART, OPT, Whisper)") in porting.find_attention(
+        renamed
+    )
+    options = porting.options_from_config({**config.to_dict(), "model_type": "exaone"}, 0)
+    ported = porting.from_state_dict(renamed, prefix, backend="numpy", **options)
+    atol = 1e-5 * np.max(np.abs(expected))
+    np.testing.assert_allclose(ported(x, x, x, causal=True), expected, rtol=0, atol=atol)

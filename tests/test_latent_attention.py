@@ -467,6 +467,31 @@ def test_deepseek_v2_and_kimi_k2_configs_give_their_options():
     assert options_from_config(k2) == v3 and v3["rope_interleaved"] is False
 
 
+def test_an_older_sarvam_config_gives_the_yarn_transformers_reads():
+    # Sarvam's latent model's older config.json names its YaRN "deepseek_yarn" (rope_scaling's
+    # type) and writes a head_dim: transformers reads it as DeepSeek-V3's YaRN, and so does mha
+    from mha.porting import options_from_config
+
+    transformers = required_import("transformers")
+    older = {
+        "model_type": "sarvam_mla",
+        "num_attention_heads": 16,
+        "head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+        "rope_scaling": {**YARN, "type": "deepseek_yarn"},
+    }
+    del older["rope_scaling"]["rope_type"]
+    theirs = transformers.AutoConfig.for_model(**older).rope_parameters
+    options = options_from_config(older)
+    assert options["rope_scaling"] == {k: v for k, v in theirs.items() if k != "rope_theta"}
+    assert options["rope_theta"] == theirs["rope_theta"] and options["rope_interleaved"] is True
+    # DeepSeek's own configs have no such type: refused, as any rotary type mha does not take
+    with pytest.raises(ValueError, match="'deepseek_yarn'"):
+        options_from_config({**older, "model_type": "deepseek_v3"})
+
+
 @pytest.mark.torch
 def test_mha_convert_writes_a_deepseek_v3_layer_as_a_checkpoint(tmp_path, capsys):
     # A model's safetensors file and config.json: `mha convert --prefix --config` writes the

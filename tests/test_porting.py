@@ -604,8 +604,8 @@ def transformers_rotary(config, kind, head_size):
 
 
 # GPT-J's and RoFormer's bases are in their code; latent attention (DeepSeek-V2 and V3, Kimi
-# K2) has tests of its own (test_latent_attention.py)
-LATENT_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2"}
+# K2, Sarvam's) has tests of its own (test_latent_attention.py)
+LATENT_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla"}
 
 
 @pytest.mark.parametrize(
@@ -631,7 +631,7 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
             kind = raw["layer_types"][layer] if "layer_types" in raw else None
             if kind not in (None, "full_attention", "sliding_attention"):
                 continue  # Qwen3-Next's linear attention
-            if model_type in ("cohere2", "exaone4") and kind == "full_attention":
+            if model_type in ("cohere2", "exaone4", "lara_mini") and kind == "full_attention":
                 continue  # they rotate their sliding layers only (test_families.py ports both)
             options = porting.options_from_config(raw, layer)
             scaling = options.get("rope_scaling") or {"rope_type": "default"}
