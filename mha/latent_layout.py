@@ -24,7 +24,7 @@ from mha.interop.common import as_numpy
 from mha.options import layer_defaults, untold
 from mha.weights import weight_shapes
 
-__all__ = ["MARK", "NAME", "matches", "read"]
+__all__ = ["MARK", "NAME", "indexer", "matches", "read"]
 
 NAME = "DeepSeek-V3 latent attention (q_a_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)"
 
@@ -45,8 +45,18 @@ _NORMS = ("q_a_layernorm", "kv_a_layernorm")
 
 
 def matches(names: Iterable[str]) -> bool:
-    """Whether `names` hold the modules that mark the layout."""
-    return set(_MARKS) <= set(names)
+    """Whether `names` hold the modules that mark the layout, and no indexer (sparse)."""
+    names = set(names)
+    return set(_MARKS) <= names and not indexer(names)
+
+
+def indexer(names: Iterable[str]) -> list[str]:
+    """The names of DeepSeek-V3.2's indexer, which picks the keys each query attends to
+    (sparse attention), where `names` hold the latent modules and one; else []."""
+    names = set(names)
+    if not set(_MARKS) <= names:
+        return []
+    return sorted(name for name in names if name.startswith("indexer."))
 
 
 def read(

@@ -142,6 +142,13 @@ def canonical_from_state_dict(
     state = flatten(state)
     names = under(state, prefix)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
+    if latent_layout.indexer(names):
+        raise ValueError(
+            f"the attention {where} is DeepSeek-V3.2's sparse attention: its indexer ("
+            + ", ".join(latent_layout.indexer(names))
+            + ") picks the keys each query attends to, where mha's layers attend to every key "
+            "the masks leave"
+        )
     if latent_layout.matches(names):
         given = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
         return _latent_port(names, num_heads, options, where, without_positions, **given)

@@ -527,3 +527,32 @@ def test_mha_convert_writes_a_deepseek_v3_layer_as_a_checkpoint(tmp_path, capsys
     assert cli.main(["convert", paths[0], torch_file, *arguments]) == 1
     assert "goes into an mha checkpoint (.safetensors) only" in capsys.readouterr().err
     assert not (tmp_path / "layer.pt").exists()
+
+
+@pytest.mark.torch
+def test_deepseek_v3_2_sparse_attention_is_not_listed_as_v3_and_its_port_is_refused():
+    # DeepSeek-V3.2's attention holds V3's latent modules and an indexer that picks the keys
+    # of each query: find_attention does not list it as V3's, and its port says why
+    from mha import porting
+
+    transformers = required_import("transformers")
+    torch = required_import("torch")
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, **SIZES)
+    sizes |= dict(q_lora_rank=8, num_hidden_layers=1, vocab_size=16, n_routed_experts=2)
+    sizes |= dict(num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=8)
+    sizes |= dict(intermediate_size=16, index_head_dim=8, index_n_heads=2)
+    config = transformers.AutoConfig.for_model("deepseek_v32", **sizes)
+    torch.manual_seed(0)
+    state = transformers.AutoModel.from_config(config).state_dict()
+    prefix = "layers.0.self_attn"
+    assert any(name.startswith(f"{prefix}.indexer.") for name in state)
+    assert porting.find_attention(state) == []
+    with pytest.raises(ValueError, match=r"DeepSeek-V3.2's sparse attention: its indexer \("):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+    # Without the indexer the same modules are V3's, and port
+    dense = {name: value for name, value in state.items() if ".indexer." not in name}
+    assert (
+        prefix,
+        "DeepSeek-V3 latent attention (q_a_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)",
+    ) in porting.find_attention(dense)
+    porting.from_state_dict(dense, prefix, num_heads=4, rope_theta=10000.0)
