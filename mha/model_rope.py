@@ -21,6 +21,7 @@ ROTARY = {
     "apertus": "half",
     "apertus1p5_text": "half",  # Apertus 1.5's text model is Apertus's
     "arcee": "half",
+    "axk1": "rope_interleave",  # DeepSeek-V3's latent attention
     "cohere": "pairs",
     "cohere2": "pairs",
     "csm": "half",
@@ -38,6 +39,7 @@ ROTARY = {
     "glm": "pairs",
     "glm4": "pairs",
     "glm4_moe": "half",
+    "glm4_moe_lite": "rope_interleave",  # DeepSeek-V3's latent attention
     "gpt_neox": "half",
     "gpt_oss": "half",
     "gptj": "pairs",
@@ -48,6 +50,7 @@ ROTARY = {
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
     "llama": "half",
+    "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
     "ministral": "half",
     "mistral": "half",
     "mixtral": "half",
@@ -72,6 +75,7 @@ ROTARY = {
     "stablelm": "half",
     "starcoder2": "half",
     "vaultgemma": "half",
+    "youtu": "rope_interleave",  # DeepSeek-V3's latent attention
 }
 
 # What transformers gives a rotary model type whose config does not write its rotary

@@ -53,10 +53,11 @@ OWN_SIZES = {
     },
 }
 # DeepSeek-V2's attention without low-rank queries (V2-Lite's), its experts as V3's; Kimi K2's
-# config is DeepSeek-V3's (see tiny_model), Sarvam's latent model is DeepSeek-V3's
+# config is DeepSeek-V3's (see tiny_model); the other latent types' modules are V2's or V3's
 OWN_SIZES["deepseek_v2"] = {**OWN_SIZES["deepseek_v3"], "q_lora_rank": None}
 OWN_SIZES["kimi_k2"] = OWN_SIZES["deepseek_v3"]
-OWN_SIZES["sarvam_mla"] = OWN_SIZES["deepseek_v3"]
+for model_type in ("axk1", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu"):
+    OWN_SIZES[model_type] = OWN_SIZES["deepseek_v3"]
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}

@@ -603,9 +603,10 @@ def transformers_rotary(config, kind, head_size):
     return rope["rope_theta"], int(head_size * fraction), rope.get("rope_type", "default")
 
 
-# GPT-J's and RoFormer's bases are in their code; latent attention (DeepSeek-V2 and V3, Kimi
-# K2, Sarvam's) has tests of its own (test_latent_attention.py)
-LATENT_TYPES = {"deepseek_v2", "deepseek_v3", "kimi_k2", "sarvam_mla"}
+# GPT-J's and RoFormer's bases are in their code; latent attention (DeepSeek-V2 and V3, and
+# the types that take their modules) has tests of its own (test_latent_attention.py)
+LATENT_TYPES = {"axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2", "minicpm3"}
+LATENT_TYPES |= {"sarvam_mla", "youtu"}
 
 
 @pytest.mark.parametrize(
