@@ -58,6 +58,31 @@ OWN_SIZES["deepseek_v2"] = {**OWN_SIZES["deepseek_v3"], "q_lora_rank": None}
 OWN_SIZES["kimi_k2"] = OWN_SIZES["deepseek_v3"]
 for model_type in ("axk1", "glm4_moe_lite", "minicpm3", "sarvam_mla", "youtu"):
     OWN_SIZES[model_type] = OWN_SIZES["deepseek_v3"]
+# MiniCPM3's configs scale its rotary by LongRoPE, Youtu-LLM's here by YaRN: the sequence of
+# attention_io is longer than the original length, so the long factors apply
+OWN_SIZES["minicpm3"] = {
+    **OWN_SIZES["minicpm3"],
+    "max_position_embeddings": 16,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "long_factor": [1.0, 2.0],
+        "short_factor": [1.5, 1.2],
+        "original_max_position_embeddings": 4,
+    },
+}
+OWN_SIZES["youtu"] = {
+    **OWN_SIZES["youtu"],
+    "max_position_embeddings": 16,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 4,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
