@@ -24,7 +24,7 @@ from mha.interop.common import as_numpy
 from mha.options import layer_defaults, untold
 from mha.weights import weight_shapes
 
-__all__ = ["MARK", "NAME", "indexer", "matches", "read"]
+__all__ = ["MARK", "NAME", "indexer", "matches", "read", "refuse_sparse"]
 
 NAME = "DeepSeek-V3 latent attention (q_a_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)"
 
@@ -57,6 +57,18 @@ def indexer(names: Iterable[str]) -> list[str]:
     if not set(_MARKS) <= names:
         return []
     return sorted(name for name in names if name.startswith("indexer."))
+
+
+def refuse_sparse(names: Iterable[str], where: str) -> None:
+    """An error naming the indexer where `names` hold DeepSeek-V3.2's sparse attention."""
+    found = indexer(names)
+    if found:
+        raise ValueError(
+            f"the attention {where} is DeepSeek-V3.2's sparse attention: its indexer ("
+            + ", ".join(found)
+            + ") picks the keys each query attends to, where mha's layers attend to every key "
+            "the masks leave"
+        )
 
 
 def read(

@@ -169,8 +169,8 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
 def _held(config: Mapping[str, Any], key: str) -> bool:
     """Whether mha holds what the field does for the config's model type."""
     model_type = config.get("model_type")
-    if key == "use_qk_norm":
-        return model_type in _QK_NORM_FIELD
+    if key == "use_qk_norm":  # MiniMax-M2's configs write it; its norms are always there
+        return model_type in _QK_NORM_FIELD or model_type == "minimax_m2"
     return key == "qk_layernorm" and model_type == "stablelm"
 
 
@@ -196,10 +196,13 @@ _QK_NORM = {
     "flex_olmo": "projection",
     "gemma3_text": "head",
     "lara_mini": "head",
+    "minimax_m2": "projection",
     "olmo2": "projection",
     "olmo3": "projection",
     "olmoe": "projection",
     "qwen3": "head",
+    "qwen3_5_moe_text": "head",
+    "qwen3_5_text": "head",
     "qwen3_moe": "head",
     "qwen3_next": "head",
 }
@@ -208,10 +211,15 @@ _QK_NORM = {
 _QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
 
 # Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
-_QK_NORM_OFFSET = {"gemma3_text": 1.0, "qwen3_next": 1.0}
+_QK_NORM_OFFSET = {
+    "gemma3_text": 1.0,
+    "qwen3_5_moe_text": 1.0,
+    "qwen3_5_text": 1.0,
+    "qwen3_next": 1.0,
+}
 
 # Model types whose query projection also gives a gate of the heads' output
-_OUTPUT_GATE = frozenset({"qwen3_next"})
+_OUTPUT_GATE = frozenset({"qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
 
 _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 

@@ -25,6 +25,7 @@ ROTARY = {
     "cohere": "pairs",
     "cohere2": "pairs",
     "csm": "half",
+    "cwm": "half",
     "deepseek_v2": "pairs",
     "deepseek_v3": "rope_interleave",
     "ernie4_5": "pairs",
@@ -45,12 +46,15 @@ ROTARY = {
     "gptj": "pairs",
     "granite": "half",
     "granitemoe": "half",
+    "granitemoeshared": "half",
     "helium": "pairs",
+    "internlm3": "half",
     "lara_mini": "half",
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
     "llama": "half",
     "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
+    "minimax_m2": "half",
     "ministral": "half",
     "mistral": "half",
     "mixtral": "half",
@@ -67,11 +71,15 @@ ROTARY = {
     "qwen3": "half",
     "qwen3_moe": "half",
     "qwen3_next": "half",
+    # Qwen3.5's text models (Qwen3-Next's attention); their multimodal rotary turns text as this
+    "qwen3_5_moe_text": "half",
+    "qwen3_5_text": "half",
     "roformer": "pairs",
     "sarvam_mla": "rope_interleave",  # DeepSeek-V3's layers in transformers
     "sarvam_moe": "half",  # GLM-4.5's layers in transformers, the whole head rotated
     "seed_oss": "half",
     "smollm3": "half",
+    "solar_open": "half",
     "stablelm": "half",
     "starcoder2": "half",
     "vaultgemma": "half",
@@ -86,6 +94,7 @@ _DEFAULT_THETA = {
     "apertus1p5_text": 12_000_000.0,
     "cohere": 500_000.0,
     "csm": 500_000.0,
+    "cwm": 1_000_000.0,
     "ernie4_5": 500_000.0,
     "ernie4_5_moe": 500_000.0,
     "exaone": 500_000.0,
@@ -93,11 +102,13 @@ _DEFAULT_THETA = {
     "gemma3_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
     "helium": 100_000.0,
+    "minimax_m2": 5_000_000.0,
     "mixtral": 1_000_000.0,
     "olmo3": 500_000.0,
     "phimoe": 1_000_000.0,
     "sarvam_moe": 8_000_000.0,
     "smollm3": 2_000_000.0,
+    "solar_open": 1_000_000.0,
 }
 _DEFAULT_PARTIAL = {
     "glm": 0.5,
@@ -107,6 +118,8 @@ _DEFAULT_PARTIAL = {
     "nemotron": 0.5,
     "phi": 0.5,
     "qwen3_next": 0.25,
+    "qwen3_5_moe_text": 0.25,
+    "qwen3_5_text": 0.25,
     "stablelm": 0.25,
 }
 _DEFAULT_ROPE = {
@@ -128,6 +141,14 @@ _DEFAULT_ROPE = {
     },
 }
 _DEFAULT_ROPE["apertus1p5_text"] = _DEFAULT_ROPE["apertus"]
+_DEFAULT_ROPE["cwm"] = {
+    "rope_type": "llama3",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 8192,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})
@@ -286,6 +307,11 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
 
 # What every rotary type's parameters may hold beside its own
 _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
+# Model types whose rotary parameters also split the frequencies among the axes of images'
+# positions (multimodal rotary): a text's positions are one on every axis, which turns as
+# the plain rotary embedding, so mha reads the split and ports the text's attention
+_MULTIMODAL_ROPE = frozenset({"qwen3_5_moe_text", "qwen3_5_text"})
+_MULTIMODAL_FIELDS = ("mrope_section", "mrope_interleaved")
 
 
 def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict | None:
@@ -300,6 +326,8 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
             f"takes 'default' and {', '.join(map(repr, ROPE_TYPES))}"
         )
     taken = set(_ROPE_COMMON).union(*ROPE_TYPES.get(rope_type, ((), ())))
+    if config.get("model_type") in _MULTIMODAL_ROPE:
+        taken |= set(_MULTIMODAL_FIELDS)
     unknown = sorted(set(rope) - taken)
     if unknown:
         raise ValueError(

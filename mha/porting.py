@@ -135,20 +135,13 @@ def canonical_from_state_dict(
             projections with fewer outputs than the query's give num_kv_heads.
 
     Raises:
-        ValueError: no layout, or more than one, under the prefix (the names there and the
-            prefixes of layouts are listed); weights that do not fit, or tensors there that
-            mha cannot hold (each listed); positions the layout needs and no option gives.
+        ValueError: no layout or several under the prefix, weights that do not fit, tensors
+            mha cannot hold (each listed), sparse attention, positions no option gives.
     """
     state = flatten(state)
     names = under(state, prefix)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
-    if latent_layout.indexer(names):
-        raise ValueError(
-            f"the attention {where} is DeepSeek-V3.2's sparse attention: its indexer ("
-            + ", ".join(latent_layout.indexer(names))
-            + ") picks the keys each query attends to, where mha's layers attend to every key "
-            "the masks leave"
-        )
+    latent_layout.refuse_sparse(names, where)
     if latent_layout.matches(names):
         given = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
         return _latent_port(names, num_heads, options, where, without_positions, **given)

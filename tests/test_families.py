@@ -96,6 +96,27 @@ OWN_SIZES["lara_mini"] = {
     "linear_value_head_dim": 8,
     "sliding_window": 4,
 }
+# Qwen3.5's text models: a quarter of each head rotated is 4 features, which tells halves from
+# pairs; few small experts and linear-attention layers
+OWN_SIZES["qwen3_5_text"] = {**OWN_SIZES["lara_mini"], "head_dim": 16, "hidden_size": 64}
+OWN_SIZES["qwen3_5_moe_text"] = OWN_SIZES["qwen3_5_text"]
+# Qwen3.5's configs split the frequencies among the axes of images' positions (multimodal
+# rotary); the tokens of a text take one position on every axis
+OWN_SIZES["qwen3_5_text"] = {
+    **OWN_SIZES["qwen3_5_text"],
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10_000_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [1, 1, 0],
+        "mrope_interleaved": True,
+    },
+}
+# Windows within the sequence; Granite's scale; MiniMax-M2's configs name the part rotated
+# rotary_dim
+OWN_SIZES["cwm"] = {"sliding_window": 4}
+OWN_SIZES["granitemoeshared"] = {"attention_multiplier": 0.3, **FEW_EXPERTS, "num_local_experts": 4}
+OWN_SIZES["minimax_m2"] = {"rotary_dim": 4, **FEW_EXPERTS, "num_local_experts": 4}
 # A base their code ignores, 10000 being in it
 for model_type in ("gptj", "roformer"):
     OWN_SIZES[model_type]["rope_theta"] = 20000.0
