@@ -193,6 +193,7 @@ _QK_NORM = {
     "apertus": "head",
     "apertus1p5_text": "head",
     "exaone4": "head",
+    "exaone_moe": "head",
     "flex_olmo": "projection",
     "gemma3_text": "head",
     "lara_mini": "head",

@@ -24,6 +24,7 @@ ROTARY = {
     "axk1": "rope_interleave",  # DeepSeek-V3's latent attention
     "cohere": "pairs",
     "cohere2": "pairs",
+    "cohere2_moe": "pairs",
     "csm": "half",
     "cwm": "half",
     "deepseek_v2": "pairs",
@@ -32,6 +33,7 @@ ROTARY = {
     "ernie4_5_moe": "pairs",
     "exaone": "half",  # EXAONE 3 and 3.5, Llama's layers in transformers
     "exaone4": "half",
+    "exaone_moe": "half",
     "falcon": "half",
     "flex_olmo": "half",
     "gemma": "half",
@@ -172,9 +174,9 @@ _DEEPSEEK_YARN = frozenset({"sarvam_mla"})
 # does not tell apart from its self-attention
 _SELF_ATTENTION_ONLY = frozenset({"roformer"})
 # Model types whose layers without a sliding window have no rotary embedding
-_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "lara_mini"})
+_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "cohere2_moe", "lara_mini"})
 # Model types whose full-attention layers have none where the config has a sliding window
-_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4"})
+_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4", "exaone_moe"})
 
 
 def rotary_options(

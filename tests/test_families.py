@@ -115,6 +115,10 @@ OWN_SIZES["qwen3_5_text"] = {
 # Windows within the sequence; Granite's scale; MiniMax-M2's configs name the part rotated
 # rotary_dim
 OWN_SIZES["cwm"] = {"sliding_window": 4}
+# Cohere 2's and EXAONE 4's MoE variants rotate their sliding layers only: windows within the
+# sequence
+OWN_SIZES["cohere2_moe"] = {"sliding_window": 4, **FEW_EXPERTS, "num_local_experts": 4}
+OWN_SIZES["exaone_moe"] = {"sliding_window": 4, **FEW_EXPERTS, "num_experts": 4}
 OWN_SIZES["granitemoeshared"] = {"attention_multiplier": 0.3, **FEW_EXPERTS, "num_local_experts": 4}
 OWN_SIZES["minimax_m2"] = {"rotary_dim": 4, **FEW_EXPERTS, "num_local_experts": 4}
 # A base their code ignores, 10000 being in it

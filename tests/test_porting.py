@@ -632,7 +632,8 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
             kind = raw["layer_types"][layer] if "layer_types" in raw else None
             if kind not in (None, "full_attention", "sliding_attention"):
                 continue  # Qwen3-Next's linear attention
-            if model_type in ("cohere2", "exaone4", "lara_mini") and kind == "full_attention":
+            rotates_sliding_only = ("cohere2", "cohere2_moe", "exaone4", "exaone_moe", "lara_mini")
+            if model_type in rotates_sliding_only and kind == "full_attention":
                 continue  # they rotate their sliding layers only (test_families.py ports both)
             options = porting.options_from_config(raw, layer)
             scaling = options.get("rope_scaling") or {"rope_type": "default"}
