@@ -266,8 +266,16 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
 # Model types whose attention is multi-head latent attention (mha.MultiHeadLatentAttention):
 # DeepSeek-V2's or V3's modules in transformers (transformers reads a kimi_k2 config as V3's)
 _LATENT_MODEL_TYPES = frozenset(
-    {"axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2", "minicpm3", "sarvam_mla"}
-    | {"youtu"}
+    {
+        "axk1",
+        "deepseek_v2",
+        "deepseek_v3",
+        "glm4_moe_lite",
+        "kimi_k2",
+        "minicpm3",
+        "sarvam_mla",
+        "youtu",
+    }
 )
 
 
