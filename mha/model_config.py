@@ -77,6 +77,7 @@ _PER_LAYER = (
     "attention_types",
     "no_rope_layers",
     "max_window_layers",
+    "layer_rope_theta",
     "scale_attn_by_inverse_layer_idx",
 )
 

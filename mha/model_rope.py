@@ -49,6 +49,8 @@ ROTARY = {
     "granite": "half",
     "granitemoe": "half",
     "granitemoeshared": "half",
+    "granite_swa": "half",
+    "granitemoe_swa": "half",
     "helium": "pairs",
     "internlm3": "half",
     "lara_mini": "half",
@@ -229,6 +231,9 @@ def _rotary(
         raise ValueError(f"the config's no_rope_layers does not tell layer {layer}: {no_rope}")
     if no_rope is not None and not no_rope[layer]:
         return {}  # SmolLM3's and Llama 4's layers without rotary embeddings
+    layer_theta = _layer_theta(config, layer)
+    if layer_theta == 0:
+        return {}  # Granite SWA's layers without rotary embeddings
     rope, field = _rope_parameters(config, kind)
     model_type = config.get("model_type")
     fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
@@ -236,7 +241,7 @@ def _rotary(
     default_theta = _DEFAULT_THETA.get(model_type, 10_000.0)
     if kind == "sliding_attention" and model_type in _LOCAL_THETA:
         base_field, default_theta = _LOCAL_THETA[model_type]
-    theta = rope.get("rope_theta", config.get(base_field))
+    theta = rope.get("rope_theta", config.get(base_field)) if layer_theta is None else layer_theta
     if theta is None and model_type in ROTARY:
         theta = default_theta
     partial = rope.get("partial_rotary_factor", config.get(partial_field))
@@ -267,6 +272,17 @@ def _rotary(
     if scaling is not None:
         found["rope_scaling"] = scaling
     return found
+
+
+def _layer_theta(config: Mapping[str, Any], layer: int | None) -> float | None:
+    """The layer's base where the config gives one per layer (Granite SWA's layer_rope_theta,
+    0 for a layer without rotary embedding, its scaling from rope_parameters); else None."""
+    bases = config.get("layer_rope_theta")
+    if bases is None:
+        return None
+    if not isinstance(bases, list) or layer is None or not 0 <= layer < len(bases):
+        raise ValueError(f"the config's layer_rope_theta does not tell layer {layer}: {bases!r}")
+    return float(bases[layer])
 
 
 def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping, str]:

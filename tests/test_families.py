@@ -115,6 +115,10 @@ OWN_SIZES["qwen3_5_text"] = {
 # Windows within the sequence; Granite's scale; MiniMax-M2's configs name the part rotated
 # rotary_dim
 OWN_SIZES["cwm"] = {"sliding_window": 4}
+# Granite SWA's bases per layer, 0 for none; its sinks (set away from 0 in tiny_model)
+OWN_SIZES["granite_swa"] = {"sliding_window": 4, "layer_rope_theta": [1e4, 0, 5e5, 0]}
+OWN_SIZES["granite_swa"]["attention_multiplier"] = 0.3
+OWN_SIZES["granitemoe_swa"] = {**OWN_SIZES["granite_swa"], **FEW_EXPERTS, "num_local_experts": 4}
 # Cohere 2's and EXAONE 4's MoE variants rotate their sliding layers only: windows within the
 # sequence
 OWN_SIZES["cohere2_moe"] = {"sliding_window": 4, **FEW_EXPERTS, "num_local_experts": 4}
@@ -148,6 +152,8 @@ def tiny_model(model_type: str):
         for name, parameter in model.named_parameters():
             if "norm" in name and parameter.dim() == 1:
                 parameter.uniform_(0.5, 1.5)
+            if name.endswith("sinks"):  # gpt-oss's and Granite SWA's start at 0
+                parameter.uniform_(-1.0, 1.0)
     return config, model
 
 
