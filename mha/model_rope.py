@@ -312,8 +312,9 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
         )
     if kind == "sliding_attention" and model_type in _LOCAL_THETA:
         return {}, "rope_parameters"
-    if legacy and model_type in _DEEPSEEK_YARN and legacy.get("type") == "deepseek_yarn":
-        # transformers reads Sarvam's older configs' DeepSeek YaRN as YaRN
+    named = (legacy.get("type"), legacy.get("rope_type"))
+    if model_type in _DEEPSEEK_YARN and "deepseek_yarn" in named:
+        # transformers reads Sarvam's older configs' DeepSeek YaRN as YaRN, by either name
         legacy = {key: value for key, value in legacy.items() if key != "type"}
         return {**legacy, "rope_type": "yarn"}, "rope_scaling"
     if legacy:

@@ -487,6 +487,10 @@ def test_an_older_sarvam_config_gives_the_yarn_transformers_reads():
     options = options_from_config(older)
     assert options["rope_scaling"] == {k: v for k, v in theirs.items() if k != "rope_theta"}
     assert options["rope_theta"] == theirs["rope_theta"] and options["rope_interleaved"] is True
+    # The same name under rope_type, which transformers reads as YaRN too
+    renamed = {**older, "rope_scaling": {**YARN, "rope_type": "deepseek_yarn"}}
+    assert transformers.AutoConfig.for_model(**renamed).rope_parameters == theirs
+    assert options_from_config(renamed) == options
     # DeepSeek's own configs have no such type: refused, as any rotary type mha does not take
     with pytest.raises(ValueError, match="'deepseek_yarn'"):
         options_from_config({**older, "model_type": "deepseek_v3"})
