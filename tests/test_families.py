@@ -98,12 +98,11 @@ OWN_SIZES["lara_mini"] = {
 }
 # Qwen3.5's text models: a quarter of each head rotated is 4 features, which tells halves from
 # pairs; few small experts and linear-attention layers
-OWN_SIZES["qwen3_5_text"] = {**OWN_SIZES["lara_mini"], "head_dim": 16, "hidden_size": 64}
-OWN_SIZES["qwen3_5_moe_text"] = OWN_SIZES["qwen3_5_text"]
+OWN_SIZES["qwen3_5_moe_text"] = {**OWN_SIZES["lara_mini"], "head_dim": 16, "hidden_size": 64}
 # Qwen3.5's configs split the frequencies among the axes of images' positions (multimodal
 # rotary); the tokens of a text take one position on every axis
 OWN_SIZES["qwen3_5_text"] = {
-    **OWN_SIZES["qwen3_5_text"],
+    **OWN_SIZES["qwen3_5_moe_text"],
     "rope_parameters": {
         "rope_type": "default",
         "rope_theta": 10_000_000.0,
@@ -112,8 +111,7 @@ OWN_SIZES["qwen3_5_text"] = {
         "mrope_interleaved": True,
     },
 }
-# Windows within the sequence; Granite's scale; MiniMax-M2's configs name the part rotated
-# rotary_dim
+# Windows within the sequence
 OWN_SIZES["cwm"] = {"sliding_window": 4}
 # Granite SWA's bases per layer, 0 for none; its sinks (set away from 0 in tiny_model)
 OWN_SIZES["granite_swa"] = {"sliding_window": 4, "layer_rope_theta": [1e4, 0, 5e5, 0]}
@@ -123,6 +121,7 @@ OWN_SIZES["granitemoe_swa"] = {**OWN_SIZES["granite_swa"], **FEW_EXPERTS, "num_l
 # sequence
 OWN_SIZES["cohere2_moe"] = {"sliding_window": 4, **FEW_EXPERTS, "num_local_experts": 4}
 OWN_SIZES["exaone_moe"] = {"sliding_window": 4, **FEW_EXPERTS, "num_experts": 4}
+# Granite's scale; MiniMax-M2's configs name the part rotated rotary_dim
 OWN_SIZES["granitemoeshared"] = {"attention_multiplier": 0.3, **FEW_EXPERTS, "num_local_experts": 4}
 OWN_SIZES["minimax_m2"] = {"rotary_dim": 4, **FEW_EXPERTS, "num_local_experts": 4}
 # A base their code ignores, 10000 being in it
