@@ -151,6 +151,7 @@ ROPE_SCALING_CASES = (
 GQA = {"num_heads": 4, "num_kv_heads": 2}
 MQA = {"num_heads": 4, "num_kv_heads": 1}
 ROPE = {"rope_theta": 10000.0}
+QUERY_SCALING = {"beta": 0.5, "original_max_position_embeddings": 2}
 MODERN_CASES = (
     ("MultiHeadAttention", ("valid_lens_1d",), GQA),
     ("MultiHeadAttention", ("causal", "no_weights"), {**MQA, "bias": True}),
@@ -198,6 +199,14 @@ MODERN_CASES = (
         {"num_heads": 6, "num_hiddens": 12, "alibi": True},
     ),
     ("MultiHeadAttention", ("causal", "no_weights"), {**GQA, "alibi": True}),
+    # Ministral 3's queries scaled by their positions, past every 2 here; with padding, and
+    # causal alone (the fused kernels) without a rotary embedding
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {**GQA, **ROPE, "query_scaling": QUERY_SCALING},
+    ),
+    ("MultiHeadAttention", ("causal", "no_weights"), {"query_scaling": QUERY_SCALING}),
 )
 
 
@@ -220,4 +229,6 @@ LATENT_CASES = (
     (LATENT, ("causal", "no_weights", "absorbed"), {"sliding_window": 2}),
     (LATENT, ("valid_lens_1d", "attn_bias_4d"), {"rope_scaling": LATENT_YARN}),
     (LATENT, ("mask_3d",), {**UNIFORM, "rope_interleaved": False}),
+    # Mistral 4's queries scaled by their positions
+    (LATENT, ("valid_lens_1d", "causal"), {"query_scaling": QUERY_SCALING}),
 )

@@ -20,9 +20,11 @@ __all__ = [
     "ROPE_TYPES",
     "RopeScaling",
     "alibi_slopes",
+    "check_query_scaling",
     "check_rope_scaling",
     "check_rope_scaling_size",
     "frozen_rope_scaling",
+    "query_scales",
     "rotary_angle_dtype",
     "rotary_attention_factor",
     "rotary_frequencies",
@@ -185,14 +187,15 @@ ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 class RopeScaling(dict):
-    """A rotary scaling as a layer keeps it: a dict (equal to the one given, written to files
-    as it is) that cannot change and can be hashed; its lists are tuples."""
+    """A rotary scaling (or a query_scaling) as a layer keeps it: a dict (equal to the one
+    given, written to files as it is) that cannot change and can be hashed; its lists are
+    tuples."""
 
     def __hash__(self) -> int:
         return hash(tuple(sorted(self.items())))
 
     def _frozen(self, *args, **kwargs):
-        raise TypeError("a layer's rope scaling cannot change; build a layer with another")
+        raise TypeError("a layer's scaling cannot change; build a layer with another")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen
 
@@ -305,3 +308,45 @@ def latent_attention_scale(head_size: int, scaling: Mapping[str, Any] | None) ->
     if scaling is None or not scaling.get("mscale_all_dim"):
         return scale
     return scale * _mscale(scaling.get("factor", 1.0), scaling["mscale_all_dim"]) ** 2
+
+
+def query_scales(positions: np.ndarray, scaling: Mapping[str, Any]) -> np.ndarray:
+    """The factor of each query by its position p (query_scaling, Ministral 3's
+    llama_4_scaling_beta): 1 + beta * log(1 + floor(p / L)), L the scaling's
+    original_max_position_embeddings; 1 within the first L positions, then larger by
+    beta * log 2, beta * log 3, ... past each further L, so the scores sharpen with distance."""
+    steps = np.floor(positions / scaling["original_max_position_embeddings"])
+    return 1 + scaling["beta"] * np.log1p(steps)
+
+
+# The keys of query_scaling, each with its check and the kind it takes
+_QUERY_SCALING = {
+    "beta": (lambda v: _number(v) and math.isfinite(v) and v >= 0, "a number >= 0"),
+    "original_max_position_embeddings": (
+        _ROPE_VALUE_CHECKS["original_max_position_embeddings"],
+        "a positive integer",
+    ),
+}
+
+
+def check_query_scaling(name: str, scaling: Any) -> None:
+    """A ValueError unless `scaling` is None or a mapping of exactly beta (>= 0) and
+    original_max_position_embeddings (a positive integer); a TypeError for another type."""
+    if scaling is None:
+        return
+    example = "{'beta': 0.1, 'original_max_position_embeddings': 16384}"
+    if not isinstance(scaling, Mapping):
+        raise TypeError(
+            f"{name} must be None or a mapping such as {example}. Received: {name}={scaling!r}"
+        )
+    wrong = sorted(set(scaling) ^ set(_QUERY_SCALING))
+    bad = [
+        key
+        for key, (good, _) in _QUERY_SCALING.items()
+        if key in scaling and not good(scaling[key])
+    ]
+    if wrong or bad:
+        kinds = ", ".join(f"{key} {kind}" for key, (_, kind) in _QUERY_SCALING.items())
+        raise ValueError(
+            f"{name} must hold {kinds}, as {example}. Received: {name}={dict(scaling)!r}"
+        )

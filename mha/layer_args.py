@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha import options
-from mha.encoding import check_rope_scaling, check_rope_scaling_size
+from mha.encoding import check_query_scaling, check_rope_scaling, check_rope_scaling_size
 from mha.tensors import plain_dtype_name
 
 __all__ = [
@@ -170,6 +170,7 @@ _VALUE_CHECKS = {
     "empty_rows": lambda name, value: check_empty_rows(value),
     "dtype": lambda name, value: check_dtype(value),
     "rope scaling": check_rope_scaling,
+    "query scaling": check_query_scaling,
     "qk_norm": _check_qk_norm,
 }
 

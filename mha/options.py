@@ -379,6 +379,21 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "query_scaling",
+        None,
+        "query scaling",
+        {
+            "*": "None (default), or {'beta': b, 'original_max_position_embeddings': L}: each "
+            "query at position p (its rotary position, after the cached ones) multiplied by "
+            "1 + b * log(1 + floor(p / L)) after its rotary embedding, so that the scores "
+            "sharpen past every L positions (Ministral 3's and Mistral 4's "
+            "llama_4_scaling_beta; mha.encoding.query_scales).",
+        },
+        _HEADS,
+        told=False,
+        added=True,
+    ),
+    Option(
         "softcap",
         None,
         "optional positive number",

@@ -129,6 +129,13 @@ BAD_VALUES = {
     "empty_rows": ("nan", 0),
     "dtype": ("int32",),
     "qk_norm": ("rms", True),
+    "query scaling": (
+        0.1,
+        {"beta": 0.1},
+        {"beta": -0.1, "original_max_position_embeddings": 16},
+        {"beta": 0.1, "original_max_position_embeddings": 16.5},
+        {"beta": 0.1, "original_max_position_embeddings": 16, "factor": 2.0},
+    ),
     "rope scaling": (
         "linear",
         {"rope_type": "ntk", "factor": 2.0},

@@ -30,6 +30,7 @@ CONFIG = {
     "rope_interleaved": False,
     "rope_dim": None,
     "rope_scaling": None,
+    "query_scaling": None,
     "softcap": None,
     "sinks": False,
     "qk_norm": None,

@@ -234,6 +234,7 @@ def test_torch_to_mha(torch, name, config, dtype):
         "rope_interleaved": False,
         "rope_dim": None,
         "rope_scaling": None,
+        "query_scaling": None,
         "softcap": None,
         "sinks": False,
         "qk_norm": None,

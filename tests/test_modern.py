@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import assert_agrees, backend_module
+from conftest import assert_agrees, backend_module, backend_params
 from mha.backends import numpy as reference
 
 
@@ -228,6 +228,71 @@ def test_alibi_adds_each_heads_slope_times_the_distance(backend, rng):
         out = layer(*[backend.from_numpy(x)] * 3, backend.from_numpy(lengths), causal=True)
         assert_agrees(backend.to_numpy(out), expected, "float64")
     assert_agrees(backend.to_numpy(layer.attention_weights), plain.attention_weights, "float64")
+
+
+def test_query_scaling_multiplies_each_query_by_its_positions_factor(backend, rng):
+    # By hand: positions 0 to 6 over L = 2 are 0, 0, 1, 1, 2, 2, 3 whole spans past the first,
+    # so the factors are 1 + beta * log(1 + that). Without a bias (and before any norm) a
+    # scaled query is the projection of a scaled input, which the plain layer is given
+    scaling = {"beta": 0.3, "original_max_position_embeddings": 2}
+    factors = 1 + 0.3 * np.log(1 + np.array([0, 0, 1, 1, 2, 2, 3]))
+    config = dict(num_hiddens=8, num_heads=4, num_kv_heads=2, rope_theta=100.0, dtype="float64")
+    weights = mha.random_weights(
+        "MultiHeadAttention", seed=4, query_size=8, key_size=8, value_size=8, **config
+    )
+    plain = reference.MultiHeadAttention(**config)
+    mha.set_weights(plain, weights)
+    x, lengths = rng.standard_normal((2, 7, 8)), np.array([7, 5])
+    expected = plain(x * factors[:, None], x, x, lengths, causal=True)
+    layer = backend.MultiHeadAttention(query_scaling=scaling, **config)
+    mha.set_weights(layer, weights)
+    out = layer(*[backend.from_numpy(x)] * 3, backend.from_numpy(lengths), causal=True)
+    assert_agrees(backend.to_numpy(out), expected, "float64")
+    # Decoding: the queries of a later call take the positions after the cached ones
+    cache, outputs = mha.KVCache(), []
+    for start, stop in ((0, 3), (3, 4), (4, 7)):
+        part, upto = backend.from_numpy(x[:, start:stop]), np.minimum(lengths, stop)
+        output, cache = layer(part, part, part, backend.from_numpy(upto), causal=True, cache=cache)
+        outputs.append(backend.to_numpy(output))
+    assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
+
+
+def test_latent_query_scaling_decodes_as_one_call(backend, rng):
+    # Mistral 4: the queries of a later call take the positions after the cached latents, in
+    # the expanded and the absorbed forms
+    sizes = dict(num_hiddens=8, num_heads=4, **LATENT_SIZES, dtype="float64")
+    scaling = {"beta": 0.5, "original_max_position_embeddings": 2}
+    weights = mha.random_weights("MultiHeadLatentAttention", seed=6, **sizes)
+    expected = reference.MultiHeadLatentAttention(query_scaling=scaling, **sizes)
+    layer = backend.MultiHeadLatentAttention(query_scaling=scaling, **sizes)
+    for each in (layer, expected):
+        mha.set_weights(each, weights)
+    X = rng.standard_normal((2, 6, 8))
+    wanted = expected(X, causal=True)
+    for absorbed in (False, True):
+        cache, outputs = backend.LatentCache(), []
+        for start, stop in ((0, 3), (3, 4), (4, 6)):
+            part = backend.from_numpy(X[:, start:stop])
+            output, cache = layer(part, causal=True, absorbed=absorbed, cache=cache)
+            outputs.append(backend.to_numpy(output))
+        assert_agrees(np.concatenate(outputs, axis=1), wanted, "float64")
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_query_scaling_is_kept_by_a_file(name, tmp_path, rng):
+    # Written by the reference, read by each backend: the same option, the same numbers
+    scaling = {"beta": 0.3, "original_max_position_embeddings": 2}
+    layer = reference.MultiHeadAttention(
+        8, 2, query_size=8, key_size=8, value_size=8, query_scaling=scaling, dtype="float64"
+    )
+    x = rng.standard_normal((2, 5, 8))
+    mha.set_weights(layer, mha.random_weights(layer, seed=1))
+    mha.save(layer, tmp_path / "layer.safetensors")
+    loaded = mha.load(tmp_path / "layer.safetensors", backend=name)
+    assert loaded.query_scaling == scaling
+    module = backend_module(name)
+    out = loaded(*[module.from_numpy(x)] * 3, causal=True)
+    assert_agrees(module.to_numpy(out), layer(x, x, x, causal=True), "float64")
 
 
 def test_rope_in_multihead_attention_rotates_each_heads_queries_and_keys(backend, rng):

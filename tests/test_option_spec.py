@@ -54,7 +54,7 @@ def _expected_error(kind, bad):
     """TypeError for a value of the wrong type where the kind says so, else ValueError."""
     if kind in ("boolean", "optional boolean") or (kind == "scale" and isinstance(bad, str)):
         return TypeError
-    if kind == "rope scaling" and not isinstance(bad, dict):
+    if kind in ("rope scaling", "query scaling") and not isinstance(bad, dict):
         return TypeError
     return ValueError
 
@@ -73,6 +73,7 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "rope_interleaved",
         "rope_dim",
         "rope_scaling",
+        "query_scaling",
         "softcap",
         "qk_norm",
         "qk_norm_eps",

@@ -212,16 +212,23 @@ def test_attn_bias_is_added_to_every_heads_scores(name, need_weights):
 
 
 @pytest.mark.torch
-def test_the_converters_refuse_alibi(tmp_path):
-    # ALiBi is config, no weight: the converters read it off mha's layer and mha's files
+@pytest.mark.parametrize(
+    "option",
+    [{"alibi": True}, {"query_scaling": {"beta": 0.1, "original_max_position_embeddings": 4}}],
+    ids=["alibi", "query_scaling"],
+)
+def test_the_converters_refuse_alibi_and_query_scaling(tmp_path, option):
+    # ALiBi and the queries' scaling by position are config, no weight: the converters read
+    # them off mha's layer and mha's files, and the frameworks' layers have neither
     layer = backend_module("numpy").MultiHeadAttention(
-        8, 2, query_size=8, key_size=8, value_size=8, alibi=True
+        8, 2, query_size=8, key_size=8, value_size=8, **option
     )
     mha.set_weights(layer, mha.random_weights(layer, seed=0))
-    with pytest.raises(ValueError, match="alibi=True"):
+    name = next(iter(option))
+    with pytest.raises(ValueError, match=f"{name}="):
         interop.to_torch(layer)
     mha.save(layer, tmp_path / "a.safetensors")
     for destination in ("a.pt", "a.weights.h5", "a.msgpack"):
-        with pytest.raises(ValueError, match="alibi=True"):
+        with pytest.raises(ValueError, match=f"{name}="):
             interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
         assert not (tmp_path / destination).exists()

@@ -25,6 +25,17 @@ CONFIGS = {
         {"num_hiddens": 8, "num_heads": 2, "alibi": True, "sliding_window": 2},
         {"causal": True},
     ),
+    # Each segment's queries scaled by their own positions, which L = 2 tells apart
+    "query scaling by position, causal": (
+        "MultiHeadAttention",
+        {
+            "num_hiddens": 8,
+            "num_heads": 2,
+            "rope_theta": 100.0,
+            "query_scaling": {"beta": 0.5, "original_max_position_embeddings": 2},
+        },
+        {"causal": True},
+    ),
     "rotary, no weights": (
         "MultiHeadAttention",
         {"num_hiddens": 8, "num_heads": 2, "rope_theta": 500.0, "rope_interleaved": True},

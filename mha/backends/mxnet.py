@@ -858,6 +858,20 @@ class AdditiveAttention(Layer):
         return _attention_pool(F, scores, values, keep, bias, self.dropout, self._structure)
 
 
+def _query_scales(F, scaling, queries, offset, dtype, positions=None):
+    """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
+    the layer's dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at
+    positions offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions`
+    (batch_size, n), (batch_size, 1, n, 1); counted in float32 for float16."""
+    if positions is None:
+        positions = F.np.expand_dims(_positions(F, queries, -2, dtype) + offset, -1)
+    else:
+        positions = F.np.expand_dims(F.np.expand_dims(positions, 1), -1)
+        positions = positions.astype(rotary_angle_dtype(dtype))
+    steps = F.np.floor(positions / scaling["original_max_position_embeddings"])
+    return (1 + scaling["beta"] * F.np.log1p(steps)).astype(dtype)
+
+
 @documented
 @mx.util.use_np
 class MultiHeadAttention(Layer):
@@ -871,8 +885,8 @@ class MultiHeadAttention(Layer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 query_scaling: dict | None = None, softcap: float | None = None,
+                 sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
                  output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
@@ -882,7 +896,7 @@ class MultiHeadAttention(Layer):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
-        self.softcap = softcap
+        self.query_scaling, self.softcap = frozen_rope_scaling(query_scaling), softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              softcap=softcap, dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
@@ -991,15 +1005,11 @@ class MultiHeadAttention(Layer):
         num_kv_heads = self.num_kv_heads or self.num_heads
         gates = self.W_g(queries) if self.output_gate else None
         queries, keys, values = self.project(F, queries, keys, values)
-        if self.rotary is not None:
-            # Each head's queries and keys turned by their positions offset, offset + 1, ...
-            # (packed sequences restart them at each segment)
-            positions = _Masks(F, queries, keys, call).packed_positions(
-                (query_segments, key_segments) if call.segments else None)
-            queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies,
-                                         positions=positions[0])
-            keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies,
-                                      positions=positions[1])
+        # The positions of queries and keys: offset, offset + 1, ...; packed sequences
+        # restart them at each segment
+        positions = _Masks(F, queries, keys, call).packed_positions(
+            (query_segments, key_segments) if call.segments else None)
+        queries, keys = self.at_positions(F, queries, keys, offset, frequencies, positions)
         if call.cached:
             # This call's keys and values follow those of the positions before it
             keys = F.np.concatenate([cached_keys, keys], axis=2)
@@ -1029,6 +1039,21 @@ class MultiHeadAttention(Layer):
         output = self.W_o(output_concat)
         outputs = ((output, weights) if call.need_weights else (output,)) + cache
         return outputs if len(outputs) > 1 else output
+
+    def at_positions(self, F, queries, keys, offset, frequencies, positions):
+        """Each head's queries and keys at their positions offset, offset + 1, ... (packed
+        sequences: `positions`, each row's own): turned by the rotary embedding, and the
+        queries scaled by query_scaling."""
+        if self.rotary is not None:
+            queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies,
+                                         positions=positions[0])
+            keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies,
+                                      positions=positions[1])
+        if self.query_scaling is not None:
+            # Ministral 3: each query scaled by its position, past every L positions
+            queries = queries * _query_scales(F, self.query_scaling, queries, offset,
+                                              self.dtype, positions[0])
+        return queries, keys
 
     def project(self, F, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
@@ -1071,9 +1096,9 @@ class MultiHeadLatentAttention(Layer):
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
-                 rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 sliding_window: int | None = None, empty_rows: str = "zeros",
-                 dtype: str = "float32"):
+                 rope_scaling: dict | None = None, query_scaling: dict | None = None,
+                 norm_eps: float = 1e-6, sliding_window: int | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -1083,6 +1108,7 @@ class MultiHeadLatentAttention(Layer):
         self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
         self.rope_interleaved = rope_interleaved
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.query_scaling = frozen_rope_scaling(query_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _dense(num_heads * qk_head, False, num_hiddens, self.dtype)
@@ -1144,6 +1170,9 @@ class MultiHeadLatentAttention(Layer):
             offset = F.np.sum(F.np.ones_like(cached_positions), keepdims=True)
         # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
         queries = self.project_queries(F, X, offset, frequencies)
+        if self.query_scaling is not None:
+            # Mistral 4: each query scaled by its position, past every L positions
+            queries = queries * _query_scales(F, self.query_scaling, queries, offset, self.dtype)
         # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
         # (batch_size, 1, no. of steps, rope), one rotary key for every head
         latent, rotary_keys = self.compress(F, X, offset, frequencies)

@@ -25,6 +25,7 @@ from mha.encoding import (
     alibi_slopes,
     frozen_rope_scaling,
     latent_attention_scale,
+    query_scales,
     rotary_angle_dtype,
     rotary_attention_factor,
     rotary_frequencies,
@@ -558,6 +559,21 @@ class AdditiveAttention(Module):
         return output
 
 
+def _query_scales(scaling, queries, offset, positions=None):
+    """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
+    their dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at positions
+    offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions` (batch_size, n),
+    (batch_size, 1, n, 1)."""
+    # float64 for float64 queries, else float32 (mha.encoding.rotary_angle_dtype)
+    angle_dtype = rotary_angle_dtype(queries.dtype.name)
+    if positions is None:
+        positions = np.arange(offset, offset + queries.shape[-2])
+    else:
+        positions = positions[:, None, :]
+    scales = query_scales(positions.astype(angle_dtype), scaling)
+    return scales[..., None].astype(queries.dtype)
+
+
 @documented
 class MultiHeadAttention(Module):
     """Multi-head attention: num_heads scaled dot-product attentions in parallel."""
@@ -570,8 +586,8 @@ class MultiHeadAttention(Module):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 query_scaling: dict | None = None, softcap: float | None = None,
+                 sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
                  output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
@@ -581,7 +597,7 @@ class MultiHeadAttention(Module):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
-        self.softcap = softcap
+        self.query_scaling, self.softcap = frozen_rope_scaling(query_scaling), softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              softcap=softcap, dtype=self.dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
@@ -650,14 +666,7 @@ class MultiHeadAttention(Module):
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None
         queries, keys, values = self.project(queries, keys, values)
-        if self.rotary is not None:
-            # Each head's queries and keys turned by their positions cached, cached + 1, ...;
-            # the sequence, whose length may choose the frequencies, runs to the last key
-            length = cached + keys.shape[-2]
-            # Packed sequences restart them at each segment
-            query_positions, key_positions = masks.packed_positions(segment_ids)
-            queries = self.rotary.rotate(queries, cached, length, query_positions)
-            keys = self.rotary.rotate(keys, cached, length, key_positions)
+        queries, keys = self.at_positions(queries, keys, cached, masks, segment_ids)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -679,6 +688,22 @@ class MultiHeadAttention(Module):
             output_concat = output_concat * _sigmoid(gates)
         output = self.W_o(output_concat)
         return output if cache is None else (output, cache)
+
+    def at_positions(self, queries, keys, cached, masks, segment_ids):
+        """Each head's queries and keys at their positions cached, cached + 1, ... (packed
+        sequences restart them at each segment): turned by the rotary embedding, and the
+        queries scaled by query_scaling."""
+        query_positions, key_positions = masks.packed_positions(segment_ids)
+        if self.rotary is not None:
+            # The sequence, whose length may choose the frequencies, runs to the last key
+            length = cached + keys.shape[-2]
+            queries = self.rotary.rotate(queries, cached, length, query_positions)
+            keys = self.rotary.rotate(keys, cached, length, key_positions)
+        if self.query_scaling is not None:
+            # Ministral 3: each query scaled by its position, past every L positions
+            queries = queries * _query_scales(self.query_scaling, queries, cached,
+                                              query_positions)
+        return queries, keys
 
     def project(self, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
@@ -721,9 +746,9 @@ class MultiHeadLatentAttention(Module):
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
-                 rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 sliding_window: int | None = None, empty_rows: str = "zeros",
-                 dtype: str = "float32"):
+                 rope_scaling: dict | None = None, query_scaling: dict | None = None,
+                 norm_eps: float = 1e-6, sliding_window: int | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -733,6 +758,7 @@ class MultiHeadLatentAttention(Module):
         self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
         self.rope_interleaved = rope_interleaved
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.query_scaling = frozen_rope_scaling(query_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = Linear(num_heads * qk_head, False, num_hiddens, self.dtype)
@@ -767,6 +793,9 @@ class MultiHeadLatentAttention(Module):
         cached = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
         # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
         queries = self.project_queries(X, cached)
+        if self.query_scaling is not None:
+            # Mistral 4: each query scaled by its position, past every L positions
+            queries = queries * _query_scales(self.query_scaling, queries, cached)
         # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
         # (batch_size, 1, no. of steps, rope), one rotary key for every head
         latent, rotary_keys = self.compress(X, cached)

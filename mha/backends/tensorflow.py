@@ -647,6 +647,22 @@ class AdditiveAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+def _query_scales(scaling, queries, offset, positions=None):
+    """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
+    their dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at positions
+    offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions` (batch_size, n),
+    (batch_size, 1, n, 1). The offset is an int, or a scalar tensor while tracing."""
+    # float64 for float64 queries, else float32 (mha.encoding.rotary_angle_dtype)
+    angle_dtype = tf.float64 if queries.dtype == tf.float64 else tf.float32
+    if positions is None:
+        positions = tf.range(offset, offset + _dims(queries)[-2])
+    else:
+        positions = positions[:, None, :]
+    length = scaling["original_max_position_embeddings"]
+    steps = tf.floor(tf.cast(positions, angle_dtype) / length)
+    return tf.cast((1 + scaling["beta"] * tf.math.log1p(steps))[..., None], queries.dtype)
+
+
 @documented
 @keras.utils.register_keras_serializable(package="mha")
 class MultiHeadAttention(_AttentionLayer):
@@ -664,8 +680,8 @@ class MultiHeadAttention(_AttentionLayer):
                  sliding_window: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 softcap: float | None = None, sinks: bool = False,
-                 qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
+                 query_scaling: dict | None = None, softcap: float | None = None,
+                 sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
                  output_gate: bool = False, alibi: bool = False, dtype: str = "float32",
                  **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
@@ -676,7 +692,7 @@ class MultiHeadAttention(_AttentionLayer):
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
-        self.softcap = softcap
+        self.query_scaling, self.softcap = frozen_rope_scaling(query_scaling), softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              softcap=softcap, dtype=dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
@@ -777,14 +793,7 @@ class MultiHeadAttention(_AttentionLayer):
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = _apply_dense(self.W_g, queries) if self.output_gate else None
         queries, keys, values = self.project(queries, keys, values)
-        if self.rotary is not None:
-            # Each head's queries and keys turned by their positions cached, cached + 1, ...;
-            # the sequence, whose length may choose the frequencies, runs to the last key
-            length = cached + _dims(keys)[-2]
-            # Packed sequences restart them at each segment
-            query_positions, key_positions = masks.packed_positions(segment_ids)
-            queries = self.rotary.rotate(queries, cached, length, query_positions)
-            keys = self.rotary.rotate(keys, cached, length, key_positions)
+        queries, keys = self.at_positions(queries, keys, cached, masks, segment_ids)
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
@@ -807,6 +816,22 @@ class MultiHeadAttention(_AttentionLayer):
             output_concat = output_concat * tf.sigmoid(gates)
         output = _apply_dense(self.W_o, output_concat)
         return output if cache is None else (output, cache)
+
+    def at_positions(self, queries, keys, cached, masks, segment_ids):
+        """Each head's queries and keys at their positions cached, cached + 1, ... (packed
+        sequences restart them at each segment): turned by the rotary embedding, and the
+        queries scaled by query_scaling."""
+        query_positions, key_positions = masks.packed_positions(segment_ids)
+        if self.rotary is not None:
+            # The sequence, whose length may choose the frequencies, runs to the last key
+            length = cached + _dims(keys)[-2]
+            queries = self.rotary.rotate(queries, cached, length, query_positions)
+            keys = self.rotary.rotate(keys, cached, length, key_positions)
+        if self.query_scaling is not None:
+            # Ministral 3: each query scaled by its position, past every L positions
+            queries = queries * _query_scales(self.query_scaling, queries, cached,
+                                              query_positions)
+        return queries, keys
 
     def project(self, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
@@ -858,9 +883,9 @@ class MultiHeadLatentAttention(_AttentionLayer):
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
                  q_lora_rank: int | None = None, dropout: float = 0.0, bias: bool = False,
                  rope_theta: float = 10000.0, rope_interleaved: bool = True,
-                 rope_scaling: dict | None = None, norm_eps: float = 1e-6,
-                 sliding_window: int | None = None, empty_rows: str = "zeros",
-                 dtype: str = "float32", **kwargs):
+                 rope_scaling: dict | None = None, query_scaling: dict | None = None,
+                 norm_eps: float = 1e-6, sliding_window: int | None = None,
+                 empty_rows: str = "zeros", dtype: str = "float32", **kwargs):
         dtype = validation.check_layer_args("MultiHeadLatentAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -870,6 +895,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
         self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
         self.rope_interleaved = rope_interleaved
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.query_scaling = frozen_rope_scaling(query_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _projection(num_heads * qk_head, False, num_hiddens, dtype)
@@ -917,6 +943,9 @@ class MultiHeadLatentAttention(_AttentionLayer):
         cached = 0 if cache is None or cache.latent is None else _dims(cache.latent)[1]
         # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
         queries = self.project_queries(X, cached)
+        if self.query_scaling is not None:
+            # Mistral 4: each query scaled by its position, past every L positions
+            queries = queries * _query_scales(self.query_scaling, queries, cached)
         # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
         # (batch_size, 1, no. of steps, rope), one rotary key for every head
         latent, rotary_keys = self.compress(X, cached)
