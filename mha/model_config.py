@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.files import read_bytes
-from mha.model_rope import rotary_options
+from mha.model_rope import query_scaling, rotary_options
 
 __all__ = ["options_from_config"]
 
@@ -33,8 +33,9 @@ def options_from_config(
     (attn_logit_softcapping), the QK-norm of Qwen3, OLMo 2, Gemma 3, Qwen3-Next and GLM-4.5
     with use_qk_norm (qk_norm, qk_norm_eps, and qk_norm_offset=1.0 for the norms that scale
     by 1 + weight: a port option, not a layer's), Qwen3-Next's output gate (output_gate=True:
-    the port splits the query projection), and BLOOM's and MPT's ALiBi (alibi=True), which
-    their model type tells.
+    the port splits the query projection), BLOOM's and MPT's ALiBi (alibi=True), which
+    their model type tells, and Ministral 3's and Mistral 4's queries scaled by their
+    positions (query_scaling, from their rotary parameters' llama_4_scaling_beta).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -242,6 +243,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["sliding_window"] = int(window)
     windowed = "sliding_window" in found
     found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))
+    scaling = query_scaling(config, kind)
+    if scaling is not None:  # Ministral 3: the queries scaled by their positions
+        found["query_scaling"] = scaling
     model_type = config.get("model_type")
     scale = _scale(config, layer)
     if scale is not None:
@@ -274,6 +278,7 @@ _LATENT_MODEL_TYPES = frozenset(
         "glm4_moe_lite",
         "kimi_k2",
         "minicpm3",
+        "mistral4",
         "sarvam_mla",
         "youtu",
     }
@@ -286,16 +291,25 @@ def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, A
     convention in V3), the RMSNorms' eps (1e-6 whatever rms_norm_eps says, as transformers'
     modules). Every one is given, the layer's defaults being DeepSeek-V3's."""
     # The rotary part's size: transformers' default where the config does not write it
-    rotary = rotary_options(config, None, layer, False, config.get("qk_rope_head_dim", 64))
-    if "rope_dim" in rotary or "rope_theta" not in rotary:
+    rope = config.get("qk_rope_head_dim", 64)
+    # Mistral 4's rotary parameters give the part rotated as a fraction of the whole head
+    head = rope
+    if config.get("model_type") == "mistral4":
+        head += config.get("qk_nope_head_dim", 128)
+    rotary = rotary_options(config, None, layer, False, head)
+    rotated = rotary.pop("rope_dim", rope) if "rope_theta" in rotary else "none"
+    if rotated != rope:
         raise ValueError(
-            f"the config's latent attention rotates {rotary.get('rope_dim', 'none')} of the "
+            f"the config's latent attention rotates {rotated} of the {rope} features of the "
             "rotary part of each head; mha's MultiHeadLatentAttention rotates all of it"
         )
     found = {"num_heads": _num_heads(config), "rope_theta": rotary["rope_theta"]}
     found["rope_interleaved"] = rotary.get("rope_interleaved", False)
     if "rope_scaling" in rotary:
         found["rope_scaling"] = rotary["rope_scaling"]
+    scaling = query_scaling(config, None)
+    if scaling is not None:  # Mistral 4: the queries scaled by their positions
+        found["query_scaling"] = scaling
     # transformers' (and DeepSeek's) latent norms take RMSNorm's default, not rms_norm_eps
     found["norm_eps"] = 1e-6
     return found

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mha.encoding import ROPE_TYPES, check_rope_scaling
+from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 
-__all__ = ["ROTARY", "rotary_options"]
+__all__ = ["ROTARY", "query_scaling", "rotary_options"]
 
 # The rotary convention of each model type checked against transformers' own layer, which
 # its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
@@ -60,7 +60,9 @@ ROTARY = {
     "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
     "minimax_m2": "half",
     "ministral": "half",
+    "ministral3": "half",
     "mistral": "half",
+    "mistral4": "rope_interleave",  # DeepSeek-V3's latent attention
     "mixtral": "half",
     "nemotron": "half",
     "olmo": "half",
@@ -145,6 +147,24 @@ _DEFAULT_ROPE = {
     },
 }
 _DEFAULT_ROPE["apertus1p5_text"] = _DEFAULT_ROPE["apertus"]
+# Ministral 3's and Mistral 4's: YaRN, and the queries' scaling by position beside it
+_DEFAULT_ROPE["ministral3"] = {
+    "rope_type": "yarn",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+_DEFAULT_ROPE["mistral4"] = {
+    **_DEFAULT_ROPE["ministral3"],
+    "rope_theta": 10_000.0,
+    "factor": 128.0,
+    "original_max_position_embeddings": 8192,
+}
 _DEFAULT_ROPE["cwm"] = {
     "rope_type": "llama3",
     "rope_theta": 1_000_000.0,
@@ -331,13 +351,23 @@ _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 # the plain rotary embedding, so mha reads the split and ports the text's attention
 _MULTIMODAL_ROPE = frozenset({"qwen3_5_moe_text", "qwen3_5_text"})
 _MULTIMODAL_FIELDS = ("mrope_section", "mrope_interleaved")
+# Model types whose rotary parameters also scale the queries by their positions (Llama 4's
+# rule, in Ministral 3 and Mistral 4): mha's query_scaling, over the parameters'
+# original_max_position_embeddings whatever the rotary type. transformers reads no
+# max_position_embeddings among them (its YaRN takes the config's own)
+_QUERY_SCALING = frozenset({"ministral3", "mistral4"})
+_QUERY_SCALING_FIELDS = (
+    "llama_4_scaling_beta",
+    "original_max_position_embeddings",
+    "max_position_embeddings",
+)
 
 
 def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict | None:
     """mha's rope_scaling of the config's rotary parameters (None for the plain frequencies),
     with the lengths and factor transformers takes from the config where they are not given.
-    A parameter the type does not take is an error: Ministral 3's llama_4_scaling_beta, for
-    one, scales the queries by their position."""
+    A parameter the type does not take is an error (Ministral 3's llama_4_scaling_beta, which
+    scales the queries by their position, is read by query_scaling for its model types)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default" and rope_type not in ROPE_TYPES:
         raise ValueError(
@@ -347,6 +377,8 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     taken = set(_ROPE_COMMON).union(*ROPE_TYPES.get(rope_type, ((), ())))
     if config.get("model_type") in _MULTIMODAL_ROPE:
         taken |= set(_MULTIMODAL_FIELDS)
+    if config.get("model_type") in _QUERY_SCALING:
+        taken |= set(_QUERY_SCALING_FIELDS)
     unknown = sorted(set(rope) - taken)
     if unknown:
         raise ValueError(
@@ -372,4 +404,27 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
         check_rope_scaling(field, scaling)
     except (TypeError, ValueError) as error:
         raise ValueError(f"the config's rotary scaling: {error}") from None
+    return scaling
+
+
+def query_scaling(config: Mapping[str, Any], kind: str | None) -> dict[str, Any] | None:
+    """The layer's query_scaling: Ministral 3's and Mistral 4's llama_4_scaling_beta, over their
+    rotary parameters' original_max_position_embeddings (transformers reads both there, and
+    cannot run without them); None for other model types."""
+    model_type = config.get("model_type")
+    if model_type not in _QUERY_SCALING:
+        return None
+    rope, field = _rope_parameters(config, kind)
+    scaling = {
+        "beta": rope.get("llama_4_scaling_beta"),
+        "original_max_position_embeddings": rope.get("original_max_position_embeddings"),
+    }
+    try:
+        check_query_scaling(field, scaling)
+    except ValueError:
+        raise ValueError(
+            f"{model_type}'s attention scales its queries by their positions, by the "
+            f"llama_4_scaling_beta and original_max_position_embeddings of its {field}: they "
+            f"must be a number >= 0 and a positive integer ({field}={dict(rope)})"
+        ) from None
     return scaling

@@ -83,6 +83,22 @@ OWN_SIZES["youtu"] = {
         "mscale_all_dim": 1.0,
     },
 }
+# Ministral 3's and Mistral 4's queries scaled by their positions past every 2 (their configs:
+# 16384 and 8192), so within the sequence, and YaRN over the same length
+SCALED_QUERIES = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 2,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.5,
+}
+OWN_SIZES["ministral3"] = {"max_position_embeddings": 8, "rope_parameters": SCALED_QUERIES}
+# Mistral 4's config makes the part rotated a fraction of the whole head (nope + rope)
+OWN_SIZES["mistral4"] = {**OWN_SIZES["deepseek_v3"], **OWN_SIZES["ministral3"]}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}

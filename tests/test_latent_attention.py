@@ -433,7 +433,9 @@ def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
     halves = options_from_config({**config, "rope_interleave": False, "rms_norm_eps": 1e-5})
     assert halves["rope_interleaved"] is False and halves["norm_eps"] == 1e-6
     partial = {**config, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
-    with pytest.raises(ValueError, match="rotates 32 of the rotary part of each head"):
+    with pytest.raises(
+        ValueError, match="rotates 32 of the 64 features of the rotary part of each head"
+    ):
         options_from_config(partial)
 
 

@@ -606,7 +606,7 @@ def transformers_rotary(config, kind, head_size):
 # GPT-J's and RoFormer's bases are in their code; latent attention (DeepSeek-V2 and V3, and
 # the types that take their modules) has tests of its own (test_latent_attention.py)
 LATENT_TYPES = {"axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2", "minicpm3"}
-LATENT_TYPES |= {"sarvam_mla", "youtu"}
+LATENT_TYPES |= {"mistral4", "sarvam_mla", "youtu"}
 
 
 @pytest.mark.parametrize(
@@ -1094,10 +1094,25 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             {"model_type": "roformer", "add_cross_attention": True},
             "not the cross-attention's.*rope_interleaved=True",
         ),
-        # Ministral 3 scales its queries by their position
+        # Llama 4's rule of Ministral 3, outside Ministral 3 and Mistral 4 (whose query_scaling
+        # it gives), and a Ministral 3 config without its beta, which transformers needs
         (
             {"rope_parameters": {"rope_theta": 1e6, "llama_4_scaling_beta": 0.1}},
             "llama_4_scaling_beta, which a 'default' rotary",
+        ),
+        (
+            {
+                "model_type": "ministral3",
+                "rope_parameters": {"rope_theta": 1e6, "original_max_position_embeddings": 64},
+            },
+            "ministral3's attention scales its queries by their positions",
+        ),
+        (
+            {
+                "model_type": "mistral4",
+                "rope_parameters": {"rope_theta": 1e4, "llama_4_scaling_beta": -0.1},
+            },
+            "mistral4's attention scales its queries.*llama_4_scaling_beta': -0.1",
         ),
     ],
     ids=lambda value: next(iter(value)) if isinstance(value, dict) else None,
