@@ -113,6 +113,21 @@ ROPE_SCALING_CASES = (
             "rope_scaling": {"rope_type": "linear", "factor": 2.0},
         },
     ),
+    # Gemma 4's full layers: the first 2 of 4 pairs at the whole head's frequencies, halved
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {
+            "rope_theta": 100.0,
+            "num_heads": 2,
+            "num_hiddens": 16,
+            "rope_scaling": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.5,
+                "factor": 2.0,
+            },
+        },
+    ),
     (
         "RotaryEmbedding",
         ("offset",),
@@ -207,6 +222,13 @@ MODERN_CASES = (
         {**GQA, **ROPE, "query_scaling": QUERY_SCALING},
     ),
     ("MultiHeadAttention", ("causal", "no_weights"), {"query_scaling": QUERY_SCALING}),
+    # Gemma 4's values normalized beside its queries and keys; and on the fused paths
+    (
+        "MultiHeadAttention",
+        ("valid_lens_1d", "causal"),
+        {**GQA, "qk_norm": "head", "value_norm": True, "qk_norm_eps": 1e-3},
+    ),
+    ("MultiHeadAttention", ("self", "causal", "no_weights"), {"value_norm": True}),
 )
 
 

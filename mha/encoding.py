@@ -92,6 +92,12 @@ def rotary_frequencies(
         return frequencies / np.asarray(scaling["long_factor" if long else "short_factor"], float)
     if rope_type == "llama3":
         return _llama3(frequencies, scaling)
+    if rope_type == "proportional":
+        # Gemma 4: the first pairs of a fraction of the head turn at the whole head's
+        # frequencies, the others not at all (frequency 0)
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * num_hiddens // 2)
+        frequencies[turning:] = 0.0
+        return frequencies / scaling.get("factor", 1.0)
     return _yarn(frequencies, num_hiddens, theta, scaling)
 
 
@@ -183,6 +189,7 @@ ROPE_TYPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("short_factor", "long_factor", "original_max_position_embeddings"),
         ("factor", "attention_factor"),
     ),
+    "proportional": ((), ("factor", "partial_rotary_factor")),
 }
 
 
@@ -285,6 +292,7 @@ def _factors(value: Any) -> bool:
 
 _ROPE_VALUE_CHECKS = {
     "original_max_position_embeddings": lambda v: _positive(v) and isinstance(v, numbers.Integral),
+    "partial_rotary_factor": lambda v: _positive(v) and v <= 1,
     "mscale": lambda v: _number(v) and math.isfinite(v) and v >= 0,
     "mscale_all_dim": lambda v: _number(v) and math.isfinite(v) and v >= 0,
     "truncate": lambda v: isinstance(v, bool),
@@ -293,6 +301,7 @@ _ROPE_VALUE_CHECKS = {
 }
 _ROPE_VALUE_KINDS = {
     "original_max_position_embeddings": "a positive integer",
+    "partial_rotary_factor": "a number in (0, 1]",
     "mscale": "a number >= 0",
     "mscale_all_dim": "a number >= 0",
     "truncate": "True or False",

@@ -369,7 +369,8 @@ OPTIONS: tuple[Option, ...] = (
         {
             "*": "None (default), or the rotary frequencies' scaling as Hugging Face's "
             "rope_parameters give it: a mapping of rope_type ('linear', 'dynamic', 'yarn', "
-            "'llama3', 'longrope') and that type's numbers (mha.encoding.ROPE_TYPES).",
+            "'llama3', 'longrope', 'proportional') and that type's numbers "
+            "(mha.encoding.ROPE_TYPES).",
             "MultiHeadLatentAttention": "None (default), or the rotary frequencies' scaling "
             "as MultiHeadAttention's; a yarn scaling with mscale_all_dim also multiplies the "
             "scores' factor by its mscale squared, as DeepSeek-V3's.",
@@ -444,6 +445,18 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "value_norm",
+        False,
+        "boolean",
+        {
+            "*": "whether each head's values are normalized after their projection, scaled to "
+            "a mean square of 1 with no weight, by qk_norm_eps (Gemma 4's v_norm)."
+        },
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
         "output_gate",
         False,
         "boolean",
@@ -485,8 +498,9 @@ OPTIONS: tuple[Option, ...] = (
         "rope scaling",
         {
             "*": "None (default), or the frequencies' scaling: a mapping of rope_type "
-            "('linear', 'dynamic', 'yarn', 'llama3', 'longrope') and that type's numbers, "
-            "named as in Hugging Face's rope_parameters (mha.encoding.ROPE_TYPES)."
+            "('linear', 'dynamic', 'yarn', 'llama3', 'longrope', 'proportional') and that "
+            "type's numbers, named as in Hugging Face's rope_parameters "
+            "(mha.encoding.ROPE_TYPES)."
         },
         ("RotaryEmbedding",),
         added=True,

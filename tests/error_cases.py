@@ -141,6 +141,7 @@ BAD_VALUES = {
         {"rope_type": "ntk", "factor": 2.0},
         {"rope_type": "yarn", "factor": 2.0},
         {"rope_type": "linear", "factor": -2.0},
+        {"rope_type": "proportional", "partial_rotary_factor": 1.5},
     ),
 }
 

@@ -37,6 +37,7 @@ CONFIG = {
     "qk_norm_eps": 1e-06,
     "output_gate": False,
     "alibi": False,
+    "value_norm": False,
 }
 
 

@@ -241,6 +241,7 @@ def test_torch_to_mha(torch, name, config, dtype):
         "qk_norm_eps": 1e-06,
         "output_gate": False,
         "alibi": False,
+        "value_norm": False,
     }
     rng = np.random.default_rng(3)
     tensors = inputs(config, dtype, rng)

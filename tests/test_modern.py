@@ -43,6 +43,20 @@ def test_rotary_embedding_is_a_complex_rotation(backend, rng, interleaved):
     assert_agrees(out, expected, "float64")
 
 
+def test_proportional_rotary_turns_its_first_pairs_at_the_whole_heads_frequencies(backend, rng):
+    # Gemma 4's full layers, by hand: of a head of 16, pair i < 4 (half the head, 8 features)
+    # turns at 100^(-2i / 16) / 2, as in the whole head's table; pairs 4 to 7 do not turn
+    X = rng.standard_normal((2, 3, 5, 16))
+    scaling = {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0}
+    rotary = backend.RotaryEmbedding(16, 100.0, scaling=scaling, dtype="float64")
+    out = backend.to_numpy(rotary(backend.from_numpy(X), offset=3))
+    pairs = np.arange(8)
+    frequencies = np.where(pairs < 4, 100.0 ** (-2 * pairs / 16) / 2, 0.0)
+    z = (X[..., :8] + 1j * X[..., 8:]) * np.exp(1j * np.arange(3, 8)[:, None] * frequencies)
+    assert_agrees(out, np.concatenate([z.real, z.imag], axis=-1), "float64")
+    np.testing.assert_array_equal(out[..., 4:8], X[..., 4:8])  # frequency 0: unturned
+
+
 def test_rotary_scores_depend_on_relative_positions_only(backend, rng):
     # <R(p) q, R(s) k> = <R(p + t) q, R(s + t) k>: RoPE's reason for being
     q, k = rng.standard_normal((1, 1, 8)), rng.standard_normal((1, 1, 8))
@@ -255,6 +269,25 @@ def test_query_scaling_multiplies_each_query_by_its_positions_factor(backend, rn
         output, cache = layer(part, part, part, backend.from_numpy(upto), causal=True, cache=cache)
         outputs.append(backend.to_numpy(output))
     assert_agrees(np.concatenate(outputs, axis=1), expected, "float64")
+
+
+def test_value_norm_scales_each_heads_values_to_a_mean_square_of_1(backend, rng):
+    # Written out: the plain layer's weights (value_norm leaves them), over each key-value
+    # head's values divided by their root mean square, each serving two query heads
+    config = dict(num_hiddens=8, num_heads=4, num_kv_heads=2, qk_norm_eps=1e-3, dtype="float64")
+    sizes = dict(query_size=6, key_size=6, value_size=6)
+    weights = mha.random_weights("MultiHeadAttention", seed=8, **sizes, **config)
+    plain = reference.MultiHeadAttention(**config)
+    mha.set_weights(plain, weights)
+    q, kv, lengths = rng.standard_normal((2, 3, 6)), rng.standard_normal((2, 5, 6)), [5, 2]
+    plain(q, kv, kv, np.array(lengths))
+    v = (kv @ weights["W_v"]).reshape(2, 5, 2, 2).transpose(0, 2, 1, 3)
+    v = np.repeat(v / np.sqrt(np.mean(v**2, axis=-1, keepdims=True) + 1e-3), 2, axis=1)
+    merged = (plain.attention_weights @ v).transpose(0, 2, 1, 3).reshape(2, 3, 8)
+    layer = backend.MultiHeadAttention(value_norm=True, **config)
+    mha.set_weights(layer, weights)
+    arrays = [backend.from_numpy(x) for x in (q, kv, kv, np.array(lengths))]
+    assert_agrees(backend.to_numpy(layer(*arrays)), merged @ weights["W_o"], "float64")
 
 
 def test_latent_query_scaling_decodes_as_one_call(backend, rng):

@@ -79,6 +79,7 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "qk_norm_eps",
         "sliding_window",
         "alibi",
+        "value_norm",
     }
 
 

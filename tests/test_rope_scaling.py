@@ -236,8 +236,8 @@ def test_a_scaling_is_checked_by_name():
 
 def test_unknown_rope_types_are_refused_by_name():
     config = {"num_attention_heads": 4, "hidden_size": 16}
-    rope = {"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0}
-    with pytest.raises(ValueError, match=r"'proportional' \(rope_parameters="):
+    rope = {"rope_type": "mrope", "rope_theta": 1e4, "factor": 2.0}
+    with pytest.raises(ValueError, match=r"'mrope' \(rope_parameters="):
         porting.options_from_config({**config, "rope_parameters": rope})
     broken = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}
     with pytest.raises(ValueError, match=r"missing: low_freq_factor, high_freq_factor"):

@@ -204,6 +204,13 @@ class _Sinks(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((num_heads,), _DTYPES[dtype]))
 
 
+def _rms_normalized(X: jax.Array, eps: float) -> jax.Array:
+    """X's last axis scaled to a mean square of 1 (float32 sums for half)."""
+    x = X.astype(jnp.float64 if X.dtype == jnp.float64 else jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return x.astype(X.dtype)
+
+
 class RMSNorm(nnx.Module):
     """Scale the last axis to a mean square of 1, then by scale (float32 sums for half)."""
 
@@ -212,9 +219,7 @@ class RMSNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((num_hiddens,), _DTYPES[dtype]))
 
     def __call__(self, X: jax.Array) -> jax.Array:
-        x = X.astype(jnp.float64 if X.dtype == jnp.float64 else jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * x.astype(X.dtype)
+        return self.scale[...] * _rms_normalized(X, self.eps)
 
 
 class HeadLayerNorm(nnx.Module):
@@ -643,7 +648,8 @@ class MultiHeadAttention(nnx.Module):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
                  sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32",
+                 output_gate: bool = False, alibi: bool = False, value_norm: bool = False,
+                 dtype: str = "float32",
                  rngs: nnx.Rngs | None = None):
         self.dtype = _checked_dtype(
             validation.check_layer_args("MultiHeadAttention", locals())
@@ -676,7 +682,7 @@ class MultiHeadAttention(nnx.Module):
             self.sink_logits = _Sinks(num_heads, self.dtype)
         # Norms of queries and keys: RMSNorms over each head or the whole projection, or
         # a layer norm of each head
-        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps,
@@ -772,7 +778,8 @@ class MultiHeadAttention(nnx.Module):
 
     def project(self, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
-        and keys normalized (over the whole projection, or over each head)."""
+        and keys normalized (over the whole projection, or over each head); values too where
+        value_norm says."""
         num_kv_heads = self.num_kv_heads or self.num_heads
         queries, keys = self.W_q(queries), self.W_k(keys)
         if self.qk_norm == "projection":
@@ -785,6 +792,8 @@ class MultiHeadAttention(nnx.Module):
             # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
             # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.value_norm:  # Gemma 4: each head's values to a mean square of 1, no weight
+            values = _rms_normalized(values, self.qk_norm_eps)
         return queries, keys, values
 
     def transpose_qkv(self, X: jax.Array, num_heads: int | None = None) -> jax.Array:

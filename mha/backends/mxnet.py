@@ -286,6 +286,13 @@ class Sinks(nn.HybridBlock):
         return F.np.reshape(bias, (-1, 1, 1))
 
 
+def _rms_normalized(F, X, eps: float, dtype: str):
+    """X's last axis scaled to a mean square of 1 (float32 sums for float16)."""
+    x = X.astype("float32") if dtype == "float16" else X
+    x = x / F.np.sqrt(F.np.square(x).mean(axis=-1, keepdims=True) + eps)
+    return x.astype(dtype)
+
+
 @mx.util.use_np
 class RMSNorm(nn.HybridBlock):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for float16)."""
@@ -297,9 +304,7 @@ class RMSNorm(nn.HybridBlock):
                                      dtype=dtype)
 
     def hybrid_forward(self, F, X, gamma):
-        x = X.astype("float32") if self._dtype == "float16" else X
-        x = x / F.np.sqrt(F.np.square(x).mean(axis=-1, keepdims=True) + self.eps)
-        return gamma * x.astype(self._dtype)
+        return gamma * _rms_normalized(F, X, self.eps, self._dtype)
 
 
 @mx.util.use_np
@@ -887,7 +892,8 @@ class MultiHeadAttention(Layer):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
                  sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
+                 output_gate: bool = False, alibi: bool = False, value_norm: bool = False,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -917,7 +923,7 @@ class MultiHeadAttention(Layer):
             self.sink_logits = Sinks(num_heads, self.dtype)
         # Norms of queries and keys: RMSNorms over each head or the whole projection, or
         # a layer norm of each head
-        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
@@ -932,9 +938,8 @@ class MultiHeadAttention(Layer):
         # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count,
         # a plain array that reaches a traced graph as an input, as the rotary frequencies
         self.alibi = alibi
-        self.alibi_slopes = from_numpy(
-            alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1)
-        ) if alibi else None
+        slopes = alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1)
+        self.alibi_slopes = from_numpy(slopes) if alibi else None
         self.attention_weights = None
         self.initialize(_LinearInit())
 
@@ -1057,7 +1062,8 @@ class MultiHeadAttention(Layer):
 
     def project(self, F, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
-        and keys normalized (over the whole projection, or over each head)."""
+        and keys normalized (over the whole projection, or over each head); values too where
+        value_norm says."""
         num_kv_heads = self.num_kv_heads or self.num_heads
         queries, keys = self.W_q(queries), self.W_k(keys)
         if self.qk_norm == "projection":
@@ -1070,6 +1076,8 @@ class MultiHeadAttention(Layer):
             # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
             # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.value_norm:  # Gemma 4: each head's values to a mean square of 1, no weight
+            values = _rms_normalized(F, values, self.qk_norm_eps, self.dtype)
         return queries, keys, values
 
     def transpose_qkv(self, F, X, num_heads=None):

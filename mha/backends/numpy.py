@@ -192,6 +192,13 @@ class Sinks(Module):
         self.bias = np.zeros(num_heads, dtype=dtype)
 
 
+def _rms_normalized(X: np.ndarray, eps: float) -> np.ndarray:
+    """X's last axis scaled to a mean square of 1 (float32 sums for float16)."""
+    x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+    x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + x.dtype.type(eps))
+    return x.astype(X.dtype)
+
+
 class RMSNorm(Module):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for float16)."""
 
@@ -201,9 +208,7 @@ class RMSNorm(Module):
         self.gamma = np.ones(num_hiddens, dtype=dtype)
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
-        x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + x.dtype.type(self.eps))
-        return self.gamma * x.astype(X.dtype)
+        return self.gamma * _rms_normalized(X, self.eps)
 
 
 class HeadLayerNorm(Module):
@@ -588,7 +593,8 @@ class MultiHeadAttention(Module):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
                  sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
+                 output_gate: bool = False, alibi: bool = False, value_norm: bool = False,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -618,7 +624,7 @@ class MultiHeadAttention(Module):
             self.sink_logits = Sinks(num_heads, self.dtype)
         # Norms of queries and keys: RMSNorms over each head or the whole projection, or
         # a layer norm of each head
-        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
@@ -707,7 +713,8 @@ class MultiHeadAttention(Module):
 
     def project(self, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
-        and keys normalized (over the whole projection, or over each head)."""
+        and keys normalized (over the whole projection, or over each head); values too where
+        value_norm says."""
         num_kv_heads = self.num_kv_heads or self.num_heads
         queries, keys = self.W_q(queries), self.W_k(keys)
         if self.qk_norm == "projection":
@@ -720,6 +727,8 @@ class MultiHeadAttention(Module):
             # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
             # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.value_norm:  # Gemma 4: each head's values to a mean square of 1, no weight
+            values = _rms_normalized(values, self.qk_norm_eps)
         return queries, keys, values
 
     def transpose_qkv(self, X: np.ndarray, num_heads: int | None = None) -> np.ndarray:

@@ -147,6 +147,13 @@ class _Sinks(keras.layers.Layer):
         self.built = True
 
 
+def _rms_normalized(X: tf.Tensor, eps: float) -> tf.Tensor:
+    """X's last axis scaled to a mean square of 1 (float32 sums for half)."""
+    x = tf.cast(X, tf.float64 if X.dtype == tf.float64 else tf.float32)
+    x = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + eps)
+    return tf.cast(x, X.dtype)
+
+
 class RMSNorm(keras.layers.Layer):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for half)."""
 
@@ -157,9 +164,7 @@ class RMSNorm(keras.layers.Layer):
         self.built = True
 
     def call(self, X: tf.Tensor) -> tf.Tensor:
-        x = tf.cast(X, tf.float64 if X.dtype == tf.float64 else tf.float32)
-        x = x * tf.math.rsqrt(tf.reduce_mean(tf.square(x), axis=-1, keepdims=True) + self.eps)
-        return self.gamma * tf.cast(x, X.dtype)
+        return self.gamma * _rms_normalized(X, self.eps)
 
 
 class HeadLayerNorm(keras.layers.Layer):
@@ -682,7 +687,8 @@ class MultiHeadAttention(_AttentionLayer):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
                  sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32",
+                 output_gate: bool = False, alibi: bool = False, value_norm: bool = False,
+                 dtype: str = "float32",
                  **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
@@ -713,7 +719,7 @@ class MultiHeadAttention(_AttentionLayer):
             self.sink_logits = _Sinks(num_heads, dtype)
         # Norms of queries and keys: RMSNorms over each head or the whole projection, or
         # a layer norm of each head
-        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, dtype)
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, dtype)
@@ -835,7 +841,8 @@ class MultiHeadAttention(_AttentionLayer):
 
     def project(self, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
-        and keys normalized (over the whole projection, or over each head)."""
+        and keys normalized (over the whole projection, or over each head); values too where
+        value_norm says."""
         num_kv_heads = self.num_kv_heads or self.num_heads
         # The projections call the Dense kernels directly (see _apply_dense)
         queries, keys = _apply_dense(self.W_q, queries), _apply_dense(self.W_k, keys)
@@ -849,6 +856,8 @@ class MultiHeadAttention(_AttentionLayer):
             # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
             # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.value_norm:  # Gemma 4: each head's values to a mean square of 1, no weight
+            values = _rms_normalized(values, self.qk_norm_eps)
         return queries, keys, values
 
     def transpose_qkv(self, X: tf.Tensor, num_heads: int | None = None) -> tf.Tensor:

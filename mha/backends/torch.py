@@ -134,6 +134,12 @@ class Sinks(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_heads, dtype=_TORCH_DTYPES[dtype]))
 
 
+def _rms_normalized(X: torch.Tensor, eps: float) -> torch.Tensor:
+    """X's last axis scaled to a mean square of 1 (float32 sums for half)."""
+    x = X.to(torch.float64 if X.dtype == torch.float64 else torch.float32)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(X.dtype)
+
+
 class RMSNorm(nn.Module):
     """Scale the last axis to a mean square of 1, then by weight (float32 sums for half)."""
 
@@ -143,9 +149,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(num_hiddens, dtype=_TORCH_DTYPES[dtype]))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        x = X.to(torch.float64 if X.dtype == torch.float64 else torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(X.dtype)
+        return self.weight * _rms_normalized(X, self.eps)
 
 
 class HeadLayerNorm(nn.Module):
@@ -581,7 +585,8 @@ class MultiHeadAttention(Module):
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
                  sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, alibi: bool = False, dtype: str = "float32"):
+                 output_gate: bool = False, alibi: bool = False, value_norm: bool = False,
+                 dtype: str = "float32"):
         super().__init__()
         self.dtype = validation.check_layer_args("MultiHeadAttention", locals())
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
@@ -611,7 +616,7 @@ class MultiHeadAttention(Module):
             self.sink_logits = Sinks(num_heads, self.dtype)
         # Norms of queries and keys: RMSNorms over each head or the whole projection, or
         # a layer norm of each head
-        self.qk_norm, self.qk_norm_eps = qk_norm, qk_norm_eps
+        self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
         if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
@@ -701,7 +706,8 @@ class MultiHeadAttention(Module):
 
     def project(self, queries, keys, values):
         """Each head's queries, keys and values: projected, and where qk_norm says, queries
-        and keys normalized (over the whole projection, or over each head)."""
+        and keys normalized (over the whole projection, or over each head); values too where
+        value_norm says."""
         num_kv_heads = self.num_kv_heads or self.num_heads
         queries, keys = self.W_q(queries), self.W_k(keys)
         if self.qk_norm == "projection":
@@ -714,6 +720,8 @@ class MultiHeadAttention(Module):
             # Qwen3: each head's features normalized, by one scale the heads share; StableLM:
             # centered too, by a scale of each head's own
             queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if self.value_norm:  # Gemma 4: each head's values to a mean square of 1, no weight
+            values = _rms_normalized(values, self.qk_norm_eps)
         return queries, keys, values
 
     def transpose_qkv(self, X: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
