@@ -18,15 +18,20 @@ from mha import latent_layout, validation
 from mha.interop.torch import TORCH_WEIGHT_NAMES, canonical_from_torch
 
 __all__ = [
+    "KEYS_AS_VALUES",
     "LAYOUTS",
+    "VALUES_FROM_KEYS",
     "Layout",
     "find_attention",
     "flatten",
     "layout_names",
     "matches",
     "num_kv_heads",
+    "split_gate",
     "under",
+    "values_are_keys",
     "weights_and_config",
+    "with_values_from_keys",
 ]
 
 
@@ -173,6 +178,26 @@ def under(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {name[len(start) :]: value for name, value in state.items() if name.startswith(start)}
 
 
+# The note of a port whose values are its keys' projection
+VALUES_FROM_KEYS = "v_proj is k_proj: the values are the key projection's output"
+
+
+def with_values_from_keys(names, values_from_keys: bool, where: str):
+    """The names under the prefix, with k_proj's tensors also as v_proj's where
+    values_from_keys says (Gemma 4's full layers: their values are the keys' projection,
+    before any norm); and the names so added."""
+    if not values_from_keys:
+        return names, ()
+    if any(name.startswith("v_proj.") for name in names) or "k_proj.weight" not in names:
+        raise ValueError(
+            "values_from_keys=True reads the values from k_proj, where the layer has no "
+            f"v_proj; the weights {where} have "
+            + ("a v_proj" if "k_proj.weight" in names else "no k_proj.weight")
+        )
+    copied = {"v" + name[1:]: value for name, value in names.items() if name.startswith("k_proj.")}
+    return {**names, **copied}, tuple(copied)
+
+
 def matches(layout: Layout, names: Iterable[str]) -> bool:
     """Whether `names` hold every module that marks the layout."""
     names = set(names)
@@ -214,7 +239,23 @@ def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
             prefix = name[: -len(tail)].rstrip(".")
             if latent_layout.matches(under(state, prefix)):
                 found.append((prefix, latent_layout.NAME))
+        if name == "k_proj.weight" or name.endswith(".k_proj.weight"):
+            prefix = name[: -len("k_proj.weight")].rstrip(".")
+            if values_are_keys(under(state, prefix)):
+                found.append((prefix, KEYS_AS_VALUES))
     return found
+
+
+# Gemma 4's full layers (attention_k_eq_v): q_proj, k_proj and o_proj, the values being the
+# key projection's output; ported with values_from_keys=True
+KEYS_AS_VALUES = "q/k/o_proj, the values from k_proj (Gemma 4: values_from_keys=True)"
+
+
+def values_are_keys(names: Mapping[str, Any]) -> bool:
+    """Whether the names under a prefix are those of a layer whose values are its keys'
+    projection: q_proj, k_proj and o_proj, and no v_proj."""
+    held = {name.rsplit(".", 1)[0] for name in names}
+    return {"q_proj", "k_proj", "o_proj"} <= held and "v_proj" not in held
 
 
 def weights_and_config(layout: Layout, arrays, num_heads: int | None = None):
@@ -454,3 +495,33 @@ def _config(layout: Layout, matrices, num_heads) -> dict[str, Any]:
         "zero_biases": [layout.paths.get(k, k) for k in zero_biases],
     }
     return weights, config
+
+
+def split_gate(layout: Layout, arrays, num_heads: int | None, where: str):
+    """Qwen3-Next's query projection: each head's query rows, then as many gate rows. The
+    arrays with the queries' rows alone, and the gate's canonical W_g (and b_g)."""
+    path = layout.paths.get("q")
+    if layout.kind != "linear" or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(
+            f"output_gate reads each head's queries and gate from the query projection of "
+            f"separate q, k, v and o projections, given num_heads; the {layout.name} weights "
+            f"{where} have " + ("another layout" if layout.kind != "linear" else "no num_heads")
+        )
+    rows = arrays[f"{path}.weight"].shape[0]  # torch's Linear: (out, in)
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"{path}.weight {where} has {rows} rows: not a query and a gate of equal size for "
+            f"each of {num_heads} heads (output_gate)"
+        )
+
+    def split(array):  # (2n, ...) -> each head's queries (n, ...), each head's gate (n, ...)
+        grouped = array.reshape(num_heads, 2, rows // (2 * num_heads), *array.shape[1:])
+        return [grouped[:, i].reshape(-1, *array.shape[1:]) for i in (0, 1)]
+
+    arrays = dict(arrays)
+    arrays[f"{path}.weight"], W_g = split(arrays[f"{path}.weight"])
+    gate = {"W_g": np.ascontiguousarray(W_g.T)}
+    if f"{path}.bias" in arrays:
+        arrays[f"{path}.bias"], b_g = split(arrays[f"{path}.bias"])
+        gate["b_g"] = np.ascontiguousarray(b_g)
+    return arrays, gate

@@ -34,8 +34,10 @@ def options_from_config(
     with use_qk_norm (qk_norm, qk_norm_eps, and qk_norm_offset=1.0 for the norms that scale
     by 1 + weight: a port option, not a layer's), Qwen3-Next's output gate (output_gate=True:
     the port splits the query projection), BLOOM's and MPT's ALiBi (alibi=True), which
-    their model type tells, and Ministral 3's and Mistral 4's queries scaled by their
-    positions (query_scaling, from their rotary parameters' llama_4_scaling_beta).
+    their model type tells, Ministral 3's and Mistral 4's queries scaled by their
+    positions (query_scaling, from their rotary parameters' llama_4_scaling_beta), and
+    Gemma 4's normalized values (value_norm), unscaled scores and values from the key
+    projection (values_from_keys=True: a port option) where attention_k_eq_v says.
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -173,6 +175,8 @@ def _held(config: Mapping[str, Any], key: str) -> bool:
     model_type = config.get("model_type")
     if key == "use_qk_norm":  # MiniMax-M2's configs write it; its norms are always there
         return model_type in _QK_NORM_FIELD or model_type == "minimax_m2"
+    if key == "use_bidirectional_attention":  # Gemma 4's images, not its text
+        return model_type in _GEMMA4 and config[key] == "vision"
     return key == "qk_layernorm" and model_type == "stablelm"
 
 
@@ -198,6 +202,7 @@ _QK_NORM = {
     "exaone_moe": "head",
     "flex_olmo": "projection",
     "gemma3_text": "head",
+    "gemma4_text": "head",
     "lara_mini": "head",
     "minimax_m2": "projection",
     "olmo2": "projection",
@@ -223,6 +228,11 @@ _QK_NORM_OFFSET = {
 
 # Model types whose query projection also gives a gate of the heads' output
 _OUTPUT_GATE = frozenset({"qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
+
+# Model types whose values are normalized with no weight (value_norm), their scores unscaled
+# (the QK-norms set their size), and whose full layers take their values from the key
+# projection where the config's attention_k_eq_v says (a port option: values_from_keys)
+_GEMMA4 = frozenset({"gemma4_text"})
 
 _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 
@@ -265,6 +275,27 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["output_gate"] = True
     if model_type in _ALIBI_MODEL_TYPES:  # BLOOM, MPT
         found["alibi"] = True
+    if model_type in _GEMMA4:
+        found.update(_gemma4_options(config, kind, layer))
+    return found
+
+
+def _gemma4_options(config: Mapping[str, Any], kind: str | None, layer: int | None):
+    """Gemma 4's options beside Gemma 3's: its values normalized, its scores unscaled, its
+    full layers' values from the key projection (attention_k_eq_v). Its last
+    num_kv_shared_layers layers attend over an earlier layer's keys and values: refused."""
+    shared = config.get("num_kv_shared_layers") or 0
+    count = _num_layers(config)
+    if shared and (layer is None or count is None or layer >= count - shared):
+        raise ValueError(
+            f"the config's last {shared} layers (num_kv_shared_layers) attend over the keys "
+            "and values of an earlier layer, which mha's layer does not take: give the index "
+            f"of a layer below {count - shared if count else '?'}"
+            + ("" if layer is None else f". Received: layer={layer}")
+        )
+    found: dict[str, Any] = {"value_norm": True, "scale": 1.0}
+    if config.get("attention_k_eq_v") and kind == "full_attention":
+        found["values_from_keys"] = True
     return found
 
 

@@ -39,6 +39,7 @@ ROTARY = {
     "gemma": "half",
     "gemma2": "half",
     "gemma3_text": "half",
+    "gemma4_text": "half",
     "glm": "pairs",
     "glm4": "pairs",
     "glm4_moe": "half",
@@ -173,15 +174,27 @@ _DEFAULT_ROPE["cwm"] = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
 }
+# Gemma 4's, one per layer type: its full layers turn a quarter of each head proportionally
+_DEFAULT_ROPE_BY_KIND = {
+    "gemma4_text": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1_000_000.0,
+        },
+    }
+}
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})
 # Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
-# no fraction outside its rope_parameters)
+# no fraction outside its rope_parameters, Gemma 4 neither a base)
 _ROPE_FIELDS = {
     **{model_type: ("", "") for model_type in _THETA_IN_CODE},
     "gpt_neox": ("rotary_emb_base", "rotary_pct"),
     "gemma3_text": ("rope_theta", ""),
+    "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
     "olmo3": ("rope_theta", ""),
 }
 # Model types whose sliding layers take their base from another field, unscaled, where the
@@ -267,6 +280,8 @@ def _rotary(
     partial = rope.get("partial_rotary_factor", config.get(partial_field))
     partial = _DEFAULT_PARTIAL.get(model_type) if partial is None else partial
     scaling = _rope_scaling(config, rope, field)
+    if scaling is not None and scaling["rope_type"] == "proportional":
+        partial = None  # proportional's own fraction: the whole head turns, part of it at 0
     if theta is None:
         if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
             raise ValueError(
@@ -313,6 +328,8 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     if model_type in _THETA_IN_CODE:
         return {}, f"{model_type}'s code"
     rope = config.get("rope_parameters") or {}
+    if not rope and not config.get("rope_scaling") and model_type in _DEFAULT_ROPE_BY_KIND:
+        rope = _DEFAULT_ROPE_BY_KIND[model_type]
     if not isinstance(rope, Mapping):
         raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
     if rope and all(isinstance(value, Mapping) for value in rope.values()):

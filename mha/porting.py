@@ -58,15 +58,20 @@ from mha.config import get_backend
 from mha.encoding import alibi_slopes, rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
+    KEYS_AS_VALUES,
     LAYOUTS,
+    VALUES_FROM_KEYS,
     Layout,
     find_attention,
     flatten,
     layout_names,
     matches,
     num_kv_heads,
+    split_gate,
     under,
+    values_are_keys,
     weights_and_config,
+    with_values_from_keys,
 )
 from mha.model_config import options_from_config
 from mha.registry import load_backend
@@ -113,6 +118,7 @@ def canonical_from_state_dict(
     qk_norm_offset: float = 0.0,
     output_gate: bool = False,
     without_positions: bool = False,
+    values_from_keys: bool = False,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`
@@ -130,6 +136,8 @@ def canonical_from_state_dict(
             (Qwen3-Next), split into W_q and the gate's W_g.
         without_positions: no rotary embedding or ALiBi in a layout whose models all add
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
+        values_from_keys: the layer has no v_proj, its values being the key projection's
+            output before any norm (Gemma 4's full layers, attention_k_eq_v): W_v is W_k.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
             ... (`options_from_config` reads them from a Hugging Face config). Key and value
             projections with fewer outputs than the query's give num_kv_heads.
@@ -139,31 +147,44 @@ def canonical_from_state_dict(
             mha cannot hold (each listed), sparse attention, positions no option gives.
     """
     state = flatten(state)
-    names = under(state, prefix)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
+    names, copied = with_values_from_keys(under(state, prefix), values_from_keys, where)
     latent_layout.refuse_sparse(names, where)
     if latent_layout.matches(names):
         given = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
+        given["values_from_keys"] = values_from_keys
         return _latent_port(names, num_heads, options, where, without_positions, **given)
     check_untold_options(options)
     layout = _only_layout(state, names, prefix, where)
+    given = dict(qk_norm=options.get("qk_norm"), qk_norm_offset=qk_norm_offset)
+    read = _read_port(layout, names, num_heads, output_gate, where, **given)
+    weights, config, used, left_out, notes = read
+    config = _checked_config(layout, config, options, scale)
+    _check_positions(layout, config, without_positions, where)
+    _use_inv_freq(names, config, where, used, left_out)
+    used = sorted(set(used) - set(copied))  # the source's names alone
+    notes += (VALUES_FROM_KEYS,) if copied else ()
+    return Port(weights, config, layout.name, used, left_out, notes)
+
+
+def _read_port(
+    layout: Layout, names, num_heads, output_gate, where: str, *, qk_norm, qk_norm_offset
+):
+    """The weights and the config the weights tell of a layer of `layout`, the names used and
+    left out, and the notes on what the port added."""
     used = layout_names(layout, names)
-    extra = _beside_projections(layout, names, options.get("qk_norm"), where)
+    extra = _beside_projections(layout, names, qk_norm, where)
     beside = [name for held in extra.values() for name in _names_of(held)]
     left_out = _left_out(layout, set(names) - set(used) - set(beside), where)
     weights, config = _read_layer(layout, names, used, num_heads, output_gate, where)
     weights.update(_beside_weights(names, extra, qk_norm_offset, where))
     config["sinks"], config["output_gate"] = "sinks" in extra, "W_g" in weights
-    used += beside
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
     if kv_hiddens != config["num_hiddens"]:
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
-    config = _checked_config(layout, config, options, scale)
-    _check_positions(layout, config, without_positions, where)
-    _use_inv_freq(names, config, where, used, left_out)
-    return Port(weights, config, layout.name, sorted(used), left_out, notes)
+    return weights, config, used + beside, left_out, notes
 
 
 def _checked_config(layout: Layout, told, options, scale: float | None) -> dict[str, Any]:
@@ -182,6 +203,7 @@ _MHA_PORT_OPTIONS = {
     "qk_norm_offset": 0.0,
     "output_gate": False,
     "without_positions": False,
+    "values_from_keys": False,
 }
 
 
@@ -233,39 +255,9 @@ def _read_layer(layout: Layout, names, used, num_heads, output_gate: bool, where
     rows split into the queries (W_q) and the gate (W_g)."""
     arrays, gate = _read_arrays(names, used, where), {}
     if output_gate:
-        arrays, gate = _split_gate(layout, arrays, num_heads, where)
+        arrays, gate = split_gate(layout, arrays, num_heads, where)
     weights, config = weights_and_config(layout, arrays, num_heads)
     return {**weights, **gate}, config
-
-
-def _split_gate(layout: Layout, arrays, num_heads: int | None, where: str):
-    """Qwen3-Next's query projection: each head's query rows, then as many gate rows. The
-    arrays with the queries' rows alone, and the gate's canonical W_g (and b_g)."""
-    path = layout.paths.get("q")
-    if layout.kind != "linear" or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(
-            f"output_gate reads each head's queries and gate from the query projection of "
-            f"separate q, k, v and o projections, given num_heads; the {layout.name} weights "
-            f"{where} have " + ("another layout" if layout.kind != "linear" else "no num_heads")
-        )
-    rows = arrays[f"{path}.weight"].shape[0]  # torch's Linear: (out, in)
-    if rows % (2 * num_heads):
-        raise ValueError(
-            f"{path}.weight {where} has {rows} rows: not a query and a gate of equal size for "
-            f"each of {num_heads} heads (output_gate)"
-        )
-
-    def split(array):  # (2n, ...) -> each head's queries (n, ...), each head's gate (n, ...)
-        grouped = array.reshape(num_heads, 2, rows // (2 * num_heads), *array.shape[1:])
-        return [grouped[:, i].reshape(-1, *array.shape[1:]) for i in (0, 1)]
-
-    arrays = dict(arrays)
-    arrays[f"{path}.weight"], W_g = split(arrays[f"{path}.weight"])
-    gate = {"W_g": np.ascontiguousarray(W_g.T)}
-    if f"{path}.bias" in arrays:
-        arrays[f"{path}.bias"], b_g = split(arrays[f"{path}.bias"])
-        gate["b_g"] = np.ascontiguousarray(b_g)
-    return arrays, gate
 
 
 def _names_of(held: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -309,6 +301,8 @@ def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> La
         if not layouts
         else "more than one layout: " + ", ".join(layout.name for layout in layouts)
     )
+    if values_are_keys(names):
+        hint += "; its q_proj, k_proj and o_proj without v_proj are " + KEYS_AS_VALUES
     raise ValueError(
         f"{which} {where}. Found: {listed or 'nothing'}{hint}. "
         "Known layouts: " + "; ".join(layout.name for layout in LAYOUTS)
@@ -475,6 +469,7 @@ def from_state_dict(
     qk_norm_offset: float = 0.0,
     output_gate: bool = False,
     without_positions: bool = False,
+    values_from_keys: bool = False,
     **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention (or MultiHeadLatentAttention) in `backend` (default: the
@@ -488,6 +483,7 @@ def from_state_dict(
         qk_norm_offset=qk_norm_offset,
         output_gate=output_gate,
         without_positions=without_positions,
+        values_from_keys=values_from_keys,
         **options,
     )
     module = load_backend(backend if backend is not None else get_backend())

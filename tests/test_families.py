@@ -99,6 +99,18 @@ SCALED_QUERIES = {
 OWN_SIZES["ministral3"] = {"max_position_embeddings": 8, "rope_parameters": SCALED_QUERIES}
 # Mistral 4's config makes the part rotated a fraction of the whole head (nope + rope)
 OWN_SIZES["mistral4"] = {**OWN_SIZES["deepseek_v3"], **OWN_SIZES["ministral3"]}
+# Gemma 4: sliding and full layers, the full ones with heads twice as large, one key-value
+# head, their values from the key projection and a quarter of each head turned
+# proportionally; its per-layer inputs small
+OWN_SIZES["gemma4_text"] = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 4,
+    "global_head_dim": 16,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 64,
+}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}

@@ -16,7 +16,7 @@ import pytest
 
 import mha
 from conftest import backend_module, backend_params, required_backends, required_import
-from mha import cli, interop, model_rope, porting
+from mha import cli, interop, layouts, model_rope, porting
 
 try:
     import torch
@@ -637,7 +637,10 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
                 continue  # they rotate their sliding layers only (test_families.py ports both)
             options = porting.options_from_config(raw, layer)
             scaling = options.get("rope_scaling") or {"rope_type": "default"}
-            got = (options["rope_theta"], options.get("rope_dim", 16), scaling["rope_type"])
+            turned = options.get("rope_dim", 16)
+            if scaling["rope_type"] == "proportional":  # the whole head, part at frequency 0
+                turned = 2 * int(scaling.get("partial_rotary_factor", 1.0) * turned // 2)
+            got = (options["rope_theta"], turned, scaling["rope_type"])
             assert got == transformers_rotary(config, kind, 16), (name, layer)
 
 
@@ -1094,6 +1097,20 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             {"model_type": "roformer", "add_cross_attention": True},
             "not the cross-attention's.*rope_interleaved=True",
         ),
+        # Gemma 4's layers that attend over an earlier layer's keys and values; its text
+        # attending both ways
+        (
+            {
+                "model_type": "gemma4_text",
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "num_kv_shared_layers": 2,
+            },
+            "last 2 layers \\(num_kv_shared_layers\\) attend over the keys and values of an",
+        ),
+        (
+            {"model_type": "gemma4_text", "use_bidirectional_attention": "all"},
+            "use_bidirectional_attention='all' attends both ways",
+        ),
         # Llama 4's rule of Ministral 3, outside Ministral 3 and Mistral 4 (whose query_scaling
         # it gives), and a Ministral 3 config without its beta, which transformers needs
         (
@@ -1120,6 +1137,33 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
 def test_config_fields_mha_cannot_represent_are_refused(config, message):
     with pytest.raises(ValueError, match=message):
         porting.options_from_config(config)
+
+
+def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys():
+    # Gemma 4's full layers have no v_proj: their values are k_proj's output, before the keys'
+    # norm. find_attention lists them; the port copies W_k into W_v where told, and says so
+    rng = np.random.default_rng(0)
+    state = {f"layers.0.attn.{k}_proj.weight": rng.standard_normal((8, 8)) for k in "qko"}
+    assert porting.find_attention(state) == [("layers.0.attn", layouts.KEYS_AS_VALUES)]
+    with pytest.raises(ValueError, match=r"without v_proj are .*values_from_keys=True"):
+        porting.canonical_from_state_dict(state, "layers.0.attn", num_heads=2)
+    port = porting.canonical_from_state_dict(
+        state, "layers.0.attn", num_heads=2, values_from_keys=True
+    )
+    np.testing.assert_array_equal(port.weights["W_v"], state["layers.0.attn.k_proj.weight"].T)
+    assert port.weights["W_v"] is not port.weights["W_k"]
+    assert "layers.0.attn.v_proj.weight" not in port.used and "v_proj.weight" not in port.used
+    assert any("v_proj is k_proj" in note for note in port.notes)
+    # A layer with a v_proj of its own is not one
+    state["layers.0.attn.v_proj.weight"] = rng.standard_normal((8, 8))
+    with pytest.raises(ValueError, match="values_from_keys=True reads the values from k_proj"):
+        porting.canonical_from_state_dict(
+            state, "layers.0.attn", num_heads=2, values_from_keys=True
+        )
+    # Gemma 4's text attends one way where its images attend both ways
+    vision = {"model_type": "gemma4_text", "use_bidirectional_attention": "vision"}
+    options = porting.options_from_config({**vision, "layer_types": ["full_attention"]})
+    assert options["value_norm"] and options["scale"] == 1.0
 
 
 @pytest.mark.parametrize("name", backend_params())
