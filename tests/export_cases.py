@@ -55,6 +55,21 @@ MULTIHEAD_CASES = {
     # Norms of queries and keys, each head's (Qwen3) and StableLM's per-head layer norm
     "qk_norm": ({**GROUPED, "qk_norm": "head"}, ["causal", "valid_lens_1d"]),
     "qk_layer_norm_per_head": ({"qk_norm": "layer_norm_per_head"}, ["valid_lens_2d"]),
+    # Ministral 3's queries scaled by their positions, after a cache; Gemma 4's normalized
+    # values and proportional rotary
+    "query_scaling+cache": (
+        {**GROUPED, "query_scaling": {"beta": 0.5, "original_max_position_embeddings": 2}},
+        ["causal", "valid_lens_1d", "cache"],
+    ),
+    "value_norm+proportional": (
+        {
+            "qk_norm": "head",
+            "value_norm": True,
+            "rope_theta": 100.0,
+            "rope_scaling": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+        },
+        ["causal", "valid_lens_1d"],
+    ),
 }
 # masked_softmax: id -> (shapes of X for (batch, queries, keys), mask kinds, empty_rows)
 SOFTMAX_CASES = {

@@ -17,6 +17,7 @@ hold a call given a KV cache; a test states how loading it fails.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -178,7 +179,7 @@ def _layer_key(name, config, kinds=()):
     return a KV cache. In a functional model, a layer whose later call returns more tensors
     than its first call leaves those out of the graph (Keras 3.15: "Output ... is not
     connected to `inputs`")."""
-    return name, tuple(config.items()), any("cache" in kind for kind in kinds)
+    return name, json.dumps(config, sort_keys=True), any("cache" in kind for kind in kinds)
 
 
 def _float64(arrays):
@@ -194,7 +195,7 @@ def _reference_layers(layers):
     """The float64 NumPy layer of each TensorFlow layer, with the same weights."""
     references = {}
     for key, layer in layers.items():
-        name, config = key[0], dict(key[1])
+        name, config = key[0], json.loads(key[1])
         reference = getattr(N, name)(**config, dtype="float64")
         weights = mha.get_weights(layer)
         if weights:
