@@ -208,13 +208,18 @@ class RopeScaling(dict):
 
 
 def frozen_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
-    """`scaling` (a mapping check_rope_scaling accepted) as the layer keeps it."""
+    """`scaling` (a mapping check_rope_scaling or check_query_scaling accepted) as the layer
+    keeps it: numpy's numbers as Python's (equal, and written to files as they are)."""
     if scaling is None:
         return None
     return RopeScaling(
-        (key, tuple(map(float, value)) if key.endswith("_factor") and _is_list(value) else value)
+        (key, tuple(map(float, value)) if _is_list(value) else _plain(value))
         for key, value in scaling.items()
     )
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def check_rope_scaling(name: str, scaling: Any) -> None:

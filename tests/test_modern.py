@@ -313,8 +313,9 @@ def test_latent_query_scaling_decodes_as_one_call(backend, rng):
 
 @pytest.mark.parametrize("name", backend_params())
 def test_query_scaling_is_kept_by_a_file(name, tmp_path, rng):
-    # Written by the reference, read by each backend: the same option, the same numbers
-    scaling = {"beta": 0.3, "original_max_position_embeddings": 2}
+    # Written by the reference, read by each backend: the same option, the same numbers;
+    # numpy's numbers in it are kept as Python's, which files write
+    scaling = {"beta": np.float64(0.3), "original_max_position_embeddings": np.int64(2)}
     layer = reference.MultiHeadAttention(
         8, 2, query_size=8, key_size=8, value_size=8, query_scaling=scaling, dtype="float64"
     )
