@@ -24,6 +24,7 @@ __all__ = [
     "Layout",
     "find_attention",
     "flatten",
+    "head_gate",
     "layout_names",
     "matches",
     "num_kv_heads",
@@ -525,3 +526,16 @@ def split_gate(layout: Layout, arrays, num_heads: int | None, where: str):
         arrays[f"{path}.bias"], b_g = split(arrays[f"{path}.bias"])
         gate["b_g"] = np.ascontiguousarray(b_g)
     return arrays, gate
+
+
+def head_gate(g_proj: np.ndarray, config, where: str) -> np.ndarray:
+    """LFM3's gate, g_proj (num_heads, in), one row per head, as the canonical W_g (in,
+    num_hiddens) of output_gate: each head's row for every feature of the head, which gives
+    each feature its head's gate."""
+    num_heads, num_hiddens = config["num_heads"], config["num_hiddens"]
+    if g_proj.ndim != 2 or g_proj.shape[0] != num_heads or num_hiddens % num_heads:
+        raise ValueError(
+            f"g_proj.weight {where} has shape {g_proj.shape}: not one gate row for each of "
+            f"{num_heads} heads (output_gate)"
+        )
+    return np.ascontiguousarray(np.repeat(g_proj, num_hiddens // num_heads, axis=0).T)

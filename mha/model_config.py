@@ -37,7 +37,8 @@ def options_from_config(
     their model type tells, Ministral 3's and Mistral 4's queries scaled by their
     positions (query_scaling, from their rotary parameters' llama_4_scaling_beta), and
     Gemma 4's normalized values (value_norm), unscaled scores and values from the key
-    projection (values_from_keys=True: a port option) where attention_k_eq_v says.
+    projection (values_from_keys=True: a port option) where attention_k_eq_v says, and
+    LFM3's gate of each head (output_gate=True, from g_proj).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -204,6 +205,7 @@ _QK_NORM = {
     "gemma3_text": "head",
     "gemma4_text": "head",
     "lara_mini": "head",
+    "lfm3": "head",
     "minimax_m2": "projection",
     "olmo2": "projection",
     "olmo3": "projection",
@@ -226,8 +228,12 @@ _QK_NORM_OFFSET = {
     "qwen3_next": 1.0,
 }
 
-# Model types whose query projection also gives a gate of the heads' output
+# Model types whose query projection also gives a gate of the heads' output; LFM3's g_proj
+# gives one per head where its use_attention_gate says (transformers' default: on)
 _OUTPUT_GATE = frozenset({"qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
+_HEAD_GATE = {"lfm3": "use_attention_gate"}
+# Model types whose config names the norms' eps otherwise, and transformers' default of it
+_EPS_FIELD = {"lfm3": ("norm_eps", 1e-5)}
 
 # Model types whose values are normalized with no weight (value_norm), their scores unscaled
 # (the QK-norms set their size), and whose full layers take their values from the key
@@ -265,7 +271,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     asked = model_type in _QK_NORM_FIELD and config.get("use_qk_norm", _QK_NORM_FIELD[model_type])
     if model_type in _QK_NORM or asked:  # RMSNorms of queries and keys, scaled by their weights
         found["qk_norm"] = _QK_NORM.get(model_type, "head")
-        found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
+        field, default = _EPS_FIELD.get(model_type, ("rms_norm_eps", 1e-6))
+        found["qk_norm_eps"] = float(config.get(field, default))
     if model_type == "stablelm" and config.get("qk_layernorm"):  # a layer norm of each head
         found["qk_norm"] = "layer_norm_per_head"
         found["qk_norm_eps"] = float(config.get("layer_norm_eps", 1e-5))
@@ -273,6 +280,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["qk_norm_offset"] = _QK_NORM_OFFSET[model_type]
     if model_type in _OUTPUT_GATE:  # a port option: the query projection holds the gate
         found["output_gate"] = True
+    if model_type in _HEAD_GATE and config.get(_HEAD_GATE[model_type], True):
+        found["output_gate"] = True  # LFM3: g_proj, one gate per head
     if model_type in _ALIBI_MODEL_TYPES:  # BLOOM, MPT
         found["alibi"] = True
     if model_type in _GEMMA4:

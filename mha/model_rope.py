@@ -55,6 +55,7 @@ ROTARY = {
     "helium": "pairs",
     "internlm3": "half",
     "lara_mini": "half",
+    "lfm3": "half",
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
     "llama": "half",
@@ -174,7 +175,8 @@ _DEFAULT_ROPE["cwm"] = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
 }
-# Gemma 4's, one per layer type: its full layers turn a quarter of each head proportionally
+# Gemma 4's and LFM3's, one per layer type: their full layers turn a quarter (LFM3: a half)
+# of each head proportionally
 _DEFAULT_ROPE_BY_KIND = {
     "gemma4_text": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -185,6 +187,11 @@ _DEFAULT_ROPE_BY_KIND = {
         },
     }
 }
+_DEFAULT_ROPE_BY_KIND["lfm3"] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {**_DEFAULT_ROPE_BY_KIND["gemma4_text"]["full_attention"]},
+}
+_DEFAULT_ROPE_BY_KIND["lfm3"]["full_attention"]["partial_rotary_factor"] = 0.5
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})

@@ -64,6 +64,7 @@ from mha.layouts import (
     Layout,
     find_attention,
     flatten,
+    head_gate,
     layout_names,
     matches,
     num_kv_heads,
@@ -132,8 +133,8 @@ def canonical_from_state_dict(
             GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
         qk_norm_offset: what the source's QK-norms add to their weights before scaling
             (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
-        output_gate: the query projection gives each head's queries, then its gate
-            (Qwen3-Next), split into W_q and the gate's W_g.
+        output_gate: the heads' output is gated: q_proj's rows split into W_q and the gate's
+            W_g (Qwen3-Next), or LFM3's g_proj, a gate per head, where it is there.
         without_positions: no rotary embedding or ALiBi in a layout whose models all add
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         values_from_keys: the layer has no v_proj, its values being the key projection's
@@ -173,13 +174,16 @@ def _read_port(
     """The weights and the config the weights tell of a layer of `layout`, the names used and
     left out, and the notes on what the port added."""
     used = layout_names(layout, names)
-    extra = _beside_projections(layout, names, qk_norm, where)
+    extra = _beside_projections(layout, names, qk_norm, output_gate, where)
     beside = [name for held in extra.values() for name in _names_of(held)]
     left_out = _left_out(layout, set(names) - set(used) - set(beside), where)
-    weights, config = _read_layer(layout, names, used, num_heads, output_gate, where)
+    split = output_gate and "W_g" not in extra  # Qwen3-Next's gate rows in q_proj
+    weights, config = _read_layer(layout, names, used, num_heads, split, where)
     weights.update(_beside_weights(names, extra, qk_norm_offset, where))
     config["sinks"], config["output_gate"] = "sinks" in extra, "W_g" in weights
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
+    if "W_g" in extra:  # LFM3's gate of each head, every feature of the head sharing it
+        weights["W_g"] = head_gate(weights["W_g"], config, where)
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
     if kv_hiddens != config["num_hiddens"]:
@@ -343,16 +347,20 @@ def _what_it_is(name: str) -> str:
         )
     if module.split(".")[-1] == "sinks":
         return "attention sinks: a learned logit per head in each softmax"
+    if module == "g_proj":
+        return "a gate of each head's output (LFM3's): give output_gate=True"
     return "a tensor beside the projections"
 
 
-def _beside_projections(layout, names, qk_norm: str | None, where: str) -> dict[str, Any]:
+def _beside_projections(layout, names, qk_norm: str | None, gate: bool, where: str):
     """Canonical name -> the name under the prefix of each weight beside the projections (a
     tuple of names: one row each): QK-norm's scales where qk_norm says, gpt-oss's sinks where
-    they are."""
+    they are, LFM3's gate projection g_proj (one row per head) where output_gate says."""
     extra = _qk_norm_names(layout, names, qk_norm, where)
     if "sinks" in names:
         extra["sinks"] = "sinks"
+    if gate and "g_proj.weight" in names:
+        extra["W_g"] = "g_proj.weight"
     return extra
 
 

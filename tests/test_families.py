@@ -111,6 +111,12 @@ OWN_SIZES["gemma4_text"] = {
     "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": 64,
 }
+# LFM3: sliding and full attention beside a convolution, its window within the sequence
+OWN_SIZES["lfm3"] = {
+    "layer_types": ["sliding_attention", "conv", "full_attention", "full_attention"],
+    "sliding_window": 4,
+    "norm_eps": 1e-3,
+}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}

@@ -1139,6 +1139,25 @@ def test_config_fields_mha_cannot_represent_are_refused(config, message):
         porting.options_from_config(config)
 
 
+def test_lfm3s_gate_of_each_head_ports_as_output_gate():
+    # LFM3's g_proj gives each head one gate, sigmoid(x @ g_h), for all of the head's features:
+    # output_gate's W_g with each head's row for every feature of the head
+    rng = np.random.default_rng(1)
+    state = {f"{k}_proj.weight": rng.standard_normal((8, 6)) for k in "qkv"}
+    state["o_proj.weight"] = rng.standard_normal((6, 8))
+    state["g_proj.weight"] = rng.standard_normal((2, 6))
+    with pytest.raises(ValueError, match=r"g_proj.weight \(a gate of each head's output"):
+        porting.canonical_from_state_dict(state, num_heads=2)
+    port = porting.canonical_from_state_dict(state, num_heads=2, output_gate=True)
+    gate = state["g_proj.weight"]
+    np.testing.assert_array_equal(port.weights["W_g"][:, :4], np.stack([gate[0]] * 4, axis=1))
+    np.testing.assert_array_equal(port.weights["W_g"][:, 4:], np.stack([gate[1]] * 4, axis=1))
+    np.testing.assert_array_equal(port.weights["W_q"], state["q_proj.weight"].T)  # not split
+    assert port.config["output_gate"] and "g_proj.weight" in port.used
+    with pytest.raises(ValueError, match="not one gate row for each of 4 heads"):
+        porting.canonical_from_state_dict(state, num_heads=4, output_gate=True)
+
+
 def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys():
     # Gemma 4's full layers have no v_proj: their values are k_proj's output, before the keys'
     # norm. find_attention lists them; the port copies W_k into W_v where told, and says so
