@@ -214,12 +214,17 @@ def test_attn_bias_is_added_to_every_heads_scores(name, need_weights):
 @pytest.mark.torch
 @pytest.mark.parametrize(
     "option",
-    [{"alibi": True}, {"query_scaling": {"beta": 0.1, "original_max_position_embeddings": 4}}],
-    ids=["alibi", "query_scaling"],
+    [
+        {"alibi": True},
+        {"query_scaling": {"beta": 0.1, "original_max_position_embeddings": 4}},
+        {"value_norm": True},
+    ],
+    ids=["alibi", "query_scaling", "value_norm"],
 )
-def test_the_converters_refuse_alibi_and_query_scaling(tmp_path, option):
-    # ALiBi and the queries' scaling by position are config, no weight: the converters read
-    # them off mha's layer and mha's files, and the frameworks' layers have neither
+def test_the_converters_refuse_options_without_weights(tmp_path, option):
+    # ALiBi, the queries' scaling by position and the values' norm are config, no weight: the
+    # converters read them off mha's layer and mha's files, and the frameworks' layers have
+    # none of them
     layer = backend_module("numpy").MultiHeadAttention(
         8, 2, query_size=8, key_size=8, value_size=8, **option
     )
