@@ -98,6 +98,12 @@ def _add_port_arguments(parser) -> None:
         help="the layer adds no rotary embeddings or ALiBi, in a layout whose models all do "
         "(GPT-NeoX, Falcon, BLOOM, MPT, Phi-3): it has none, or its biases come at each call",
     )
+    parser.add_argument(
+        "--values-from-keys",
+        action="store_true",
+        help="the layer has no v_proj, its values being k_proj's output (Gemma 4's full "
+        "layers, attention_k_eq_v; --config says so)",
+    )
 
 
 def file_command(arguments, out, err) -> int:
@@ -155,8 +161,9 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     from_model = arguments.prefix is not None
     if from_model and kinds[0] == "keras":
         raise UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
-    if arguments.without_positions and not from_model:
-        raise UsageError("--without-positions goes with --prefix")
+    for flag in ("without_positions", "values_from_keys"):
+        if getattr(arguments, flag) and not from_model:
+            raise UsageError(f"--{flag.replace('_', '-')} goes with --prefix")
     options = _layer_options(arguments)
     if options and arguments.command == "inspect" and not from_model:
         raise UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
@@ -205,6 +212,8 @@ def _layer_options(arguments) -> dict:
         raise UsageError("--rope-interleaved goes with --rope-theta (or a --config giving it)")
     if arguments.without_positions:
         options["without_positions"] = True
+    if arguments.values_from_keys:
+        options["values_from_keys"] = True
     return options
 
 

@@ -249,7 +249,9 @@ def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 # Gemma 4's full layers (attention_k_eq_v): q_proj, k_proj and o_proj, the values being the
 # key projection's output; ported with values_from_keys=True
-KEYS_AS_VALUES = "q/k/o_proj, the values from k_proj (Gemma 4: values_from_keys=True)"
+KEYS_AS_VALUES = (
+    "q/k/o_proj, the values from k_proj (Gemma 4: values_from_keys=True, --values-from-keys)"
+)
 
 
 def values_are_keys(names: Mapping[str, Any]) -> bool:

@@ -1158,11 +1158,14 @@ def test_lfm3s_gate_of_each_head_ports_as_output_gate():
         porting.canonical_from_state_dict(state, num_heads=4, output_gate=True)
 
 
-def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys():
+def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys(tmp_path, capsys):
     # Gemma 4's full layers have no v_proj: their values are k_proj's output, before the keys'
     # norm. find_attention lists them; the port copies W_k into W_v where told, and says so
     rng = np.random.default_rng(0)
-    state = {f"layers.0.attn.{k}_proj.weight": rng.standard_normal((8, 8)) for k in "qko"}
+    state = {
+        f"layers.0.attn.{k}_proj.weight": rng.standard_normal((8, 8)).astype("float32")
+        for k in "qko"
+    }
     assert porting.find_attention(state) == [("layers.0.attn", layouts.KEYS_AS_VALUES)]
     with pytest.raises(ValueError, match=r"without v_proj are .*values_from_keys=True"):
         porting.canonical_from_state_dict(state, "layers.0.attn", num_heads=2)
@@ -1179,6 +1182,16 @@ def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys():
         porting.canonical_from_state_dict(
             state, "layers.0.attn", num_heads=2, values_from_keys=True
         )
+    # From the command line: the flag, or the hint that names it
+    from safetensors.numpy import save_file
+
+    del state["layers.0.attn.v_proj.weight"]
+    save_file(state, tmp_path / "model.safetensors")
+    arguments = ["inspect", str(tmp_path / "model.safetensors"), "--prefix", "layers.0.attn"]
+    arguments += ["--num-heads", "2"]
+    assert cli.main(arguments) == 1 and "--values-from-keys" in capsys.readouterr().err
+    assert cli.main([*arguments, "--values-from-keys"]) == 0
+    assert "note: v_proj is k_proj" in capsys.readouterr().out
     # Gemma 4's text attends one way where its images attend both ways
     vision = {"model_type": "gemma4_text", "use_bidirectional_attention": "vision"}
     options = porting.options_from_config({**vision, "layer_types": ["full_attention"]})
