@@ -229,6 +229,21 @@ MODERN_CASES = (
         {**GQA, "qk_norm": "head", "value_norm": True, "qk_norm_eps": 1e-3},
     ),
     ("MultiHeadAttention", ("self", "causal", "no_weights"), {"value_norm": True}),
+    # Llama 4's rotary layers: chunks of positions, QK-norm, pairs turned, with padding; on
+    # the fused paths; in packed rows, whose chunks start at each segment. Its NoPE layers:
+    # the queries scaled from position 1
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {**GQA, **ROPE, "rope_interleaved": True, "qk_norm": "head", "attention_chunk_size": 2},
+    ),
+    ("MultiHeadAttention", ("causal", "no_weights"), {**GQA, "attention_chunk_size": 3}),
+    ("MultiHeadAttention", ("square", "segments", "causal"), {"attention_chunk_size": 2}),
+    (
+        "MultiHeadAttention",
+        ("causal", "no_weights"),
+        {"query_scaling": {**QUERY_SCALING, "position_offset": 1}},
+    ),
 )
 
 

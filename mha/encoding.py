@@ -326,26 +326,34 @@ def latent_attention_scale(head_size: int, scaling: Mapping[str, Any] | None) ->
 
 def query_scales(positions: np.ndarray, scaling: Mapping[str, Any]) -> np.ndarray:
     """The factor of each query by its position p (query_scaling, Ministral 3's
-    llama_4_scaling_beta): 1 + beta * log(1 + floor(p / L)), L the scaling's
-    original_max_position_embeddings; 1 within the first L positions, then larger by
-    beta * log 2, beta * log 3, ... past each further L, so the scores sharpen with distance."""
-    steps = np.floor(positions / scaling["original_max_position_embeddings"])
+    llama_4_scaling_beta): 1 + beta * log(1 + floor((p + o) / L)), L the scaling's
+    original_max_position_embeddings and o its position_offset (0 unless given; Llama 4's
+    is 1); 1 within the first L positions, then larger by beta * log 2, beta * log 3, ...
+    past each further L, so the scores sharpen with distance."""
+    shifted = positions + scaling.get("position_offset", 0)
+    steps = np.floor(shifted / scaling["original_max_position_embeddings"])
     return 1 + scaling["beta"] * np.log1p(steps)
 
 
-# The keys of query_scaling, each with its check and the kind it takes
+# The keys of query_scaling, each with its check and the kind it takes; position_offset may
+# be left out (0)
 _QUERY_SCALING = {
     "beta": (lambda v: _number(v) and math.isfinite(v) and v >= 0, "a number >= 0"),
     "original_max_position_embeddings": (
         _ROPE_VALUE_CHECKS["original_max_position_embeddings"],
         "a positive integer",
     ),
+    "position_offset": (
+        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0,
+        "an optional integer >= 0",
+    ),
 }
 
 
 def check_query_scaling(name: str, scaling: Any) -> None:
-    """A ValueError unless `scaling` is None or a mapping of exactly beta (>= 0) and
-    original_max_position_embeddings (a positive integer); a TypeError for another type."""
+    """A ValueError unless `scaling` is None or a mapping of beta (>= 0) and
+    original_max_position_embeddings (a positive integer), and optionally position_offset
+    (an integer >= 0), nothing else; a TypeError for another type."""
     if scaling is None:
         return
     example = "{'beta': 0.1, 'original_max_position_embeddings': 16384}"
@@ -353,7 +361,7 @@ def check_query_scaling(name: str, scaling: Any) -> None:
         raise TypeError(
             f"{name} must be None or a mapping such as {example}. Received: {name}={scaling!r}"
         )
-    wrong = sorted(set(scaling) ^ set(_QUERY_SCALING))
+    wrong = sorted((set(scaling) ^ set(_QUERY_SCALING)) - {"position_offset"})
     bad = [
         key
         for key, (good, _) in _QUERY_SCALING.items()

@@ -1,12 +1,12 @@
 """The mask rules, written once for every backend.
 
 A call may give any of valid_lens, a boolean keep-mask, `causal`, a window mask and an
-additive attn_bias, and the layer may have a sliding window. They combine into one boolean
-`keep`, True where a query attends to a key, and an additive `bias` (the finite entries of a
-float window mask and of attn_bias, their -inf entries being moved into `keep`). Both have the
-scores' rank, (batch_size, no. of queries, no. of keys) or with heads
-(batch_size, num_heads, no. of queries, no. of keys), each axis that size or 1, so that they
-broadcast against the scores; None means no such mask.
+additive attn_bias, and the layer may have a sliding window and attention chunks. They
+combine into one boolean `keep`, True where a query attends to a key, and an additive `bias`
+(the finite entries of a float window mask and of attn_bias, their -inf entries being moved
+into `keep`). Both have the scores' rank, (batch_size, no. of queries, no. of keys) or with
+heads (batch_size, num_heads, no. of queries, no. of keys), each axis that size or 1, so that
+they broadcast against the scores; None means no such mask.
 
 `Masks.combine` holds the rules: which masks there are, the shape each one has, and where
 the head axis goes. A backend subclasses `Masks` with the few array operations the rules need,
@@ -68,10 +68,12 @@ class Masks:
         sliding_window: int | None = None,
         alibi_slopes: Any = None,
         segment_ids: Any = None,
+        attention_chunk_size: int | None = None,
     ) -> tuple[Any, Any]:
         """(keep, bias) for the given masks; see the module's docstring. alibi_slopes: each
         head's ALiBi slope, (num_heads, 1, 1) in the scores' dtype, or None; segment_ids, of
-        packed sequences: (batch_size, positions), or a pair for the queries and the keys."""
+        packed sequences: (batch_size, positions), or a pair for the queries and the keys;
+        attention_chunk_size: the layer's chunks of positions, or None."""
         keep = bias = None
         # Each mask with its rank: the scores' leading axes it lacks are inserted at the end
         masks = []
@@ -92,6 +94,11 @@ class Masks:
         if sliding_window is not None:
             # Query i attends to keys j with |offset + i - j| < sliding_window; shape (Q, K)
             masks.append((self.band_mask(sliding_window), 2))
+        if attention_chunk_size is not None:
+            # Query and key in the same chunk of positions; shape (Q, K), or
+            # (batch_size, Q, K) for packed sequences, whose chunks start at each segment
+            chunks = self.same_chunk(attention_chunk_size, segment_ids)
+            masks.append((chunks, 2 if segment_ids is None else 3))
         if window_mask is not None:
             # Example b uses window b mod num_windows; shape (batch_size, Q, K)
             windows = self.windows(window_mask)
@@ -183,6 +190,21 @@ class Masks:
         queries, keys = segments
         return self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
 
+    def same_chunk(self, size: int, segment_ids: Any) -> Any:
+        """keep: True where query i and key j lie in the same chunk of `size` positions,
+        chunks counted from position 0 (Llama 4's attention_chunk_size): (Q, K), query i at
+        position offset + i; or, with segment_ids, (batch_size, Q, K) at the positions within
+        each packed segment."""
+        if segment_ids is None:
+            return self.chunk_mask(size)
+        queries, keys = self.packed_positions(segment_ids)
+        queries, keys = self.chunk_of(queries, size), self.chunk_of(keys, size)
+        return self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
+
+    def chunk_of(self, positions: Any, size: int) -> Any:
+        """The chunk of each of the integer `positions`: position // size."""
+        return positions // size
+
     def window_keep(self, left: int | None, right: int | None) -> Any:
         """keep (Q, K): True where p - left <= j <= p + right for query i at p = offset + i,
         a side that is None open; the causal masks of the diagonals shifted to its edges."""
@@ -221,6 +243,11 @@ class Masks:
 
     def band_mask(self, width: int) -> Any:
         """keep (Q, K): True where |offset + i - j| < width, query i beside key offset + i."""
+        raise NotImplementedError
+
+    def chunk_mask(self, size: int) -> Any:
+        """keep (Q, K): True where (offset + i) // size == j // size, query i and key j in
+        the same chunk of positions."""
         raise NotImplementedError
 
     def distances(self, like: Any) -> Any:

@@ -304,6 +304,20 @@ OPTIONS: tuple[Option, ...] = (
         added=True,
     ),
     Option(
+        "attention_chunk_size",
+        None,
+        "optional positive integer",
+        {
+            "*": "None (default), or keep only the keys in the query's chunk of positions, "
+            "(offset + i) // attention_chunk_size == j // attention_chunk_size, chunks counted "
+            "from the first position (from each segment's with segment_ids); with "
+            "causal=True, the keys up to the query in its chunk, as Llama 4's rotary layers."
+        },
+        _MHA,
+        told=False,
+        added=True,
+    ),
+    Option(
         "num_kv_heads",
         None,
         "optional positive integer",
@@ -384,11 +398,13 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "query scaling",
         {
-            "*": "None (default), or {'beta': b, 'original_max_position_embeddings': L}: each "
-            "query at position p (its rotary position, after the cached ones) multiplied by "
-            "1 + b * log(1 + floor(p / L)) after its rotary embedding, so that the scores "
-            "sharpen past every L positions (Ministral 3's and Mistral 4's "
-            "llama_4_scaling_beta; mha.encoding.query_scales).",
+            "*": "None (default), or {'beta': b, 'original_max_position_embeddings': L}, and "
+            "optionally 'position_offset': o (default 0): each query at position p (its "
+            "rotary position, after the cached ones) multiplied by "
+            "1 + b * log(1 + floor((p + o) / L)) after its rotary embedding, so that the "
+            "scores sharpen past every L positions (Ministral 3's and Mistral 4's "
+            "llama_4_scaling_beta; Llama 4's attn_temperature_tuning, o = 1; "
+            "mha.encoding.query_scales).",
         },
         _HEADS,
         told=False,

@@ -25,6 +25,7 @@ CONFIG = {
     "scale": None,
     "empty_rows": "zeros",
     "sliding_window": None,
+    "attention_chunk_size": None,
     "num_kv_heads": None,
     "rope_theta": None,
     "rope_interleaved": False,

@@ -229,6 +229,7 @@ def test_torch_to_mha(torch, name, config, dtype):
         "scale": None,
         "empty_rows": "zeros",
         "sliding_window": None,
+        "attention_chunk_size": None,
         "num_kv_heads": None,
         "rope_theta": None,
         "rope_interleaved": False,

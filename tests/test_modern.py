@@ -221,6 +221,36 @@ def test_a_sliding_window_is_its_band_mask(backend, rng, causal):
     np.testing.assert_array_equal(kept, np.broadcast_to(band, kept.shape))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_chunks_are_their_block_mask(backend, rng, causal):
+    # Chunks of 3 positions: queries and keys 0-2, 3-5, 6 attend among themselves; packed
+    # rows restart them at each segment (segments of 4 and 3: chunks 0-2, 3 and 4-6)
+    i, j = np.arange(7)[:, None], np.arange(7)[None, :]
+    blocks = i // 3 == j // 3
+    within = np.array([0, 1, 2, 3, 0, 1, 2])
+    segments = np.array([0, 0, 0, 0, 1, 1, 1])
+    packed = (segments[:, None] == segments[None, :]) & (within[:, None] // 3 == within // 3)
+    if causal:  # Llama 4's chunked attention: the keys up to the query, in its chunk
+        blocks, packed = blocks & (j <= i), packed & (j <= i)
+    config = dict(num_hiddens=8, num_heads=4, num_kv_heads=2, dtype="float64")
+    weights = mha.random_weights(
+        "MultiHeadAttention", seed=5, **config, query_size=8, key_size=8, value_size=8
+    )
+    plain = reference.MultiHeadAttention(**config)
+    mha.set_weights(plain, weights)
+    x, lengths = rng.standard_normal((2, 7, 8)), np.array([7, 5])
+    layer = backend.MultiHeadAttention(attention_chunk_size=3, **config)
+    mha.set_weights(layer, weights)
+    arrays = [backend.from_numpy(a) for a in (x, x, x, lengths)]
+    for keep, given in ((blocks, {}), (packed, {"segment_ids": np.stack([segments] * 2)})):
+        expected = plain(x, x, x, lengths, mask=np.broadcast_to(keep, (2, 7, 7)))
+        extra = {key: backend.from_numpy(value) for key, value in given.items()}
+        out = layer(*arrays, causal=causal, **extra)
+        assert_agrees(backend.to_numpy(out), expected, "float64")
+        kept = backend.to_numpy(layer.attention_weights) > 0
+        np.testing.assert_array_equal(kept, plain.attention_weights > 0)
+
+
 def test_alibi_adds_each_heads_slope_times_the_distance(backend, rng):
     # 6 heads, by hand from BLOOM's rule: the powers of 2 ** -2 for the 4 heads of the power
     # of 2 below 6, then the odd powers of 2 ** -1 for the other 2
@@ -244,12 +274,18 @@ def test_alibi_adds_each_heads_slope_times_the_distance(backend, rng):
     assert_agrees(backend.to_numpy(layer.attention_weights), plain.attention_weights, "float64")
 
 
-def test_query_scaling_multiplies_each_query_by_its_positions_factor(backend, rng):
-    # By hand: positions 0 to 6 over L = 2 are 0, 0, 1, 1, 2, 2, 3 whole spans past the first,
-    # so the factors are 1 + beta * log(1 + that). Without a bias (and before any norm) a
-    # scaled query is the projection of a scaled input, which the plain layer is given
+@pytest.mark.parametrize(
+    "offset, spans", [(None, [0, 0, 1, 1, 2, 2, 3]), (1, [0, 1, 1, 2, 2, 3, 3])]
+)
+def test_query_scaling_multiplies_each_query_by_its_positions_factor(backend, rng, offset, spans):
+    # By hand: positions 0 to 6 over L = 2 are 0, 0, 1, 1, 2, 2, 3 whole spans past the first
+    # (1 to 7, Llama 4's position_offset=1: 0, 1, 1, 2, 2, 3, 3), so the factors are
+    # 1 + beta * log(1 + that). Without a bias (and before any norm) a scaled query is the
+    # projection of a scaled input, which the plain layer is given
     scaling = {"beta": 0.3, "original_max_position_embeddings": 2}
-    factors = 1 + 0.3 * np.log(1 + np.array([0, 0, 1, 1, 2, 2, 3]))
+    if offset is not None:
+        scaling["position_offset"] = offset
+    factors = 1 + 0.3 * np.log(1 + np.array(spans))
     config = dict(num_hiddens=8, num_heads=4, num_kv_heads=2, rope_theta=100.0, dtype="float64")
     weights = mha.random_weights(
         "MultiHeadAttention", seed=4, query_size=8, key_size=8, value_size=8, **config
@@ -403,6 +439,21 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         {"num_kv_heads": 2, "output_gate": True, "qk_norm": "head", "rope_theta": 100.0},
         {"num_kv_heads": 2, "qk_norm": "layer_norm_per_head", "rope_theta": 100.0},
         {"num_kv_heads": 2, "alibi": True},
+        {
+            "num_kv_heads": 2,
+            "attention_chunk_size": 3,
+            "qk_norm": "head",
+            "rope_theta": 100.0,
+            "rope_interleaved": True,
+        },
+        {
+            "num_kv_heads": 2,
+            "query_scaling": {
+                "beta": 0.5,
+                "original_max_position_embeddings": 2,
+                "position_offset": 1,
+            },
+        },
     ],
     ids=[
         "plain",
@@ -416,6 +467,8 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         "qwen3-next",
         "stablelm",
         "bloom",
+        "llama4-chunked",
+        "llama4-nope",
     ],
 )
 def test_cached_decoding_equals_full_causal_attention(backend, rng, options):

@@ -78,6 +78,7 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "qk_norm",
         "qk_norm_eps",
         "sliding_window",
+        "attention_chunk_size",
         "alibi",
         "value_norm",
     }

@@ -218,8 +218,9 @@ def test_attn_bias_is_added_to_every_heads_scores(name, need_weights):
         {"alibi": True},
         {"query_scaling": {"beta": 0.1, "original_max_position_embeddings": 4}},
         {"value_norm": True},
+        {"attention_chunk_size": 4},
     ],
-    ids=["alibi", "query_scaling", "value_norm"],
+    ids=["alibi", "query_scaling", "value_norm", "attention_chunk_size"],
 )
 def test_the_converters_refuse_options_without_weights(tmp_path, option):
     # ALiBi, the queries' scaling by position and the values' norm are config, no weight: the

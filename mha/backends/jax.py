@@ -291,6 +291,10 @@ class _Masks(Masks):
         queries = jnp.arange(self.num_queries)[:, None] + self.offset
         return jnp.abs(queries - jnp.arange(self.num_keys)[None, :]) < width
 
+    def chunk_mask(self, size):
+        queries = (jnp.arange(self.num_queries)[:, None] + self.offset) // size
+        return queries == jnp.arange(self.num_keys)[None, :] // size
+
     def distances(self, like):
         queries = jnp.arange(self.num_queries)[:, None] + self.offset
         return (jnp.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
@@ -615,7 +619,7 @@ class AdditiveAttention(nnx.Module):
 
 def _query_scales(scaling, queries, offset, positions=None):
     """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
-    their dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at positions
+    their dtype: 1 + beta * log(1 + floor((p + o) / L)) (mha.encoding.query_scales) at positions
     offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions` (batch_size, n),
     (batch_size, 1, n, 1)."""
     # float64 for float64 queries, else float32 (mha.encoding.rotary_angle_dtype)
@@ -625,7 +629,8 @@ def _query_scales(scaling, queries, offset, positions=None):
     else:
         positions = positions[:, None, :]
     length = scaling["original_max_position_embeddings"]
-    steps = jnp.floor(positions.astype(angle_dtype) / length)
+    shifted = positions.astype(angle_dtype) + scaling.get("position_offset", 0)
+    steps = jnp.floor(shifted / length)
     return (1 + scaling["beta"] * jnp.log1p(steps))[..., None].astype(queries.dtype)
 
 
@@ -643,7 +648,8 @@ class MultiHeadAttention(nnx.Module):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
-                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None,
+                 attention_chunk_size: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
@@ -658,6 +664,7 @@ class MultiHeadAttention(nnx.Module):
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
@@ -724,7 +731,8 @@ class MultiHeadAttention(nnx.Module):
         slopes = _alibi_slopes(self.num_heads, self.dtype) if self.alibi else None
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window,
-                                   alibi_slopes=slopes, segment_ids=segment_ids)
+                                   alibi_slopes=slopes, segment_ids=segment_ids,
+                                   attention_chunk_size=self.attention_chunk_size)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None
@@ -738,7 +746,8 @@ class MultiHeadAttention(nnx.Module):
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: cuDNN's own causal mask where it applies
         alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
-                                self.sliding_window, slopes, segment_ids)
+                                self.sliding_window, slopes, segment_ids,
+                                self.attention_chunk_size)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias[...].reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,

@@ -157,6 +157,7 @@ class _Call(NamedTuple):
     attn_bias_ndim: int | None = None
     empty_rows: str = "zeros"  # the layer's: the fast paths a row with no key allows
     sliding_window: int | None = None  # the layer's: the width of its band of keys
+    attention_chunk_size: int | None = None  # the layer's: its chunks of positions
     cache: bool = False  # a KVCache is given: the graph returns its keys and values too
     cached: bool = False  # it holds positions: graph inputs, their number this call's offset
     sinks: bool = False  # the layer's: each head's sink joins the softmax (see _with_sinks)
@@ -185,7 +186,8 @@ def _first_position(alignment, num_queries: int, num_keys: int) -> int | None:
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
                     empty_rows="zeros", sliding_window=None, cache=None, offset=0,
-                    sinks=False, first_position=None, segment_ids=None) -> _Call:
+                    sinks=False, first_position=None, segment_ids=None,
+                    attention_chunk_size=None) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -199,6 +201,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         attn_bias_ndim=None if attn_bias is None else attn_bias.ndim,
         empty_rows=empty_rows,
         sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size,
         cache=cache is not None,
         cached=offset > 0,
         sinks=sinks,
@@ -423,6 +426,14 @@ class _Masks(Masks):
         distances = self.F.np.expand_dims(self.query_positions, -1) - self.key_positions
         return self.F.np.abs(distances) < width
 
+    def chunk_mask(self, size):
+        queries = self.chunk_of(self.F.np.expand_dims(self.query_positions, -1), size)
+        return queries == self.chunk_of(self.key_positions, size)
+
+    def chunk_of(self, positions, size):
+        # Positions are floats here (the call's dtype), or the integers of packed segments
+        return self.F.np.floor(positions.astype("float32") / size)
+
     def distances(self, like):
         # A traced graph knows no dtypes: the call's is the scores'
         distances = self.key_positions - self.F.np.expand_dims(self.query_positions, -1)
@@ -497,7 +508,8 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
     masks = _Masks(F, queries, keys, call, attn_bias, offset)
     return masks.combine(valid_lens, mask, call.causal, window_mask, multihead, attn_bias,
                          sliding_window=call.sliding_window, alibi_slopes=alibi_slopes,
-                         segment_ids=segments if call.segments else None)
+                         segment_ids=segments if call.segments else None,
+                         attention_chunk_size=call.attention_chunk_size)
 
 
 def _by_lengths(valid_lens, call: _Call) -> bool:
@@ -510,6 +522,7 @@ def _by_lengths(valid_lens, call: _Call) -> bool:
         and not call.causal
         and call.num_windows is None
         and call.sliding_window is None  # a band of keys is another mask
+        and call.attention_chunk_size is None  # so are chunks
         and call.attn_bias_ndim is None  # its -inf entries are a mask, and it adds to the scores
         and call.empty_rows == "zeros"  # npx.softmax makes a row of length 0 all 0, not uniform
         and not call.sinks  # the sinks' column follows the keys, past every length
@@ -865,7 +878,7 @@ class AdditiveAttention(Layer):
 
 def _query_scales(F, scaling, queries, offset, dtype, positions=None):
     """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
-    the layer's dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at
+    the layer's dtype: 1 + beta * log(1 + floor((p + o) / L)) (mha.encoding.query_scales) at
     positions offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions`
     (batch_size, n), (batch_size, 1, n, 1); counted in float32 for float16."""
     if positions is None:
@@ -873,7 +886,8 @@ def _query_scales(F, scaling, queries, offset, dtype, positions=None):
     else:
         positions = F.np.expand_dims(F.np.expand_dims(positions, 1), -1)
         positions = positions.astype(rotary_angle_dtype(dtype))
-    steps = F.np.floor(positions / scaling["original_max_position_embeddings"])
+    shifted = positions + scaling.get("position_offset", 0)
+    steps = F.np.floor(shifted / scaling["original_max_position_embeddings"])
     return (1 + scaling["beta"] * F.np.log1p(steps)).astype(dtype)
 
 
@@ -887,7 +901,8 @@ class MultiHeadAttention(Layer):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
-                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None,
+                 attention_chunk_size: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
@@ -899,6 +914,7 @@ class MultiHeadAttention(Layer):
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
@@ -975,7 +991,8 @@ class MultiHeadAttention(Layer):
         call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
                                head_mask, need_weights, attn_bias, self.empty_rows,
                                self.sliding_window, cache, offset, self.sinks,
-                               _first_position(alignment, num_queries, num_keys), segment_ids)
+                               _first_position(alignment, num_queries, num_keys), segment_ids,
+                               self.attention_chunk_size)
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:

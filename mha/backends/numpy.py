@@ -263,6 +263,10 @@ class _Masks(Masks):
         queries = np.arange(self.num_queries)[:, None] + self.offset
         return np.abs(queries - np.arange(self.num_keys)[None, :]) < width
 
+    def chunk_mask(self, size):
+        queries = (np.arange(self.num_queries)[:, None] + self.offset) // size
+        return queries == np.arange(self.num_keys)[None, :] // size
+
     def distances(self, like):
         queries = np.arange(self.num_queries)[:, None] + self.offset
         return (np.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
@@ -566,7 +570,7 @@ class AdditiveAttention(Module):
 
 def _query_scales(scaling, queries, offset, positions=None):
     """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
-    their dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at positions
+    their dtype: 1 + beta * log(1 + floor((p + o) / L)) (mha.encoding.query_scales) at positions
     offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions` (batch_size, n),
     (batch_size, 1, n, 1)."""
     # float64 for float64 queries, else float32 (mha.encoding.rotary_angle_dtype)
@@ -588,7 +592,8 @@ class MultiHeadAttention(Module):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
-                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None,
+                 attention_chunk_size: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
@@ -600,6 +605,7 @@ class MultiHeadAttention(Module):
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
@@ -667,7 +673,8 @@ class MultiHeadAttention(Module):
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window,
-                                   alibi_slopes=self.alibi_slopes, segment_ids=segment_ids)
+                                   alibi_slopes=self.alibi_slopes, segment_ids=segment_ids,
+                                   attention_chunk_size=self.attention_chunk_size)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None

@@ -222,6 +222,11 @@ class _Masks(Masks):
         keys = torch.arange(self.num_keys, device=self.device)[None, :]
         return (queries - keys).abs() < width
 
+    def chunk_mask(self, size):
+        queries = torch.arange(self.num_queries, device=self.device)[:, None] + self.offset
+        keys = torch.arange(self.num_keys, device=self.device)[None, :]
+        return queries // size == keys // size
+
     def distances(self, like):
         queries = torch.arange(self.num_queries, device=self.device)[:, None] + self.offset
         keys = torch.arange(self.num_keys, device=self.device)[None, :]
@@ -553,7 +558,7 @@ class AdditiveAttention(Module):
 
 def _query_scales(scaling, queries, offset, positions=None):
     """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
-    their dtype: 1 + beta * log(1 + floor(p / L)) (mha.encoding.query_scales) at positions
+    their dtype: 1 + beta * log(1 + floor((p + o) / L)) (mha.encoding.query_scales) at positions
     offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions` (batch_size, n),
     (batch_size, 1, n, 1)."""
     # float64 for float64 queries, else float32 (mha.encoding.rotary_angle_dtype)
@@ -562,7 +567,8 @@ def _query_scales(scaling, queries, offset, positions=None):
         positions = torch.arange(offset, offset + queries.shape[-2], device=queries.device)
     else:
         positions = positions[:, None, :]
-    steps = torch.floor(positions.to(angle_dtype) / scaling["original_max_position_embeddings"])
+    shifted = positions.to(angle_dtype) + scaling.get("position_offset", 0)
+    steps = torch.floor(shifted / scaling["original_max_position_embeddings"])
     return (1 + scaling["beta"] * torch.log1p(steps))[..., None].to(queries.dtype)
 
 
@@ -580,7 +586,8 @@ class MultiHeadAttention(Module):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
-                 sliding_window: int | None = None, num_kv_heads: int | None = None,
+                 sliding_window: int | None = None,
+                 attention_chunk_size: int | None = None, num_kv_heads: int | None = None,
                  rope_theta: float | None = None, rope_interleaved: bool = False,
                  rope_dim: int | None = None, rope_scaling: dict | None = None,
                  query_scaling: dict | None = None, softcap: float | None = None,
@@ -592,6 +599,7 @@ class MultiHeadAttention(Module):
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
+        self.attention_chunk_size = attention_chunk_size
         self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
         self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
         self.rope_scaling = frozen_rope_scaling(rope_scaling)
@@ -660,7 +668,8 @@ class MultiHeadAttention(Module):
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
                                    attn_bias=attn_bias, sliding_window=self.sliding_window,
-                                   alibi_slopes=self.alibi_slopes, segment_ids=segment_ids)
+                                   alibi_slopes=self.alibi_slopes, segment_ids=segment_ids,
+                                   attention_chunk_size=self.attention_chunk_size)
         # Shape after project: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
         gates = self.W_g(queries) if self.output_gate else None  # Qwen3-Next
@@ -674,7 +683,8 @@ class MultiHeadAttention(Module):
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
         alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
-                                self.sliding_window, self.alibi_slopes, segment_ids)
+                                self.sliding_window, self.alibi_slopes, segment_ids,
+                                self.attention_chunk_size)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
