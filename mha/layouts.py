@@ -30,6 +30,7 @@ __all__ = [
     "num_kv_heads",
     "split_gate",
     "under",
+    "unit_qk_norms",
     "values_are_keys",
     "weights_and_config",
     "with_values_from_keys",
@@ -541,3 +542,20 @@ def head_gate(g_proj: np.ndarray, config, where: str) -> np.ndarray:
             f"{num_heads} heads (output_gate)"
         )
     return np.ascontiguousarray(np.repeat(g_proj, num_hiddens // num_heads, axis=0).T)
+
+
+UNIT_QK_NORMS = "q_norm and k_norm are ones: the source's QK-norms have no weight"
+
+
+def unit_qk_norms(qk_norm: str | None, W_q: np.ndarray, num_heads: int) -> dict[str, np.ndarray]:
+    """The scales of qk_norm="head" norms that have no weight (Llama 4's L2Norm): ones of the
+    head size, in W_q's dtype; an error for another qk_norm. The source normalizes after its
+    rotary embedding and mha before: a rotation keeps each head's mean square, so the numbers
+    are the same."""
+    if qk_norm != "head":
+        raise ValueError(
+            f'weightless_qk_norm=True is qk_norm="head" norms with no weight. Received: '
+            f"qk_norm={qk_norm!r}"
+        )
+    ones = np.ones(W_q.shape[1] // num_heads, W_q.dtype)
+    return {"q_norm": ones, "k_norm": ones.copy()}

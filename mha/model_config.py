@@ -37,8 +37,10 @@ def options_from_config(
     their model type tells, Ministral 3's and Mistral 4's queries scaled by their
     positions (query_scaling, from their rotary parameters' llama_4_scaling_beta), and
     Gemma 4's normalized values (value_norm), unscaled scores and values from the key
-    projection (values_from_keys=True: a port option) where attention_k_eq_v says, and
-    LFM3's gate of each head (output_gate=True, from g_proj).
+    projection (values_from_keys=True: a port option) where attention_k_eq_v says,
+    LFM3's gate of each head (output_gate=True, from g_proj), and Llama 4's chunks
+    (attention_chunk_size), norms with no weight (weightless_qk_norm=True: a port option)
+    and queries scaled from position 1 on its layers without a rotary embedding.
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -174,6 +176,8 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
 def _held(config: Mapping[str, Any], key: str) -> bool:
     """Whether mha holds what the field does for the config's model type."""
     model_type = config.get("model_type")
+    if key in _LLAMA4_FIELDS and model_type in _LLAMA4:  # its QK-norm, chunks, queries' scaling
+        return True
     if key == "use_qk_norm":  # MiniMax-M2's configs write it; its norms are always there
         return model_type in _QK_NORM_FIELD or model_type == "minimax_m2"
     if key == "use_bidirectional_attention":  # Gemma 4's images, not its text
@@ -240,6 +244,11 @@ _EPS_FIELD = {"lfm3": ("norm_eps", 1e-5)}
 # projection where the config's attention_k_eq_v says (a port option: values_from_keys)
 _GEMMA4 = frozenset({"gemma4_text"})
 
+# Llama 4's text model: chunked attention, QK-norms with no weight after the rotary embedding
+# on its rotary layers, the queries scaled by their positions on the others
+_LLAMA4 = frozenset({"llama4_text"})
+_LLAMA4_FIELDS = ("use_qk_norm", "attention_chunk_size", "attn_temperature_tuning")
+
 _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 
 
@@ -286,6 +295,31 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["alibi"] = True
     if model_type in _GEMMA4:
         found.update(_gemma4_options(config, kind, layer))
+    if model_type in _LLAMA4:
+        found.update(_llama4_options(config, kind, "rope_theta" in found))
+    return found
+
+
+def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
+    """Llama 4's options beside Llama's: its rotary layers' chunks (chunked_attention in
+    layer_types, or, where it is not written, every rotary layer while attention_chunk_size is
+    set, as transformers reads it) and their QK-norms with no weight (use_qk_norm); its other
+    layers' queries scaled by their positions from 1 (attn_temperature_tuning)."""
+    found: dict[str, Any] = {}
+    chunk = config.get("attention_chunk_size", 8192)
+    if kind == "chunked_attention" or (kind is None and rotary and chunk is not None):
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+            raise ValueError(f"the config's attention_chunk_size={chunk!r} is not a size")
+        found["attention_chunk_size"] = chunk
+    if rotary and config.get("use_qk_norm", True):
+        found.update(qk_norm="head", weightless_qk_norm=True)
+        found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-5))
+    if not rotary and config.get("attn_temperature_tuning", True):
+        found["query_scaling"] = {
+            "beta": float(config.get("attn_scale", 0.1)),
+            "original_max_position_embeddings": int(config.get("floor_scale", 8192)),
+            "position_offset": 1,
+        }
     return found
 
 
@@ -396,10 +430,13 @@ def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
         # transformers' rule where layer_types is not written
         return "sliding_attention" if layer >= config["max_window_layers"] else "full_attention"
     kind = types[layer]
-    if kind not in ("full_attention", "sliding_attention"):
+    kinds = ("full_attention", "sliding_attention")
+    if config.get("model_type") in _LLAMA4:
+        kinds += ("chunked_attention",)
+    if kind not in kinds:
         raise ValueError(
             f"layer {layer} of the config is {kind!r} (layer_types); mha's layer is "
-            "'full_attention' or 'sliding_attention'"
+            + " or ".join(repr(each) for each in kinds)
         )
     return kind
 

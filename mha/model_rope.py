@@ -59,6 +59,7 @@ ROTARY = {
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
     "llama": "half",
+    "llama4_text": "pairs",  # complex products of (2i, 2i + 1)
     "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
     "minimax_m2": "half",
     "ministral": "half",
@@ -110,6 +111,7 @@ _DEFAULT_THETA = {
     "gemma3_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
     "helium": 100_000.0,
+    "llama4_text": 500_000.0,
     "minimax_m2": 5_000_000.0,
     "mixtral": 1_000_000.0,
     "olmo3": 500_000.0,

@@ -60,6 +60,7 @@ from mha.interop.common import as_numpy
 from mha.layouts import (
     KEYS_AS_VALUES,
     LAYOUTS,
+    UNIT_QK_NORMS,
     VALUES_FROM_KEYS,
     Layout,
     find_attention,
@@ -70,6 +71,7 @@ from mha.layouts import (
     num_kv_heads,
     split_gate,
     under,
+    unit_qk_norms,
     values_are_keys,
     weights_and_config,
     with_values_from_keys,
@@ -120,6 +122,7 @@ def canonical_from_state_dict(
     output_gate: bool = False,
     without_positions: bool = False,
     values_from_keys: bool = False,
+    weightless_qk_norm: bool = False,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`
@@ -139,6 +142,8 @@ def canonical_from_state_dict(
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         values_from_keys: the layer has no v_proj, its values being the key projection's
             output before any norm (Gemma 4's full layers, attention_k_eq_v): W_v is W_k.
+        weightless_qk_norm: qk_norm="head" norms with no weight (Llama 4's L2Norm, after its
+            rotary embedding, which leaves a head's mean square as it is): scales of ones.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
             ... (`options_from_config` reads them from a Hugging Face config). Key and value
             projections with fewer outputs than the query's give num_kv_heads.
@@ -153,12 +158,12 @@ def canonical_from_state_dict(
     latent_layout.refuse_sparse(names, where)
     if latent_layout.matches(names):
         given = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
-        given["values_from_keys"] = values_from_keys
+        given.update(values_from_keys=values_from_keys, weightless_qk_norm=weightless_qk_norm)
         return _latent_port(names, num_heads, options, where, without_positions, **given)
     check_untold_options(options)
     layout = _only_layout(state, names, prefix, where)
     given = dict(qk_norm=options.get("qk_norm"), qk_norm_offset=qk_norm_offset)
-    read = _read_port(layout, names, num_heads, output_gate, where, **given)
+    read = _read_port(layout, names, num_heads, output_gate, where, weightless_qk_norm, **given)
     weights, config, used, left_out, notes = read
     config = _checked_config(layout, config, options, scale)
     _check_positions(layout, config, without_positions, where)
@@ -169,12 +174,14 @@ def canonical_from_state_dict(
 
 
 def _read_port(
-    layout: Layout, names, num_heads, output_gate, where: str, *, qk_norm, qk_norm_offset
+    layout: Layout, names, num_heads, output_gate, where: str, weightless: bool, **norms
 ):
     """The weights and the config the weights tell of a layer of `layout`, the names used and
-    left out, and the notes on what the port added."""
+    left out, and the notes on what the port added; norms: qk_norm and qk_norm_offset."""
+    qk_norm, qk_norm_offset = norms["qk_norm"], norms["qk_norm_offset"]
     used = layout_names(layout, names)
-    extra = _beside_projections(layout, names, qk_norm, output_gate, where)
+    # Norms without weights read none: a q_norm.weight there is refused by name
+    extra = _beside_projections(layout, names, None if weightless else qk_norm, output_gate, where)
     beside = [name for held in extra.values() for name in _names_of(held)]
     left_out = _left_out(layout, set(names) - set(used) - set(beside), where)
     split = output_gate and "W_g" not in extra  # Qwen3-Next's gate rows in q_proj
@@ -188,6 +195,9 @@ def _read_port(
     notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
     if kv_hiddens != config["num_hiddens"]:
         config["num_kv_heads"] = num_kv_heads(layout, config, kv_hiddens)
+    if weightless:  # Llama 4's norms: scales of 1
+        weights.update(unit_qk_norms(qk_norm, weights["W_q"], config["num_heads"]))
+        notes += (UNIT_QK_NORMS,)
     return weights, config, used + beside, left_out, notes
 
 
@@ -208,6 +218,7 @@ _MHA_PORT_OPTIONS = {
     "output_gate": False,
     "without_positions": False,
     "values_from_keys": False,
+    "weightless_qk_norm": False,
 }
 
 

@@ -117,6 +117,16 @@ OWN_SIZES["lfm3"] = {
     "sliding_window": 4,
     "norm_eps": 1e-3,
 }
+# Llama 4: chunks of 3 positions on its rotary layers, the queries of its others (every
+# second layer here) scaled past every 2 positions; few small experts
+OWN_SIZES["llama4_text"] = {
+    "attention_chunk_size": 3,
+    "no_rope_layer_interval": 2,
+    "floor_scale": 2,
+    "attn_scale": 0.5,
+    "num_local_experts": 4,
+    "intermediate_size_mlp": 32,
+}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
@@ -216,7 +226,8 @@ def attention_io(model, found: list[tuple[str, str]]):
     return seen
 
 
-ATTENTION = ("full_attention", "sliding_attention")  # the layer types mha's layer is
+# The layer types mha's layer is
+ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 @pytest.mark.parametrize("model_type", sorted(ROTARY))

@@ -630,8 +630,10 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
             raw["sliding_window"] = getattr(config, "sliding_window", None)
         for layer in range(4):
             kind = raw["layer_types"][layer] if "layer_types" in raw else None
-            if kind not in (None, "full_attention", "sliding_attention"):
+            if kind not in (None, "full_attention", "sliding_attention", "chunked_attention"):
                 continue  # Qwen3-Next's linear attention
+            if not (getattr(config, "no_rope_layers", None) or [1] * 4)[layer]:
+                continue  # SmolLM3's and Llama 4's layers without a rotary embedding
             rotates_sliding_only = ("cohere2", "cohere2_moe", "exaone4", "exaone_moe", "lara_mini")
             if model_type in rotates_sliding_only and kind == "full_attention":
                 continue  # they rotate their sliding layers only (test_families.py ports both)
@@ -1196,6 +1198,63 @@ def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys(tm
     vision = {"model_type": "gemma4_text", "use_bidirectional_attention": "vision"}
     options = porting.options_from_config({**vision, "layer_types": ["full_attention"]})
     assert options["value_norm"] and options["scale"] == 1.0
+
+
+# Llama 4 Scout's text config.json as its repository writes it (no layer_types): three
+# rotary layers, then one without (no_rope_layers), and Maverick's, without QK-norm
+SCOUT = {
+    "model_type": "llama4_text",
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "no_rope_layers": [1, 1, 1, 0],
+    "attention_chunk_size": 8192,
+    "attn_temperature_tuning": True,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+    "use_qk_norm": True,
+    "rms_norm_eps": 1e-05,
+}
+
+
+def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
+    rotary = {"num_heads": 40, "rope_theta": 500000.0, "rope_interleaved": True}
+    chunked = {**rotary, "attention_chunk_size": 8192}
+    normed = {"qk_norm": "head", "weightless_qk_norm": True, "qk_norm_eps": 1e-05}
+    scaled = {"beta": 0.1, "original_max_position_embeddings": 8192, "position_offset": 1}
+    assert porting.options_from_config(SCOUT, 0) == {**chunked, **normed}
+    assert porting.options_from_config(SCOUT, 3) == {"num_heads": 40, "query_scaling": scaled}
+    maverick = {**SCOUT, "use_qk_norm": False, "attn_temperature_tuning": False}
+    assert porting.options_from_config(maverick, 1) == chunked
+    assert porting.options_from_config(maverick, 3) == {"num_heads": 40}
+    # layer_types, where written, say which layers are chunked
+    written = {**SCOUT, "layer_types": ["full_attention"] * 3 + ["chunked_attention"]}
+    assert "attention_chunk_size" not in porting.options_from_config(written, 0)
+    assert porting.options_from_config(written, 3)["attention_chunk_size"] == 8192
+    with pytest.raises(ValueError, match="layers differ"):
+        porting.options_from_config(SCOUT)
+    with pytest.raises(ValueError, match="attention_chunk_size=0 is not a size"):
+        porting.options_from_config({**SCOUT, "attention_chunk_size": 0}, 0)
+    with pytest.raises(ValueError, match="'chunked_attention' \\(layer_types\\)"):
+        porting.options_from_config({"layer_types": ["chunked_attention"]}, 0)
+
+
+def test_weightless_qk_norms_port_as_scales_of_one():
+    # Llama 4's norms have no weight: ones of the head size, noted; a norm weight beside the
+    # projections is then refused by name, and only "head" norms are weightless
+    rng = np.random.default_rng(2)
+    state = {f"{k}_proj.weight": rng.standard_normal((8, 6)).astype("float32") for k in "qkv"}
+    state["o_proj.weight"] = rng.standard_normal((6, 8)).astype("float32")
+    given = dict(num_heads=2, qk_norm="head", weightless_qk_norm=True)
+    port = porting.canonical_from_state_dict(state, **given)
+    for name in ("q_norm", "k_norm"):
+        np.testing.assert_array_equal(port.weights[name], np.ones(4, "float32"))
+    assert any("have no weight" in note for note in port.notes)
+    with pytest.raises(ValueError, match="q_norm.weight"):
+        porting.canonical_from_state_dict({**state, "q_norm.weight": np.ones(4)}, **given)
+    with pytest.raises(ValueError, match='weightless_qk_norm=True is qk_norm="head"'):
+        porting.canonical_from_state_dict(state, **{**given, "qk_norm": "projection"})
 
 
 @pytest.mark.parametrize("name", backend_params())
