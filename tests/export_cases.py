@@ -70,6 +70,22 @@ MULTIHEAD_CASES = {
         },
         ["causal", "valid_lens_1d"],
     ),
+    # Llama 4's rotary layers after a cache (chunks of 2 positions, pairs turned), and its
+    # other layers' queries scaled from position 1
+    "chunks+cache": (
+        {**GROUPED, "attention_chunk_size": 2, "rope_interleaved": True, "qk_norm": "head"},
+        ["causal", "valid_lens_1d", "cache"],
+    ),
+    "query_scaling_offset": (
+        {
+            "query_scaling": {
+                "beta": 0.5,
+                "original_max_position_embeddings": 2,
+                "position_offset": 1,
+            }
+        },
+        ["causal", "valid_lens_1d"],
+    ),
 }
 # masked_softmax: id -> (shapes of X for (batch, queries, keys), mask kinds, empty_rows)
 SOFTMAX_CASES = {

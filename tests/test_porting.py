@@ -1251,7 +1251,7 @@ def test_weightless_qk_norms_port_as_scales_of_one():
     for name in ("q_norm", "k_norm"):
         np.testing.assert_array_equal(port.weights[name], np.ones(4, "float32"))
     assert any("have no weight" in note for note in port.notes)
-    with pytest.raises(ValueError, match="q_norm.weight"):
+    with pytest.raises(ValueError, match=r"q_norm\.weight"):
         porting.canonical_from_state_dict({**state, "q_norm.weight": np.ones(4)}, **given)
     with pytest.raises(ValueError, match='weightless_qk_norm=True is qk_norm="head"'):
         porting.canonical_from_state_dict(state, **{**given, "qk_norm": "projection"})

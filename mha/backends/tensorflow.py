@@ -687,24 +687,22 @@ class MultiHeadAttention(_AttentionLayer):
                  key_size: int | None = None, value_size: int | None = None,
                  out_bias: bool | None = None, out_features: int | None = None,
                  scale: float | None = None, empty_rows: str = "zeros",
-                 sliding_window: int | None = None,
-                 attention_chunk_size: int | None = None, num_kv_heads: int | None = None,
-                 rope_theta: float | None = None, rope_interleaved: bool = False,
-                 rope_dim: int | None = None, rope_scaling: dict | None = None,
-                 query_scaling: dict | None = None, softcap: float | None = None,
-                 sinks: bool = False, qk_norm: str | None = None, qk_norm_eps: float = 1e-6,
-                 output_gate: bool = False, alibi: bool = False, value_norm: bool = False,
-                 dtype: str = "float32",
+                 sliding_window: int | None = None, attention_chunk_size: int | None = None,
+                 num_kv_heads: int | None = None, rope_theta: float | None = None,
+                 rope_interleaved: bool = False, rope_dim: int | None = None,
+                 rope_scaling: dict | None = None, query_scaling: dict | None = None,
+                 softcap: float | None = None, sinks: bool = False, qk_norm: str | None = None,
+                 qk_norm_eps: float = 1e-6, output_gate: bool = False, alibi: bool = False,
+                 value_norm: bool = False, dtype: str = "float32",
                  **kwargs):
         dtype = validation.check_layer_args("MultiHeadAttention", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.num_heads, self.bias = num_hiddens, num_heads, bias
         self.out_bias, self.out_features, self.scale = out_bias, out_features, scale
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
-        self.attention_chunk_size = attention_chunk_size
-        self.num_kv_heads, self.rope_theta = num_kv_heads, rope_theta
-        self.rope_interleaved, self.rope_dim = rope_interleaved, rope_dim
-        self.rope_scaling = frozen_rope_scaling(rope_scaling)
+        self.attention_chunk_size, self.num_kv_heads = attention_chunk_size, num_kv_heads
+        self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
+        self.rope_dim, self.rope_scaling = rope_dim, frozen_rope_scaling(rope_scaling)
         self.query_scaling, self.softcap = frozen_rope_scaling(query_scaling), softcap
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              softcap=softcap, dtype=dtype)
