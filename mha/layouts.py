@@ -24,6 +24,7 @@ __all__ = [
     "Layout",
     "find_attention",
     "flatten",
+    "halves_swapped",
     "head_gate",
     "layout_names",
     "matches",
@@ -559,3 +560,30 @@ def unit_qk_norms(qk_norm: str | None, W_q: np.ndarray, num_heads: int) -> dict[
         )
     ones = np.ones(W_q.shape[1] // num_heads, W_q.dtype)
     return {"q_norm": ones, "k_norm": ones.copy()}
+
+
+HALVES_SWAPPED = (
+    "each head's two halves of query and key features are swapped: the source turns them the "
+    "other way, which gives the same scores"
+)
+
+
+def halves_swapped(weights: dict[str, np.ndarray], config, where: str) -> dict[str, np.ndarray]:
+    """The weights of a source that turns each head's pairs (i, i + d/2) by minus their angle
+    (nanochat's rotate_half gives (x2, -x1)), for mha's turn: each head's two halves of the
+    query and key features swapped (W_q, W_k, their biases, QK-norm's scales). mha's rotation
+    of the swapped features is the swap of the source's rotation, and a swap of both the
+    queries and the keys leaves their products, so the scores, as they are."""
+    head = config["num_hiddens"] // config["num_heads"]
+    if not config["rope_theta"] or config["rope_interleaved"] or config["rope_dim"] or head % 2:
+        raise ValueError(
+            f"reversed_rotary=True turns the halves of the whole head of the layer {where}: it "
+            "needs rope_theta, no rope_interleaved or rope_dim, and an even head size"
+        )
+
+    def swapped(x: np.ndarray) -> np.ndarray:
+        halves = x.reshape(*x.shape[:-1], -1, 2, head // 2)[..., ::-1, :]
+        return np.ascontiguousarray(halves.reshape(x.shape))
+
+    names = ("W_q", "W_k", "b_q", "b_k", "q_norm", "k_norm")
+    return {name: swapped(w) if name in names else w for name, w in weights.items()}

@@ -40,7 +40,9 @@ def options_from_config(
     projection (values_from_keys=True: a port option) where attention_k_eq_v says,
     LFM3's gate of each head (output_gate=True, from g_proj), and Llama 4's chunks
     (attention_chunk_size), norms with no weight (weightless_qk_norm=True: a port option)
-    and queries scaled from position 1 on its layers without a rotary embedding.
+    and queries scaled from position 1 on its layers without a rotary embedding, and
+    nanochat's (weightless_qk_norm=True, and reversed_rotary=True: a port option for its
+    rotary embedding turned the other way).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -248,6 +250,9 @@ _GEMMA4 = frozenset({"gemma4_text"})
 # on its rotary layers, the queries scaled by their positions on the others
 _LLAMA4 = frozenset({"llama4_text"})
 _LLAMA4_FIELDS = ("use_qk_norm", "attention_chunk_size", "attn_temperature_tuning")
+# Model types whose QK-norms have no weight and follow a rotary embedding turned the other way
+# (rotate_half giving (x2, -x1)): the port options weightless_qk_norm and reversed_rotary
+_REVERSED_ROTARY = frozenset({"nanochat"})
 
 _MAX_LAYERS = 4096  # far more than any model has; bounds the work on a config
 
@@ -297,6 +302,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found.update(_gemma4_options(config, kind, layer))
     if model_type in _LLAMA4:
         found.update(_llama4_options(config, kind, "rope_theta" in found))
+    if model_type in _REVERSED_ROTARY:  # nanochat
+        found.update(qk_norm="head", weightless_qk_norm=True, reversed_rotary=True)
+        found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     return found
 
 

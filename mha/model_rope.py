@@ -67,6 +67,7 @@ ROTARY = {
     "mistral": "half",
     "mistral4": "rope_interleave",  # DeepSeek-V3's latent attention
     "mixtral": "half",
+    "nanochat": "half",  # turned the other way: the port's reversed_rotary
     "nemotron": "half",
     "olmo": "half",
     "olmo2": "half",

@@ -57,6 +57,7 @@ from mha.config import get_backend
 from mha.encoding import rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
+    HALVES_SWAPPED,
     KEYS_AS_VALUES,
     LAYOUTS,
     UNIT_QK_NORMS,
@@ -64,6 +65,7 @@ from mha.layouts import (
     Layout,
     find_attention,
     flatten,
+    halves_swapped,
     head_gate,
     layout_names,
     matches,
@@ -123,6 +125,7 @@ def canonical_from_state_dict(
     without_positions: bool = False,
     values_from_keys: bool = False,
     weightless_qk_norm: bool = False,
+    reversed_rotary: bool = False,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`
@@ -144,6 +147,8 @@ def canonical_from_state_dict(
             output before any norm (Gemma 4's full layers, attention_k_eq_v): W_v is W_k.
         weightless_qk_norm: qk_norm="head" norms with no weight (Llama 4's L2Norm, after its
             rotary embedding, which leaves a head's mean square as it is): scales of ones.
+        reversed_rotary: the source turns each head's pairs (i, i + d/2) by minus their angle
+            (nanochat's rotate_half): each head's query and key halves are swapped.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
             ... (`options_from_config` reads them from a Hugging Face config). Key and value
             projections with fewer outputs than the query's give num_kv_heads.
@@ -152,33 +157,42 @@ def canonical_from_state_dict(
         ValueError: no layout or several under the prefix, weights that do not fit, tensors
             mha cannot hold (each listed), sparse attention, positions no option gives.
     """
+    port = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
+    port.update(without_positions=without_positions, values_from_keys=values_from_keys)
+    port.update(weightless_qk_norm=weightless_qk_norm, reversed_rotary=reversed_rotary)
     state = flatten(state)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
     names, copied = with_values_from_keys(under(state, prefix), values_from_keys, where)
     latent_layout.refuse_sparse(names, where)
     if latent_layout.matches(names):
-        given = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
-        given.update(values_from_keys=values_from_keys, weightless_qk_norm=weightless_qk_norm)
-        return _latent_port(names, num_heads, options, where, without_positions, **given)
+        return _latent_port(names, num_heads, options, where, port)
+    return _mha_port(state, names, copied, prefix, num_heads, options, where, port)
+
+
+def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str, port) -> Port:
+    """The Port of MultiHeadAttention's layouts: the weights read and rewritten as the port
+    options say (port), the config checked; copied: the names values_from_keys copied."""
     check_untold_options(options)
     layout = _only_layout(state, names, prefix, where)
-    given = dict(qk_norm=options.get("qk_norm"), qk_norm_offset=qk_norm_offset)
-    read = _read_port(layout, names, num_heads, output_gate, where, weightless_qk_norm, **given)
-    weights, config, used, left_out, notes = read
-    config = _checked_config(layout, config, options, scale)
-    _check_positions(layout, config, without_positions, where)
+    weights, config, used, left_out, notes = _read_port(
+        layout, names, num_heads, where, options.get("qk_norm"), port
+    )
+    config = _checked_config(layout, config, options, port["scale"])
+    _check_positions(layout, config, port["without_positions"], where)
     _use_inv_freq(names, config, where, used, left_out)
+    if port["reversed_rotary"]:  # nanochat: its halves swapped turn mha's way to the same scores
+        weights = halves_swapped(weights, config, where)
+        notes += (HALVES_SWAPPED,)
     used = sorted(set(used) - set(copied))  # the source's names alone
     notes += (VALUES_FROM_KEYS,) if copied else ()
     return Port(weights, config, layout.name, used, left_out, notes)
 
 
-def _read_port(
-    layout: Layout, names, num_heads, output_gate, where: str, weightless: bool, **norms
-):
+def _read_port(layout: Layout, names, num_heads, where: str, qk_norm, port: dict[str, Any]):
     """The weights and the config the weights tell of a layer of `layout`, the names used and
-    left out, and the notes on what the port added; norms: qk_norm and qk_norm_offset."""
-    qk_norm, qk_norm_offset = norms["qk_norm"], norms["qk_norm_offset"]
+    left out, and the notes on what the port added; port: the port options."""
+    output_gate, weightless = port["output_gate"], port["weightless_qk_norm"]
+    qk_norm_offset = port["qk_norm_offset"]
     used = layout_names(layout, names)
     # Norms without weights read none: a q_norm.weight there is refused by name
     extra = _beside_projections(layout, names, None if weightless else qk_norm, output_gate, where)
@@ -219,14 +233,14 @@ _MHA_PORT_OPTIONS = {
     "without_positions": False,
     "values_from_keys": False,
     "weightless_qk_norm": False,
+    "reversed_rotary": False,
 }
 
 
-def _latent_port(names, num_heads, options, where: str, without_positions, **given) -> Port:
+def _latent_port(names, num_heads, options, where: str, port: dict[str, Any]) -> Port:
     """The Port of DeepSeek-V3's latent attention, which takes none of the port options of
     MultiHeadAttention's layouts."""
-    given["without_positions"] = without_positions
-    changed = sorted(key for key, value in given.items() if value != _MHA_PORT_OPTIONS[key])
+    changed = sorted(key for key, value in port.items() if value != _MHA_PORT_OPTIONS[key])
     if changed:
         raise ValueError(
             f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} MultiHeadAttention's; "

@@ -1257,6 +1257,61 @@ def test_weightless_qk_norms_port_as_scales_of_one():
         porting.canonical_from_state_dict(state, **{**given, "qk_norm": "projection"})
 
 
+def _nanochat_attention(state, x, heads, theta, eps):
+    """nanochat's attention written out: each head's (first half, second half) pairs turned
+    by minus their angle (its rotate_half gives (x2, -x1)), then normed with no weight."""
+    n, d = x.shape[1], state["q_proj.weight"].shape[0] // heads
+
+    def turned_and_normed(name):
+        a = x @ state[f"{name}.weight"].T + state[f"{name}.bias"]
+        a = a.reshape(x.shape[0], n, heads, d).transpose(0, 2, 1, 3)
+        angles = np.arange(n)[:, None] * theta ** (-np.arange(d // 2) * 2.0 / d)
+        a1, a2 = a[..., : d // 2], a[..., d // 2 :]
+        cos, sin = np.cos(angles), np.sin(angles)
+        a = np.concatenate([a1 * cos + a2 * sin, a2 * cos - a1 * sin], axis=-1)
+        return a / np.sqrt(np.mean(a**2, axis=-1, keepdims=True) + eps)
+
+    q, k = turned_and_normed("q_proj"), turned_and_normed("k_proj")
+    v = (x @ state["v_proj.weight"].T + state["v_proj.bias"]).reshape(x.shape[0], n, heads, d)
+    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(d)
+    scores = np.where(np.tri(n, dtype=bool), scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    output = (weights @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3).reshape(x.shape[0], n, -1)
+    return output @ state["o_proj.weight"].T + state["o_proj.bias"]
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_rotary_turned_the_other_way_ports_with_its_halves_swapped(name):
+    # nanochat: with reversed_rotary each head's query and key halves are swapped (noted), and
+    # mha's layer gives the attention written out
+    rng = np.random.default_rng(4)
+    state = {f"{k}_proj.weight": rng.standard_normal((8, 6)) for k in "qkv"}
+    state["o_proj.weight"] = rng.standard_normal((6, 8))
+    state.update(
+        {
+            f"{k}_proj.bias": rng.standard_normal(s)
+            for k, s in zip("qkvo", (8, 8, 8, 6), strict=True)
+        }
+    )
+    x = rng.standard_normal((2, 5, 6))
+    options = dict(num_heads=2, rope_theta=100.0, qk_norm="head", qk_norm_eps=1e-3)
+    options.update(weightless_qk_norm=True, reversed_rotary=True)
+    port = porting.canonical_from_state_dict(state, **options)
+    halves = port.weights["W_q"].reshape(6, 2, 2, 2)
+    np.testing.assert_array_equal(halves[:, 0, 0], state["q_proj.weight"][2:4].T)
+    assert any("halves of query and key features are swapped" in note for note in port.notes)
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, backend=name, **options)  # float64, as the weights
+    output = layer(*[module.from_numpy(x)] * 3, causal=True)
+    expected = _nanochat_attention(state, x, 2, 100.0, 1e-3)
+    np.testing.assert_allclose(module.to_numpy(output), expected, rtol=1e-10, atol=1e-12)
+    # Halves of the whole head, turned as Llama turns them
+    for wrong in ({"rope_interleaved": True}, {"rope_dim": 2}, {"rope_theta": None}):
+        with pytest.raises(ValueError, match="reversed_rotary=True turns the halves"):
+            porting.canonical_from_state_dict(state, **{**options, **wrong})
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_gpt_neo_ports_unscaled_with_its_local_windows(name):
     # GPT-Neo does not scale its scores, and its local layers attend to the last window_size
