@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mha.encoding import check_query_scaling
 from mha.files import read_bytes
 from mha.model_rope import query_scaling, rotary_options
 
@@ -323,11 +324,18 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
         found.update(qk_norm="head", weightless_qk_norm=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-5))
     if not rotary and config.get("attn_temperature_tuning", True):
-        found["query_scaling"] = {
-            "beta": float(config.get("attn_scale", 0.1)),
-            "original_max_position_embeddings": int(config.get("floor_scale", 8192)),
-            "position_offset": 1,
-        }
+        beta, length = config.get("attn_scale", 0.1), config.get("floor_scale", 8192)
+        scaling = {"beta": beta, "original_max_position_embeddings": length, "position_offset": 1}
+        try:
+            check_query_scaling("query_scaling", scaling)
+        except ValueError:
+            raise ValueError(
+                "llama4_text's layers without a rotary embedding scale their queries by their "
+                "positions (attn_temperature_tuning), by attn_scale and floor_scale: they must "
+                f"be a number >= 0 and a positive integer. Received: attn_scale={beta!r}, "
+                f"floor_scale={length!r}"
+            ) from None
+        found["query_scaling"] = scaling
     return found
 
 

@@ -1234,6 +1234,9 @@ def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
     assert porting.options_from_config(written, 3)["attention_chunk_size"] == 8192
     with pytest.raises(ValueError, match="layers differ"):
         porting.options_from_config(SCOUT)
+    for bad in ({"attn_scale": -0.1}, {"floor_scale": 0}, {"attn_scale": None}):
+        with pytest.raises(ValueError, match="by attn_scale and floor_scale: they must be"):
+            porting.options_from_config({**SCOUT, **bad}, 3)
     with pytest.raises(ValueError, match="attention_chunk_size=0 is not a size"):
         porting.options_from_config({**SCOUT, "attention_chunk_size": 0}, 0)
     with pytest.raises(ValueError, match="'chunked_attention' \\(layer_types\\)"):
