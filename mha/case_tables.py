@@ -197,6 +197,12 @@ MODERN_CASES = (
         ("mask_3d", "no_weights"),
         {**GQA, "qk_norm": "projection", "qk_norm_eps": 1e-5},
     ),
+    # Hunyuan's: each head's, after the rotary embedding
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "causal"),
+        {**GQA, **ROPE, "qk_norm": "head_after_rotary"},
+    ),
     # StableLM's layer norm of each head's queries and keys, a scale of each head's own
     (
         "MultiHeadAttention",

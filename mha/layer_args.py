@@ -148,7 +148,7 @@ def check_alignment(alignment: Any) -> None:
         )
 
 
-QK_NORMS = ("head", "projection", "layer_norm_per_head")
+QK_NORMS = ("head", "head_after_rotary", "projection", "layer_norm_per_head")
 
 
 def _check_qk_norm(name: str, value: Any) -> None:

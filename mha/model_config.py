@@ -211,6 +211,8 @@ _QK_NORM = {
     "flex_olmo": "projection",
     "gemma3_text": "head",
     "gemma4_text": "head",
+    "hunyuan_v1_dense": "head_after_rotary",  # its query_layernorm and key_layernorm
+    "hunyuan_v1_moe": "head_after_rotary",
     "lara_mini": "head",
     "lfm3": "head",
     "minimax_m2": "projection",

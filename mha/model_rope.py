@@ -53,6 +53,8 @@ ROTARY = {
     "granite_swa": "half",
     "granitemoe_swa": "half",
     "helium": "pairs",
+    "hunyuan_v1_dense": "half",
+    "hunyuan_v1_moe": "half",
     "internlm3": "half",
     "lara_mini": "half",
     "lfm3": "half",
@@ -278,6 +280,7 @@ def _rotary(
     if layer_theta == 0:
         return {}  # Granite SWA's layers without rotary embeddings
     rope, field = _rope_parameters(config, kind)
+    rope = _fixed_alpha(config, rope, head)
     model_type = config.get("model_type")
     fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
     base_field, partial_field = fields
@@ -317,6 +320,27 @@ def _rotary(
     if scaling is not None:
         found["rope_scaling"] = scaling
     return found
+
+
+# Model types whose "dynamic" rotary embedding with an alpha is NTK scaling by that fixed
+# alpha (Hunyuan's; transformers' ntk_alpha): whatever the sequence's length, the base is
+# stretched to rope_theta * alpha ** (d / (d - 2)), the rest of the parameters unread
+_FIXED_ALPHA = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe"})
+
+
+def _fixed_alpha(config: Mapping[str, Any], rope: Mapping, head: int | None) -> Mapping:
+    """The rotary parameters as mha reads them: Hunyuan's fixed NTK alpha as the plain rotary
+    embedding at the base it stretches to; others as they are."""
+    named = rope.get("rope_type", rope.get("type"))
+    if config.get("model_type") not in _FIXED_ALPHA or named != "dynamic" or not rope.get("alpha"):
+        return rope
+    if head is None or head <= 2:
+        raise ValueError(
+            f"the config stretches its rotary base by alpha={rope['alpha']!r}, by the head size "
+            "(head_dim), which it does not tell"
+        )
+    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
+    return {"rope_type": "default", "rope_theta": theta * rope["alpha"] ** (head / (head - 2))}
 
 
 def _layer_theta(config: Mapping[str, Any], layer: int | None) -> float | None:

@@ -440,12 +440,14 @@ OPTIONS: tuple[Option, ...] = (
         None,
         "qk_norm",
         {
-            "*": 'None (default), "head", "projection" or "layer_norm_per_head": a norm of the '
-            "queries and of the keys after their projections, before the rotary embedding, "
-            "scaled by learned weights q_norm and k_norm: an RMSNorm over each head's features "
-            '("head", one scale of the head size shared by the heads: Qwen3) or over the whole '
-            'projection ("projection": OLMo 2), or a layer norm of each head\'s features with '
-            'a scale of each head\'s own and no shift ("layer_norm_per_head": StableLM).'
+            "*": 'None (default), "head", "head_after_rotary", "projection" or '
+            '"layer_norm_per_head": a norm of the queries and of the keys after their '
+            "projections, before the rotary embedding, scaled by learned weights q_norm and "
+            'k_norm: an RMSNorm over each head\'s features ("head", one scale of the head size '
+            'shared by the heads: Qwen3; "head_after_rotary", the same after the rotary '
+            'embedding: Hunyuan) or over the whole projection ("projection": OLMo 2), or a '
+            "layer norm of each head's features with a scale of each head's own and no shift "
+            '("layer_norm_per_head": StableLM).'
         },
         _MHA,
         told=False,

@@ -389,8 +389,10 @@ def _beside_projections(layout, names, qk_norm: str | None, gate: bool, where: s
     return extra
 
 
-# The scales of QK-norm's RMSNorms, beside the q/k/v/o_proj layout's projections
+# The scales of QK-norm's RMSNorms, beside the q/k/v/o_proj layout's projections (Hunyuan's
+# under names of their own)
 _QK_NORMS = {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
+_QK_LAYERNORMS = {"q_norm": "query_layernorm.weight", "k_norm": "key_layernorm.weight"}
 
 
 def _qk_norm_names(
@@ -402,14 +404,15 @@ def _qk_norm_names(
         return {}
     if qk_norm == "layer_norm_per_head":
         return {k: _per_head_norms(layout, names, k, where) for k in ("q_norm", "k_norm")}
-    missing = [name for name in _QK_NORMS.values() if name not in names]
+    held = _QK_LAYERNORMS if _QK_LAYERNORMS["q_norm"] in names else _QK_NORMS
+    missing = [name for name in held.values() if name not in names]
     if layout.paths.get("q") != "q_proj" or missing:
         raise ValueError(
             f"qk_norm={qk_norm!r} reads q_norm.weight and k_norm.weight beside q_proj ... "
             f"o_proj; the {layout.name} weights {where} have "
             + (f"no {', '.join(missing)}" if missing else "another layout")
         )
-    return dict(_QK_NORMS)
+    return dict(held)
 
 
 # StableLM's layer norms of each head: q_layernorm.norms.0.weight, ... (likewise k_layernorm)

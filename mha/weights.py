@@ -84,7 +84,7 @@ def weight_shapes(class_name: str, config: Mapping[str, Any]) -> dict[str, tuple
             shapes["W_g"] = (config.get("query_size"), n)
             if config.get("bias", False):
                 shapes["b_g"] = (n,)
-        if config.get("qk_norm") == "head":  # one scale of the head size, shared by the heads
+        if config.get("qk_norm") in ("head", "head_after_rotary"):  # one scale of the head size
             shapes.update(
                 {"q_norm": (n // config["num_heads"],), "k_norm": (n // config["num_heads"],)}
             )

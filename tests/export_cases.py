@@ -52,9 +52,14 @@ MULTIHEAD_CASES = {
     "cache": (GROUPED, ["causal", "valid_lens_1d", "cache"]),
     "cache+no_weights": (GROUPED, ["causal", "valid_lens_1d", "cache", "no_weights"]),
     "uniform_empty_rows": ({"empty_rows": "uniform"}, ["valid_lens_2d"]),
-    # Norms of queries and keys, each head's (Qwen3) and StableLM's per-head layer norm
+    # Norms of queries and keys, each head's (Qwen3; Hunyuan's after the rotary embedding,
+    # here after a cache) and StableLM's per-head layer norm
     "qk_norm": ({**GROUPED, "qk_norm": "head"}, ["causal", "valid_lens_1d"]),
     "qk_layer_norm_per_head": ({"qk_norm": "layer_norm_per_head"}, ["valid_lens_2d"]),
+    "qk_norm_after_rotary": (
+        {**GROUPED, "qk_norm": "head_after_rotary"},
+        ["causal", "valid_lens_1d", "cache"],
+    ),
     # Ministral 3's queries scaled by their positions, after a cache; Gemma 4's normalized
     # values and proportional rotary
     "query_scaling+cache": (

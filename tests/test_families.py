@@ -127,6 +127,17 @@ OWN_SIZES["llama4_text"] = {
     "num_local_experts": 4,
     "intermediate_size_mlp": 32,
 }
+# Hunyuan: its base stretched by a fixed NTK alpha (its checkpoints' "dynamic" with alpha);
+# the MoE's few small experts
+OWN_SIZES["hunyuan_v1_dense"] = {
+    "rope_parameters": {
+        "rope_type": "dynamic",
+        "rope_theta": 10000.0,
+        "alpha": 1000.0,
+        "factor": 1.0,
+    },
+}
+OWN_SIZES["hunyuan_v1_moe"] = {**OWN_SIZES["hunyuan_v1_dense"], "num_experts": 4, "moe_topk": 2}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}

@@ -365,11 +365,14 @@ def test_query_scaling_is_kept_by_a_file(name, tmp_path, rng):
     assert_agrees(module.to_numpy(out), layer(x, x, x, causal=True), "float64")
 
 
-def test_rope_in_multihead_attention_rotates_each_heads_queries_and_keys(backend, rng):
-    # Written out: project, split heads, rotate by the complex formula, attend, merge
+@pytest.mark.parametrize("qk_norm", [None, "head_after_rotary"])
+def test_rope_in_multihead_attention_rotates_each_heads_queries_and_keys(backend, rng, qk_norm):
+    # Written out: project, split heads, rotate by the complex formula (then, Hunyuan's
+    # "head_after_rotary", normalize the turned features and scale them), attend, merge
     config = dict(
         num_hiddens=8, num_heads=2, query_size=4, key_size=4, value_size=4, dtype="float64"
     )
+    config.update(qk_norm=qk_norm, qk_norm_eps=1e-3)
     weights = mha.random_weights("MultiHeadAttention", seed=5, **config)
     layer = backend.MultiHeadAttention(rope_theta=100.0, **config)
     mha.set_weights(layer, weights)
@@ -379,9 +382,16 @@ def test_rope_in_multihead_attention_rotates_each_heads_queries_and_keys(backend
     def heads(Y):
         return Y.reshape(1, 5, 2, 4).transpose(0, 2, 1, 3)
 
+    def normed(Y, scale):
+        if qk_norm is None:
+            return Y
+        return Y / np.sqrt(np.mean(Y**2, axis=-1, keepdims=True) + 1e-3) * scale
+
     positions = np.arange(5, dtype=float)
     q = _complex_rotation(heads(X @ weights["W_q"]), positions, 100.0, False)
     k = _complex_rotation(heads(X @ weights["W_k"]), positions, 100.0, False)
+    if qk_norm is not None:
+        q, k = normed(q, weights["q_norm"]), normed(k, weights["k_norm"])
     scores = q @ k.swapaxes(-1, -2) / 2.0
     scores = np.where(np.tri(5, dtype=bool), scores, -np.inf)
     attention = np.exp(scores - scores.max(-1, keepdims=True))
@@ -446,6 +456,7 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
             "rope_theta": 100.0,
             "rope_interleaved": True,
         },
+        {"num_kv_heads": 2, "qk_norm": "head_after_rotary", "rope_theta": 100.0},
         {
             "num_kv_heads": 2,
             "query_scaling": {
@@ -468,6 +479,7 @@ def test_new_options_round_trip_through_checkpoints(backend, tmp_path):
         "stablelm",
         "bloom",
         "llama4-chunked",
+        "hunyuan",
         "llama4-nope",
     ],
 )

@@ -693,7 +693,7 @@ class MultiHeadAttention(nnx.Module):
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps,
                                          self.dtype)
         elif qk_norm is not None:
-            sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
+            sizes = (num_hiddens, kv_hiddens) if qk_norm == "projection" else (head_size,) * 2
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
         # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
@@ -769,14 +769,16 @@ class MultiHeadAttention(nnx.Module):
 
     def at_positions(self, queries, keys, cached, masks, segment_ids):
         """Each head's queries and keys at their positions cached, cached + 1, ... (packed
-        sequences restart them at each segment): turned by the rotary embedding, and the
-        queries scaled by query_scaling."""
+        sequences restart them at each segment): turned by the rotary embedding, normalized
+        where qk_norm is "head_after_rotary", and the queries scaled by query_scaling."""
         query_positions, key_positions = masks.packed_positions(segment_ids)
         if self.rotary is not None:
             # The sequence, whose length may choose the frequencies, runs to the last key
             length = cached + keys.shape[-2]
             queries = self.rotary.rotate(queries, cached, length, query_positions)
             keys = self.rotary.rotate(keys, cached, length, key_positions)
+        if self.qk_norm == "head_after_rotary":  # Hunyuan: the turned features normalized
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         if self.query_scaling is not None:
             # Ministral 3: each query scaled by its position, past every L positions
             queries = queries * _query_scales(self.query_scaling, queries, cached,

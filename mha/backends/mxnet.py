@@ -942,7 +942,7 @@ class MultiHeadAttention(Layer):
             self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
             self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
         elif qk_norm is not None:
-            sizes = (head_size, head_size) if qk_norm == "head" else (num_hiddens, kv_hiddens)
+            sizes = (num_hiddens, kv_hiddens) if qk_norm == "projection" else (head_size,) * 2
             self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
             self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
         # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
@@ -1062,13 +1062,15 @@ class MultiHeadAttention(Layer):
 
     def at_positions(self, F, queries, keys, offset, frequencies, positions):
         """Each head's queries and keys at their positions offset, offset + 1, ... (packed
-        sequences: `positions`, each row's own): turned by the rotary embedding, and the
-        queries scaled by query_scaling."""
+        sequences: `positions`, each row's own): turned by the rotary embedding, normalized
+        where qk_norm is "head_after_rotary", and the queries scaled by query_scaling."""
         if self.rotary is not None:
             queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies,
                                          positions=positions[0])
             keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies,
                                       positions=positions[1])
+        if self.qk_norm == "head_after_rotary":  # Hunyuan: the turned features normalized
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
         if self.query_scaling is not None:
             # Ministral 3: each query scaled by its position, past every L positions
             queries = queries * _query_scales(F, self.query_scaling, queries, offset,
