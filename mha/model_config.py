@@ -213,9 +213,13 @@ _QK_NORM = {
     "gemma4_text": "head",
     "hunyuan_v1_dense": "head_after_rotary",  # its query_layernorm and key_layernorm
     "hunyuan_v1_moe": "head_after_rotary",
+    "hy_v3": "head",
+    "kolibri1": "head",
     "lara_mini": "head",
     "lfm3": "head",
+    "mellum": "head",
     "minimax_m2": "projection",
+    "molmo2_text": "head",  # its qk_norm_type says: "head" or "projection"
     "olmo2": "projection",
     "olmo3": "projection",
     "olmoe": "projection",
@@ -224,7 +228,26 @@ _QK_NORM = {
     "qwen3_5_text": "head",
     "qwen3_moe": "head",
     "qwen3_next": "head",
+    "qwen3_vl_moe_text": "head",
+    "qwen3_vl_text": "head",
 }
+
+# Molmo 2's qk_norm_type names its QK-norms: Qwen3's of each head, or OLMo 2's of the projection
+_MOLMO2_QK_NORMS = {"qwen3": "head", "olmo": "projection"}
+
+
+def _qk_norm_kind(config: Mapping[str, Any]) -> str:
+    """The qk_norm of the config's model type (Molmo 2's, from its qk_norm_type)."""
+    model_type = config.get("model_type")
+    if model_type != "molmo2_text":
+        return _QK_NORM.get(model_type, "head")
+    kind = config.get("qk_norm_type", "qwen3")
+    if kind not in _MOLMO2_QK_NORMS:
+        raise ValueError(
+            f"the config's qk_norm_type={kind!r} is not a QK-norm mha knows: 'qwen3' or 'olmo'"
+        )
+    return _MOLMO2_QK_NORMS[kind]
+
 
 # Model types whose config's use_qk_norm adds _QK_NORM's "head" norms, and its default there
 _QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
@@ -287,7 +310,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["softcap"] = float(config["attn_logit_softcapping"])
     asked = model_type in _QK_NORM_FIELD and config.get("use_qk_norm", _QK_NORM_FIELD[model_type])
     if model_type in _QK_NORM or asked:  # RMSNorms of queries and keys, scaled by their weights
-        found["qk_norm"] = _QK_NORM.get(model_type, "head")
+        found["qk_norm"] = _qk_norm_kind(config)
         field, default = _EPS_FIELD.get(model_type, ("rms_norm_eps", 1e-6))
         found["qk_norm_eps"] = float(config.get(field, default))
     if model_type == "stablelm" and config.get("qk_layernorm"):  # a layer norm of each head
@@ -467,6 +490,8 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
         scale = float(config["query_pre_attn_scalar"]) ** -0.5
     if config.get("attention_multiplier") is not None:  # Granite
         scale = float(config["attention_multiplier"])
+    if config.get("model_type") == "falcon_h1":  # its keys times key_multiplier
+        scale = head**-0.5 * float(config.get("key_multiplier", 1.0)) if head else None
     if config.get("scale_attn_weights") is False:  # GPT-2
         scale = 1.0
     if (config.get("attn_config") or {}).get("softmax_scale") is not None:  # MPT

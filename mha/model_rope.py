@@ -21,6 +21,7 @@ ROTARY = {
     "apertus": "half",
     "apertus1p5_text": "half",  # Apertus 1.5's text model is Apertus's
     "arcee": "half",
+    "aria_text": "half",
     "axk1": "rope_interleave",  # DeepSeek-V3's latent attention
     "cohere": "pairs",
     "cohere2": "pairs",
@@ -35,6 +36,7 @@ ROTARY = {
     "exaone4": "half",
     "exaone_moe": "half",
     "falcon": "half",
+    "falcon_h1": "half",
     "flex_olmo": "half",
     "gemma": "half",
     "gemma2": "half",
@@ -48,6 +50,7 @@ ROTARY = {
     "gpt_oss": "half",
     "gptj": "pairs",
     "granite": "half",
+    "granite_docling_text": "half",
     "granitemoe": "half",
     "granitemoeshared": "half",
     "granite_swa": "half",
@@ -55,13 +58,18 @@ ROTARY = {
     "helium": "pairs",
     "hunyuan_v1_dense": "half",
     "hunyuan_v1_moe": "half",
+    "hy_v3": "half",
+    "hyperclovax": "half",
     "internlm3": "half",
+    "jais2": "half",
+    "kolibri1": "half",
     "lara_mini": "half",
     "lfm3": "half",
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
     "llama": "half",
     "llama4_text": "pairs",  # complex products of (2i, 2i + 1)
+    "mellum": "half",
     "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
     "minimax_m2": "half",
     "ministral": "half",
@@ -69,6 +77,7 @@ ROTARY = {
     "mistral": "half",
     "mistral4": "rope_interleave",  # DeepSeek-V3's latent attention
     "mixtral": "half",
+    "molmo2_text": "half",
     "nanochat": "half",  # turned the other way: the port's reversed_rotary
     "nemotron": "half",
     "olmo": "half",
@@ -86,6 +95,8 @@ ROTARY = {
     # Qwen3.5's text models (Qwen3-Next's attention); their multimodal rotary turns text as this
     "qwen3_5_moe_text": "half",
     "qwen3_5_text": "half",
+    "qwen3_vl_moe_text": "half",
+    "qwen3_vl_text": "half",
     "roformer": "pairs",
     "sarvam_mla": "rope_interleave",  # DeepSeek-V3's layers in transformers
     "sarvam_moe": "half",  # GLM-4.5's layers in transformers, the whole head rotated
@@ -114,11 +125,14 @@ _DEFAULT_THETA = {
     "gemma3_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
     "helium": 100_000.0,
+    "hy_v3": 11_158_840.0,
     "llama4_text": 500_000.0,
     "minimax_m2": 5_000_000.0,
     "mixtral": 1_000_000.0,
     "olmo3": 500_000.0,
     "phimoe": 1_000_000.0,
+    "qwen3_vl_moe_text": 500_000.0,
+    "qwen3_vl_text": 500_000.0,
     "sarvam_moe": 8_000_000.0,
     "smollm3": 2_000_000.0,
     "solar_open": 1_000_000.0,
@@ -197,6 +211,11 @@ _DEFAULT_ROPE_BY_KIND["lfm3"] = {
     "full_attention": {**_DEFAULT_ROPE_BY_KIND["gemma4_text"]["full_attention"]},
 }
 _DEFAULT_ROPE_BY_KIND["lfm3"]["full_attention"]["partial_rotary_factor"] = 0.5
+# Mellum's: a base per layer type
+_DEFAULT_ROPE_BY_KIND["mellum"] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
+}
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})
@@ -207,6 +226,7 @@ _ROPE_FIELDS = {
     "gpt_neox": ("rotary_emb_base", "rotary_pct"),
     "gemma3_text": ("rope_theta", ""),
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
+    "mellum": ("", ""),
     "olmo3": ("rope_theta", ""),
 }
 # Model types whose sliding layers take their base from another field, unscaled, where the
@@ -223,7 +243,7 @@ _SELF_ATTENTION_ONLY = frozenset({"roformer"})
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "cohere2_moe", "lara_mini"})
 # Model types whose full-attention layers have none where the config has a sliding window
-_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4", "exaone_moe"})
+_NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4", "exaone_moe", "kolibri1"})
 
 
 def rotary_options(
@@ -400,7 +420,9 @@ _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 # Model types whose rotary parameters also split the frequencies among the axes of images'
 # positions (multimodal rotary): a text's positions are one on every axis, which turns as
 # the plain rotary embedding, so mha reads the split and ports the text's attention
-_MULTIMODAL_ROPE = frozenset({"qwen3_5_moe_text", "qwen3_5_text"})
+_MULTIMODAL_ROPE = frozenset(
+    {"qwen3_5_moe_text", "qwen3_5_text", "qwen3_vl_moe_text", "qwen3_vl_text"}
+)
 _MULTIMODAL_FIELDS = ("mrope_section", "mrope_interleaved")
 # Model types whose rotary parameters also scale the queries by their positions (Llama 4's
 # rule, in Ministral 3 and Mistral 4): mha's query_scaling, over the parameters'

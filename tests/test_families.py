@@ -138,6 +138,18 @@ OWN_SIZES["hunyuan_v1_dense"] = {
     },
 }
 OWN_SIZES["hunyuan_v1_moe"] = {**OWN_SIZES["hunyuan_v1_dense"], "num_experts": 4, "moe_topk": 2}
+# Kolibri 1: its full layers have no rotary embedding where it has a sliding window; Mellum's
+# windows; Falcon-H1's keys scaled; Molmo 2's norms of the whole projection (OLMo's)
+OWN_SIZES["kolibri1"] = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 4,
+}
+OWN_SIZES["mellum"] = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 4,
+}
+OWN_SIZES["falcon_h1"] = {"key_multiplier": 0.5}
+OWN_SIZES["molmo2_text"] = {"qk_norm_type": "olmo"}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
@@ -237,8 +249,8 @@ def attention_io(model, found: list[tuple[str, str]]):
     return seen
 
 
-# The layer types mha's layer is
-ATTENTION = ("full_attention", "sliding_attention", "chunked_attention")
+# The layer types mha's layer is (Falcon-H1's "hybrid" layers: attention beside a Mamba mixer)
+ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid")
 
 
 @pytest.mark.parametrize("model_type", sorted(ROTARY))
@@ -248,6 +260,7 @@ def test_each_rotary_model_type_ports_in_one_line(model_type):
     config, model = tiny_model(model_type)
     kinds = list(getattr(config, "layer_types", None) or [])
     layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
+    assert layers, f"no attention layer among {kinds}"
     found = porting.find_attention(model.state_dict())
     chosen = {
         layer: next((prefix, name) for prefix, name in found if f".{layer}." in f"{prefix}.")

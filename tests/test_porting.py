@@ -1099,6 +1099,8 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             {"model_type": "roformer", "add_cross_attention": True},
             "not the cross-attention's.*rope_interleaved=True",
         ),
+        # Molmo 2's QK-norms of a kind it does not name
+        ({"model_type": "molmo2_text", "qk_norm_type": "rms"}, "qk_norm_type='rms' is not a"),
         # Gemma 4's layers that attend over an earlier layer's keys and values; its text
         # attending both ways
         (
