@@ -32,6 +32,7 @@ ROTARY = {
     "deepseek_v3": "rope_interleave",
     "ernie4_5": "pairs",
     "ernie4_5_moe": "pairs",
+    "eurobert": "half",
     "exaone": "half",  # EXAONE 3 and 3.5, Llama's layers in transformers
     "exaone4": "half",
     "exaone_moe": "half",
@@ -55,13 +56,16 @@ ROTARY = {
     "granitemoeshared": "half",
     "granite_swa": "half",
     "granitemoe_swa": "half",
+    "gte": "half",
     "helium": "pairs",
+    "higgs_audio_v2": "half",
     "hunyuan_v1_dense": "half",
     "hunyuan_v1_moe": "half",
     "hy_v3": "half",
     "hyperclovax": "half",
     "internlm3": "half",
     "jais2": "half",
+    "jina_embeddings_v3": "half",
     "kolibri1": "half",
     "lara_mini": "half",
     "lfm3": "half",
@@ -80,6 +84,7 @@ ROTARY = {
     "molmo2_text": "half",
     "nanochat": "half",  # turned the other way: the port's reversed_rotary
     "nemotron": "half",
+    "nomic_bert": "half",
     "olmo": "half",
     "olmo2": "half",
     "olmo3": "half",
@@ -124,11 +129,14 @@ _DEFAULT_THETA = {
     "flex_olmo": 500_000.0,
     "gemma3_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
+    "gte": 160_000.0,
     "helium": 100_000.0,
     "hy_v3": 11_158_840.0,
+    "jina_embeddings_v3": 20_000.0,
     "llama4_text": 500_000.0,
     "minimax_m2": 5_000_000.0,
     "mixtral": 1_000_000.0,
+    "nomic_bert": 1_000.0,
     "olmo3": 500_000.0,
     "phimoe": 1_000_000.0,
     "qwen3_vl_moe_text": 500_000.0,
@@ -168,6 +176,15 @@ _DEFAULT_ROPE = {
     },
 }
 _DEFAULT_ROPE["apertus1p5_text"] = _DEFAULT_ROPE["apertus"]
+# Higgs Audio v2's language model: Llama 3.2's rotary scaling
+_DEFAULT_ROPE["higgs_audio_v2"] = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 1024,
+    "low_freq_factor": 0.125,
+    "high_freq_factor": 0.5,
+}
 # Ministral 3's and Mistral 4's: YaRN, and the queries' scaling by position beside it
 _DEFAULT_ROPE["ministral3"] = {
     "rope_type": "yarn",

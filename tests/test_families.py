@@ -195,7 +195,7 @@ OWN_SIZES["minimax_m2"] = {"rotary_dim": 4, **FEW_EXPERTS, "num_local_experts": 
 for model_type in ("gptj", "roformer"):
     OWN_SIZES[model_type]["rope_theta"] = 20000.0
 # Model types whose attention looks both ways (encoders)
-ENCODERS = frozenset({"roformer"})
+ENCODERS = frozenset({"eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer"})
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
