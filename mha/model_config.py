@@ -216,6 +216,8 @@ _QK_NORM = {
     "hy_v3": "head",
     "kolibri1": "head",
     "lara_mini": "head",
+    "lfm2": "head",
+    "lfm2_moe": "head",
     "lfm3": "head",
     "mellum": "head",
     "minimax_m2": "projection",
@@ -265,7 +267,7 @@ _QK_NORM_OFFSET = {
 _OUTPUT_GATE = frozenset({"qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
 _HEAD_GATE = {"lfm3": "use_attention_gate"}
 # Model types whose config names the norms' eps otherwise, and transformers' default of it
-_EPS_FIELD = {"lfm3": ("norm_eps", 1e-5)}
+_EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}
 
 # Model types whose values are normalized with no weight (value_norm), their scores unscaled
 # (the QK-norms set their size), and whose full layers take their values from the key

@@ -68,6 +68,8 @@ ROTARY = {
     "jina_embeddings_v3": "half",
     "kolibri1": "half",
     "lara_mini": "half",
+    "lfm2": "half",
+    "lfm2_moe": "half",
     "lfm3": "half",
     # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
     "kimi_k2": "rope_interleave",
@@ -133,6 +135,8 @@ _DEFAULT_THETA = {
     "helium": 100_000.0,
     "hy_v3": 11_158_840.0,
     "jina_embeddings_v3": 20_000.0,
+    "lfm2": 1_000_000.0,
+    "lfm2_moe": 1_000_000.0,
     "llama4_text": 500_000.0,
     "minimax_m2": 5_000_000.0,
     "mixtral": 1_000_000.0,

@@ -389,10 +389,13 @@ def _beside_projections(layout, names, qk_norm: str | None, gate: bool, where: s
     return extra
 
 
-# The scales of QK-norm's RMSNorms, beside the q/k/v/o_proj layout's projections (Hunyuan's
-# under names of their own)
+# The scales of QK-norm's RMSNorms, beside the q/k/v/o_proj layout's projections; Hunyuan's
+# and LFM2's under names of their own
 _QK_NORMS = {"q_norm": "q_norm.weight", "k_norm": "k_norm.weight"}
-_QK_LAYERNORMS = {"q_norm": "query_layernorm.weight", "k_norm": "key_layernorm.weight"}
+_QK_NORMS_NAMED = (
+    {"q_norm": "query_layernorm.weight", "k_norm": "key_layernorm.weight"},
+    {"q_norm": "q_layernorm.weight", "k_norm": "k_layernorm.weight"},
+)
 
 
 def _qk_norm_names(
@@ -404,7 +407,7 @@ def _qk_norm_names(
         return {}
     if qk_norm == "layer_norm_per_head":
         return {k: _per_head_norms(layout, names, k, where) for k in ("q_norm", "k_norm")}
-    held = _QK_LAYERNORMS if _QK_LAYERNORMS["q_norm"] in names else _QK_NORMS
+    held = next((each for each in _QK_NORMS_NAMED if each["q_norm"] in names), _QK_NORMS)
     missing = [name for name in held.values() if name not in names]
     if layout.paths.get("q") != "q_proj" or missing:
         raise ValueError(

@@ -150,6 +150,16 @@ OWN_SIZES["mellum"] = {
 }
 OWN_SIZES["falcon_h1"] = {"key_multiplier": 0.5}
 OWN_SIZES["molmo2_text"] = {"qk_norm_type": "olmo"}
+# LFM2's MoE: its attention and convolution layers, few small experts past a dense one
+OWN_SIZES["lfm2_moe"] = {
+    "layer_types": ["full_attention", "conv"] * 2,
+    "num_dense_layers": 1,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "norm_eps": 1e-3,
+}
+OWN_SIZES["lfm2"] = {"norm_eps": 1e-3}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
