@@ -181,8 +181,8 @@ def _held(config: Mapping[str, Any], key: str) -> bool:
     model_type = config.get("model_type")
     if key in _LLAMA4_FIELDS and model_type in _LLAMA4:  # its QK-norm, chunks, queries' scaling
         return True
-    if key == "use_qk_norm":  # MiniMax-M2's configs write it; its norms are always there
-        return model_type in _QK_NORM_FIELD or model_type == "minimax_m2"
+    if key == "use_qk_norm":  # MiniMax-M2's and Hunyuan's write it; their norms are always there
+        return model_type in _QK_NORM_FIELD or model_type in _QK_NORM_ALWAYS
     if key == "use_bidirectional_attention":  # Gemma 4's images, not its text
         return model_type in _GEMMA4 and config[key] == "vision"
     return key == "qk_layernorm" and model_type == "stablelm"
@@ -250,6 +250,10 @@ def _qk_norm_kind(config: Mapping[str, Any]) -> str:
         )
     return _MOLMO2_QK_NORMS[kind]
 
+
+# Model types whose configs write use_qk_norm, which transformers does not read: their norms
+# are always there
+_QK_NORM_ALWAYS = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "minimax_m2"})
 
 # Model types whose config's use_qk_norm adds _QK_NORM's "head" norms, and its default there
 _QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
@@ -493,7 +497,13 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     if config.get("attention_multiplier") is not None:  # Granite
         scale = float(config["attention_multiplier"])
     if config.get("model_type") == "falcon_h1":  # its keys times key_multiplier
-        scale = head**-0.5 * float(config.get("key_multiplier", 1.0)) if head else None
+        multiplier = float(config.get("key_multiplier", 1.0))
+        if head is None and multiplier != 1.0:
+            raise ValueError(
+                f"the config's key_multiplier={multiplier!r} scales the scores by the head "
+                "size, which it does not tell (head_dim, hidden_size)"
+            )
+        scale = None if head is None else head**-0.5 * multiplier
     if config.get("scale_attn_weights") is False:  # GPT-2
         scale = 1.0
     if (config.get("attn_config") or {}).get("softmax_scale") is not None:  # MPT

@@ -1245,6 +1245,18 @@ def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
         porting.options_from_config({"layer_types": ["chunked_attention"]}, 0)
 
 
+def test_fields_transformers_does_not_read_leave_the_port_as_it_reads_them():
+    # Hunyuan's released configs write use_qk_norm, which its code does not read (the norms
+    # are always there); Falcon-H1's key_multiplier needs the head size to become a scale
+    hunyuan = {"model_type": "hunyuan_v1_dense", "num_attention_heads": 4, "use_qk_norm": True}
+    assert porting.options_from_config(hunyuan)["qk_norm"] == "head_after_rotary"
+    falcon = {"model_type": "falcon_h1", "key_multiplier": 0.5}
+    with pytest.raises(ValueError, match=r"key_multiplier=0\.5 scales the scores by the head size"):
+        porting.options_from_config(falcon)
+    sized = porting.options_from_config({**falcon, "num_attention_heads": 4, "head_dim": 16})
+    assert sized["scale"] == 0.5 / 4
+
+
 def test_weightless_qk_norms_port_as_scales_of_one():
     # Llama 4's norms have no weight: ones of the head size, noted; a norm weight beside the
     # projections is then refused by name, and only "head" norms are weightless

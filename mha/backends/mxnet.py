@@ -431,7 +431,7 @@ class _Masks(Masks):
         return queries == self.chunk_of(self.key_positions, size)
 
     def chunk_of(self, positions, size):
-        # Positions are floats here (the call's dtype), or the integers of packed segments
+        # Positions are floats here (float32 or float64, whole numbers), or packed segments' ints
         return self.F.np.floor(positions.astype("float32") / size)
 
     def distances(self, like):
