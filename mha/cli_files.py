@@ -149,7 +149,8 @@ def file_command(arguments, out, err) -> int:
         file=out,
     )
     if left_out:
-        print(f"left out (not attention weights): {', '.join(left_out)}", file=out)
+        left_out = porting.described_left_out(layout, left_out)
+        print(f"left out (not attention weights): {left_out}", file=out)
     for note in notes:
         print(f"note: {note}", file=out)
     return 0
@@ -233,7 +234,8 @@ def _inspect_port(path: str, arguments, options, out) -> int:
         print(f"  {name:<4} {tuple(value.shape)!s:<12} {value.dtype}", file=out)
     print(f"read: {', '.join(port.used)}", file=out)
     if port.left_out:
-        print(f"left out (not attention weights): {', '.join(port.left_out)}", file=out)
+        left_out = porting.described_left_out(port.layout, port.left_out)
+        print(f"left out (not attention weights): {left_out}", file=out)
     for note in port.notes:
         print(f"note: {note}", file=out)
     return 0

@@ -55,6 +55,7 @@ class Layout(NamedTuple):
 
 
 _ADD_NORM = "the layer norm after the residual, outside the attention"
+_PRE_NORM = "ESM's layer norm of the attention's input: give the layer the normed input"
 _CAUSAL = "GPT-2's causal-mask buffer: give causal=True"
 
 
@@ -63,7 +64,12 @@ LAYOUTS = (
         "HF BERT/RoBERTa",
         "linear",
         {"q": "self.query", "k": "self.key", "v": "self.value", "o": "output.dense"},
-        outside={"output.LayerNorm.weight": _ADD_NORM, "output.LayerNorm.bias": _ADD_NORM},
+        outside={
+            "output.LayerNorm.weight": _ADD_NORM,
+            "output.LayerNorm.bias": _ADD_NORM,
+            "LayerNorm.weight": _PRE_NORM,
+            "LayerNorm.bias": _PRE_NORM,
+        },
     ),
     Layout(
         "HF ViT",

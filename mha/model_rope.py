@@ -32,6 +32,7 @@ ROTARY = {
     "deepseek_v3": "rope_interleave",
     "ernie4_5": "pairs",
     "ernie4_5_moe": "pairs",
+    "esm": "half",  # ESM-2's, where position_embedding_type is "rotary"
     "eurobert": "half",
     "exaone": "half",  # EXAONE 3 and 3.5, Llama's layers in transformers
     "exaone4": "half",
@@ -240,10 +241,13 @@ _DEFAULT_ROPE_BY_KIND["mellum"] = {
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})
+# Model types whose code reads the base alone (rope_theta): no scaling, no fraction rotated
+_THETA_ALONE = frozenset({"esm"})
 # Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
 # no fraction outside its rope_parameters, Gemma 4 neither a base)
 _ROPE_FIELDS = {
     **{model_type: ("", "") for model_type in _THETA_IN_CODE},
+    **{model_type: ("rope_theta", "") for model_type in _THETA_ALONE},
     "gpt_neox": ("rotary_emb_base", "rotary_pct"),
     "gemma3_text": ("rope_theta", ""),
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
@@ -258,9 +262,12 @@ _LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("",
 # Model types whose older configs name YaRN 'deepseek_yarn' (rope_scaling's type)
 _DEEPSEEK_YARN = frozenset({"sarvam_mla"})
 
-# Model types whose cross-attention layers have no rotary embedding, which a layer's index
-# does not tell apart from its self-attention
-_SELF_ATTENTION_ONLY = frozenset({"roformer"})
+# Model types whose cross-attention layers turn their queries and keys otherwise than their
+# self-attention layers (RoFormer's not at all), which a layer's index does not tell apart
+_SELF_ATTENTION_ONLY = frozenset({"esm", "roformer"})
+# Model types whose config's position_embedding_type says whether they rotate: the types
+# without a rotary embedding (ESM-1b's "absolute" positions are added to the embeddings)
+_POSITION_TYPES = {"esm": ("absolute",)}
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "cohere2_moe", "lara_mini"})
 # Model types whose full-attention layers have none where the config has a sliding window
@@ -279,8 +286,10 @@ def rotary_options(
     windowed: whether the layer has a sliding window; head: the head size, where the config
     tells it. A rotary embedding of a model type whose convention mha does not know is an
     error: the config does not tell it."""
-    rotary = _rotary(config, kind, layer, head)
     model_type = config.get("model_type")
+    if model_type in _POSITION_TYPES and not _rotates(config, _POSITION_TYPES[model_type]):
+        return {}
+    rotary = _rotary(config, kind, layer, head)
     if not rotary or model_type is None:
         return rotary
     if model_type not in ROTARY:
@@ -291,9 +300,10 @@ def rotary_options(
         )
     if model_type in _SELF_ATTENTION_ONLY and config.get("add_cross_attention"):
         raise ValueError(
-            f"the config's model_type={model_type!r} turns the self-attention's queries and "
-            "keys, not the cross-attention's, and the config has both (add_cross_attention): "
-            "give rope_theta and rope_interleaved=True for a self-attention layer yourself"
+            f"the config's model_type={model_type!r} turns the cross-attention's queries and "
+            "keys otherwise than the self-attention's, and the config has both "
+            "(add_cross_attention): give rope_theta and rope_interleaved for a self-attention "
+            "layer yourself"
         )
     if model_type in _ROTARY_WITH_WINDOW_ONLY and not windowed:
         return {}
@@ -304,6 +314,18 @@ def rotary_options(
     if convention == "rope_interleave":  # DeepSeek-V3, Kimi K2
         convention = "pairs" if config.get("rope_interleave", True) else "half"
     return {**rotary, "rope_interleaved": True} if convention == "pairs" else rotary
+
+
+def _rotates(config: Mapping[str, Any], unturned: tuple[str, ...]) -> bool:
+    """Whether the config's position_embedding_type is "rotary"; any type but it and those
+    without rotation (unturned; the first is the default) is an error naming it."""
+    kind = config.get("position_embedding_type") or unturned[0]
+    if kind != "rotary" and kind not in unturned:
+        raise ValueError(
+            f"the config's position_embedding_type={kind!r} adds position biases mha's layer "
+            f"does not hold; it holds {', '.join(map(repr, unturned))} and 'rotary'"
+        )
+    return kind == "rotary"
 
 
 def _rotary(
@@ -400,7 +422,7 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     rope_parameters (per layer type where they are) or rope_scaling, else the model type's
     defaults. Gemma 3's sliding layers take none of a flat rope_scaling."""
     model_type = config.get("model_type")
-    if model_type in _THETA_IN_CODE:
+    if model_type in _THETA_IN_CODE | _THETA_ALONE:
         return {}, f"{model_type}'s code"
     rope = config.get("rope_parameters") or {}
     if not rope and not config.get("rope_scaling") and model_type in _DEFAULT_ROPE_BY_KIND:

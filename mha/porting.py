@@ -35,11 +35,11 @@ The layouts (q, k, v, o: the query, key, value and output projections; n = num_h
         (mha.latent_layout)                     DeepSeek-V2 and V3, Kimi K2
 
 Names under the prefix that are outside the attention's numbers (BERT's LayerNorm after the
-residual, T5's relative position bias table that the caller gives as attn_bias, GPT-2's
-causal-mask buffers) are reported as left out. Any other tensor there (Qwen3's q_norm,
-gpt-oss's sinks) is an error naming it: porting without it would give other numbers. A prefix
-that matches no layout, or more than one, is an error that lists the names found there and
-the prefixes where a layout is found.
+residual, ESM's of the input before it, T5's relative position bias table that the caller
+gives as attn_bias, GPT-2's causal-mask buffers) are reported as left out. Any other tensor
+there (Qwen3's q_norm, gpt-oss's sinks) is an error naming it: porting without it would give
+other numbers. A prefix that matches no layout, or more than one, is an error that lists the
+names found there and the prefixes where a layout is found.
 
 The layouts themselves, and the reading of each one's matrices, are `mha.layouts`; the
 options of a Hugging Face config, `mha.model_config`.
@@ -338,14 +338,17 @@ def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> La
     )
 
 
-# Hugging Face's rotary frequencies, kept under the attention by older checkpoints
-_INV_FREQ = "rotary_emb.inv_freq"
+# Rotary frequencies kept under the attention by older checkpoints: Hugging Face's, ESM-2's
+# in transformers, ESM-2's in fair-esm
+_INV_FREQS = ("rotary_emb.inv_freq", "self.rotary_embeddings.inv_freq", "rot_emb.inv_freq")
 
 
 def _left_out(layout: Layout, rest: set[str], where: str) -> list[str]:
     """The names outside the layout that are outside the attention's numbers too; any other
     is an error naming it, since porting without it would give other numbers."""
-    refused = sorted(name for name in rest if not _is_outside(layout, name) and name != _INV_FREQ)
+    refused = sorted(
+        name for name in rest if not _is_outside(layout, name) and name not in _INV_FREQS
+    )
     if refused:
         raise ValueError(
             f"the attention {where} holds what mha's MultiHeadAttention cannot represent: "
@@ -356,9 +359,29 @@ def _left_out(layout: Layout, rest: set[str], where: str) -> list[str]:
 
 
 def _is_outside(layout: Layout, name: str) -> bool:
-    return any(
-        name == known or (known.endswith(".") and name.startswith(known))
-        for known in layout.outside
+    return _outside_reason(layout, name) is not None
+
+
+def _outside_reason(layout: Layout, name: str) -> str | None:
+    """Why the layout's models keep `name` outside the attention's numbers; None: they do not."""
+    return next(
+        (
+            why
+            for known, why in layout.outside.items()
+            if name == known or (known.endswith(".") and name.startswith(known))
+        ),
+        None,
+    )
+
+
+def described_left_out(layout_name: str, left_out: list[str]) -> str:
+    """The names a port left out, each group with why ("a, b (why); c (why)")."""
+    layout = next((layout for layout in LAYOUTS if layout.name == layout_name), None)
+    groups: dict[str | None, list[str]] = {}
+    for name in left_out:
+        groups.setdefault(layout and _outside_reason(layout, name), []).append(name)
+    return "; ".join(
+        ", ".join(names) + (f" ({why})" if why else "") for why, names in groups.items()
     )
 
 
@@ -467,20 +490,20 @@ def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> i
 
 def _use_inv_freq(names, config, where: str, used: list[str], left_out: list[str]) -> None:
     """An older checkpoint's rotary frequencies, once checked, are used, not left out."""
-    if _INV_FREQ in left_out:
-        _check_inv_freq(names[_INV_FREQ], config, where)
-        left_out.remove(_INV_FREQ)
-        used.append(_INV_FREQ)
+    for name in [name for name in left_out if name in _INV_FREQS]:
+        _check_inv_freq(name, names[name], config, where)
+        left_out.remove(name)
+        used.append(name)
 
 
-def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> None:
+def _check_inv_freq(name: str, inv_freq: Any, config: Mapping[str, Any], where: str) -> None:
     """A checkpoint's rotary frequencies are those of the layer's rope_theta, rope_dim and
     rope_scaling: a layer without rotary embeddings, or with other ones, would give other
     numbers."""
     theta = config["rope_theta"]
     if theta is None:
         raise ValueError(
-            f"{_INV_FREQ} {where} says the layer rotates its queries and keys: give rope_theta "
+            f"{name} {where} says the layer rotates its queries and keys: give rope_theta "
             "(or the model's config to options_from_config)"
         )
     head = config["num_hiddens"] // config["num_heads"]
@@ -492,7 +515,7 @@ def _check_inv_freq(inv_freq: Any, config: Mapping[str, Any], where: str) -> Non
     found = np.asarray(found, dtype=np.float64).reshape(-1)
     if found.shape != expected.shape or not np.allclose(found, expected, rtol=rtol, atol=0):
         raise ValueError(
-            f"{_INV_FREQ} {where} holds other frequencies than those of rope_theta={theta} "
+            f"{name} {where} holds other frequencies than those of rope_theta={theta} "
             f"over {rotated} features of each head, rope_scaling={scaling}: give the model's "
             "rope_dim and rope_scaling (or its config to options_from_config)"
         )

@@ -204,15 +204,23 @@ OWN_SIZES["minimax_m2"] = {"rotary_dim": 4, **FEW_EXPERTS, "num_local_experts": 
 # A base their code ignores, 10000 being in it
 for model_type in ("gptj", "roformer"):
     OWN_SIZES[model_type]["rope_theta"] = 20000.0
+# ESM-2: BERT's names, a layer norm of the attention's input inside its module
+OWN_SIZES["esm"] = {
+    "head_dim": None,
+    "num_key_value_heads": None,
+    "position_embedding_type": "rotary",
+    "emb_layer_norm_before": True,
+}
 # Model types whose attention looks both ways (encoders)
-ENCODERS = frozenset({"eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer"})
+ENCODERS = frozenset({"esm", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer"})
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
-def tiny_model(model_type: str):
-    """A tiny random model of the type in float32, its norms' weights away from 1."""
+def tiny_model(model_type: str, **changes):
+    """A tiny random model of the type in float32, its norms' weights away from 1; changes:
+    config fields beside its sizes."""
     T = required_import("transformers")
-    sizes = {**SIZES, **OWN_SIZES.get(model_type, {})}
+    sizes = {**SIZES, **OWN_SIZES.get(model_type, {}), **changes}
     sizes = {k: v for k, v in sizes.items() if v is not None or k == "q_lora_rank"}
     if model_type == "kimi_k2":
         # Kimi K2's own config.json (model_type kimi_k2), as transformers reads it: Kimi
@@ -234,14 +242,17 @@ def tiny_model(model_type: str):
 
 
 def attention_io(model, found: list[tuple[str, str]]):
-    """Each attention module's input hidden states and its output projection's output in one
-    run of the whole model: {prefix: (x, y)}. found: (prefix, layout name) pairs."""
+    """Each attention module's input hidden states (its query projection's, where the module
+    norms them first: ESM) and its output projection's output in one run of the whole model:
+    {prefix: (x, y)}. found: (prefix, layout name) pairs."""
     seen: dict[str, list] = {prefix: [] for prefix, _ in found}
     handles = []
     for prefix, layout in found:
+        paths = BY_NAME[layout].paths if layout in BY_NAME else {"o": "o_proj"}  # latent's
         module = model.get_submodule(prefix)
-        out = BY_NAME[layout].paths["o"] if layout in BY_NAME else "o_proj"  # latent's
-        output = model.get_submodule(f"{prefix}.{out}")
+        if "LayerNorm" in dict(module.named_children()):  # ESM's norm of the input
+            module = model.get_submodule(f"{prefix}.{paths['q']}")
+        output = model.get_submodule(f"{prefix}.{paths['o']}")
 
         def take_input(module, args, kwargs, prefix=prefix):
             seen[prefix].append((args[0] if args else kwargs["hidden_states"]).numpy())
@@ -310,3 +321,29 @@ def test_exaone_ports_under_the_names_of_its_checkpoints():
     ported = porting.from_state_dict(renamed, prefix, backend="numpy", **options)
     atol = 1e-5 * np.max(np.abs(expected))
     np.testing.assert_allclose(ported(x, x, x, causal=True), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("positions", ["rotary", "absolute"])
+def test_esm_ports_as_its_checkpoints_keep_it(positions):
+    # ESM-2 (rotary) and ESM-1b (absolute positions, added to the embeddings): their
+    # checkpoints keep the layer norm of the attention's input under the attention, and
+    # ESM-2's transformers 4 checkpoints the rotary frequencies, in configs without rope_theta;
+    # its code reads no other rotary field
+    config, model = tiny_model("esm", position_embedding_type=positions)
+    written = {**config.to_dict(), "model_type": "esm", "partial_rotary_factor": 0.5}
+    written["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    written.pop("rope_theta", None)
+    state = dict(model.state_dict())
+    inv_freq = "encoder.layer.1.attention.self.rotary_embeddings.inv_freq"
+    if positions == "rotary":
+        state[inv_freq] = 1 / 10000.0 ** (torch.arange(0, 8, 2) / 8)
+    prefix = "encoder.layer.1.attention"
+    (x, expected) = attention_io(model, [(prefix, "HF BERT/RoBERTa")])[prefix]
+    options = porting.options_from_config(written, 1)
+    assert ("rope_theta" in options) == (positions == "rotary")
+    port = porting.canonical_from_state_dict(state, prefix, **options)
+    assert {"LayerNorm.weight", "LayerNorm.bias"} <= set(port.left_out)
+    assert ("self.rotary_embeddings.inv_freq" in port.used) == (positions == "rotary")
+    ported = porting.from_state_dict(state, prefix, backend="numpy", **options)
+    atol = 1e-5 * np.max(np.abs(expected))
+    np.testing.assert_allclose(ported(x, x, x), expected, rtol=0, atol=atol)

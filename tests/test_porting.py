@@ -603,14 +603,15 @@ def transformers_rotary(config, kind, head_size):
     return rope["rope_theta"], int(head_size * fraction), rope.get("rope_type", "default")
 
 
-# GPT-J's and RoFormer's bases are in their code; latent attention (DeepSeek-V2 and V3, and
+# GPT-J's and RoFormer's bases are in their code, ESM's is rope_theta alone (its family test
+# writes the others); latent attention (DeepSeek-V2 and V3, and
 # the types that take their modules) has tests of its own (test_latent_attention.py)
 LATENT_TYPES = {"axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2", "minicpm3"}
 LATENT_TYPES |= {"mistral4", "sarvam_mla", "youtu"}
 
 
 @pytest.mark.parametrize(
-    "model_type", sorted(set(model_rope.ROTARY) - {"gptj", "roformer"} - LATENT_TYPES)
+    "model_type", sorted(set(model_rope.ROTARY) - {"esm", "gptj", "roformer"} - LATENT_TYPES)
 )
 def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_defaults(
     model_type,
@@ -700,6 +701,7 @@ def test_convert_takes_one_attention_out_of_a_whole_model(whole_model, source, c
     out = capsys.readouterr().out
     assert code == 0, out
     assert "HF BERT/RoBERTa" in out and "left out (not attention weights): output.LayerNorm" in out
+    assert "output.LayerNorm.weight (the layer norm after the residual, outside" in out
     layer = mha.load(destination, backend="numpy")
     expected = porting.from_state_dict(
         state, "encoder.layer.0.attention", num_heads=4, backend="numpy"
@@ -1093,11 +1095,20 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "longt5"}, "model_type='longt5' attends within blocks"),
         ({"model_type": "mpnet"}, "model_type='mpnet' adds a relative position bias"),
         ({"model_type": "big_bird"}, "attention_type='block_sparse' attends to blocks"),
-        # RoFormer turns the values too where rotary_value says, and not its cross-attention
+        # RoFormer turns the values too where rotary_value says, and not its cross-attention;
+        # ESM turns its cross-attention's by the queries' positions; ESM's relative positions
         ({"model_type": "roformer", "rotary_value": True}, "rotary_value=True turns the values"),
         (
             {"model_type": "roformer", "add_cross_attention": True},
-            "not the cross-attention's.*rope_interleaved=True",
+            "turns the cross-attention's queries and keys otherwise.*rope_interleaved",
+        ),
+        (
+            {"model_type": "esm", "position_embedding_type": "rotary", "add_cross_attention": 1},
+            "model_type='esm' turns the cross-attention's",
+        ),
+        (
+            {"model_type": "esm", "position_embedding_type": "relative_key"},
+            "position_embedding_type='relative_key' adds position biases",
         ),
         # Molmo 2's QK-norms of a kind it does not name
         ({"model_type": "molmo2_text", "qk_norm_type": "rms"}, "qk_norm_type='rms' is not a"),
@@ -1422,6 +1433,13 @@ def test_a_checkpoints_rotary_frequencies_are_checked():
         porting.canonical_from_state_dict(state, num_heads=2)
     with pytest.raises(ValueError, match=r"other frequencies than those of rope_theta=10000\.0"):
         porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0)
+    # fair-esm's ESM-2 keeps them as rot_emb.inv_freq beside BART's names
+    state = {f"{k}_proj.weight": np.eye(8) for k in "qkv"} | {"out_proj.weight": np.eye(8)}
+    state["rot_emb.inv_freq"] = (1 / 1e4 ** (np.arange(0, 4, 2) / 4)).astype("float32")
+    port = porting.canonical_from_state_dict(state, num_heads=2, rope_theta=1e4)
+    assert "rot_emb.inv_freq" in port.used and not port.left_out
+    with pytest.raises(ValueError, match=r"rot_emb\.inv_freq.*other frequencies"):
+        porting.canonical_from_state_dict(state, num_heads=2, rope_theta=500.0)
 
 
 def test_convert_takes_the_layer_index_where_layers_differ(tmp_path, capsys):
