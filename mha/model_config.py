@@ -16,6 +16,7 @@ from typing import Any
 
 from mha.encoding import check_query_scaling
 from mha.files import read_bytes
+from mha.layer_kinds import layer_kind, uses_window
 from mha.model_rope import query_scaling, rotary_options
 
 __all__ = ["options_from_config"]
@@ -210,6 +211,7 @@ _QK_NORM = {
     "exaone_moe": "head",
     "flex_olmo": "projection",
     "gemma3_text": "head",
+    "gemma3n_text": "head",
     "gemma4_text": "head",
     "hunyuan_v1_dense": "head_after_rotary",  # its query_layernorm and key_layernorm
     "hunyuan_v1_moe": "head_after_rotary",
@@ -275,8 +277,10 @@ _EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}
 
 # Model types whose values are normalized with no weight (value_norm), their scores unscaled
 # (the QK-norms set their size), and whose full layers take their values from the key
-# projection where the config's attention_k_eq_v says (a port option: values_from_keys)
-_GEMMA4 = frozenset({"gemma4_text"})
+# projection where the config's attention_k_eq_v says (a port option: values_from_keys):
+# Gemma 3n's and 4's; and transformers' default of their num_kv_shared_layers
+_GEMMA4 = frozenset({"gemma3n_text", "gemma4_text"})
+_KV_SHARED_DEFAULT = {"gemma3n_text": 15}
 
 # Llama 4's text model: chunked attention, QK-norms with no weight after the rotary embedding
 # on its rotary layers, the queries scaled by their positions on the others
@@ -301,7 +305,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     window = config.get("sliding_window")
     if config.get("model_type") == "gpt_neo":
         window, kind = _gpt_neo_window(config, layer)
-    if window is not None and config.get("use_sliding_window", True) and kind != "full_attention":
+    if window is not None and uses_window(config) and kind != "full_attention":
         found["sliding_window"] = int(window)
     windowed = "sliding_window" in found
     found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))
@@ -371,11 +375,16 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
 
 
 def _gemma4_options(config: Mapping[str, Any], kind: str | None, layer: int | None):
-    """Gemma 4's options beside Gemma 3's: its values normalized, its scores unscaled, its
-    full layers' values from the key projection (attention_k_eq_v). Its last
-    num_kv_shared_layers layers attend over an earlier layer's keys and values: refused."""
-    shared = config.get("num_kv_shared_layers") or 0
-    count = _num_layers(config)
+    """Gemma 3n's and 4's options beside Gemma 3's: their values normalized, their scores
+    unscaled, Gemma 4's full layers' values from the key projection (attention_k_eq_v). Their
+    last num_kv_shared_layers layers attend over an earlier layer's keys and values: refused."""
+    shared = config.get("num_kv_shared_layers", _KV_SHARED_DEFAULT.get(config["model_type"]))
+    shared, count = shared or 0, _num_layers(config)
+    if count is not None and shared >= count:
+        raise ValueError(
+            f"the config's num_kv_shared_layers={shared} (transformers' default where it is not "
+            f"written) leaves none of its {count} layers keys and values of its own"
+        )
     if shared and (layer is None or count is None or layer >= count - shared):
         raise ValueError(
             f"the config's last {shared} layers (num_kv_shared_layers) attend over the keys "
@@ -454,36 +463,16 @@ def _gpt_neo_window(config: Mapping[str, Any], layer: int | None) -> tuple[int |
 
 
 def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
-    """The layer's type, full_attention or sliding_attention, as layer_types (or Qwen2's
-    max_window_layers) says; None where the config does not tell the layers apart."""
-    types = config.get("layer_types") or None
-    if types is None:
-        sliding = config.get("sliding_window") is not None and config.get(
-            "use_sliding_window", True
-        )
-        if sliding and config.get("sliding_window_pattern") is not None:
-            raise ValueError(
-                f"the config's sliding_window_pattern={config['sliding_window_pattern']!r} "
-                "picks the sliding layers, and mha reads which from layer_types only"
-            )
-        if not sliding or config.get("max_window_layers") is None:
-            return None
-        if layer is None:
-            raise ValueError(
-                f"the config's max_window_layers={config['max_window_layers']!r} makes the "
-                "layers from that index on slide: give the config's num_hidden_layers and "
-                "the layer's index"
-            )
-        # transformers' rule where layer_types is not written
-        return "sliding_attention" if layer >= config["max_window_layers"] else "full_attention"
-    kind = types[layer]
+    """The layer's type, full_attention or sliding_attention, as transformers reads the config
+    (mha.layer_kinds); None where the config does not tell the layers apart."""
+    kind = layer_kind(config, layer)
     kinds = ("full_attention", "sliding_attention")
     if config.get("model_type") in _LLAMA4:
         kinds += ("chunked_attention",)
-    if kind not in kinds:
+    if kind is not None and kind not in kinds:
         raise ValueError(
-            f"layer {layer} of the config is {kind!r} (layer_types); mha's layer is "
-            + " or ".join(repr(each) for each in kinds)
+            f"layer {layer} of the config is {kind!r} (layer_types, or transformers' rule where "
+            "it is not written); mha's layer is " + " or ".join(repr(each) for each in kinds)
         )
     return kind
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
+from mha.layer_kinds import rotates
 
 __all__ = ["ROTARY", "query_scaling", "rotary_options"]
 
@@ -43,6 +44,7 @@ ROTARY = {
     "gemma": "half",
     "gemma2": "half",
     "gemma3_text": "half",
+    "gemma3n_text": "half",
     "gemma4_text": "half",
     "glm": "pairs",
     "glm4": "pairs",
@@ -131,6 +133,7 @@ _DEFAULT_THETA = {
     "exaone": 500_000.0,
     "flex_olmo": 500_000.0,
     "gemma3_text": 1_000_000.0,
+    "gemma3n_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
     "gte": 160_000.0,
     "helium": 100_000.0,
@@ -250,14 +253,19 @@ _ROPE_FIELDS = {
     **{model_type: ("rope_theta", "") for model_type in _THETA_ALONE},
     "gpt_neox": ("rotary_emb_base", "rotary_pct"),
     "gemma3_text": ("rope_theta", ""),
+    "gemma3n_text": ("rope_theta", ""),
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
     "mellum": ("", ""),
     "olmo3": ("rope_theta", ""),
 }
 # Model types whose sliding layers take their base from another field, unscaled, where the
-# config's rotary parameters are not per layer type: Gemma 3's rope_local_base_freq; OLMo 3's
-# sliding layers take transformers' default base whatever rope_theta says
-_LOCAL_THETA = {"gemma3_text": ("rope_local_base_freq", 10_000.0), "olmo3": ("", 500_000.0)}
+# config's rotary parameters are not per layer type: Gemma 3's and 3n's rope_local_base_freq;
+# OLMo 3's sliding layers take transformers' default base whatever rope_theta says
+_LOCAL_THETA = {
+    "gemma3_text": ("rope_local_base_freq", 10_000.0),
+    "gemma3n_text": ("rope_local_base_freq", 10_000.0),
+    "olmo3": ("", 500_000.0),
+}
 
 # Model types whose older configs name YaRN 'deepseek_yarn' (rope_scaling's type)
 _DEEPSEEK_YARN = frozenset({"sarvam_mla"})
@@ -334,10 +342,7 @@ def _rotary(
     """The layer's rotary options: rope_theta, and rope_dim and rope_scaling where the config
     rotates part of each head or scales the frequencies; {} where the layer has no rotary
     embedding. A rotary embedding mha cannot hold is an error naming its field."""
-    no_rope = config.get("no_rope_layers")
-    if no_rope is not None and (layer is None or layer >= len(no_rope)):
-        raise ValueError(f"the config's no_rope_layers does not tell layer {layer}: {no_rope}")
-    if no_rope is not None and not no_rope[layer]:
+    if rotates(config, layer) is False:
         return {}  # SmolLM3's and Llama 4's layers without rotary embeddings
     layer_theta = _layer_theta(config, layer)
     if layer_theta == 0:

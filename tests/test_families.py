@@ -111,6 +111,16 @@ OWN_SIZES["gemma4_text"] = {
     "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": 64,
 }
+# Gemma 3n: sliding and full layers, none sharing another's keys and values (its default: the
+# last 15); its per-layer inputs, AltUp and LAuReL small
+OWN_SIZES["gemma3n_text"] = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 4,
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 64,
+    "laurel_rank": 4,
+}
 # LFM3: sliding and full attention beside a convolution, its window within the sequence
 OWN_SIZES["lfm3"] = {
     "layer_types": ["sliding_attention", "conv", "full_attention", "full_attention"],

@@ -624,6 +624,8 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
         small |= {"num_hidden_layers": 4, **written}
         if model_type != "falcon":  # Falcon's head size follows from the others
             small["head_dim"] = 16
+        if model_type == "gemma3n_text":  # by default its last 15 layers share others' keys
+            small["num_kv_shared_layers"] = 0
         config = transformers().AutoConfig.for_model(model_type, **small)
         raw = {"model_type": model_type, **small}
         if getattr(config, "layer_types", None):
@@ -1081,7 +1083,7 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             "per layer type .* no layer_types",
         ),
         ({"sliding_window": 4, "sliding_window_pattern": 6}, "sliding_window_pattern=6"),
-        ({"layer_types": ["chunked_attention"]}, "'chunked_attention' \\(layer_types\\)"),
+        ({"layer_types": ["chunked_attention"]}, "'chunked_attention' \\(layer_types,"),
         (
             {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 2},
             "max_window_layers=2",
@@ -1121,6 +1123,19 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
                 "num_kv_shared_layers": 2,
             },
             "last 2 layers \\(num_kv_shared_layers\\) attend over the keys and values of an",
+        ),
+        # Gemma 3n's: transformers' default, its last 15 of 20 layers; more than it has
+        (
+            {
+                "model_type": "gemma3n_text",
+                "num_hidden_layers": 20,
+                "layer_types": ["full_attention"] * 20,
+            },
+            "last 15 layers \\(num_kv_shared_layers\\) attend",
+        ),
+        (
+            {"model_type": "gemma3n_text", "num_hidden_layers": 4},
+            "num_kv_shared_layers=15 \\(transformers' default where it is not written\\) leaves",
         ),
         (
             {"model_type": "gemma4_text", "use_bidirectional_attention": "all"},
@@ -1252,7 +1267,7 @@ def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
             porting.options_from_config({**SCOUT, **bad}, 3)
     with pytest.raises(ValueError, match="attention_chunk_size=0 is not a size"):
         porting.options_from_config({**SCOUT, "attention_chunk_size": 0}, 0)
-    with pytest.raises(ValueError, match="'chunked_attention' \\(layer_types\\)"):
+    with pytest.raises(ValueError, match="'chunked_attention' \\(layer_types,"):
         porting.options_from_config({"layer_types": ["chunked_attention"]}, 0)
 
 
