@@ -39,8 +39,6 @@ _FIRST_OF_P_FULL = {"cwm": 4, "granite_swa": 4, "granitemoe_swa": 4}
 _PATTERN = {"lara_mini": (LINEAR, SLIDING, LINEAR, FULL, SLIDING), "mellum": (FULL,)}
 # Model types whose last layer is full whatever layer_types says
 _LAST_FULL = frozenset({"gemma4_text"})
-# Model types whose window is off unless use_sliding_window says (transformers' default)
-_WINDOW_OFF = frozenset({"qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"})
 
 
 # Model types whose every no_rope_layer_interval-th layer has no rotary embedding where
@@ -75,8 +73,8 @@ def rotates(config: Mapping[str, Any], layer: int | None) -> bool | None:
 
 def uses_window(config: Mapping[str, Any]) -> bool:
     """Whether the config's window applies (to the layers of the sliding kind), as its
-    use_sliding_window says or transformers' default of the model type."""
-    return bool(config.get("use_sliding_window", config.get("model_type") not in _WINDOW_OFF))
+    use_sliding_window says (transformers' default of it filled in: mha.config_defaults)."""
+    return bool(config.get("use_sliding_window", True))
 
 
 def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
@@ -139,21 +137,18 @@ def _qwen_rule(config: Mapping[str, Any]):
     bound = config.get("max_window_layers")
     if model_type == "qwen3_moe" or config.get("sliding_window") is None or not uses_window(config):
         return None  # Qwen3-MoE: every layer, whatever max_window_layers says
-    if model_type == "qwen2_moe":
-        bound = 28 if bound is None else bound
-        return (
-            f"every 2nd layer below max_window_layers={bound} sliding",
-            lambda i: SLIDING if (i + 1) % 2 and i < bound else FULL,
-        )
     if model_type == "smollm3":
         return (
             "the layers without rotary embeddings sliding",
             lambda i: FULL if rotates(config, i) else SLIDING,
         )
-    if model_type in ("qwen2", "qwen3") and bound is None:
-        bound = 28  # transformers' default
     if bound is None:
         return None
+    if model_type == "qwen2_moe":
+        return (
+            f"every other layer below max_window_layers={bound} sliding",
+            lambda i: SLIDING if (i + 1) % 2 and i < bound else FULL,
+        )
     return (
         f"the layers from max_window_layers={bound} on sliding",
         lambda i: SLIDING if i >= bound else FULL,

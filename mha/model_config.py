@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from mha.config_defaults import with_defaults
 from mha.encoding import check_query_scaling
 from mha.files import read_bytes
 from mha.layer_kinds import layer_kind, uses_window
@@ -60,6 +61,7 @@ def options_from_config(
     """
     if not isinstance(config, Mapping):
         config = _read_json(config)
+    config = with_defaults(config)  # transformers' of what the config does not write
     _refuse_config(config)
     count = _num_layers(config)
     if layer is not None:
@@ -278,9 +280,8 @@ _EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}
 # Model types whose values are normalized with no weight (value_norm), their scores unscaled
 # (the QK-norms set their size), and whose full layers take their values from the key
 # projection where the config's attention_k_eq_v says (a port option: values_from_keys):
-# Gemma 3n's and 4's; and transformers' default of their num_kv_shared_layers
+# Gemma 3n's and 4's
 _GEMMA4 = frozenset({"gemma3n_text", "gemma4_text"})
-_KV_SHARED_DEFAULT = {"gemma3n_text": 15}
 
 # Llama 4's text model: chunked attention, QK-norms with no weight after the rotary embedding
 # on its rotary layers, the queries scaled by their positions on the others
@@ -378,8 +379,7 @@ def _gemma4_options(config: Mapping[str, Any], kind: str | None, layer: int | No
     """Gemma 3n's and 4's options beside Gemma 3's: their values normalized, their scores
     unscaled, Gemma 4's full layers' values from the key projection (attention_k_eq_v). Their
     last num_kv_shared_layers layers attend over an earlier layer's keys and values: refused."""
-    shared = config.get("num_kv_shared_layers", _KV_SHARED_DEFAULT.get(config["model_type"]))
-    shared, count = shared or 0, _num_layers(config)
+    shared, count = config.get("num_kv_shared_layers") or 0, _num_layers(config)
     if count is not None and shared >= count:
         raise ValueError(
             f"the config's num_kv_shared_layers={shared} (transformers' default where it is not "

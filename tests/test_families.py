@@ -280,14 +280,25 @@ def attention_io(model, found: list[tuple[str, str]]):
     return seen
 
 
+def config_as(written: str, config, model_type: str) -> dict:
+    """The config as its config.json writes it, or the fields tiny_model gave alone."""
+    if written == "config.json":
+        return {**config.to_dict(), "model_type": model_type}
+    sizes = {**SIZES, **OWN_SIZES.get(model_type, {})}
+    return {**{k: v for k, v in sizes.items() if v is not None}, "model_type": model_type}
+
+
 # The layer types mha's layer is (Falcon-H1's "hybrid" layers: attention beside a Mamba mixer)
 ATTENTION = ("full_attention", "sliding_attention", "chunked_attention", "hybrid")
 
 
+@pytest.mark.parametrize("written", ["config.json", "sizes alone"])
 @pytest.mark.parametrize("model_type", sorted(ROTARY))
-def test_each_rotary_model_type_ports_in_one_line(model_type):
+def test_each_rotary_model_type_ports_in_one_line(model_type, written):
     # Every attention layer of the model: sliding and full ones differ in some families
-    # (windows, rotary bases, rotary on one kind alone); Qwen3-Next's linear ones are not
+    # (windows, rotary bases, rotary on one kind alone); Qwen3-Next's linear ones are not.
+    # The config as transformers writes it, and as one that writes the sizes alone, whose
+    # other fields take transformers' defaults (mha.config_defaults, mha.layer_kinds)
     config, model = tiny_model(model_type)
     kinds = list(getattr(config, "layer_types", None) or [])
     layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
@@ -300,8 +311,7 @@ def test_each_rotary_model_type_ports_in_one_line(model_type):
     seen = attention_io(model, list(chosen.values()))
     for layer, (prefix, _) in chosen.items():
         (x, expected) = seen[prefix]
-        # The config as the model's config.json writes it
-        options = porting.options_from_config({**config.to_dict(), "model_type": model_type}, layer)
+        options = porting.options_from_config(config_as(written, config, model_type), layer)
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
         causal = model_type not in ENCODERS
         latent = type(ported).__name__ == "MultiHeadLatentAttention"  # DeepSeek's, Kimi K2's

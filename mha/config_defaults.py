@@ -1,0 +1,200 @@
+"""What transformers gives a config field that a model type's config.json does not write.
+
+`options_from_config` reads a config as transformers does: a field the file leaves out takes
+the default of the model type's config class (Gemma 2's query_pre_attn_scalar of 256 and its
+soft cap of 50, Granite's attention_multiplier of 1, Mistral's window of 4096, OLMo 2's norm
+eps of 1e-5). These are the class defaults of transformers 5.24 for the fields mha reads
+(`tests/test_config_defaults.py` holds them to the installed transformers); the rotary
+embedding's defaults are `mha.model_rope`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["DEFAULTS", "FIELDS", "with_defaults"]
+
+# The fields whose defaults matter to a port: windows and which layers slide, norms' eps,
+# score scales and soft caps, chunks and the queries' scaling, QK-norms, positions
+FIELDS = (
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+    "prefix_dense_sliding_window_pattern",
+    "window_size",
+    "num_kv_shared_layers",
+    "rms_norm_eps",
+    "norm_eps",
+    "layer_norm_eps",
+    "query_pre_attn_scalar",
+    "attention_multiplier",
+    "attn_logit_softcapping",
+    "key_multiplier",
+    "scale_attn_weights",
+    "attention_chunk_size",
+    "attn_scale",
+    "floor_scale",
+    "attn_temperature_tuning",
+    "no_rope_layer_interval",
+    "use_qk_norm",
+    "qk_norm_type",
+    "qk_layernorm",
+    "attention_k_eq_v",
+    "use_attention_gate",
+    "use_bidirectional_attention",
+    "position_embedding_type",
+    "rope_interleave",
+)
+
+# model type -> {field: transformers' default}, for those of FIELDS its config class has
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "apertus": {"rms_norm_eps": 1e-05},
+    "apertus1p5_text": {"rms_norm_eps": 1e-05},
+    "arcee": {"rms_norm_eps": 1e-05},
+    "aria_text": {"rms_norm_eps": 1e-06},
+    "axk1": {"rms_norm_eps": 1e-06, "rope_interleave": True},
+    "cohere": {"layer_norm_eps": 1e-05, "use_qk_norm": False},
+    "cohere2": {"sliding_window": 4096, "layer_norm_eps": 1e-05},
+    "cohere2_moe": {
+        "sliding_window": 4096,
+        "layer_norm_eps": 1e-05,
+        "sliding_window_pattern": 4,
+        "prefix_dense_sliding_window_pattern": 1,
+    },
+    "csm": {"rms_norm_eps": 1e-05},
+    "cwm": {"sliding_window": 8192, "rms_norm_eps": 1e-05},
+    "deepseek_v2": {"rms_norm_eps": 1e-06},
+    "deepseek_v3": {"rms_norm_eps": 1e-06, "rope_interleave": True},
+    "ernie4_5": {"rms_norm_eps": 1e-05},
+    "ernie4_5_moe": {"rms_norm_eps": 1e-05},
+    "esm": {"layer_norm_eps": 1e-12, "position_embedding_type": "absolute"},
+    "eurobert": {"rms_norm_eps": 1e-05},
+    "exaone": {"rms_norm_eps": 1e-05},
+    "exaone4": {"sliding_window": 4096, "rms_norm_eps": 1e-05, "sliding_window_pattern": 4},
+    "exaone_moe": {"sliding_window": 4096, "rms_norm_eps": 1e-05, "sliding_window_pattern": 4},
+    "falcon_h1": {"rms_norm_eps": 1e-05, "key_multiplier": 1.0},
+    "flex_olmo": {"rms_norm_eps": 1e-06},
+    "gemma": {"rms_norm_eps": 1e-06},
+    "gemma2": {
+        "sliding_window": 4096,
+        "rms_norm_eps": 1e-06,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3_text": {
+        "sliding_window": 4096,
+        "rms_norm_eps": 1e-06,
+        "query_pre_attn_scalar": 256,
+        "use_bidirectional_attention": False,
+    },
+    "gemma3n_text": {"sliding_window": 512, "rms_norm_eps": 1e-06, "num_kv_shared_layers": 15},
+    "gemma4_text": {
+        "sliding_window": 512,
+        "rms_norm_eps": 1e-06,
+        "num_kv_shared_layers": 0,
+        "attention_k_eq_v": False,
+    },
+    "glm": {"rms_norm_eps": 1.5625e-07},
+    "glm4": {"rms_norm_eps": 1.5625e-07},
+    "glm4_moe": {"rms_norm_eps": 1e-05, "use_qk_norm": False},
+    "glm4_moe_lite": {"rms_norm_eps": 1e-05, "rope_interleave": True},
+    "gpt2": {"scale_attn_weights": True},
+    "gpt_neo": {"window_size": 256},
+    "gpt_neox": {"layer_norm_eps": 1e-05},
+    "gpt_oss": {"sliding_window": 128, "rms_norm_eps": 1e-05},
+    "granite": {"rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
+    "granite_docling_text": {"rms_norm_eps": 1e-05, "attention_multiplier": 0.015625},
+    "granite_swa": {"sliding_window": 128, "rms_norm_eps": 1e-05, "attention_multiplier": 1.0},
+    "granitemoe": {"rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
+    "granitemoe_swa": {"sliding_window": 128, "rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
+    "granitemoeshared": {"rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
+    "gte": {"layer_norm_eps": 1e-12},
+    "helium": {"rms_norm_eps": 1e-08},
+    "higgs_audio_v2": {"rms_norm_eps": 1e-05},
+    "hunyuan_v1_dense": {"rms_norm_eps": 1e-05},
+    "hunyuan_v1_moe": {"rms_norm_eps": 1e-05},
+    "hy_v3": {"rms_norm_eps": 1e-05},
+    "hyperclovax": {"rms_norm_eps": 1e-06},
+    "internlm3": {"rms_norm_eps": 1e-05},
+    "jais2": {"layer_norm_eps": 1e-05},
+    "jina_embeddings_v3": {"layer_norm_eps": 1e-05},
+    "kolibri1": {"sliding_window": 513, "rms_norm_eps": 1e-06},
+    "lara_mini": {"sliding_window": 512, "rms_norm_eps": 1e-06},
+    "lfm2": {"norm_eps": 1e-05},
+    "lfm2_moe": {"norm_eps": 1e-05},
+    "lfm3": {"sliding_window": 256, "norm_eps": 1e-05, "use_attention_gate": True},
+    "llama": {"rms_norm_eps": 1e-06},
+    "llama4_text": {
+        "rms_norm_eps": 1e-05,
+        "attention_chunk_size": 8192,
+        "attn_scale": 0.1,
+        "floor_scale": 8192,
+        "attn_temperature_tuning": True,
+        "no_rope_layer_interval": 4,
+        "use_qk_norm": True,
+    },
+    "mellum": {"sliding_window": 1024, "rms_norm_eps": 1e-06},
+    "minicpm3": {"rms_norm_eps": 1e-05},
+    "minimax_m2": {"rms_norm_eps": 1e-06},
+    "ministral": {"sliding_window": 4096, "rms_norm_eps": 1e-06},
+    "ministral3": {"rms_norm_eps": 1e-05},
+    "mistral": {"sliding_window": 4096, "rms_norm_eps": 1e-06},
+    "mistral4": {"rms_norm_eps": 1e-06, "rope_interleave": True},
+    "mixtral": {"rms_norm_eps": 1e-05},
+    "molmo2_text": {"rms_norm_eps": 1e-06, "qk_norm_type": "qwen3"},
+    "nanochat": {"rms_norm_eps": 1e-06},
+    "nemotron": {"norm_eps": 1e-05},
+    "nomic_bert": {"layer_norm_eps": 1e-12},
+    "olmo2": {"rms_norm_eps": 1e-05},
+    "olmo3": {"sliding_window": 4096, "rms_norm_eps": 1e-05},
+    "olmoe": {"rms_norm_eps": 1e-05},
+    "phi": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
+    "phi3": {"rms_norm_eps": 1e-05},
+    "phimoe": {"rms_norm_eps": 1e-05},
+    "qwen2": {
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "rms_norm_eps": 1e-06,
+    },
+    "qwen2_moe": {
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "rms_norm_eps": 1e-06,
+    },
+    "qwen3": {
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 28,
+        "rms_norm_eps": 1e-06,
+    },
+    "qwen3_5_moe_text": {"rms_norm_eps": 1e-06},
+    "qwen3_5_text": {"rms_norm_eps": 1e-06},
+    "qwen3_moe": {"sliding_window": 4096, "use_sliding_window": False, "rms_norm_eps": 1e-06},
+    "qwen3_next": {"rms_norm_eps": 1e-06},
+    "qwen3_vl_moe_text": {"rms_norm_eps": 1e-06},
+    "qwen3_vl_text": {"rms_norm_eps": 1e-06},
+    "roformer": {"layer_norm_eps": 1e-12},
+    "sarvam_mla": {"rms_norm_eps": 1e-06, "rope_interleave": True},
+    "sarvam_moe": {"rms_norm_eps": 1e-06, "use_qk_norm": True},
+    "seed_oss": {"rms_norm_eps": 1e-06},
+    "smollm3": {"use_sliding_window": False, "rms_norm_eps": 1e-06, "no_rope_layer_interval": 4},
+    "solar_open": {"rms_norm_eps": 1e-05},
+    "stablelm": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
+    "vaultgemma": {
+        "sliding_window": 4096,
+        "rms_norm_eps": 1e-06,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+    },
+    "youtu": {"rms_norm_eps": 1e-06, "rope_interleave": True},
+}
+
+
+def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with transformers' default of each field it does not write (its model
+    type's); a field written as null stays null."""
+    return {**DEFAULTS.get(config.get("model_type"), {}), **config}

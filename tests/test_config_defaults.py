@@ -1,0 +1,60 @@
+"""mha's table of transformers' config defaults (mha.config_defaults) is transformers' own:
+for every model type mha ports from a config, the default of each field a port reads, as
+the installed transformers' config class gives it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import required_import
+from mha import porting
+from mha.config_defaults import DEFAULTS, FIELDS
+from mha.model_rope import ROTARY
+
+pytestmark = pytest.mark.torch  # transformers' configs
+
+# Model types mha reads beside the rotary ones; Kimi K2's config is DeepSeek-V3's
+READ = sorted((set(ROTARY) | {"bloom", "gpt2", "gpt_neo", "mpt"}) - {"kimi_k2"})
+
+
+def class_defaults(model_type: str) -> dict:
+    """The defaults of FIELDS in transformers' config class of the model type (its dataclass
+    fields, or its class attributes), where one is given (not None)."""
+    T = required_import("transformers")
+    cls = type(T.AutoConfig.for_model(model_type))
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    found = {}
+    for name in FIELDS:
+        if name in fields and fields[name].default is not dataclasses.MISSING:
+            value = fields[name].default
+        elif name not in fields and not isinstance(getattr(cls, name, None), property):
+            value = getattr(cls, name, None)
+        else:
+            value = None
+        if value is not None and not isinstance(value, (list, dict)):
+            found[name] = value
+    return found
+
+
+@pytest.mark.parametrize("model_type", READ)
+def test_the_table_holds_transformers_defaults(model_type):
+    assert DEFAULTS.get(model_type, {}) == class_defaults(model_type)
+
+
+def test_a_field_left_out_takes_transformers_default_and_null_stays_null():
+    # Gemma 2's config.json without its scale or soft cap: transformers' 256 and 50
+    gemma2 = {"model_type": "gemma2", "num_attention_heads": 4, "head_dim": 8, "layer_types": []}
+    options = porting.options_from_config({**gemma2, "layer_types": ["full_attention"]}, 0)
+    assert options["scale"] == 256**-0.5 and options["softcap"] == 50.0
+    # Mistral's window of 4096 where the config does not write one; none where it writes null
+    mistral = {"model_type": "mistral", "num_attention_heads": 4, "rope_theta": 1e4}
+    assert porting.options_from_config(mistral)["sliding_window"] == 4096
+    assert "sliding_window" not in porting.options_from_config({**mistral, "sliding_window": None})
+    # OLMo 2's norms' eps, 1e-5; Granite's attention_multiplier, 1.0
+    olmo2 = {"model_type": "olmo2", "num_attention_heads": 4}
+    assert porting.options_from_config(olmo2)["qk_norm_eps"] == 1e-5
+    assert porting.options_from_config({"model_type": "granite", "num_attention_heads": 4})[
+        "scale"
+    ] == pytest.approx(1.0)
