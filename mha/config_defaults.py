@@ -118,6 +118,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "hy_v3": {"rms_norm_eps": 1e-05},
     "hyperclovax": {"rms_norm_eps": 1e-06},
     "internlm3": {"rms_norm_eps": 1e-05},
+    "iquestcoder": {"rms_norm_eps": 1e-05},
     "jais2": {"layer_norm_eps": 1e-05},
     "jina_embeddings_v3": {"layer_norm_eps": 1e-05},
     "kolibri1": {"sliding_window": 513, "rms_norm_eps": 1e-06},

@@ -67,6 +67,7 @@ ROTARY = {
     "hy_v3": "half",
     "hyperclovax": "half",
     "internlm3": "half",
+    "iquestcoder": "half",  # transformers builds Llama's modules
     "jais2": "half",
     "jina_embeddings_v3": "half",
     "kolibri1": "half",
@@ -118,6 +119,33 @@ ROTARY = {
     "vaultgemma": "half",
     "youtu": "rope_interleave",  # DeepSeek-V3's latent attention
 }
+
+# Model types whose attention in transformers rotates the queries and keys by a rule mha has
+# not checked (or beside what mha's layer holds), whose layers mha's layouts would find: a
+# config of one is refused even where it writes no rotary field (transformers' default)
+UNCHECKED_ROTARY = frozenset(
+    {
+        "afmoe",
+        "bitnet",
+        "diffllama",
+        "doge",
+        "dory",
+        "embedding_gemma2_text",
+        "flint",
+        "gpt_neox_japanese",
+        "hrm_text",
+        "laguna",
+        "mimo_v2_flash",
+        "minimax",
+        "minimax_m3_vl_text",
+        "muse_glimmer_text",
+        "olmo_hybrid",
+        "openai_privacy_filter",
+        "persimmon",
+        "recurrent_gemma",
+        "ultrabert",
+    }
+)
 
 # What transformers gives a rotary model type whose config does not write its rotary
 # embedding: the base (10000 where not listed), the fraction of each head rotated (all where
@@ -298,9 +326,9 @@ def rotary_options(
     if model_type in _POSITION_TYPES and not _rotates(config, _POSITION_TYPES[model_type]):
         return {}
     rotary = _rotary(config, kind, layer, head)
-    if not rotary or model_type is None:
+    if model_type is None or not (rotary or model_type in UNCHECKED_ROTARY):
         return rotary
-    if model_type not in ROTARY:
+    if model_type not in ROTARY:  # UNCHECKED_ROTARY's rotate whatever their configs write
         raise ValueError(
             f"the config's model_type={model_type!r} has a rotary embedding whose "
             "convention mha does not know (the config does not tell it): give rope_theta "

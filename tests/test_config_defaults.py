@@ -11,7 +11,7 @@ import pytest
 from conftest import required_import
 from mha import porting
 from mha.config_defaults import DEFAULTS, FIELDS
-from mha.model_rope import ROTARY
+from mha.model_rope import ROTARY, UNCHECKED_ROTARY
 
 pytestmark = pytest.mark.torch  # transformers' configs
 
@@ -58,3 +58,15 @@ def test_a_field_left_out_takes_transformers_default_and_null_stays_null():
     assert porting.options_from_config({"model_type": "granite", "num_attention_heads": 4})[
         "scale"
     ] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("model_type", sorted(UNCHECKED_ROTARY))
+def test_a_model_type_that_rotates_by_a_rule_mha_has_not_checked_is_refused(model_type):
+    # Their code rotates whatever the config writes: a config without a rotary field (which
+    # takes transformers' default) is refused too, not ported without the rotation
+    T = required_import("transformers")
+    assert model_type not in ROTARY
+    T.AutoConfig.for_model(model_type)  # a model type of transformers
+    config = {"model_type": model_type, "num_attention_heads": 4, "num_hidden_layers": 1}
+    with pytest.raises(ValueError, match=f"model_type={model_type!r} has a rotary embedding"):
+        porting.options_from_config({**config, "layer_types": ["full_attention"]}, 0)
