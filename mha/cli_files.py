@@ -104,6 +104,13 @@ def _add_port_arguments(parser) -> None:
         help="the layer has no v_proj, its values being k_proj's output (Gemma 4's full "
         "layers, attention_k_eq_v; --config says so)",
     )
+    parser.add_argument(
+        "--keys-values-of",
+        metavar="LAYER",
+        help="the layer reuses another's keys and values (Gemma 3n's and 4's last "
+        "num_kv_shared_layers; --config says so): its k_proj, v_proj and k_norm, by that "
+        "layer's index (the prefix's number) or prefix",
+    )
 
 
 def file_command(arguments, out, err) -> int:
@@ -162,7 +169,7 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     from_model = arguments.prefix is not None
     if from_model and kinds[0] == "keras":
         raise UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
-    for flag in ("without_positions", "values_from_keys"):
+    for flag in ("without_positions", "values_from_keys", "keys_values_of"):
         if getattr(arguments, flag) and not from_model:
             raise UsageError(f"--{flag.replace('_', '-')} goes with --prefix")
     options = _layer_options(arguments)
@@ -215,6 +222,9 @@ def _layer_options(arguments) -> dict:
         options["without_positions"] = True
     if arguments.values_from_keys:
         options["values_from_keys"] = True
+    if arguments.keys_values_of is not None:
+        source = arguments.keys_values_of
+        options["keys_values_of"] = int(source) if source.isdigit() else source
     return options
 
 

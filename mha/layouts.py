@@ -16,11 +16,15 @@ import numpy as np
 
 from mha import latent_layout, validation
 from mha.interop.torch import TORCH_WEIGHT_NAMES, canonical_from_torch
+from mha.shared_layers import (
+    KEYS_AS_VALUES,
+    KEYS_VALUES_ELSEWHERE,
+    keys_values_elsewhere,
+    values_are_keys,
+)
 
 __all__ = [
-    "KEYS_AS_VALUES",
     "LAYOUTS",
-    "VALUES_FROM_KEYS",
     "Layout",
     "find_attention",
     "flatten",
@@ -32,9 +36,7 @@ __all__ = [
     "split_gate",
     "under",
     "unit_qk_norms",
-    "values_are_keys",
     "weights_and_config",
-    "with_values_from_keys",
 ]
 
 
@@ -187,26 +189,6 @@ def under(state: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {name[len(start) :]: value for name, value in state.items() if name.startswith(start)}
 
 
-# The note of a port whose values are its keys' projection
-VALUES_FROM_KEYS = "v_proj is k_proj: the values are the key projection's output"
-
-
-def with_values_from_keys(names, values_from_keys: bool, where: str):
-    """The names under the prefix, with k_proj's tensors also as v_proj's where
-    values_from_keys says (Gemma 4's full layers: their values are the keys' projection,
-    before any norm); and the names so added."""
-    if not values_from_keys:
-        return names, ()
-    if any(name.startswith("v_proj.") for name in names) or "k_proj.weight" not in names:
-        raise ValueError(
-            "values_from_keys=True reads the values from k_proj, where the layer has no "
-            f"v_proj; the weights {where} have "
-            + ("a v_proj" if "k_proj.weight" in names else "no k_proj.weight")
-        )
-    copied = {"v" + name[1:]: value for name, value in names.items() if name.startswith("k_proj.")}
-    return {**names, **copied}, tuple(copied)
-
-
 def matches(layout: Layout, names: Iterable[str]) -> bool:
     """Whether `names` hold every module that marks the layout."""
     names = set(names)
@@ -248,25 +230,19 @@ def find_attention(state: Mapping[str, Any]) -> list[tuple[str, str]]:
             prefix = name[: -len(tail)].rstrip(".")
             if latent_layout.matches(under(state, prefix)):
                 found.append((prefix, latent_layout.NAME))
-        if name == "k_proj.weight" or name.endswith(".k_proj.weight"):
-            prefix = name[: -len("k_proj.weight")].rstrip(".")
-            if values_are_keys(under(state, prefix)):
-                found.append((prefix, KEYS_AS_VALUES))
+        for tail, holds, layout_name in _SHARED:  # Gemma 3n's and 4's layers
+            if name == tail or name.endswith("." + tail):
+                prefix = name[: -len(tail)].rstrip(".")
+                if holds(under(state, prefix)):
+                    found.append((prefix, layout_name))
     return found
 
 
-# Gemma 4's full layers (attention_k_eq_v): q_proj, k_proj and o_proj, the values being the
-# key projection's output; ported with values_from_keys=True
-KEYS_AS_VALUES = (
-    "q/k/o_proj, the values from k_proj (Gemma 4: values_from_keys=True, --values-from-keys)"
+# The layers that hold part of their keys and values elsewhere: the name that marks them
+_SHARED = (
+    ("k_proj.weight", values_are_keys, KEYS_AS_VALUES),
+    ("q_proj.weight", keys_values_elsewhere, KEYS_VALUES_ELSEWHERE),
 )
-
-
-def values_are_keys(names: Mapping[str, Any]) -> bool:
-    """Whether the names under a prefix are those of a layer whose values are its keys'
-    projection: q_proj, k_proj and o_proj, and no v_proj."""
-    held = {name.rsplit(".", 1)[0] for name in names}
-    return {"q_proj", "k_proj", "o_proj"} <= held and "v_proj" not in held
 
 
 def weights_and_config(layout: Layout, arrays, num_heads: int | None = None):

@@ -40,7 +40,8 @@ def options_from_config(
     their model type tells, Ministral 3's and Mistral 4's queries scaled by their
     positions (query_scaling, from their rotary parameters' llama_4_scaling_beta), and
     Gemma 4's normalized values (value_norm), unscaled scores and values from the key
-    projection (values_from_keys=True: a port option) where attention_k_eq_v says,
+    projection (values_from_keys=True: a port option) where attention_k_eq_v says, Gemma 3n's
+    and 4's KV-shared layers' source (keys_values_of: a port option),
     LFM3's gate of each head (output_gate=True, from g_proj), and Llama 4's chunks
     (attention_chunk_size), norms with no weight (weightless_qk_norm=True: a port option)
     and queries scaled from position 1 on its layers without a rotary embedding, and
@@ -377,24 +378,32 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
 
 def _gemma4_options(config: Mapping[str, Any], kind: str | None, layer: int | None):
     """Gemma 3n's and 4's options beside Gemma 3's: their values normalized, their scores
-    unscaled, Gemma 4's full layers' values from the key projection (attention_k_eq_v). Their
-    last num_kv_shared_layers layers attend over an earlier layer's keys and values: refused."""
+    unscaled, Gemma 4's full layers' values from the key projection (attention_k_eq_v), and
+    their last num_kv_shared_layers layers' keys and values those of the last earlier layer of
+    their kind (keys_values_of, a port option)."""
+    found: dict[str, Any] = {"value_norm": True, "scale": 1.0}
+    if config.get("attention_k_eq_v") and kind == "full_attention":
+        found["values_from_keys"] = True
     shared, count = config.get("num_kv_shared_layers") or 0, _num_layers(config)
+    if not shared:
+        return found
     if count is not None and shared >= count:
         raise ValueError(
             f"the config's num_kv_shared_layers={shared} (transformers' default where it is not "
             f"written) leaves none of its {count} layers keys and values of its own"
         )
-    if shared and (layer is None or count is None or layer >= count - shared):
+    if count is None or layer is None:
         raise ValueError(
             f"the config's last {shared} layers (num_kv_shared_layers) attend over the keys "
-            "and values of an earlier layer, which mha's layer does not take: give the index "
-            f"of a layer below {count - shared if count else '?'}"
-            + ("" if layer is None else f". Received: layer={layer}")
+            "and values of an earlier layer: give the config's number of layers and the "
+            "layer's index"
         )
-    found: dict[str, Any] = {"value_norm": True, "scale": 1.0}
-    if config.get("attention_k_eq_v") and kind == "full_attention":
-        found["values_from_keys"] = True
+    first = count - shared
+    if layer >= first:
+        kinds = [_attention_kind(config, i) for i in range(first)]
+        if kind not in kinds:
+            raise ValueError(f"the config has no {kind} layer before its shared layers")
+        found["keys_values_of"] = first - 1 - kinds[::-1].index(kind)
     return found
 
 

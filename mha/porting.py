@@ -58,10 +58,8 @@ from mha.encoding import rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
     HALVES_SWAPPED,
-    KEYS_AS_VALUES,
     LAYOUTS,
     UNIT_QK_NORMS,
-    VALUES_FROM_KEYS,
     Layout,
     find_attention,
     flatten,
@@ -73,13 +71,21 @@ from mha.layouts import (
     split_gate,
     under,
     unit_qk_norms,
-    values_are_keys,
     weights_and_config,
-    with_values_from_keys,
 )
 from mha.model_config import options_from_config
 from mha.position_bias import alibi_bias, t5_position_bias
 from mha.registry import load_backend
+from mha.shared_layers import (
+    KEYS_AS_VALUES,
+    KEYS_VALUES_ELSEWHERE,
+    VALUES_FROM_KEYS,
+    keys_values_elsewhere,
+    keys_values_note,
+    values_are_keys,
+    with_keys_values_of,
+    with_values_from_keys,
+)
 from mha.weights import (
     LAYER_CLASSES,
     OPTION_DEFAULTS,
@@ -126,6 +132,7 @@ def canonical_from_state_dict(
     values_from_keys: bool = False,
     weightless_qk_norm: bool = False,
     reversed_rotary: bool = False,
+    keys_values_of: int | str | None = None,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`
@@ -149,6 +156,9 @@ def canonical_from_state_dict(
             rotary embedding, which leaves a head's mean square as it is): scales of ones.
         reversed_rotary: the source turns each head's pairs (i, i + d/2) by minus their angle
             (nanochat's rotate_half): each head's query and key halves are swapped.
+        keys_values_of: the layer reuses the keys and values of another (Gemma 3n's and 4's
+            last num_kv_shared_layers): k_proj, v_proj and k_norm that layer's (its index in
+            the prefix's one number, or its prefix); call with its input as keys and values.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
             ... (`options_from_config` reads them from a Hugging Face config). Key and value
             projections with fewer outputs than the query's give num_kv_heads.
@@ -157,16 +167,17 @@ def canonical_from_state_dict(
         ValueError: no layout or several under the prefix, weights that do not fit, tensors
             mha cannot hold (each listed), sparse attention, positions no option gives.
     """
-    port = dict(scale=scale, qk_norm_offset=qk_norm_offset, output_gate=output_gate)
-    port.update(without_positions=without_positions, values_from_keys=values_from_keys)
-    port.update(weightless_qk_norm=weightless_qk_norm, reversed_rotary=reversed_rotary)
+    port = {name: value for name, value in locals().items() if name in _MHA_PORT_OPTIONS}
     state = flatten(state)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
-    names, copied = with_values_from_keys(under(state, prefix), values_from_keys, where)
+    names, taken = with_keys_values_of(
+        under(state, prefix), lambda other: under(state, other), keys_values_of, prefix, where
+    )
+    names, copied = with_values_from_keys(names, values_from_keys, where)
     latent_layout.refuse_sparse(names, where)
     if latent_layout.matches(names):
         return _latent_port(names, num_heads, options, where, port)
-    return _mha_port(state, names, copied, prefix, num_heads, options, where, port)
+    return _mha_port(state, names, (*taken, *copied), prefix, num_heads, options, where, port)
 
 
 def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str, port) -> Port:
@@ -183,8 +194,10 @@ def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str,
     if port["reversed_rotary"]:  # nanochat: its halves swapped turn mha's way to the same scores
         weights = halves_swapped(weights, config, where)
         notes += (HALVES_SWAPPED,)
-    used = sorted(set(used) - set(copied))  # the source's names alone
-    notes += (VALUES_FROM_KEYS,) if copied else ()
+    used = sorted(set(used) - set(copied))  # the names under the prefix alone
+    if port["keys_values_of"] is not None:  # Gemma 3n's and 4's KV-shared layers
+        notes += (keys_values_note(prefix, port["keys_values_of"]),)
+    notes += (VALUES_FROM_KEYS,) if port["values_from_keys"] else ()
     return Port(weights, config, layout.name, used, left_out, notes)
 
 
@@ -234,6 +247,7 @@ _MHA_PORT_OPTIONS = {
     "values_from_keys": False,
     "weightless_qk_norm": False,
     "reversed_rotary": False,
+    "keys_values_of": None,
 }
 
 
@@ -332,6 +346,8 @@ def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> La
     )
     if values_are_keys(names):
         hint += "; its q_proj, k_proj and o_proj without v_proj are " + KEYS_AS_VALUES
+    if keys_values_elsewhere(names):
+        hint += "; it holds " + KEYS_VALUES_ELSEWHERE
     raise ValueError(
         f"{which} {where}. Found: {listed or 'nothing'}{hint}. "
         "Known layouts: " + "; ".join(layout.name for layout in LAYOUTS)

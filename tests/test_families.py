@@ -16,6 +16,7 @@ from conftest import required_import
 from mha import porting
 from mha.layouts import LAYOUTS
 from mha.model_rope import ROTARY
+from mha.shared_layers import KEYS_VALUES_ELSEWHERE
 
 torch = pytest.importorskip("torch")  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
@@ -367,3 +368,57 @@ def test_esm_ports_as_its_checkpoints_keep_it(positions):
     ported = porting.from_state_dict(state, prefix, backend="numpy", **options)
     atol = 1e-5 * np.max(np.abs(expected))
     np.testing.assert_allclose(ported(x, x, x), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+def test_kv_shared_layers_port_with_the_keys_and_values_of_an_earlier_layer(model_type):
+    # Gemma 3n's and 4's last num_kv_shared_layers layers (here 2 and 3) attend over the keys
+    # and values of the last earlier layer of their kind (0 and 1), computed from that
+    # layer's input: ported with keys_values_of, called with that input as keys and values.
+    # Gemma 4's full layers here have no v_proj (attention_k_eq_v): layer 3 takes layer 1's
+    config, model = tiny_model(model_type, num_kv_shared_layers=2)
+    prefixes = [f"layers.{i}.self_attn" for i in range(4)]
+    found = dict(reversed(porting.find_attention(model.state_dict())))
+    assert [found[prefix] == KEYS_VALUES_ELSEWHERE for prefix in prefixes] == [0, 0, 1, 1]
+    seen = attention_io(model, [(prefix, found[prefix]) for prefix in prefixes])
+    written = config_as("config.json", config, model_type)
+    for layer, prefix in enumerate(prefixes):
+        options = porting.options_from_config(written, layer)
+        assert options.get("keys_values_of") == (layer - 2 if layer >= 2 else None)
+        port = porting.canonical_from_state_dict(model.state_dict(), prefix, **options)
+        ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
+        (x, expected) = seen[prefix]
+        source = prefixes[options.get("keys_values_of", layer)]
+        keys_values = seen[source][0]
+        output = ported(x, keys_values, keys_values, causal=True)
+        atol = 1e-5 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)
+        if layer >= 2:
+            assert any(source in note and "as keys and values" in note for note in port.notes)
+            assert not any(name.startswith(("k_proj", "v_proj")) for name in port.used)
+
+
+def test_convert_ports_a_kv_shared_layer_from_the_command_line(tmp_path, capsys):
+    # --config tells a KV-shared layer's source; --keys-values-of gives it by hand
+    from safetensors.torch import save_file
+
+    import mha
+    from mha import cli
+
+    config, model = tiny_model("gemma3n_text", num_kv_shared_layers=2)
+    state = {name: value.contiguous().clone() for name, value in model.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors")
+    config.to_json_file(tmp_path / "config.json")
+    prefixes = ["layers.0.self_attn", "layers.2.self_attn"]
+    seen = attention_io(model, [(prefix, "") for prefix in prefixes])
+    (x, expected), keys_values = seen[prefixes[1]], seen[prefixes[0]][0]
+    for given in (["--layer", "2"], ["--layer", "2", "--keys-values-of", prefixes[0]]):
+        destination = tmp_path / "layer.safetensors"
+        arguments = ["convert", str(tmp_path / "model.safetensors"), str(destination)]
+        arguments += ["--prefix", prefixes[1], "--config", str(tmp_path / "config.json")]
+        assert cli.main(arguments + given) == 0
+        assert f"those under '{prefixes[0]}': call the layer" in capsys.readouterr().out
+        layer = mha.load(destination, backend="numpy")
+        output = layer(x, keys_values, keys_values, causal=True)
+        atol = 1e-5 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
