@@ -70,3 +70,10 @@ def test_a_model_type_that_rotates_by_a_rule_mha_has_not_checked_is_refused(mode
     config = {"model_type": model_type, "num_attention_heads": 4, "num_hidden_layers": 1}
     with pytest.raises(ValueError, match=f"model_type={model_type!r} has a rotary embedding"):
         porting.options_from_config({**config, "layer_types": ["full_attention"]}, 0)
+
+
+def test_a_head_size_left_out_is_transformers_default_not_the_hidden_size_over_the_heads():
+    # GLM's config class gives head_dim 128 whatever the hidden size; half of it turns
+    glm = {"model_type": "glm", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
+    assert porting.options_from_config(glm)["rope_dim"] == 64
+    assert porting.options_from_config({**glm, "head_dim": 16})["rope_dim"] == 8
