@@ -121,27 +121,51 @@ ROTARY = {
 }
 
 # Model types whose attention in transformers rotates the queries and keys by a rule mha has
-# not checked (or beside what mha's layer holds), whose layers mha's layouts would find: a
-# config of one is refused even where it writes no rotary field (transformers' default)
+# not checked (or beside what mha's layer holds), text models whose layers mha's layouts
+# would find: a config of one is refused even where it writes no rotary field (transformers
+# rotates with its defaults)
 UNCHECKED_ROTARY = frozenset(
     {
         "afmoe",
+        "bailing_hybrid",
+        "bamba",
         "bitnet",
+        "codegen",
+        "cosmos3_edge_text",
         "diffllama",
+        "diffusion_gemma_text",
         "doge",
         "dory",
+        "dots1",
+        "dots3_note_text",
         "embedding_gemma2_text",
+        "emu3_text_model",
+        "ernie4_5_vl_moe_text",
         "flint",
+        "glm4v_moe_text",
+        "glm4v_text",
+        "glm5_next_text",
+        "glm_image_text",
+        "glm_ocr_text",
         "gpt_neox_japanese",
         "hrm_text",
+        "hunyuan_vl_text",
+        "inkling2_text",
+        "jetmoe",
         "laguna",
         "mimo_v2_flash",
         "minimax",
         "minimax_m3_vl_text",
+        "mllama_text_model",
         "muse_glimmer_text",
         "olmo_hybrid",
         "openai_privacy_filter",
+        "paddleocr_vl_text",
         "persimmon",
+        "qwen2_5_vl_text",
+        "qwen2_vl_text",
+        "qwen3_omni_moe_text",
+        "qwen4_exp_text",
         "recurrent_gemma",
         "ultrabert",
     }
