@@ -120,6 +120,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "granite_swa": {"sliding_window": 128, "rms_norm_eps": 1e-05, "attention_multiplier": 1.0},
     "granitemoe": {"rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
     "granitemoe_swa": {"sliding_window": 128, "rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
+    "granitemoehybrid": {"rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
     "granitemoeshared": {"rms_norm_eps": 1e-06, "attention_multiplier": 1.0},
     "gte": {"layer_norm_eps": 1e-12},
     "helium": {"head_dim": 128, "rms_norm_eps": 1e-08},

@@ -36,7 +36,13 @@ _EVERY_PTH_FULL = {
 # Model types whose first layer of every p is full (i % p == 0), the others sliding
 _FIRST_OF_P_FULL = {"cwm": 4, "granite_swa": 4, "granitemoe_swa": 4}
 # Model types whose layers repeat a pattern
-_PATTERN = {"lara_mini": (LINEAR, SLIDING, LINEAR, FULL, SLIDING), "mellum": (FULL,)}
+_PATTERN = {
+    "granitemoehybrid": (LINEAR,),
+    "lara_mini": (LINEAR, SLIDING, LINEAR, FULL, SLIDING),
+    "mellum": (FULL,),
+}
+# transformers' names of layer kinds that older configs name otherwise (Granite 4.0's)
+_LEGACY = {"mamba": LINEAR, "attention": FULL}
 # Model types whose last layer is full whatever layer_types says
 _LAST_FULL = frozenset({"gemma4_text"})
 
@@ -81,8 +87,9 @@ def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
     """The layer's kind as transformers reads the config: layer_types, else the model type's
     rule (or Qwen2's max_window_layers); None where every layer is alike."""
     model_type = config.get("model_type")
-    types = config.get("layer_types") or None
+    types = config.get("layer_types") or config.get("layers_block_type") or None  # Granite 4.0
     if types is not None:
+        types = [_LEGACY.get(kind, kind) for kind in types]
         if model_type in _LAST_FULL and layer == len(types) - 1:
             return FULL
         return types[layer] if layer is not None else None

@@ -87,6 +87,7 @@ def options_from_config(
 # The fields that make one layer's options differ from another's
 _PER_LAYER = (
     "layer_types",
+    "layers_block_type",
     "attention_types",
     "no_rope_layers",
     "max_window_layers",
@@ -194,7 +195,7 @@ def _held(config: Mapping[str, Any], key: str) -> bool:
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
     """The number of layers the config describes, where it tells it."""
-    for key in ("layer_types", "no_rope_layers"):
+    for key in ("layer_types", "layers_block_type", "no_rope_layers"):
         if config.get(key) is not None:
             if not isinstance(config[key], list):
                 raise ValueError(f"the config's {key} is not a list: {config[key]!r}")

@@ -56,6 +56,7 @@ ROTARY = {
     "granite": "half",
     "granite_docling_text": "half",
     "granitemoe": "half",
+    "granitemoehybrid": "half",  # Granite 4.0's, where position_embedding_type is "rope"
     "granitemoeshared": "half",
     "granite_swa": "half",
     "granitemoe_swa": "half",
@@ -125,50 +126,16 @@ ROTARY = {
 # would find: a config of one is refused even where it writes no rotary field (transformers
 # rotates with its defaults)
 UNCHECKED_ROTARY = frozenset(
-    {
-        "afmoe",
-        "bailing_hybrid",
-        "bamba",
-        "bitnet",
-        "codegen",
-        "cosmos3_edge_text",
-        "diffllama",
-        "diffusion_gemma_text",
-        "doge",
-        "dory",
-        "dots1",
-        "dots3_note_text",
-        "embedding_gemma2_text",
-        "emu3_text_model",
-        "ernie4_5_vl_moe_text",
-        "flint",
-        "glm4v_moe_text",
-        "glm4v_text",
-        "glm5_next_text",
-        "glm_image_text",
-        "glm_ocr_text",
-        "gpt_neox_japanese",
-        "hrm_text",
-        "hunyuan_vl_text",
-        "inkling2_text",
-        "jetmoe",
-        "laguna",
-        "mimo_v2_flash",
-        "minimax",
-        "minimax_m3_vl_text",
-        "mllama_text_model",
-        "muse_glimmer_text",
-        "olmo_hybrid",
-        "openai_privacy_filter",
-        "paddleocr_vl_text",
-        "persimmon",
-        "qwen2_5_vl_text",
-        "qwen2_vl_text",
-        "qwen3_omni_moe_text",
-        "qwen4_exp_text",
-        "recurrent_gemma",
-        "ultrabert",
-    }
+    (
+        "afmoe bailing_hybrid bamba bitnet codegen cosmos3_edge_text diffllama "
+        "diffusion_gemma_text doge dory dots1 dots3_note_text embedding_gemma2_text "
+        "emu3_text_model ernie4_5_vl_moe_text flint glm4v_moe_text glm4v_text glm5_next_text "
+        "glm_image_text glm_ocr_text gpt_neox_japanese hrm_text hunyuan_vl_text inkling2_text "
+        "jetmoe laguna mimo_v2_flash minimax minimax_m3_vl_text mllama_text_model "
+        "muse_glimmer_text olmo_hybrid openai_privacy_filter paddleocr_vl_text persimmon "
+        "qwen2_5_vl_text qwen2_vl_text qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
+        "ultrabert"
+    ).split()
 )
 
 # What transformers gives a rotary model type whose config does not write its rotary
@@ -325,9 +292,11 @@ _DEEPSEEK_YARN = frozenset({"sarvam_mla"})
 # Model types whose cross-attention layers turn their queries and keys otherwise than their
 # self-attention layers (RoFormer's not at all), which a layer's index does not tell apart
 _SELF_ATTENTION_ONLY = frozenset({"esm", "roformer"})
-# Model types whose config's position_embedding_type says whether they rotate: the types
-# without a rotary embedding (ESM-1b's "absolute" positions are added to the embeddings)
-_POSITION_TYPES = {"esm": ("absolute",)}
+# Model types whose config's position_embedding_type says whether they rotate (ESM-1b's
+# "absolute" positions are added to the embeddings; Granite 4.0's "nope" adds none)
+# (its name of the rotary type, the types without rotation, the first the default; None:
+# any other type is without rotation, as Granite 4.0's code reads it)
+_POSITION_TYPES = {"esm": ("rotary", ("absolute",)), "granitemoehybrid": ("rope", None)}
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "cohere2_moe", "lara_mini"})
 # Model types whose full-attention layers have none where the config has a sliding window
@@ -347,7 +316,7 @@ def rotary_options(
     tells it. A rotary embedding of a model type whose convention mha does not know is an
     error: the config does not tell it."""
     model_type = config.get("model_type")
-    if model_type in _POSITION_TYPES and not _rotates(config, _POSITION_TYPES[model_type]):
+    if model_type in _POSITION_TYPES and not _rotates(config, *_POSITION_TYPES[model_type]):
         return {}
     rotary = _rotary(config, kind, layer, head)
     if model_type is None or not (rotary or model_type in UNCHECKED_ROTARY):
@@ -376,16 +345,19 @@ def rotary_options(
     return {**rotary, "rope_interleaved": True} if convention == "pairs" else rotary
 
 
-def _rotates(config: Mapping[str, Any], unturned: tuple[str, ...]) -> bool:
-    """Whether the config's position_embedding_type is "rotary"; any type but it and those
+def _rotates(config: Mapping[str, Any], rotary: str, unturned: tuple[str, ...] | None) -> bool:
+    """Whether the config's position_embedding_type is the rotary one; a type but it and those
     without rotation (unturned; the first is the default) is an error naming it."""
-    kind = config.get("position_embedding_type") or unturned[0]
-    if kind != "rotary" and kind not in unturned:
+    kind = config.get("position_embedding_type")
+    if unturned is None:
+        return kind == rotary
+    kind = kind or unturned[0]
+    if kind != rotary and kind not in unturned:
         raise ValueError(
             f"the config's position_embedding_type={kind!r} adds position biases mha's layer "
-            f"does not hold; it holds {', '.join(map(repr, unturned))} and 'rotary'"
+            f"does not hold; it holds {', '.join(map(repr, unturned))} and {rotary!r}"
         )
-    return kind == "rotary"
+    return kind == rotary
 
 
 def _rotary(

@@ -215,6 +215,20 @@ OWN_SIZES["minimax_m2"] = {"rotary_dim": 4, **FEW_EXPERTS, "num_local_experts": 
 # A base their code ignores, 10000 being in it
 for model_type in ("gptj", "roformer"):
     OWN_SIZES[model_type]["rope_theta"] = 20000.0
+# Granite 4.0: attention beside Mamba layers (their older names), turned where
+# position_embedding_type says "rope"; few small experts
+OWN_SIZES["granitemoehybrid"] = {
+    **FEW_EXPERTS,
+    "layer_types": ["mamba", "attention"] * 2,
+    "position_embedding_type": "rope",
+    "attention_multiplier": 0.3,
+    "num_local_experts": 4,
+    "shared_intermediate_size": 16,
+    "mamba_n_heads": 8,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 8,
+    "mamba_chunk_size": 4,
+}
 # ESM-2: BERT's names, a layer norm of the attention's input inside its module
 OWN_SIZES["esm"] = {
     "head_dim": None,
@@ -422,3 +436,22 @@ def test_convert_ports_a_kv_shared_layer_from_the_command_line(tmp_path, capsys)
         output = layer(x, keys_values, keys_values, causal=True)
         atol = 1e-5 * np.max(np.abs(expected))
         np.testing.assert_allclose(output, expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("positions", ["nope", None])
+@pytest.mark.parametrize("written", ["config.json", "sizes alone"])
+def test_granite4_attention_without_positions_ports_unturned(positions, written):
+    # Granite 4.0's released configs add no positions in attention ("nope"; transformers
+    # turns only where position_embedding_type says "rope"), and write a rope_theta it ignores
+    config, model = tiny_model("granitemoehybrid", position_embedding_type=positions)
+    raw = {**config_as(written, config, "granitemoehybrid"), "rope_theta": 1e4}
+    raw["position_embedding_type"] = positions
+    seen = attention_io(model, [("layers.1.self_attn", "")])
+    (x, expected) = seen["layers.1.self_attn"]
+    options = porting.options_from_config(raw, 1)
+    assert "rope_theta" not in options and options["scale"] == pytest.approx(0.3)
+    ported = porting.from_state_dict(
+        model.state_dict(), "layers.1.self_attn", backend="numpy", **options
+    )
+    atol = 1e-5 * np.max(np.abs(expected))
+    np.testing.assert_allclose(ported(x, x, x, causal=True), expected, rtol=0, atol=atol)
