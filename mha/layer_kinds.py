@@ -1,8 +1,11 @@
-"""Which layers of a Hugging Face config attend within a sliding window.
+"""Each layer's kind as transformers reads a Hugging Face config: full or sliding attention
+(or another mixer, which is not mha's layer), and whether it turns its queries and keys.
 
 A config's `layer_types` names each layer's kind. Where a config does not write them (Gemma
 2's configs, Gemma 3's and Cohere 2's older ones), transformers gives each model type's own
-rule, and so does this module: a port reads the window of the layer transformers runs.
+rule, and so does this module: a port reads the window and the rotary embedding of the layer
+transformers runs. Likewise SmolLM3's and Llama 4's layers without a rotary embedding where
+no_rope_layers is not written.
 """
 
 from __future__ import annotations

@@ -390,8 +390,9 @@ def _gemma4_options(config: Mapping[str, Any], kind: str | None, layer: int | No
         return found
     if count is not None and shared >= count:
         raise ValueError(
-            f"the config's num_kv_shared_layers={shared} (transformers' default where it is not "
-            f"written) leaves none of its {count} layers keys and values of its own"
+            f"the config's num_kv_shared_layers={shared} leaves none of its {count} layers keys "
+            "and values of its own (transformers gives a Gemma 3n config that does not write "
+            "it 15)"
         )
     if count is None or layer is None:
         raise ValueError(

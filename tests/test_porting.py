@@ -1127,7 +1127,7 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ),
         (
             {"model_type": "gemma3n_text", "num_hidden_layers": 4},
-            "num_kv_shared_layers=15 \\(transformers' default where it is not written\\) leaves",
+            "num_kv_shared_layers=15 leaves none of its 4 layers",
         ),
         (
             {"model_type": "gemma4_text", "use_bidirectional_attention": "all"},
