@@ -179,6 +179,18 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "max_window_layers": 28,
         "rms_norm_eps": 1e-06,
     },
+    "qwen2_5_vl_text": {
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 80,
+        "rms_norm_eps": 1e-05,
+    },
+    "qwen2_vl_text": {
+        "sliding_window": 4096,
+        "use_sliding_window": False,
+        "max_window_layers": 80,
+        "rms_norm_eps": 1e-05,
+    },
     "qwen3": {
         "head_dim": 128,
         "sliding_window": 4096,

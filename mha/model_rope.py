@@ -101,6 +101,8 @@ ROTARY = {
     "phimoe": "half",
     "qwen2": "half",
     "qwen2_moe": "half",
+    "qwen2_5_vl_text": "half",  # multimodal rotary, turning text as the plain one
+    "qwen2_vl_text": "half",
     "qwen3": "half",
     "qwen3_moe": "half",
     "qwen3_next": "half",
@@ -133,7 +135,7 @@ UNCHECKED_ROTARY = frozenset(
         "glm_image_text glm_ocr_text gpt_neox_japanese hrm_text hunyuan_vl_text inkling2_text "
         "jetmoe laguna mimo_v2_flash minimax minimax_m3_vl_text mllama_text_model "
         "muse_glimmer_text olmo_hybrid openai_privacy_filter paddleocr_vl_text persimmon "
-        "qwen2_5_vl_text qwen2_vl_text qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
+        "qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
         "ultrabert"
     ).split()
 )
@@ -168,6 +170,8 @@ _DEFAULT_THETA = {
     "phimoe": 1_000_000.0,
     "qwen3_vl_moe_text": 500_000.0,
     "qwen3_vl_text": 500_000.0,
+    "qwen2_5_vl_text": 1_000_000.0,
+    "qwen2_vl_text": 1_000_000.0,
     "sarvam_moe": 8_000_000.0,
     "smollm3": 2_000_000.0,
     "solar_open": 1_000_000.0,
@@ -276,6 +280,8 @@ _ROPE_FIELDS = {
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
     "mellum": ("", ""),
     "olmo3": ("rope_theta", ""),
+    "qwen2_5_vl_text": ("rope_theta", ""),
+    "qwen2_vl_text": ("rope_theta", ""),
 }
 # Model types whose sliding layers take their base from another field, unscaled, where the
 # config's rotary parameters are not per layer type: Gemma 3's and 3n's rope_local_base_freq;
@@ -493,8 +499,11 @@ _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 # positions (multimodal rotary): a text's positions are one on every axis, which turns as
 # the plain rotary embedding, so mha reads the split and ports the text's attention
 _MULTIMODAL_ROPE = frozenset(
-    {"qwen3_5_moe_text", "qwen3_5_text", "qwen3_vl_moe_text", "qwen3_vl_text"}
+    {"qwen2_5_vl_text", "qwen2_vl_text", "qwen3_5_moe_text", "qwen3_5_text"}
+    | {"qwen3_vl_moe_text", "qwen3_vl_text"}
 )
+# Model types whose older configs name that rotary type "mrope": transformers reads "default"
+_MROPE_IS_DEFAULT = frozenset({"qwen2_5_vl_text", "qwen2_vl_text"})
 _MULTIMODAL_FIELDS = ("mrope_section", "mrope_interleaved")
 # Model types whose rotary parameters also scale the queries by their positions (Llama 4's
 # rule, in Ministral 3 and Mistral 4): mha's query_scaling, over the parameters'
@@ -514,6 +523,8 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     A parameter the type does not take is an error (Ministral 3's llama_4_scaling_beta, which
     scales the queries by their position, is read by query_scaling for its model types)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "mrope" and config.get("model_type") in _MROPE_IS_DEFAULT:
+        rope_type = "default"
     if rope_type != "default" and rope_type not in ROPE_TYPES:
         raise ValueError(
             f"the config's rotary embedding is {rope_type!r} ({field}={dict(rope)}); mha's "

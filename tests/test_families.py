@@ -199,6 +199,10 @@ OWN_SIZES["qwen3_5_text"] = {
         "mrope_interleaved": True,
     },
 }
+# Qwen2-VL's and Qwen2.5-VL's text models: the multimodal rotary's split of the frequencies
+# (a text's positions alike on every axis), named "mrope" as their older configs name it
+for model_type in ("qwen2_vl_text", "qwen2_5_vl_text"):
+    OWN_SIZES[model_type] = {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
 # Windows within the sequence
 OWN_SIZES["cwm"] = {"sliding_window": 4}
 # Granite SWA's bases per layer, 0 for none; its sinks (set away from 0 in tiny_model)
