@@ -57,7 +57,10 @@ class Layout(NamedTuple):
 
 
 _ADD_NORM = "the layer norm after the residual, outside the attention"
-_PRE_NORM = "ESM's layer norm of the attention's input: give the layer the normed input"
+_PRE_NORM = (
+    "the layer norm of the attention's input (ESM's, RoBERTa-PreLayerNorm's): give the layer "
+    "the normed input"
+)
 _CAUSAL = "GPT-2's causal-mask buffer: give causal=True"
 
 

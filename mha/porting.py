@@ -167,6 +167,7 @@ def canonical_from_state_dict(
         ValueError: no layout or several under the prefix, weights that do not fit, tensors
             mha cannot hold (each listed), sparse attention, positions no option gives.
     """
+    # The port options are the arguments named in _MHA_PORT_OPTIONS
     port = {name: value for name, value in locals().items() if name in _MHA_PORT_OPTIONS}
     state = flatten(state)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"

@@ -459,3 +459,21 @@ def test_granite4_attention_without_positions_ports_unturned(positions, written)
     )
     atol = 1e-5 * np.max(np.abs(expected))
     np.testing.assert_allclose(ported(x, x, x, causal=True), expected, rtol=0, atol=atol)
+
+
+def test_roberta_prelayernorm_ports_with_its_input_norm_left_out():
+    # RoBERTa-PreLayerNorm's attention norms its input inside the module, as ESM's does: the
+    # port leaves the norm out, and the layer takes the normed input
+    T = required_import("transformers")
+    config = T.RobertaPreLayerNormConfig(
+        hidden_size=32, num_attention_heads=4, intermediate_size=32, num_hidden_layers=2
+    )
+    torch.manual_seed(3)
+    model = T.AutoModel.from_config(config).float().eval()
+    prefix = "encoder.layer.1.attention"
+    (x, expected) = attention_io(model, [(prefix, "HF BERT/RoBERTa")])[prefix]
+    port = porting.canonical_from_state_dict(model.state_dict(), prefix, num_heads=4)
+    assert {"LayerNorm.weight", "LayerNorm.bias"} <= set(port.left_out)
+    ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", num_heads=4)
+    atol = 1e-5 * np.max(np.abs(expected))
+    np.testing.assert_allclose(ported(x, x, x), expected, rtol=0, atol=atol)
