@@ -534,14 +534,13 @@ UNIT_QK_NORMS = "q_norm and k_norm are ones: the source's QK-norms have no weigh
 
 
 def unit_qk_norms(qk_norm: str | None, W_q: np.ndarray, num_heads: int) -> dict[str, np.ndarray]:
-    """The scales of qk_norm="head" norms that have no weight (Llama 4's L2Norm): ones of the
-    head size, in W_q's dtype; an error for another qk_norm. The source normalizes after its
-    rotary embedding and mha before: a rotation keeps each head's mean square, so the numbers
-    are the same."""
-    if qk_norm != "head":
+    """The scales of norms of each head that have no weight (Llama 4's L2Norm, qk_norm "head"
+    or "head_after_rotary"): ones of the head size, in W_q's dtype; an error for another
+    qk_norm."""
+    if qk_norm not in ("head", "head_after_rotary"):
         raise ValueError(
-            f'weightless_qk_norm=True is qk_norm="head" norms with no weight. Received: '
-            f"qk_norm={qk_norm!r}"
+            'weightless_qk_norm=True is qk_norm="head" or "head_after_rotary" norms with no '
+            f"weight. Received: qk_norm={qk_norm!r}"
         )
     ones = np.ones(W_q.shape[1] // num_heads, W_q.dtype)
     return {"q_norm": ones, "k_norm": ones.copy()}

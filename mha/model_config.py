@@ -342,7 +342,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if model_type in _LLAMA4:
         found.update(_llama4_options(config, kind, "rope_theta" in found))
     if model_type in _REVERSED_ROTARY:  # nanochat
-        found.update(qk_norm="head", weightless_qk_norm=True, reversed_rotary=True)
+        found.update(qk_norm="head_after_rotary", weightless_qk_norm=True, reversed_rotary=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     return found
 
@@ -359,7 +359,7 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
             raise ValueError(f"the config's attention_chunk_size={chunk!r} is not a size")
         found["attention_chunk_size"] = chunk
     if rotary and config.get("use_qk_norm", True):
-        found.update(qk_norm="head", weightless_qk_norm=True)
+        found.update(qk_norm="head_after_rotary", weightless_qk_norm=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-5))
     if not rotary and config.get("attn_temperature_tuning", True):
         beta, length = config.get("attn_scale", 0.1), config.get("floor_scale", 8192)

@@ -152,8 +152,8 @@ def canonical_from_state_dict(
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         values_from_keys: the layer has no v_proj, its values being the key projection's
             output before any norm (Gemma 4's full layers, attention_k_eq_v): W_v is W_k.
-        weightless_qk_norm: qk_norm="head" norms with no weight (Llama 4's L2Norm, after its
-            rotary embedding, which leaves a head's mean square as it is): scales of ones.
+        weightless_qk_norm: qk_norm="head" or "head_after_rotary" norms with no weight
+            (Llama 4's L2Norm and nanochat's, after their rotary embedding): scales of ones.
         reversed_rotary: the source turns each head's pairs (i, i + d/2) by minus their angle
             (nanochat's rotate_half): each head's query and key halves are swapped.
         keys_values_of: the layer reuses the keys and values of another (Gemma 3n's and 4's

@@ -1241,7 +1241,7 @@ SCOUT = {
 def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
     rotary = {"num_heads": 40, "rope_theta": 500000.0, "rope_interleaved": True}
     chunked = {**rotary, "attention_chunk_size": 8192}
-    normed = {"qk_norm": "head", "weightless_qk_norm": True, "qk_norm_eps": 1e-05}
+    normed = {"qk_norm": "head_after_rotary", "weightless_qk_norm": True, "qk_norm_eps": 1e-05}
     scaled = {"beta": 0.1, "original_max_position_embeddings": 8192, "position_offset": 1}
     assert porting.options_from_config(SCOUT, 0) == {**chunked, **normed}
     assert porting.options_from_config(SCOUT, 3) == {"num_heads": 40, "query_scaling": scaled}
