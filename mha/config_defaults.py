@@ -4,8 +4,9 @@
 the default of the model type's config class (Gemma 2's query_pre_attn_scalar of 256 and its
 soft cap of 50, Granite's attention_multiplier of 1, Mistral's window of 4096, OLMo 2's norm
 eps of 1e-5). These are the class defaults of transformers 5.24 for the fields mha reads
-(`tests/test_config_defaults.py` holds them to the installed transformers); the rotary
-embedding's defaults are `mha.model_rope`'s.
+(`tests/test_config_defaults.py` holds them to the installed transformers), and the
+rotary embedding's of each rotary model type, which `mha.model_rope` reads (the family test
+of `tests/test_families.py` holds those, from configs that write none).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULTS", "FIELDS", "with_defaults"]
+__all__ = [
+    "DEFAULTS",
+    "DEFAULT_PARTIAL",
+    "DEFAULT_ROPE",
+    "DEFAULT_ROPE_BY_KIND",
+    "DEFAULT_THETA",
+    "FIELDS",
+    "with_defaults",
+]
 
 # The fields whose defaults matter to a port: the head size (where a fraction of it turns),
 # windows and which layers slide, norms' eps, score scales and soft caps, chunks and the
@@ -219,6 +228,132 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": 50.0,
     },
     "youtu": {"rms_norm_eps": 1e-06, "rope_interleave": True},
+}
+
+
+# What transformers gives a rotary model type whose config does not write its rotary
+# embedding: the base (10000 where not listed), the fraction of each head rotated (all where
+# not listed), and the scaling; GPT-J's base is fixed in its code
+DEFAULT_THETA = {
+    "apertus": 12_000_000.0,
+    "apertus1p5_text": 12_000_000.0,
+    "cohere": 500_000.0,
+    "csm": 500_000.0,
+    "cwm": 1_000_000.0,
+    "ernie4_5": 500_000.0,
+    "ernie4_5_moe": 500_000.0,
+    "exaone": 500_000.0,
+    "flex_olmo": 500_000.0,
+    "gemma3_text": 1_000_000.0,
+    "gemma3n_text": 1_000_000.0,
+    "gpt_oss": 150_000.0,
+    "gte": 160_000.0,
+    "helium": 100_000.0,
+    "hy_v3": 11_158_840.0,
+    "jina_embeddings_v3": 20_000.0,
+    "lfm2": 1_000_000.0,
+    "lfm2_moe": 1_000_000.0,
+    "llama4_text": 500_000.0,
+    "minimax_m2": 5_000_000.0,
+    "mixtral": 1_000_000.0,
+    "nomic_bert": 1_000.0,
+    "olmo3": 500_000.0,
+    "phimoe": 1_000_000.0,
+    "qwen3_vl_moe_text": 500_000.0,
+    "qwen3_vl_text": 500_000.0,
+    "qwen2_5_vl_text": 1_000_000.0,
+    "qwen2_vl_text": 1_000_000.0,
+    "sarvam_moe": 8_000_000.0,
+    "smollm3": 2_000_000.0,
+    "solar_open": 1_000_000.0,
+}
+DEFAULT_PARTIAL = {
+    "glm": 0.5,
+    "glm4": 0.5,
+    "glm4_moe": 0.5,
+    "gpt_neox": 0.25,
+    "nemotron": 0.5,
+    "phi": 0.5,
+    "qwen3_next": 0.25,
+    "qwen3_5_moe_text": 0.25,
+    "qwen3_5_text": 0.25,
+    "stablelm": 0.25,
+}
+DEFAULT_ROPE = {
+    "apertus": {
+        "rope_type": "llama3",
+        "rope_theta": 12_000_000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+    "gpt_oss": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+}
+DEFAULT_ROPE["apertus1p5_text"] = DEFAULT_ROPE["apertus"]
+# Higgs Audio v2's language model: Llama 3.2's rotary scaling
+DEFAULT_ROPE["higgs_audio_v2"] = {
+    "rope_type": "llama3",
+    "rope_theta": 500_000.0,
+    "factor": 32.0,
+    "original_max_position_embeddings": 1024,
+    "low_freq_factor": 0.125,
+    "high_freq_factor": 0.5,
+}
+# Ministral 3's and Mistral 4's: YaRN, and the queries' scaling by position beside it
+DEFAULT_ROPE["ministral3"] = {
+    "rope_type": "yarn",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+DEFAULT_ROPE["mistral4"] = {
+    **DEFAULT_ROPE["ministral3"],
+    "rope_theta": 10_000.0,
+    "factor": 128.0,
+    "original_max_position_embeddings": 8192,
+}
+DEFAULT_ROPE["cwm"] = {
+    "rope_type": "llama3",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 8192,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
+# Gemma 4's and LFM3's, one per layer type: their full layers turn a quarter (LFM3: a half)
+# of each head proportionally
+DEFAULT_ROPE_BY_KIND = {
+    "gemma4_text": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1_000_000.0,
+        },
+    }
+}
+DEFAULT_ROPE_BY_KIND["lfm3"] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {**DEFAULT_ROPE_BY_KIND["gemma4_text"]["full_attention"]},
+}
+DEFAULT_ROPE_BY_KIND["lfm3"]["full_attention"]["partial_rotary_factor"] = 0.5
+# Mellum's: a base per layer type
+DEFAULT_ROPE_BY_KIND["mellum"] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.config_defaults import with_defaults
+from mha.config_fields import without_unread
 from mha.encoding import check_query_scaling
 from mha.files import read_bytes
 from mha.layer_kinds import layer_kind, uses_window
@@ -62,7 +63,7 @@ def options_from_config(
     """
     if not isinstance(config, Mapping):
         config = _read_json(config)
-    config = with_defaults(config)  # transformers' of what the config does not write
+    config = with_defaults(without_unread(config))  # as transformers reads it
     _refuse_config(config)
     count = _num_layers(config)
     if layer is not None:
@@ -437,7 +438,7 @@ def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, A
     head = rope
     if config.get("model_type") == "mistral4":
         head += config.get("qk_nope_head_dim", 128)
-    rotary = rotary_options(config, None, layer, False, head)
+    rotary = rotary_options(config, None, layer, False, head, latent=True)
     rotated = rotary.pop("rope_dim", rope) if "rope_theta" in rotary else "none"
     if rotated != rope:
         raise ValueError(

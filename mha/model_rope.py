@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_KIND, DEFAULT_THETA
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 from mha.layer_kinds import rotates
 
-__all__ = ["ROTARY", "query_scaling", "rotary_options"]
+__all__ = ["ROTARY", "TURNS_PART", "query_scaling", "rotary_options"]
 
 # The rotary convention of each model type checked against transformers' own layer, which
 # its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
@@ -140,135 +141,22 @@ UNCHECKED_ROTARY = frozenset(
     ).split()
 )
 
-# What transformers gives a rotary model type whose config does not write its rotary
-# embedding: the base (10000 where not listed), the fraction of each head rotated (all where
-# not listed), and the scaling; GPT-J's base is fixed in its code
-_DEFAULT_THETA = {
-    "apertus": 12_000_000.0,
-    "apertus1p5_text": 12_000_000.0,
-    "cohere": 500_000.0,
-    "csm": 500_000.0,
-    "cwm": 1_000_000.0,
-    "ernie4_5": 500_000.0,
-    "ernie4_5_moe": 500_000.0,
-    "exaone": 500_000.0,
-    "flex_olmo": 500_000.0,
-    "gemma3_text": 1_000_000.0,
-    "gemma3n_text": 1_000_000.0,
-    "gpt_oss": 150_000.0,
-    "gte": 160_000.0,
-    "helium": 100_000.0,
-    "hy_v3": 11_158_840.0,
-    "jina_embeddings_v3": 20_000.0,
-    "lfm2": 1_000_000.0,
-    "lfm2_moe": 1_000_000.0,
-    "llama4_text": 500_000.0,
-    "minimax_m2": 5_000_000.0,
-    "mixtral": 1_000_000.0,
-    "nomic_bert": 1_000.0,
-    "olmo3": 500_000.0,
-    "phimoe": 1_000_000.0,
-    "qwen3_vl_moe_text": 500_000.0,
-    "qwen3_vl_text": 500_000.0,
-    "qwen2_5_vl_text": 1_000_000.0,
-    "qwen2_vl_text": 1_000_000.0,
-    "sarvam_moe": 8_000_000.0,
-    "smollm3": 2_000_000.0,
-    "solar_open": 1_000_000.0,
-}
-_DEFAULT_PARTIAL = {
-    "glm": 0.5,
-    "glm4": 0.5,
-    "glm4_moe": 0.5,
-    "gpt_neox": 0.25,
-    "nemotron": 0.5,
-    "phi": 0.5,
-    "qwen3_next": 0.25,
-    "qwen3_5_moe_text": 0.25,
-    "qwen3_5_text": 0.25,
-    "stablelm": 0.25,
-}
-_DEFAULT_ROPE = {
-    "apertus": {
-        "rope_type": "llama3",
-        "rope_theta": 12_000_000.0,
-        "factor": 8.0,
-        "original_max_position_embeddings": 8192,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-    },
-    "gpt_oss": {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    },
-}
-_DEFAULT_ROPE["apertus1p5_text"] = _DEFAULT_ROPE["apertus"]
-# Higgs Audio v2's language model: Llama 3.2's rotary scaling
-_DEFAULT_ROPE["higgs_audio_v2"] = {
-    "rope_type": "llama3",
-    "rope_theta": 500_000.0,
-    "factor": 32.0,
-    "original_max_position_embeddings": 1024,
-    "low_freq_factor": 0.125,
-    "high_freq_factor": 0.5,
-}
-# Ministral 3's and Mistral 4's: YaRN, and the queries' scaling by position beside it
-_DEFAULT_ROPE["ministral3"] = {
-    "rope_type": "yarn",
-    "rope_theta": 1_000_000.0,
-    "factor": 16.0,
-    "original_max_position_embeddings": 16384,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale_all_dim": 1.0,
-    "mscale": 1.0,
-    "llama_4_scaling_beta": 0.1,
-}
-_DEFAULT_ROPE["mistral4"] = {
-    **_DEFAULT_ROPE["ministral3"],
-    "rope_theta": 10_000.0,
-    "factor": 128.0,
-    "original_max_position_embeddings": 8192,
-}
-_DEFAULT_ROPE["cwm"] = {
-    "rope_type": "llama3",
-    "rope_theta": 1_000_000.0,
-    "factor": 16.0,
-    "original_max_position_embeddings": 8192,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-}
-# Gemma 4's and LFM3's, one per layer type: their full layers turn a quarter (LFM3: a half)
-# of each head proportionally
-_DEFAULT_ROPE_BY_KIND = {
-    "gemma4_text": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        "full_attention": {
-            "rope_type": "proportional",
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 1_000_000.0,
-        },
-    }
-}
-_DEFAULT_ROPE_BY_KIND["lfm3"] = {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-    "full_attention": {**_DEFAULT_ROPE_BY_KIND["gemma4_text"]["full_attention"]},
-}
-_DEFAULT_ROPE_BY_KIND["lfm3"]["full_attention"]["partial_rotary_factor"] = 0.5
-# Mellum's: a base per layer type
-_DEFAULT_ROPE_BY_KIND["mellum"] = {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-    "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
-}
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
 _THETA_IN_CODE = frozenset({"gptj", "roformer"})
 # Model types whose code reads the base alone (rope_theta): no scaling, no fraction rotated
 _THETA_ALONE = frozenset({"esm"})
+# Model types whose code turns the part of each head partial_rotary_factor gives (GPT-NeoX's
+# rotary_pct); the others' turns the whole head whatever the fraction under the default
+# rotary embedding, and fails on one under a scaled embedding
+TURNS_PART = frozenset(
+    (
+        "glm glm4 glm4_moe glm4_moe_lite gpt_neox minimax_m2 mistral4 nemotron phi phi3 "
+        "qwen3_5_moe_text qwen3_5_text qwen3_next sarvam_moe stablelm"
+    ).split()
+)
+# Model types among the others whose code fails on a fraction under any rotary embedding
+_FAILS_ON_PART = frozenset({"solar_open"})
 # Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
 # no fraction outside its rope_parameters, Gemma 4 neither a base)
 _ROPE_FIELDS = {
@@ -292,6 +180,9 @@ _LOCAL_THETA = {
     "olmo3": ("", 500_000.0),
 }
 
+# Model types whose rope_scaling transformers nests per layer type without reading its
+# older key 'type' (their rotary embedding stays the default one)
+_LEGACY_TYPE_UNREAD = frozenset({"gemma3n_text", "olmo3"})
 # Model types whose older configs name YaRN 'deepseek_yarn' (rope_scaling's type)
 _DEEPSEEK_YARN = frozenset({"sarvam_mla"})
 
@@ -315,16 +206,18 @@ def rotary_options(
     layer: int | None,
     windowed: bool,
     head: int | None,
+    latent: bool = False,
 ) -> dict[str, Any]:
     """The rotary options of the layer of this index and type (rope_theta, and rope_dim,
     rope_scaling and rope_interleaved where they apply); {} where it has no rotary embedding.
     windowed: whether the layer has a sliding window; head: the head size, where the config
-    tells it. A rotary embedding of a model type whose convention mha does not know is an
-    error: the config does not tell it."""
+    tells it (the rotary part's, for a latent attention layer: latent). A rotary embedding of
+    a model type whose convention mha does not know is an error: the config does not tell
+    it."""
     model_type = config.get("model_type")
     if model_type in _POSITION_TYPES and not _rotates(config, *_POSITION_TYPES[model_type]):
         return {}
-    rotary = _rotary(config, kind, layer, head)
+    rotary = _rotary(config, kind, layer, head, latent)
     if model_type is None or not (rotary or model_type in UNCHECKED_ROTARY):
         return rotary
     if model_type not in ROTARY:  # UNCHECKED_ROTARY's rotate whatever their configs write
@@ -366,8 +259,38 @@ def _rotates(config: Mapping[str, Any], rotary: str, unturned: tuple[str, ...] |
     return kind == rotary
 
 
+def _fraction(config: Mapping[str, Any], written: Any) -> Any:
+    """The fraction of each head turned: as written, else the model type's default."""
+    return DEFAULT_PARTIAL.get(config.get("model_type")) if written is None else written
+
+
+def _turned(config: Mapping[str, Any], partial: Any, scaling: dict | None, latent: bool) -> Any:
+    """The fraction of each head the layer turns as transformers' code of the model type
+    reads it: a model type whose code turns whole heads (not in TURNS_PART) ignores the
+    config's under its default rotary embedding, and cannot run one under a scaled one."""
+    model_type = config.get("model_type")
+    if scaling is not None and scaling["rope_type"] == "proportional":
+        return None  # proportional's own fraction: the whole head turns, part of it at 0
+    if model_type not in ROTARY or model_type in TURNS_PART or partial in (None, 1.0):
+        return partial
+    if scaling is None and model_type not in _FAILS_ON_PART:
+        return None
+    if latent:  # transformers turns part of the rotary features, which mha's layer refuses
+        return partial
+    how = "its default" if scaling is None else f"a {scaling['rope_type']!r}"
+    raise ValueError(
+        f"the config turns part of each head (partial_rotary_factor={partial!r}) under {how} "
+        f"rotary embedding; transformers' code of model_type={model_type!r} turns whole "
+        "heads, and cannot run it"
+    )
+
+
 def _rotary(
-    config: Mapping[str, Any], kind: str | None, layer: int | None, head: int | None
+    config: Mapping[str, Any],
+    kind: str | None,
+    layer: int | None,
+    head: int | None,
+    latent: bool = False,
 ) -> dict[str, Any]:
     """The layer's rotary options: rope_theta, and rope_dim and rope_scaling where the config
     rotates part of each head or scales the frequencies; {} where the layer has no rotary
@@ -382,17 +305,15 @@ def _rotary(
     model_type = config.get("model_type")
     fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
     base_field, partial_field = fields
-    default_theta = _DEFAULT_THETA.get(model_type, 10_000.0)
+    default_theta = DEFAULT_THETA.get(model_type, 10_000.0)
     if kind == "sliding_attention" and model_type in _LOCAL_THETA:
         base_field, default_theta = _LOCAL_THETA[model_type]
     theta = rope.get("rope_theta", config.get(base_field)) if layer_theta is None else layer_theta
     if theta is None and model_type in ROTARY:
         theta = default_theta
-    partial = rope.get("partial_rotary_factor", config.get(partial_field))
-    partial = _DEFAULT_PARTIAL.get(model_type) if partial is None else partial
     scaling = _rope_scaling(config, rope, field)
-    if scaling is not None and scaling["rope_type"] == "proportional":
-        partial = None  # proportional's own fraction: the whole head turns, part of it at 0
+    partial = _fraction(config, rope.get("partial_rotary_factor", config.get(partial_field)))
+    partial = _turned(config, partial, scaling, latent)
     if theta is None:
         if scaling is not None or partial not in (None, 1.0) or config.get("rotary_dim"):
             raise ValueError(
@@ -413,7 +334,7 @@ def _rotary(
                 "the head size (head_dim, hidden_size)"
             )
         found["rope_dim"] = int(head * partial)  # transformers' rounding
-    if config.get("rotary_dim") is not None and config["rotary_dim"] != head:
+    if partial is None and config.get("rotary_dim") not in (None, head):
         found["rope_dim"] = int(config["rotary_dim"])  # GPT-J's count of rotated features
     if scaling is not None:
         found["rope_scaling"] = scaling
@@ -460,8 +381,8 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     if model_type in _THETA_IN_CODE | _THETA_ALONE:
         return {}, f"{model_type}'s code"
     rope = config.get("rope_parameters") or {}
-    if not rope and not config.get("rope_scaling") and model_type in _DEFAULT_ROPE_BY_KIND:
-        rope = _DEFAULT_ROPE_BY_KIND[model_type]
+    if not rope and not config.get("rope_scaling") and model_type in DEFAULT_ROPE_BY_KIND:
+        rope = DEFAULT_ROPE_BY_KIND[model_type]
     if not isinstance(rope, Mapping):
         raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
     if rope and all(isinstance(value, Mapping) for value in rope.values()):
@@ -486,10 +407,17 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
         # transformers reads Sarvam's older configs' DeepSeek YaRN as YaRN, by either name
         legacy = {key: value for key, value in legacy.items() if key != "type"}
         return {**legacy, "rope_type": "yarn"}, "rope_scaling"
+    if model_type in _LEGACY_TYPE_UNREAD and legacy.get("type") not in (None, "default"):
+        if "rope_type" not in legacy:
+            raise ValueError(
+                f"the config's rope_scaling names its type {legacy['type']!r} under 'type', "
+                f"which transformers' code of model_type={model_type!r} does not read (it turns "
+                "by the default rotary embedding): write it as rope_type"
+            )
     if legacy:
         return legacy, "rope_scaling"
-    if not rope and model_type in _DEFAULT_ROPE:
-        return _DEFAULT_ROPE[model_type], f"transformers' default rope_parameters of {model_type}"
+    if not rope and model_type in DEFAULT_ROPE:
+        return DEFAULT_ROPE[model_type], f"transformers' default rope_parameters of {model_type}"
     return rope, "rope_parameters"
 
 

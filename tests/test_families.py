@@ -9,6 +9,8 @@ per-feature tests in test_porting.py and test_rope_scaling.py show each in every
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -245,11 +247,12 @@ ENCODERS = frozenset({"esm", "eurobert", "gte", "jina_embeddings_v3", "nomic_ber
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
-def tiny_model(model_type: str, **changes):
+def tiny_model(model_type: str, attn_implementation: str | None = None, **changes):
     """A tiny random model of the type in float32, its norms' weights away from 1; changes:
     config fields beside its sizes."""
     T = required_import("transformers")
-    sizes = {**SIZES, **OWN_SIZES.get(model_type, {}), **changes}
+    # A copy: transformers' configs fill in the nested dicts they are given
+    sizes = copy.deepcopy({**SIZES, **OWN_SIZES.get(model_type, {}), **changes})
     sizes = {k: v for k, v in sizes.items() if v is not None or k == "q_lora_rank"}
     if model_type == "kimi_k2":
         # Kimi K2's own config.json (model_type kimi_k2), as transformers reads it: Kimi
@@ -260,7 +263,8 @@ def tiny_model(model_type: str, **changes):
     else:
         config = T.AutoConfig.for_model(model_type, **sizes)
     torch.manual_seed(3)
-    model = T.AutoModel.from_config(config).float().eval()
+    model = T.AutoModel.from_config(config, attn_implementation=attn_implementation)
+    model = model.float().eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "norm" in name and parameter.dim() == 1:
@@ -319,6 +323,12 @@ def test_each_rotary_model_type_ports_in_one_line(model_type, written):
     # The config as transformers writes it, and as one that writes the sizes alone, whose
     # other fields take transformers' defaults (mha.config_defaults, mha.layer_kinds)
     config, model = tiny_model(model_type)
+    assert_each_layer_ports(model_type, model, config, config_as(written, config, model_type))
+
+
+def assert_each_layer_ports(model_type: str, model, config, written: dict) -> None:
+    """Each attention layer of the model, ported with options_from_config(written, layer),
+    gives the output of the model's own attention module in a run of the whole model."""
     kinds = list(getattr(config, "layer_types", None) or [])
     layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
     assert layers, f"no attention layer among {kinds}"
@@ -330,7 +340,7 @@ def test_each_rotary_model_type_ports_in_one_line(model_type, written):
     seen = attention_io(model, list(chosen.values()))
     for layer, (prefix, _) in chosen.items():
         (x, expected) = seen[prefix]
-        options = porting.options_from_config(config_as(written, config, model_type), layer)
+        options = porting.options_from_config(written, layer)
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
         causal = model_type not in ENCODERS
         latent = type(ported).__name__ == "MultiHeadLatentAttention"  # DeepSeek's, Kimi K2's

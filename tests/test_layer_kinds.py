@@ -8,6 +8,7 @@ import pytest
 
 from conftest import required_import
 from mha import porting
+from mha.config_fields import READ_BY
 from mha.model_rope import ROTARY
 
 pytestmark = pytest.mark.torch  # transformers' configs
@@ -51,12 +52,14 @@ NO_WINDOW |= {"glm4_moe_lite", "kimi_k2", "minicpm3", "mistral4", "sarvam_mla", 
 
 def transformers_kinds(model_type: str, written: dict) -> list[str]:
     """The layer kinds transformers gives a config of the model type (its layer_types after
-    its rules; every layer sliding where it has no layer_types and a window it keeps)."""
+    its rules; every layer sliding where it has no layer_types and a window it keeps and its
+    code reads: READ_BY, which tests/test_config_fields.py holds to the models)."""
     T = required_import("transformers")
     config = T.AutoConfig.for_model(model_type, **written)
     kinds = getattr(config, "layer_types", None)
     if kinds is None:
-        kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full"
+        read = model_type in READ_BY["sliding_window"]
+        kind = "sliding_attention" if read and getattr(config, "sliding_window", None) else "full"
         return [kind] * LAYERS
     return list(kinds)
 

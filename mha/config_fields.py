@@ -1,0 +1,71 @@
+"""Which of a config's fields transformers' code of each model type reads.
+
+A config.json may write a field its model type's code never reads: a Llama config with a
+`sliding_window` (copied from Mistral's), a Mistral one with `use_sliding_window: false` or
+`max_window_layers` (copied from Qwen2's), a Qwen3-VL one with a window. transformers runs
+such a model as if the field were not there, and so must a port: `options_from_config`
+drops the fields a rotary model type's code does not read (`without_unread`) before
+anything is read. The fields read by a few model types are listed by their readers; a
+config without a model type, or of a model type mha has not checked, is read as written.
+`tests/test_config_fields.py` holds every entry to transformers' models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mha.model_rope import ROTARY
+
+__all__ = ["READ_BY", "UNREAD", "without_unread"]
+
+# The model types whose code applies a sliding window from the config's sliding_window
+_WINDOWED = frozenset(
+    (
+        "cohere2 cohere2_moe cwm exaone4 exaone_moe gemma2 gemma3_text gemma3n_text "
+        "gemma4_text gpt_oss granite_swa granitemoe_swa kolibri1 lara_mini lfm3 mellum "
+        "ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 qwen2_5_vl_text "
+        "qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 vaultgemma"
+    ).split()
+)
+# Qwen2's rules of which layers slide: use_sliding_window and max_window_layers
+_QWEN2_RULES = frozenset({"qwen2", "qwen2_5_vl_text", "qwen2_moe", "qwen2_vl_text", "qwen3"})
+
+# field -> the rotary model types whose code reads it
+READ_BY: dict[str, frozenset[str]] = {
+    "sliding_window": _WINDOWED,
+    "use_sliding_window": _QWEN2_RULES | {"qwen3_moe", "smollm3"},
+    "max_window_layers": _QWEN2_RULES,
+    "query_pre_attn_scalar": frozenset({"gemma2", "gemma3_text", "vaultgemma"}),
+    "attn_logit_softcapping": frozenset({"gemma2", "vaultgemma"}),  # Gemma 3 passes none
+    "attention_multiplier": frozenset(
+        (
+            "granite granite_docling_text granite_swa granitemoe granitemoe_swa "
+            "granitemoehybrid granitemoeshared hyperclovax"
+        ).split()
+    ),
+    "rotary_dim": frozenset({"gptj", "minimax_m2"}),  # GPT-J's count of features turned
+}
+
+# Fields read by most model types that a few do not: layer_types by the windowed ones that
+# slide every layer (Mistral's), Cohere 2 MoE's rope_scaling beside its rope_parameters
+_ALSO_UNREAD = {
+    **{
+        model_type: frozenset({"layer_types"})
+        for model_type in "ministral3 mistral mixtral phi3 phimoe qwen3_moe starcoder2".split()
+    },
+    "cohere2_moe": frozenset({"rope_scaling"}),
+}
+
+# model type -> the fields of READ_BY and _ALSO_UNREAD its code does not read
+UNREAD: dict[str, frozenset[str]] = {
+    model_type: frozenset(field for field, readers in READ_BY.items() if model_type not in readers)
+    | _ALSO_UNREAD.get(model_type, frozenset())
+    for model_type in ROTARY
+}
+
+
+def without_unread(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config without the fields its model type's code does not read (UNREAD)."""
+    unread = UNREAD.get(config.get("model_type"), frozenset())
+    return {key: value for key, value in config.items() if key not in unread}

@@ -1,0 +1,117 @@
+"""A config that writes fields its model type's code does not read ports as transformers runs
+it: for every rotary model type, a tiny model whose config writes every field of
+mha.config_fields.READ_BY (a window, Qwen2's rules of which layers slide, Gemma's scalar
+and soft cap, Granite's multiplier, GPT-J's rotary_dim) and a fraction of each head turned,
+each layer ported from the config as transformers writes it and as written, against the
+model's own attention (its eager attention, which applies every field it reads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mha import porting
+from mha.config_defaults import DEFAULTS
+from mha.config_fields import READ_BY, UNREAD, without_unread
+from mha.model_rope import ROTARY
+
+torch = pytest.importorskip("torch")  # transformers' models are torch modules
+pytestmark = pytest.mark.torch
+
+from test_families import (  # noqa: E402  (after the skip: they build torch models)
+    OWN_SIZES,
+    SIZES,
+    assert_each_layer_ports,
+    tiny_model,
+)
+
+# A value of each field that changes a layer's numbers where the field is read: a window
+# within the sequence, every layer past the first sliding (max_window_layers), scales
+WRITTEN = {
+    "sliding_window": 3,
+    "max_window_layers": 1,
+    "query_pre_attn_scalar": 3,
+    "attn_logit_softcapping": 2.0,
+    "attention_multiplier": 0.3,
+    "rotary_dim": 2,
+}
+# Model types that slide every layer whatever layer_types say, given one that says otherwise
+SOME_FULL = ["full_attention", "sliding_attention"] * 2
+# Latent attention whose rotary part transformers turns in part with the fraction (under its
+# default rotary embedding or a scaled one), which mha's layer refuses, naming it
+PART_OF_LATENT = frozenset({"glm4_moe_lite", "minicpm3", "youtu"})
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+@pytest.mark.parametrize("use_sliding_window", [True, False])
+@pytest.mark.parametrize("model_type", sorted(ROTARY))
+def test_fields_a_model_type_does_not_read_leave_its_port_as_transformers_runs_it(
+    model_type, use_sliding_window, written
+):
+    # Without a window, half of each head turned: the model types whose code turns whole
+    # heads ignore it under their default rotary embedding, and fail on it under a scaled one
+    # (written as True for the model types that read it: IQuest-Coder refuses it)
+    changes = dict(WRITTEN)
+    if not use_sliding_window:
+        changes.update(use_sliding_window=False, partial_rotary_factor=0.5)
+    elif model_type in READ_BY["use_sliding_window"]:
+        changes["use_sliding_window"] = True
+    if "layer_types" in UNREAD[model_type] and use_sliding_window:
+        changes["layer_types"] = SOME_FULL
+    try:
+        config, model = tiny_model(model_type, attn_implementation="eager", **changes)
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    except (RuntimeError, ValueError) as error:  # transformers cannot run the config
+        assert not use_sliding_window, error
+        with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5"):
+            porting.options_from_config(_written(model_type, changes), 0)
+        return
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": model_type}
+    else:
+        config_dict = _written(model_type, changes)
+    if model_type in PART_OF_LATENT and not use_sliding_window:
+        with pytest.raises(ValueError, match="rotates 2 of the 4 features of the rotary part"):
+            assert_each_layer_ports(model_type, model, config, config_dict)
+        return
+    assert_each_layer_ports(model_type, model, config, config_dict)
+
+
+def _written(model_type: str, changes: dict) -> dict:
+    sizes = {**SIZES, **OWN_SIZES.get(model_type, {}), **changes, "model_type": model_type}
+    return {key: value for key, value in sizes.items() if value is not None}
+
+
+def test_the_fields_read_by_a_few_are_the_fields_written():
+    assert set(READ_BY) == set(WRITTEN) | {"use_sliding_window"}
+    # A default of a field the model type's code does not read would be dropped then read
+    for model_type, defaults in DEFAULTS.items():
+        assert not set(defaults) & UNREAD.get(model_type, set()), model_type
+
+
+def test_a_config_without_a_model_type_mha_has_checked_is_read_as_written():
+    # A window in a Llama config is dropped; in a config of no model type, or of one mha has
+    # not checked, it is read
+    llama = {"model_type": "llama", "num_attention_heads": 4, "sliding_window": 3}
+    assert "sliding_window" not in porting.options_from_config(llama)
+    assert without_unread({**llama, "model_type": "mistral"}) == {**llama, "model_type": "mistral"}
+    for other in ({}, {"model_type": "a_model_of_its_own"}):
+        config = {**llama, **other} if other else {"num_attention_heads": 4, "sliding_window": 3}
+        assert porting.options_from_config(config)["sliding_window"] == 3
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "olmo3"])
+def test_an_older_rotary_type_their_code_does_not_read_is_refused(model_type):
+    # transformers nests their rope_scaling per layer type and does not read its older key
+    # 'type': the model runs unscaled, which mha will not guess was meant
+    scaled = {"rope_scaling": {"type": "linear", "factor": 2.0}}
+    (_, model), (_, plain) = tiny_model(model_type, **scaled), tiny_model(model_type)
+    ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids)[0], plain(input_ids=ids)[0])
+    with pytest.raises(ValueError, match="under 'type', which transformers' code"):
+        porting.options_from_config(_written(model_type, scaled), 3)
+    written = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert porting.options_from_config(_written(model_type, written), 3)["rope_scaling"] == {
+        "rope_type": "linear",
+        "factor": 2.0,
+    }
