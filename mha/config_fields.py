@@ -6,7 +6,8 @@ A config.json may write a field its model type's code never reads: a Llama confi
 such a model as if the field were not there, and so must a port: `options_from_config`
 drops the fields a rotary model type's code does not read (`without_unread`) before
 anything is read. The fields read by a few model types are listed by their readers; a
-config without a model type, or of a model type mha has not checked, is read as written.
+config without a model type, or of one outside the rotary model types mha has checked
+(`ROTARY`), is read as written.
 `tests/test_config_fields.py` holds every entry to transformers' models.
 """
 
@@ -45,6 +46,11 @@ READ_BY: dict[str, frozenset[str]] = {
         ).split()
     ),
     "rotary_dim": frozenset({"gptj", "minimax_m2"}),  # GPT-J's count of features turned
+    "no_rope_layers": frozenset({"llama4_text", "smollm3"}),
+    "layer_rope_theta": frozenset({"granite_swa", "granitemoe_swa"}),
+    # GPT-2's scales, which no rotary model type reads
+    "scale_attn_weights": frozenset(),
+    "scale_attn_by_inverse_layer_idx": frozenset(),
 }
 
 # Fields read by most model types that a few do not: layer_types by the windowed ones that

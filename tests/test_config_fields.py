@@ -1,7 +1,8 @@
 """A config that writes fields its model type's code does not read ports as transformers runs
 it: for every rotary model type, a tiny model whose config writes every field of
 mha.config_fields.READ_BY (a window, Qwen2's rules of which layers slide, Gemma's scalar
-and soft cap, Granite's multiplier, GPT-J's rotary_dim) and a fraction of each head turned,
+and soft cap, Granite's multiplier, GPT-J's rotary_dim, layers without a rotary embedding or
+with a base of their own, GPT-2's scales) and a fraction of each head turned,
 each layer ported from the config as transformers writes it and as written, against the
 model's own attention (its eager attention, which applies every field it reads)."""
 
@@ -33,6 +34,10 @@ WRITTEN = {
     "attn_logit_softcapping": 2.0,
     "attention_multiplier": 0.3,
     "rotary_dim": 2,
+    "no_rope_layers": [0, 1, 1, 0],
+    "layer_rope_theta": [100.0, 0, 500.0, 0],
+    "scale_attn_weights": False,
+    "scale_attn_by_inverse_layer_idx": True,
 }
 # Model types that slide every layer whatever layer_types say, given one that says otherwise
 SOME_FULL = ["full_attention", "sliding_attention"] * 2

@@ -406,7 +406,7 @@ def test_deepseek_ports_in_one_line(name, model, dtype):
 
 def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
     # Written by hand as a config.json has them: the rotary embedding (yarn, its convention
-    # from rope_interleave), the latent norms' eps; a partial rotary part is refused
+    # from rope_interleave), the latent norms' eps; a part of the rotary part turned is refused
     from mha.porting import options_from_config
 
     config = {
@@ -432,7 +432,12 @@ def test_a_deepseek_v3_config_gives_every_option_the_weights_do_not_tell():
     # The latent norms' eps is transformers' RMSNorm default, whatever rms_norm_eps says
     halves = options_from_config({**config, "rope_interleave": False, "rms_norm_eps": 1e-5})
     assert halves["rope_interleaved"] is False and halves["norm_eps"] == 1e-6
-    partial = {**config, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    # A fraction: DeepSeek's default rotary embedding turns the whole rotary part whatever it
+    # says, as transformers' code; its scaled one (YaRN) turns part of it, which is refused
+    plain = {**config, "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    assert options_from_config(plain)["rope_theta"] == 1e4
+    partial = {**config, "rope_parameters": {**config["rope_parameters"]}}
+    partial["rope_parameters"]["partial_rotary_factor"] = 0.5
     with pytest.raises(
         ValueError, match="rotates 32 of the 64 features of the rotary part of each head"
     ):
