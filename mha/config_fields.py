@@ -2,13 +2,15 @@
 
 A config.json may write a field its model type's code never reads: a Llama config with a
 `sliding_window` (copied from Mistral's), a Mistral one with `use_sliding_window: false` or
-`max_window_layers` (copied from Qwen2's), a Qwen3-VL one with a window. transformers runs
-such a model as if the field were not there, and so must a port: `options_from_config`
-drops the fields a rotary model type's code does not read (`without_unread`) before
-anything is read. The fields read by a few model types are listed by their readers; a
-config without a model type, or of one outside the rotary model types mha has checked
-(`ROTARY`), is read as written.
-`tests/test_config_fields.py` holds every entry to transformers' models.
+`max_window_layers` (copied from Qwen2's), a Qwen3-VL one with a window, a BERT or GPT-2 one
+with a window, a score scale or a rotary base. transformers runs such a model as if the field
+were not there, and so must a port: `options_from_config` drops the fields a model type's
+code does not read (`without_unread`) before anything is read. The fields read by a few model
+types are listed by their readers. Model types without a rotary embedding (`PLAIN`: BERT's,
+GPT-2's, BART's, BLOOM's, ...) read none of the fields that shape a rotary embedding, a
+window or an attention mha's layer refuses (`UNREAD_WITHOUT_ROTARY`). A config without a
+model type, or of one outside the model types mha has checked (`ROTARY` and `PLAIN`), is read
+as written. `tests/test_config_fields.py` holds every entry to transformers' models.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from mha.model_rope import ROTARY
 
-__all__ = ["READ_BY", "UNREAD", "without_unread"]
+__all__ = ["PLAIN", "READ_BY", "UNREAD", "UNREAD_WITHOUT_ROTARY", "without_unread"]
 
 # The model types whose code applies a sliding window from the config's sliding_window
 _WINDOWED = frozenset(
@@ -32,7 +34,20 @@ _WINDOWED = frozenset(
 # Qwen2's rules of which layers slide: use_sliding_window and max_window_layers
 _QWEN2_RULES = frozenset({"qwen2", "qwen2_5_vl_text", "qwen2_moe", "qwen2_vl_text", "qwen3"})
 
-# field -> the rotary model types whose code reads it
+# Model types without a rotary embedding whose code mha has checked: encoders under BERT's
+# names, GPT-2's and GPT-1's, BART's, OPT's, BLOOM's, MPT's, Nemotron-H's attention, ...
+PLAIN = frozenset(
+    (
+        "bart bert bert-generation biogpt bloom camembert canine clip_text_model "
+        "data2vec-text distilbert dpr electra ernie flaubert gpt-sw3 gpt2 imagegpt layoutlm "
+        "markuplm mbart mpt mvp nemotron_h openai-gpt opt rembert roberta "
+        "roberta-prelayernorm roc_bert splinter tapas visual_bert xglm xlm xlm-roberta"
+    ).split()
+)
+# The model types whose code builds GPT-2's attention, which reads its scales
+_GPT2 = frozenset({"gpt-sw3", "gpt2", "imagegpt"})
+
+# field -> the model types whose code reads it
 READ_BY: dict[str, frozenset[str]] = {
     "sliding_window": _WINDOWED,
     "use_sliding_window": _QWEN2_RULES | {"qwen3_moe", "smollm3"},
@@ -54,9 +69,9 @@ READ_BY: dict[str, frozenset[str]] = {
     "sliding_window_pattern": frozenset(
         {"cohere2", "cohere2_moe", "exaone4", "exaone_moe", "gemma3_text"}
     ),
-    # GPT-2's scales, which no rotary model type reads
-    "scale_attn_weights": frozenset(),
-    "scale_attn_by_inverse_layer_idx": frozenset(),
+    # GPT-2's scales, read by the model types that build its attention
+    "scale_attn_weights": _GPT2,
+    "scale_attn_by_inverse_layer_idx": _GPT2,
 }
 
 # Fields read by most model types that a few do not: layer_types by the windowed ones that
@@ -69,11 +84,26 @@ _ALSO_UNREAD = {
     "cohere2_moe": frozenset({"rope_scaling"}),
 }
 
-# model type -> the fields of READ_BY and _ALSO_UNREAD its code does not read
+# Fields no PLAIN model type's code reads beside those of READ_BY: a rotary embedding's, the
+# layers' kinds, and those of an attention mha's layer refuses (mha.model_config)
+UNREAD_WITHOUT_ROTARY = frozenset(
+    (
+        "rope_theta rope_scaling rope_parameters partial_rotary_factor rope_interleave "
+        "layer_types use_qk_norm qk_layernorm clip_qkv attn_temperature_tuning "
+        "use_bidirectional_attention alibi rotary_value"
+    ).split()
+)
+
+# Nemotron-H's layer_types name its layers' kinds (attention, Mamba, MLP, MoE), which it reads
+_KINDS_READ = {"nemotron_h": frozenset({"layer_types"})}
+
+# model type -> the fields of READ_BY (and of _ALSO_UNREAD, UNREAD_WITHOUT_ROTARY) its code
+# does not read
 UNREAD: dict[str, frozenset[str]] = {
     model_type: frozenset(field for field, readers in READ_BY.items() if model_type not in readers)
     | _ALSO_UNREAD.get(model_type, frozenset())
-    for model_type in ROTARY
+    | (UNREAD_WITHOUT_ROTARY - _KINDS_READ.get(model_type, set()) if model_type in PLAIN else set())
+    for model_type in ROTARY.keys() | PLAIN
 }
 
 

@@ -534,13 +534,15 @@ def _num_heads(config: Mapping[str, Any]) -> int | None:
     return whole[0] if whole else None
 
 
-# The names of the number of heads: GPT-2's n_head, MPT's n_heads, T5's num_heads, and BART's
-# and Whisper's encoder_attention_heads and decoder_attention_heads where they agree
+# The names of the number of heads: GPT-2's n_head, MPT's n_heads, T5's num_heads, XGLM's
+# attention_heads, and BART's and Whisper's encoder_attention_heads and
+# decoder_attention_heads where they agree
 _HEAD_COUNTS = (
     "num_attention_heads",
     "n_head",
     "n_heads",
     "num_heads",
+    "attention_heads",
     "encoder_attention_heads",
     "decoder_attention_heads",
 )

@@ -12,7 +12,7 @@ import pytest
 
 from mha import porting
 from mha.config_defaults import DEFAULTS
-from mha.config_fields import READ_BY, UNREAD, without_unread
+from mha.config_fields import PLAIN, READ_BY, UNREAD, UNREAD_WITHOUT_ROTARY, without_unread
 from mha.model_rope import ROTARY
 
 torch = pytest.importorskip("torch")  # transformers' models are torch modules
@@ -90,8 +90,59 @@ def _written(model_type: str, changes: dict) -> dict:
     return {key: value for key, value in sizes.items() if value is not None}
 
 
+# Written to a model type without a rotary embedding beside WRITTEN: a rotary embedding, the
+# layers' kinds, and an attention mha's layer refuses, none of which its code reads
+WRITTEN_WITHOUT_ROTARY = {
+    "rope_theta": 100.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    "partial_rotary_factor": 0.5,
+    "rope_interleave": True,
+    "layer_types": ["sliding_attention"] * 4,
+    "use_qk_norm": True,
+    "qk_layernorm": True,
+    "clip_qkv": 0.1,
+    "attn_temperature_tuning": True,
+    "use_bidirectional_attention": True,
+    "alibi": True,
+    "rotary_value": True,
+}
+# The PLAIN model types whose attention is causal (the others' attends both ways)
+CAUSAL_PLAIN = frozenset(
+    (
+        "biogpt bloom clip_text_model gpt-sw3 gpt2 imagegpt mpt nemotron_h openai-gpt opt xglm"
+    ).split()
+)
+# BART's sizes: its decoder's heads and layers as its encoder's
+_HEADS_ALIKE = {
+    "decoder_attention_heads": SIZES["num_attention_heads"],
+    "decoder_layers": SIZES["num_hidden_layers"],
+}
+PLAIN_SIZES = {"bart": _HEADS_ALIKE, "mbart": _HEADS_ALIKE, "mvp": _HEADS_ALIKE}
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+@pytest.mark.parametrize("model_type", sorted(PLAIN))
+def test_a_model_type_without_a_rotary_embedding_ports_as_transformers_runs_it(model_type, written):
+    # A window, Qwen2's rules, scalars, GPT-2's scales (which GPT-2's code reads), a rotary
+    # embedding and what mha refuses, in a config of BERT, GPT-2, BART, BLOOM, MPT, ...
+    changes = {**WRITTEN, **WRITTEN_UNREAD, **WRITTEN_WITHOUT_ROTARY, "use_sliding_window": True}
+    changes.update(PLAIN_SIZES.get(model_type, {}))
+    if "layer_types" not in UNREAD[model_type]:  # Nemotron-H's kinds of layers, no window
+        del changes["layer_types"]
+    config, model = tiny_model(model_type, attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": model_type}
+    else:
+        config_dict = _written(model_type, changes)
+    causal = model_type in CAUSAL_PLAIN
+    assert_each_layer_ports(model_type, model, config, config_dict, causal=causal)
+
+
 def test_the_fields_read_by_a_few_are_the_fields_written():
     assert set(READ_BY) == set(WRITTEN) | set(WRITTEN_UNREAD) | {"use_sliding_window"}
+    # transformers' configs write a rotary embedding's rope_parameters from rope_scaling
+    assert UNREAD_WITHOUT_ROTARY == set(WRITTEN_WITHOUT_ROTARY) | {"rope_parameters"}
+    assert not PLAIN & set(ROTARY)
     # A default of a field the model type's code does not read would be dropped then read
     for model_type, defaults in DEFAULTS.items():
         assert not set(defaults) & UNREAD.get(model_type, set()), model_type

@@ -326,9 +326,12 @@ def test_each_rotary_model_type_ports_in_one_line(model_type, written):
     assert_each_layer_ports(model_type, model, config, config_as(written, config, model_type))
 
 
-def assert_each_layer_ports(model_type: str, model, config, written: dict) -> None:
+def assert_each_layer_ports(
+    model_type: str, model, config, written: dict, causal: bool | None = None
+) -> None:
     """Each attention layer of the model, ported with options_from_config(written, layer),
-    gives the output of the model's own attention module in a run of the whole model."""
+    gives the output of the model's own attention module in a run of the whole model.
+    causal: whether its attention is (None: the model type's, ENCODERS' attend both ways)."""
     kinds = list(getattr(config, "layer_types", None) or [])
     layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
     assert layers, f"no attention layer among {kinds}"
@@ -342,7 +345,8 @@ def assert_each_layer_ports(model_type: str, model, config, written: dict) -> No
         (x, expected) = seen[prefix]
         options = porting.options_from_config(written, layer)
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
-        causal = model_type not in ENCODERS
+        if causal is None:
+            causal = model_type not in ENCODERS
         latent = type(ported).__name__ == "MultiHeadLatentAttention"  # DeepSeek's, Kimi K2's
         output = ported(x, causal=causal) if latent else ported(x, x, x, causal=causal)
         # float32's precision: transformers computes in float32, the reference in float64
