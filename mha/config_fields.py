@@ -39,9 +39,10 @@ _QWEN2_RULES = frozenset({"qwen2", "qwen2_5_vl_text", "qwen2_moe", "qwen2_vl_tex
 PLAIN = frozenset(
     (
         "bart bert bert-generation biogpt bloom camembert canine clip_text_model "
-        "data2vec-text distilbert dpr electra ernie flaubert gpt-sw3 gpt2 imagegpt layoutlm "
-        "markuplm mbart mpt mvp nemotron_h openai-gpt opt rembert roberta "
-        "roberta-prelayernorm roc_bert splinter tapas visual_bert xglm xlm xlm-roberta"
+        "data2vec-text distilbert dpr electra ernie flaubert gpt-sw3 gpt2 gpt_neo imagegpt "
+        "layoutlm markuplm mbart mpt mvp nemotron_h openai-gpt opt rembert roberta "
+        "roberta-prelayernorm roc_bert splinter t5 tapas visual_bert vit whisper xglm xlm "
+        "xlm-roberta"
     ).split()
 )
 # The model types whose code builds GPT-2's attention, which reads its scales

@@ -109,7 +109,8 @@ WRITTEN_WITHOUT_ROTARY = {
 # The PLAIN model types whose attention is causal (the others' attends both ways)
 CAUSAL_PLAIN = frozenset(
     (
-        "biogpt bloom clip_text_model gpt-sw3 gpt2 imagegpt mpt nemotron_h openai-gpt opt xglm"
+        "biogpt bloom clip_text_model gpt-sw3 gpt2 gpt_neo imagegpt mpt nemotron_h openai-gpt "
+        "opt xglm"
     ).split()
 )
 # BART's sizes: its decoder's heads and layers as its encoder's
@@ -117,17 +118,38 @@ _HEADS_ALIKE = {
     "decoder_attention_heads": SIZES["num_attention_heads"],
     "decoder_layers": SIZES["num_hidden_layers"],
 }
-PLAIN_SIZES = {"bart": _HEADS_ALIKE, "mbart": _HEADS_ALIKE, "mvp": _HEADS_ALIKE}
+PLAIN_SIZES = {
+    "bart": _HEADS_ALIKE,
+    "mbart": _HEADS_ALIKE,
+    "mvp": _HEADS_ALIKE,
+    # GPT-Neo's layers global and local in turn, each local one within the last 3 positions
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]], "window_size": 3},
+}
+# Model types whose config refuses a layer_types of sliding layers (Nemotron-H's names its
+# kinds of layers, which it reads) or whose model fails on one (GPT-Neo's)
+NO_SLIDING_LAYER_TYPES = frozenset({"gpt_neo", "nemotron_h"})
+
+
+# PLAIN model types whose ports test_porting.py holds to their models (T5's position bias
+# given at each call, Whisper's audio and ViT's images as inputs): their sizes and inputs
+HELD_ELSEWHERE = {
+    "t5": ({"d_kv": 8, "num_decoder_layers": 4}, "input_ids"),
+    "whisper": (
+        {"decoder_attention_heads": 4, "decoder_layers": 4, "max_source_positions": 8},
+        "input_features",
+    ),
+    "vit": ({"image_size": 8, "patch_size": 2}, "pixel_values"),
+}
 
 
 @pytest.mark.parametrize("written", ["config.json", "as written"])
-@pytest.mark.parametrize("model_type", sorted(PLAIN))
+@pytest.mark.parametrize("model_type", sorted(PLAIN - HELD_ELSEWHERE.keys()))
 def test_a_model_type_without_a_rotary_embedding_ports_as_transformers_runs_it(model_type, written):
     # A window, Qwen2's rules, scalars, GPT-2's scales (which GPT-2's code reads), a rotary
     # embedding and what mha refuses, in a config of BERT, GPT-2, BART, BLOOM, MPT, ...
     changes = {**WRITTEN, **WRITTEN_UNREAD, **WRITTEN_WITHOUT_ROTARY, "use_sliding_window": True}
     changes.update(PLAIN_SIZES.get(model_type, {}))
-    if "layer_types" not in UNREAD[model_type]:  # Nemotron-H's kinds of layers, no window
+    if model_type in NO_SLIDING_LAYER_TYPES:
         del changes["layer_types"]
     config, model = tiny_model(model_type, attn_implementation="eager", **changes)
     if written == "config.json":
@@ -136,6 +158,39 @@ def test_a_model_type_without_a_rotary_embedding_ports_as_transformers_runs_it(m
         config_dict = _written(model_type, changes)
     causal = model_type in CAUSAL_PLAIN
     assert_each_layer_ports(model_type, model, config, config_dict, causal=causal)
+
+
+@pytest.mark.parametrize("model_type", sorted(HELD_ELSEWHERE))
+def test_t5_whisper_and_vit_run_and_port_alike_with_fields_they_do_not_read(model_type):
+    # The model's output and every layer's port options are those of its config without them
+    sizes, inputs = HELD_ELSEWHERE[model_type]
+    fields = {**WRITTEN, **WRITTEN_UNREAD, **WRITTEN_WITHOUT_ROTARY, "use_sliding_window": True}
+    (plain, plain_model), (config, model) = (
+        tiny_model(model_type, attn_implementation="eager", **sizes, **changes)
+        for changes in ({}, fields)
+    )
+    generator = torch.Generator().manual_seed(0)
+    if inputs == "input_ids":
+        given = {
+            "input_ids": torch.tensor([[5, 17, 3, 42]]),
+            "decoder_input_ids": torch.tensor([[1, 2]]),
+        }
+    elif inputs == "input_features":
+        features = torch.randn(1, plain.num_mel_bins, 16, generator=generator)
+        given = {"input_features": features, "decoder_input_ids": torch.tensor([[1, 2]])}
+    else:
+        given = {"pixel_values": torch.randn(1, 3, 8, 8, generator=generator)}
+    with torch.no_grad():
+        assert torch.equal(model(**given)[0], plain_model(**given)[0])
+    for before, after in (
+        (plain.to_dict(), config.to_dict()),
+        (_written(model_type, sizes), _written(model_type, {**sizes, **fields})),
+    ):
+        for layer in range(SIZES["num_hidden_layers"]):
+            expected = porting.options_from_config({**before, "model_type": model_type}, layer)
+            assert porting.options_from_config({**after, "model_type": model_type}, layer) == (
+                expected
+            )
 
 
 def test_the_fields_read_by_a_few_are_the_fields_written():
