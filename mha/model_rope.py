@@ -130,13 +130,13 @@ ROTARY = {
 # rotates with its defaults)
 UNCHECKED_ROTARY = frozenset(
     (
-        "afmoe bailing_hybrid bamba bitnet codegen cosmos3_edge_text diffllama "
-        "diffusion_gemma_text doge dory dots1 dots3_note_text embedding_gemma2_text "
-        "emu3_text_model ernie4_5_vl_moe_text flint glm4v_moe_text glm4v_text glm5_next_text "
-        "glm_image_text glm_ocr_text gpt_neox_japanese hrm_text hunyuan_vl_text inkling2_text "
-        "jetmoe laguna mimo_v2_flash minimax minimax_m3_vl_text mllama_text_model "
-        "muse_glimmer_text olmo_hybrid openai_privacy_filter paddleocr_vl_text persimmon "
-        "qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
+        "afmoe bailing_hybrid bamba bitnet clvp_encoder codegen cosmos3_edge_text dbrx "
+        "dia_decoder dia_encoder diffllama diffusion_gemma_text doge dory dots1 dots3_note_text "
+        "embedding_gemma2_text emu3_text_model ernie4_5_vl_moe_text flint glm4v_moe_text "
+        "glm4v_text glm5_next_text glm_image_text glm_ocr_text gpt_neox_japanese hrm_text "
+        "hunyuan_vl_text inkling2_text jetmoe laguna mimo_v2_flash minimax minimax_m3_vl_text "
+        "mllama_text_model muse_glimmer_text olmo_hybrid openai_privacy_filter "
+        "paddleocr_vl_text persimmon qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
         "ultrabert"
     ).split()
 )
