@@ -154,6 +154,9 @@ def _qwen_rule(config: Mapping[str, Any]):
         )
     if bound is None:
         return None
+    whole = isinstance(bound, int) or (isinstance(bound, float) and bound.is_integer())
+    if isinstance(bound, bool) or not whole or bound < 0:
+        raise ValueError(f"the config's max_window_layers={bound!r} is not a count of layers")
     if model_type == "qwen2_moe":
         return (
             f"every other layer below max_window_layers={bound} sliding",

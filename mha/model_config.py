@@ -16,6 +16,7 @@ from typing import Any
 
 from mha.config_defaults import with_defaults
 from mha.config_fields import without_unread
+from mha.config_values import positive_count, positive_number
 from mha.encoding import check_query_scaling
 from mha.files import read_bytes
 from mha.layer_kinds import layer_kind, uses_window
@@ -310,7 +311,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if config.get("model_type") == "gpt_neo":
         window, kind = _gpt_neo_window(config, layer)
     if window is not None and uses_window(config) and kind != "full_attention":
-        found["sliding_window"] = int(window)
+        found["sliding_window"] = positive_count("sliding_window", window)
     windowed = "sliding_window" in found
     found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))
     scaling = query_scaling(config, kind)
@@ -470,7 +471,7 @@ def _gpt_neo_window(config: Mapping[str, Any], layer: int | None) -> tuple[int |
         )
     kind = kinds[layer % len(kinds)] if kinds and layer is not None else (kinds or ["global"])[0]
     if kind == "local":
-        return int(config.get("window_size", 256)), "sliding_attention"
+        return positive_count("window_size", config.get("window_size", 256)), "sliding_attention"
     return None, "full_attention"
 
 
@@ -494,7 +495,7 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     head = _head_size(config)
     scale = None
     if config.get("query_pre_attn_scalar") is not None:  # Gemma 2 and 3
-        scale = float(config["query_pre_attn_scalar"]) ** -0.5
+        scale = positive_number("query_pre_attn_scalar", config["query_pre_attn_scalar"]) ** -0.5
     if config.get("attention_multiplier") is not None:  # Granite
         scale = float(config["attention_multiplier"])
     if config.get("model_type") == "falcon_h1":  # its keys times key_multiplier
@@ -551,7 +552,7 @@ _HEAD_COUNTS = (
 def _head_size(config: Mapping[str, Any]) -> int | None:
     """The size of a head: head_dim, or the hidden size over the number of heads."""
     if config.get("head_dim") is not None:
-        return int(config["head_dim"])
+        return positive_count("head_dim", config["head_dim"])
     heads = _num_heads(config)
     hidden = next(
         (config[key] for key in ("hidden_size", "n_embd", "d_model") if config.get(key)), None

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_KIND, DEFAULT_THETA
+from mha.config_values import positive_count
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 from mha.layer_kinds import rotates
 
@@ -335,7 +336,7 @@ def _rotary(
             )
         found["rope_dim"] = int(head * partial)  # transformers' rounding
     if partial is None and config.get("rotary_dim") not in (None, head):
-        found["rope_dim"] = int(config["rotary_dim"])  # GPT-J's count of rotated features
+        found["rope_dim"] = positive_count("rotary_dim", config["rotary_dim"])  # GPT-J's
     if scaling is not None:
         found["rope_scaling"] = scaling
     return found
@@ -395,6 +396,8 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
             )
         return rope[kind], f"rope_parameters[{kind!r}]"
     legacy = config.get("rope_scaling") or {}
+    if not isinstance(legacy, Mapping):
+        raise ValueError(f"the config's rope_scaling is not a mapping: {legacy!r}")
     if legacy and rope:
         raise ValueError(
             f"the config gives both rope_parameters={dict(rope)} and rope_scaling="

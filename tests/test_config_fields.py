@@ -230,3 +230,60 @@ def test_an_older_rotary_type_their_code_does_not_read_is_refused(model_type):
         "rope_type": "linear",
         "factor": 2.0,
     }
+
+
+# Counts, sizes and scalars that are not: each refused naming its field, where int() would
+# round a window of 2.5 positions to 2 (transformers' mask keeps 3) and a bool to 1
+MISTRAL = {"model_type": "mistral", "num_attention_heads": 4, "hidden_size": 32}
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({**MISTRAL, "sliding_window": 2.5}, "sliding_window=2.5 is not a positive whole"),
+        ({**MISTRAL, "sliding_window": True}, "sliding_window=True is not a positive whole"),
+        ({**MISTRAL, "sliding_window": "4096"}, "sliding_window='4096' is not a positive"),
+        ({**MISTRAL, "sliding_window": 0}, "sliding_window=0 is not a positive whole"),
+        ({**MISTRAL, "head_dim": 8.5}, "head_dim=8.5 is not a positive whole"),
+        ({**MISTRAL, "rope_scaling": "linear"}, "rope_scaling is not a mapping: 'linear'"),
+        (
+            {"model_type": "gptj", "n_head": 4, "n_embd": 32, "rotary_dim": 2.5},
+            "rotary_dim=2.5 is not a positive whole",
+        ),
+        (
+            {"model_type": "gpt_neo", "num_heads": 4, "attention_types": [[["local"], 1]]}
+            | {"window_size": -1},
+            "window_size=-1 is not a positive whole",
+        ),
+        (
+            {"model_type": "gemma2", "num_attention_heads": 4, "query_pre_attn_scalar": 0},
+            "query_pre_attn_scalar=0 is not a positive finite number",
+        ),
+        (
+            {"model_type": "gemma2", "num_attention_heads": 4, "query_pre_attn_scalar": -1},
+            "query_pre_attn_scalar=-1 is not a positive finite number",
+        ),
+        (
+            {"model_type": "qwen2", "num_attention_heads": 4, "sliding_window": 4}
+            | {"use_sliding_window": True, "max_window_layers": "2"},
+            "max_window_layers='2' is not a count of layers",
+        ),
+    ],
+    ids=lambda value: (
+        "-".join(map(str, list(value.items())[-1])) if isinstance(value, dict) else None
+    ),
+)
+def test_a_count_or_scalar_that_is_not_one_is_refused_naming_its_field(config, message):
+    with pytest.raises(ValueError, match=message):
+        porting.options_from_config(config, 0)
+
+
+def test_whole_numbers_written_as_floats_are_read_as_whole():
+    # JSON writers may write 4096.0: the same window as transformers' mask of 4096
+    assert (
+        porting.options_from_config({**MISTRAL, "sliding_window": 4096.0})["sliding_window"] == 4096
+    )
+    qwen2 = {"model_type": "qwen2", "num_attention_heads": 4, "sliding_window": 4}
+    config = {**qwen2, "use_sliding_window": True, "max_window_layers": 1.0}
+    assert "sliding_window" not in porting.options_from_config(config, 0)
+    assert porting.options_from_config(config, 1)["sliding_window"] == 4

@@ -1,0 +1,29 @@
+"""A config's numbers, checked where they are read: a count, a size or a scalar that is not
+one is an error naming the field, never rounded or passed on to fail elsewhere."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["positive_count", "positive_number"]
+
+
+def positive_count(field: str, value: Any) -> int:
+    """A count or size the config gives (a window, a head size, features turned): a positive
+    whole number (JSON's 4096.0 is 4096), or an error naming the field. A fraction or a bool
+    would be rounded to another window silently."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value <= 0:
+        raise ValueError(
+            f"the config's {field}={value!r} is not a positive whole number (a count or a size)"
+        )
+    return int(value)
+
+
+def positive_number(field: str, value: Any) -> float:
+    """A positive finite number the config gives (a scalar of the scores), or an error naming
+    the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"the config's {field}={value!r} is not a positive finite number")
+    return float(value)
