@@ -172,6 +172,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "nomic_bert": {"layer_norm_eps": 1e-12},
     "olmo2": {"rms_norm_eps": 1e-05},
     "olmo3": {"sliding_window": 4096, "rms_norm_eps": 1e-05},
+    "olmo_hybrid": {"rms_norm_eps": 1e-06},
     "olmoe": {"rms_norm_eps": 1e-05},
     "phi": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
     "phi3": {"rms_norm_eps": 1e-05},

@@ -31,6 +31,7 @@ _EVERY_PTH_FULL = {
     "gpt_oss": ("", 2, SLIDING),
     "kolibri1": ("", 5, SLIDING),
     "olmo3": ("", 4, SLIDING),
+    "olmo_hybrid": ("", 4, LINEAR),
     "qwen3_5_moe_text": ("full_attention_interval", 4, LINEAR),
     "qwen3_5_text": ("full_attention_interval", 4, LINEAR),
     "qwen3_next": ("full_attention_interval", 4, LINEAR),

@@ -232,6 +232,7 @@ _QK_NORM = {
     "molmo2_text": "head",  # its qk_norm_type says: "head" or "projection"
     "olmo2": "projection",
     "olmo3": "projection",
+    "olmo_hybrid": "projection",
     "olmoe": "projection",
     "qwen3": "head",
     "qwen3_5_moe_text": "head",

@@ -97,6 +97,7 @@ ROTARY = {
     "olmo": "half",
     "olmo2": "half",
     "olmo3": "half",
+    "olmo_hybrid": "half",  # its full-attention layers; rope_parameters' rope_theta null: none
     "olmoe": "half",
     "phi": "half",
     "phi3": "half",
@@ -136,7 +137,7 @@ UNCHECKED_ROTARY = frozenset(
         "embedding_gemma2_text emu3_text_model ernie4_5_vl_moe_text flint glm4v_moe_text "
         "glm4v_text glm5_next_text glm_image_text glm_ocr_text gpt_neox_japanese hrm_text "
         "hunyuan_vl_text inkling2_text jetmoe laguna mimo_v2_flash minimax minimax_m3_vl_text "
-        "mllama_text_model muse_glimmer_text olmo_hybrid openai_privacy_filter "
+        "mllama_text_model muse_glimmer_text openai_privacy_filter "
         "paddleocr_vl_text persimmon qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
         "ultrabert"
     ).split()
@@ -180,6 +181,10 @@ _LOCAL_THETA = {
     "gemma3n_text": ("rope_local_base_freq", 10_000.0),
     "olmo3": ("", 500_000.0),
 }
+
+# Model types whose rope_parameters turn the rotary embedding off with a rope_theta of null
+# (OLMo Hybrid's released configs: its layers then add no positions)
+_NULL_THETA_TURNS_NONE = frozenset({"olmo_hybrid"})
 
 # Model types whose rope_scaling transformers nests per layer type without reading its
 # older key 'type' (their rotary embedding stays the default one)
@@ -304,6 +309,8 @@ def _rotary(
     rope, field = _rope_parameters(config, kind)
     rope = _fixed_alpha(config, rope, head)
     model_type = config.get("model_type")
+    if model_type in _NULL_THETA_TURNS_NONE and "rope_theta" in rope and rope["rope_theta"] is None:
+        return {}
     fields = _ROPE_FIELDS.get(model_type, ("rope_theta", "partial_rotary_factor"))
     base_field, partial_field = fields
     default_theta = DEFAULT_THETA.get(model_type, 10_000.0)

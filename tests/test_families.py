@@ -475,6 +475,22 @@ def test_granite4_attention_without_positions_ports_unturned(positions, written)
     np.testing.assert_allclose(ported(x, x, x, causal=True), expected, rtol=0, atol=atol)
 
 
+@pytest.mark.parametrize("written", ["config.json", "sizes alone"])
+def test_olmo_hybrid_without_a_base_ports_unturned(written):
+    # OLMo Hybrid's released configs write rope_parameters with a rope_theta of null, which
+    # turns its rotary embedding off (transformers builds none); its linear-attention layers
+    # are other modules, its full ones OLMo 3's attention with QK-norms of the projection
+    rope = {"rope_type": "default", "rope_theta": None}
+    config, model = tiny_model("olmo_hybrid", rope_parameters=rope)
+    assert model.rotary_emb is None
+    raw = {**config_as(written, config, "olmo_hybrid"), "rope_parameters": rope}
+    options = porting.options_from_config(raw, 3)
+    assert "rope_theta" not in options and options["qk_norm"] == "projection"
+    assert_each_layer_ports("olmo_hybrid", model, config, raw)
+    with pytest.raises(ValueError, match="layer 0 of the config is 'linear_attention'"):
+        porting.options_from_config(raw, 0)
+
+
 def test_roberta_prelayernorm_ports_with_its_input_norm_left_out():
     # RoBERTa-PreLayerNorm's attention norms its input inside the module, as ESM's does: the
     # port leaves the norm out, and the layer takes the normed input
