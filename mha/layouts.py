@@ -571,3 +571,27 @@ def halves_swapped(weights: dict[str, np.ndarray], config, where: str) -> dict[s
 
     names = ("W_q", "W_k", "b_q", "b_k", "q_norm", "k_norm")
     return {name: swapped(w) if name in names else w for name, w in weights.items()}
+
+
+CENTERED = (
+    "W_q, W_k and their biases are centered over their outputs: the source's QK-norms are layer "
+    "norms of the projection, an RMSNorm of the centered projection"
+)
+
+
+def centered_projections(weights: dict[str, np.ndarray], config, where: str) -> dict:
+    """The weights of a source whose QK-norms are layer norms of the whole projection without
+    a shift (ESM C), for qk_norm="projection": W_q and W_k (and biases) less their mean over
+    the outputs. A projection centered so is the source's less its mean, whose mean square is
+    the source's variance: the RMSNorm of it is the layer norm, with the same scales."""
+    if config["qk_norm"] != "projection":
+        raise ValueError(
+            "centered_qk_norm=True is a layer norm of the projection: qk_norm='projection' "
+            f"with the norms' weights. Received for the layer {where}: "
+            f"qk_norm={config['qk_norm']!r}"
+        )
+    names = ("W_q", "W_k", "b_q", "b_k")
+    return {
+        name: w - w.mean(axis=-1, keepdims=True) if name in names else w
+        for name, w in weights.items()
+    }

@@ -48,7 +48,8 @@ def options_from_config(
     (attention_chunk_size), norms with no weight (weightless_qk_norm=True: a port option)
     and queries scaled from position 1 on its layers without a rotary embedding, and
     nanochat's (weightless_qk_norm=True, and reversed_rotary=True: a port option for its
-    rotary embedding turned the other way).
+    rotary embedding turned the other way), and ESM C's layer norms of the projections
+    (qk_norm="projection" and the port option centered_qk_norm=True).
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -347,6 +348,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if model_type in _REVERSED_ROTARY:  # nanochat
         found.update(qk_norm="head_after_rotary", weightless_qk_norm=True, reversed_rotary=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
+    if model_type == "esmc":  # layer norms of the projection, torch's eps: a port option
+        found.update(qk_norm="projection", qk_norm_eps=1e-5, centered_qk_norm=True)
     return found
 
 

@@ -36,6 +36,7 @@ ROTARY = {
     "ernie4_5": "pairs",
     "ernie4_5_moe": "pairs",
     "esm": "half",  # ESM-2's, where position_embedding_type is "rotary"
+    "esmc": "half",
     "eurobert": "half",
     "exaone": "half",  # EXAONE 3 and 3.5, Llama's layers in transformers
     "exaone4": "half",

@@ -57,10 +57,12 @@ from mha.config import get_backend
 from mha.encoding import rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
+    CENTERED,
     HALVES_SWAPPED,
     LAYOUTS,
     UNIT_QK_NORMS,
     Layout,
+    centered_projections,
     find_attention,
     flatten,
     halves_swapped,
@@ -132,6 +134,7 @@ def canonical_from_state_dict(
     values_from_keys: bool = False,
     weightless_qk_norm: bool = False,
     reversed_rotary: bool = False,
+    centered_qk_norm: bool = False,
     keys_values_of: int | str | None = None,
     **options: Any,
 ) -> Port:
@@ -142,8 +145,7 @@ def canonical_from_state_dict(
         state: a state_dict (name -> tensor, any framework's, or array), or Flax's params.
         prefix: the attention module's path, e.g. "encoder.layer.0.attention"; "" for all.
         num_heads: the number of heads; needed except for kernels per head, which tell it.
-        scale: the score scale, when the model's differs from its layout's (for example
-            GPT-2 with scale_attn_by_inverse_layer_idx: 1 / (sqrt(head size) * (index + 1))).
+        scale: the score scale, where the model's is not its layout's (GPT-2's by layer).
         qk_norm_offset: what the source's QK-norms add to their weights before scaling
             (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
         output_gate: the heads' output is gated: q_proj's rows split into W_q and the gate's
@@ -152,10 +154,12 @@ def canonical_from_state_dict(
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         values_from_keys: the layer has no v_proj, its values being the key projection's
             output before any norm (Gemma 4's full layers, attention_k_eq_v): W_v is W_k.
-        weightless_qk_norm: qk_norm="head" or "head_after_rotary" norms with no weight
-            (Llama 4's L2Norm and nanochat's, after their rotary embedding): scales of ones.
+        weightless_qk_norm: qk_norm="head"/"head_after_rotary" norms with no weight (Llama
+            4's and nanochat's): scales of ones.
         reversed_rotary: the source turns each head's pairs (i, i + d/2) by minus their angle
             (nanochat's rotate_half): each head's query and key halves are swapped.
+        centered_qk_norm: the QK-norms are layer norms of the projection (ESM C): W_q and W_k
+            centered over their outputs, whose qk_norm="projection" gives the same numbers.
         keys_values_of: the layer reuses the keys and values of another (Gemma 3n's and 4's
             last num_kv_shared_layers): k_proj, v_proj and k_norm that layer's (its index in
             the prefix's one number, or its prefix); call with its input as keys and values.
@@ -167,7 +171,6 @@ def canonical_from_state_dict(
         ValueError: no layout or several under the prefix, weights that do not fit, tensors
             mha cannot hold (each listed), sparse attention, positions no option gives.
     """
-    # The port options are the arguments named in _MHA_PORT_OPTIONS
     port = {name: value for name, value in locals().items() if name in _MHA_PORT_OPTIONS}
     state = flatten(state)
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
@@ -195,6 +198,9 @@ def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str,
     if port["reversed_rotary"]:  # nanochat: its halves swapped turn mha's way to the same scores
         weights = halves_swapped(weights, config, where)
         notes += (HALVES_SWAPPED,)
+    if port["centered_qk_norm"]:  # ESM C: a layer norm is the RMSNorm of the centered values
+        weights = centered_projections(weights, config, where)
+        notes += (CENTERED,)
     used = sorted(set(used) - set(copied))  # the names under the prefix alone
     if port["keys_values_of"] is not None:  # Gemma 3n's and 4's KV-shared layers
         notes += (keys_values_note(prefix, port["keys_values_of"]),)
@@ -248,6 +254,7 @@ _MHA_PORT_OPTIONS = {
     "values_from_keys": False,
     "weightless_qk_norm": False,
     "reversed_rotary": False,
+    "centered_qk_norm": False,
     "keys_values_of": None,
 }
 

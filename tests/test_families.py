@@ -38,6 +38,7 @@ OWN_SIZES = {
     "falcon": {"head_dim": None, "new_decoder_architecture": True, "num_kv_heads": 2},
     "gptj": {"rotary_dim": 4},  # its default, 64, is beyond the head size
     "roformer": {"head_dim": None, "num_key_value_heads": None},  # no grouped heads
+    "esmc": {"num_key_value_heads": None},  # its k_norm is over the whole hidden size
     # Multi-head latent attention, and few small experts
     "deepseek_v3": {
         "head_dim": None,  # its rotary part's, qk_rope_head_dim
@@ -243,7 +244,9 @@ OWN_SIZES["esm"] = {
     "emb_layer_norm_before": True,
 }
 # Model types whose attention looks both ways (encoders)
-ENCODERS = frozenset({"esm", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer"})
+ENCODERS = frozenset(
+    {"esm", "esmc", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer"}
+)
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
@@ -489,6 +492,17 @@ def test_olmo_hybrid_without_a_base_ports_unturned(written):
     assert_each_layer_ports("olmo_hybrid", model, config, raw)
     with pytest.raises(ValueError, match="layer 0 of the config is 'linear_attention'"):
         porting.options_from_config(raw, 0)
+
+
+def test_esmc_layer_norms_of_the_projections_need_qk_norm_projection():
+    # Centering the projections turns their RMSNorm into the layer norm; another qk_norm is
+    # not a layer norm of the projection, and is refused naming the option
+    config, model = tiny_model("esmc")
+    options = {**porting.options_from_config(config_as("sizes alone", config, "esmc"), 0)}
+    assert options["centered_qk_norm"] and options["qk_norm"] == "projection"
+    prefix = porting.find_attention(model.state_dict())[0][0]
+    with pytest.raises(ValueError, match="centered_qk_norm=True is a layer norm"):
+        porting.from_state_dict(model.state_dict(), prefix, **{**options, "qk_norm": "head"})
 
 
 def test_roberta_prelayernorm_ports_with_its_input_norm_left_out():
