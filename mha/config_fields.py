@@ -27,7 +27,7 @@ _WINDOWED = frozenset(
     (
         "cohere2 cohere2_moe cwm exaone4 exaone_moe gemma2 gemma3_text gemma3n_text "
         "gemma4_text gpt_oss granite_swa granitemoe_swa kolibri1 lara_mini lfm3 mellum "
-        "ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 qwen2_5_vl_text "
+        "minimax ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 qwen2_5_vl_text "
         "qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 vaultgemma"
     ).split()
 )

@@ -44,6 +44,7 @@ _PATTERN = {
     "granitemoehybrid": (LINEAR,),
     "lara_mini": (LINEAR, SLIDING, LINEAR, FULL, SLIDING),
     "mellum": (FULL,),
+    "minimax": (FULL, LINEAR),
 }
 # transformers' names of layer kinds that older configs name otherwise (Granite 4.0's)
 _LEGACY = {"mamba": LINEAR, "attention": FULL}

@@ -209,6 +209,10 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
     return None
 
 
+# Model types whose full-attention layers slide where the config has a window (MiniMax's,
+# beside its linear-attention layers)
+_FULL_LAYERS_SLIDE = frozenset({"minimax"})
+
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
 # q_norm and k_norm): over each head, or over the whole projection
 _QK_NORM = {
@@ -312,7 +316,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     window = config.get("sliding_window")
     if config.get("model_type") == "gpt_neo":
         window, kind = _gpt_neo_window(config, layer)
-    if window is not None and uses_window(config) and kind != "full_attention":
+    slides = kind != "full_attention" or config.get("model_type") in _FULL_LAYERS_SLIDE
+    if window is not None and uses_window(config) and slides:
         found["sliding_window"] = positive_count("sliding_window", window)
     windowed = "sliding_window" in found
     found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))

@@ -85,6 +85,7 @@ ROTARY = {
     "llama4_text": "pairs",  # complex products of (2i, 2i + 1)
     "mellum": "half",
     "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
+    "minimax": "half",  # MiniMax-Text-01's full-attention layers
     "minimax_m2": "half",
     "ministral": "half",
     "ministral3": "half",
@@ -137,7 +138,7 @@ UNCHECKED_ROTARY = frozenset(
         "dia_decoder dia_encoder diffllama diffusion_gemma_text doge dory dots1 dots3_note_text "
         "embedding_gemma2_text emu3_text_model ernie4_5_vl_moe_text flint glm4v_moe_text "
         "glm4v_text glm5_next_text glm_image_text glm_ocr_text gpt_neox_japanese hrm_text "
-        "hunyuan_vl_text inkling2_text jetmoe laguna mimo_v2_flash minimax minimax_m3_vl_text "
+        "hunyuan_vl_text inkling2_text jetmoe laguna mimo_v2_flash minimax_m3_vl_text "
         "mllama_text_model muse_glimmer_text openai_privacy_filter "
         "paddleocr_vl_text persimmon qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
         "ultrabert"
