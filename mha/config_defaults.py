@@ -222,6 +222,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "smollm3": {"use_sliding_window": False, "rms_norm_eps": 1e-06, "no_rope_layer_interval": 4},
     "solar_open": {"head_dim": 128, "rms_norm_eps": 1e-05},
     "stablelm": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
+    "ultrabert": {"sliding_window": 128, "rms_norm_eps": 1e-06},
     "vaultgemma": {
         "head_dim": 256,
         "sliding_window": 4096,
@@ -353,6 +354,11 @@ DEFAULT_ROPE_BY_KIND["lfm3"] = {
     "full_attention": {**DEFAULT_ROPE_BY_KIND["gemma4_text"]["full_attention"]},
 }
 DEFAULT_ROPE_BY_KIND["lfm3"]["full_attention"]["partial_rotary_factor"] = 0.5
+# UltraBERT's: a base per layer type
+DEFAULT_ROPE_BY_KIND["ultrabert"] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 2_560_000.0},
+}
 # Mellum's: a base per layer type
 DEFAULT_ROPE_BY_KIND["mellum"] = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},

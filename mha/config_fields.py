@@ -28,7 +28,7 @@ _WINDOWED = frozenset(
         "cohere2 cohere2_moe cwm exaone4 exaone_moe gemma2 gemma3_text gemma3n_text "
         "gemma4_text gpt_oss granite_swa granitemoe_swa kolibri1 lara_mini lfm3 mellum "
         "minimax ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 qwen2_5_vl_text "
-        "qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 vaultgemma"
+        "qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 ultrabert vaultgemma"
     ).split()
 )
 # Qwen2's rules of which layers slide: use_sliding_window and max_window_layers

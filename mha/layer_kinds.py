@@ -29,6 +29,7 @@ _EVERY_PTH_FULL = {
     "gemma3n_text": ("", 5, SLIDING),
     "gemma4_text": ("", 6, SLIDING),
     "gpt_oss": ("", 2, SLIDING),
+    "ultrabert": ("", 3, SLIDING),
     "kolibri1": ("", 5, SLIDING),
     "olmo3": ("", 4, SLIDING),
     "olmo_hybrid": ("", 4, LINEAR),

@@ -109,6 +109,7 @@ _UNSUPPORTED = {
     "use_bidirectional_attention": ((None, False), "attends both ways, with windows of its own"),
     "alibi": ((None, False), "adds ALiBi's position biases"),
     "rotary_value": ((None, False), "turns the values by their positions too (RoFormer)"),
+    "attention_windows": ((None,), "gives each layer's window (give layer_types, sliding_window)"),
 }
 
 # Model types whose attention adds ALiBi's position biases, which their configs do not say:
@@ -208,6 +209,10 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
             return config[key]
     return None
 
+
+# Model types whose bidirectional windows keep the keys within sliding_window positions of
+# the query either side, inclusive (UltraBERT's mask)
+_WINDOW_EITHER_SIDE = frozenset({"ultrabert"})
 
 # Model types whose full-attention layers slide where the config has a window (MiniMax's,
 # beside its linear-attention layers)
@@ -319,6 +324,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     slides = kind != "full_attention" or config.get("model_type") in _FULL_LAYERS_SLIDE
     if window is not None and uses_window(config) and slides:
         found["sliding_window"] = positive_count("sliding_window", window)
+        if config.get("model_type") in _WINDOW_EITHER_SIDE:  # |i - j| <= w: mha's < w + 1
+            found["sliding_window"] += 1
     windowed = "sliding_window" in found
     found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))
     scaling = query_scaling(config, kind)

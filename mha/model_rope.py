@@ -123,6 +123,7 @@ ROTARY = {
     "smollm3": "half",
     "solar_open": "half",
     "stablelm": "half",
+    "ultrabert": "half",  # an encoder: its windows reach sliding_window positions either side
     "starcoder2": "half",
     "vaultgemma": "half",
     "youtu": "rope_interleave",  # DeepSeek-V3's latent attention
@@ -140,8 +141,7 @@ UNCHECKED_ROTARY = frozenset(
         "glm4v_text glm5_next_text glm_image_text glm_ocr_text gpt_neox_japanese hrm_text "
         "hunyuan_vl_text inkling2_text jetmoe laguna mimo_v2_flash minimax_m3_vl_text "
         "mllama_text_model muse_glimmer_text openai_privacy_filter "
-        "paddleocr_vl_text persimmon qwen3_omni_moe_text qwen4_exp_text recurrent_gemma "
-        "ultrabert"
+        "paddleocr_vl_text persimmon qwen3_omni_moe_text qwen4_exp_text recurrent_gemma"
     ).split()
 )
 
@@ -331,6 +331,8 @@ def _rotary(
                 "rope_theta: give the model's rope_theta"
             )
         return {}
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ValueError(f"the config's rope_theta={theta!r} is not a number (one base)")
     found: dict[str, Any] = {"rope_theta": float(theta)}
     if partial not in (None, 1.0):
         if head is None:
@@ -388,6 +390,11 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     rope_parameters (per layer type where they are) or rope_scaling, else the model type's
     defaults. Gemma 3's sliding layers take none of a flat rope_scaling."""
     model_type = config.get("model_type")
+    if isinstance(config.get("rope_theta"), (list, tuple)):  # UltraBERT's older configs
+        raise ValueError(
+            f"the config's rope_theta={config['rope_theta']!r} is not a number (a base per "
+            "layer): give rope_parameters per layer type"
+        )
     if model_type in _THETA_IN_CODE | _THETA_ALONE:
         return {}, f"{model_type}'s code"
     rope = config.get("rope_parameters") or {}

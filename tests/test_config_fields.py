@@ -246,6 +246,16 @@ MISTRAL = {"model_type": "mistral", "num_attention_heads": 4, "hidden_size": 32}
         ({**MISTRAL, "sliding_window": 0}, "sliding_window=0 is not a positive whole"),
         ({**MISTRAL, "head_dim": 8.5}, "head_dim=8.5 is not a positive whole"),
         ({**MISTRAL, "rope_scaling": "linear"}, "rope_scaling is not a mapping: 'linear'"),
+        # UltraBERT's older configs: a window and a base per layer, which transformers maps
+        # to layer_types and rope_parameters, and mha asks for
+        (
+            {**MISTRAL, "model_type": "ultrabert", "rope_theta": [1e4, 1e6]},
+            "rope_theta=.* is not a",
+        ),
+        (
+            {**MISTRAL, "model_type": "ultrabert", "attention_windows": [128, 0]},
+            "attention_windows=.* gives each layer's window",
+        ),
         (
             {"model_type": "gptj", "n_head": 4, "n_embd": 32, "rotary_dim": 2.5},
             "rotary_dim=2.5 is not a positive whole",

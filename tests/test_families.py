@@ -39,6 +39,7 @@ OWN_SIZES = {
     "gptj": {"rotary_dim": 4},  # its default, 64, is beyond the head size
     "roformer": {"head_dim": None, "num_key_value_heads": None},  # no grouped heads
     "esmc": {"num_key_value_heads": None},  # its k_norm is over the whole hidden size
+    "ultrabert": {"sliding_window": 2},  # a window within the sequence, each side
     # Multi-head latent attention, and few small experts
     "deepseek_v3": {
         "head_dim": None,  # its rotary part's, qk_rope_head_dim
@@ -245,7 +246,7 @@ OWN_SIZES["esm"] = {
 }
 # Model types whose attention looks both ways (encoders)
 ENCODERS = frozenset(
-    {"esm", "esmc", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer"}
+    {"esm", "esmc", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer", "ultrabert"}
 )
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 

@@ -51,6 +51,9 @@ NO_WINDOW |= {"glm4_moe_lite", "kimi_k2", "minicpm3", "mistral4", "sarvam_mla", 
 # MiniMax's model masks its full-attention layers with the window where the config has one
 # (tests/test_config_fields.py holds it to the model)
 FULL_LAYERS_SLIDE = {"minimax"}
+# UltraBERT's bidirectional mask keeps the keys within the window either side, inclusive:
+# mha's window, strictly within, one more (the family test holds it to the model)
+EITHER_SIDE = {"ultrabert"}
 
 
 def transformers_kinds(model_type: str, written: dict) -> list[str]:
@@ -78,7 +81,7 @@ def test_each_layer_gets_the_window_of_the_kind_transformers_gives_it(model_type
                 porting.options_from_config(raw, layer)
             continue
         options = porting.options_from_config(raw, layer)
-        windowed = options.get("sliding_window") == 8
+        windowed = options.get("sliding_window") == 8 + (model_type in EITHER_SIDE)
         slides = kind == "full_attention" and model_type in FULL_LAYERS_SLIDE
         assert windowed == (kind == "sliding_attention" or slides), (layer, kinds)
 
