@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mha.config_values import is_whole
+
 __all__ = ["layer_kind", "rotates", "uses_window"]
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -157,8 +159,7 @@ def _qwen_rule(config: Mapping[str, Any]):
         )
     if bound is None:
         return None
-    whole = isinstance(bound, int) or (isinstance(bound, float) and bound.is_integer())
-    if isinstance(bound, bool) or not whole or bound < 0:
+    if isinstance(bound, bool) or not is_whole(bound) or bound < 0:
         raise ValueError(f"the config's max_window_layers={bound!r} is not a count of layers")
     if model_type == "qwen2_moe":
         return (

@@ -6,6 +6,7 @@ layer's rotary options.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -331,7 +332,7 @@ def _rotary(
                 "rope_theta: give the model's rope_theta"
             )
         return {}
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
         raise ValueError(f"the config's rope_theta={theta!r} is not a number (one base)")
     found: dict[str, Any] = {"rope_theta": float(theta)}
     if partial not in (None, 1.0):

@@ -297,3 +297,13 @@ def test_whole_numbers_written_as_floats_are_read_as_whole():
     config = {**qwen2, "use_sliding_window": True, "max_window_layers": 1.0}
     assert "sliding_window" not in porting.options_from_config(config, 0)
     assert porting.options_from_config(config, 1)["sliding_window"] == 4
+    # A config built in Python may hold numpy's numbers: read as the numbers they are
+    np = pytest.importorskip("numpy")
+    numbers = {
+        "sliding_window": np.int64(8),
+        "head_dim": np.int64(8),
+        "rope_theta": np.float32(1e4),
+    }
+    options = porting.options_from_config({**MISTRAL, **numbers})
+    assert options["sliding_window"] == 8 and type(options["sliding_window"]) is int
+    assert options["rope_theta"] == 1e4
