@@ -7,6 +7,11 @@ eps of 1e-5). These are the class defaults of transformers 5.24 for the fields m
 (`tests/test_config_defaults.py` holds them to the installed transformers), and the
 rotary embedding's of each rotary model type, which `mha.model_rope` reads (the family test
 of `tests/test_families.py` holds those, from configs that write none).
+
+A config class may take a field under another name (its `attribute_map`: Molmo 2's
+`layer_norm_eps` is its `rms_norm_eps`, LFM3's `rms_norm_eps` its `norm_eps`); a config that
+writes the other name is read under the class's own (`with_aliases`), the other name winning
+where both are written, as in transformers.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "ALIASES",
     "DEFAULTS",
     "DEFAULT_PARTIAL",
     "DEFAULT_ROPE",
     "DEFAULT_ROPE_BY_KIND",
     "DEFAULT_THETA",
     "FIELDS",
+    "READ_NAMES",
+    "with_aliases",
     "with_defaults",
 ]
 
@@ -58,6 +66,49 @@ FIELDS = (
     "position_embedding_type",
     "rope_interleave",
 )
+
+# The names a port reads beside FIELDS: head counts and sizes, the layers' kinds
+READ_NAMES = (
+    *FIELDS,
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_size",
+    "layer_types",
+    "layers_block_type",
+)
+
+# model type -> {other name: the config class's own}, from its attribute_map, for the names
+# of READ_NAMES
+ALIASES: dict[str, dict[str, str]] = {
+    "bart": {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"},
+    "bloom": {"num_attention_heads": "n_head"},
+    "distilbert": {"hidden_size": "dim", "num_attention_heads": "n_heads"},
+    "exaone": {"layer_norm_epsilon": "rms_norm_eps"},
+    "falcon_h1": {"layer_types": "layers_block_type"},
+    "flaubert": {"hidden_size": "emb_dim", "num_attention_heads": "n_heads"},
+    "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},
+    "gpt-sw3": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
+    "gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
+    "gpt_neo": {"num_attention_heads": "num_heads"},
+    "gptj": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
+    "granitemoehybrid": {"layers_block_type": "layer_types"},
+    "imagegpt": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
+    "lfm3": {"rms_norm_eps": "norm_eps"},
+    "mbart": {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"},
+    "molmo2_text": {"layer_norm_eps": "rms_norm_eps"},
+    "mpt": {"num_attention_heads": "n_heads", "hidden_size": "d_model"},
+    "mvp": {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"},
+    "nemotron_h": {"layer_types": "layers_block_type"},
+    "openai-gpt": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
+    "t5": {"hidden_size": "d_model", "num_attention_heads": "num_heads", "head_dim": "d_kv"},
+    "whisper": {
+        "num_key_value_heads": "encoder_attention_heads",
+        "num_attention_heads": "encoder_attention_heads",
+        "hidden_size": "d_model",
+    },
+    "xglm": {"num_attention_heads": "attention_heads", "hidden_size": "d_model"},
+    "xlm": {"hidden_size": "emb_dim", "num_attention_heads": "n_heads"},
+}
 
 # model type -> {field: transformers' default}, for those of FIELDS its config class has
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -364,6 +415,14 @@ DEFAULT_ROPE_BY_KIND["mellum"] = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "default", "rope_theta": 500_000.0},
 }
+
+
+def with_aliases(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config with each field written under another name of its model type's (ALIASES)
+    under the config class's own; the other name wins where both are written."""
+    aliases = ALIASES.get(config.get("model_type"), {})
+    own = {key: value for key, value in config.items() if key not in aliases}
+    return {**own, **{aliases[key]: value for key, value in config.items() if key in aliases}}
 
 
 def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -64,6 +64,7 @@ READ_BY: dict[str, frozenset[str]] = {
     "rotary_dim": frozenset({"gptj", "minimax_m2"}),  # GPT-J's count of features turned
     "no_rope_layers": frozenset({"llama4_text", "smollm3"}),
     "layer_rope_theta": frozenset({"granite_swa", "granitemoe_swa"}),
+    "rope_scaling_layers": frozenset({"molmo2_text"}),  # the layers a scaling applies to
     # Llama 4's chunks (Gemma 4's config reads them too: refused there, as elsewhere)
     "attention_chunk_size": frozenset({"gemma4_text", "llama4_text"}),
     # the older rule of which layers slide: every sliding_window_pattern-th layer full

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from mha.config_defaults import with_defaults
+from mha.config_defaults import with_aliases, with_defaults
 from mha.config_fields import without_unread
 from mha.config_values import positive_count, positive_number
 from mha.encoding import check_query_scaling
@@ -65,7 +65,7 @@ def options_from_config(
     """
     if not isinstance(config, Mapping):
         config = _read_json(config)
-    config = with_defaults(without_unread(config))  # as transformers reads it
+    config = with_defaults(without_unread(with_aliases(config)))  # as transformers reads it
     _refuse_config(config)
     count = _num_layers(config)
     if layer is not None:
@@ -95,6 +95,7 @@ _PER_LAYER = (
     "no_rope_layers",
     "max_window_layers",
     "layer_rope_theta",
+    "rope_scaling_layers",
     "scale_attn_by_inverse_layer_idx",
 )
 

@@ -323,6 +323,8 @@ def _rotary(
     if theta is None and model_type in ROTARY:
         theta = default_theta
     scaling = _rope_scaling(config, rope, field)
+    if scaling is not None and not _scaled_layer(config, layer):
+        scaling = None  # Molmo 2's layers outside rope_scaling_layers: the base, unscaled
     partial = _fraction(config, rope.get("partial_rotary_factor", config.get(partial_field)))
     partial = _turned(config, partial, scaling, latent)
     if theta is None:
@@ -373,6 +375,19 @@ def _fixed_alpha(config: Mapping[str, Any], rope: Mapping, head: int | None) -> 
         )
     theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
     return {"rope_type": "default", "rope_theta": theta * rope["alpha"] ** (head / (head - 2))}
+
+
+def _scaled_layer(config: Mapping[str, Any], layer: int | None) -> bool:
+    """Whether the layer takes the config's scaled rotary embedding: Molmo 2's take it on the
+    layers of rope_scaling_layers (on every layer where it is not written)."""
+    layers = config.get("rope_scaling_layers")
+    if layers is None:
+        return True
+    if not isinstance(layers, (list, tuple)) or layer is None:
+        raise ValueError(
+            f"the config's rope_scaling_layers does not tell layer {layer}: {layers!r}"
+        )
+    return layer in layers
 
 
 def _layer_theta(config: Mapping[str, Any], layer: int | None) -> float | None:

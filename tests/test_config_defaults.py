@@ -1,6 +1,7 @@
 """mha's table of transformers' config defaults (mha.config_defaults) is transformers' own:
 for every model type mha ports from a config, the default of each field a port reads, as
-the installed transformers' config class gives it."""
+the installed transformers' config class gives it; so is its table of the other names a
+config class takes a field under (its attribute_map)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from conftest import required_import
 from mha import porting
-from mha.config_defaults import DEFAULTS, FIELDS
+from mha.config_defaults import ALIASES, DEFAULTS, FIELDS, READ_NAMES
+from mha.config_fields import PLAIN
 from mha.model_rope import ROTARY, UNCHECKED_ROTARY
 
 pytestmark = pytest.mark.torch  # transformers' configs
@@ -77,3 +79,33 @@ def test_a_head_size_left_out_is_transformers_default_not_the_hidden_size_over_t
     glm = {"model_type": "glm", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
     assert porting.options_from_config(glm)["rope_dim"] == 64
     assert porting.options_from_config({**glm, "head_dim": 16})["rope_dim"] == 8
+
+
+@pytest.mark.parametrize("model_type", sorted((set(ROTARY) | PLAIN) - {"kimi_k2"}))
+def test_the_other_names_are_transformers_attribute_map(model_type):
+    # Of the names a port reads: Molmo 2's layer_norm_eps is its rms_norm_eps, GPT-2's
+    # num_attention_heads its n_head, ...
+    T = required_import("transformers")
+    attribute_map = type(T.AutoConfig.for_model(model_type)).attribute_map
+    read = {
+        other: own
+        for other, own in attribute_map.items()
+        if other in READ_NAMES or own in READ_NAMES
+    }
+    assert ALIASES.get(model_type, {}) == read
+
+
+def test_a_field_under_its_other_name_is_read_as_transformers_reads_it():
+    T = required_import("transformers")
+    for model_type, other, own in (
+        ("molmo2_text", "layer_norm_eps", "rms_norm_eps"),
+        ("lfm3", "rms_norm_eps", "norm_eps"),
+    ):
+        sizes = {"model_type": model_type, "num_attention_heads": 4, "hidden_size": 32}
+        # Alone, and beside the class's own name, which it overrides in transformers
+        for written in ({other: 0.25}, {own: 1e-3, other: 0.25}):
+            config = T.AutoConfig.for_model(model_type).from_dict(written)
+            assert getattr(config, own) == 0.25
+            kinds = {"layer_types": ["full_attention"]}  # LFM3's rotary embedding is per kind
+            options = porting.options_from_config({**sizes, **kinds, **written}, 0)
+            assert options["qk_norm_eps"] == 0.25, (model_type, written)

@@ -41,7 +41,11 @@ WRITTEN = {
 }
 # Written where they are not read: their readers' own tests hold them (Llama 4's chunks in
 # the family test, the sliding layers' rules in test_layer_kinds.py)
-WRITTEN_UNREAD = {"attention_chunk_size": 3, "sliding_window_pattern": 2}
+WRITTEN_UNREAD = {
+    "attention_chunk_size": 3,
+    "sliding_window_pattern": 2,
+    "rope_scaling_layers": [0, 2],
+}
 # Model types that slide every layer whatever layer_types say, given one that says otherwise
 SOME_FULL = ["full_attention", "sliding_attention"] * 2
 # Latent attention whose rotary part transformers turns in part with the fraction (under its
@@ -230,6 +234,45 @@ def test_an_older_rotary_type_their_code_does_not_read_is_refused(model_type):
         "rope_type": "linear",
         "factor": 2.0,
     }
+
+
+@pytest.mark.parametrize(
+    ("model_type", "other"), [("molmo2_text", "layer_norm_eps"), ("lfm3", "rms_norm_eps")]
+)
+def test_a_qk_norm_eps_under_its_other_name_ports_as_transformers_runs_it(model_type, other):
+    # Their config classes take the eps of their QK-norms under another name too (LFM3's
+    # sizes write its own, norm_eps, which the other overrides)
+    changes = {other: 0.3}
+    config, model = tiny_model(model_type, attn_implementation="eager", **changes)
+    assert_each_layer_ports(model_type, model, config, _written(model_type, changes))
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4},
+    ],
+    ids=["linear", "yarn"],
+)
+def test_molmo2_scales_its_rotary_embedding_on_the_layers_it_names(rope, written):
+    # rope_scaling_layers: the others turn by the same base, unscaled
+    changes = {
+        "rope_parameters": {**rope, "rope_theta": 100.0},
+        "max_position_embeddings": 16,
+        "rope_scaling_layers": [0, 2],
+    }
+    config, model = tiny_model("molmo2_text", attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": "molmo2_text"}
+    else:
+        config_dict = _written("molmo2_text", changes)
+    assert_each_layer_ports("molmo2_text", model, config, config_dict)
+    options = [porting.options_from_config(config_dict, layer) for layer in range(4)]
+    assert ["rope_scaling" in each for each in options] == [True, False, True, False]
+    with pytest.raises(ValueError, match="give the layer's index"):
+        porting.options_from_config(config_dict)
 
 
 # Counts, sizes and scalars that are not: each refused naming its field, where int() would
