@@ -1,13 +1,15 @@
 """A config's numbers, checked where they are read: a count, a size or a scalar that is not
-one is an error naming the field, never rounded or passed on to fail elsewhere."""
+one is an error naming the field, never rounded or passed on to fail elsewhere; and the
+number and size of its heads, under the names configs give them."""
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["is_whole", "positive_count", "positive_number"]
+__all__ = ["fraction", "head_size", "is_whole", "num_heads", "positive_count", "positive_number"]
 
 
 def is_whole(value: Any) -> bool:
@@ -35,3 +37,53 @@ def positive_number(field: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
         raise ValueError(f"the config's {field}={value!r} is not a positive finite number")
     return float(value)
+
+
+def fraction(field: str, value: Any) -> float:
+    """A fraction the config gives (of each head turned): a number in (0, 1], or an error
+    naming the field."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
+        raise ValueError(f"the config's {field}={value!r} is not a fraction in (0, 1]")
+    return float(value)
+
+
+def num_heads(config: Mapping[str, Any]) -> int | None:
+    """The number of attention heads, under the names configs give it; None where the config
+    does not tell it, or its encoder's and decoder's differ (the caller gives num_heads)."""
+    keys = _HEAD_COUNTS
+    if config.get("encoder_attention_heads") != config.get("decoder_attention_heads"):
+        keys = keys[: keys.index("encoder_attention_heads")]
+    # A list (heads per layer or stage) leaves it to the caller; another value that is not a
+    # count is an error naming its field
+    found = [(key, config[key]) for key in keys if config.get(key) is not None]
+    counts = [(key, value) for key, value in found if not isinstance(value, (list, tuple))]
+    return positive_count(*counts[0]) if counts else None
+
+
+# The names of the number of heads: GPT-2's n_head, MPT's n_heads, T5's num_heads, XGLM's
+# attention_heads, and BART's and Whisper's encoder_attention_heads and
+# decoder_attention_heads where they agree
+_HEAD_COUNTS = (
+    "num_attention_heads",
+    "n_head",
+    "n_heads",
+    "num_heads",
+    "attention_heads",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+)
+# The names of the hidden size: GPT-2's n_embd, BART's and T5's d_model
+_HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model")
+
+
+def head_size(config: Mapping[str, Any]) -> int | None:
+    """The size of a head: head_dim, or the hidden size over the number of heads."""
+    if config.get("head_dim") is not None:
+        return positive_count("head_dim", config["head_dim"])
+    heads = num_heads(config)
+    hidden = next(
+        (positive_count(key, config[key]) for key in _HIDDEN_SIZES if config.get(key)), None
+    )
+    if not heads or not hidden or hidden % heads:
+        return None
+    return hidden // heads

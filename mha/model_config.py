@@ -16,7 +16,7 @@ from typing import Any
 
 from mha.config_defaults import with_aliases, with_defaults
 from mha.config_fields import without_unread
-from mha.config_values import positive_count, positive_number
+from mha.config_values import head_size, num_heads, positive_count, positive_number
 from mha.encoding import check_query_scaling
 from mha.files import read_bytes
 from mha.layer_kinds import layer_kind, uses_window
@@ -150,7 +150,7 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         for key, value in config.items()
         if isinstance(value, Mapping) and "num_attention_heads" in value
     ]
-    if nested and _num_heads(config) is None:
+    if nested and num_heads(config) is None:
         raise ValueError(
             f"the config nests the configs of its models ({', '.join(nested)}): give the one "
             f"the layer belongs to, e.g. config[{nested[0]!r}]"
@@ -315,7 +315,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if config.get("model_type") in _LATENT_MODEL_TYPES:
         return _latent_options(config, layer)
     found: dict[str, Any] = {}
-    heads = _num_heads(config)
+    heads = num_heads(config)
     if heads is not None:
         found["num_heads"] = heads
     kind = _attention_kind(config, layer)
@@ -328,7 +328,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         if config.get("model_type") in _WINDOW_EITHER_SIDE:  # |i - j| <= w: mha's < w + 1
             found["sliding_window"] += 1
     windowed = "sliding_window" in found
-    found.update(rotary_options(config, kind, layer, windowed, _head_size(config)))
+    found.update(rotary_options(config, kind, layer, windowed, head_size(config)))
     scaling = query_scaling(config, kind)
     if scaling is not None:  # Ministral 3: the queries scaled by their positions
         found["query_scaling"] = scaling
@@ -337,7 +337,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if scale is not None:
         found["scale"] = scale
     if config.get("attn_logit_softcapping") is not None:  # Gemma 2
-        found["softcap"] = float(config["attn_logit_softcapping"])
+        found["softcap"] = positive_number(
+            "attn_logit_softcapping", config["attn_logit_softcapping"]
+        )
     asked = model_type in _QK_NORM_FIELD and config.get("use_qk_norm", _QK_NORM_FIELD[model_type])
     if model_type in _QK_NORM or asked:  # RMSNorms of queries and keys, scaled by their weights
         found["qk_norm"] = _qk_norm_kind(config)
@@ -463,7 +465,7 @@ def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, A
             f"the config's latent attention rotates {rotated} of the {rope} features of the "
             "rotary part of each head; mha's MultiHeadLatentAttention rotates all of it"
         )
-    found = {"num_heads": _num_heads(config), "rope_theta": rotary["rope_theta"]}
+    found = {"num_heads": num_heads(config), "rope_theta": rotary["rope_theta"]}
     found["rope_interleaved"] = rotary.get("rope_interleaved", False)
     if "rope_scaling" in rotary:
         found["rope_scaling"] = rotary["rope_scaling"]
@@ -509,14 +511,14 @@ def _attention_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
 
 def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     """The score scale the config gives the layer, or None where it is 1 / sqrt(head size)."""
-    head = _head_size(config)
+    head = head_size(config)
     scale = None
     if config.get("query_pre_attn_scalar") is not None:  # Gemma 2 and 3
         scale = positive_number("query_pre_attn_scalar", config["query_pre_attn_scalar"]) ** -0.5
     if config.get("attention_multiplier") is not None:  # Granite
-        scale = float(config["attention_multiplier"])
+        scale = positive_number("attention_multiplier", config["attention_multiplier"])
     if config.get("model_type") == "falcon_h1":  # its keys times key_multiplier
-        multiplier = float(config.get("key_multiplier", 1.0))
+        multiplier = positive_number("key_multiplier", config.get("key_multiplier", 1.0))
         if head is None and multiplier != 1.0:
             raise ValueError(
                 f"the config's key_multiplier={multiplier!r} scales the scores by the head "
@@ -526,7 +528,7 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     if config.get("scale_attn_weights") is False:  # GPT-2
         scale = 1.0
     if (config.get("attn_config") or {}).get("softmax_scale") is not None:  # MPT
-        scale = float(config["attn_config"]["softmax_scale"])
+        scale = positive_number("softmax_scale", config["attn_config"]["softmax_scale"])
     if config.get("model_type") == "gpt_neo":  # its scores are not scaled
         scale = 1.0
     if config.get("scale_attn_by_inverse_layer_idx"):
@@ -539,44 +541,6 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     if scale is not None and head is not None and math.isclose(scale, head**-0.5, rel_tol=1e-12):
         return None
     return scale
-
-
-def _num_heads(config: Mapping[str, Any]) -> int | None:
-    """The number of attention heads, under the names configs give it; None where the config
-    does not tell it, or its encoder's and decoder's differ (the caller gives num_heads)."""
-    keys = _HEAD_COUNTS
-    if config.get("encoder_attention_heads") != config.get("decoder_attention_heads"):
-        keys = keys[: keys.index("encoder_attention_heads")]
-    found = [config.get(key) for key in keys]
-    whole = [value for value in found if isinstance(value, int) and not isinstance(value, bool)]
-    return whole[0] if whole else None
-
-
-# The names of the number of heads: GPT-2's n_head, MPT's n_heads, T5's num_heads, XGLM's
-# attention_heads, and BART's and Whisper's encoder_attention_heads and
-# decoder_attention_heads where they agree
-_HEAD_COUNTS = (
-    "num_attention_heads",
-    "n_head",
-    "n_heads",
-    "num_heads",
-    "attention_heads",
-    "encoder_attention_heads",
-    "decoder_attention_heads",
-)
-
-
-def _head_size(config: Mapping[str, Any]) -> int | None:
-    """The size of a head: head_dim, or the hidden size over the number of heads."""
-    if config.get("head_dim") is not None:
-        return positive_count("head_dim", config["head_dim"])
-    heads = _num_heads(config)
-    hidden = next(
-        (config[key] for key in ("hidden_size", "n_embd", "d_model") if config.get(key)), None
-    )
-    if not heads or not hidden or hidden % heads:
-        return None
-    return hidden // heads
 
 
 def _read_json(path: str | os.PathLike) -> dict[str, Any]:

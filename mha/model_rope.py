@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_KIND, DEFAULT_THETA
-from mha.config_values import positive_count
+from mha.config_values import fraction, positive_count, positive_number
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 from mha.layer_kinds import rotates
 
@@ -270,7 +270,9 @@ def _rotates(config: Mapping[str, Any], rotary: str, unturned: tuple[str, ...] |
 
 def _fraction(config: Mapping[str, Any], written: Any) -> Any:
     """The fraction of each head turned: as written, else the model type's default."""
-    return DEFAULT_PARTIAL.get(config.get("model_type")) if written is None else written
+    if written is None:
+        return DEFAULT_PARTIAL.get(config.get("model_type"))
+    return fraction("partial_rotary_factor", written)
 
 
 def _turned(config: Mapping[str, Any], partial: Any, scaling: dict | None, latent: bool) -> Any:
@@ -336,7 +338,7 @@ def _rotary(
         return {}
     if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
         raise ValueError(f"the config's rope_theta={theta!r} is not a number (one base)")
-    found: dict[str, Any] = {"rope_theta": float(theta)}
+    found: dict[str, Any] = {"rope_theta": positive_number("rope_theta", theta)}
     if partial not in (None, 1.0):
         if head is None:
             where = (

@@ -321,6 +321,30 @@ MISTRAL = {"model_type": "mistral", "num_attention_heads": 4, "hidden_size": 32}
             | {"use_sliding_window": True, "max_window_layers": "2"},
             "max_window_layers='2' is not a count of layers",
         ),
+        ({**MISTRAL, "num_attention_heads": "4"}, "num_attention_heads='4' is not a positive"),
+        ({**MISTRAL, "num_attention_heads": 0}, "num_attention_heads=0 is not a positive whole"),
+        (
+            {**MISTRAL, "hidden_size": "32", "partial_rotary_factor": 0.5},
+            "hidden_size='32' is not a positive whole",
+        ),
+        ({**MISTRAL, "rope_theta": 0}, "rope_theta=0 is not a positive finite number"),
+        ({**MISTRAL, "rope_theta": float("nan")}, "rope_theta=nan is not a positive finite"),
+        (
+            {**MISTRAL, "model_type": "phi", "partial_rotary_factor": 1.5},
+            r"partial_rotary_factor=1\.5 is not a fraction in \(0, 1\]",
+        ),
+        (
+            {**MISTRAL, "model_type": "phi", "partial_rotary_factor": "0.5"},
+            "partial_rotary_factor='0.5' is not a fraction",
+        ),
+        (
+            {"model_type": "gemma2", "num_attention_heads": 4, "attn_logit_softcapping": 0},
+            "attn_logit_softcapping=0 is not a positive finite number",
+        ),
+        (
+            {"model_type": "granite", "num_attention_heads": 4, "attention_multiplier": "0.5"},
+            "attention_multiplier='0.5' is not a positive finite number",
+        ),
     ],
     ids=lambda value: (
         "-".join(map(str, list(value.items())[-1])) if isinstance(value, dict) else None
@@ -336,6 +360,7 @@ def test_whole_numbers_written_as_floats_are_read_as_whole():
     assert (
         porting.options_from_config({**MISTRAL, "sliding_window": 4096.0})["sliding_window"] == 4096
     )
+    assert porting.options_from_config({**MISTRAL, "num_attention_heads": 4.0})["num_heads"] == 4
     qwen2 = {"model_type": "qwen2", "num_attention_heads": 4, "sliding_window": 4}
     config = {**qwen2, "use_sliding_window": True, "max_window_layers": 1.0}
     assert "sliding_window" not in porting.options_from_config(config, 0)
