@@ -191,11 +191,13 @@ def _held(config: Mapping[str, Any], key: str) -> bool:
     model_type = config.get("model_type")
     if key in _LLAMA4_FIELDS and model_type in _LLAMA4:  # its QK-norm, chunks, queries' scaling
         return True
+    if _LAYER_NORM_PER_HEAD.get(model_type) == key:
+        return True
     if key == "use_qk_norm":  # MiniMax-M2's and Hunyuan's write it; their norms are always there
         return model_type in _QK_NORM_FIELD or model_type in _QK_NORM_ALWAYS
-    if key == "use_bidirectional_attention":  # Gemma 4's images, not its text
-        return model_type in _GEMMA4 and config[key] == "vision"
-    return key == "qk_layernorm" and model_type == "stablelm"
+    return (
+        key == "use_bidirectional_attention" and model_type in _GEMMA4 and config[key] == "vision"
+    )
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -277,6 +279,9 @@ _QK_NORM_ALWAYS = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "minimax_m2"}
 
 # Model types whose config's use_qk_norm adds _QK_NORM's "head" norms, and its default there
 _QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
+# Model types whose field turns on a layer norm of each head, a scale of each head's own, no
+# shift (qk_norm="layer_norm_per_head"), before the rotary embedding: StableLM's, Cohere's
+_LAYER_NORM_PER_HEAD = {"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}
 
 # Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
 _QK_NORM_OFFSET = {
@@ -345,7 +350,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["qk_norm"] = _qk_norm_kind(config)
         field, default = _EPS_FIELD.get(model_type, ("rms_norm_eps", 1e-6))
         found["qk_norm_eps"] = float(config.get(field, default))
-    if model_type == "stablelm" and config.get("qk_layernorm"):  # a layer norm of each head
+    if config.get(_LAYER_NORM_PER_HEAD.get(model_type, "")):  # a layer norm of each head
         found["qk_norm"] = "layer_norm_per_head"
         found["qk_norm_eps"] = float(config.get("layer_norm_eps", 1e-5))
     if model_type in _QK_NORM_OFFSET:

@@ -469,8 +469,11 @@ def _qk_norm_names(
 _PER_HEAD_NORMS = {"q_norm": "q_layernorm.norms", "k_norm": "k_layernorm.norms"}
 
 
-def _per_head_norms(layout: Layout, names, canonical: str, where: str) -> tuple[str, ...]:
-    """The names of the scales of the norms of each head, in the heads' order."""
+def _per_head_norms(layout: Layout, names, canonical: str, where: str) -> tuple[str, ...] | str:
+    """The names of the scales of the norms of each head, in the heads' order; or Cohere's one
+    q_norm.weight (k_norm.weight) of a row per head."""
+    if f"{canonical}.weight" in names and layout.paths.get("q") == "q_proj":
+        return f"{canonical}.weight"
     module = _PER_HEAD_NORMS[canonical]
     count = sum(1 for name in names if name.startswith(module + ".") and name.endswith(".weight"))
     held = tuple(f"{module}.{head}.weight" for head in range(count))

@@ -782,6 +782,7 @@ def _tiny_decoder(family, seed=9, **fields):
         "gemma3": (T.Gemma3TextConfig, T.Gemma3TextModel),
         "stablelm": (T.StableLmConfig, T.StableLmModel),
         "gpt_oss": (T.GptOssConfig, T.GptOssModel),
+        "cohere": (T.CohereConfig, T.CohereModel),
         "cohere2": (T.Cohere2Config, T.Cohere2Model),
         "olmo2": (T.Olmo2Config, T.Olmo2Model),
         "phi3": (T.Phi3Config, T.Phi3Model),
@@ -1003,6 +1004,26 @@ def test_stablelm_qk_layernorm_of_each_head_ports(name):
     _check_causal_port(name, state, prefix, options, *_attention_io(model, IDS)[0])
     # An RMSNorm shared by the heads is another norm: the per-head scales are refused by name
     with pytest.raises(ValueError, match=r"q_layernorm\.norms\.0\.weight \(.*QK-norm"):
+        porting.from_state_dict(state, prefix, **{**options, "qk_norm": None})
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_cohere_qk_norm_of_each_head_ports(name):
+    # Command R+'s use_qk_norm: StableLM's layer norm of each head, its scales one tensor of a
+    # row per head (q_norm.weight (4, 4), k_norm.weight (2, 4)), before its pairs turn
+    config, model = _tiny_decoder("cohere", use_qk_norm=True, layer_norm_eps=1e-3)
+    with torch.no_grad():  # scales that differ from head to head
+        for block in model.layers:
+            for norm in (block.self_attn.q_norm, block.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    options = porting.options_from_config(config.to_dict(), 0)
+    assert options["qk_norm"] == "layer_norm_per_head" and options["qk_norm_eps"] == 1e-3
+    state, prefix = model.state_dict(), "layers.0.self_attn"
+    port = porting.canonical_from_state_dict(state, prefix, **options)
+    assert port.weights["q_norm"].shape == (4, 4) and port.weights["k_norm"].shape == (2, 4)
+    _check_causal_port(name, state, prefix, options, *_attention_io(model, IDS)[0])
+    # Without them the scales are refused by name
+    with pytest.raises(ValueError, match=r"q_norm\.weight"):
         porting.from_state_dict(state, prefix, **{**options, "qk_norm": None})
 
 
