@@ -195,9 +195,20 @@ def _held(config: Mapping[str, Any], key: str) -> bool:
         return True
     if key == "use_qk_norm":  # MiniMax-M2's and Hunyuan's write it; their norms are always there
         return model_type in _QK_NORM_FIELD or model_type in _QK_NORM_ALWAYS
-    return (
-        key == "use_bidirectional_attention" and model_type in _GEMMA4 and config[key] == "vision"
-    )
+    if key == "use_bidirectional_attention":  # Gemma 4's images, not its text
+        return (model_type in _GEMMA4 and config[key] == "vision") or _both_ways(config)
+    return False
+
+
+# Model types that attend both ways where use_bidirectional_attention says, their sliding
+# layers within sliding_window // 2 + 1 positions either side (Gemma 3's: EmbeddingGemma)
+_BOTH_WAYS = frozenset({"gemma3_text"})
+
+
+def _both_ways(config: Mapping[str, Any]) -> bool:
+    """Whether the config's layers attend both ways (their ports are called without causal)."""
+    both = config.get("use_bidirectional_attention")
+    return config.get("model_type") in _BOTH_WAYS and bool(both)
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -332,6 +343,8 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["sliding_window"] = positive_count("sliding_window", window)
         if config.get("model_type") in _WINDOW_EITHER_SIDE:  # |i - j| <= w: mha's < w + 1
             found["sliding_window"] += 1
+        if _both_ways(config):  # EmbeddingGemma: |i - j| < w // 2 + 1
+            found["sliding_window"] = found["sliding_window"] // 2 + 1
     windowed = "sliding_window" in found
     found.update(rotary_options(config, kind, layer, windowed, head_size(config)))
     scaling = query_scaling(config, kind)

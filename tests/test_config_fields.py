@@ -275,6 +275,25 @@ def test_molmo2_scales_its_rotary_embedding_on_the_layers_it_names(rope, written
         porting.options_from_config(config_dict)
 
 
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+@pytest.mark.parametrize("window", [4, 5])
+def test_embeddinggemma_attends_both_ways_within_half_its_window(window, written):
+    # Gemma 3 with use_bidirectional_attention: every layer attends both ways, the sliding
+    # ones to |i - j| < sliding_window // 2 + 1 (transformers halves the written window)
+    changes = {
+        "use_bidirectional_attention": True,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }
+    config, model = tiny_model("gemma3_text", attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": "gemma3_text"}
+    else:
+        config_dict = _written("gemma3_text", changes)
+    assert porting.options_from_config(config_dict, 0)["sliding_window"] == 3
+    assert_each_layer_ports("gemma3_text", model, config, config_dict, causal=False)
+
+
 # Counts, sizes and scalars that are not: each refused naming its field, where int() would
 # round a window of 2.5 positions to 2 (transformers' mask keeps 3) and a bool to 1
 MISTRAL = {"model_type": "mistral", "num_attention_heads": 4, "hidden_size": 32}
