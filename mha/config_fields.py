@@ -41,8 +41,8 @@ PLAIN = frozenset(
         "bart bert bert-generation biogpt bloom camembert canine clip_text_model "
         "data2vec-text distilbert dpr electra ernie flaubert gpt-sw3 gpt2 gpt_neo imagegpt "
         "layoutlm markuplm mbart mpt mvp nemotron_h openai-gpt opt rembert roberta "
-        "roberta-prelayernorm roc_bert splinter t5 tapas visual_bert vit whisper xglm xlm "
-        "xlm-roberta"
+        "roberta-prelayernorm roc_bert splinter t5 tapas tipsv2_text_model visual_bert vit "
+        "whisper xglm xlm xlm-roberta"
     ).split()
 )
 # The model types whose code builds GPT-2's attention, which reads its scales
