@@ -80,7 +80,12 @@ READ_NAMES = (
 # model type -> {other name: the config class's own}, from its attribute_map, for the names
 # of READ_NAMES
 ALIASES: dict[str, dict[str, str]] = {
-    "bart": {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"},
+    **{
+        model_type: {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"}
+        for model_type in (
+            "bart blenderbot blenderbot-small m2m_100 marian mbart mvp pegasus plbart".split()
+        )
+    },
     "bloom": {"num_attention_heads": "n_head"},
     "distilbert": {"hidden_size": "dim", "num_attention_heads": "n_heads"},
     "exaone": {"layer_norm_epsilon": "rms_norm_eps"},
@@ -94,10 +99,8 @@ ALIASES: dict[str, dict[str, str]] = {
     "granitemoehybrid": {"layers_block_type": "layer_types"},
     "imagegpt": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
     "lfm3": {"rms_norm_eps": "norm_eps"},
-    "mbart": {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"},
     "molmo2_text": {"layer_norm_eps": "rms_norm_eps"},
     "mpt": {"num_attention_heads": "n_heads", "hidden_size": "d_model"},
-    "mvp": {"num_attention_heads": "encoder_attention_heads", "hidden_size": "d_model"},
     "nemotron_h": {"layer_types": "layers_block_type"},
     "openai-gpt": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
     "t5": {"hidden_size": "d_model", "num_attention_heads": "num_heads", "head_dim": "d_kv"},

@@ -123,9 +123,10 @@ _HEADS_ALIKE = {
     "decoder_layers": SIZES["num_hidden_layers"],
 }
 PLAIN_SIZES = {
-    "bart": _HEADS_ALIKE,
-    "mbart": _HEADS_ALIKE,
-    "mvp": _HEADS_ALIKE,
+    **dict.fromkeys(
+        "bart blenderbot blenderbot-small m2m_100 marian mbart mvp pegasus plbart".split(),
+        _HEADS_ALIKE,
+    ),
     # GPT-Neo's layers global and local in turn, each local one within the last 3 positions
     "gpt_neo": {"attention_types": [[["global", "local"], 2]], "window_size": 3},
 }

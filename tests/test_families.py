@@ -300,8 +300,11 @@ def attention_io(model, found: list[tuple[str, str]]):
         handles.append(module.register_forward_pre_hook(take_input, with_kwargs=True))
         handles.append(output.register_forward_hook(take_output))
     ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11], [33, 4, 19, 7, 48, 26, 12]])
+    # An encoder-decoder's decoder reads the same ids (BART's would shift them; Pegasus's,
+    # Marian's, ... need them given)
+    decoder = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
     with torch.no_grad():
-        model(input_ids=ids)
+        model(input_ids=ids, **decoder)
     for handle in handles:
         handle.remove()
     return seen
