@@ -130,19 +130,53 @@ ROTARY = {
     "youtu": "rope_interleave",  # DeepSeek-V3's latent attention
 }
 
-# Model types whose attention in transformers rotates the queries and keys by a rule mha has
-# not checked (or beside what mha's layer holds), text models whose layers mha's layouts
-# would find: a config of one is refused even where it writes no rotary field (transformers
-# rotates with its defaults)
+# Model types whose code in transformers turns queries and keys (their modeling modules call
+# a rotary embedding) by a rule mha has not checked, or beside what mha's layer holds: text,
+# vision and audio models alike. A config of one is refused even where it writes no rotary
+# field (transformers rotates with its defaults); tests/test_config_defaults.py holds the list
+# to the installed transformers' code
 UNCHECKED_ROTARY = frozenset(
     (
-        "afmoe bailing_hybrid bamba bitnet clvp_encoder codegen cosmos3_edge_text dbrx "
-        "dia_decoder dia_encoder diffllama diffusion_gemma_text doge dory dots1 dots3_note_text "
-        "embedding_gemma2_text emu3_text_model ernie4_5_vl_moe_text flint glm4v_moe_text "
-        "glm4v_text glm5_next_text glm_image_text glm_ocr_text gpt_neox_japanese hrm_text "
-        "hunyuan_vl_text inkling2_text jetmoe laguna mimo_v2_flash minimax_m3_vl_text "
-        "mllama_text_model muse_glimmer_text openai_privacy_filter "
-        "paddleocr_vl_text persimmon qwen3_omni_moe_text qwen4_exp_text recurrent_gemma"
+        "afmoe apertus1p5_vision_tokenizer axk2 bailing_hybrid bamba beam bitnet "
+        "blt_global_transformer blt_local_decoder blt_local_encoder blt_patcher "
+        "chameleon_vqgan clvp_decoder clvp_encoder codegen cohere_compass_text "
+        "cohere_compass_vision cosmos3_edge_text cosmos3_edge_vision csm_depth_decoder_model "
+        "dbrx deepseek_ocr2_encoder deepseek_ocr2_sam_vision_model deepseek_ocr2_text "
+        "deepseek_v32 deepseek_v4 dia_decoder dia_encoder diffllama diffusion_gemma_text "
+        "dinov3_vit doge dory dots1 dots3_note_audio_encoder dots3_note_text "
+        "dots3_note_vision_encoder edgetam_video_mask_decoder edgetam_video_prompt_encoder "
+        "efficientloftr embedding_gemma2_text emu3_text_model emu3_vqgan eomt_dinov3 "
+        "ernie4_5_vl_moe_text ernie4_5_vl_moe_vision exaone4_5_vision flint gemma3n_audio "
+        "gemma3n_vision gemma4_audio gemma4_unified_audio gemma4_unified_text "
+        "gemma4_unified_vision gemma4_vision glm4v_moe_text glm4v_moe_vision glm4v_text "
+        "glm4v_vision glm5_next_text glm5_next_vision glm_image_text glm_image_vision "
+        "glm_image_vqmodel glm_moe_dsa glm_ocr_text glm_ocr_vision glmasr_encoder "
+        "gpt_neox_japanese granite4_vision_text granite_docling_vision hrm_text "
+        "hunyuan_vl_text hunyuan_vl_vision hy_v4 hy_v4_vl_text hy_v4_vl_vision "
+        "idefics_perciever idefics_vision inkling2_text inkling2_vision jetmoe "
+        "kimi_k25_vision laguna lasr_encoder lfm3_vl_vision llama4_vision_model longcat_flash "
+        "mimi mimi_decoder mimi_encoder mimo_v2_flash minimax_m3_vl_text minimax_m3_vl_vision "
+        "mistral_large4_text mlcd mlcd_vision_model mllama_text_model mllama_vision_model "
+        "modernbert modernbert-decoder molmo2_adapter molmo2_vision moonshine "
+        "moonshine_streaming_encoder moshi_depth muse_glimmer_assistant muse_glimmer_text "
+        "muse_glimmer_vision muse_spark_audio muse_spark_text muse_spark_vision "
+        "nemotron3_5_transcribe_asr_audio nemotron3_5_transcribe_word_timestamp "
+        "nemotron3_diarization_audio neomme openai_privacy_filter paddleocr_vl_text "
+        "paddleocr_vl_vision persimmon phi4_multimodal_audio phi4_multimodal_vision pixtral "
+        "pocket_tts_audio_tokenizer pocket_tts_audio_tokenizer_decoder "
+        "pocket_tts_audio_tokenizer_encoder qwen2_5_omni_audio_encoder qwen2_5_omni_bigvgan "
+        "qwen2_5_omni_dit qwen2_5_omni_talker qwen2_5_omni_text qwen2_5_omni_vision_encoder "
+        "qwen2_5_vl_vision qwen2_vl_vision qwen3_5_moe_vision qwen3_5_vision "
+        "qwen3_omni_moe_audio_encoder qwen3_omni_moe_talker_code_predictor "
+        "qwen3_omni_moe_talker_text qwen3_omni_moe_text qwen3_omni_moe_vision_encoder "
+        "qwen3_vl_moe_vision qwen3_vl_vision qwen4_exp_text qwen4_exp_vision recurrent_gemma "
+        "sam2_video_mask_decoder sam2_video_prompt_encoder sam3_detr_decoder "
+        "sam3_detr_encoder sam3_geometry_encoder sam3_mask_decoder "
+        "sam3_tracker_video_mask_decoder sam3_tracker_video_prompt_encoder sam3_vit_model "
+        "sapiens2_head step3p5 step3p5_vision t5_gemma_module t5gemma2_decoder t5gemma2_text "
+        "timesfm2_5 unlimited_ocr_sam_vision_model unlimited_ocr_text "
+        "unlimited_ocr_vision_encoder video_llama_3_vision vjepa2 voxtral_realtime_encoder "
+        "voxtral_realtime_text zamba2 zaya"
     ).split()
 )
 

@@ -6,6 +6,8 @@ config class takes a field under (its attribute_map)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import pytest
 
@@ -109,3 +111,30 @@ def test_a_field_under_its_other_name_is_read_as_transformers_reads_it():
             kinds = {"layer_types": ["full_attention"]}  # LFM3's rotary embedding is per kind
             options = porting.options_from_config({**sizes, **kinds, **written}, 0)
             assert options["qk_norm_eps"] == 0.25, (model_type, written)
+
+
+# A call of a rotary embedding in a modeling module (not its definition)
+_TURNS = r"^(?!\s*def ).*\b(apply_rotary_pos_emb\w*|apply_rotary_emb\w*|rotary_emb)\("
+
+
+def test_every_model_type_whose_code_turns_queries_and_keys_is_known():
+    # A model type outside ROTARY whose code rotates would port unrotated from a config
+    # without rotary fields; configs that nest their models' (sub_configs) are refused as such
+    T = required_import("transformers")
+    folder = os.path.join(os.path.dirname(T.__file__), "models")
+    turning = set()
+    for model_type, config_class in T.CONFIG_MAPPING.items():
+        if getattr(config_class, "sub_configs", None):
+            continue
+        where = os.path.join(folder, config_class.__module__.split(".")[2])
+        modeling = [name for name in os.listdir(where) if name.startswith("modeling_")]
+        text = "".join(_read(os.path.join(where, name)) for name in modeling)
+        if re.search(_TURNS, text, re.MULTILINE):
+            turning.add(model_type)
+    assert turning - set(ROTARY) - UNCHECKED_ROTARY == set()
+    assert not turning & PLAIN
+
+
+def _read(path: str) -> str:
+    with open(path, encoding="utf-8") as file:
+        return file.read()
