@@ -163,6 +163,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_kv_shared_layers": 15,
         "rms_norm_eps": 1e-06,
     },
+    "embedding_gemma2_text": {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-06},
     "gemma4_text": {
         "head_dim": 256,
         "sliding_window": 512,
@@ -412,6 +413,11 @@ DEFAULT_ROPE_BY_KIND["lfm3"]["full_attention"]["partial_rotary_factor"] = 0.5
 DEFAULT_ROPE_BY_KIND["ultrabert"] = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     "full_attention": {"rope_type": "default", "rope_theta": 2_560_000.0},
+}
+# EmbeddingGemma 2's: a base per layer type
+DEFAULT_ROPE_BY_KIND["embedding_gemma2_text"] = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
 }
 # Mellum's: a base per layer type
 DEFAULT_ROPE_BY_KIND["mellum"] = {

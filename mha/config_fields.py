@@ -25,10 +25,11 @@ __all__ = ["PLAIN", "READ_BY", "UNREAD", "UNREAD_WITHOUT_ROTARY", "without_unrea
 # The model types whose code applies a sliding window from the config's sliding_window
 _WINDOWED = frozenset(
     (
-        "cohere2 cohere2_moe cwm exaone4 exaone_moe gemma2 gemma3_text gemma3n_text "
-        "gemma4_text gpt_oss granite_swa granitemoe_swa kolibri1 lara_mini lfm3 mellum "
-        "minimax ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 qwen2_5_vl_text "
-        "qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 ultrabert vaultgemma"
+        "cohere2 cohere2_moe cwm embedding_gemma2_text exaone4 exaone_moe gemma2 gemma3_text "
+        "gemma3n_text gemma4_text gpt_oss granite_swa granitemoe_swa kolibri1 lara_mini lfm3 "
+        "mellum minimax ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 "
+        "qwen2_5_vl_text qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 ultrabert "
+        "vaultgemma"
     ).split()
 )
 # Qwen2's rules of which layers slide: use_sliding_window and max_window_layers
@@ -66,11 +67,12 @@ READ_BY: dict[str, frozenset[str]] = {
     "no_rope_layers": frozenset({"llama4_text", "smollm3"}),
     "layer_rope_theta": frozenset({"granite_swa", "granitemoe_swa"}),
     "rope_scaling_layers": frozenset({"molmo2_text"}),  # the layers a scaling applies to
-    # Llama 4's chunks (Gemma 4's config reads them too: refused there, as elsewhere)
-    "attention_chunk_size": frozenset({"gemma4_text", "llama4_text"}),
+    # Llama 4's chunks (Gemma 4's and EmbeddingGemma 2's configs read them too: refused there,
+    # as elsewhere)
+    "attention_chunk_size": frozenset({"embedding_gemma2_text", "gemma4_text", "llama4_text"}),
     # the older rule of which layers slide: every sliding_window_pattern-th layer full
     "sliding_window_pattern": frozenset(
-        {"cohere2", "cohere2_moe", "exaone4", "exaone_moe", "gemma3_text"}
+        {"cohere2", "cohere2_moe", "embedding_gemma2_text", "exaone4", "exaone_moe", "gemma3_text"}
     ),
     # GPT-2's scales, read by the model types that build its attention
     "scale_attn_weights": _GPT2,

@@ -30,6 +30,7 @@ _EVERY_PTH_FULL = {
     "gemma3_text": ("sliding_window_pattern", 6, SLIDING),
     "gemma3n_text": ("", 5, SLIDING),
     "gemma4_text": ("", 6, SLIDING),
+    "embedding_gemma2_text": ("sliding_window_pattern", 6, SLIDING),
     "gpt_oss": ("", 2, SLIDING),
     "ultrabert": ("", 3, SLIDING),
     "kolibri1": ("", 5, SLIDING),
@@ -52,7 +53,7 @@ _PATTERN = {
 # transformers' names of layer kinds that older configs name otherwise (Granite 4.0's)
 _LEGACY = {"mamba": LINEAR, "attention": FULL}
 # Model types whose last layer is full whatever layer_types says
-_LAST_FULL = frozenset({"gemma4_text"})
+_LAST_FULL = frozenset({"embedding_gemma2_text", "gemma4_text"})
 
 
 # Model types whose every no_rope_layer_interval-th layer has no rotary embedding where

@@ -226,7 +226,7 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
 
 # Model types whose bidirectional windows keep the keys within sliding_window positions of
 # the query either side, inclusive (UltraBERT's mask)
-_WINDOW_EITHER_SIDE = frozenset({"ultrabert"})
+_WINDOW_EITHER_SIDE = frozenset({"embedding_gemma2_text", "ultrabert"})
 
 # Model types whose full-attention layers slide where the config has a window (MiniMax's,
 # beside its linear-attention layers)
@@ -243,6 +243,7 @@ _QK_NORM = {
     "gemma3_text": "head",
     "gemma3n_text": "head",
     "gemma4_text": "head",
+    "embedding_gemma2_text": "head",
     "hunyuan_v1_dense": "head_after_rotary",  # its query_layernorm and key_layernorm
     "hunyuan_v1_moe": "head_after_rotary",
     "hy_v3": "head",
@@ -313,7 +314,7 @@ _EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}
 # (the QK-norms set their size), and whose full layers take their values from the key
 # projection where the config's attention_k_eq_v says (a port option: values_from_keys):
 # Gemma 3n's and 4's
-_GEMMA4 = frozenset({"gemma3n_text", "gemma4_text"})
+_GEMMA4 = frozenset({"embedding_gemma2_text", "gemma3n_text", "gemma4_text"})
 
 # Llama 4's text model: chunked attention, QK-norms with no weight after the rotary embedding
 # on its rotary layers, the queries scaled by their positions on the others

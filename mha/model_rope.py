@@ -50,6 +50,7 @@ ROTARY = {
     "gemma3_text": "half",
     "gemma3n_text": "half",
     "gemma4_text": "half",
+    "embedding_gemma2_text": "half",
     "glm": "pairs",
     "glm4": "pairs",
     "glm4_moe": "half",
@@ -145,7 +146,7 @@ UNCHECKED_ROTARY = frozenset(
         "deepseek_v32 deepseek_v4 dia_decoder dia_encoder diffllama diffusion_gemma_text "
         "dinov3_vit doge dory dots1 dots3_note_audio_encoder dots3_note_text "
         "dots3_note_vision_encoder edgetam_video_mask_decoder edgetam_video_prompt_encoder "
-        "efficientloftr embedding_gemma2_text emu3_text_model emu3_vqgan eomt_dinov3 "
+        "efficientloftr emu3_text_model emu3_vqgan eomt_dinov3 "
         "ernie4_5_vl_moe_text ernie4_5_vl_moe_vision exaone4_5_vision flint gemma3n_audio "
         "gemma3n_vision gemma4_audio gemma4_unified_audio gemma4_unified_text "
         "gemma4_unified_vision gemma4_vision glm4v_moe_text glm4v_moe_vision glm4v_text "
@@ -205,6 +206,7 @@ _ROPE_FIELDS = {
     "gemma3_text": ("rope_theta", ""),
     "gemma3n_text": ("rope_theta", ""),
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
+    "embedding_gemma2_text": ("", ""),
     "mellum": ("", ""),
     "olmo3": ("rope_theta", ""),
     "qwen2_5_vl_text": ("rope_theta", ""),

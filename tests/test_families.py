@@ -116,6 +116,14 @@ OWN_SIZES["gemma4_text"] = {
     "hidden_size_per_layer_input": 8,
     "vocab_size_per_layer_input": 64,
 }
+# EmbeddingGemma 2: Gemma 4's attention both ways, its sliding layers within a radius of 2
+OWN_SIZES["embedding_gemma2_text"] = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 2,
+    "global_head_dim": 16,
+    "num_global_key_value_heads": 1,
+    "hidden_size_per_layer_input": 8,
+}
 # Gemma 3n: sliding and full layers, none sharing another's keys and values (its default: the
 # last 15); its per-layer inputs, AltUp and LAuReL small
 OWN_SIZES["gemma3n_text"] = {
@@ -246,7 +254,10 @@ OWN_SIZES["esm"] = {
 }
 # Model types whose attention looks both ways (encoders)
 ENCODERS = frozenset(
-    {"esm", "esmc", "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "roformer", "ultrabert"}
+    (
+        "embedding_gemma2_text esm esmc eurobert gte jina_embeddings_v3 nomic_bert roformer "
+        "ultrabert"
+    ).split()
 )
 BY_NAME = {layout.name: layout for layout in LAYOUTS}
 

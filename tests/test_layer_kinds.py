@@ -51,9 +51,9 @@ NO_WINDOW |= {"glm4_moe_lite", "kimi_k2", "minicpm3", "mistral4", "sarvam_mla", 
 # MiniMax's model masks its full-attention layers with the window where the config has one
 # (tests/test_config_fields.py holds it to the model)
 FULL_LAYERS_SLIDE = {"minimax"}
-# UltraBERT's bidirectional mask keeps the keys within the window either side, inclusive:
-# mha's window, strictly within, one more (the family test holds it to the model)
-EITHER_SIDE = {"ultrabert"}
+# UltraBERT's and EmbeddingGemma 2's bidirectional masks keep the keys within the window
+# either side, inclusive: mha's window, strictly within, one more (the family test holds it)
+EITHER_SIDE = {"embedding_gemma2_text", "ultrabert"}
 
 
 def transformers_kinds(model_type: str, written: dict) -> list[str]:
