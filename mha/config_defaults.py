@@ -86,23 +86,22 @@ ALIASES: dict[str, dict[str, str]] = {
             "bart blenderbot blenderbot-small m2m_100 marian mbart mvp pegasus plbart".split()
         )
     },
+    **{
+        model_type: {"hidden_size": "n_embd", "num_attention_heads": "n_head"}
+        for model_type in "gpt-sw3 gpt2 gptj imagegpt openai-gpt".split()
+    },
     "bloom": {"num_attention_heads": "n_head"},
     "distilbert": {"hidden_size": "dim", "num_attention_heads": "n_heads"},
     "exaone": {"layer_norm_epsilon": "rms_norm_eps"},
     "falcon_h1": {"layer_types": "layers_block_type"},
     "flaubert": {"hidden_size": "emb_dim", "num_attention_heads": "n_heads"},
     "glm4_moe_lite": {"head_dim": "qk_rope_head_dim"},
-    "gpt-sw3": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
-    "gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
     "gpt_neo": {"num_attention_heads": "num_heads"},
-    "gptj": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
     "granitemoehybrid": {"layers_block_type": "layer_types"},
-    "imagegpt": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
     "lfm3": {"rms_norm_eps": "norm_eps"},
     "molmo2_text": {"layer_norm_eps": "rms_norm_eps"},
     "mpt": {"num_attention_heads": "n_heads", "hidden_size": "d_model"},
     "nemotron_h": {"layer_types": "layers_block_type"},
-    "openai-gpt": {"hidden_size": "n_embd", "num_attention_heads": "n_head"},
     "t5": {"hidden_size": "d_model", "num_attention_heads": "num_heads", "head_dim": "d_kv"},
     "whisper": {
         "num_key_value_heads": "encoder_attention_heads",
