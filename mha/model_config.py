@@ -313,7 +313,7 @@ _EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}
 # Model types whose values are normalized with no weight (value_norm), their scores unscaled
 # (the QK-norms set their size), and whose full layers take their values from the key
 # projection where the config's attention_k_eq_v says (a port option: values_from_keys):
-# Gemma 3n's and 4's
+# Gemma 3n's and 4's, and EmbeddingGemma 2's
 _GEMMA4 = frozenset({"embedding_gemma2_text", "gemma3n_text", "gemma4_text"})
 
 # Llama 4's text model: chunked attention, QK-norms with no weight after the rotary embedding
