@@ -110,6 +110,15 @@ def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
             f"the config's layers differ ({rule[0]}, transformers' rule of model_type="
             f"{model_type!r} where layer_types is not written): give the layer's index"
         )
+    if model_type in _LAST_FULL:  # whatever the rule gives it
+        count = config.get("num_hidden_layers")
+        if isinstance(count, bool) or not is_whole(count):
+            raise ValueError(
+                f"the config's last layer is full whatever {rule[0]} says, and its "
+                f"num_hidden_layers={count!r} does not tell which it is: give layer_types"
+            )
+        if layer == count - 1:
+            return FULL
     return rule[1](layer)
 
 

@@ -143,3 +143,17 @@ def test_layers_without_rotary_embeddings_where_no_rope_layers_is_not_written(mo
     if not all(config.no_rope_layers):
         with pytest.raises(ValueError, match="layers differ"):
             porting.options_from_config({**raw, "num_hidden_layers": None})
+
+
+@pytest.mark.parametrize("layers", [4, 8, 12])
+@pytest.mark.parametrize("model_type", ["embedding_gemma2_text", "gemma4_text"])
+def test_the_last_layer_is_full_whatever_the_rule_says(model_type, layers):
+    # Without layer_types every sixth layer is full, and transformers makes the last one full
+    written = {**SMALL, "num_hidden_layers": layers}
+    kinds = transformers_kinds(model_type, written)
+    assert kinds[-1] == "full_attention"
+    raw = {"model_type": model_type, **written}
+    windows = [porting.options_from_config(raw, i).get("sliding_window") for i in range(layers)]
+    assert [window is None for window in windows] == [k == "full_attention" for k in kinds]
+    with pytest.raises(ValueError, match="does not tell which it is"):
+        porting.options_from_config({k: v for k, v in raw.items() if k != "num_hidden_layers"}, 0)
