@@ -6,7 +6,6 @@ layer's rotary options.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -372,8 +371,6 @@ def _rotary(
                 "rope_theta: give the model's rope_theta"
             )
         return {}
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
-        raise ValueError(f"the config's rope_theta={theta!r} is not a number (one base)")
     found: dict[str, Any] = {"rope_theta": positive_number("rope_theta", theta)}
     if partial not in (None, 1.0):
         if head is None:
