@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mha.config_values import positive_count
+
 __all__ = [
     "ALIASES",
     "DEFAULTS",
@@ -38,6 +40,7 @@ __all__ = [
 FIELDS = (
     "head_dim",
     "sliding_window",
+    "local_attention",
     "use_sliding_window",
     "max_window_layers",
     "sliding_window_pattern",
@@ -114,6 +117,7 @@ ALIASES: dict[str, dict[str, str]] = {
 
 # model type -> {field: transformers' default}, for those of FIELDS its config class has
 DEFAULTS: dict[str, dict[str, Any]] = {
+    "afmoe": {"head_dim": 128, "sliding_window": 1024, "rms_norm_eps": 1e-05},
     "apertus": {"rms_norm_eps": 1e-05},
     "apertus1p5_text": {"rms_norm_eps": 1e-05},
     "arcee": {"rms_norm_eps": 1e-05},
@@ -128,6 +132,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "prefix_dense_sliding_window_pattern": 1,
         "layer_norm_eps": 1e-05,
     },
+    "cohere_compass_text": {"sliding_window": 4096, "layer_norm_eps": 1e-05},
     "csm": {"rms_norm_eps": 1e-05},
     "cwm": {"head_dim": 128, "sliding_window": 8192, "rms_norm_eps": 1e-05},
     "deepseek_v2": {"rms_norm_eps": 1e-06},
@@ -141,6 +146,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "exaone_moe": {"sliding_window": 4096, "sliding_window_pattern": 4, "rms_norm_eps": 1e-05},
     "falcon_h1": {"rms_norm_eps": 1e-05, "key_multiplier": 1.0},
     "flex_olmo": {"rms_norm_eps": 1e-06},
+    "flint": {"head_dim": 128, "sliding_window": 513, "rms_norm_eps": 1e-06},
     "gemma": {"head_dim": 256, "rms_norm_eps": 1e-06},
     "gemma2": {
         "head_dim": 256,
@@ -162,6 +168,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "num_kv_shared_layers": 15,
         "rms_norm_eps": 1e-06,
     },
+    "dots1": {"sliding_window": 4096, "max_window_layers": 62, "rms_norm_eps": 1e-06},
     "embedding_gemma2_text": {"head_dim": 256, "sliding_window": 512, "rms_norm_eps": 1e-06},
     "gemma4_text": {
         "head_dim": 256,
@@ -173,6 +180,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "glm": {"head_dim": 128, "rms_norm_eps": 1.5625e-07},
     "glm4": {"head_dim": 128, "rms_norm_eps": 1.5625e-07},
     "glm4_moe": {"rms_norm_eps": 1e-05, "use_qk_norm": False},
+    "glm4v_moe_text": {"rms_norm_eps": 1e-05},
+    "glm4v_text": {"rms_norm_eps": 1e-05},
+    "glm_image_text": {"rms_norm_eps": 1e-05},
+    "glm_ocr_text": {"rms_norm_eps": 1e-05},
     "glm4_moe_lite": {"rms_norm_eps": 1e-05, "rope_interleave": True},
     "gpt2": {"scale_attn_weights": True},
     "gpt_neo": {"window_size": 256},
@@ -215,18 +226,22 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mellum": {"head_dim": 128, "sliding_window": 1024, "rms_norm_eps": 1e-06},
     "minicpm3": {"rms_norm_eps": 1e-05},
     "minimax_m2": {"head_dim": 128, "rms_norm_eps": 1e-06},
+    "minimax_m3_vl_text": {"head_dim": 128, "rms_norm_eps": 1e-06},
     "minimax": {"rms_norm_eps": 1e-05},
     "ministral": {"sliding_window": 4096, "rms_norm_eps": 1e-06},
     "ministral3": {"head_dim": 128, "rms_norm_eps": 1e-05},
     "mistral": {"sliding_window": 4096, "rms_norm_eps": 1e-06},
     "mistral4": {"rms_norm_eps": 1e-06, "rope_interleave": True},
     "mixtral": {"rms_norm_eps": 1e-05},
+    "modernbert": {"local_attention": 128, "norm_eps": 1e-05},
+    "modernbert-decoder": {"local_attention": 128, "norm_eps": 1e-05},
     "molmo2_text": {"head_dim": 128, "rms_norm_eps": 1e-06, "qk_norm_type": "qwen3"},
     "nanochat": {"rms_norm_eps": 1e-06},
     "nemotron": {"norm_eps": 1e-05},
     "nomic_bert": {"layer_norm_eps": 1e-12},
     "olmo2": {"rms_norm_eps": 1e-05},
     "olmo3": {"sliding_window": 4096, "rms_norm_eps": 1e-05},
+    "openai_privacy_filter": {"head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-05},
     "olmo_hybrid": {"rms_norm_eps": 1e-06},
     "olmoe": {"rms_norm_eps": 1e-05},
     "phi": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
@@ -304,6 +319,7 @@ DEFAULT_THETA = {
     "gemma3_text": 1_000_000.0,
     "gemma3n_text": 1_000_000.0,
     "gpt_oss": 150_000.0,
+    "openai_privacy_filter": 150_000.0,
     "gte": 160_000.0,
     "helium": 100_000.0,
     "hy_v3": 11_158_840.0,
@@ -313,7 +329,10 @@ DEFAULT_THETA = {
     "llama4_text": 500_000.0,
     "minimax": 1_000_000.0,
     "minimax_m2": 5_000_000.0,
+    "minimax_m3_vl_text": 5_000_000.0,
     "mixtral": 1_000_000.0,
+    "modernbert": 160_000.0,  # its global_rope_theta's; local_rope_theta's 10,000
+    "modernbert-decoder": 160_000.0,
     "nomic_bert": 1_000.0,
     "olmo3": 500_000.0,
     "phimoe": 1_000_000.0,
@@ -329,6 +348,7 @@ DEFAULT_PARTIAL = {
     "glm": 0.5,
     "glm4": 0.5,
     "glm4_moe": 0.5,
+    "glm4v_moe_text": 0.5,
     "gpt_neox": 0.25,
     "nemotron": 0.5,
     "phi": 0.5,
@@ -356,6 +376,8 @@ DEFAULT_ROPE = {
     },
 }
 DEFAULT_ROPE["apertus1p5_text"] = DEFAULT_ROPE["apertus"]
+# OpenAI's privacy filter: gpt-oss's attention as an encoder
+DEFAULT_ROPE["openai_privacy_filter"] = DEFAULT_ROPE["gpt_oss"]
 # Higgs Audio v2's language model: Llama 3.2's rotary scaling
 DEFAULT_ROPE["higgs_audio_v2"] = {
     "rope_type": "llama3",
@@ -433,7 +455,15 @@ def with_aliases(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**own, **{aliases[key]: value for key, value in config.items() if key in aliases}}
 
 
+# Model types whose window is half their local_attention where sliding_window is not written
+# (ModernBERT's config gives it so, and its decoder's)
+_HALF_LOCAL_ATTENTION = frozenset({"modernbert", "modernbert-decoder"})
+
+
 def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config with transformers' default of each field it does not write (its model
-    type's); a field written as null stays null."""
-    return {**DEFAULTS.get(config.get("model_type"), {}), **config}
+    type's); a field written as null stays null, but ModernBERT's window."""
+    found = {**DEFAULTS.get(config.get("model_type"), {}), **config}
+    if found.get("model_type") in _HALF_LOCAL_ATTENTION and found.get("sliding_window") is None:
+        found["sliding_window"] = positive_count("local_attention", found["local_attention"]) // 2
+    return found

@@ -18,16 +18,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mha.model_rope import ROTARY
+from mha.rotary_types import ROTARY
 
 __all__ = ["PLAIN", "READ_BY", "UNREAD", "UNREAD_WITHOUT_ROTARY", "without_unread"]
 
 # The model types whose code applies a sliding window from the config's sliding_window
 _WINDOWED = frozenset(
     (
-        "cohere2 cohere2_moe cwm embedding_gemma2_text exaone4 exaone_moe gemma2 gemma3_text "
-        "gemma3n_text gemma4_text gpt_oss granite_swa granitemoe_swa kolibri1 lara_mini lfm3 "
-        "mellum minimax ministral ministral3 mistral mixtral olmo3 phi3 phimoe qwen2 "
+        "afmoe cohere2 cohere2_moe cohere_compass_text cwm dots1 embedding_gemma2_text exaone4 "
+        "exaone_moe flint gemma2 gemma3_text gemma3n_text gemma4_text gpt_oss granite_swa "
+        "granitemoe_swa kolibri1 lara_mini lfm3 mellum minimax ministral ministral3 mistral "
+        "mixtral modernbert modernbert-decoder olmo3 openai_privacy_filter phi3 phimoe qwen2 "
         "qwen2_5_vl_text qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 ultrabert "
         "vaultgemma"
     ).split()
@@ -54,7 +55,7 @@ _GPT2 = frozenset({"gpt-sw3", "gpt2", "imagegpt"})
 READ_BY: dict[str, frozenset[str]] = {
     "sliding_window": _WINDOWED,
     "use_sliding_window": _QWEN2_RULES | {"qwen3_moe", "smollm3"},
-    "max_window_layers": _QWEN2_RULES,
+    "max_window_layers": _QWEN2_RULES | {"dots1"},  # dots.llm1's, without use_sliding_window
     "query_pre_attn_scalar": frozenset({"gemma2", "gemma3_text", "vaultgemma"}),
     "attn_logit_softcapping": frozenset({"gemma2", "vaultgemma"}),  # Gemma 3 passes none
     "attention_multiplier": frozenset(

@@ -22,6 +22,7 @@ FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention
 # Model types whose every p-th layer is full, counting from 1 ((i + 1) % p == 0), where
 # layer_types is not written: the field that gives p, its default, the others' kind
 _EVERY_PTH_FULL = {
+    "afmoe": ("global_attn_every_n_layers", 4, SLIDING),
     "cohere2": ("sliding_window_pattern", 4, SLIDING),
     "cohere2_moe": ("sliding_window_pattern", 4, SLIDING),  # past first_k_dense_replace
     "exaone4": ("sliding_window_pattern", 4, SLIDING),
@@ -41,8 +42,15 @@ _EVERY_PTH_FULL = {
     "qwen3_next": ("full_attention_interval", 4, LINEAR),
     "vaultgemma": ("", 2, SLIDING),
 }
-# Model types whose first layer of every p is full (i % p == 0), the others sliding
-_FIRST_OF_P_FULL = {"cwm": 4, "granite_swa": 4, "granitemoe_swa": 4}
+# Model types whose first layer of every p is full (i % p == 0), the others sliding: the
+# field that gives p, its default
+_FIRST_OF_P_FULL = {
+    "cwm": ("", 4),
+    "granite_swa": ("", 4),
+    "granitemoe_swa": ("", 4),
+    "modernbert": ("global_attn_every_n_layers", 3),
+    "modernbert-decoder": ("global_attn_every_n_layers", 3),
+}
 # Model types whose layers repeat a pattern
 _PATTERN = {
     "granitemoehybrid": (LINEAR,),
@@ -50,8 +58,14 @@ _PATTERN = {
     "mellum": (FULL,),
     "minimax": (FULL, LINEAR),
 }
+# Model types whose first two layers and every fourth from the second are full, and the last
+# (Flint's), where layer_types is not written
+_FLINT_RULE = frozenset({"flint"})
 # transformers' names of layer kinds that older configs name otherwise (Granite 4.0's)
 _LEGACY = {"mamba": LINEAR, "attention": FULL}
+# Model types whose every layer is full where layer_types is not written (Cohere Compass's
+# text model: its rotary embedding is per layer type)
+_ALL_FULL = frozenset({"cohere_compass_text"})
 # Model types whose last layer is full whatever layer_types says
 _LAST_FULL = frozenset({"embedding_gemma2_text", "gemma4_text"})
 
@@ -102,6 +116,8 @@ def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
         if model_type in _LAST_FULL and layer == len(types) - 1:
             return FULL
         return types[layer] if layer is not None else None
+    if model_type in _ALL_FULL:
+        return FULL
     rule = _rule(config)
     if rule is None:
         return None
@@ -110,7 +126,7 @@ def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
             f"the config's layers differ ({rule[0]}, transformers' rule of model_type="
             f"{model_type!r} where layer_types is not written): give the layer's index"
         )
-    if model_type in _LAST_FULL:  # whatever the rule gives it
+    if model_type in _LAST_FULL | _FLINT_RULE:  # whatever the rule gives it
         count = config.get("num_hidden_layers")
         if isinstance(count, bool) or not is_whole(count):
             raise ValueError(
@@ -138,10 +154,15 @@ def _rule(config: Mapping[str, Any]):
 
         return f"a full layer every {period}", kind
     if model_type in _FIRST_OF_P_FULL:
-        period = _FIRST_OF_P_FULL[model_type]
+        period = _period(config, *_FIRST_OF_P_FULL[model_type])
         return (
             f"a full layer every {period} from the first",
             lambda i: SLIDING if i % period else FULL,
+        )
+    if model_type in _FLINT_RULE:
+        return (
+            "the first two layers, every fourth from the second and the last full",
+            lambda i: FULL if i < 2 or i % 4 == 1 else SLIDING,
         )
     if model_type in _PATTERN:
         pattern = _PATTERN[model_type]

@@ -225,8 +225,10 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
 
 
 # Model types whose bidirectional windows keep the keys within sliding_window positions of
-# the query either side, inclusive (UltraBERT's mask)
-_WINDOW_EITHER_SIDE = frozenset({"embedding_gemma2_text", "ultrabert"})
+# the query either side, inclusive (UltraBERT's mask, ModernBERT's)
+_WINDOW_EITHER_SIDE = frozenset(
+    {"embedding_gemma2_text", "modernbert", "openai_privacy_filter", "ultrabert"}
+)
 
 # Model types whose full-attention layers slide where the config has a window (MiniMax's,
 # beside its linear-attention layers)
@@ -235,11 +237,14 @@ _FULL_LAYERS_SLIDE = frozenset({"minimax"})
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
 # q_norm and k_norm): over each head, or over the whole projection
 _QK_NORM = {
+    "afmoe": "head",
     "apertus": "head",
     "apertus1p5_text": "head",
+    "dots1": "head",
     "exaone4": "head",
     "exaone_moe": "head",
     "flex_olmo": "projection",
+    "flint": "head",
     "gemma3_text": "head",
     "gemma3n_text": "head",
     "gemma4_text": "head",
@@ -254,6 +259,7 @@ _QK_NORM = {
     "lfm3": "head",
     "mellum": "head",
     "minimax_m2": "projection",
+    "minimax_m3_vl_text": "head",
     "molmo2_text": "head",  # its qk_norm_type says: "head" or "projection"
     "olmo2": "projection",
     "olmo3": "projection",
@@ -298,14 +304,16 @@ _LAYER_NORM_PER_HEAD = {"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}
 # Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
 _QK_NORM_OFFSET = {
     "gemma3_text": 1.0,
+    "minimax_m3_vl_text": 1.0,
     "qwen3_5_moe_text": 1.0,
     "qwen3_5_text": 1.0,
     "qwen3_next": 1.0,
 }
 
-# Model types whose query projection also gives a gate of the heads' output; LFM3's g_proj
-# gives one per head where its use_attention_gate says (transformers' default: on)
-_OUTPUT_GATE = frozenset({"qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
+# Model types whose heads' output is gated: by rows of the query projection (Qwen3-Next's) or
+# by gate_proj (AFMoE's, a gate per feature); LFM3's g_proj gives one per head where its
+# use_attention_gate says (transformers' default: on)
+_OUTPUT_GATE = frozenset({"afmoe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
 _HEAD_GATE = {"lfm3": "use_attention_gate"}
 # Model types whose config names the norms' eps otherwise, and transformers' default of it
 _EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}

@@ -13,172 +13,9 @@ from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_K
 from mha.config_values import fraction, positive_count, positive_number
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 from mha.layer_kinds import rotates
+from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
 
 __all__ = ["ROTARY", "TURNS_PART", "query_scaling", "rotary_options"]
-
-# The rotary convention of each model type checked against transformers' own layer, which
-# its config does not tell: "half" rotates features (i, i + d/2) as Llama, "pairs"
-# (2i, 2i + 1) as GPT-J, "rope_interleave" as the config's field of that name says (pairs when
-# True, its default)
-ROTARY = {
-    "apertus": "half",
-    "apertus1p5_text": "half",  # Apertus 1.5's text model is Apertus's
-    "arcee": "half",
-    "aria_text": "half",
-    "axk1": "rope_interleave",  # DeepSeek-V3's latent attention
-    "cohere": "pairs",
-    "cohere2": "pairs",
-    "cohere2_moe": "pairs",
-    "csm": "half",
-    "cwm": "half",
-    "deepseek_v2": "pairs",
-    "deepseek_v3": "rope_interleave",
-    "ernie4_5": "pairs",
-    "ernie4_5_moe": "pairs",
-    "esm": "half",  # ESM-2's, where position_embedding_type is "rotary"
-    "esmc": "half",
-    "eurobert": "half",
-    "exaone": "half",  # EXAONE 3 and 3.5, Llama's layers in transformers
-    "exaone4": "half",
-    "exaone_moe": "half",
-    "falcon": "half",
-    "falcon_h1": "half",
-    "flex_olmo": "half",
-    "gemma": "half",
-    "gemma2": "half",
-    "gemma3_text": "half",
-    "gemma3n_text": "half",
-    "gemma4_text": "half",
-    "embedding_gemma2_text": "half",
-    "glm": "pairs",
-    "glm4": "pairs",
-    "glm4_moe": "half",
-    "glm4_moe_lite": "rope_interleave",  # DeepSeek-V3's latent attention
-    "gpt_neox": "half",
-    "gpt_oss": "half",
-    "gptj": "pairs",
-    "granite": "half",
-    "granite_docling_text": "half",
-    "granitemoe": "half",
-    "granitemoehybrid": "half",  # Granite 4.0's, where position_embedding_type is "rope"
-    "granitemoeshared": "half",
-    "granite_swa": "half",
-    "granitemoe_swa": "half",
-    "gte": "half",
-    "helium": "pairs",
-    "higgs_audio_v2": "half",
-    "hunyuan_v1_dense": "half",
-    "hunyuan_v1_moe": "half",
-    "hy_v3": "half",
-    "hyperclovax": "half",
-    "internlm3": "half",
-    "iquestcoder": "half",  # transformers builds Llama's modules
-    "jais2": "half",
-    "jina_embeddings_v3": "half",
-    "kolibri1": "half",
-    "lara_mini": "half",
-    "lfm2": "half",
-    "lfm2_moe": "half",
-    "lfm3": "half",
-    # Kimi K2's own config.json: transformers reads it as DeepSeek-V3's (Kimi K2.5's text_config)
-    "kimi_k2": "rope_interleave",
-    "llama": "half",
-    "llama4_text": "pairs",  # complex products of (2i, 2i + 1)
-    "mellum": "half",
-    "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
-    "minimax": "half",  # MiniMax-Text-01's full-attention layers
-    "minimax_m2": "half",
-    "ministral": "half",
-    "ministral3": "half",
-    "mistral": "half",
-    "mistral4": "rope_interleave",  # DeepSeek-V3's latent attention
-    "mixtral": "half",
-    "molmo2_text": "half",
-    "nanochat": "half",  # turned the other way: the port's reversed_rotary
-    "nemotron": "half",
-    "nomic_bert": "half",
-    "olmo": "half",
-    "olmo2": "half",
-    "olmo3": "half",
-    "olmo_hybrid": "half",  # its full-attention layers; rope_parameters' rope_theta null: none
-    "olmoe": "half",
-    "phi": "half",
-    "phi3": "half",
-    "phimoe": "half",
-    "qwen2": "half",
-    "qwen2_moe": "half",
-    "qwen2_5_vl_text": "half",  # multimodal rotary, turning text as the plain one
-    "qwen2_vl_text": "half",
-    "qwen3": "half",
-    "qwen3_moe": "half",
-    "qwen3_next": "half",
-    # Qwen3.5's text models (Qwen3-Next's attention); their multimodal rotary turns text as this
-    "qwen3_5_moe_text": "half",
-    "qwen3_5_text": "half",
-    "qwen3_vl_moe_text": "half",
-    "qwen3_vl_text": "half",
-    "roformer": "pairs",
-    "sarvam_mla": "rope_interleave",  # DeepSeek-V3's layers in transformers
-    "sarvam_moe": "half",  # GLM-4.5's layers in transformers, the whole head rotated
-    "seed_oss": "half",
-    "smollm3": "half",
-    "solar_open": "half",
-    "stablelm": "half",
-    "ultrabert": "half",  # an encoder: its windows reach sliding_window positions either side
-    "starcoder2": "half",
-    "vaultgemma": "half",
-    "youtu": "rope_interleave",  # DeepSeek-V3's latent attention
-}
-
-# Model types whose code in transformers turns queries and keys (their modeling modules call
-# a rotary embedding) by a rule mha has not checked, or beside what mha's layer holds: text,
-# vision and audio models alike. A config of one is refused even where it writes no rotary
-# field (transformers rotates with its defaults); tests/test_config_defaults.py holds the list
-# to the installed transformers' code
-UNCHECKED_ROTARY = frozenset(
-    (
-        "afmoe apertus1p5_vision_tokenizer axk2 bailing_hybrid bamba beam bitnet "
-        "blt_global_transformer blt_local_decoder blt_local_encoder blt_patcher "
-        "chameleon_vqgan clvp_decoder clvp_encoder codegen cohere_compass_text "
-        "cohere_compass_vision cosmos3_edge_text cosmos3_edge_vision csm_depth_decoder_model "
-        "dbrx deepseek_ocr2_encoder deepseek_ocr2_sam_vision_model deepseek_ocr2_text "
-        "deepseek_v32 deepseek_v4 dia_decoder dia_encoder diffllama diffusion_gemma_text "
-        "dinov3_vit doge dory dots1 dots3_note_audio_encoder dots3_note_text "
-        "dots3_note_vision_encoder edgetam_video_mask_decoder edgetam_video_prompt_encoder "
-        "efficientloftr emu3_text_model emu3_vqgan eomt_dinov3 "
-        "ernie4_5_vl_moe_text ernie4_5_vl_moe_vision exaone4_5_vision flint gemma3n_audio "
-        "gemma3n_vision gemma4_audio gemma4_unified_audio gemma4_unified_text "
-        "gemma4_unified_vision gemma4_vision glm4v_moe_text glm4v_moe_vision glm4v_text "
-        "glm4v_vision glm5_next_text glm5_next_vision glm_image_text glm_image_vision "
-        "glm_image_vqmodel glm_moe_dsa glm_ocr_text glm_ocr_vision glmasr_encoder "
-        "gpt_neox_japanese granite4_vision_text granite_docling_vision hrm_text "
-        "hunyuan_vl_text hunyuan_vl_vision hy_v4 hy_v4_vl_text hy_v4_vl_vision "
-        "idefics_perciever idefics_vision inkling2_text inkling2_vision jetmoe "
-        "kimi_k25_vision laguna lasr_encoder lfm3_vl_vision llama4_vision_model longcat_flash "
-        "mimi mimi_decoder mimi_encoder mimo_v2_flash minimax_m3_vl_text minimax_m3_vl_vision "
-        "mistral_large4_text mlcd mlcd_vision_model mllama_text_model mllama_vision_model "
-        "modernbert modernbert-decoder molmo2_adapter molmo2_vision moonshine "
-        "moonshine_streaming_encoder moshi_depth muse_glimmer_assistant muse_glimmer_text "
-        "muse_glimmer_vision muse_spark_audio muse_spark_text muse_spark_vision "
-        "nemotron3_5_transcribe_asr_audio nemotron3_5_transcribe_word_timestamp "
-        "nemotron3_diarization_audio neomme openai_privacy_filter paddleocr_vl_text "
-        "paddleocr_vl_vision persimmon phi4_multimodal_audio phi4_multimodal_vision pixtral "
-        "pocket_tts_audio_tokenizer pocket_tts_audio_tokenizer_decoder "
-        "pocket_tts_audio_tokenizer_encoder qwen2_5_omni_audio_encoder qwen2_5_omni_bigvgan "
-        "qwen2_5_omni_dit qwen2_5_omni_talker qwen2_5_omni_text qwen2_5_omni_vision_encoder "
-        "qwen2_5_vl_vision qwen2_vl_vision qwen3_5_moe_vision qwen3_5_vision "
-        "qwen3_omni_moe_audio_encoder qwen3_omni_moe_talker_code_predictor "
-        "qwen3_omni_moe_talker_text qwen3_omni_moe_text qwen3_omni_moe_vision_encoder "
-        "qwen3_vl_moe_vision qwen3_vl_vision qwen4_exp_text qwen4_exp_vision recurrent_gemma "
-        "sam2_video_mask_decoder sam2_video_prompt_encoder sam3_detr_decoder "
-        "sam3_detr_encoder sam3_geometry_encoder sam3_mask_decoder "
-        "sam3_tracker_video_mask_decoder sam3_tracker_video_prompt_encoder sam3_vit_model "
-        "sapiens2_head step3p5 step3p5_vision t5_gemma_module t5gemma2_decoder t5gemma2_text "
-        "timesfm2_5 unlimited_ocr_sam_vision_model unlimited_ocr_text "
-        "unlimited_ocr_vision_encoder video_llama_3_vision vjepa2 voxtral_realtime_encoder "
-        "voxtral_realtime_text zamba2 zaya"
-    ).split()
-)
 
 # Model types whose base is 10000 in transformers' code, which reads no rotary field of the
 # config (GPT-J's rotary_dim aside)
@@ -190,8 +27,9 @@ _THETA_ALONE = frozenset({"esm"})
 # rotary embedding, and fails on one under a scaled embedding
 TURNS_PART = frozenset(
     (
-        "glm glm4 glm4_moe glm4_moe_lite gpt_neox minimax_m2 mistral4 nemotron phi phi3 "
-        "qwen3_5_moe_text qwen3_5_text qwen3_next sarvam_moe stablelm"
+        "glm glm4 glm4_moe glm4_moe_lite glm4v_moe_text glm4v_text glm_image_text glm_ocr_text "
+        "gpt_neox minimax_m2 minimax_m3_vl_text mistral4 nemotron phi phi3 qwen3_5_moe_text "
+        "qwen3_5_text qwen3_next sarvam_moe stablelm"
     ).split()
 )
 # Model types among the others whose code fails on a fraction under any rotary embedding
@@ -207,22 +45,32 @@ _ROPE_FIELDS = {
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
     "embedding_gemma2_text": ("", ""),
     "mellum": ("", ""),
+    "modernbert": ("global_rope_theta", ""),
+    "modernbert-decoder": ("global_rope_theta", ""),
     "olmo3": ("rope_theta", ""),
     "qwen2_5_vl_text": ("rope_theta", ""),
     "qwen2_vl_text": ("rope_theta", ""),
 }
-# Model types whose sliding layers take their base from another field, unscaled, where the
-# config's rotary parameters are not per layer type: Gemma 3's and 3n's rope_local_base_freq;
-# OLMo 3's sliding layers take transformers' default base whatever rope_theta says
+# Model types whose sliding layers take their base from another field, where the config's
+# rotary parameters are not per layer type: Gemma 3's and 3n's rope_local_base_freq (unscaled),
+# ModernBERT's local_rope_theta (and rope_scaling, as its full layers: _LOCAL_SCALED); OLMo
+# 3's sliding layers take transformers' default base whatever rope_theta says
+_LOCAL_SCALED = frozenset({"modernbert", "modernbert-decoder"})
 _LOCAL_THETA = {
     "gemma3_text": ("rope_local_base_freq", 10_000.0),
     "gemma3n_text": ("rope_local_base_freq", 10_000.0),
     "olmo3": ("", 500_000.0),
+    "modernbert": ("local_rope_theta", 10_000.0),
+    "modernbert-decoder": ("local_rope_theta", 10_000.0),
 }
 
 # Model types whose rope_parameters turn the rotary embedding off with a rope_theta of null
 # (OLMo Hybrid's released configs: its layers then add no positions)
 _NULL_THETA_TURNS_NONE = frozenset({"olmo_hybrid"})
+
+# Model types whose rotary parameters are one per layer type alone, null for a type without a
+# rotary embedding (Cohere Compass's text model: its flat keys beside them are not read)
+_ROPE_BY_KIND_ONLY = frozenset({"cohere_compass_text"})
 
 # Model types whose rope_scaling transformers nests per layer type without reading its
 # older key 'type' (their rotary embedding stays the default one)
@@ -239,7 +87,7 @@ _SELF_ATTENTION_ONLY = frozenset({"esm", "roformer"})
 # any other type is without rotation, as Granite 4.0's code reads it)
 _POSITION_TYPES = {"esm": ("rotary", ("absolute",)), "granitemoehybrid": ("rope", None)}
 # Model types whose layers without a sliding window have no rotary embedding
-_ROTARY_WITH_WINDOW_ONLY = frozenset({"cohere2", "cohere2_moe", "lara_mini"})
+_ROTARY_WITH_WINDOW_ONLY = frozenset({"afmoe", "cohere2", "cohere2_moe", "flint", "lara_mini"})
 # Model types whose full-attention layers have none where the config has a sliding window
 _NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4", "exaone_moe", "kolibri1"})
 
@@ -347,6 +195,8 @@ def _rotary(
     if layer_theta == 0:
         return {}  # Granite SWA's layers without rotary embeddings
     rope, field = _rope_parameters(config, kind)
+    if rope is None:
+        return {}  # Cohere Compass's layers of a kind without a rotary embedding
     rope = _fixed_alpha(config, rope, head)
     model_type = config.get("model_type")
     if model_type in _NULL_THETA_TURNS_NONE and "rope_theta" in rope and rope["rope_theta"] is None:
@@ -448,6 +298,8 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
         )
     if model_type in _THETA_IN_CODE | _THETA_ALONE:
         return {}, f"{model_type}'s code"
+    if model_type in _ROPE_BY_KIND_ONLY:
+        return _kind_rope(config, kind)
     rope = config.get("rope_parameters") or {}
     if not rope and not config.get("rope_scaling") and model_type in DEFAULT_ROPE_BY_KIND:
         rope = DEFAULT_ROPE_BY_KIND[model_type]
@@ -470,7 +322,7 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
             f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
             f"{dict(legacy)}; mha reads one"
         )
-    if kind == "sliding_attention" and model_type in _LOCAL_THETA:
+    if kind == "sliding_attention" and model_type in _LOCAL_THETA.keys() - _LOCAL_SCALED:
         return {}, "rope_parameters"
     named = (legacy.get("type"), legacy.get("rope_type"))
     if model_type in _DEEPSEEK_YARN and "deepseek_yarn" in named:
@@ -491,6 +343,24 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
     return rope, "rope_parameters"
 
 
+def _kind_rope(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping | None, str]:
+    """The rotary parameters of the layer type, None for none (_ROPE_BY_KIND_ONLY's); an
+    error where the config gives none for it, which transformers cannot run."""
+    rope = config.get("rope_parameters")
+    if config.get("rope_scaling") is not None:
+        raise ValueError(
+            f"the config's rope_scaling is not read by model_type={config.get('model_type')!r}"
+            " (its rope_parameters are per layer type): give them there"
+        )
+    entry = rope.get(kind, ...) if isinstance(rope, Mapping) else ...
+    if entry is not None and not isinstance(entry, Mapping):
+        raise ValueError(
+            f"the config's rope_parameters give no rotary embedding for {kind!r} layers (one "
+            f"per layer type, null for none), which transformers needs: {rope!r}"
+        )
+    return entry, f"rope_parameters[{kind!r}]"
+
+
 # What every rotary type's parameters may hold beside its own
 _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 # Model types whose rotary parameters also split the frequencies among the axes of images'
@@ -499,6 +369,7 @@ _ROPE_COMMON = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 _MULTIMODAL_ROPE = frozenset(
     {"qwen2_5_vl_text", "qwen2_vl_text", "qwen3_5_moe_text", "qwen3_5_text"}
     | {"qwen3_vl_moe_text", "qwen3_vl_text"}
+    | {"glm4v_moe_text", "glm4v_text", "glm_image_text", "glm_ocr_text", "cohere_compass_text"}
 )
 # Model types whose older configs name that rotary type "mrope": transformers reads "default"
 _MROPE_IS_DEFAULT = frozenset({"qwen2_5_vl_text", "qwen2_vl_text"})

@@ -57,25 +57,27 @@ from mha.config import get_backend
 from mha.encoding import rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
-    CENTERED,
-    HALVES_SWAPPED,
     LAYOUTS,
-    UNIT_QK_NORMS,
     Layout,
-    centered_projections,
     find_attention,
     flatten,
-    halves_swapped,
-    head_gate,
     layout_names,
     matches,
     num_kv_heads,
-    split_gate,
     under,
-    unit_qk_norms,
     weights_and_config,
 )
 from mha.model_config import options_from_config
+from mha.port_adjustments import (
+    CENTERED,
+    HALVES_SWAPPED,
+    UNIT_QK_NORMS,
+    centered_projections,
+    halves_swapped,
+    head_gate,
+    split_gate,
+    unit_qk_norms,
+)
 from mha.position_bias import alibi_bias, t5_position_bias
 from mha.registry import load_backend
 from mha.shared_layers import (
@@ -148,8 +150,8 @@ def canonical_from_state_dict(
         scale: the score scale, where the model's is not its layout's (GPT-2's by layer).
         qk_norm_offset: what the source's QK-norms add to their weights before scaling
             (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
-        output_gate: the heads' output is gated: q_proj's rows split into W_q and the gate's
-            W_g (Qwen3-Next), or LFM3's g_proj, a gate per head, where it is there.
+        output_gate: the heads' output is gated: q_proj's rows split into W_q and W_g (Qwen3-
+            Next), or LFM3's g_proj (one per head) or AFMoE's gate_proj where it is there.
         without_positions: no rotary embedding or ALiBi in a layout whose models all add
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         values_from_keys: the layer has no v_proj, its values being the key projection's
@@ -223,8 +225,12 @@ def _read_port(layout: Layout, names, num_heads, where: str, qk_norm, port: dict
     weights.update(_beside_weights(names, extra, qk_norm_offset, where))
     config["sinks"], config["output_gate"] = "sinks" in extra, "W_g" in weights
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
-    if "W_g" in extra:  # LFM3's gate of each head, every feature of the head sharing it
-        weights["W_g"] = head_gate(weights["W_g"], config, where)
+    if "W_g" in extra:  # LFM3's gate of each head, or AFMoE's of each feature
+        weights["W_g"] = head_gate(weights["W_g"], config, where, extra["W_g"])
+        if config["bias"]:  # the projections' biases, none of the gate's: a zero one (exact)
+            weights["b_g"] = np.zeros(weights["W_g"].shape[1], weights["W_g"].dtype)
+            gate = extra["W_g"].removesuffix(".weight")
+            config["zero_biases"] = [*config.get("zero_biases", ()), gate]
     kv_hiddens = config.pop("kv_hiddens", config["num_hiddens"])
     notes = _notes(config.pop("zero_biases", ()), qk_norm_offset if "q_norm" in extra else 0)
     if kv_hiddens != config["num_hiddens"]:
@@ -421,18 +427,22 @@ def _what_it_is(name: str) -> str:
         return "attention sinks: a learned logit per head in each softmax"
     if module == "g_proj":
         return "a gate of each head's output (LFM3's): give output_gate=True"
+    if module == "gate_proj":
+        return "a gate of each output feature (AFMoE's): give output_gate=True"
     return "a tensor beside the projections"
 
 
 def _beside_projections(layout, names, qk_norm: str | None, gate: bool, where: str):
     """Canonical name -> the name under the prefix of each weight beside the projections (a
     tuple of names: one row each): QK-norm's scales where qk_norm says, gpt-oss's sinks where
-    they are, LFM3's gate projection g_proj (one row per head) where output_gate says."""
+    they are, LFM3's gate projection g_proj (one row per head) or AFMoE's gate_proj (a row per
+    feature) where output_gate says."""
     extra = _qk_norm_names(layout, names, qk_norm, where)
     if "sinks" in names:
         extra["sinks"] = "sinks"
-    if gate and "g_proj.weight" in names:
-        extra["W_g"] = "g_proj.weight"
+    for gate_name in ("g_proj.weight", "gate_proj.weight"):
+        if gate and gate_name in names:
+            extra["W_g"] = gate_name
     return extra
 
 

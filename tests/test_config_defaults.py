@@ -15,7 +15,7 @@ from conftest import required_import
 from mha import porting
 from mha.config_defaults import ALIASES, DEFAULTS, FIELDS, READ_NAMES
 from mha.config_fields import PLAIN
-from mha.model_rope import ROTARY, UNCHECKED_ROTARY
+from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
 
 pytestmark = pytest.mark.torch  # transformers' configs
 

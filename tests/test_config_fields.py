@@ -13,7 +13,7 @@ import pytest
 from mha import porting
 from mha.config_defaults import DEFAULTS
 from mha.config_fields import PLAIN, READ_BY, UNREAD, UNREAD_WITHOUT_ROTARY, without_unread
-from mha.model_rope import ROTARY
+from mha.rotary_types import ROTARY
 
 torch = pytest.importorskip("torch")  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
@@ -395,3 +395,47 @@ def test_whole_numbers_written_as_floats_are_read_as_whole():
     options = porting.options_from_config({**MISTRAL, **numbers})
     assert options["sliding_window"] == 8 and type(options["sliding_window"]) is int
     assert options["rope_theta"] == 1e4
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"global_rope_theta": 1000.0, "local_rope_theta": 50.0, "local_attention": 5},
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "local_rope_theta": 50.0},
+    ],
+    ids=["bases", "scaled"],
+)
+@pytest.mark.parametrize("model_type", ["modernbert", "modernbert-decoder"])
+def test_modernbert_reads_its_older_fields_as_transformers_does(model_type, changes, written):
+    # Its released configs write a base per layer kind under these names, and local_attention,
+    # whose half (rounded down) is the window; an older rope_scaling scales both kinds
+    config, model = tiny_model(model_type, attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": model_type}
+    else:
+        config_dict = _written(model_type, changes)
+    window = (changes.get("local_attention", 4) // 2) + (model_type == "modernbert")
+    assert porting.options_from_config(config_dict, 1)["sliding_window"] == window
+    assert_each_layer_ports(model_type, model, config, config_dict)
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+def test_cohere_compass_reads_its_rotary_embedding_per_layer_type_alone(written):
+    # null for a type without one; the flat rope_theta and rope_type its released configs keep
+    # beside them are not read, nor the split among images' axes (a text turns as the plain one)
+    sliding = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [1, 1, 2]}
+    rope = {"sliding_attention": sliding, "full_attention": None}
+    changes = {"rope_parameters": {**rope, "rope_theta": 5.0, "rope_type": "default"}}
+    model_type = "cohere_compass_text"
+    config, model = tiny_model(model_type, attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": model_type}
+    else:
+        config_dict = _written(model_type, changes)
+    assert "rope_theta" not in porting.options_from_config(config_dict, 1)
+    assert_each_layer_ports(model_type, model, config, config_dict)
+    # transformers cannot run it without its rotary embedding per layer type
+    for flat in (None, {"rope_type": "default", "rope_theta": 100.0}):
+        with pytest.raises(ValueError, match="give no rotary embedding for 'sliding_attention'"):
+            porting.options_from_config({**config_dict, "rope_parameters": flat}, 0)

@@ -17,7 +17,7 @@ import pytest
 from conftest import required_import
 from mha import porting
 from mha.layouts import LAYOUTS
-from mha.model_rope import ROTARY
+from mha.rotary_types import ROTARY
 from mha.shared_layers import KEYS_VALUES_ELSEWHERE
 
 torch = pytest.importorskip("torch")  # transformers' models are torch modules
@@ -215,6 +215,61 @@ OWN_SIZES["qwen3_5_text"] = {
 # (a text's positions alike on every axis), named "mrope" as their older configs name it
 for model_type in ("qwen2_vl_text", "qwen2_5_vl_text"):
     OWN_SIZES[model_type] = {"rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}}
+# GLM-4.1V's, GLM-OCR's and GLM-Image's text models (and GLM-4.5V's, half of each head turned
+# by default, few small experts): the split of the frequencies among the axes of images'
+# positions to fit the part turned, a text's positions alike on every axis
+GLM_V = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0]}
+for model_type in ("glm4v_text", "glm_ocr_text", "glm_image_text"):
+    OWN_SIZES[model_type] = {"rope_parameters": {**GLM_V, "partial_rotary_factor": 0.5}}
+OWN_SIZES["glm4v_moe_text"] = {
+    "rope_parameters": GLM_V,
+    **FEW_EXPERTS,
+    "n_routed_experts": 4,
+    "first_k_dense_replace": 1,
+}
+# dots.llm1: its layers from max_window_layers on sliding, within the sequence; few small
+# experts
+OWN_SIZES["dots1"] = {
+    **FEW_EXPERTS,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "max_window_layers": 2,
+    "sliding_window": 4,
+}
+# Flint: its sinks, its windows within the sequence (rotary on its sliding layers alone), its
+# eight layers' kinds (the first two, the sixth and the last full); few small experts
+OWN_SIZES["flint"] = {
+    **FEW_EXPERTS,
+    "num_experts": 4,
+    "num_hidden_layers": 8,
+    "sliding_window": 4,
+}
+# MiniMax-M3's text model: half of each head turned (its rotary_dim unread); few small experts
+OWN_SIZES["minimax_m3_vl_text"] = {
+    **FEW_EXPERTS,
+    "num_local_experts": 4,
+    "rotary_dim": 2,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
+}
+# AFMoE (Arcee's Trinity): its gate_proj, a full layer every 2 (the others sliding, rotated,
+# their window within the sequence); few small experts past a dense layer
+OWN_SIZES["afmoe"] = {
+    **FEW_EXPERTS,
+    "num_experts": 4,
+    "num_dense_layers": 1,
+    "global_attn_every_n_layers": 2,
+    "sliding_window": 4,
+}
+# Cohere's North (Compass) text model: a rotary embedding per layer type, none on its full
+# layers; its sliding layers' window within the sequence
+OWN_SIZES["cohere_compass_text"] = {
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 4,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": None,
+    },
+}
 # Windows within the sequence
 OWN_SIZES["cwm"] = {"sliding_window": 4}
 # Granite SWA's bases per layer, 0 for none; its sinks (set away from 0 in tiny_model)
@@ -252,11 +307,22 @@ OWN_SIZES["esm"] = {
     "position_embedding_type": "rotary",
     "emb_layer_norm_before": True,
 }
+# ModernBERT and its decoder: a full layer every 2, the others' window half local_attention
+# (either side in the encoder, within the sequence), no grouped heads
+OWN_SIZES["modernbert"] = {
+    "head_dim": None,
+    "num_key_value_heads": None,
+    "local_attention": 4,
+    "global_attn_every_n_layers": 2,
+}
+OWN_SIZES["modernbert-decoder"] = OWN_SIZES["modernbert"]
+# OpenAI's privacy filter: its window within the sequence, either side; few small experts
+OWN_SIZES["openai_privacy_filter"] = {"sliding_window": 2, **FEW_EXPERTS, "num_local_experts": 4}
 # Model types whose attention looks both ways (encoders)
 ENCODERS = frozenset(
     (
-        "embedding_gemma2_text esm esmc eurobert gte jina_embeddings_v3 nomic_bert roformer "
-        "ultrabert"
+        "embedding_gemma2_text esm esmc eurobert gte jina_embeddings_v3 modernbert nomic_bert "
+        "openai_privacy_filter roformer ultrabert"
     ).split()
 )
 BY_NAME = {layout.name: layout for layout in LAYOUTS}

@@ -9,7 +9,7 @@ import pytest
 from conftest import required_import
 from mha import porting
 from mha.config_fields import READ_BY
-from mha.model_rope import ROTARY
+from mha.rotary_types import ROTARY
 
 pytestmark = pytest.mark.torch  # transformers' configs
 
@@ -28,6 +28,15 @@ WRITTEN = {
     "cohere2_moe": {"first_k_dense_replace": 2, "prefix_dense_sliding_window_pattern": 2},
     "gemma3_text": {"sliding_window_pattern": 4},
     "gemma3n_text": {"num_kv_shared_layers": 0},
+    # a rotary embedding per layer type, without which transformers cannot run it
+    "cohere_compass_text": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": None,
+        }
+    },
+    "modernbert": {"global_attn_every_n_layers": 5},
+    "modernbert-decoder": {"global_attn_every_n_layers": 4},
     "qwen2": {"use_sliding_window": True, "max_window_layers": 5},
     "qwen2_moe": {"use_sliding_window": True, "max_window_layers": 7},
     "qwen3": {"use_sliding_window": True},  # max_window_layers' default, 28
@@ -51,9 +60,10 @@ NO_WINDOW |= {"glm4_moe_lite", "kimi_k2", "minicpm3", "mistral4", "sarvam_mla", 
 # MiniMax's model masks its full-attention layers with the window where the config has one
 # (tests/test_config_fields.py holds it to the model)
 FULL_LAYERS_SLIDE = {"minimax"}
-# UltraBERT's and EmbeddingGemma 2's bidirectional masks keep the keys within the window
-# either side, inclusive: mha's window, strictly within, one more (the family test holds it)
-EITHER_SIDE = {"embedding_gemma2_text", "ultrabert"}
+# UltraBERT's, EmbeddingGemma 2's and ModernBERT's bidirectional masks keep the keys within
+# the window either side, inclusive: mha's window, strictly within, one more (the family test
+# holds it)
+EITHER_SIDE = {"embedding_gemma2_text", "modernbert", "openai_privacy_filter", "ultrabert"}
 
 
 def transformers_kinds(model_type: str, written: dict) -> list[str]:

@@ -16,7 +16,7 @@ import pytest
 
 import mha
 from conftest import backend_module, backend_params, required_backends, required_import
-from mha import cli, interop, layouts, model_rope, porting
+from mha import cli, interop, layouts, model_rope, porting, rotary_types
 
 try:
     import torch
@@ -616,10 +616,15 @@ LATENT_TYPES = {"axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "kimi_k2"
 LATENT_TYPES |= {"mistral4", "sarvam_mla", "youtu"}
 
 
-# UltraBERT's rope_theta is a base per layer, refused (tests/test_config_fields.py)
+# UltraBERT's rope_theta is a base per layer, refused (tests/test_config_fields.py); Cohere
+# Compass's rotary embedding is its rope_parameters' per layer type alone (refused without)
 @pytest.mark.parametrize(
     "model_type",
-    sorted(set(model_rope.ROTARY) - {"esm", "gptj", "roformer", "ultrabert"} - LATENT_TYPES),
+    sorted(
+        set(rotary_types.ROTARY)
+        - {"cohere_compass_text", "esm", "gptj", "roformer", "ultrabert"}
+        - LATENT_TYPES
+    ),
 )
 def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_defaults(
     model_type,
@@ -645,7 +650,8 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
                 continue  # Qwen3-Next's linear attention
             if not (getattr(config, "no_rope_layers", None) or [1] * 4)[layer]:
                 continue  # SmolLM3's and Llama 4's layers without a rotary embedding
-            rotates_sliding_only = ("cohere2", "cohere2_moe", "exaone4", "exaone_moe", "lara_mini")
+            rotates_sliding_only = ("afmoe", "cohere2", "cohere2_moe", "exaone4", "exaone_moe")
+            rotates_sliding_only += ("flint", "lara_mini")
             if model_type in rotates_sliding_only and kind == "full_attention":
                 continue  # they rotate their sliding layers only (test_families.py ports both)
             try:
@@ -1121,7 +1127,7 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 2},
             "max_window_layers=2",
         ),
-        ({"model_type": "dots1", "rope_theta": 1e4}, "model_type='dots1'"),
+        ({"model_type": "persimmon", "rope_theta": 1e4}, "model_type='persimmon'"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"text_config": {"num_attention_heads": 4}}, r"config\['text_config'\]"),
         # Attention that BERT's or T5's names hold and mha does not compute
@@ -1211,6 +1217,31 @@ def test_lfm3s_gate_of_each_head_ports_as_output_gate():
     assert port.config["output_gate"] and "g_proj.weight" in port.used
     with pytest.raises(ValueError, match="not one gate row for each of 4 heads"):
         porting.canonical_from_state_dict(state, num_heads=4, output_gate=True)
+
+
+def test_afmoes_gate_of_each_feature_ports_as_output_gate():
+    # AFMoE's gate_proj gives each output feature its gate, sigmoid(x @ g_j): output_gate's W_g,
+    # the gate projection's rows as its columns
+    rng = np.random.default_rng(2)
+    state = {f"{k}_proj.weight": rng.standard_normal((8, 6)) for k in "qkv"}
+    state["o_proj.weight"] = rng.standard_normal((6, 8))
+    state["gate_proj.weight"] = rng.standard_normal((8, 6))
+    with pytest.raises(ValueError, match=r"gate_proj.weight \(a gate of each output feature"):
+        porting.canonical_from_state_dict(state, num_heads=2)
+    port = porting.canonical_from_state_dict(state, num_heads=2, output_gate=True)
+    np.testing.assert_array_equal(port.weights["W_g"], state["gate_proj.weight"].T)
+    np.testing.assert_array_equal(port.weights["W_q"], state["q_proj.weight"].T)  # not split
+    assert port.config["output_gate"] and "gate_proj.weight" in port.used
+    # Biases on the projections, none on the gate (LFM3's and AFMoE's attention_bias): a zero
+    # b_g, which the port says
+    biased = {**state, **{f"{k}_proj.bias": rng.standard_normal(8) for k in "qkv"}}
+    biased["o_proj.bias"] = rng.standard_normal(6)
+    port = porting.canonical_from_state_dict(biased, num_heads=2, output_gate=True)
+    np.testing.assert_array_equal(port.weights["b_g"], np.zeros(8))
+    assert "gate_proj has no bias" in " ".join(port.notes)
+    state["gate_proj.weight"] = rng.standard_normal((2, 6))
+    with pytest.raises(ValueError, match="not one gate row for each of 8 features"):
+        porting.canonical_from_state_dict(state, num_heads=2, output_gate=True)
 
 
 def test_gemma4_layers_whose_values_are_their_keys_port_with_values_from_keys(tmp_path, capsys):

@@ -1,0 +1,134 @@
+"""What a port does to a source's weights where the source computes mha's numbers by other
+means: a gate inside the query projection or one per head (Qwen3-Next's, LFM3's), norms with
+no weight (Llama 4's, nanochat's), a rotary embedding turned the other way (nanochat's), layer
+norms of the whole projection (ESM C's). `mha.porting` applies them and notes each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mha.layouts import Layout
+
+__all__ = [
+    "CENTERED",
+    "HALVES_SWAPPED",
+    "UNIT_QK_NORMS",
+    "centered_projections",
+    "halves_swapped",
+    "head_gate",
+    "split_gate",
+    "unit_qk_norms",
+]
+
+
+def split_gate(layout: Layout, arrays, num_heads: int | None, where: str):
+    """Qwen3-Next's query projection: each head's query rows, then as many gate rows. The
+    arrays with the queries' rows alone, and the gate's canonical W_g (and b_g)."""
+    path = layout.paths.get("q")
+    if layout.kind != "linear" or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(
+            f"output_gate reads each head's queries and gate from the query projection of "
+            f"separate q, k, v and o projections, given num_heads; the {layout.name} weights "
+            f"{where} have " + ("another layout" if layout.kind != "linear" else "no num_heads")
+        )
+    rows = arrays[f"{path}.weight"].shape[0]  # torch's Linear: (out, in)
+    if rows % (2 * num_heads):
+        raise ValueError(
+            f"{path}.weight {where} has {rows} rows: not a query and a gate of equal size for "
+            f"each of {num_heads} heads (output_gate)"
+        )
+
+    def split(array):  # (2n, ...) -> each head's queries (n, ...), each head's gate (n, ...)
+        grouped = array.reshape(num_heads, 2, rows // (2 * num_heads), *array.shape[1:])
+        return [grouped[:, i].reshape(-1, *array.shape[1:]) for i in (0, 1)]
+
+    arrays = dict(arrays)
+    arrays[f"{path}.weight"], W_g = split(arrays[f"{path}.weight"])
+    gate = {"W_g": np.ascontiguousarray(W_g.T)}
+    if f"{path}.bias" in arrays:
+        arrays[f"{path}.bias"], b_g = split(arrays[f"{path}.bias"])
+        gate["b_g"] = np.ascontiguousarray(b_g)
+    return arrays, gate
+
+
+def head_gate(g_proj: np.ndarray, config, where: str, name: str = "g_proj.weight") -> np.ndarray:
+    """A gate projection beside the projections as the canonical W_g (in, num_hiddens) of
+    output_gate: LFM3's g_proj (num_heads, in), each head's row for every feature of the head,
+    which gives each feature its head's gate; AFMoE's gate_proj (num_hiddens, in), a row for
+    each feature, transposed."""
+    num_heads, num_hiddens = config["num_heads"], config["num_hiddens"]
+    rows = num_heads if name == "g_proj.weight" else num_hiddens
+    if g_proj.ndim != 2 or g_proj.shape[0] != rows or num_hiddens % num_heads:
+        each = f"each of {num_heads} heads" if rows == num_heads else f"each of {rows} features"
+        raise ValueError(
+            f"{name} {where} has shape {g_proj.shape}: not one gate row for {each} (output_gate)"
+        )
+    return np.ascontiguousarray(np.repeat(g_proj, num_hiddens // rows, axis=0).T)
+
+
+UNIT_QK_NORMS = "q_norm and k_norm are ones: the source's QK-norms have no weight"
+
+
+def unit_qk_norms(qk_norm: str | None, W_q: np.ndarray, num_heads: int) -> dict[str, np.ndarray]:
+    """The scales of norms of each head that have no weight (Llama 4's L2Norm, qk_norm "head"
+    or "head_after_rotary"): ones of the head size, in W_q's dtype; an error for another
+    qk_norm."""
+    if qk_norm not in ("head", "head_after_rotary"):
+        raise ValueError(
+            'weightless_qk_norm=True is qk_norm="head" or "head_after_rotary" norms with no '
+            f"weight. Received: qk_norm={qk_norm!r}"
+        )
+    ones = np.ones(W_q.shape[1] // num_heads, W_q.dtype)
+    return {"q_norm": ones, "k_norm": ones.copy()}
+
+
+HALVES_SWAPPED = (
+    "each head's two halves of query and key features are swapped: the source turns them the "
+    "other way, which gives the same scores"
+)
+
+
+def halves_swapped(weights: dict[str, np.ndarray], config, where: str) -> dict[str, np.ndarray]:
+    """The weights of a source that turns each head's pairs (i, i + d/2) by minus their angle
+    (nanochat's rotate_half gives (x2, -x1)), for mha's turn: each head's two halves of the
+    query and key features swapped (W_q, W_k, their biases, QK-norm's scales). mha's rotation
+    of the swapped features is the swap of the source's rotation, and a swap of both the
+    queries and the keys leaves their products, so the scores, as they are."""
+    head = config["num_hiddens"] // config["num_heads"]
+    if not config["rope_theta"] or config["rope_interleaved"] or config["rope_dim"] or head % 2:
+        raise ValueError(
+            f"reversed_rotary=True turns the halves of the whole head of the layer {where}: it "
+            "needs rope_theta, no rope_interleaved or rope_dim, and an even head size"
+        )
+
+    def swapped(x: np.ndarray) -> np.ndarray:
+        halves = x.reshape(*x.shape[:-1], -1, 2, head // 2)[..., ::-1, :]
+        return np.ascontiguousarray(halves.reshape(x.shape))
+
+    names = ("W_q", "W_k", "b_q", "b_k", "q_norm", "k_norm")
+    return {name: swapped(w) if name in names else w for name, w in weights.items()}
+
+
+CENTERED = (
+    "W_q, W_k and their biases are centered over their outputs: the source's QK-norms are layer "
+    "norms of the projection, an RMSNorm of the centered projection"
+)
+
+
+def centered_projections(weights: dict[str, np.ndarray], config, where: str) -> dict:
+    """The weights of a source whose QK-norms are layer norms of the whole projection without
+    a shift (ESM C), for qk_norm="projection": W_q and W_k (and biases) less their mean over
+    the outputs. A projection centered so is the source's less its mean, whose mean square is
+    the source's variance: the RMSNorm of it is the layer norm, with the same scales."""
+    if config["qk_norm"] != "projection":
+        raise ValueError(
+            "centered_qk_norm=True is a layer norm of the projection: qk_norm='projection' "
+            f"with the norms' weights. Received for the layer {where}: "
+            f"qk_norm={config['qk_norm']!r}"
+        )
+    names = ("W_q", "W_k", "b_q", "b_k")
+    return {
+        name: w - w.mean(axis=-1, keepdims=True) if name in names else w
+        for name, w in weights.items()
+    }
