@@ -41,6 +41,7 @@ FIELDS = (
     "head_dim",
     "sliding_window",
     "local_attention",
+    "attention_window_size",
     "use_sliding_window",
     "max_window_layers",
     "sliding_window_pattern",
@@ -105,6 +106,10 @@ ALIASES: dict[str, dict[str, str]] = {
     "molmo2_text": {"layer_norm_eps": "rms_norm_eps"},
     "mpt": {"num_attention_heads": "n_heads", "hidden_size": "d_model"},
     "nemotron_h": {"layer_types": "layers_block_type"},
+    "recurrent_gemma": {
+        "sliding_window": "attention_window_size",
+        "layer_types": "layers_block_type",
+    },
     "t5": {"hidden_size": "d_model", "num_attention_heads": "num_heads", "head_dim": "d_kv"},
     "whisper": {
         "num_key_value_heads": "encoder_attention_heads",
@@ -284,6 +289,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_next": {"head_dim": 256, "rms_norm_eps": 1e-06},
     "qwen3_vl_moe_text": {"rms_norm_eps": 1e-06},
     "qwen3_vl_text": {"head_dim": 128, "rms_norm_eps": 1e-06},
+    "recurrent_gemma": {"attention_window_size": 2048, "rms_norm_eps": 1e-06},
     "roformer": {"layer_norm_eps": 1e-12},
     "sarvam_mla": {"rms_norm_eps": 1e-06, "rope_interleave": True},
     "sarvam_moe": {"head_dim": 64, "rms_norm_eps": 1e-06, "use_qk_norm": True},
@@ -349,6 +355,7 @@ DEFAULT_PARTIAL = {
     "glm4": 0.5,
     "glm4_moe": 0.5,
     "glm4v_moe_text": 0.5,
+    "recurrent_gemma": 0.5,
     "gpt_neox": 0.25,
     "nemotron": 0.5,
     "phi": 0.5,
@@ -458,6 +465,8 @@ def with_aliases(config: Mapping[str, Any]) -> dict[str, Any]:
 # Model types whose window is half their local_attention where sliding_window is not written
 # (ModernBERT's config gives it so, and its decoder's)
 _HALF_LOCAL_ATTENTION = frozenset({"modernbert", "modernbert-decoder"})
+# Model types whose config class's own name of the window is another (RecurrentGemma's)
+_WINDOW_FIELD = {"recurrent_gemma": "attention_window_size"}
 
 
 def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -466,4 +475,6 @@ def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     found = {**DEFAULTS.get(config.get("model_type"), {}), **config}
     if found.get("model_type") in _HALF_LOCAL_ATTENTION and found.get("sliding_window") is None:
         found["sliding_window"] = positive_count("local_attention", found["local_attention"]) // 2
+    if found.get("model_type") in _WINDOW_FIELD:
+        found["sliding_window"] = found.get(_WINDOW_FIELD[found["model_type"]])
     return found

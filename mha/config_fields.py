@@ -29,8 +29,8 @@ _WINDOWED = frozenset(
         "exaone_moe flint gemma2 gemma3_text gemma3n_text gemma4_text gpt_oss granite_swa "
         "granitemoe_swa kolibri1 lara_mini lfm3 mellum minimax ministral ministral3 mistral "
         "mixtral modernbert modernbert-decoder olmo3 openai_privacy_filter phi3 phimoe qwen2 "
-        "qwen2_5_vl_text qwen2_moe qwen2_vl_text qwen3 qwen3_moe smollm3 starcoder2 ultrabert "
-        "vaultgemma"
+        "qwen2_5_vl_text qwen2_moe qwen2_vl_text qwen3 qwen3_moe recurrent_gemma smollm3 "
+        "starcoder2 ultrabert vaultgemma"
     ).split()
 )
 # Qwen2's rules of which layers slide: use_sliding_window and max_window_layers

@@ -61,6 +61,9 @@ _PATTERN = {
 # Model types whose first two layers and every fourth from the second are full, and the last
 # (Flint's), where layer_types is not written
 _FLINT_RULE = frozenset({"flint"})
+# Model types whose layers' kinds cycle through block_types (RecurrentGemma's: its "recurrent"
+# blocks are not attention, the others slide), and its default
+_BLOCK_TYPES = {"recurrent_gemma": ("recurrent", "recurrent", "attention")}
 # transformers' names of layer kinds that older configs name otherwise (Granite 4.0's)
 _LEGACY = {"mamba": LINEAR, "attention": FULL}
 # Model types whose every layer is full where layer_types is not written (Cohere Compass's
@@ -158,6 +161,14 @@ def _rule(config: Mapping[str, Any]):
         return (
             f"a full layer every {period} from the first",
             lambda i: SLIDING if i % period else FULL,
+        )
+    if model_type in _BLOCK_TYPES:
+        blocks = config.get("block_types") or _BLOCK_TYPES[model_type]
+        if not isinstance(blocks, (list, tuple)) or not all(isinstance(b, str) for b in blocks):
+            raise ValueError(f"the config's block_types is not a list of names: {blocks!r}")
+        return (
+            f"block_types={list(blocks)}, repeated",
+            lambda i: LINEAR if blocks[i % len(blocks)] == "recurrent" else SLIDING,
         )
     if model_type in _FLINT_RULE:
         return (

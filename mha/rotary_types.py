@@ -122,6 +122,7 @@ ROTARY = {
     "qwen3_5_text": "half",
     "qwen3_vl_moe_text": "half",
     "qwen3_vl_text": "half",
+    "recurrent_gemma": "half",  # its local-attention layers, beside its recurrent ones
     "roformer": "pairs",
     "sarvam_mla": "rope_interleave",  # DeepSeek-V3's layers in transformers
     "sarvam_moe": "half",  # GLM-4.5's layers in transformers, the whole head rotated
@@ -174,7 +175,7 @@ UNCHECKED_ROTARY = frozenset(
         "qwen2_5_vl_vision qwen2_vl_vision qwen3_5_moe_vision qwen3_5_vision "
         "qwen3_omni_moe_audio_encoder qwen3_omni_moe_talker_code_predictor "
         "qwen3_omni_moe_talker_text qwen3_omni_moe_text qwen3_omni_moe_vision_encoder "
-        "qwen3_vl_moe_vision qwen3_vl_vision qwen4_exp_text qwen4_exp_vision recurrent_gemma "
+        "qwen3_vl_moe_vision qwen3_vl_vision qwen4_exp_text qwen4_exp_vision "
         "sam2_video_mask_decoder sam2_video_prompt_encoder sam3_detr_decoder "
         "sam3_detr_encoder sam3_geometry_encoder sam3_mask_decoder "
         "sam3_tracker_video_mask_decoder sam3_tracker_video_prompt_encoder sam3_vit_model "

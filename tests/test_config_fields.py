@@ -439,3 +439,20 @@ def test_cohere_compass_reads_its_rotary_embedding_per_layer_type_alone(written)
     for flat in (None, {"rope_type": "default", "rope_theta": 100.0}):
         with pytest.raises(ValueError, match="give no rotary embedding for 'sliding_attention'"):
             porting.options_from_config({**config_dict, "rope_parameters": flat}, 0)
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+def test_recurrent_gemma_reads_its_blocks_window_and_head_as_transformers_does(written):
+    # block_types repeated over its layers (the recurrent ones are not attention), its window
+    # under its other name (which wins), half of a head_dim of its own turned by default
+    changes = {"block_types": ["attention", "recurrent"], "sliding_window": 2, "head_dim": 16}
+    config, model = tiny_model("recurrent_gemma", attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": "recurrent_gemma"}
+    else:
+        config_dict = _written("recurrent_gemma", changes)
+    options = porting.options_from_config(config_dict, 2)
+    assert (options["sliding_window"], options["rope_dim"]) == (2, 8)
+    assert_each_layer_ports("recurrent_gemma", model, config, config_dict)
+    with pytest.raises(ValueError, match="linear_attention"):
+        porting.options_from_config(config_dict, 1)

@@ -270,6 +270,9 @@ OWN_SIZES["cohere_compass_text"] = {
         "full_attention": None,
     },
 }
+# RecurrentGemma: its window within the sequence (attention_window_size, its own name of it);
+# its default blocks, two recurrent ones for each of attention
+OWN_SIZES["recurrent_gemma"] = {"attention_window_size": 3}
 # Windows within the sequence
 OWN_SIZES["cwm"] = {"sliding_window": 4}
 # Granite SWA's bases per layer, 0 for none; its sinks (set away from 0 in tiny_model)
