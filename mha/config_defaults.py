@@ -53,6 +53,7 @@ FIELDS = (
     "layer_norm_eps",
     "query_pre_attn_scalar",
     "attention_multiplier",
+    "qk_scale_factor",
     "attn_logit_softcapping",
     "key_multiplier",
     "scale_attn_weights",
@@ -241,6 +242,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "modernbert": {"local_attention": 128, "norm_eps": 1e-05},
     "modernbert-decoder": {"local_attention": 128, "norm_eps": 1e-05},
     "molmo2_text": {"head_dim": 128, "rms_norm_eps": 1e-06, "qk_norm_type": "qwen3"},
+    "muse_glimmer_text": {
+        "head_dim": 128,
+        "sliding_window": 2048,
+        "rms_norm_eps": 1e-05,
+        "qk_scale_factor": 3.87,
+    },
     "nanochat": {"rms_norm_eps": 1e-06},
     "nemotron": {"norm_eps": 1e-05},
     "nomic_bert": {"layer_norm_eps": 1e-12},
@@ -471,7 +478,9 @@ _WINDOW_FIELD = {"recurrent_gemma": "attention_window_size"}
 
 def with_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     """The config with transformers' default of each field it does not write (its model
-    type's); a field written as null stays null, but ModernBERT's window."""
+    type's); a field written as null stays null. The window of ModernBERT is half its
+    local_attention where sliding_window is not written, RecurrentGemma's its
+    attention_window_size (sliding_window's other name there)."""
     found = {**DEFAULTS.get(config.get("model_type"), {}), **config}
     if found.get("model_type") in _HALF_LOCAL_ATTENTION and found.get("sliding_window") is None:
         found["sliding_window"] = positive_count("local_attention", found["local_attention"]) // 2

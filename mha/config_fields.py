@@ -28,9 +28,9 @@ _WINDOWED = frozenset(
         "afmoe cohere2 cohere2_moe cohere_compass_text cwm dots1 embedding_gemma2_text exaone4 "
         "exaone_moe flint gemma2 gemma3_text gemma3n_text gemma4_text gpt_oss granite_swa "
         "granitemoe_swa kolibri1 lara_mini lfm3 mellum minimax ministral ministral3 mistral "
-        "mixtral modernbert modernbert-decoder olmo3 openai_privacy_filter phi3 phimoe qwen2 "
-        "qwen2_5_vl_text qwen2_moe qwen2_vl_text qwen3 qwen3_moe recurrent_gemma smollm3 "
-        "starcoder2 ultrabert vaultgemma"
+        "mixtral modernbert modernbert-decoder muse_glimmer_text olmo3 openai_privacy_filter "
+        "phi3 phimoe qwen2 qwen2_5_vl_text qwen2_moe qwen2_vl_text qwen3 qwen3_moe "
+        "recurrent_gemma smollm3 starcoder2 ultrabert vaultgemma"
     ).split()
 )
 # Qwen2's rules of which layers slide: use_sliding_window and max_window_layers
@@ -66,7 +66,7 @@ READ_BY: dict[str, frozenset[str]] = {
     ),
     "rotary_dim": frozenset({"gptj", "minimax_m2"}),  # GPT-J's count of features turned
     "no_rope_layers": frozenset({"llama4_text", "smollm3"}),
-    "layer_rope_theta": frozenset({"granite_swa", "granitemoe_swa"}),
+    "layer_rope_theta": frozenset({"granite_swa", "granitemoe_swa", "muse_glimmer_text"}),
     "rope_scaling_layers": frozenset({"molmo2_text"}),  # the layers a scaling applies to
     # Llama 4's chunks (Gemma 4's and EmbeddingGemma 2's configs read them too: refused there,
     # as elsewhere)

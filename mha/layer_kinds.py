@@ -15,7 +15,7 @@ from typing import Any
 
 from mha.config_values import is_whole
 
-__all__ = ["layer_kind", "rotates", "uses_window"]
+__all__ = ["last_layer", "layer_kind", "rotates", "uses_window"]
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 
@@ -61,6 +61,9 @@ _PATTERN = {
 # Model types whose first two layers and every fourth from the second are full, and the last
 # (Flint's), where layer_types is not written
 _FLINT_RULE = frozenset({"flint"})
+# Model types whose every fourth layer counted from the last is full, the others sliding
+# (Muse Glimmer's), where layer_types is not written
+_FULL_FROM_LAST = frozenset({"muse_glimmer_text"})
 # Model types whose layers' kinds cycle through block_types (RecurrentGemma's: its "recurrent"
 # blocks are not attention, the others slide), and its default
 _BLOCK_TYPES = {"recurrent_gemma": ("recurrent", "recurrent", "attention")}
@@ -130,15 +133,21 @@ def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:
             f"{model_type!r} where layer_types is not written): give the layer's index"
         )
     if model_type in _LAST_FULL | _FLINT_RULE:  # whatever the rule gives it
-        count = config.get("num_hidden_layers")
-        if isinstance(count, bool) or not is_whole(count):
-            raise ValueError(
-                f"the config's last layer is full whatever {rule[0]} says, and its "
-                f"num_hidden_layers={count!r} does not tell which it is: give layer_types"
-            )
-        if layer == count - 1:
+        if layer == last_layer(config, f"last layer is full whatever {rule[0]} says, and its"):
             return FULL
     return rule[1](layer)
+
+
+def last_layer(config: Mapping[str, Any], what: str) -> int:
+    """The index of the config's last layer, which a rule of `what` counts from; an error where
+    num_hidden_layers does not tell it."""
+    count = config.get("num_hidden_layers")
+    if isinstance(count, bool) or not is_whole(count) or count < 1:
+        raise ValueError(
+            f"the config's {what} num_hidden_layers={count!r} does not tell which it is: give "
+            "layer_types"
+        )
+    return int(count) - 1
 
 
 def _rule(config: Mapping[str, Any]):
@@ -169,6 +178,12 @@ def _rule(config: Mapping[str, Any]):
         return (
             f"block_types={list(blocks)}, repeated",
             lambda i: LINEAR if blocks[i % len(blocks)] == "recurrent" else SLIDING,
+        )
+    if model_type in _FULL_FROM_LAST:
+        last = last_layer(config, "layers' kinds count from its last layer, and its")
+        return (
+            "every fourth layer full, counted from the last",
+            lambda i: FULL if (last - i) % 4 == 0 else SLIDING,
         )
     if model_type in _FLINT_RULE:
         return (

@@ -20,6 +20,7 @@ from mha.config_values import head_size, num_heads, positive_count, positive_num
 from mha.encoding import check_query_scaling
 from mha.files import read_bytes
 from mha.layer_kinds import layer_kind, uses_window
+from mha.model_qk_norm import LAYER_NORM_PER_HEAD, QK_NORM_ALWAYS, QK_NORM_FIELD, qk_norm_options
 from mha.model_rope import query_scaling, rotary_options
 
 __all__ = ["options_from_config"]
@@ -191,10 +192,10 @@ def _held(config: Mapping[str, Any], key: str) -> bool:
     model_type = config.get("model_type")
     if key in _LLAMA4_FIELDS and model_type in _LLAMA4:  # its QK-norm, chunks, queries' scaling
         return True
-    if _LAYER_NORM_PER_HEAD.get(model_type) == key:
+    if LAYER_NORM_PER_HEAD.get(model_type) == key:
         return True
     if key == "use_qk_norm":  # MiniMax-M2's and Hunyuan's write it; their norms are always there
-        return model_type in _QK_NORM_FIELD or model_type in _QK_NORM_ALWAYS
+        return model_type in QK_NORM_FIELD or model_type in QK_NORM_ALWAYS
     if key == "use_bidirectional_attention":  # Gemma 4's images, not its text
         return (model_type in _GEMMA4 and config[key] == "vision") or _both_ways(config)
     return False
@@ -234,89 +235,13 @@ _WINDOW_EITHER_SIDE = frozenset(
 # beside its linear-attention layers)
 _FULL_LAYERS_SLIDE = frozenset({"minimax"})
 
-# Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
-# q_norm and k_norm): over each head, or over the whole projection
-_QK_NORM = {
-    "afmoe": "head",
-    "apertus": "head",
-    "apertus1p5_text": "head",
-    "dots1": "head",
-    "exaone4": "head",
-    "exaone_moe": "head",
-    "flex_olmo": "projection",
-    "flint": "head",
-    "gemma3_text": "head",
-    "gemma3n_text": "head",
-    "gemma4_text": "head",
-    "embedding_gemma2_text": "head",
-    "hunyuan_v1_dense": "head_after_rotary",  # its query_layernorm and key_layernorm
-    "hunyuan_v1_moe": "head_after_rotary",
-    "hy_v3": "head",
-    "kolibri1": "head",
-    "lara_mini": "head",
-    "lfm2": "head",
-    "lfm2_moe": "head",
-    "lfm3": "head",
-    "mellum": "head",
-    "minimax_m2": "projection",
-    "minimax_m3_vl_text": "head",
-    "molmo2_text": "head",  # its qk_norm_type says: "head" or "projection"
-    "olmo2": "projection",
-    "olmo3": "projection",
-    "olmo_hybrid": "projection",
-    "olmoe": "projection",
-    "qwen3": "head",
-    "qwen3_5_moe_text": "head",
-    "qwen3_5_text": "head",
-    "qwen3_moe": "head",
-    "qwen3_next": "head",
-    "qwen3_vl_moe_text": "head",
-    "qwen3_vl_text": "head",
-}
-
-# Molmo 2's qk_norm_type names its QK-norms: Qwen3's of each head, or OLMo 2's of the projection
-_MOLMO2_QK_NORMS = {"qwen3": "head", "olmo": "projection"}
-
-
-def _qk_norm_kind(config: Mapping[str, Any]) -> str:
-    """The qk_norm of the config's model type (Molmo 2's, from its qk_norm_type)."""
-    model_type = config.get("model_type")
-    if model_type != "molmo2_text":
-        return _QK_NORM.get(model_type, "head")
-    kind = config.get("qk_norm_type", "qwen3")
-    if kind not in _MOLMO2_QK_NORMS:
-        raise ValueError(
-            f"the config's qk_norm_type={kind!r} is not a QK-norm mha knows: 'qwen3' or 'olmo'"
-        )
-    return _MOLMO2_QK_NORMS[kind]
-
-
-# Model types whose configs write use_qk_norm, which transformers does not read: their norms
-# are always there
-_QK_NORM_ALWAYS = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "minimax_m2"})
-
-# Model types whose config's use_qk_norm adds _QK_NORM's "head" norms, and its default there
-_QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
-# Model types whose field turns on a layer norm of each head, a scale of each head's own, no
-# shift (qk_norm="layer_norm_per_head"), before the rotary embedding: StableLM's, Cohere's
-_LAYER_NORM_PER_HEAD = {"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}
-
-# Model types whose norms scale by offset + weight, not by the weight: Gemma's 1 + weight
-_QK_NORM_OFFSET = {
-    "gemma3_text": 1.0,
-    "minimax_m3_vl_text": 1.0,
-    "qwen3_5_moe_text": 1.0,
-    "qwen3_5_text": 1.0,
-    "qwen3_next": 1.0,
-}
-
 # Model types whose heads' output is gated: by rows of the query projection (Qwen3-Next's) or
 # by gate_proj (AFMoE's, a gate per feature); LFM3's g_proj gives one per head where its
 # use_attention_gate says (transformers' default: on)
-_OUTPUT_GATE = frozenset({"afmoe", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"})
+_OUTPUT_GATE = frozenset(
+    {"afmoe", "muse_glimmer_text", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"}
+)
 _HEAD_GATE = {"lfm3": "use_attention_gate"}
-# Model types whose config names the norms' eps otherwise, and transformers' default of it
-_EPS_FIELD = {name: ("norm_eps", 1e-5) for name in ("lfm2", "lfm2_moe", "lfm3")}
 
 # Model types whose values are normalized with no weight (value_norm), their scores unscaled
 # (the QK-norms set their size), and whose full layers take their values from the key
@@ -367,16 +292,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["softcap"] = positive_number(
             "attn_logit_softcapping", config["attn_logit_softcapping"]
         )
-    asked = model_type in _QK_NORM_FIELD and config.get("use_qk_norm", _QK_NORM_FIELD[model_type])
-    if model_type in _QK_NORM or asked:  # RMSNorms of queries and keys, scaled by their weights
-        found["qk_norm"] = _qk_norm_kind(config)
-        field, default = _EPS_FIELD.get(model_type, ("rms_norm_eps", 1e-6))
-        found["qk_norm_eps"] = float(config.get(field, default))
-    if config.get(_LAYER_NORM_PER_HEAD.get(model_type, "")):  # a layer norm of each head
-        found["qk_norm"] = "layer_norm_per_head"
-        found["qk_norm_eps"] = float(config.get("layer_norm_eps", 1e-5))
-    if model_type in _QK_NORM_OFFSET:
-        found["qk_norm_offset"] = _QK_NORM_OFFSET[model_type]
+    found.update(qk_norm_options(config))
     if model_type in _OUTPUT_GATE:  # a port option: the query projection holds the gate
         found["output_gate"] = True
     if model_type in _HEAD_GATE and config.get(_HEAD_GATE[model_type], True):
@@ -558,6 +474,8 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
         scale = positive_number("softmax_scale", config["attn_config"]["softmax_scale"])
     if config.get("model_type") == "gpt_neo":  # its scores are not scaled
         scale = 1.0
+    if config.get("model_type") == "muse_glimmer_text" and head is not None:  # its queries' factor
+        scale = positive_number("qk_scale_factor", config["qk_scale_factor"]) * head**-0.5
     if config.get("scale_attn_by_inverse_layer_idx"):
         if layer is None or (scale is None and head is None):
             raise ValueError(

@@ -12,7 +12,7 @@ from typing import Any
 from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_KIND, DEFAULT_THETA
 from mha.config_values import fraction, positive_count, positive_number
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
-from mha.layer_kinds import rotates
+from mha.layer_kinds import last_layer, rotates
 from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
 
 __all__ = ["ROTARY", "TURNS_PART", "query_scaling", "rotary_options"]
@@ -275,15 +275,26 @@ def _scaled_layer(config: Mapping[str, Any], layer: int | None) -> bool:
     return layer in layers
 
 
+# Model types whose layer_rope_theta says which layers turn alone (0: none), each by the
+# config's base; where it is not written, every fourth layer counted from the last has none
+_LAYER_THETA_SWITCHES = frozenset({"muse_glimmer_text"})
+
+
 def _layer_theta(config: Mapping[str, Any], layer: int | None) -> float | None:
     """The layer's base where the config gives one per layer (Granite SWA's layer_rope_theta,
-    0 for a layer without rotary embedding, its scaling from rope_parameters); else None."""
+    0 for a layer without rotary embedding, its scaling from rope_parameters); else None.
+    Muse Glimmer's: 0 for none, else None (the config's base)."""
     bases = config.get("layer_rope_theta")
+    switches = config.get("model_type") in _LAYER_THETA_SWITCHES
+    if bases is None and switches and layer is not None:
+        last = last_layer(config, "layers without a rotary embedding count from its last, and its")
+        return 0.0 if (last - layer) % 4 == 0 else None
     if bases is None:
         return None
     if not isinstance(bases, list) or layer is None or not 0 <= layer < len(bases):
         raise ValueError(f"the config's layer_rope_theta does not tell layer {layer}: {bases!r}")
-    return float(bases[layer])
+    base = positive_number("layer_rope_theta", bases[layer]) if bases[layer] else 0.0
+    return (None if base else 0.0) if switches else base
 
 
 def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping, str]:

@@ -98,6 +98,7 @@ ROTARY = {
     "modernbert": "half",  # an encoder: its windows reach sliding_window positions either side
     "modernbert-decoder": "half",
     "molmo2_text": "half",
+    "muse_glimmer_text": "half",
     "nanochat": "half",  # turned the other way: the port's reversed_rotary
     "nemotron": "half",
     "nomic_bert": "half",
@@ -164,7 +165,7 @@ UNCHECKED_ROTARY = frozenset(
         "mimi mimi_decoder mimi_encoder mimo_v2_flash minimax_m3_vl_vision "
         "mistral_large4_text mlcd mlcd_vision_model mllama_text_model mllama_vision_model "
         "molmo2_adapter molmo2_vision moonshine "
-        "moonshine_streaming_encoder moshi_depth muse_glimmer_assistant muse_glimmer_text "
+        "moonshine_streaming_encoder moshi_depth muse_glimmer_assistant "
         "muse_glimmer_vision muse_spark_audio muse_spark_text muse_spark_vision "
         "nemotron3_5_transcribe_asr_audio nemotron3_5_transcribe_word_timestamp "
         "nemotron3_diarization_audio neomme paddleocr_vl_text "

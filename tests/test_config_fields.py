@@ -456,3 +456,21 @@ def test_recurrent_gemma_reads_its_blocks_window_and_head_as_transformers_does(w
     assert_each_layer_ports("recurrent_gemma", model, config, config_dict)
     with pytest.raises(ValueError, match="linear_attention"):
         porting.options_from_config(config_dict, 1)
+
+
+@pytest.mark.parametrize("written", ["config.json", "as written"])
+@pytest.mark.parametrize("layers", [5, 6])
+def test_muse_glimmer_counts_its_full_layers_from_the_last(layers, written):
+    # every fourth layer counted from the last is full and turns nothing (the default of its
+    # layer_rope_theta), whatever the number of layers
+    changes = {"num_hidden_layers": layers}
+    config, model = tiny_model("muse_glimmer_text", attn_implementation="eager", **changes)
+    if written == "config.json":
+        config_dict = {**config.to_dict(), "model_type": "muse_glimmer_text"}
+    else:
+        config_dict = _written("muse_glimmer_text", changes)
+    each = [porting.options_from_config(config_dict, i) for i in range(layers)]
+    full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    assert [i for i, options in enumerate(each) if "sliding_window" not in options] == full
+    assert [i for i, options in enumerate(each) if "rope_theta" not in options] == full
+    assert_each_layer_ports("muse_glimmer_text", model, config, config_dict)

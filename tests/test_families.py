@@ -273,6 +273,10 @@ OWN_SIZES["cohere_compass_text"] = {
 # RecurrentGemma: its window within the sequence (attention_window_size, its own name of it);
 # its default blocks, two recurrent ones for each of attention
 OWN_SIZES["recurrent_gemma"] = {"attention_window_size": 3}
+# Muse Glimmer's text model: its weightless QK-norms and scaled queries, its gate_proj, every
+# fourth layer from the last full and without a rotary embedding, the others' window within
+# the sequence
+OWN_SIZES["muse_glimmer_text"] = {"sliding_window": 4}
 # Windows within the sequence
 OWN_SIZES["cwm"] = {"sliding_window": 4}
 # Granite SWA's bases per layer, 0 for none; its sinks (set away from 0 in tiny_model)

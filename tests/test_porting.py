@@ -651,7 +651,7 @@ def test_a_config_that_does_not_write_its_rotary_embedding_gets_transformers_def
             if not (getattr(config, "no_rope_layers", None) or [1] * 4)[layer]:
                 continue  # SmolLM3's and Llama 4's layers without a rotary embedding
             rotates_sliding_only = ("afmoe", "cohere2", "cohere2_moe", "exaone4", "exaone_moe")
-            rotates_sliding_only += ("flint", "lara_mini")
+            rotates_sliding_only += ("flint", "lara_mini", "muse_glimmer_text")
             if model_type in rotates_sliding_only and kind == "full_attention":
                 continue  # they rotate their sliding layers only (test_families.py ports both)
             try:
