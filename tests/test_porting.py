@@ -170,6 +170,39 @@ def test_vit_attention_ports_to_every_backend(name):
 
 
 @pytest.mark.parametrize("name", backend_params())
+def test_modernbert_attention_ports_to_every_backend(name):
+    # ModernBERT's fused Wqkv and Wo, its sliding layer's base and window either side, and
+    # padding, from its config alone
+    T = transformers()
+    torch.manual_seed(5)
+    config = T.ModernBertConfig(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_hidden_layers=2,
+        intermediate_size=32,
+        vocab_size=50,
+        local_attention=4,
+        global_attn_every_n_layers=2,
+        attention_bias=True,
+        pad_token_id=0,
+    )
+    model = T.ModernBertModel(config).double().eval()
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 5:] = 0
+    attention = model.layers[1].attn
+    ids = torch.randint(1, 50, (2, 7))
+    x, y = capture(model, attention, attention.Wo, input_ids=ids, attention_mask=padding)
+    options = porting.options_from_config(config.to_dict(), 1)
+    assert options["sliding_window"] == 3  # two positions either side, inclusive
+    module = backend_module(name)
+    layer = porting.from_state_dict(model.state_dict(), "layers.1.attn", backend=name, **options)
+    X, lengths = module.from_numpy(x), module.from_numpy(np.array([7, 5]))
+    output = module.to_numpy(layer(X, X, X, lengths))
+    # transformers turns in float32 whatever the model's dtype
+    np.testing.assert_allclose(output, y, rtol=0, atol=1e-6 * np.max(np.abs(y)))
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_bart_attention_ports_to_every_backend(name):
     T = transformers()
     torch.manual_seed(3)
