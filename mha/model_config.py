@@ -474,8 +474,14 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
         scale = positive_number("softmax_scale", config["attn_config"]["softmax_scale"])
     if config.get("model_type") == "gpt_neo":  # its scores are not scaled
         scale = 1.0
-    if config.get("model_type") == "muse_glimmer_text" and head is not None:  # its queries' factor
-        scale = positive_number("qk_scale_factor", config["qk_scale_factor"]) * head**-0.5
+    if config.get("model_type") == "muse_glimmer_text":  # its queries times qk_scale_factor
+        factor = positive_number("qk_scale_factor", config["qk_scale_factor"])
+        if head is None:
+            raise ValueError(
+                f"the config's qk_scale_factor={factor!r} scales the scores by the head size, "
+                "which it does not tell (head_dim, hidden_size)"
+            )
+        scale = factor * head**-0.5
     if config.get("scale_attn_by_inverse_layer_idx"):
         if layer is None or (scale is None and head is None):
             raise ValueError(

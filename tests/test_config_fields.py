@@ -298,6 +298,7 @@ def test_embeddinggemma_attends_both_ways_within_half_its_window(window, written
 # Counts, sizes and scalars that are not: each refused naming its field, where int() would
 # round a window of 2.5 positions to 2 (transformers' mask keeps 3) and a bool to 1
 MISTRAL = {"model_type": "mistral", "num_attention_heads": 4, "hidden_size": 32}
+MUSE_GLIMMER = {"model_type": "muse_glimmer_text", "num_attention_heads": 4, "num_hidden_layers": 1}
 
 
 @pytest.mark.parametrize(
@@ -364,6 +365,15 @@ MISTRAL = {"model_type": "mistral", "num_attention_heads": 4, "hidden_size": 32}
         (
             {"model_type": "granite", "num_attention_heads": 4, "attention_multiplier": "0.5"},
             "attention_multiplier='0.5' is not a positive finite number",
+        ),
+        # Muse Glimmer's queries times qk_scale_factor: a scale that needs the head size
+        (
+            {**MUSE_GLIMMER, "head_dim": None},
+            "qk_scale_factor=3.87 scales the scores by the head size",
+        ),
+        (
+            {**MUSE_GLIMMER, "qk_scale_factor": 0},
+            "qk_scale_factor=0 is not a positive finite number",
         ),
     ],
     ids=lambda value: (
