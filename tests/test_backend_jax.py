@@ -375,6 +375,41 @@ print("ok")
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
 
 
+def test_64_bit_integers_without_64_bit_mode_keep_their_meaning():
+    """Without 64-bit mode JAX holds numpy's int64 as int32, wrapping 2**40 to 0: numpy's
+    lengths past int32 still keep every key (as the NumPy reference's), and an id or an array
+    that JAX would wrap into another number is an error."""
+    code = """
+import numpy as np
+from mha.backends import jax as J, numpy as N
+rng = np.random.default_rng(0)
+x = rng.standard_normal((2, 3, 8)).astype("float32")
+for lengths in (np.array([2**40, 1]), np.array([2**32 + 1, 2]), np.array([2**63, 1], "uint64")):
+    expected = N.DotProductAttention()(x, x, x, lengths)
+    output = J.DotProductAttention()(*map(J.from_numpy, (x, x, x)), lengths)
+    assert np.abs(np.asarray(output) - expected).max() < 1e-6, (lengths, output, expected)
+    softmax = J.masked_softmax(J.from_numpy(x), lengths)
+    assert np.abs(np.asarray(softmax) - N.masked_softmax(x, lengths)).max() < 1e-6
+layer = J.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8)
+X = J.from_numpy(x)
+for call in (lambda: J.from_numpy(np.array([2**31, 1])),
+             lambda: layer(X, X, X, segment_ids=np.array([[2**32 + 1, 1, 1]] * 2))):
+    try:
+        call()
+    except ValueError as error:
+        assert "jax_enable_x64" in str(error) and "past the range of int32" in str(error), error
+    else:
+        raise AssertionError("a value JAX wraps was accepted")
+assert J.from_numpy(np.array([2**31 - 1])).item() == 2**31 - 1
+print("ok")
+"""
+    environment = {**os.environ, "JAX_ENABLE_X64": "0"}
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
+
+
 def test_cached_decoding_under_nnx_jit_gives_full_causal_attention(J, nnx):
     # Llama- and Mistral-like: a prompt of 3 positions, then one position per jitted call
     config = dict(

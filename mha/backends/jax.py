@@ -83,10 +83,30 @@ def to_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _require_held_exactly(x: Any, name: str) -> None:
+    """Without 64-bit mode JAX holds numpy's 64-bit integers as 32-bit ones, wrapping every
+    value past their range into another number: such a value is an error."""
+    if not isinstance(x, np.ndarray) or x.dtype.kind not in "iu" or x.size == 0:
+        return
+    held = jax.dtypes.canonicalize_dtype(x.dtype)
+    limits = np.iinfo(held)
+    smallest, largest = x.min().item(), x.max().item()
+    if smallest < limits.min or largest > limits.max:
+        value = smallest if smallest < limits.min else largest
+        raise ValueError(
+            f"{name} holds {value}, past the range of {held.name}, in which JAX holds "
+            f"{x.dtype.name} without its 64-bit mode: turn it on "
+            '(jax.config.update("jax_enable_x64", True) or JAX_ENABLE_X64=1), or give values '
+            f"that {held.name} holds (lengths past the last key may be clipped to it)"
+        )
+
+
 def from_numpy(array: Any) -> jax.Array:
-    """Return `array` as a JAX array with numpy's dtype (float64 only in 64-bit mode)."""
+    """Return `array` as a JAX array with numpy's dtype (float64 only in 64-bit mode; 64-bit
+    integers without it only where 32 bits hold their values)."""
     array = np.array(array)
     _require_x64(array.dtype)
+    _require_held_exactly(array, "array")
     return jnp.asarray(array)
 
 
@@ -271,6 +291,10 @@ def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
     # clipped to int32's range, not to num_keys, which may be symbolic (jax.export)
     kind = valid_lens.dtype.kind
     top = num_keys if kind == "f" else min(jnp.iinfo(valid_lens.dtype).max, _INT32_MAX)
+    if isinstance(valid_lens, np.ndarray) and kind != "f":
+        # numpy's lengths are clipped by numpy: without 64-bit mode JAX would hold 64-bit
+        # ones as 32-bit ones first, wrapping those past 2**31 - 1
+        valid_lens = np.minimum(valid_lens, top)
     lengths = jnp.minimum(valid_lens, top).astype(jnp.int32)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
     lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
@@ -304,6 +328,12 @@ class _Masks(Masks):
 
     def is_bool(self, windows):
         return windows.dtype == jnp.bool_
+
+    def same_segment(self, segments):
+        # numpy's ids that JAX would wrap into another id (no 64-bit mode) are refused
+        for ids in segments:
+            _require_held_exactly(ids, "segment_ids")
+        return super().same_segment(segments)
 
     def segment_positions(self, segment_ids):
         # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
