@@ -30,7 +30,7 @@ from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
 from mha.files import write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
 from mha.interop.flax import canonical_from_flax, flax_params
-from mha.interop.keras import KERAS_DENSE, canonical_from_keras, to_keras
+from mha.interop.keras import KERAS_DENSE, KERAS_GATE, canonical_from_keras, to_keras
 from mha.interop.torch import canonical_from_torch, torch_state_dict
 from mha.options import layer_defaults
 from mha.registry import BackendUnavailableError, load_backend
@@ -210,6 +210,7 @@ def _load_keras_file(name: str) -> Any:
     import tensorflow as tf
 
     grouped, shapes, dtype, bias = _keras_file_layout(name)
+    gated = {"use_gate": True} if "g" in shapes else {}
     if len(shapes["q"]) != 3 or len(shapes["v"]) != 3 or len(shapes["o"]) < 3:
         raise ValueError(
             f"{name} holds Keras MultiHeadAttention weights of a shape mha does not convert: "
@@ -220,7 +221,12 @@ def _load_keras_file(name: str) -> Any:
     if grouped:
         # GroupQueryAttention's output has the query's size
         layer = tf.keras.layers.GroupQueryAttention(
-            key_dim, num_heads, shapes["k"][1], use_bias=bias, dtype=validation.check_dtype(dtype)
+            key_dim,
+            num_heads,
+            shapes["k"][1],
+            use_bias=bias,
+            dtype=validation.check_dtype(dtype),
+            **gated,
         )
     else:
         layer = tf.keras.layers.MultiHeadAttention(
@@ -230,6 +236,7 @@ def _load_keras_file(name: str) -> Any:
             use_bias=bias,
             output_shape=shapes["o"][2:],
             dtype=validation.check_dtype(dtype),
+            **gated,
         )
     layer.build(
         (None, None, shapes["q"][0]), (None, None, shapes["v"][0]), (None, None, shapes["k"][0])
@@ -243,7 +250,8 @@ def _load_keras_file(name: str) -> Any:
 
 def _keras_file_layout(name: str) -> tuple[bool, dict[str, tuple[int, ...]], str, bool]:
     """(grouped, kernel shapes by projection, dtype, bias) of a Keras weights file, read with
-    h5py before Keras reads its numbers."""
+    h5py before Keras reads its numbers; the projections include "g" where the layer has a
+    gate (use_gate=True)."""
     import h5py
 
     try:
@@ -251,6 +259,9 @@ def _keras_file_layout(name: str) -> tuple[bool, dict[str, tuple[int, ...]], str
             # GroupQueryAttention's sub-layers are saved under their attribute names
             grouped = "_query_dense" in file
             paths = {k: f"_{dense}" if grouped else dense for k, dense in KERAS_DENSE.items()}
+            if f"_{KERAS_GATE}_dense" in file:  # both layers' gate: its attribute name
+                paths["g"] = f"_{KERAS_GATE}_dense"
+            _refuse_unknown_keras_entries(file, paths.values())
             entries = [
                 file[f"{path}/vars/{i}"]
                 for path in paths.values()
@@ -276,6 +287,28 @@ def _keras_file_layout(name: str) -> tuple[bool, dict[str, tuple[int, ...]], str
             f"written by keras.saving.save_weights): {error}"
         ) from None
     return grouped, shapes, dtype, bias
+
+
+def _refuse_unknown_keras_entries(file: Any, projections: Any) -> None:
+    """Raise ValueError for an array of a Keras file that mha would not read (anything but a
+    projection's kernel and bias: a sub-layer of a newer or custom layer, LoRA's kernels, a
+    quantized kernel's scales), rather than convert the layer without it."""
+    import h5py
+
+    read = {f"{path}/vars/{i}" for path in projections for i in (0, 1)}
+    unknown = []
+    file.visititems(
+        lambda path, entry: unknown.append(path)
+        if isinstance(entry, h5py.Dataset) and path not in read
+        else None
+    )
+    if unknown:
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise ValueError(
+            "it holds arrays mha does not read, which the layer would be converted without: "
+            + ", ".join(unknown[:5])
+            + more
+        )
 
 
 def read_state(path: str | os.PathLike) -> dict[str, Any]:
@@ -329,7 +362,9 @@ def write_file(
     if kind != "torch" and num_heads is None:
         raise ValueError(f"writing {FILE_KINDS[kind]} needs num_heads")
     if kind != "mha":
-        has = ("num_kv_heads",) if kind == "keras" else ()
+        # A Keras file holds grouped heads and a gate (to_keras refuses the gate where this
+        # Keras has none)
+        has = ("num_kv_heads", "output_gate") if kind == "keras" else ()
         check_expressible(weights, scale, FILE_KINDS[kind], kind != "torch", options, has)
     try:
         content = _file_bytes(kind, weights, num_heads, dropout, scale, options)

@@ -535,16 +535,82 @@ def test_what_keras_cannot_hold_of_modern_attention(keras, tmp_path):
     gqa = N.MultiHeadAttention(8, 4, query_size=6, key_size=6, value_size=6, num_kv_heads=2)
     with pytest.raises(ValueError, match="GroupQueryAttention's output has the query's size"):
         interop.to_keras(gqa)
-    gated = keras.layers.GroupQueryAttention(2, 4, 2, use_gate=True)
-    gated.build((None, 3, 8), (None, 3, 8))
-    with pytest.raises(ValueError, match="use_gate"):
-        interop.from_keras(gated)
     # A sliding window is config, which a weights file does not hold: only mha's keeps it
     windowed = N.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, sliding_window=3)
     mha.save(windowed, tmp_path / "w.safetensors")
     with pytest.raises(ValueError, match="sliding_window=3"):
         interop.convert(tmp_path / "w.safetensors", tmp_path / "w.weights.h5", num_heads=2)
     assert not (tmp_path / "w.weights.h5").exists()
+
+
+def _gated_keras_layers(keras, dtype):
+    """Keras's layers with use_gate=True: MultiHeadAttention (its flag is `_use_gate`) with
+    and without biases and with another output size, and GroupQueryAttention."""
+    return {
+        "multihead": keras.layers.MultiHeadAttention(2, 4, use_gate=True, dtype=dtype),
+        "multihead_no_bias": keras.layers.MultiHeadAttention(
+            2, 4, use_gate=True, use_bias=False, output_shape=5, dtype=dtype
+        ),
+        "grouped": keras.layers.GroupQueryAttention(4, 4, 2, use_gate=True, dtype=dtype),
+    }
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("name", backend_params())
+def test_a_keras_gate_is_the_output_gate_both_ways(keras, name, dtype):
+    # Keras's gate, sigmoid(query @ W_g + b_g) times each head's output, is mha's output_gate:
+    # Keras's own layer is the judge, and the layer converted back computes what it did
+    module = backend_module(name)
+    rng = np.random.default_rng(11)
+    query = rng.standard_normal((BATCH, QUERIES, 8)).astype(dtype)
+    key, value = (rng.standard_normal((BATCH, KEYS, 8)).astype(dtype) for _ in range(2))
+    for builtin in _gated_keras_layers(keras, dtype).values():
+        builtin(query, value, key)  # builds it
+        randomize_keras(builtin, seed=12)
+        layer = interop.from_keras(builtin, backend=name)
+        assert module.layer_config(layer)["output_gate"] and "W_g" in mha.get_weights(layer)
+        for causal in (False, True):
+            theirs = call_keras(builtin, query, key, value, use_causal_mask=causal)
+            assert_agree(call_mha(module, layer, query, key, value, causal=causal), theirs, dtype)
+        again = interop.to_keras(layer)
+        np.testing.assert_array_equal(
+            np.asarray(again(query, value, key)), np.asarray(builtin(query, value, key))
+        )
+
+
+@pytest.mark.tensorflow
+def test_a_gated_keras_file_converts_with_its_gate(keras, tmp_path):
+    from keras import saving  # Keras 3's, which tf.keras does not name
+
+    x = np.random.default_rng(13).standard_normal((BATCH, QUERIES, 8)).astype("float32")
+    for kind, builtin in _gated_keras_layers(keras, "float32").items():
+        builtin(x, x)
+        randomize_keras(builtin, seed=14)
+        path = tmp_path / f"{kind}.weights.h5"
+        saving.save_weights(builtin, path)
+        interop.convert(path, tmp_path / f"{kind}.safetensors")
+        layer = mha.load(tmp_path / f"{kind}.safetensors", backend="numpy")
+        np.testing.assert_allclose(layer(x, x, x), np.asarray(builtin(x, x)), atol=1e-6)
+        interop.convert(tmp_path / f"{kind}.safetensors", tmp_path / f"{kind}.again.weights.h5")
+        again, _ = interop.read_file(tmp_path / f"{kind}.again.weights.h5")
+        for name, array in mha.get_weights(layer).items():
+            np.testing.assert_array_equal(again[name], array)
+
+
+@pytest.mark.tensorflow
+def test_a_keras_file_with_arrays_mha_does_not_read_is_refused(keras, tmp_path):
+    import h5py
+    from keras import saving
+
+    builtin = keras.layers.MultiHeadAttention(2, 4)
+    builtin.build((None, 3, 8), (None, 3, 8))
+    path = tmp_path / "extra.weights.h5"
+    saving.save_weights(builtin, path)
+    with h5py.File(path, "a") as file:  # a sub-layer with weights mha's layer has no place for
+        file.create_dataset("_extra_dense/vars/0", data=np.ones((8, 2)))
+    with pytest.raises(ValueError, match="_extra_dense/vars/0"):
+        interop.read_file(path)
 
 
 @pytest.mark.tensorflow

@@ -153,6 +153,31 @@ def test_what_flax_layers_mha_cannot_hold_is_an_error(flax):
     layer = N.MultiHeadAttention(D, H, query_size=D, key_size=4, value_size=6)
     with pytest.raises(ValueError, match="in_kv_features"):
         interop.to_flax(layer)
+    gated = N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, output_gate=True)
+    with pytest.raises(ValueError, match="an output gate"):  # Flax's layer has none
+        interop.flax_params(mha.get_weights(gated), H)
+
+
+def test_a_flax_layer_computing_with_functions_of_its_own_is_an_error(flax):
+    # Its attention_fn (or products) computes other numbers than mha's layer would
+    import jax
+    from flax import nnx
+
+    def doubled(query, key, value, *args, **kwargs):
+        return nnx.dot_product_attention(2.0 * query, key, value, *args, **kwargs)
+
+    own = {"attention_fn": doubled, "qkv_dot_general": jax.lax.dot_general}
+    for name, function in own.items():
+        source = nnx.MultiHeadAttention(H, D, decode=False, rngs=nnx.Rngs(0), **{name: function})
+        with pytest.raises(ValueError, match=name):
+            interop.from_flax(source)
+    # Flax's own default, given by name, ports
+    same = nnx.MultiHeadAttention(
+        H, D, attention_fn=nnx.dot_product_attention, decode=False, rngs=nnx.Rngs(0)
+    )
+    x = np.random.default_rng(1).standard_normal((2, 3, D)).astype("float32")
+    layer = interop.from_flax(same, backend="numpy")
+    np.testing.assert_allclose(layer(x, x, x), np.asarray(same(x, x, x)), atol=2e-5)
 
 
 @pytest.mark.parametrize("name", backend_params())

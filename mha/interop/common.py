@@ -83,7 +83,8 @@ def check_expressible(
     """Raise ValueError where `target` (a framework's layer, or its file) cannot hold what
     mha's options add: a score scale, an output bias apart from the others, unless
     `other_sizes` (Keras's output_shape, Flax's out_features) another output size, rotary
-    embeddings, and unless `has` names them, fewer key-value heads and a sliding window."""
+    embeddings, and unless `has` names them, fewer key-value heads, a sliding window and an
+    output gate."""
     problems = []
     if scale is not None:
         problems.append(f"a score scale of its own (scale={scale!r})")
@@ -96,7 +97,7 @@ def check_expressible(
         problems.append("fewer key-value heads than query heads (grouped-query attention)")
     if "sinks" in weights:
         problems.append("attention sinks (sinks)")
-    if "W_g" in weights:
+    if "W_g" in weights and "output_gate" not in has:
         problems.append("an output gate (W_g)")
     for key, value in (options or {}).items():
         if key == "sliding_window" and "sliding_window" in has:
@@ -120,11 +121,12 @@ def layer_from_weights(
 
     The config is read off the canonical weights: num_hiddens, out_features and the input
     sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
-    num_kv_heads from W_k's columns (fewer than W_q's: grouped-query attention), dtype from
+    output_gate from that of W_g, num_kv_heads from W_k's columns (fewer than W_q's: grouped-query attention), dtype from
     W_q's dtype. `options` are the layer's untold options (mha.weights.UNTOLD_OPTIONS).
 
     Args:
-        weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o).
+        weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o,
+            W_g and b_g).
         num_heads: the number of heads (weights cannot tell it).
         backend: an mha backend name; None is the current backend.
         dropout: the new layer's dropout rate.
@@ -147,6 +149,7 @@ def layer_from_weights(
         out_features=None if out_features == num_hiddens else out_features,
         scale=scale,
         num_kv_heads=_num_kv_heads(num_hiddens, shapes["W_k"][1], num_heads),
+        output_gate="W_g" in weights,
         dtype=validation.check_dtype(np.asarray(weights["W_q"]).dtype.name),
         **options,
     )

@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 
 from mha import validation
-from mha.interop.common import as_numpy, keep_mask, layer_from_weights, multihead_config
+from mha.interop.common import (
+    as_numpy,
+    check_expressible,
+    keep_mask,
+    layer_from_weights,
+    multihead_config,
+)
 from mha.interop.keras import KERAS_PROJECTIONS, keras_weights
 from mha.registry import load_backend
 
@@ -43,6 +49,8 @@ def flax_params(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, 
         p = num_hiddens / num_heads; biases only when the weights have them. Linen's
         `module.apply({"params": flax_params(...)}, ...)` takes it as it is.
     """
+    # Flax's layer has no gate, which Keras's layout would carry
+    check_expressible(weights, None, "Flax's multi-head attention", True, has=("num_kv_heads",))
     flat = keras_weights(weights, num_heads)
     params: dict[str, dict] = {}
     for k, keras_name in KERAS_PROJECTIONS.items():
@@ -66,7 +74,8 @@ def canonical_from_flax(
     Raises:
         ValueError: parameters that are not those of Flax's multi-head attention, or a layer
             with no mha equivalent (an output size other than num_heads * head size, a value
-            head size other than the key's, normalize_qk). A layer in decode mode ports: its
+            head size other than the key's, normalize_qk, an attention_fn, dot_general or
+            promote_dtype of its own). A layer in decode mode ports: its
             weights are those of any other call; what its cache holds is not carried (mha's
             KVCache, filled by calling the layer on the positions so far, continues it).
     """
@@ -171,6 +180,7 @@ def _flax_params_of(source: Any) -> Any:
     unsupported = []
     if source.normalize_qk:
         unsupported.append("normalize_qk=True (mha does not normalize queries and keys)")
+    unsupported += _own_functions(source)
     if unsupported:
         raise ValueError(
             "This flax.nnx.MultiHeadAttention has no mha equivalent:\n"
@@ -183,6 +193,34 @@ def _flax_params_of(source: Any) -> Any:
         if getattr(dense, "bias", None) is not None:
             params[name]["bias"] = dense.bias[...]
     return params
+
+
+# The functions an nnx.MultiHeadAttention computes with, which its user may replace: mha's
+# layer computes what Flax's defaults do, and nothing else
+_FLAX_FUNCTIONS = (
+    "attention_fn",
+    "qkv_dot_general",
+    "out_dot_general",
+    "qkv_dot_general_cls",
+    "out_dot_general_cls",
+    "qkv_promote_dtype",
+    "out_promote_dtype",
+)
+
+
+def _own_functions(source: Any) -> list[str]:
+    """The functions of an nnx.MultiHeadAttention that are not Flax's defaults, described."""
+    import inspect
+
+    from flax import nnx
+
+    defaults = inspect.signature(nnx.MultiHeadAttention.__init__).parameters
+    return [
+        f"{name}={getattr(getattr(source, name), '__name__', type(getattr(source, name)).__name__)}"
+        " (mha computes what Flax's default does)"
+        for name in _FLAX_FUNCTIONS
+        if name in defaults and getattr(source, name, None) is not defaults[name].default
+    ]
 
 
 def to_flax(layer: Any, *, rngs: Any = None) -> Any:

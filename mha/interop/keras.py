@@ -3,7 +3,9 @@
 Layout (n = num_hiddens, h = num_heads, p = n / h): query/kernel (query_size, h, p) = W_q
 reshaped, query/bias (h, p); likewise key and value; attention_output/kernel (h, p, n) = W_o
 reshaped, its bias (n,). key_dim = value_dim = p, output_shape = n. GroupQueryAttention holds
-the same kernels, its keys and values with num_kv_heads heads.
+the same kernels, its keys and values with num_kv_heads heads. A layer built with
+use_gate=True also holds gate/kernel (query_size, h, p) = W_g reshaped and gate/bias (h, p):
+sigmoid(query @ W_g + b_g) times the heads' output before W_o, mha's output_gate.
 
 Keras (TensorFlow's tf.keras, Keras 3) is imported inside the functions that need it:
 importing this module imports none.
@@ -30,6 +32,7 @@ from mha.registry import load_backend
 
 __all__ = [
     "KERAS_DENSE",
+    "KERAS_GATE",
     "KERAS_PROJECTIONS",
     "canonical_from_keras",
     "from_keras",
@@ -44,6 +47,9 @@ __all__ = [
 KERAS_PROJECTIONS = {"q": "query", "k": "key", "v": "value", "o": "attention_output"}
 # Projection -> the name of its EinsumDense sub-layer, the Keras layer's attribute `_<name>`
 KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "output_dense"}
+# use_gate's EinsumDense: "gate" in the variable paths, the attribute `_gate_dense` of both
+# layers (and its name in both layers' files)
+KERAS_GATE = "gate"
 
 
 def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
@@ -54,10 +60,13 @@ def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str
         {"query/kernel": (query_size, num_heads, p), "query/bias": (num_heads, p), "key/...",
         "value/...", "attention_output/kernel": (num_heads, p, num_hiddens),
         "attention_output/bias": (num_hiddens,)}, p = num_hiddens / num_heads; keys and
-        values have num_kv_heads heads where W_k and W_v have fewer columns; biases only when
-        the weights have them. The names are Keras's variable paths below the layer.
+        values have num_kv_heads heads where W_k and W_v have fewer columns; "gate/kernel"
+        and "gate/bias" (use_gate) where the weights have W_g and b_g; biases only when the
+        weights have them. The names are Keras's variable paths below the layer.
     """
-    check_expressible(weights, None, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads",))
+    check_expressible(
+        weights, None, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads", "output_gate")
+    )
     num_hiddens, out_features = np.shape(weights["W_o"])
     if num_hiddens % num_heads:
         raise ValueError(
@@ -66,8 +75,9 @@ def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str
         )
     head_size = num_hiddens // num_heads
     result = {}
-    for k in "qkv":
-        name = KERAS_PROJECTIONS[k]
+    names = {**KERAS_PROJECTIONS, "g": KERAS_GATE}
+    for k in "qkvg" if "W_g" in weights else "qkv":
+        name = names[k]
         W = np.asarray(weights[f"W_{k}"])
         result[f"{name}/kernel"] = W.reshape(W.shape[0], -1, head_size)
         if f"b_{k}" in weights:
@@ -81,9 +91,16 @@ def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str
 
 
 def keras_dense(layer: Any, k: str) -> Any:
-    """The EinsumDense sub-layer of projection k ("q", "k", "v", "o") of a Keras layer
-    (GroupQueryAttention has no public names for them; MultiHeadAttention's are these)."""
-    return getattr(layer, f"_{KERAS_DENSE[k]}")
+    """The EinsumDense sub-layer of projection k ("q", "k", "v", "o", or "g", the gate) of a
+    Keras layer (GroupQueryAttention has no public names for them; MultiHeadAttention's are
+    these)."""
+    return getattr(layer, f"_{KERAS_GATE}_dense" if k == "g" else f"_{KERAS_DENSE[k]}")
+
+
+def _has_gate(layer: Any) -> bool:
+    """Whether a Keras layer was built with use_gate=True: MultiHeadAttention keeps the flag
+    as `_use_gate`, GroupQueryAttention as `use_gate` (older releases have neither)."""
+    return bool(getattr(layer, "_use_gate", False) or getattr(layer, "use_gate", False))
 
 
 def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -93,18 +110,23 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
 
     Raises:
         ValueError: the layer is not built, or its configuration has no mha equivalent
-            (value_dim != key_dim, attention_axes other than the sequence axis, a gate).
+            (value_dim != key_dim, attention_axes other than the sequence axis). A gate
+            (use_gate=True) becomes W_g and b_g, which give the layer output_gate.
     """
     sizes = _keras_sizes(layer)
     num_heads, key_dim = sizes["num_heads"], sizes["key_dim"]
-    kernels = {k: as_numpy(keras_dense(layer, k).kernel) for k in "qkvo"}
+    projections = "qkvog" if _has_gate(layer) else "qkvo"
+    kernels = {k: as_numpy(keras_dense(layer, k).kernel) for k in projections}
     _refuse_keras_layer(layer, sizes, kernels)
     output = kernels["o"]
     num_hiddens, out_features = num_heads * key_dim, output.shape[2]
-    weights = {f"W_{k}": kernels[k].reshape(kernels[k].shape[0], -1) for k in "qkv"}
+    # The gate, like the queries' projection, gives each head's features: mha's output_gate
+    weights = {
+        f"W_{k}": kernels[k].reshape(kernels[k].shape[0], -1) for k in projections if k != "o"
+    }
     weights["W_o"] = output.reshape(num_hiddens, out_features)
     if layer.use_bias:
-        for k in "qkvo":
+        for k in projections:
             weights[f"b_{k}"] = as_numpy(keras_dense(layer, k).bias).reshape(-1)
     weights = {name: np.ascontiguousarray(value) for name, value in weights.items()}
     config = {
@@ -119,6 +141,7 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
         "out_features": None if out_features == num_hiddens else out_features,
         "num_kv_heads": None if sizes["num_kv_heads"] == num_heads else sizes["num_kv_heads"],
         "sliding_window": sizes["sliding_window"],
+        "output_gate": "W_g" in weights,
     }
     return weights, config
 
@@ -174,8 +197,6 @@ def _refuse_keras_layer(
         )
     if not sizes["grouped"] and tuple(layer.attention_axes or (1,)) not in ((1,), (-2,)):
         problems.append(f"attention_axes={layer.attention_axes}; mha attends over axis 1")
-    if getattr(layer, "use_gate", False):
-        problems.append("a gate (use_gate=True) has no mha equivalent")
     if kernels["o"].ndim != 3:
         problems.append(f"its output has the shape {kernels['o'].shape[2:]}; mha's has one axis")
     if problems:
@@ -201,35 +222,47 @@ def to_keras(layer: Any) -> Any:
         `layer(query, value, key)` (value before key!) and gives per-head weights with
         `return_attention_scores=True`.
 
+    An output gate (output_gate, W_g) becomes Keras's use_gate=True, in a Keras that has it.
+
     Raises:
         ValueError: what Keras's layers cannot hold (rotary embeddings, a score scale; for
             GroupQueryAttention an output size other than the query size, which it fixes).
     """
-    config, weights = multihead_config(
-        layer, "keras.layers.MultiHeadAttention", True, has=("num_kv_heads", "sliding_window")
-    )
-    builtin = _new_keras_layer(config)
+    has = ("num_kv_heads", "sliding_window") + (("output_gate",) if _keras_has_gate() else ())
+    config, weights = multihead_config(layer, "keras.layers.MultiHeadAttention", True, has=has)
+    builtin = _new_keras_layer(config, gate="W_g" in weights)
     builtin.build(
         (None, None, config["query_size"]),
         (None, None, config["value_size"]),
         (None, None, config["key_size"]),
     )
+    names = {**KERAS_PROJECTIONS, "g": KERAS_GATE}
     for path, value in keras_weights(weights, config["num_heads"]).items():
         name, variable = path.split("/")
-        k = next(k for k, projection in KERAS_PROJECTIONS.items() if projection == name)
+        k = next(k for k, projection in names.items() if projection == name)
         getattr(keras_dense(builtin, k), variable).assign(value)
     return builtin
 
 
-def _new_keras_layer(config: Mapping[str, Any]) -> Any:
+def _keras_has_gate() -> bool:
+    """Whether this Keras's attention layers take use_gate (older releases have no gate)."""
+    import inspect
+
+    import tensorflow as tf
+
+    return "use_gate" in inspect.signature(tf.keras.layers.MultiHeadAttention).parameters
+
+
+def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
     """An unbuilt Keras MultiHeadAttention, or GroupQueryAttention for fewer key-value heads,
-    of an mha MultiHeadAttention's config."""
+    of an mha MultiHeadAttention's config; with use_gate=True where `gate`."""
     import tensorflow as tf
 
     num_hiddens, num_heads = config["num_hiddens"], config["num_heads"]
     head_size = num_hiddens // num_heads
     out_features = config["out_features"] or num_hiddens
     num_kv_heads = config["num_kv_heads"] or num_heads
+    gated = {"use_gate": True} if gate else {}
     if num_kv_heads == num_heads:
         return tf.keras.layers.MultiHeadAttention(
             num_heads,
@@ -240,6 +273,7 @@ def _new_keras_layer(config: Mapping[str, Any]) -> Any:
             output_shape=out_features,
             sliding_window=config["sliding_window"],
             dtype=config["dtype"],
+            **gated,
         )
     if out_features != config["query_size"]:
         raise ValueError(
@@ -254,6 +288,7 @@ def _new_keras_layer(config: Mapping[str, Any]) -> Any:
         use_bias=config["bias"],
         sliding_window=config["sliding_window"],
         dtype=config["dtype"],
+        **gated,
     )
 
 
