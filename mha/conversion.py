@@ -298,9 +298,9 @@ def _refuse_unknown_keras_entries(file: Any, projections: Any) -> None:
     read = {f"{path}/vars/{i}" for path in projections for i in (0, 1)}
     unknown = []
     file.visititems(
-        lambda path, entry: unknown.append(path)
-        if isinstance(entry, h5py.Dataset) and path not in read
-        else None
+        lambda path, entry: (
+            unknown.append(path) if isinstance(entry, h5py.Dataset) and path not in read else None
+        )
     )
     if unknown:
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""

@@ -121,8 +121,9 @@ def layer_from_weights(
 
     The config is read off the canonical weights: num_hiddens, out_features and the input
     sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
-    output_gate from that of W_g, num_kv_heads from W_k's columns (fewer than W_q's: grouped-query attention), dtype from
-    W_q's dtype. `options` are the layer's untold options (mha.weights.UNTOLD_OPTIONS).
+    output_gate from that of W_g, num_kv_heads from W_k's columns (fewer than W_q's:
+    grouped-query attention), dtype from W_q's dtype. `options` are the layer's untold
+    options (mha.weights.UNTOLD_OPTIONS).
 
     Args:
         weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o,
