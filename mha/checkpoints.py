@@ -187,14 +187,19 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         validation.check_layer_args(class_name, config)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} has an invalid config for {class_name}: {error}") from None
-    if class_name == "PositionalEncoding":
-        # Its table is made from the config alone: a few bytes of file must not ask for TiBs
-        size = config["max_len"] * config["num_hiddens"]
+    # Their tables are made from the config alone: a few bytes of file must not ask for TiBs
+    tables = {
+        "PositionalEncoding": ("a positional table of max_len * num_hiddens", "max_len"),
+        "RotaryEmbedding": ("a rotary table of num_hiddens", None),
+    }
+    if class_name in tables:
+        table, length = tables[class_name]
+        size = config["num_hiddens"] * (config[length] if length else 1)
         if size > _MAX_TABLE_SIZE:
             raise ValueError(
-                f"{name} asks for a positional table of max_len * num_hiddens = {size} numbers, "
-                f"more than a file may ask for ({_MAX_TABLE_SIZE}); build the layer with "
-                "these arguments yourself if you mean it"
+                f"{name} asks for {table} = {size} numbers, more than a file may ask for "
+                f"({_MAX_TABLE_SIZE}); build the layer with these arguments yourself if you "
+                "mean it"
             )
     problems, arrays = find_problems(class_name, config, tensors)
     if problems:
@@ -331,8 +336,9 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         header = json.loads(
             content[8 : 8 + header_size].decode("utf-8"), object_pairs_hook=_unique_keys
         )
-    except (UnicodeDecodeError, ValueError) as error:
-        raise corrupt(f"its header is not JSON ({error})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
+        # RecursionError: JSON nested deeper than Python's parser goes
+        raise corrupt(f"its header is not JSON ({type(error).__name__}: {error})") from None
     if not isinstance(header, dict):
         raise corrupt("its header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}

@@ -238,6 +238,22 @@ def test_a_checkpoint_may_not_ask_for_an_unbounded_positional_table(tmp_path):
     assert path.stat().st_size < 1000
     with pytest.raises(ValueError, match="asks for a positional table"):
         mha.load(path)
+    # A rotary embedding's table too: num_hiddens alone makes it
+    config = {"num_hiddens": 2**34, "theta": 1e4, "interleaved": False, "dtype": "float32"}
+    config.update(rotary_dim=None, scaling=None)
+    metadata = {"format": FORMAT, "class": "RotaryEmbedding", "config": json.dumps(config)}
+    write_safetensors(path, {}, metadata)
+    with pytest.raises(ValueError, match="asks for a rotary table"):
+        mha.load(path)
+
+
+def test_a_header_nested_deeper_than_the_parser_goes_is_refused(tmp_path):
+    # Python's JSON parser raises RecursionError there: the file is corrupt, not mha broken
+    header = b"[" * 100_000 + b"]" * 100_000
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ValueError, match="not JSON"):
+        mha.load(path)
 
 
 @pytest.mark.tensorflow
