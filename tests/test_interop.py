@@ -259,6 +259,36 @@ def test_torch_to_mha(torch, name, config, dtype):
 
 
 @pytest.mark.torch
+def test_masks_that_broadcast_become_attn_masks_torch_takes(torch):
+    # Masks of any shape mha's layer takes, broadcasting over examples, heads or queries:
+    # torch's layer with the translated masks computes what the NumPy reference does
+    num_heads = 2
+    builtin = torch.nn.MultiheadAttention(8, num_heads, batch_first=True).eval()
+    randomize_torch(torch, builtin, seed=4)
+    layer = interop.from_torch(builtin, backend="numpy")
+    rng = np.random.default_rng(5)
+    queries, keys, values = inputs((8, num_heads, True, 8, 8, 8), "float32", rng)
+    shapes = [(KEYS,), (1, 1, KEYS), (QUERIES, KEYS), (1, QUERIES, KEYS), (BATCH, 1, 1, KEYS)]
+    shapes += [(1, num_heads, QUERIES, KEYS), (BATCH, num_heads, 1, KEYS)]
+    for shape in shapes:
+        mask = rng.random(shape) < 0.7
+        mask[..., 0] = True  # every row keeps a key: torch's rows without one are NaN
+        sizes = dict(num_heads=num_heads, num_queries=QUERIES, num_keys=KEYS, batch_size=BATCH)
+        masks = interop.to_torch_masks(None, mask, **sizes)
+        theirs = call_torch(torch, builtin, queries, keys, values, **masks)
+        ours = call_mha(backend_module("numpy"), layer, queries, keys, values, mask=mask)
+        assert_agree(ours, theirs, "float32")
+    with pytest.raises(ValueError, match="give batch_size"):  # torch's mask has a batch axis
+        interop.to_torch_masks(
+            None,
+            np.ones((1, num_heads, QUERIES, KEYS), bool),
+            num_heads=num_heads,
+            num_queries=QUERIES,
+            num_keys=KEYS,
+        )
+
+
+@pytest.mark.torch
 def test_rows_without_keys_torch_gives_nan_mha_gives_b_o(torch):
     config = TORCH_CONFIGS["packed-bias"]
     layer = mha_layer(backend_module("numpy"), config, "float32")

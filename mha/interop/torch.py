@@ -234,12 +234,15 @@ def to_torch_masks(
     num_heads: int,
     num_queries: int,
     num_keys: int,
+    batch_size: int | None = None,
 ) -> dict[str, Any]:
     """torch MultiheadAttention's mask arguments equivalent to mha's.
 
     Args:
         valid_lens, mask, causal: as mha's MultiHeadAttention call (numpy or framework arrays).
         num_heads, num_queries, num_keys: the sizes of the call.
+        batch_size: the call's batch size; needed only for a mask of one example that differs
+            between heads, which torch takes as one mask per example and head.
 
     Returns:
         A dict for `module(query, key, value, **masks)`: `key_padding_mask` (B, K) for
@@ -249,7 +252,9 @@ def to_torch_masks(
 
     Raises:
         ValueError: valid_lens that are not non-negative whole numbers, with the layers'
-            message; a mask of more than 4 axes or with a head axis of another size.
+            message; a mask of more than 4 axes or with a head axis of another size; a mask of
+            one example that differs between heads without batch_size, or a batch_size that
+            is not the mask's.
     """
     import torch
 
@@ -261,18 +266,31 @@ def to_torch_masks(
         lengths = None
     keep = keep_mask(lengths, mask, causal, num_queries, num_keys)
     if keep is not None:
-        batch_size, heads = keep.shape[0], keep.shape[1]
-        if heads not in (1, num_heads):
-            raise ValueError(
-                f"mask has {heads} heads on axis 1; expected 1 or num_heads={num_heads}"
-            )
-        if batch_size == 1 and heads == 1:
-            attn_mask = keep[0, 0]
-        else:
-            full = np.broadcast_to(keep, (batch_size, num_heads, num_queries, num_keys))
-            attn_mask = full.reshape(batch_size * num_heads, num_queries, num_keys)
-        result["attn_mask"] = torch.from_numpy(np.ascontiguousarray(~attn_mask))
+        keep = _attn_keep(keep, (batch_size, num_heads, num_queries, num_keys))
+        result["attn_mask"] = torch.from_numpy(np.ascontiguousarray(~keep))
     return result
+
+
+def _attn_keep(keep: np.ndarray, sizes: tuple[int | None, int, int, int]) -> np.ndarray:
+    """keep (B or 1, heads or 1, Q or 1, K) as torch's attn_mask takes it, True = attend:
+    (Q, K) where it is the same for every example and head, else (B * num_heads, Q, K);
+    sizes: the call's (batch_size or None, num_heads, Q, K)."""
+    batch_size, num_heads, num_queries, num_keys = sizes
+    examples, heads = keep.shape[:2]
+    if heads not in (1, num_heads):
+        raise ValueError(f"mask has {heads} heads on axis 1; expected 1 or num_heads={num_heads}")
+    if examples == 1 and heads == 1:
+        return np.broadcast_to(keep[0, 0], (num_queries, num_keys))
+    if batch_size is not None and examples not in (1, batch_size):
+        raise ValueError(f"mask has {examples} examples on axis 0; batch_size={batch_size}")
+    if examples == 1 and batch_size is None:
+        raise ValueError(
+            "a mask of one example that differs between heads becomes torch's attn_mask of "
+            "(batch_size * num_heads, Q, K): give batch_size"
+        )
+    examples = examples if batch_size is None else batch_size
+    full = np.broadcast_to(keep, (examples, num_heads, num_queries, num_keys))
+    return full.reshape(examples * num_heads, num_queries, num_keys)
 
 
 def from_torch_masks(
