@@ -348,12 +348,24 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         raise corrupt("its __metadata__ is not a map of strings")
     data = memoryview(content)[8 + header_size :]
     entries = _safetensors_entries(header, len(data), corrupt)
+    return _safetensors_arrays(data, entries, corrupt), metadata
+
+
+def _safetensors_arrays(data: memoryview, entries: list, corrupt: Any) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file's checked entries, by name, in native byte order."""
     tensors = {}
     for begin, end, key, dtype, shape in entries:
         array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
-        array = array.reshape(shape).astype(array.dtype.newbyteorder("="))
+        if dtype == "BOOL" and array.view(np.uint8).max(initial=0) > 1:
+            # numpy keeps such a byte: ~ of it stays True, so a mask and its negation would agree
+            raise corrupt(f"{key!r} is boolean and holds bytes other than 0 and 1")
+        try:
+            array = array.reshape(shape)
+        except ValueError as error:  # more axes than this numpy's arrays have (32 or 64)
+            raise corrupt(f"{key!r} has shape {shape}: {error}") from None
+        array = array.astype(array.dtype.newbyteorder("="))
         tensors[key] = array.view(numpy_dtype("bfloat16")) if dtype == "BF16" else array
-    return tensors, metadata
+    return tensors
 
 
 def _safetensors_entries(

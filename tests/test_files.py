@@ -247,6 +247,28 @@ def test_a_checkpoint_may_not_ask_for_an_unbounded_positional_table(tmp_path):
         mha.load(path)
 
 
+def test_booleans_other_than_0_and_1_and_too_many_axes_are_refused(tmp_path):
+    import json
+
+    from mha.checkpoints import read_safetensors
+
+    def file(entry, data):
+        header = json.dumps({"m": entry}).encode()
+        path = tmp_path / "m.safetensors"
+        path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+        return path
+
+    # numpy would keep the byte 2 as a True whose negation is True too
+    mask = {"dtype": "BOOL", "shape": [3], "data_offsets": [0, 3]}
+    with pytest.raises(ValueError, match="bytes other than 0 and 1"):
+        read_safetensors(file(mask, bytes([0, 1, 2])))
+    tensors, _ = read_safetensors(file(mask, bytes([0, 1, 1])))
+    np.testing.assert_array_equal(tensors["m"], [False, True, True])
+    deep = {"dtype": "F32", "shape": [1] * 70, "data_offsets": [0, 4]}
+    with pytest.raises(ValueError, match="not a valid safetensors file: 'm' has shape"):
+        read_safetensors(file(deep, bytes(4)))
+
+
 def test_a_header_nested_deeper_than_the_parser_goes_is_refused(tmp_path):
     # Python's JSON parser raises RecursionError there: the file is corrupt, not mha broken
     header = b"[" * 100_000 + b"]" * 100_000
