@@ -82,10 +82,7 @@ def rotary_frequencies(
     if rope_type == "dynamic":
         # NTK: a larger base once the sequence is longer than the original length
         length = max(length or original, original)
-        base = theta * (factor * length / original - (factor - 1)) ** (
-            num_hiddens / (num_hiddens - 2)
-        )
-        return 1.0 / np.power(base, exponents)
+        return dynamic_frequencies(num_hiddens, theta, scaling, length, exponents)
     if rope_type == "longrope":
         # One factor per pair, the long ones beyond the original length
         long = length is not None and length > original
@@ -129,6 +126,18 @@ def _yarn(frequencies, num_hiddens: int, theta: float, scaling: Mapping[str, Any
     high = high + 0.001 if low == high else high  # no division by zero
     ramp = np.clip((np.arange(num_hiddens // 2) - low) / (high - low), 0, 1)
     return frequencies / factor * ramp + frequencies * (1 - ramp)
+
+
+def dynamic_frequencies(
+    num_hiddens: int, theta: float, scaling: Mapping[str, Any], length: Any, exponents: Any
+) -> Any:
+    """A "dynamic" scaling's frequencies for a sequence of `length` positions, no fewer than
+    its original ones; exponents: 2i / num_hiddens for each pair. Python's operators alone,
+    so that a backend may give the length and exponents as its own tensors (a length that an
+    exported program leaves free)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    base = theta * (factor * length / original - (factor - 1)) ** (num_hiddens / (num_hiddens - 2))
+    return 1.0 / base**exponents
 
 
 def rotary_frequencies_at(

@@ -232,6 +232,43 @@ def test_a_program_with_free_sizes_runs_at_sizes_that_take_another_path(T, case,
     _check_exported(T, layer, reference, draws(attention_shapes, kinds, [SIZES[0], LONG]), way)
 
 
+# Rotary scalings whose frequencies follow the sequence's length, past 6 positions (two pairs
+# of features turn: the heads' size is 4)
+LENGTH_SCALINGS = {
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6},
+    "longrope": {
+        "rope_type": "longrope",
+        "factor": 4.0,
+        "original_max_position_embeddings": 6,
+        "short_factor": [1.0, 1.5],
+        "long_factor": [2.0, 5.0],
+    },
+}
+
+
+@pytest.mark.parametrize("way", ["export-dynamic", "onnx"])
+@pytest.mark.parametrize("cached", [0, 3], ids=["no_cache", "cache"])
+@pytest.mark.parametrize("scaling", LENGTH_SCALINGS.values(), ids=LENGTH_SCALINGS)
+def test_a_rotary_scaling_of_the_length_holds_past_the_traced_length(T, scaling, cached, way):
+    # Traced on a sequence within the original positions, run on one past them: the program
+    # keeps no frequencies of the traced length (the ONNX exporter keeps no guard on it)
+    config = {**LAYERS["MultiHeadAttention"], "num_hiddens": 16, "num_kv_heads": 2}
+    config.update(rope_theta=1e4, rope_scaling=scaling)
+    layer, reference = _pair(T, "MultiHeadAttention", config)
+    calls = []
+    for seed, (B, Q, K) in enumerate([(2, 3, 3), (3, 5, 9)]):
+        rng = np.random.default_rng(seed)
+        shapes = attention_shapes(B, Q, K)
+        args = tuple(rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+        kwargs = {"causal": True, "valid_lens": rng.integers(1, K + 1, B)}
+        if cached:  # 3 + 3 positions, then 3 + 9: past the original 6
+            shape = (B, 2, cached, 4)
+            arrays = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+            kwargs["cache"] = mha.KVCache(*arrays)
+        calls.append((args, kwargs))
+    _check_exported(T, layer, reference, calls, way)
+
+
 def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     layer, _ = _pair(T, "MultiHeadAttention", LAYERS["MultiHeadAttention"])
     args, kwargs = _draws(attention_shapes, ["valid_lens_1d"], "export")[0]

@@ -25,6 +25,7 @@ from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
 from mha.encoding import (
     alibi_slopes,
+    dynamic_frequencies,
     frozen_rope_scaling,
     latent_attention_scale,
     rotary_angle_dtype,
@@ -1005,8 +1006,29 @@ class RotaryEmbedding(Module):
 
     def frequencies_at(self, length: int) -> torch.Tensor:
         """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
-        a dynamic or longrope scaling gives a sequence longer than it was trained on."""
-        longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+        a dynamic or longrope scaling gives a sequence longer than it was trained on. A
+        program being exported may leave the length free: the frequencies are then computed
+        in the program, from the length as a tensor."""
+        if isinstance(length, int) or not torch.compiler.is_exporting():
+            # torch.compile guards a free length's comparison; an exported program keeps none
+            return self._frequencies_of(
+                rotary_frequencies_at(self.rotated, self.theta, self.scaling, length))
+        if self.scaling is None or self.scaling["rope_type"] not in ("dynamic", "longrope"):
+            return self.frequencies
+        original, device = self.scaling["original_max_position_embeddings"], self.frequencies.device
+        # The length as a tensor made from a size, not read from a value
+        length = torch.arange(length, dtype=torch.float64, device=device)[-1] + 1
+        if self.scaling["rope_type"] == "dynamic":
+            pairs = torch.arange(0, self.rotated, 2, dtype=torch.float64, device=device)
+            frequencies = dynamic_frequencies(self.rotated, self.theta, self.scaling,
+                                              length.clamp(min=original), pairs / self.rotated)
+            return frequencies.to(self.frequencies.dtype)
+        longer = rotary_frequencies(self.rotated, self.theta, self.scaling, original + 1)
+        return torch.where(length > original, self._frequencies_of(longer), self.frequencies)
+
+    def _frequencies_of(self, longer: np.ndarray | None) -> torch.Tensor:
+        """A scaling's frequencies for a longer sequence on the layer's device, or the
+        layer's own (None)."""
         if longer is None:
             return self.frequencies
         # Cast on the host, then copied without waiting for the device (a blocking copy syncs)
