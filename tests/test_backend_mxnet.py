@@ -641,3 +641,30 @@ def test_mha_selects_gluon_blocks(MX, mx):
     assert isinstance(layer, mx.gluon.HybridBlock)
     assert {"W_q", "W_k", "W_v", "W_o", "attention"} <= set(layer._children)
     assert "w_v" in MX.AdditiveAttention(4)._children
+
+
+def test_an_exported_graph_holds_no_position_of_the_traced_sizes(MX, mx, tmp_path):
+    # Exported after a causal call, the graph's masks follow every other number of queries
+    # and keys; one traced with alignment="bottom_right" would hold the traced K - Q: refused
+    sizes = dict(query_size=D, key_size=D, value_size=V)
+    layer = MX.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes)
+    reference = NP.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes)
+    mha.set_weights(reference, mha.get_weights(layer))
+    layer.hybridize()
+    layer(*map(MX.from_numpy, inputs("float32")), causal=True)
+    layer.export(str(tmp_path / "causal"))
+    with mx.util.np_shape(True), mx.util.np_array(True):
+        imported = mx.gluon.SymbolBlock.imports(
+            str(tmp_path / "causal-symbol.json"),
+            ["data0", "data1", "data2"],
+            str(tmp_path / "causal-0000.params"),
+        )
+        for num_queries, num_keys in ((3, 5), (4, 9), (6, 6)):
+            arrays = inputs("float32", num_queries, num_keys, seed=num_keys)
+            output = imported(*map(MX.from_numpy, arrays))
+            output = output[0] if isinstance(output, list | tuple) else output
+            expected = reference(*arrays, causal=True)
+            np.testing.assert_allclose(MX.to_numpy(output), expected, atol=1e-5)
+    layer(*map(MX.from_numpy, inputs("float32")), causal=True, alignment="bottom_right")
+    with pytest.raises(ValueError, match="bottom_right"):
+        layer.export(str(tmp_path / "bottom_right"))

@@ -17,7 +17,8 @@ given, their rank and kind), and passes them on positionally; None is a valid in
 hybridized Gluon block. A hybridized block traces its graph again when a call's structure
 differs from the previous call's (as Gluon does when a block changes), and a layer takes one
 call at a time, so that threads sharing it each get their own masks and result; a graph
-does not depend on batch size or sequence lengths. A KVCache's keys and values are inputs and
+does not depend on batch size or sequence lengths (alignment="bottom_right" places the queries
+by them: a graph traced so is not exported). A KVCache's keys and values are inputs and
 outputs of MultiHeadAttention's graph (a LatentCache's latents and rotary keys of
 MultiHeadLatentAttention's), their number of positions the offset counted in it: one graph
 serves every decoding step after the first. Two limits:
@@ -164,6 +165,9 @@ class _Call(NamedTuple):
     # The position of the first query for the masks, where the call's alignment places it;
     # None: after the cached positions (a graph input), as the layers do by default
     first_position: int | None = None
+    # That position follows the call's sizes (alignment="bottom_right": K - Q), which an
+    # exported graph would hold as this call's (see Layer.export)
+    sized_position: bool = False
     segments: bool = False  # segment_ids are given: graph inputs of query and key ids
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
@@ -175,19 +179,21 @@ def _segment_inputs(segment_ids) -> tuple:
     return (None, None) if segment_ids is None else function_checks.segment_pair(segment_ids)
 
 
-def _first_position(alignment, num_queries: int, num_keys: int) -> int | None:
-    """The position of a layer call's first query for its masks: None (after the cached ones)
-    unless `alignment` places it; num_keys counts the cached keys."""
+def _first_position(alignment, num_queries: int, num_keys: int) -> dict[str, Any]:
+    """_call_structure's first_position of a layer call (the position of its first query for
+    its masks: None, after the cached ones, unless `alignment` places it; num_keys counts the
+    cached keys) and sized_position (whether it follows the call's sizes)."""
     if alignment is None:
-        return None
-    return function_checks.layer_first_position(alignment, num_queries, num_keys)
+        return {"first_position": None}
+    first = function_checks.layer_first_position(alignment, num_queries, num_keys)
+    return {"first_position": first, "sized_position": alignment == "bottom_right"}
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
                     empty_rows="zeros", sliding_window=None, cache=None, offset=0,
                     sinks=False, first_position=None, segment_ids=None,
-                    attention_chunk_size=None) -> _Call:
+                    attention_chunk_size=None, sized_position=False) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -206,6 +212,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         cached=offset > 0,
         sinks=sinks,
         first_position=first_position,
+        sized_position=sized_position,
         segments=segment_ids is not None,
         recording=mx.autograd.is_recording(),
     )
@@ -251,6 +258,19 @@ class Layer(nn.HybridBlock):
                 "graph: its checks and masks need concrete arrays. Hybridize the mha layer "
                 "itself, or call it from a gluon.Block"
             )
+
+    def export(self, path, epoch=0, remove_amp_cast=True):
+        """HybridBlock.export, refused where the traced call placed its queries by its sizes
+        (alignment="bottom_right"): the exported graph would hold that call's position for
+        every other number of queries and keys."""
+        if self._structure is not None and self._structure.sized_position:
+            raise ValueError(
+                'this graph was traced with alignment="bottom_right", whose first query '
+                "follows the numbers of queries and keys: an exported graph would keep the "
+                "traced call's. Trace it with an int alignment (the number of keys before the "
+                "queries) or without one to export"
+            )
+        return super().export(path, epoch, remove_amp_cast)
 
     def _run(self, call: _Call, *inputs):
         # hybrid_forward reads the call's structure from the layer: one call at a time, and a
@@ -781,7 +801,7 @@ class DotProductAttention(Layer):
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
                                window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows,
                                sliding_window=self.sliding_window,
-                               first_position=_first_position(alignment, num_queries, num_keys),
+                               **_first_position(alignment, num_queries, num_keys),
                                segment_ids=segment_ids)
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias,
@@ -853,7 +873,7 @@ class AdditiveAttention(Layer):
         call = _call_structure(self.dtype, None, valid_lens, mask, causal, window_mask,
                                attn_bias=attn_bias, empty_rows=self.empty_rows,
                                sliding_window=self.sliding_window,
-                               first_position=_first_position(alignment, num_queries, num_keys),
+                               **_first_position(alignment, num_queries, num_keys),
                                segment_ids=segment_ids)
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias,
@@ -989,8 +1009,9 @@ class MultiHeadAttention(Layer):
         call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
                                head_mask, need_weights, attn_bias, self.empty_rows,
                                self.sliding_window, cache, offset, self.sinks,
-                               _first_position(alignment, num_queries, num_keys), segment_ids,
-                               self.attention_chunk_size)
+                               segment_ids=segment_ids,
+                               attention_chunk_size=self.attention_chunk_size,
+                               **_first_position(alignment, num_queries, num_keys))
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
