@@ -91,6 +91,11 @@ MULTIHEAD_CASES = {
         },
         ["causal", "valid_lens_1d"],
     ),
+    # gpt-oss's sink of each head, with grouped heads and a window after a cache
+    "sinks+cache": (
+        {**GROUPED, "sinks": True, "sliding_window": 2},
+        ["causal", "valid_lens_1d", "cache"],
+    ),
 }
 # masked_softmax: id -> (shapes of X for (batch, queries, keys), mask kinds, empty_rows)
 SOFTMAX_CASES = {

@@ -138,7 +138,7 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
     return tf.reshape(y, out_shape)
 
 
-class _Sinks(keras.layers.Layer):
+class Sinks(keras.layers.Layer):
     """Each head's sink logit, the layer's `bias` (zeros at first)."""
 
     def __init__(self, num_heads: int, dtype: str, **kwargs):
@@ -721,7 +721,7 @@ class MultiHeadAttention(_AttentionLayer):
         # Each head's sink logit (gpt-oss)
         self.sinks = sinks
         if sinks:
-            self.sink_logits = _Sinks(num_heads, dtype)
+            self.sink_logits = Sinks(num_heads, dtype)
         # Norms of queries and keys: RMSNorms over each head or the whole projection, or
         # a layer norm of each head
         self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
