@@ -225,3 +225,20 @@ def test_exported_encodings_and_add_norm_give_the_reference(J, name, config, num
     # the program as under jit
     draws = _draws(lambda B, Q, K: [(B, Q + 2, 8)] * num_inputs, [])
     _check_layer(J, name, config, [(args, kwargs) for args, _ in draws])
+
+
+def test_longrope_past_its_original_length_follows_a_symbolic_length(J):
+    # Exported on 5 keys, within the original 6, run on 7: the program picks the long factors
+    # (as the eager layer does); dynamic, whose frequencies follow every length, is refused.
+    # Heads of 4 features: two pairs turn
+    longrope = {"rope_type": "longrope", "original_max_position_embeddings": 6}
+    longrope.update(factor=4.0, short_factor=[1.0, 1.5], long_factor=[2.0, 5.0])
+    config = {**LAYERS["MultiHeadAttention"], "num_hiddens": 16, "rope_theta": 1e4}
+    draws = _draws(attention_shapes, ["causal", "valid_lens_1d"], (SIZES, SIZES_2))
+    assert SIZES[2] <= 6 < SIZES_2[2]
+    _check_layer(J, "MultiHeadAttention", {**config, "rope_scaling": longrope}, draws, "symbolic")
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6}
+    with pytest.raises(ValueError, match="dynamic rotary scaling"):
+        _check_layer(
+            J, "MultiHeadAttention", {**config, "rope_scaling": dynamic}, draws, "symbolic"
+        )

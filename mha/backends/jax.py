@@ -1118,11 +1118,26 @@ class RotaryEmbedding(nnx.Module):
 
     def frequencies_at(self, length: int) -> jax.Array:
         """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
-        a dynamic or longrope scaling gives a sequence longer than it was trained on."""
-        longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
-        if longer is None:
+        a dynamic or longrope scaling gives a sequence longer than it was trained on. A
+        length jax.export leaves symbolic: longrope then picks in the program, and dynamic,
+        whose frequencies change with every length, needs it known."""
+        dtype = rotary_angle_dtype(self.dtype)
+        if self.scaling is None or self.scaling["rope_type"] not in ("dynamic", "longrope"):
             return self.frequencies
-        return jnp.asarray(longer.astype(rotary_angle_dtype(self.dtype)))
+        if isinstance(length, int):
+            longer = rotary_frequencies_at(self.rotated, self.theta, self.scaling, length)
+            return self.frequencies if longer is None else jnp.asarray(longer.astype(dtype))
+        original = self.scaling["original_max_position_embeddings"]
+        if self.scaling["rope_type"] == "longrope":
+            longer = rotary_frequencies(self.rotated, self.theta, self.scaling, original + 1)
+            # The last position, length - 1, past the original ones: from a size
+            last = jnp.arange(length)[-1]
+            return jnp.where(last >= original, jnp.asarray(longer.astype(dtype)), self.frequencies)
+        raise ValueError(
+            "a dynamic rotary scaling computes its frequencies from the sequence's length, "
+            "which this exported program leaves symbolic: export with a static number of "
+            "positions (and a cache of a static length)"
+        )
 
 
 @functools.cache
