@@ -275,6 +275,12 @@ def test_training_flag_and_rngs(J, nnx):
     reference = N.MultiHeadAttention(D, H, dtype="float32")
     mha.set_weights(reference, mha.get_weights(a))
     np.testing.assert_allclose(first, reference(*map(np.asarray, (q, k, v))), atol=2e-6)
+    # attention_weights are taken before dropout: training, they are eval's (the reference's)
+    a.train()
+    a(q, k, v)
+    np.testing.assert_allclose(
+        J.to_numpy(a.attention_weights), reference.attention_weights, atol=2e-6
+    )
     # Without rngs a layer draws from nnx.Rngs(0): the same weights every time
     sizes = {"query_size": D, "key_size": D, "value_size": D}
     weights = [mha.get_weights(J.MultiHeadAttention(D, H, **sizes)) for _ in range(2)]
