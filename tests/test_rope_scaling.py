@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_porting import transformers
 
+import mha
 from conftest import backend_module, backend_params
 from mha import encoding, get_weights, porting, set_weights
 
@@ -244,38 +245,43 @@ def test_unknown_rope_types_are_refused_by_name():
         porting.options_from_config({**config, "rope_parameters": broken})
 
 
+GRAPH_SCALINGS = {
+    "longrope": {**SCALINGS["longrope"], "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
+}
+
+
 @pytest.mark.tensorflow
-def test_a_keras_graph_of_unknown_length_picks_longrope_frequencies_in_the_graph():
-    # A traced graph over any number of positions: longrope's short and long frequencies are
-    # chosen in the graph; dynamic's change with every length and need it known
+@pytest.mark.parametrize("cached", [0, 3], ids=["no_cache", "cache"])
+@pytest.mark.parametrize("scaling", GRAPH_SCALINGS.values(), ids=GRAPH_SCALINGS)
+def test_a_keras_graph_of_unknown_length_computes_the_length_scaling_in_the_graph(scaling, cached):
+    # A graph traced over any number of positions (and any cached length): longrope's factors
+    # are chosen, dynamic's frequencies computed, in the graph from the length
     module = backend_module("tensorflow")
     tf = module.tf
-    scaling = {**SCALINGS["longrope"], "factor": 4.0}
     layer = module.MultiHeadAttention(32, 4, rope_theta=100.0, rope_scaling=scaling)
     reference = backend_module("numpy").MultiHeadAttention(
         32, 4, rope_theta=100.0, rope_scaling=scaling
     )
-    X = np.random.default_rng(1).standard_normal((2, 12, 32)).astype("float32")
+    X = np.random.default_rng(1).standard_normal((2, 12 + cached, 32)).astype("float32")
     layer(X[:, :3], X[:, :3], X[:, :3])
     set_weights(reference, get_weights(layer))
-    traced = tf.function(
-        lambda x: layer(x, x, x, causal=True), input_signature=[tf.TensorSpec([None, None, 32])]
-    )
-    for n in (5, 12):  # below and past the original length, 8
-        expected = reference(*[X[:, :n]] * 3, causal=True)
-        np.testing.assert_allclose(traced(X[:, :n]).numpy(), expected, rtol=0, atol=1e-5)
-    dynamic = module.MultiHeadAttention(
-        32,
-        4,
-        rope_theta=100.0,
-        rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
-    )
-    dynamic(X[:, :3], X[:, :3], X[:, :3])
-    traced = tf.function(
-        lambda x: dynamic(x, x, x), input_signature=[tf.TensorSpec([None, None, 32])]
-    )
-    with pytest.raises(ValueError, match=r"a dynamic rotary scaling .* static number"):
-        traced(X)
+    spec, cache_spec = tf.TensorSpec([None, None, 32]), tf.TensorSpec([None, 4, None, 8])
+    keys = values = np.zeros((2, 4, 0, 8), "float32")
+    if cached:
+        _, cache = reference(*[X[:, :cached]] * 3, causal=True, cache=mha.KVCache())
+        keys, values = cache.keys.astype("float32"), cache.values.astype("float32")
+
+    @tf.function(input_signature=[spec, cache_spec, cache_spec])
+    def traced(x, keys, values):
+        if not cached:
+            return layer(x, x, x, causal=True)
+        return layer(x, x, x, causal=True, cache=mha.KVCache(keys, values))[0]
+
+    for n in (5, 12):  # below and past the original length, 8, with the cached positions
+        x = X[:, cached : cached + n]
+        expected = reference(x, x, x, causal=True, cache=mha.KVCache(keys, values))[0]
+        np.testing.assert_allclose(traced(x, keys, values).numpy(), expected, rtol=0, atol=1e-5)
 
 
 def test_mha_convert_ports_a_llama_3_1_layer_with_its_config(tmp_path, capsys):

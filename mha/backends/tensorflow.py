@@ -35,6 +35,7 @@ from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
 from mha.encoding import (
     alibi_slopes,
+    dynamic_frequencies,
     frozen_rope_scaling,
     latent_attention_scale,
     rotary_angle_dtype,
@@ -1201,8 +1202,8 @@ class RotaryEmbedding(keras.layers.Layer):
     def frequencies_at(self, length) -> tf.Tensor:
         """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
         a dynamic or longrope scaling gives a sequence longer than it was trained on. A
-        traced graph may not know the length: longrope then picks in the graph, and dynamic,
-        whose frequencies change with every length, needs it known."""
+        traced graph may not know the length: the frequencies are then computed in the graph,
+        from the length as a tensor."""
         if self.scaling is None or self.scaling["rope_type"] not in ("dynamic", "longrope"):
             return self.frequencies
         if isinstance(length, int):
@@ -1214,11 +1215,11 @@ class RotaryEmbedding(keras.layers.Layer):
             longer = rotary_frequencies(self.rotated, self.theta, self.scaling, original + 1)
             return tf.where(length > original, tf.constant(longer, self.frequencies.dtype),
                             self.frequencies)
-        raise ValueError(
-            "a dynamic rotary scaling computes its frequencies from the sequence's length, "
-            "which this traced graph does not know: give the inputs a static number of "
-            "positions (and a cache of a static length)"
-        )
+        # Dynamic NTK in float64, as the reference computes it
+        length = tf.maximum(tf.cast(length, tf.float64), float(original))
+        exponents = tf.range(0, self.rotated, 2, dtype=tf.float64) / self.rotated
+        frequencies = dynamic_frequencies(self.rotated, self.theta, self.scaling, length, exponents)
+        return tf.cast(frequencies, self.frequencies.dtype)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **layer_config(self)}
