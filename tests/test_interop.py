@@ -358,6 +358,27 @@ def test_what_torch_cannot_express(torch):
         interop.from_torch_masks(attn_mask=np.full((2, 2), -1.0), num_heads=2)
 
 
+@pytest.mark.torch
+def test_a_torch_subclass_computing_its_own_way_is_refused(torch):
+    # A forward of its own may compute other numbers from the same weights
+    class Scaled(torch.nn.MultiheadAttention):
+        def forward(self, query, key, value, **kwargs):
+            return super().forward(2.0 * query, key, value, **kwargs)
+
+    class Named(torch.nn.MultiheadAttention):
+        def describe(self):
+            return "attention"
+
+    with pytest.raises(ValueError, match=r"Scaled overrides forward of torch's Multihead"):
+        interop.from_torch(Scaled(8, 2, batch_first=True))
+    # A subclass that adds methods computes torch's numbers, and converts
+    named = Named(8, 2, batch_first=True).double()
+    x = np.random.default_rng(3).standard_normal((2, 3, 8))
+    layer = interop.from_torch(named, backend="numpy")
+    expected = named(*[torch.from_numpy(x)] * 3, need_weights=False)[0].detach().numpy()
+    np.testing.assert_allclose(layer(x, x, x), expected, rtol=0, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------
 # keras.layers.MultiHeadAttention
 
@@ -607,6 +628,45 @@ def test_a_keras_gate_is_the_output_gate_both_ways(keras, name, dtype):
         np.testing.assert_array_equal(
             np.asarray(again(query, value, key)), np.asarray(builtin(query, value, key))
         )
+
+
+@pytest.mark.tensorflow
+def test_a_keras_subclass_computing_its_own_way_is_refused(keras):
+    # keras_hub's rotary and relative-position layers subclass MultiHeadAttention and
+    # override how it computes: the same weights would convert to other numbers
+    class Rotated(keras.layers.MultiHeadAttention):
+        def _compute_attention(self, query, key, value, *args, **kwargs):
+            return super()._compute_attention(2.0 * query, key, value, *args, **kwargs)
+
+    class Grouped(keras.layers.GroupQueryAttention):
+        def call(self, query, value, key=None, **kwargs):
+            return super().call(query, value, key, **kwargs)
+
+    class Configured(keras.layers.MultiHeadAttention):
+        def get_config(self):
+            return {**super().get_config(), "note": "mine"}
+
+    x = np.random.default_rng(4).standard_normal((2, 3, 8))
+    for layer, method in ((Rotated(2, 4), "_compute_attention"), (Grouped(4, 4, 2), "call")):
+        layer(x, x)
+        with pytest.raises(ValueError, match=rf"overrides {method} of keras's"):
+            interop.from_keras(layer)
+    # keras_hub's cached layer (known by its name) computes MultiHeadAttention's numbers
+    # without a cache, but applies no gate
+    class Cached(keras.layers.MultiHeadAttention):
+        def call(self, query, value, key=None, **kwargs):
+            return super().call(query, value, key, **kwargs)
+
+    Cached.__module__ = "keras_hub.src.layers.modeling.cached_multi_head_attention"
+    Cached.__qualname__ = "CachedMultiHeadAttention"
+    for layer in (Configured(2, 4, dtype="float64"), Cached(2, 4, dtype="float64")):
+        layer(x, x)
+        converted = interop.from_keras(layer, backend="numpy")
+        np.testing.assert_allclose(converted(x, x, x), layer(x, x).numpy(), rtol=0, atol=1e-12)
+    gated = Cached(2, 4, use_gate=True)
+    gated(x, x)
+    with pytest.raises(ValueError, match="CachedMultiHeadAttention overrides call"):
+        interop.from_keras(gated)
 
 
 @pytest.mark.tensorflow

@@ -180,6 +180,18 @@ def test_a_flax_layer_computing_with_functions_of_its_own_is_an_error(flax):
     np.testing.assert_allclose(layer(x, x, x), np.asarray(same(x, x, x)), atol=2e-5)
 
 
+def test_a_flax_subclass_computing_its_own_way_is_refused(flax):
+    from flax import nnx
+
+    class Scaled(nnx.MultiHeadAttention):
+        def __call__(self, inputs_q, *args, **kwargs):
+            return super().__call__(2.0 * inputs_q, *args, **kwargs)
+
+    source = Scaled(H, D, decode=False, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"Scaled overrides __call__ of flax's MultiHeadAttention"):
+        interop.from_flax(source)
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_flax_num_kv_heads_into_every_backend_and_back(flax, name):
     import inspect

@@ -30,6 +30,7 @@ __all__ = [
     "layer_from_weights",
     "multihead_config",
     "options_of",
+    "refuse_overrides",
 ]
 
 
@@ -42,6 +43,28 @@ def as_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "numpy"):  # TensorFlow tensors and Keras variables
         return np.array(x.numpy())
     return np.array(x)
+
+
+def refuse_overrides(
+    layer: Any, base: type, methods: tuple[str, ...], equivalent: frozenset[str] = frozenset()
+) -> None:
+    """Raise ValueError where the class of `layer`, a `base`, overrides one of `methods`, the
+    ones that compute base's output: mha converts what `base` computes, and a subclass may
+    compute other numbers from the same weights (rotary positions, relative scores).
+    `equivalent`: the qualified names of subclasses known to compute base's numbers."""
+    cls = type(layer)
+    if f"{cls.__module__}.{cls.__qualname__}" in equivalent:
+        return
+    overridden = [
+        name for name in methods if getattr(cls, name, None) is not getattr(base, name, None)
+    ]
+    if overridden:
+        name = f"{base.__module__.split('.')[0]}'s {base.__name__}"
+        raise ValueError(
+            f"{cls.__qualname__} overrides {', '.join(overridden)} of {name}, so it may "
+            f"compute other numbers from the same weights; mha converts only what {name} "
+            f"computes. Copy the weights into a {base.__name__} to convert them as such"
+        )
 
 
 def multihead_config(

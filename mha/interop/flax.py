@@ -22,6 +22,7 @@ from mha.interop.common import (
     keep_mask,
     layer_from_weights,
     multihead_config,
+    refuse_overrides,
 )
 from mha.interop.keras import KERAS_PROJECTIONS, keras_weights
 from mha.registry import load_backend
@@ -177,6 +178,7 @@ def _flax_params_of(source: Any) -> Any:
             "Expected a flax.nnx.MultiHeadAttention or a dict of its parameters. Received: "
             f"{type(source).__qualname__}"
         )
+    refuse_overrides(source, nnx.MultiHeadAttention, ("__call__",))
     unsupported = []
     if source.normalize_qk:
         unsupported.append("normalize_qk=True (mha does not normalize queries and keys)")

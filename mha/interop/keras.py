@@ -27,6 +27,7 @@ from mha.interop.common import (
     layer_from_weights,
     multihead_config,
     options_of,
+    refuse_overrides,
 )
 from mha.registry import load_backend
 
@@ -50,6 +51,21 @@ KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "o
 # use_gate's EinsumDense: "gate" in the variable paths, the attribute `_gate_dense` of both
 # layers (and its name in both layers' files)
 KERAS_GATE = "gate"
+# The methods that compute a Keras layer's output (those a subclass may override)
+_KERAS_COMPUTING = (
+    "call",
+    "_build_attention",
+    "_compute_attention",
+    "_compute_attention_mask",
+    "_compute_causal_mask",
+    "_compute_sliding_window_mask",
+    "_masked_softmax",
+)
+# Subclasses whose call, without a cache, computes what MultiHeadAttention's does (no gate)
+_KERAS_CACHED = frozenset(
+    f"{package}.src.layers.modeling.cached_multi_head_attention.CachedMultiHeadAttention"
+    for package in ("keras_hub", "keras_nlp")
+)
 
 
 def keras_weights(weights: Mapping[str, np.ndarray], num_heads: int) -> dict[str, np.ndarray]:
@@ -110,11 +126,14 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
 
     Raises:
         ValueError: the layer is not built, or its configuration has no mha equivalent
-            (value_dim != key_dim, attention_axes other than the sequence axis). A gate
-            (use_gate=True) becomes W_g and b_g, which give the layer output_gate.
+            (value_dim != key_dim, attention_axes other than the sequence axis), or its
+            class overrides a method that computes the output (it may compute other
+            numbers). A gate (use_gate=True) becomes W_g and b_g, which give the layer
+            output_gate.
     """
     sizes = _keras_sizes(layer)
     num_heads, key_dim = sizes["num_heads"], sizes["key_dim"]
+    _refuse_keras_subclass(layer, sizes["grouped"])
     projections = "qkvog" if _has_gate(layer) else "qkvo"
     kernels = {k: as_numpy(keras_dense(layer, k).kernel) for k in projections}
     _refuse_keras_layer(layer, sizes, kernels)
@@ -179,6 +198,17 @@ def _keras_sizes(layer: Any) -> dict[str, Any]:
         "num_kv_heads": None,
         "sliding_window": getattr(layer, "_sliding_window", None),
     }
+
+
+def _refuse_keras_subclass(layer: Any, grouped: bool) -> None:
+    """Raise ValueError where a subclass's own methods may compute other numbers than
+    Keras's layer (keras_hub's cached layer computes the same, but applies no gate)."""
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+    base = layers.GroupQueryAttention if grouped else layers.MultiHeadAttention
+    equivalent = frozenset() if _has_gate(layer) else _KERAS_CACHED
+    refuse_overrides(layer, base, _KERAS_COMPUTING, equivalent)
 
 
 def _refuse_keras_layer(

@@ -23,6 +23,7 @@ from mha.interop.common import (
     keep_mask,
     layer_from_weights,
     multihead_config,
+    refuse_overrides,
 )
 from mha.registry import load_backend
 
@@ -208,7 +209,8 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
     the dtype of the module's weights. `batch_first` only concerns torch's inputs.
 
     Raises:
-        ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express.
+        ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express,
+            or its class overrides forward (it may compute other numbers).
     """
     import torch
 
@@ -216,6 +218,7 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
         raise TypeError(
             f"Expected a torch.nn.MultiheadAttention. Received: {type(module).__qualname__}"
         )
+    refuse_overrides(module, torch.nn.MultiheadAttention, ("forward", "merge_masks"))
     if module.add_zero_attn:
         raise ValueError(
             "torch.nn.MultiheadAttention with add_zero_attn=True has no mha equivalent"
