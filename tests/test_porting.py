@@ -1076,11 +1076,9 @@ def test_stablelm_partial_rotary_in_rope_parameters_is_read():
         mha.MultiHeadAttention(16, **options)
 
 
-@pytest.mark.parametrize("name", backend_params())
-def test_gpt_oss_ports_with_its_sinks_yarn_and_windows(name):
-    # Layer 0 slides over 3 keys, layer 1 attends to all; each head's sink joins the softmax;
-    # yarn scales the rotary frequencies (gpt-oss's own parameters, its ramp not rounded).
-    # transformers' eager path (its SDPA path has no sinks), compared at float32's 1e-5
+def _gpt_oss():
+    """A tiny gpt-oss in float32 whose sinks matter, its config, and its attention layers'
+    inputs and outputs: layer 0 slides over 3 keys, layer 1 attends to all."""
     yarn = {
         "rope_type": "yarn",
         "rope_theta": 150000.0,
@@ -1104,9 +1102,17 @@ def test_gpt_oss_ports_with_its_sinks_yarn_and_windows(name):
     with torch.no_grad():  # sinks that matter (transformers starts them near 0)
         for block in model.layers:
             block.self_attn.sinks.uniform_(-1.0, 1.0)
+    return config, model, _attention_io(model, torch.randint(3, 50, (2, 7)))
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_gpt_oss_ports_with_its_sinks_yarn_and_windows(name):
+    # Each head's sink joins the softmax; yarn scales the rotary frequencies (gpt-oss's own
+    # parameters, its ramp not rounded). transformers' eager path (its SDPA path has no
+    # sinks), compared at float32's 1e-5
+    config, model, seen = _gpt_oss()
     with pytest.raises(ValueError, match="layer_types"):
         porting.options_from_config(config.to_dict())
-    seen = _attention_io(model, torch.randint(3, 50, (2, 7)))
     for layer, window in [(0, 3), (1, None)]:
         options = porting.options_from_config(config.to_dict(), layer)
         assert options.get("sliding_window") == window
@@ -1115,6 +1121,26 @@ def test_gpt_oss_ports_with_its_sinks_yarn_and_windows(name):
         port = porting.canonical_from_state_dict(model.state_dict(), prefix, **options)
         assert port.config["sinks"] and "sinks" in port.used
         _check_causal_port(name, model.state_dict(), prefix, options, *seen[layer], 1e-5)
+
+
+def test_mha_convert_writes_a_gpt_oss_layer_with_its_sinks(tmp_path, capsys):
+    # The sinks are weights: the file's layer has them, and computes gpt-oss's attention
+    from safetensors.numpy import save_file
+
+    from mha import cli, load
+
+    config, model, seen = _gpt_oss()
+    save_file({k: v.numpy() for k, v in model.state_dict().items()}, tmp_path / "m.safetensors")
+    config.to_json_file(tmp_path / "config.json")
+    source, destination = str(tmp_path / "m.safetensors"), tmp_path / "layer.safetensors"
+    prefix, config_file = "layers.0.self_attn", str(tmp_path / "config.json")
+    arguments = ["convert", source, str(destination), "--prefix", prefix, "--config", config_file]
+    assert cli.main([*arguments, "--layer", "0"]) == 0, capsys.readouterr()
+    layer = load(destination, backend="numpy")
+    assert layer.sinks and layer.sliding_window == 3
+    x, expected = seen[0]
+    output = layer(x, x, x, causal=True)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5 * np.max(np.abs(expected)))
 
 
 @pytest.mark.parametrize("name", backend_params())

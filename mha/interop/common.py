@@ -144,13 +144,13 @@ def layer_from_weights(
 
     The config is read off the canonical weights: num_hiddens, out_features and the input
     sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
-    output_gate from that of W_g, num_kv_heads from W_k's columns (fewer than W_q's:
+    output_gate from that of W_g, sinks from that of sinks, num_kv_heads from W_k's columns (fewer than W_q's:
     grouped-query attention), dtype from W_q's dtype. `options` are the layer's untold
     options (mha.weights.UNTOLD_OPTIONS).
 
     Args:
         weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o,
-            W_g and b_g).
+            W_g, b_g and sinks).
         num_heads: the number of heads (weights cannot tell it).
         backend: an mha backend name; None is the current backend.
         dropout: the new layer's dropout rate.
@@ -174,6 +174,7 @@ def layer_from_weights(
         scale=scale,
         num_kv_heads=_num_kv_heads(num_hiddens, shapes["W_k"][1], num_heads),
         output_gate="W_g" in weights,
+        sinks="sinks" in weights,
         dtype=validation.check_dtype(np.asarray(weights["W_q"]).dtype.name),
         **options,
     )
