@@ -36,7 +36,7 @@ __all__ = [
 
 # The fields whose defaults matter to a port: the head size (where a fraction of it turns),
 # windows and which layers slide, norms' eps, score scales and soft caps, chunks and the
-# queries' scaling, QK-norms, positions
+# queries' scaling, QK-norms, positions, the pretrained length beside the rotary parameters
 FIELDS = (
     "head_dim",
     "sliding_window",
@@ -70,6 +70,7 @@ FIELDS = (
     "use_bidirectional_attention",
     "position_embedding_type",
     "rope_interleave",
+    "original_max_position_embeddings",
 )
 
 # The names a port reads beside FIELDS: head counts and sizes, the layers' kinds
@@ -257,7 +258,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo_hybrid": {"rms_norm_eps": 1e-06},
     "olmoe": {"rms_norm_eps": 1e-05},
     "phi": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
-    "phi3": {"rms_norm_eps": 1e-05},
+    "phi3": {"rms_norm_eps": 1e-05, "original_max_position_embeddings": 4096},
     "phimoe": {"rms_norm_eps": 1e-05},
     "qwen2": {
         "sliding_window": 4096,

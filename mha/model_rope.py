@@ -423,9 +423,13 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
         )
     if rope_type == "default":
         return None
+    per_layer_type = field.startswith("rope_parameters[")
+    _refuse_unread_truncate(rope, rope_type, field, per_layer_type)
     longest = config.get("max_position_embeddings")
     original = rope.get("original_max_position_embeddings", longest)
-    if rope_type == "longrope":  # Phi-3 keeps the pretrained length beside the parameters
+    if rope_type in ("llama3", "yarn", "longrope") and not per_layer_type:
+        # transformers: the pretrained length the config keeps beside one set of parameters
+        # (Phi-3's, whose class writes 4096) wins over theirs
         original = config.get("original_max_position_embeddings", original)
     if rope_type == "dynamic":  # transformers scales from max_position_embeddings
         original = longest
@@ -441,6 +445,17 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     except (TypeError, ValueError) as error:
         raise ValueError(f"the config's rotary scaling: {error}") from None
     return scaling
+
+
+def _refuse_unread_truncate(rope: Mapping, rope_type: str, field: str, per_type: bool) -> None:
+    """Raise ValueError for a YaRN of one layer type that does not truncate: transformers
+    reads `truncate` beside the layer types' parameters, not among them, so truncates."""
+    if per_type and rope_type == "yarn" and rope.get("truncate", True) is False:
+        raise ValueError(
+            f"the config's {field} gives truncate=False, which transformers does not read "
+            "from rotary parameters per layer type (it truncates the correction range): "
+            "leave truncate out to port what transformers computes"
+        )
 
 
 def query_scaling(config: Mapping[str, Any], kind: str | None) -> dict[str, Any] | None:

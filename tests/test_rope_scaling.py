@@ -9,6 +9,8 @@ to the output's scale. The frequencies themselves are compared with transformers
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from test_porting import transformers
@@ -99,6 +101,74 @@ def test_frequencies_and_attention_factor_are_transformers(kind, length):
         got = got if longer is None else longer
     np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
     assert encoding.rotary_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+
+
+LONGROPE = {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}
+# Where transformers takes the pretrained length of a scaled rotary embedding: the config's own
+# beside one set of parameters wins over theirs (llama3, yarn, longrope; Phi-3's class writes
+# 4096 where the config does not), while parameters per layer type keep each their own
+PRETRAINED_LENGTHS = {
+    "yarn_beside": ("llama", None, 8, {"rope_type": "yarn", "factor": 4.0}, 64),
+    "llama3_beside": (
+        "llama",
+        None,
+        64,
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+        16,
+    ),
+    "longrope_of_phi3_class": ("phi3", None, None, {"rope_type": "longrope", **LONGROPE}, 4),
+    "longrope_per_layer_type": (
+        "gemma3_text",
+        "full_attention",
+        64,
+        {"rope_type": "longrope", "factor": 4.0, **LONGROPE},
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "kind", "beside", "rope", "inside"),
+    PRETRAINED_LENGTHS.values(),
+    ids=PRETRAINED_LENGTHS,
+)
+def test_the_pretrained_length_is_transformers(model_type, kind, beside, rope, inside):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    T = transformers()
+    rope = {**rope, "rope_theta": 100.0, "original_max_position_embeddings": inside}
+    fields = {"hidden_size": 4 * HEAD, "num_attention_heads": 4, "head_dim": HEAD}
+    fields.update(num_hidden_layers=2, max_position_embeddings=16, rope_parameters=rope)
+    if beside is not None:
+        fields["original_max_position_embeddings"] = beside
+    if kind is not None:
+        fields.update(sliding_window=4, layer_types=["sliding_attention", kind])
+        fields["rope_parameters"] = {"sliding_attention": {"rope_theta": 10.0}, kind: rope}
+    config = T.AutoConfig.for_model(model_type, **copy.deepcopy(fields))
+    # 12 positions: past the parameters' own length or the one beside them, as the case is
+    expected, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](
+        config, "cpu", seq_len=12, layer_type=kind
+    )
+    scaling = porting.options_from_config({**fields, "model_type": model_type}, 1)["rope_scaling"]
+    longer = encoding.rotary_frequencies_at(HEAD, 100.0, scaling, 12)
+    got = encoding.rotary_frequencies(HEAD, 100.0, scaling) if longer is None else longer
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
+    assert encoding.rotary_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+
+
+def test_a_yarn_per_layer_type_that_does_not_truncate_is_refused():
+    # transformers reads truncate beside the layer types' parameters, so always truncates
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    config = {"model_type": "gemma3_text", "num_attention_heads": 4, "head_dim": HEAD}
+    config.update(max_position_embeddings=16, layer_types=["full_attention"])
+    for truncate, ports in ((False, False), (True, True), (None, True)):
+        rope = yarn if truncate is None else {**yarn, "truncate": truncate}
+        config["rope_parameters"] = {"full_attention": rope}
+        if ports:
+            assert porting.options_from_config(config, 0)["rope_scaling"]["rope_type"] == "yarn"
+        else:
+            with pytest.raises(ValueError, match=r"truncate=False, which transformers does not"):
+                porting.options_from_config(config, 0)
 
 
 def _outputs(model, ids, padding=None, **call):
