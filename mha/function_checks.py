@@ -28,7 +28,8 @@ def first_position(alignment: str | int, num_queries: int, num_keys: int) -> int
     """The position among the keys of the first query, under `alignment` (ALIGNMENTS)."""
     if alignment == "top_left":
         return 0
-    return num_keys - num_queries if alignment == "bottom_right" else alignment
+    # A numpy integer as a Python int: positions past its range must not wrap
+    return num_keys - num_queries if alignment == "bottom_right" else int(alignment)
 
 
 def layer_first_position(
@@ -140,10 +141,10 @@ def window_sides(window: Any) -> tuple[int | None, int | None] | None:
     if window is None:
         return None
     if _whole(window) and window >= 1:
-        return window - 1, window - 1
+        return int(window) - 1, int(window) - 1
     pair = isinstance(window, tuple) and len(window) == 2
     if pair and all(side is None or (_whole(side) and side >= 0) for side in window):
-        return window
+        return tuple(None if side is None else int(side) for side in window)
     raise ValueError(
         "window must be a positive int (keys within window - 1 positions of the query), or a "
         f"pair (left, right) of non-negative ints or None. Received: window={window!r}"

@@ -288,6 +288,11 @@ def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
     assert (kept(window=(0, 2)) == [[yes, yes, yes, no], [no, yes, yes, yes]]).all()
     assert (kept(window=(None, 0), alignment=2) == [[yes] * 3 + [no], [yes] * 4]).all()
     assert (kept(valid_lens=np.array([[1, 3]])) == [[yes] + [no] * 3, [yes] * 3 + [no]]).all()
+    # numpy's integers count as Python's: 126 + 3 past int8's range does not wrap
+    wide = (None, np.int8(3))
+    assert (kept(window=wide, alignment=np.int8(126)) == [[yes] * 4, [yes] * 4]).all()
+    within_two = [[yes, no, no, no], [yes, yes, no, no]]
+    assert (kept(window=(np.uint8(2), np.uint8(0)), alignment=np.uint8(0)) == within_two).all()
 
 
 @pytest.mark.parametrize("name", BACKENDS)
