@@ -372,6 +372,7 @@ def test_deepseek_ports_in_one_line(name, model, dtype):
     import mha
 
     torch = required_import("torch")
+    module = backend_module(name)  # a backend neither required nor installed skips
     model_type, interleave = MODELS[model]
     # rms_norm_eps far from 1e-6: the latent norms of transformers' module take 1e-6 all the
     # same (the model's other norms take it)
@@ -394,7 +395,6 @@ def test_deepseek_ports_in_one_line(name, model, dtype):
         # keywords: V2's module takes the mask before the rotary's angles, V3's after
         embeddings = rotary(hidden, positions)
         expected, _ = theirs(hidden, position_embeddings=embeddings, attention_mask=additive)
-    module = backend_module(name)
     output = layer(module.from_numpy(X), module.from_numpy(lengths), causal=True)
     # transformers turns the rotary by float32 angles whatever the dtype; JAX without its
     # 64-bit mode computes in float32
