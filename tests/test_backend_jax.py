@@ -416,6 +416,19 @@ print("ok")
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
 
 
+def test_the_case_matrix_agrees_in_jax_default_mode(J):
+    """The suite turns JAX's 64-bit mode on; its users mostly have it off (JAX's default),
+    where JAX holds numpy's int64 as int32 and refuses float64: `mha compare` there, float32,
+    every case of the matrix against the reference."""
+    environment = {**os.environ, "JAX_ENABLE_X64": "0"}
+    command = [sys.executable, "-m", "mha", "compare", "--backends", "numpy,jax"]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, env=environment, check=False
+    )
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    assert "comparisons agree on numpy, jax." in completed.stdout, completed.stdout[-3000:]
+
+
 def test_cached_decoding_under_nnx_jit_gives_full_causal_attention(J, nnx):
     # Llama- and Mistral-like: a prompt of 3 positions, then one position per jitted call
     config = dict(
