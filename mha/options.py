@@ -288,6 +288,7 @@ OPTIONS: tuple[Option, ...] = (
         },
         _ATTENTION,
         added=True,
+        told=False,
     ),
     Option(
         "sliding_window",

@@ -59,6 +59,7 @@ __all__ = [
     "check_latent_attention_call",
     "check_latent_cache",
     "check_layer_args",
+    "check_mask_dtype",
     "check_masked_softmax_call",
     "check_positional_encoding_call",
     "check_rotary_call",
@@ -169,12 +170,17 @@ def _is_whole(number: float) -> bool:
     return math.isinf(number) or number.is_integer()
 
 
-def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
-    require_tensor("mask", mask)
+def check_mask_dtype(mask: Any) -> None:
+    """mask: a boolean keep-mask (a float or integer one would be read one way or another)."""
     if dtype_name(mask) != "bool":
         raise TypeError(
             f"mask must be a boolean keep-mask (True = attend). Received: {describe('mask', mask)}"
         )
+
+
+def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
+    require_tensor("mask", mask)
+    check_mask_dtype(mask)
     _check_broadcast("mask", mask, target, allow_heads)
 
 

@@ -356,6 +356,19 @@ def test_what_torch_cannot_express(torch):
         )
     with pytest.raises(ValueError, match="only when it holds 0"):
         interop.from_torch_masks(attn_mask=np.full((2, 2), -1.0), num_heads=2)
+    # bfloat16 is a float too, which numpy does not class as one
+    bfloat16 = torch.tensor([[0.0, -1.0], [2.0, 0.0]], dtype=torch.bfloat16)
+    for masks in ({"attn_mask": bfloat16}, {"key_padding_mask": bfloat16}):
+        with pytest.raises(ValueError, match="only when it holds 0"):
+            interop.from_torch_masks(**masks, num_heads=2)
+    causal = torch.tensor([[0.0, -np.inf], [0.0, 0.0]], dtype=torch.bfloat16)
+    allowed = interop.from_torch_masks(attn_mask=causal, num_heads=2)
+    assert np.asarray(allowed["mask"]).tolist() == [[[[True, False], [True, True]]]]
+    # A state_dict holds the packed projection or the three separate ones
+    state = torch.nn.MultiheadAttention(4, 2).state_dict()
+    state["q_proj_weight"] = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="both in_proj_weight and q_proj_weight"):
+        interop.canonical_from_torch(state)
 
 
 @pytest.mark.torch
@@ -437,6 +450,24 @@ def test_keras_to_mha(keras, name, config, dtype):
             assert_agree(ours, theirs, dtype)
         except AssertionError as error:
             raise AssertionError(f"mask case {case}: {error}") from None
+
+
+@pytest.mark.tensorflow
+def test_a_float_keras_mask_attends_where_it_is_nonzero(keras):
+    # Keras casts attention_mask to bool: 0.3, -1.0 and 2.0 attend, as 1.0 does
+    builtin = keras.layers.MultiHeadAttention(2, 4, dtype="float64")
+    rng = np.random.default_rng(8)
+    queries, values = rng.standard_normal((2, 3, 8)), rng.standard_normal((2, 4, 8))
+    builtin(queries, values)
+    randomize_keras(builtin, seed=9)
+    layer = interop.from_keras(builtin, backend="numpy")
+    attention_mask = np.array([[0.3, 1.0, 0.0, -1.0], [1.0, 0.7, 0.2, 0.0], [0.0, 0.0, 1.0, 2.0]])
+    attention_mask = np.broadcast_to(attention_mask, (2, 3, 4))
+    for causal in (False, True):
+        theirs = builtin(queries, values, attention_mask=attention_mask, use_causal_mask=causal)
+        masks = interop.from_keras_masks(attention_mask, causal, backend="numpy")
+        ours = layer(queries, values, values, **masks)
+        np.testing.assert_allclose(ours, np.asarray(theirs), rtol=0, atol=1e-12)
 
 
 @pytest.mark.tensorflow
@@ -651,6 +682,7 @@ def test_a_keras_subclass_computing_its_own_way_is_refused(keras):
         layer(x, x)
         with pytest.raises(ValueError, match=rf"overrides {method} of keras's"):
             interop.from_keras(layer)
+
     # keras_hub's cached layer (known by its name) computes MultiHeadAttention's numbers
     # without a cache, but applies no gate
     class Cached(keras.layers.MultiHeadAttention):
@@ -834,6 +866,16 @@ def spelled_out_keep(valid_lens, mask, causal, num_heads):
         if causal:
             keep[b, h, i, j] &= j <= i
     return keep
+
+
+@pytest.mark.parametrize("helper", ["to_torch_masks", "to_keras_masks", "to_flax_masks"])
+def test_mask_helpers_refuse_a_mask_that_is_not_boolean(helper):
+    # As the layers do: an additive mask (0 and -inf) read as nonzero = keep would invert
+    additive = np.where(np.tril(np.ones((3, 3), bool)), 0.0, -np.inf)
+    sizes = {"num_queries": 3, "num_keys": 3, **({"num_heads": 2} if "torch" in helper else {})}
+    for mask in (additive, np.tril(np.ones((3, 3), int))):
+        with pytest.raises(TypeError, match=r"mask must be a boolean keep-mask \(True = attend"):
+            getattr(interop, helper)(mask=mask, **sizes)
 
 
 def test_mask_helpers_give_the_masks_of_the_layers_rules():

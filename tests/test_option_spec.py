@@ -81,6 +81,7 @@ def test_configs_defaults_and_untold_options_derive_from_the_table():
         "attention_chunk_size",
         "alibi",
         "value_norm",
+        "empty_rows",
     }
 
 

@@ -245,3 +245,21 @@ def test_the_converters_refuse_options_without_weights(tmp_path, option):
         with pytest.raises(ValueError, match=f"{name}="):
             interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
         assert not (tmp_path / destination).exists()
+
+
+def test_an_mha_file_converted_keeps_uniform_empty_rows(tmp_path):
+    # What a row with no key gets is no weight: mha's checkpoints keep it through a convert,
+    # and a framework's file takes that framework's convention (docs/weights-and-files.md)
+    N = backend_module("numpy")
+    layer = N.MultiHeadAttention(
+        8, 2, query_size=8, key_size=8, value_size=8, empty_rows="uniform", dtype="float64"
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=0))
+    mha.save(layer, tmp_path / "a.safetensors")
+    config = interop.convert(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert config["empty_rows"] == "uniform"
+    converted = mha.load(tmp_path / "b.safetensors", backend="numpy")
+    x = np.random.default_rng(1).standard_normal((2, 3, 8))
+    lengths = np.array([0, 2])  # the first example's rows have no key
+    np.testing.assert_array_equal(converted(x, x, x, lengths), layer(x, x, x, lengths))
+    interop.convert(tmp_path / "a.safetensors", tmp_path / "a.pt")

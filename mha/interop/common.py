@@ -125,6 +125,8 @@ def check_expressible(
     for key, value in (options or {}).items():
         if key == "sliding_window" and "sliding_window" in has:
             continue
+        if key == "empty_rows":  # a row with no key takes the framework's own convention
+            continue
         if value not in (None, False):
             problems.append(f"{key}={value!r}")
     if problems:
@@ -144,9 +146,9 @@ def layer_from_weights(
 
     The config is read off the canonical weights: num_hiddens, out_features and the input
     sizes from the shapes, bias from the presence of b_q, out_bias from that of b_o,
-    output_gate from that of W_g, sinks from that of sinks, num_kv_heads from W_k's columns (fewer than W_q's:
-    grouped-query attention), dtype from W_q's dtype. `options` are the layer's untold
-    options (mha.weights.UNTOLD_OPTIONS).
+    output_gate from that of W_g, sinks from that of sinks, num_kv_heads from W_k's columns
+    (fewer than W_q's: grouped-query attention), dtype from W_q's dtype. `options` are the
+    layer's untold options (mha.weights.UNTOLD_OPTIONS).
 
     Args:
         weights: canonical weights (W_q, W_k, W_v, W_o and optionally b_q, b_k, b_v, b_o,
@@ -248,7 +250,8 @@ def keep_mask(
         validation.check_valid_lens_values(lengths)
     given = None
     if mask is not None:
-        given = as_numpy(mask).astype(bool)
+        given = as_numpy(mask)
+        validation.check_mask_dtype(given)  # as the layers: an additive mask would invert
         if given.ndim > 4:
             raise ValueError(f"mask must have at most 4 axes. Received shape {given.shape}")
     batch_size = 1 if lengths is None else lengths.shape[0]

@@ -388,8 +388,7 @@ def from_keras_masks(
     """
     result: dict[str, Any] = {"causal": bool(use_causal_mask)}
     if attention_mask is not None:
-        keep = as_numpy(attention_mask)
-        keep = keep > 0.5 if keep.dtype.kind == "f" else keep.astype(bool)  # Keras's rule
+        keep = as_numpy(attention_mask).astype(bool)  # Keras casts it: nonzero attends
         module = load_backend(backend if backend is not None else get_backend())
         result["mask"] = module.from_numpy(keep)
     return result

@@ -26,6 +26,7 @@ from mha.interop.common import (
     refuse_overrides,
 )
 from mha.registry import load_backend
+from mha.tensors import plain_dtype_name
 
 __all__ = [
     "TORCH_WEIGHT_NAMES",
@@ -135,6 +136,12 @@ def _name_problems(arrays: Mapping[str, np.ndarray]) -> list[str]:
     if unexpected:
         problems.append(f"unexpected {', '.join(unexpected)}")
     packed = "in_proj_weight" in arrays
+    separate = sorted({"q_proj_weight", "k_proj_weight", "v_proj_weight"} & set(arrays))
+    if packed and separate:
+        problems.append(
+            f"both in_proj_weight and {', '.join(separate)}: a MultiheadAttention holds one "
+            "or the other, and which it computes with is not told"
+        )
     needed = ["out_proj.weight"] + (
         ["in_proj_weight"] if packed else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
     )
@@ -329,7 +336,7 @@ def from_torch_masks(
             raise ValueError(
                 f"key_padding_mask must have shape (B, K). Received shape {padding.shape}"
             )
-        if padding.dtype.kind == "f":
+        if _floating(padding):
             padding = _float_mask_to_bool(padding, "key_padding_mask")
         keep = ~padding.astype(bool)[:, None, None, :]
     if attn_mask is not None:
@@ -346,7 +353,7 @@ def _allowed_by(attn_mask: Any, num_heads: int) -> np.ndarray:
     """torch's attn_mask (Q, K) or (B * num_heads, Q, K) as mha's keep-mask
     (1 or B, 1 or num_heads, Q, K)."""
     forbidden = as_numpy(attn_mask)
-    if forbidden.dtype.kind == "f":
+    if _floating(forbidden):
         forbidden = _float_mask_to_bool(forbidden, "attn_mask")
     forbidden = forbidden.astype(bool)
     if forbidden.ndim == 2:
@@ -359,8 +366,14 @@ def _allowed_by(attn_mask: Any, num_heads: int) -> np.ndarray:
     )
 
 
+def _floating(values: np.ndarray) -> bool:
+    # ml_dtypes' bfloat16 is a float that numpy does not class as one (its kind is "V")
+    return plain_dtype_name(values.dtype) in validation.FLOAT_DTYPES
+
+
 def _float_mask_to_bool(values: np.ndarray, name: str) -> np.ndarray:
     """A float torch mask of 0 and -inf as torch's boolean form (True = not allowed)."""
+    values = values.astype(np.float64)  # exact for every float dtype, bfloat16 included
     forbidden = np.isneginf(values)
     if not np.all(forbidden | (values == 0)):
         raise ValueError(
