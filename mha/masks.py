@@ -30,8 +30,11 @@ def segment_pair(segment_ids: Any) -> tuple[Any, Any]:
 def is_causal_alone(causal: bool, offset: int, *others: Any) -> bool:
     """Whether the causal mask, top-left (its first query at position 0), is the call's only
     mask: the fused kernels' own causal mask computes it then. `others`: every other mask,
-    window, bias, slope or segment id of the call, each None when absent."""
-    return bool(causal) and offset == 0 and all(x is None for x in others)
+    window, bias, slope or segment id of the call, each None when absent. An offset a trace
+    leaves free (K - Q of free sizes) is taken as not 0: the causal mask of any offset is
+    right at every size, where comparing it would bind the program to the example's."""
+    top_left = isinstance(offset, int) and offset == 0
+    return bool(causal) and top_left and all(x is None for x in others)
 
 
 def grouped_rows(shape: tuple[int, ...], heads: int, rows: int, group: int):

@@ -269,6 +269,23 @@ def test_a_rotary_scaling_of_the_length_holds_past_the_traced_length(T, scaling,
     _check_exported(T, layer, reference, calls, way)
 
 
+@pytest.mark.parametrize("way", ["export-dynamic", "onnx"])
+@pytest.mark.parametrize(
+    "sizes", [[(2, 3, 5), (3, 4, 4)], [(2, 4, 4), (3, 3, 5)]], ids=["keys_first", "as_many_first"]
+)
+def test_a_bottom_right_causal_program_runs_at_every_offset(T, sizes, way):
+    # The causal mask's offset K - Q of free sizes: the program is bound to no choice made on
+    # the example's offset (0, or not), and runs at the other
+    layer, reference = _pair(T, "MultiHeadAttention", LAYERS["MultiHeadAttention"])
+    calls = []
+    for seed, (B, Q, K) in enumerate(sizes):
+        rng = np.random.default_rng(seed)
+        shapes = attention_shapes(B, Q, K)
+        args = tuple(rng.standard_normal(shape).astype(np.float32) for shape in shapes)
+        calls.append((args, {"causal": True, "alignment": "bottom_right"}))
+    _check_exported(T, layer, reference, calls, way)
+
+
 def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     layer, _ = _pair(T, "MultiHeadAttention", LAYERS["MultiHeadAttention"])
     args, kwargs = _draws(attention_shapes, ["valid_lens_1d"], "export")[0]
