@@ -405,6 +405,31 @@ def test_exported_model_gives_the_reference(served, way, case):
             assert_agrees(outputs[name], want, "float32")
 
 
+def test_packed_sequences_convert_to_litert(TF, tmp_path):
+    # segment_ids (batch, positions), both sizes unknown, with the rotary positions, chunks and
+    # queries' scaling they restart: LiteRT's builtins alone, at two lengths
+    import keras
+    import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
+
+    X = keras.Input((None, 8), name="X")
+    segments = keras.Input((None,), dtype="int32", name="segment_ids")
+    scaling = {"beta": 0.5, "original_max_position_embeddings": 2}
+    config = {"rope_theta": 100.0, "attention_chunk_size": 2, "query_scaling": scaling}
+    layer = TF.MultiHeadAttention(8, HEADS, query_size=8, key_size=8, value_size=8, **config)
+    model = keras.Model({"X": X, "segment_ids": segments}, layer(X, X, X, segment_ids=segments))
+    builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
+    model.export(tmp_path / "packed.tflite", format="litert", verbose=False, target_spec=builtins)
+    runner = Interpreter(model_path=str(tmp_path / "packed.tflite")).get_signature_runner()
+    reference = backend_module("numpy").MultiHeadAttention(8, HEADS, **config)
+    mha.set_weights(reference, mha.get_weights(layer))
+    for n in (5, 9):
+        x = np.random.default_rng(n).standard_normal((2, n, 8)).astype(np.float32)
+        ids = np.array([[0] * 2 + [1] * (n - 2), [0] * (n - 1) + [2]], np.int32)
+        (output,) = runner(X=x, segment_ids=ids).values()
+        assert_agrees(output, reference(x, x, x, segment_ids=ids), "float32")
+
+
 def test_only_a_keras_file_passes_a_kv_cache_as_a_list(TF):
     import keras
 

@@ -255,14 +255,15 @@ class _Masks(Masks):
 
     def same_segment(self, segments):
         # tf.equal takes one dtype: query and key ids may differ in theirs
+        # expand_dims, not [:, :, None]: see _length_mask
         queries, keys = (tf.cast(ids, tf.int64) for ids in segments)
-        return queries[:, :, None] == keys[:, None, :]
+        return tf.expand_dims(queries, -1) == tf.expand_dims(keys, -2)
 
     def segment_positions(self, segment_ids):
         # Shape of same: (batch_size, n, n); of earlier: (n, n), key j before query i
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        same = tf.expand_dims(segment_ids, -1) == tf.expand_dims(segment_ids, -2)
         positions = tf.range(tf.shape(segment_ids)[1])
-        earlier = positions[None, :] < positions[:, None]
+        earlier = tf.expand_dims(positions, 0) < tf.expand_dims(positions, 1)
         return tf.reduce_sum(tf.cast(same & earlier, tf.int32), axis=-1)
 
     def zeros_where(self, blocked, x):
@@ -667,11 +668,12 @@ def _query_scales(scaling, queries, offset, positions=None):
     if positions is None:
         positions = tf.range(offset, offset + _dims(queries)[-2])
     else:
-        positions = positions[:, None, :]
+        positions = tf.expand_dims(positions, 1)  # see _length_mask: not positions[:, None]
     length = scaling["original_max_position_embeddings"]
     shifted = tf.cast(positions, angle_dtype) + scaling.get("position_offset", 0)
     steps = tf.floor(shifted / length)
-    return tf.cast((1 + scaling["beta"] * tf.math.log1p(steps))[..., None], queries.dtype)
+    factor = 1 + scaling["beta"] * tf.math.log1p(steps)
+    return tf.cast(tf.expand_dims(factor, -1), queries.dtype)
 
 
 @documented
@@ -1176,10 +1178,10 @@ class RotaryEmbedding(keras.layers.Layer):
             positions = tf.cast(tf.range(offset, offset + n), self.frequencies.dtype)
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
-            positions = tf.cast(positions[:, None, :], self.frequencies.dtype)
+            positions = tf.cast(tf.expand_dims(positions, 1), self.frequencies.dtype)
         frequencies = self.frequencies_at(offset + n if length is None else length)
         # Shape of angles: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
-        angles = positions[..., None] * frequencies
+        angles = tf.expand_dims(positions, -1) * frequencies
         cos = tf.cast(tf.cos(angles) * self.attention_factor, X.dtype)
         sin = tf.cast(tf.sin(angles) * self.attention_factor, X.dtype)
         # The features that turn; shape of X: (..., n, rotated)
