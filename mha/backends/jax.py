@@ -1226,7 +1226,8 @@ def without_gradients():
 
 
 def value_and_gradients(function, tensors, wrt, layer, cotangent):
-    """Run `function(tensors)` and differentiate sum(output * cotangent) with jax.grad.
+    """Run `function(tensors)` and differentiate sum(output * cotangent) with jax.grad, in
+    one program under jax.jit.
 
     Flax modules are not mutated inside another trace: the differentiated function calls a
     layer merged inside it from the traced weights (`function(tensors, other=layer)`), as
@@ -1250,9 +1251,11 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
             output = function(arguments, other=nnx.merge(graphdef, weights, rest))
         return jnp.sum(output * cotangent), output
 
-    (_, output), (input_gradients, weight_gradients) = jax.value_and_grad(
+    # Under jax.jit, as a training step runs: one compiled program, where eager JAX compiles
+    # each operation for each new shape (the call without gradients stays eager)
+    (_, output), (input_gradients, weight_gradients) = jax.jit(jax.value_and_grad(
         loss, argnums=(0, 1), has_aux=True
-    )({name: tensors[name] for name in wrt}, weights)
+    ))({name: tensors[name] for name in wrt}, weights)
     if layer is not None:
         function(tensors)
         # The gradients have the weights' structure: a layer holding them names them
