@@ -22,12 +22,13 @@ Each run installs the project into each lane's environment with the lane's const
 lanes side by side (quick when nothing changed), then runs pytest in each with
 MHA_TEST_BACKENDS naming the lane's backends, so a backend of the lane that does not import
 fails its tests. pytest-xdist spreads the tests over one worker per core (up to 4), each with
-one thread per framework (ONE_THREAD_EACH), the tests marked slow first; arguments after --
-that choose their own (-n 0, -p no:xdist) turn that off. The suite's own options name the 25
-slowest tests at the end. The processes of a run share JAX's compilation cache, in a folder
-removed after it. `--lock` installs the lane's extras into a new environment with no
-constraints, that is the newest releases that fit the lane, and writes what was installed as
-the lane's constraints file.
+one thread per framework (ONE_THREAD_EACH), the tests marked slow first and those of one
+xdist_group (a case of the agreement matrix) in one worker; arguments after -- that choose
+their own (-n 0, -p no:xdist) turn that off. XLA compiles without LLVM's
+optimizations (QUICK_XLA). The suite's own options name the 25 slowest tests at the end.
+The processes of a run share JAX's compilation cache, in a folder removed after it. `--lock`
+installs the lane's extras into a new environment with no constraints, that is the newest
+releases that fit the lane, and writes what was installed as the lane's constraints file.
 
 The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
 packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
@@ -186,11 +187,19 @@ def test(name: str, python: pathlib.Path, pytest_args: list[str]) -> int:
         environment = {
             **threads,
             **_shared_jax_cache(cache),
+            **QUICK_XLA,
             **os.environ,
             "MHA_TEST_BACKENDS": lane.backends,
         }
         command = [python, "-m", "pytest", *parallel, *select, *pytest_args]
         return run(*command, cwd=ROOT, env=environment)
+
+
+# XLA compiles for the CPU without LLVM's optimizations: the tests' arrays are tiny, so a JAX
+# test's time is mostly compiling (eager JAX compiles each operation for each new shape). The
+# numbers meet the same tolerances; tests/test_backend_jax.py runs the whole case matrix once
+# at XLA's default level, as users compile. A variable the caller set is kept
+QUICK_XLA = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 def _shared_jax_cache(folder: str) -> dict[str, str]:
@@ -212,7 +221,9 @@ def _parallel(pytest_args: list[str]) -> list[str]:
     )
     if any(chosen):
         return []
-    return ["-n", str(min(4, os.cpu_count() or 1))]
+    # loadgroup: the tests of an xdist_group in one worker; in the order collected, slow first
+    groups = ["--dist", "loadgroup", "--no-loadscope-reorder"]
+    return ["-n", str(min(4, os.cpu_count() or 1)), *groups]
 
 
 def lock(name: str, lane: Lane) -> None:

@@ -419,8 +419,10 @@ print("ok")
 def test_the_case_matrix_agrees_in_jax_default_mode(J):
     """The suite turns JAX's 64-bit mode on; its users mostly have it off (JAX's default),
     where JAX holds numpy's int64 as int32 and refuses float64: `mha compare` there, float32,
-    every case of the matrix against the reference."""
+    every case of the matrix against the reference. XLA's flags are its defaults too (the
+    lanes compile without LLVM's optimizations, lanes.QUICK_XLA)."""
     environment = {**os.environ, "JAX_ENABLE_X64": "0"}
+    environment.pop("XLA_FLAGS", None)
     command = [sys.executable, "-m", "mha", "compare", "--backends", "numpy,jax"]
     completed = subprocess.run(
         command, capture_output=True, text=True, env=environment, check=False
