@@ -444,6 +444,7 @@ COMPILERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", backend_params(list(COMPILERS)))
 def test_a_compiled_call_gives_the_references_numbers(name, rng):
     # torch.compile, tf.function, jax.jit: the lengths and masks are the compiled function's

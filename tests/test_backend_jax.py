@@ -416,6 +416,7 @@ print("ok")
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_the_case_matrix_agrees_in_jax_default_mode(J):
     """The suite turns JAX's 64-bit mode on; its users mostly have it off (JAX's default),
     where JAX holds numpy's int64 as int32 and refuses float64: `mha compare` there, float32,

@@ -648,6 +648,7 @@ def test_self_attention_compiles_into_one_graph(T, torch):
         torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 @pytest.mark.parametrize(
     "masks", [("self", "valid_lens_1d", "causal"), ("mask_3d", "no_weights")], ids="+".join
@@ -666,6 +667,7 @@ def test_compiled_grouped_rotary_sliding_attention_matches_the_reference(T, torc
     torch.testing.assert_close(compiled.output, eager.output, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 @pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "fused"])
 def test_compiled_cached_decoding_equals_full_causal_attention(T, torch, need_weights):

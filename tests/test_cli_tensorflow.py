@@ -28,6 +28,7 @@ def stderr_and_stdout(code: str) -> tuple[str, str]:
     return completed.stderr, completed.stdout
 
 
+@pytest.mark.slow
 def test_tensorflow_native_log_lines_are_set_aside():
     native, _ = stderr_and_stdout(IMPORT_TENSORFLOW)
     native = [line for line in native.splitlines() if line.strip()]

@@ -29,6 +29,7 @@ def statuses(rows) -> dict[str, set[str]]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", backend_params())
 def test_mhas_own_function_agrees_on_every_case(name):
     module = backend_module(name)
@@ -82,6 +83,7 @@ def test_torch_flex_attention_takes_every_case_and_agrees():
     assert all("gradients not taken" in row.note for row in rows if row.case in plain)
 
 
+@pytest.mark.slow
 @pytest.mark.jax
 @pytest.mark.parametrize("empty_rows", ["zeros", "uniform"])
 def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):

@@ -54,6 +54,7 @@ def run_script(name: str, *args: str, environment: dict | None = None) -> dict |
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.torch
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_torch_data_parallel_gives_the_single_process_step(engine):
@@ -75,6 +76,7 @@ def test_torch_data_parallel_gives_the_single_process_step(engine):
         assert rank["across_ranks"] == 0.0, rank
 
 
+@pytest.mark.slow
 @pytest.mark.tensorflow
 def test_tensorflow_mirrored_strategy_gives_the_single_device_step():
     backend_module("tensorflow")

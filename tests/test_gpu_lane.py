@@ -22,6 +22,7 @@ def both_frameworks():
         backend_module(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", ["masked_keys", "sync", "conform"])
 def test_a_step_passes_on_the_cpu(step, capsys):
     assert gpu_lane.main([step, "--device", "cpu", "--quick"]) == 0
