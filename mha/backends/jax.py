@@ -1241,10 +1241,14 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
     if layer is not None:
         graphdef, weights, rest = nnx.split(layer, nnx.Param, ...)
     else:
-        weights = {}
+        weights, rest = {}, None
+    # Every array is an argument of the program, as a training step's inputs are (a constant
+    # would be folded into it); the options that are not arrays stay Python values
+    arrays = {k: v for k, v in tensors.items() if k not in wrt and isinstance(v, jax.Array)}
+    fixed = {k: v for k, v in tensors.items() if k not in wrt and k not in arrays}
 
-    def loss(inputs, weights):
-        arguments = {**tensors, **inputs}
+    def loss(inputs, weights, arrays, rest, cotangent):
+        arguments = {**fixed, **arrays, **inputs}
         if layer is None:
             output = function(arguments)
         else:
@@ -1255,7 +1259,7 @@ def value_and_gradients(function, tensors, wrt, layer, cotangent):
     # each operation for each new shape (the call without gradients stays eager)
     (_, output), (input_gradients, weight_gradients) = jax.jit(jax.value_and_grad(
         loss, argnums=(0, 1), has_aux=True
-    ))({name: tensors[name] for name in wrt}, weights)
+    ))({name: tensors[name] for name in wrt}, weights, arrays, rest, cotangent)
     if layer is not None:
         function(tensors)
         # The gradients have the weights' structure: a layer holding them names them
