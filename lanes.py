@@ -24,11 +24,11 @@ MHA_TEST_BACKENDS naming the lane's backends, so a backend of the lane that does
 fails its tests. pytest-xdist spreads the tests over one worker per core (up to 4), each with
 one thread per framework (ONE_THREAD_EACH), the tests marked slow first and those of one
 xdist_group (a case of the agreement matrix) in one worker; arguments after -- that choose
-their own (-n 0, -p no:xdist) turn that off. XLA compiles without LLVM's
-optimizations (QUICK_XLA). The suite's own options name the 25 slowest tests at the end.
-The processes of a run share JAX's compilation cache, in a folder removed after it. `--lock`
-installs the lane's extras into a new environment with no constraints, that is the newest
-releases that fit the lane, and writes what was installed as the lane's constraints file.
+their own (-n 0, -p no:xdist) turn that off. XLA compiles without LLVM's optimizations
+(QUICK_XLA). The suite's own options name the 25 slowest tests at the end. The processes of a
+run share JAX's compilation cache, in a folder removed after it. `--lock` installs the lane's
+extras into a new environment with no constraints, that is the newest releases that fit the
+lane, and writes what was installed as the lane's constraints file.
 
 The gpu lane runs on a machine with an accelerator, in the Python that runs lanes.py, with the
 packages such a machine has (torch and jax with CUDA, flax; no TensorFlow, MXNet or pytest)
