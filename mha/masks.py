@@ -37,6 +37,18 @@ def is_causal_alone(causal: bool, offset: int, *others: Any) -> bool:
     return bool(causal) and top_left and all(x is None for x in others)
 
 
+def every_row_keeps_a_key(
+    valid_lens: Any, smallest_length: Any, causal: bool, offset: int, *others: Any
+) -> bool:
+    """Whether every row of the call's keep keeps a key, known without reading the mask, so
+    that no read looks for rows with none: key 0 is kept by lengths whose smallest
+    (`smallest_length`, None when not read) is at least 1 and by the causal mask of an offset
+    of 0 or more, and there is no other mask (`others`, each None when absent)."""
+    lengths = valid_lens is None or (smallest_length is not None and smallest_length >= 1)
+    diagonal = not causal or (isinstance(offset, int) and offset >= 0)
+    return lengths and diagonal and all(x is None for x in others)
+
+
 def grouped_rows(shape: tuple[int, ...], heads: int, rows: int, group: int):
     """How a mask (keep, bias or sinks) of `shape`, broadcastable to (..., heads, rows, n),
     follows the queries when each key-value head's `group` query heads become one head of

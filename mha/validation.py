@@ -135,26 +135,36 @@ def check_valid_lens(valid_lens: Any, batch_size: int | None, num_queries: int |
 # Up to this many lengths are read as Python numbers: between a call's other operations a
 # short list is read faster than numpy's reductions start (one length per example, or per
 # query of a few examples)
-_FEW_LENGTHS = 1024
+FEW_LENGTHS = 1024
 
 
-def check_valid_lens_values(values: np.ndarray) -> None:
-    """Check the values of valid_lens, read into numpy by the backend: non-negative whole
-    numbers (or infinity). Only an eager call has values; the backends skip this in traced
-    ones."""
-    if values.size == 0:
-        return
-    whole = values.dtype.kind in "iub"
-    if values.size <= _FEW_LENGTHS:
-        lengths = values.ravel().tolist()
-        fractional = None if whole else next((v for v in lengths if not _is_whole(v)), None)
-        smallest = min(lengths)
-    else:
-        fractional = None
-        if not whole:
-            found = values[values != np.floor(values)]
-            fractional = found[0].item() if found.size else None
-        smallest = values.min().item()
+def check_valid_lens_values(values: np.ndarray | list) -> Any:
+    """Check the values of valid_lens, read by the backend into numpy or, up to FEW_LENGTHS of
+    them, into a flat list of Python numbers: non-negative whole numbers (or infinity).
+    Returns the smallest, None when there are none. Only an eager call has values; the
+    backends skip this in traced ones."""
+    if isinstance(values, np.ndarray):
+        if values.size <= FEW_LENGTHS:
+            values = values.ravel().tolist()
+        else:
+            return _check_many_lengths(values)
+    if not values:
+        return None
+    # A list of one tensor's values holds one type: floats may be fractional
+    whole = not isinstance(values[0], float)
+    fractional = None if whole else next((v for v in values if not _is_whole(v)), None)
+    return _checked_smallest(fractional, min(values))
+
+
+def _check_many_lengths(values: np.ndarray) -> Any:
+    fractional = None
+    if values.dtype.kind not in "iub":
+        found = values[values != np.floor(values)]
+        fractional = found[0].item() if found.size else None
+    return _checked_smallest(fractional, values.min().item())
+
+
+def _checked_smallest(fractional: Any, smallest: Any) -> Any:
     if fractional is not None:
         raise ValueError(
             f"valid_lens must hold whole numbers. Received: valid_lens containing {fractional!r}"
@@ -163,6 +173,7 @@ def check_valid_lens_values(values: np.ndarray) -> None:
         raise ValueError(
             f"valid_lens must be non-negative. Received: valid_lens containing {smallest!r}"
         )
+    return smallest
 
 
 def _is_whole(number: float) -> bool:

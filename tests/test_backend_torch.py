@@ -508,6 +508,33 @@ def test_cached_decoding_reads_nothing_off_the_cpu(T, torch, absorbed):
     assert stored.shape[-2 if not latent else 1] == 5
 
 
+@pytest.mark.parametrize("kind", ["dot", "multihead"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_lengths_of_at_least_one_leave_no_row_to_look_for(
+    T, torch, monkeypatch, kind, causal, need_weights
+):
+    """Lengths of at least 1, alone or with the causal mask, keep key 0 in every row: the
+    call reads the mask for empty rows no more (the reads are counted here) and gives the
+    reference's numbers; a length of 0 is looked for and gives a row of zeros."""
+    reads = []
+
+    def read(attended):
+        reads.append(attended.shape)
+        return not bool(attended.all())
+
+    monkeypatch.setattr(T.fused, "may_have_empty_rows", read)
+    reference, layer = pair(T, kind, "float64")
+    arguments = {"causal": causal} | ({"need_weights": need_weights} if kind != "dot" else {})
+    for lengths, looked_for in (([1, 6, 3, 2], False), ([1, 0, 3, 2], True)):
+        call = {"valid_lens": np.array(lengths), **arguments}
+        reads.clear()
+        got = layer(*(T.from_numpy(x) for x in inputs(3, 6, "float64", kind)), **to_torch(T, call))
+        expected = reference(*inputs(3, 6, "float64", kind), **call)
+        np.testing.assert_allclose(T.to_numpy(got), expected, rtol=1e-12, atol=1e-12)
+        assert bool(reads) == looked_for, (lengths, reads)
+
+
 def test_no_call_reads_values_off_the_cpu(T, torch):
     """No call of any layer, with any mask, forward or backward, reads a tensor's values when
     the tensors are not on the CPU (where a read would wait for the device): a meta tensor

@@ -373,14 +373,15 @@ def test_shape_and_dtype_readers():
     ],
 )
 def test_valid_lens_values_few_or_many_give_the_same_verdict(lengths, message):
-    # A few lengths are read as Python numbers, many by numpy's reductions: the same rule
+    # A few lengths are read as Python numbers (by the backend, or from numpy), many by
+    # numpy's reductions: the same rule, and the same smallest length
     dtype = np.asarray(lengths).dtype if not isinstance(lengths[0], np.float32) else "float32"
     few = np.array(lengths, dtype)
-    many = np.concatenate([few, np.ones(validation._FEW_LENGTHS, dtype)]).reshape(-1, 1)
-    assert many.size > validation._FEW_LENGTHS >= few.size
-    for values in (few, many):
+    many = np.concatenate([few, np.ones(validation.FEW_LENGTHS, dtype)]).reshape(-1, 1)
+    assert many.size > validation.FEW_LENGTHS >= few.size
+    for values in (few, many, few.tolist()):
         if message is None:
-            validation.check_valid_lens_values(values)
+            assert validation.check_valid_lens_values(values) == np.min(values)
         else:
             with pytest.raises(ValueError, match="valid_lens " + re.escape(message) + "$"):
                 validation.check_valid_lens_values(values)

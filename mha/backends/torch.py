@@ -34,7 +34,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks, grouped_rows, is_causal_alone
+from mha.masks import Masks, every_row_keeps_a_key, grouped_rows, is_causal_alone
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
@@ -177,16 +177,25 @@ class HeadLayerNorm(nn.Module):
 _TENSOR_TYPES = torch.Tensor
 
 
-def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> None:
-    # The one check that needs values: non-negative whole numbers. It runs where the values
-    # are in host memory, the CPU: elsewhere reading them would wait for the device (a meta
-    # tensor has none), and a tensor traced by torch.export has none either.
+def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> Any:
+    """The one check that needs values: non-negative whole numbers. Returns the smallest
+    length, None where the values were not read or a path may not hang on them.
+
+    It runs where the values are in host memory, the CPU: elsewhere reading them would wait
+    for the device (a meta tensor has none), and a tensor traced by torch.export has none
+    either. A graph being compiled reads them, and keeps no path chosen by them."""
     if valid_lens is None or valid_lens.device.type != "cpu" or torch.compiler.is_exporting():
-        return
+        return None
+    compiling = torch.compiler.is_compiling()
+    if valid_lens.numel() <= validation.FEW_LENGTHS and not compiling:
+        # A few lengths as Python numbers: exact for every dtype, bfloat16 included
+        flat = valid_lens if valid_lens.dim() == 1 else valid_lens.reshape(-1)
+        return validation.check_valid_lens_values(flat.tolist())
     values = valid_lens.detach()
     # numpy has no bfloat16; float64 holds every float16 and bfloat16 exactly
     values = values.double() if values.is_floating_point() else values
-    validation.check_valid_lens_values(values.numpy())
+    smallest = validation.check_valid_lens_values(values.numpy())
+    return None if compiling else smallest
 
 
 def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -198,7 +207,7 @@ def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     if lengths.dtype in (torch.uint16, torch.uint32, torch.uint64):
         lengths = lengths.to(torch.float64)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
-    lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
+    lengths = lengths.reshape(-1, 1, 1) if lengths.ndim == 1 else lengths.unsqueeze(-1)
     return torch.arange(num_keys, device=valid_lens.device) < lengths
 
 
@@ -258,19 +267,21 @@ class _Masks(Masks):
 
 
 def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = False,
-             empty_rows: str = "zeros") -> torch.Tensor:
+             empty_rows: str = "zeros", rows_kept: bool = False) -> torch.Tensor:
     """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
     with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. torch.softmax
     subtracts the row maximum, so logits of 1e4 stay finite.
 
     `in_place` overwrites `scores`, a fresh tensor of the caller's: on the CPU a new
     (..., Q, K) tensor is fresh pages to fault in. The softmax itself is written over the
-    scores only where autograd does not need them.
+    scores only where autograd does not need them. rows_kept: every row of keep is known to
+    keep a key (masks.every_row_keeps_a_key), so none is looked for.
     """
     attended = None
     if keep is not None:
-        attended = keep.any(dim=-1, keepdim=True)
-        attended = None if not fused.may_have_empty_rows(attended) else attended
+        if not rows_kept:
+            attended = keep.any(dim=-1, keepdim=True)
+            attended = None if not fused.may_have_empty_rows(attended) else attended
         # exp(-inf) = 0: masked entries, and their gradients, are exactly 0. The -inf replaces
         # what a masked score held, so a masked key holding NaN or inf stays out
         fill = scores.masked_fill_ if in_place else scores.masked_fill
@@ -318,7 +329,7 @@ def _with_sinks(scores: torch.Tensor, keep: torch.Tensor | None, sinks: torch.Te
 
 
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empty_rows="zeros",
-                    sinks=None):
+                    sinks=None, rows_kept=False):
     """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
@@ -326,12 +337,14 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
         # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
         scores, keep = _with_sinks(scores, keep, sinks)
     # The scores are the caller's own fresh tensor: the softmax overwrites them
-    weights = _softmax(scores, keep, in_place=True, empty_rows=empty_rows)
+    weights = _softmax(scores, keep, in_place=True, empty_rows=empty_rows, rows_kept=rows_kept)
     if sinks is not None:
         weights = weights[..., :-1]
+    # An idle dropout (evaluation, or p = 0) would return the weights: it is not called
+    dropped = dropout(weights) if dropout.training and dropout.p else weights
     # Values split into heads have rows num_hiddens apart, and torch's CPU product in bfloat16
     # and float16 is far slower on such rows than on contiguous ones
-    return dropout(weights) @ values.contiguous(), weights if need_weights else None
+    return dropped @ values.contiguous(), weights if need_weights else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +367,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
         segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
-    _check_valid_lens_values(valid_lens)
+    smallest = _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset, device=query.device)
@@ -365,11 +378,14 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
                   for x in (keep, bias))
     # The causal mask alone, top-left aligned: the kernels' own is_causal where they have it
     alone = is_causal_alone(causal, offset, window, mask, bias, valid_lens, segment_ids)
+    rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, window, mask, bias,
+                                      segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(query, key, value, keep, bias, _NO_DROPOUT, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
                                       need_weights=return_weights, lse=return_lse,
-                                      group=num_heads // num_kv_heads, causal_alone=alone)
+                                      group=num_heads // num_kv_heads, causal_alone=alone,
+                                      rows_kept=rows_kept)
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
@@ -377,14 +393,15 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
 
 def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
                empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1,
-               causal_alone=False):
+               causal_alone=False, rows_kept=False):
     """Attention on prepared inputs with any leading axes (no checks): what
     dot_product_attention and every layer's DotProductAttention.attend compute.
 
     queries (..., Q, d); keys (..., K, d) and values (..., K, v), with a head (axis -3) for
     every `group` heads of the queries; keep and bias broadcastable to the scores (..., Q, K),
     or None; sinks, each head's sink logit broadcastable to the scores' rows, or None; causal_alone:
-    keep is the top-left causal mask and nothing else. Returns (output, weights, lse):
+    keep is the top-left causal mask and nothing else; rows_kept: every row of keep is known
+    to keep a key (masks.every_row_keeps_a_key). Returns (output, weights, lse):
     weights unless need_weights, and each row's log-sum-exp unless lse, are None. torch's
     fused kernel or a product with the mask inside compute the same numbers where they can
     (torch_fused.choose_path).
@@ -398,7 +415,8 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
                                       for x in (queries, keep, bias, sinks))
         output, weights, row_lse = _attention(
             queries, keys, values, keep, bias, dropout, scale=scale, softcap=softcap,
-            empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse)
+            empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse,
+            rows_kept=rows_kept)
         # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
         output, weights = (None if x is None else x.unflatten(-2, (group, rows)).flatten(-4, -3)
                            for x in (output, weights))
@@ -411,13 +429,13 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     path = "scores" if lse else fused.choose_path(
         queries, keys, values, keep, bias, need_weights, empty_rows, dropout, causal_alone,
         softcap, sinks is not None)
-    output = fused.attend(queries, keys, values, keep, bias, dropout, path)
+    output = fused.attend(queries, keys, values, keep, bias, dropout, path, rows_kept)
     if output is not None:  # F.scaled_dot_product_attention computed it, without weights
         return output, None, None
     if path == "masked product":
         # The mask is added inside the product, as nn.MultiheadAttention does (baddbmm):
         # a pass over the scores fewer, forward and backward
-        scores, attended = fused.masked_product(queries, keys, keep)
+        scores, attended = fused.masked_product(queries, keys, keep, rows_kept)
         output, weights = _attention_pool(scores, values, None, None, dropout)
         if attended is not None:
             output, weights = (torch.where(attended, x, 0.0) for x in (output, weights))
@@ -430,7 +448,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     # The pool writes its softmax over the scores: the log-sum-exp reads them first
     row_lse = _log_sum_exp(scores if bias is None else scores + bias, keep) if lse else None
     output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
-                                      empty_rows, sinks)
+                                      empty_rows, sinks, rows_kept)
     return output, weights, row_lse
 
 
@@ -483,29 +501,33 @@ class DotProductAttention(Module):
             dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
-        _check_valid_lens_values(valid_lens)
+        smallest = _check_valid_lens_values(valid_lens)
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset, device=queries.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window,
                                    segment_ids=segment_ids)
-        return self.attend(queries, keys, values, keep, bias)
+        rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, mask,
+                                          window_mask, attn_bias, self.sliding_window,
+                                          segment_ids)
+        return self.attend(queries, keys, values, keep, bias, rows_kept=rows_kept)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               sinks=None, group=1, causal_alone=False):
+               sinks=None, group=1, causal_alone=False, rows_kept=False):
         """Attention on prepared inputs with any leading axes (no checks), as the attention
         function computes it (_attention).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         _Masks.combine; sinks, each head's sink logit broadcastable to the scores' rows
-        (num_heads, 1, 1), or None; causal_alone: keep is the causal mask alone, top-left.
+        (num_heads, 1, 1), or None; causal_alone: keep is the causal mask alone, top-left;
+        rows_kept: every row of keep is known to keep a key.
         MultiHeadAttention calls this with a head axis, keys and values with a head for every
         `group` heads of the queries.
         """
         output, self.attention_weights, _ = _attention(
             queries, keys, values, keep, bias, self.dropout, scale=self.scale,
             softcap=self.softcap, empty_rows=self.empty_rows, need_weights=need_weights,
-            sinks=sinks, group=group, causal_alone=causal_alone,
+            sinks=sinks, group=group, causal_alone=causal_alone, rows_kept=rows_kept,
         )
         return output
 
@@ -656,7 +678,7 @@ class MultiHeadAttention(Module):
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
-        _check_valid_lens_values(valid_lens)
+        smallest = _check_valid_lens_values(valid_lens)
         # The positions before this call's: those in the cache
         cached = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
         # The position of the first query, for the masks: after the cached ones unless
@@ -681,13 +703,15 @@ class MultiHeadAttention(Module):
                 values = torch.cat([cache.values, values], dim=2)
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
-        alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
-                                self.sliding_window, self.alibi_slopes, segment_ids,
-                                self.attention_chunk_size)
+        others = (mask, window_mask, attn_bias, self.sliding_window, segment_ids,
+                  self.attention_chunk_size)
+        alone = is_causal_alone(causal, offset, valid_lens, self.alibi_slopes, *others)
+        # No row of keep without a key, known from the lengths' values: none is looked for
+        rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, *others)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias.reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
-                                       self.num_heads // num_kv_heads, alone)
+                                       self.num_heads // num_kv_heads, alone, rows_kept)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)

@@ -25,31 +25,36 @@ __all__ = [
 ]
 
 
-def masked_product(queries, keys, keep):
+def masked_product(queries, keys, keep, rows_kept=False):
     """The scores of the "masked product" path from the scaled queries, (..., Q, K), with -inf
     where keep is False, and the rows to zero after pooling (keep_every_row's; None when no
     row is empty)."""
     keys = _without_masked_keys(keys, keep)
-    keep, attended = (None, None) if keep is None else keep_every_row(keep)
+    keep, attended = (None, None) if keep is None else keep_every_row(keep, rows_kept)
     return _masked_scores(keep, queries, keys), attended
 
 
-def attend(queries, keys, values, keep, bias, dropout, path: str) -> torch.Tensor | None:
+def attend(queries, keys, values, keep, bias, dropout, path: str,
+           rows_kept: bool = False) -> torch.Tensor | None:
     """The output of a call whose `path` (choose_path's) is "is_causal" or "fused", from its
-    scaled queries; None for the other paths, which the layer computes itself."""
+    scaled queries; None for the other paths, which the layer computes itself. rows_kept:
+    every row of keep is known to keep a key (masks.every_row_keeps_a_key)."""
     if path == "is_causal":
         return _sdpa(queries, keys, values, None, None, dropout, is_causal=True)
     if path == "fused":
         # The mask is added to the scores: keys masked for every query are zeroed first
         keys = _without_masked_keys(keys, keep)
-        return _sdpa(queries, keys, values, keep, bias, dropout)
+        return _sdpa(queries, keys, values, keep, bias, dropout, rows_kept=rows_kept)
     return None
 
 
-def keep_every_row(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def keep_every_row(keep: torch.Tensor,
+                   rows_kept: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A row with no kept key would be all -inf, NaN in softmax and in fused kernels: it keeps
     every key instead. Returns (keep, attended): attended, (..., Q or 1, 1), marks the rows to
-    zero afterwards; None when no row is empty."""
+    zero afterwards; None when no row is empty, or when rows_kept says none is."""
+    if rows_kept:
+        return keep, None
     attended = keep.any(dim=-1, keepdim=True)
     if not may_have_empty_rows(attended):
         return keep, None
@@ -66,7 +71,7 @@ def may_have_empty_rows(attended: torch.Tensor) -> bool:
     return not bool(attended.all())
 
 
-def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False):
+def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept=False):
     """What DotProductAttention.attend computes from its scaled queries, by
     F.scaled_dot_product_attention with scale 1 (with is_causal, its own causal mask and no
     other: see choose_path).
@@ -81,7 +86,7 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False):
     if keep is not None:
         # Rows with no kept key attend to every key (finite values and gradients), and their
         # output is zeroed after, as _softmax does
-        keep, attended = keep_every_row(keep)
+        keep, attended = keep_every_row(keep, rows_kept)
     attn_mask = keep
     if bias is not None:
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
