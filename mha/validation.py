@@ -82,7 +82,8 @@ def require_framework(tensor_type: Any, **tensors: Any) -> None:
     """Each given tensor is one of the layer's framework (`tensor_type`): another framework's
     tensor is a TypeError here rather than an internal error in the first operation."""
     for name, x in tensors.items():
-        if x is not None and is_tensor(x) and not isinstance(x, tensor_type):
+        # The layer's own tensors, the common case, answer at the isinstance
+        if x is not None and not isinstance(x, tensor_type) and is_tensor(x):
             raise TypeError(
                 f"{name} must be an array or tensor of the layer's framework. "
                 f"Received: {name} of type {type(x).__module__}.{type(x).__qualname__}"

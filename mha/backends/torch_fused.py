@@ -157,10 +157,13 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
         # (K per head) costs less than the pass over the keys (K x d) that the mask needs on
         # the other paths, zeroing them or reading whether they are finite
         return "scores"
+    few = _few_scores(queries, keys)
+    if need_weights and few:
+        return "scores"
     adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
     if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
         return "fused"
-    if _few_scores(queries, keys):
+    if few:
         return "scores"
     if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
         return "masked product"
