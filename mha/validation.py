@@ -6,7 +6,8 @@ Messages name the argument and echo what was received.
 
 The checks read `.shape` and `.dtype` of any framework's tensor; they never convert a tensor to
 numpy. The one check that needs values (valid_lens must be non-negative whole numbers) takes
-the smallest value and a sample non-integer, which each backend computes with its own ops.
+the lengths as each backend reads them where they are in host memory: a few as a list of
+Python numbers, more as a numpy array.
 
 The checks of the constructors' arguments are `mha.layer_args`'s, those of a call's cache
 `mha.cache`'s, and the reading of a tensor's shape and dtype `mha.tensors`'s; this module

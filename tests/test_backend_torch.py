@@ -535,6 +535,24 @@ def test_lengths_of_at_least_one_leave_no_row_to_look_for(
         assert bool(reads) == looked_for, (lengths, reads)
 
 
+def test_a_call_with_weights_over_few_scores_reads_no_key(T, torch, monkeypatch):
+    """With weights over few scores the masked scores are replaced whatever the keys hold:
+    no pass reads whether the keys are finite (it raises here), and a NaN at a masked key
+    stays out, under a mask that varies along the queries."""
+
+    def read(keys):
+        raise AssertionError("the keys were read")
+
+    monkeypatch.setattr(T.fused, "_known_finite", read)
+    reference, layer = pair(T, "multihead", "float64")
+    queries, keys, values = inputs(3, 6, "float64")
+    call = {"valid_lens": np.array([[1, 2, 3]] * B), "causal": True}
+    expected = reference(queries, keys, values, **call)
+    keys[:, 5] = np.nan  # masked for every query: lengths of at most 3, causal from key 0
+    got = layer(*(T.from_numpy(x) for x in (queries, keys, values)), **to_torch(T, call))
+    np.testing.assert_allclose(T.to_numpy(got), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_no_call_reads_values_off_the_cpu(T, torch):
     """No call of any layer, with any mask, forward or backward, reads a tensor's values when
     the tensors are not on the CPU (where a read would wait for the device): a meta tensor

@@ -340,11 +340,9 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empt
     weights = _softmax(scores, keep, in_place=True, empty_rows=empty_rows, rows_kept=rows_kept)
     if sinks is not None:
         weights = weights[..., :-1]
-    # An idle dropout (evaluation, or p = 0) would return the weights: it is not called
-    dropped = dropout(weights) if dropout.training and dropout.p else weights
     # Values split into heads have rows num_hiddens apart, and torch's CPU product in bfloat16
     # and float16 is far slower on such rows than on contiguous ones
-    return dropped @ values.contiguous(), weights if need_weights else None
+    return dropout(weights) @ values.contiguous(), weights if need_weights else None
 
 
 # ---------------------------------------------------------------------------------------------
