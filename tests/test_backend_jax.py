@@ -318,6 +318,39 @@ def test_a_nan_at_a_masked_key_stays_out(J):
         np.testing.assert_allclose(output, reference(q, k, v, **kwargs), atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["multihead", "dot", "function"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_of_at_least_one_leave_no_row_to_look_for(J, monkeypatch, kind, causal):
+    """Lengths of at least 1, alone or with the causal mask, keep key 0 in every row: an
+    eager call looks for no empty row (what the softmax is told is recorded here) and gives
+    the reference's numbers; a length of 0 is looked for and gives a row of zeros."""
+    told, softmax = [], J._softmax
+
+    def recorded(scores, keep, empty_rows="zeros", rows_kept=False):
+        told.append(rows_kept)
+        return softmax(scores, keep, empty_rows, rows_kept)
+
+    monkeypatch.setattr(J, "_softmax", recorded)
+    if kind == "multihead":
+        layer, reference = pair(J)
+        arrays = inputs()
+    elif kind == "dot":
+        layer, reference = (
+            J.DotProductAttention(dtype="float64"),
+            N.DotProductAttention(dtype="float64"),
+        )
+        arrays = inputs()
+    else:
+        layer, reference = J.dot_product_attention, N.dot_product_attention
+        arrays = tuple(x.reshape(B, -1, H, D // H).swapaxes(1, 2) for x in inputs())
+    for lengths, kept in (([1, 6], True), ([0, 6], False)):
+        call = {"valid_lens": np.array(lengths), "causal": causal}
+        told.clear()
+        got = layer(*map(J.from_numpy, arrays), **as_jax(J, call))
+        np.testing.assert_allclose(J.to_numpy(got), reference(*arrays, **call), atol=1e-12)
+        assert told == [kept], (lengths, told)
+
+
 def test_state_holds_the_weights_and_not_the_table(J, nnx):
     layer, _ = pair(J)
     params = nnx.state(layer, nnx.Param)

@@ -47,7 +47,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks, grouped_rows, is_causal_alone
+from mha.masks import Masks, every_row_keeps_a_key, grouped_rows, is_causal_alone
 from mha.weights import canonical_parameters, read_config
 
 __all__ = [
@@ -266,14 +266,17 @@ class HeadLayerNorm(nnx.Module):
 _TENSOR_TYPES = (jax.Array, np.ndarray)
 
 
-def _check_valid_lens_values(valid_lens: jax.Array | None) -> None:
-    # The one check that needs values: non-negative whole numbers. It runs where the values
-    # are in host memory: a traced call (jit, grad of a jitted function) has none, and reading
-    # an array on a GPU or TPU would wait for the device.
+def _check_valid_lens_values(valid_lens: jax.Array | None) -> Any:
+    """The one check that needs values: non-negative whole numbers. Returns the smallest
+    length, None where the values were not read.
+
+    It runs where the values are in host memory: a traced call (jit, grad of a jitted
+    function) has none, and reading an array on a GPU or TPU would wait for the device."""
     if valid_lens is None or isinstance(valid_lens, jax.core.Tracer):
-        return
+        return None
     if isinstance(valid_lens, np.ndarray) or _on_the_cpu(valid_lens):
-        validation.check_valid_lens_values(np.asarray(valid_lens))
+        return validation.check_valid_lens_values(np.asarray(valid_lens))
+    return None
 
 
 def _on_the_cpu(x: jax.Array) -> bool:
@@ -352,15 +355,21 @@ class _Masks(Masks):
 # Masked softmax
 
 
-def _softmax(scores: jax.Array, keep: jax.Array | None, empty_rows: str = "zeros") -> jax.Array:
+def _softmax(scores: jax.Array, keep: jax.Array | None, empty_rows: str = "zeros",
+             rows_kept: bool = False) -> jax.Array:
     """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
     with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. jax.nn.softmax
     subtracts the row maximum, so logits of 1e4 stay finite. A row with no kept key would be
     all -inf, NaN in softmax: its scores become 0 (finite values and gradients, uniform
     weights) and it is zeroed after unless empty_rows says uniform. Whatever a masked score
-    holds (NaN included) is replaced, so it reaches neither the weights nor the gradients."""
+    holds (NaN included) is replaced, so it reaches neither the weights nor the gradients.
+    rows_kept: every row of keep is known to keep a key (masks.every_row_keeps_a_key), so
+    none is looked for."""
     if keep is None:
         return jax.nn.softmax(scores, axis=-1)
+    if rows_kept:
+        return jax.nn.softmax(jnp.where(keep, scores, jnp.asarray(-jnp.inf, scores.dtype)),
+                              axis=-1)
     # Shape of attended and fill: keep's, with 1 key
     attended = keep.any(axis=-1, keepdims=True)
     # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
@@ -401,14 +410,14 @@ def _with_sinks(scores: jax.Array, keep: jax.Array | None, sinks: jax.Array):
 
 
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
-                    empty_rows="zeros", sinks=None):
+                    empty_rows="zeros", sinks=None, rows_kept=False):
     """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
     if sinks is not None:
         # gpt-oss: each head's sink joins every row's softmax as a key; its weight is dropped
         scores, keep = _with_sinks(scores, keep, sinks)
-    weights = _softmax(scores, keep, empty_rows)
+    weights = _softmax(scores, keep, empty_rows, rows_kept)
     if sinks is not None:
         weights = weights[..., :-1]
     return _matmul(dropout(weights), values), weights if need_weights else None
@@ -431,19 +440,22 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
         segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
-    _check_valid_lens_values(valid_lens)
+    smallest = _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
     # The causal mask alone, top-left aligned: the kernels' own causal mask where they have it
     alone = is_causal_alone(causal, offset, window, mask, bias, valid_lens, segment_ids)
+    rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, window, mask, bias,
+                                      segment_ids)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
     # What the layers compute too, without dropout
     output, weights, lse = _attention(query, key, value, keep, bias, _no_dropout, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
                                       need_weights=return_weights, lse=return_lse,
-                                      group=num_heads // num_kv_heads, causal_alone=alone)
+                                      group=num_heads // num_kv_heads, causal_alone=alone,
+                                      rows_kept=rows_kept)
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
@@ -461,15 +473,16 @@ def _may_drop(dropout) -> bool:
 
 def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
                empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1,
-               causal_alone=False, fuse=True):
+               causal_alone=False, rows_kept=False, fuse=True):
     """Attention on prepared inputs with any leading axes (no checks): what
     dot_product_attention and every layer's DotProductAttention.attend compute.
 
     queries (..., Q, d); keys (..., K, d) and values (..., K, v), with a head (axis -3) for
     every `group` heads of the queries; keep and bias broadcastable to the scores (..., Q, K),
     or None; sinks, each head's sink logit broadcastable to the scores' rows, or None;
-    causal_alone: keep is the top-left causal mask and nothing else. Returns (output, weights,
-    lse): weights unless need_weights, and each row's log-sum-exp unless lse, are None. With
+    causal_alone: keep is the top-left causal mask and nothing else; rows_kept: every row of
+    keep is known to keep a key (masks.every_row_keeps_a_key). Returns (output, weights, lse):
+    weights unless need_weights, and each row's log-sum-exp unless lse, are None. With
     `fuse`, cuDNN's kernel computes the same numbers on a GPU where it can (jax_fused).
     """
     fusable = fuse and fused.may_fuse(
@@ -485,7 +498,8 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
                                       for x in (queries, keep, bias, sinks))
         output, weights, row_lse = _attention(
             queries, keys, values, keep, bias, dropout, scale=scale, softcap=softcap,
-            empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse, fuse=fuse)
+            empty_rows=empty_rows, need_weights=need_weights, sinks=sinks, lse=lse,
+            rows_kept=rows_kept, fuse=fuse)
         # Back to each query head: (..., heads, Q, v or K), and the rows' (..., heads, Q)
         output, weights = (None if x is None else x.reshape(*x.shape[:-3], heads, rows, x.shape[-1])
                            for x in (output, weights))
@@ -497,7 +511,8 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
 
         def unfused(queries, keys, values):  # the steps below, on any other device
             return _attention(queries, keys, values, keep, None, dropout, scale=1.0,
-                              need_weights=False, group=group, fuse=False)[0]
+                              need_weights=False, group=group, rows_kept=rows_kept,
+                              fuse=False)[0]
 
         output = fused.attend(scaled, keys, values, keep, causal_alone=causal_alone,
                               unfused=unfused)
@@ -511,7 +526,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
         # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
         scores = softcap * jnp.tanh(scores / softcap)
     output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
-                                      empty_rows, sinks)
+                                      empty_rows, sinks, rows_kept)
     if not lse:
         return output, weights, None
     return output, weights, _log_sum_exp(scores if bias is None else scores + bias, keep)
@@ -564,29 +579,33 @@ class DotProductAttention(nnx.Module):
             dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
-        _check_valid_lens_values(valid_lens)
+        smallest = _check_valid_lens_values(valid_lens)
         offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
         masks = _Masks(batch_size, num_queries, num_keys, offset)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, attn_bias=attn_bias,
                                    sliding_window=self.sliding_window,
                                    segment_ids=segment_ids)
-        return self.attend(queries, keys, values, keep, bias)
+        rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, mask,
+                                          window_mask, attn_bias, self.sliding_window,
+                                          segment_ids)
+        return self.attend(queries, keys, values, keep, bias, rows_kept=rows_kept)
 
     def attend(self, queries, keys, values, keep=None, bias=None, need_weights=True,
-               sinks=None, group=1, causal_alone=False):
+               sinks=None, group=1, causal_alone=False, rows_kept=False):
         """Attention on prepared inputs with any leading axes (no checks), as the attention
         function computes it (_attention).
 
         queries (..., Q, d), keys (..., K, d), values (..., K, v); keep and bias as made by
         _Masks.combine; sinks, each head's sink logit broadcastable to the scores' rows
-        (num_heads, 1, 1), or None; causal_alone: keep is the causal mask alone, top-left.
+        (num_heads, 1, 1), or None; causal_alone: keep is the causal mask alone, top-left;
+        rows_kept: every row of keep is known to keep a key.
         MultiHeadAttention calls this with a head axis, keys and values with a head for every
         `group` heads of the queries.
         """
         output, weights, _ = _attention(
             queries, keys, values, keep, bias, self.dropout, scale=self.scale,
             softcap=self.softcap, empty_rows=self.empty_rows, need_weights=need_weights,
-            sinks=sinks, group=group, causal_alone=causal_alone,
+            sinks=sinks, group=group, causal_alone=causal_alone, rows_kept=rows_kept,
         )
         _set_if_allowed(self, "attention_weights", weights)
         return output
@@ -747,7 +766,7 @@ class MultiHeadAttention(nnx.Module):
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
-        _check_valid_lens_values(valid_lens)
+        smallest = _check_valid_lens_values(valid_lens)
         # The positions before this call's: those in the cache (a static size, even under jit)
         cached = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
         # The position of the first query, for the masks: after the cached ones unless
@@ -773,13 +792,15 @@ class MultiHeadAttention(nnx.Module):
                 values = jnp.concatenate([cache.values, values], axis=2)
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: cuDNN's own causal mask where it applies
-        alone = is_causal_alone(causal, offset, valid_lens, mask, window_mask, attn_bias,
-                                self.sliding_window, slopes, segment_ids,
-                                self.attention_chunk_size)
+        others = (mask, window_mask, attn_bias, self.sliding_window, segment_ids,
+                  self.attention_chunk_size)
+        alone = is_causal_alone(causal, offset, valid_lens, slopes, *others)
+        # No row of keep without a key, known from the lengths' values: none is looked for
+        rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, *others)
         # Shape of output: (batch_size, num_heads, no. of queries, num_hiddens / num_heads)
         sinks = self.sink_logits.bias[...].reshape(-1, 1, 1) if self.sinks else None
         output = self.attention.attend(queries, keys, values, keep, bias, need_weights, sinks,
-                                       self.num_heads // num_kv_heads, alone)
+                                       self.num_heads // num_kv_heads, alone, rows_kept)
         if head_mask is not None:
             # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
             output = output * head_mask.astype(output.dtype).reshape((*head_mask.shape, 1, 1))
