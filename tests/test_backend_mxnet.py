@@ -498,6 +498,49 @@ def test_train_mode_decides_dropout(MX, mx):
     assert not np.any(MX.to_numpy(encoding(X)) == 0)
 
 
+@pytest.mark.parametrize(
+    "name, hybridize",
+    [
+        ("MultiHeadAttention", False),
+        ("MultiHeadAttention", True),
+        ("DotProductAttention", False),
+        ("DotProductAttention", True),
+        ("function", False),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lengths_of_at_least_one_leave_no_row_to_look_for(MX, monkeypatch, name, hybridize, causal):
+    """Lengths of at least 1, alone or with the causal mask, keep key 0 in every row: an
+    imperative call reads the mask for empty rows no more (the reads are counted here) and
+    gives the reference's numbers; a length of 0 is looked for and gives a row of zeros. A
+    hybridized graph, whose structure follows no values, looks for them whatever the lengths."""
+    looks, look = [], MX._may_have_empty_rows
+
+    def counted(attended):
+        looks.append(attended)
+        return look(attended)
+
+    monkeypatch.setattr(MX, "_may_have_empty_rows", counted)
+    if name == "function":
+        layer, reference = MX.dot_product_attention, NP.dot_product_attention
+        rng = np.random.default_rng(0)
+        arrays = [rng.standard_normal((B, 2, n, 3)) for n in (Q, K, K)]
+    else:
+        layer, reference = pair(MX, name, "float64")
+        arrays = inputs("float64")
+        if hybridize:
+            layer.hybridize()
+    looked = []
+    for lengths in ([1, 5, 3, 2], [1, 0, 3, 2]):
+        call = {"valid_lens": np.array(lengths), "causal": causal}
+        looks.clear()
+        got = layer(*(MX.from_numpy(x) for x in arrays), **to_mx(MX, call))
+        assert_agrees(MX.to_numpy(got), reference(*arrays, **call), "float64")
+        looked.append(bool(looks))
+    # Hybridized: the first call traces the graph, which looks; the second runs it again
+    assert looked == ([True, False] if hybridize else [False, True])
+
+
 def test_inputs_are_not_modified(MX):
     # Run imperatively, masks are added into the layer's own scores in place: never into an
     # argument

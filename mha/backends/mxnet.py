@@ -64,7 +64,7 @@ from mha.encoding import (
     rotary_frequencies_at,
     sinusoid_table,
 )
-from mha.masks import Masks
+from mha.masks import Masks, every_row_keeps_a_key
 from mha.weights import canonical_parameters, read_config
 
 __all__ = [
@@ -171,6 +171,9 @@ class _Call(NamedTuple):
     segments: bool = False  # segment_ids are given: graph inputs of query and key ids
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
+    # Every row of keep keeps a key, known from the lengths' values in an imperative call
+    # (masks.every_row_keeps_a_key): none is looked for
+    rows_kept: bool = False
     absorbed: bool = False  # MultiHeadLatentAttention's up-projections folded (its absorbed form)
 
 
@@ -193,7 +196,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
                     head_mask=None, need_weights=True, attn_bias=None,
                     empty_rows="zeros", sliding_window=None, cache=None, offset=0,
                     sinks=False, first_position=None, segment_ids=None,
-                    attention_chunk_size=None, sized_position=False) -> _Call:
+                    attention_chunk_size=None, sized_position=False, rows_kept=False) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -215,6 +218,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         sized_position=sized_position,
         segments=segment_ids is not None,
         recording=mx.autograd.is_recording(),
+        rows_kept=rows_kept,
     )
 
 
@@ -271,6 +275,12 @@ class Layer(nn.HybridBlock):
                 "queries) or without one to export"
             )
         return super().export(path, epoch, remove_amp_cast)
+
+    def _rows_kept(self, valid_lens, smallest, causal, offset, *others) -> bool:
+        """masks.every_row_keeps_a_key for an imperative call; a hybridized graph, whose
+        structure follows no values, looks for empty rows."""
+        return not self._active and every_row_keeps_a_key(valid_lens, smallest, causal, offset,
+                                                          *others)
 
     def _run(self, call: _Call, *inputs):
         # hybrid_forward reads the call's structure from the layer: one call at a time, and a
@@ -397,11 +407,14 @@ def _positions(F, x, axis: int, dtype: str):
 _TENSOR_TYPES = mx.np.ndarray
 
 
-def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> None:
-    # The one check that needs values: non-negative whole numbers. It reads values from
-    # NDArrays only; symbols (a graph being traced) have none.
+def _check_valid_lens_values(valid_lens: mx.np.ndarray | None) -> Any:
+    """The one check that needs values: non-negative whole numbers. Returns the smallest
+    length, None where the values were not read.
+
+    It reads values from NDArrays only; symbols (a graph being traced) have none."""
     if isinstance(valid_lens, mx.np.ndarray):
-        validation.check_valid_lens_values(valid_lens.asnumpy())
+        return validation.check_valid_lens_values(valid_lens.asnumpy())
+    return None
 
 
 def _length_mask(F, valid_lens, ndim: int, key_positions, dtype: str):
@@ -574,7 +587,7 @@ def _row_lengths(F, valid_lens, ndim: int, key_positions, query_positions, dtype
 
 
 def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: bool = False,
-             empty_rows: str = "zeros"):
+             empty_rows: str = "zeros", rows_kept: bool = False):
     """Softmax over the last axis on the kept entries; masked entries are exactly 0, and rows
     with no kept entry 0 or, with empty_rows="uniform", 1 / no. of keys. npx.softmax subtracts
     the row maximum, so logits of 1e4 stay finite.
@@ -587,7 +600,8 @@ def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: boo
     valid_lens alone (see `_by_lengths`), `_attention_masks` gives `_Lengths` for MXNet's
     length-masked softmax, whose backward is cheaper. `in_place` writes the weights over
     `scores`, a fresh array of the caller's, when run imperatively without recording: MXNet
-    does not pool CPU memory, so every new (..., Q, K) array is fresh pages.
+    does not pool CPU memory, so every new (..., Q, K) array is fresh pages. rows_kept: every
+    row of keep is known to keep a key (masks.every_row_keeps_a_key), so none is looked for.
     """
     in_place = in_place and _imperative(scores, recording)
     if keep is None:
@@ -597,6 +611,11 @@ def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: boo
         # Entries at or past a row's length are exactly 0, with gradient 0, and a row of
         # length 0 is all 0 with gradient 0
         return F.npx.softmax(scores, keep.lengths, axis=-1, use_length=True)
+    if rows_kept:
+        # -inf as an array: with a number, MXNet 1.9.1's where() gives the kept scores no gradient
+        fill = F.np.full((1,) * scores.ndim, -numpy.inf, dtype=dtype, ctx=scores.ctx)
+        scores = F.np.where(keep, scores, fill)
+        return F.npx.softmax(scores, axis=-1, **({"out": scores} if in_place else {}))
     # Shape of attended and fill: keep's, with 1 key; attended is 1 or 0 in the dtype (MXNet
     # 1.9.1 has no any() for bool)
     attended = keep.astype(dtype).max(axis=-1, keepdims=True)
@@ -675,7 +694,7 @@ def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call, sinks=N
         keys = F.npx.arange_like(scores, axis=-1).astype("int32")
         scores, keep = _with_sinks(F, scores, keep, sinks)
     weights = _softmax(F, scores, keep, call.dtype, call.recording, in_place=True,
-                       empty_rows=call.empty_rows)
+                       empty_rows=call.empty_rows, rows_kept=call.rows_kept)
     if sinks is not None:
         weights = F.np.take(weights, keys, axis=-1)
     # Gluon's Dropout copies its input when its rate is 0: a pass over the weights, skipped
@@ -704,13 +723,16 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
         segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
-    _check_valid_lens_values(valid_lens)
+    smallest = _check_valid_lens_values(valid_lens)
     _, num_heads, num_kv_heads, num_queries, num_keys = sizes
     F, dtype = mx.nd, numpy.dtype(query.dtype).name
     _check_float16_context(dtype, query)
-    call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens,
-                           need_weights=return_weights, empty_rows=empty_rows)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
+    rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, window, mask, bias,
+                                      segment_ids)
+    call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens,
+                           need_weights=return_weights, empty_rows=empty_rows,
+                           rows_kept=rows_kept)
     masks = _Masks(F, query, key, call, offset=offset)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
@@ -793,16 +815,19 @@ class DotProductAttention(Layer):
             dtype=self.dtype,
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
-        _check_valid_lens_values(valid_lens)
+        smallest = _check_valid_lens_values(valid_lens)
         _check_float16_context(self.dtype, queries)
         if queries.shape[0] == 0:
             self.attention_weights = _empty(queries, 0, queries.shape[1], keys.shape[1])
             return _empty(queries, 0, queries.shape[1], values.shape[2])
+        offset = function_checks.layer_first_position(alignment, num_queries, num_keys)
+        rows_kept = self._rows_kept(valid_lens, smallest, causal, offset, mask, window_mask,
+                                    attn_bias, self.sliding_window, segment_ids)
         call = _call_structure(self.dtype, queries.shape[-1], valid_lens, mask, causal,
                                window_mask, attn_bias=attn_bias, empty_rows=self.empty_rows,
                                sliding_window=self.sliding_window,
                                **_first_position(alignment, num_queries, num_keys),
-                               segment_ids=segment_ids)
+                               segment_ids=segment_ids, rows_kept=rows_kept)
         output, self.attention_weights = self._run(
             call, queries, keys, values, valid_lens, mask, window_mask, attn_bias,
             *_segment_inputs(segment_ids)
@@ -994,7 +1019,7 @@ class MultiHeadAttention(Layer):
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
         )
-        _check_valid_lens_values(valid_lens)
+        smallest = _check_valid_lens_values(valid_lens)
         _check_float16_context(self.dtype, queries)
         # The positions before this call's: those in the cache
         offset = 0 if cache is None or cache.keys is None else cache.keys.shape[2]
@@ -1006,12 +1031,18 @@ class MultiHeadAttention(Layer):
             if cache is not None:
                 cache = KVCache(*[_empty(queries, 0, num_kv_heads, num_keys, head_size)] * 2)
             return output if cache is None else (output, cache)
+        rows_kept = self._rows_kept(
+            valid_lens, smallest, causal,
+            function_checks.layer_first_position(alignment, num_queries, num_keys, offset),
+            mask, window_mask, attn_bias, self.sliding_window, segment_ids,
+            self.attention_chunk_size)
         call = _call_structure(self.dtype, head_size, valid_lens, mask, causal, window_mask,
                                head_mask, need_weights, attn_bias, self.empty_rows,
                                self.sliding_window, cache, offset, self.sinks,
                                segment_ids=segment_ids,
                                attention_chunk_size=self.attention_chunk_size,
-                               **_first_position(alignment, num_queries, num_keys))
+                               **_first_position(alignment, num_queries, num_keys),
+                               rows_kept=rows_kept)
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
         if self.rotary is not None:
