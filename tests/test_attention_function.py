@@ -288,6 +288,12 @@ def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
     assert (kept(window=(0, 2)) == [[yes, yes, yes, no], [no, yes, yes, yes]]).all()
     assert (kept(window=(None, 0), alignment=2) == [[yes] * 3 + [no], [yes] * 4]).all()
     assert (kept(valid_lens=np.array([[1, 3]])) == [[yes] + [no] * 3, [yes] * 3 + [no]]).all()
+    # A mask broadcast along the queries meets each query's own causal row (ONNX's reference
+    # gives every row the first query's there)
+    for shape in ((4,), (1, 4), (1, 1, 1, 4)):
+        mask = np.array([yes, no, yes, yes]).reshape(shape)
+        both = kept(causal=True, alignment="bottom_right", mask=mask)
+        assert (both == [[yes, no, yes, no], [yes, no, yes, yes]]).all()
     # numpy's integers count as Python's: 126 + 3 past int8's range does not wrap
     wide = (None, np.int8(3))
     assert (kept(window=wide, alignment=np.int8(126)) == [[yes] * 4, [yes] * 4]).all()
