@@ -33,12 +33,15 @@ def empty_row(output) -> str:
     return f"other: {row}"
 
 
-def torch_layer():
+def torch_layer(bias=False, num_heads=1):
     torch = backend_module("torch").torch
-    layer = torch.nn.MultiheadAttention(4, 1, bias=False, batch_first=True).eval()
+    layer = torch.nn.MultiheadAttention(4, num_heads, bias=bias, batch_first=True).eval()
     with torch.no_grad():
         layer.in_proj_weight.copy_(torch.cat([torch.eye(4)] * 3))
         layer.out_proj.weight.copy_(torch.eye(4))
+        if bias:  # zero: the projections stay the identity
+            layer.in_proj_bias.zero_()
+            layer.out_proj.bias.zero_()
     return torch, layer
 
 
@@ -51,8 +54,11 @@ def keras_layer():
     return layer
 
 
-def torch_multihead(need_weights):
-    torch, layer = torch_layer()
+def torch_multihead(need_weights, fast=False):
+    """fast: biases and an even number of heads, which with evaluation, no gradient,
+    self-attention and need_weights=False take torch's fast path
+    (torch._native_multi_head_attention)."""
+    torch, layer = torch_layer(bias=fast, num_heads=2 if fast else 1)
     x = torch.tensor(X)
     with torch.no_grad():
         return layer(x, x, x, attn_mask=torch.tensor(~KEEP), need_weights=need_weights)[0]
@@ -102,6 +108,10 @@ def d2l_masked_softmax():
 FRAMEWORKS = {
     "torch nn.MultiheadAttention, need_weights=True": (lambda: torch_multihead(True), "NaN"),
     "torch nn.MultiheadAttention, need_weights=False": (lambda: torch_multihead(False), "zeros"),
+    "torch nn.MultiheadAttention, need_weights=False, its fast path": (
+        lambda: torch_multihead(False, fast=True),
+        "NaN",
+    ),
     "torch F.scaled_dot_product_attention": (torch_sdpa, "zeros"),
     "keras MultiHeadAttention": (lambda: keras_multihead(False), "uniform"),
     "keras MultiHeadAttention, return_attention_scores=True": (
