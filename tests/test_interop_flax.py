@@ -257,3 +257,29 @@ def test_a_foreign_msgpack_file_is_one_error(flax, tmp_path):
     bad.write_bytes(b"\xc1not msgpack at all")
     with pytest.raises(ValueError, match=r"not a flax\.serialization msgpack file"):
         interop.read_file(bad)
+
+
+def test_dropout_draws_a_mask_for_each_weight_both_ways(flax):
+    from flax import nnx
+
+    # Four identical examples in training: one mask shared by the batch (Flax's default,
+    # broadcast_dropout=True) gives them one output, a mask for each weight (mha's) four
+    x = np.repeat(np.random.default_rng(0).standard_normal((1, Q, D)), 4, 0).astype("float32")
+    layer = N.MultiHeadAttention(D, H, 0.5, query_size=D, key_size=D, value_size=D)
+    builtin = interop.to_flax(layer)
+    builtin.train()
+    output = np.asarray(builtin(x, x, x))
+    assert not np.allclose(output[0], output[1:])
+    shared = nnx.MultiHeadAttention(H, D, dropout_rate=0.5, decode=False, rngs=nnx.Rngs(0))
+    shared.train()
+    output = np.asarray(shared(x, x, x))
+    assert np.allclose(output[0], output[1:])
+    with pytest.raises(ValueError, match=r"broadcast_dropout=True with dropout_rate=0\.5"):
+        interop.from_flax(shared)
+    # Either setting changed on the layer converts it
+    for changed in ({"broadcast_dropout": False}, {"dropout_rate": 0.0}):
+        source = nnx.MultiHeadAttention(
+            H, D, **{"dropout_rate": 0.5, **changed}, decode=False, rngs=nnx.Rngs(0)
+        )
+        converted = interop.from_flax(source, backend="numpy")
+        assert N.layer_config(converted)["dropout"] == source.dropout_rate

@@ -76,9 +76,10 @@ def canonical_from_flax(
         ValueError: parameters that are not those of Flax's multi-head attention, or a layer
             with no mha equivalent (an output size other than num_heads * head size, a value
             head size other than the key's, normalize_qk, an attention_fn, dot_general or
-            promote_dtype of its own). A layer in decode mode ports: its
-            weights are those of any other call; what its cache holds is not carried (mha's
-            KVCache, filled by calling the layer on the positions so far, continues it).
+            promote_dtype of its own, dropout with broadcast_dropout=True, Flax's default).
+            A layer in decode mode ports: its weights are those of any other call; what its
+            cache holds is not carried (mha's KVCache, filled by calling the layer on the
+            positions so far, continues it).
     """
     kernels, biases = _kernels_and_biases(_flax_params_of(source))
     _refuse_flax_shapes(kernels, biases)
@@ -182,6 +183,12 @@ def _flax_params_of(source: Any) -> Any:
     unsupported = []
     if source.normalize_qk:
         unsupported.append("normalize_qk=True (mha does not normalize queries and keys)")
+    if source.broadcast_dropout and source.dropout_rate > 0:
+        unsupported.append(
+            f"broadcast_dropout=True with dropout_rate={source.dropout_rate} (one dropout mask "
+            "for every example and head; mha draws one for each weight): set "
+            "broadcast_dropout=False, or dropout_rate=0.0 for inference, before converting"
+        )
     unsupported += _own_functions(source)
     if unsupported:
         raise ValueError(
@@ -235,8 +242,8 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
     Returns:
         MultiHeadAttention(num_heads, in_features=query_size, qkv_features=num_hiddens,
         out_features=num_hiddens, in_kv_features=key_size, use_bias=bias, dropout_rate,
-        dtype) holding the layer's weights. Flax takes `module(query, key, value, mask=...)`
-        with mask True = attend (see `to_flax_masks`).
+        broadcast_dropout=False, dtype) holding the layer's weights. Flax takes
+        `module(query, key, value, mask=...)` with mask True = attend (see `to_flax_masks`).
 
     Raises:
         ValueError: key_size differs from value_size (Flax has one size for both); fewer
@@ -267,6 +274,7 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         dtype=dtype,
         param_dtype=dtype,
         dropout_rate=config["dropout"],
+        broadcast_dropout=False,  # mha draws a dropout mask for each weight, not each row
         use_bias=config["bias"],
         decode=False,
         rngs=nnx.Rngs(0) if rngs is None else rngs,
