@@ -354,13 +354,18 @@ def test_what_torch_cannot_express(torch):
         interop.canonical_from_torch(
             {"in_proj_weight": np.zeros((6, 3), "f"), "out_proj.weight": np.zeros((2, 2), "f")}
         )
-    with pytest.raises(ValueError, match="only when it holds 0"):
-        interop.from_torch_masks(attn_mask=np.full((2, 2), -1.0), num_heads=2)
     # bfloat16 is a float too, which numpy does not class as one
     bfloat16 = torch.tensor([[0.0, -1.0], [2.0, 0.0]], dtype=torch.bfloat16)
     for masks in ({"attn_mask": bfloat16}, {"key_padding_mask": bfloat16}):
-        with pytest.raises(ValueError, match="only when it holds 0"):
+        bias = interop.from_torch_masks(**masks, num_heads=2, backend="torch")["attn_bias"]
+        assert bias.dtype == torch.bfloat16 and bias.flatten().tolist() == [0, -1, 2, 0]
+    # torch takes boolean and float masks only, and (B * num_heads, Q, K) of the batch's B
+    for masks in ({"attn_mask": np.eye(2, dtype=int)}, {"key_padding_mask": np.eye(2, dtype="u1")}):
+        with pytest.raises(ValueError, match=r"must be boolean .* or float .* Received dtype"):
             interop.from_torch_masks(**masks, num_heads=2)
+    padding = np.zeros((3, 2), bool)
+    with pytest.raises(ValueError, match=r"\(B \* num_heads = 6, Q, K\).*shape \(2, 2, 2\)"):
+        interop.from_torch_masks(padding, np.zeros((2, 2, 2), bool), num_heads=2)
     causal = torch.tensor([[0.0, -np.inf], [0.0, 0.0]], dtype=torch.bfloat16)
     allowed = interop.from_torch_masks(attn_mask=causal, num_heads=2)
     assert np.asarray(allowed["mask"]).tolist() == [[[[True, False], [True, True]]]]
@@ -369,6 +374,71 @@ def test_what_torch_cannot_express(torch):
     state["q_proj_weight"] = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="both in_proj_weight and q_proj_weight"):
         interop.canonical_from_torch(state)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", backend_params())
+def test_torch_float_masks_of_any_numbers_become_attn_bias(torch, name):
+    # torch adds a float mask to the scores, as mha adds attn_bias; -inf leaves a key out
+    config = TORCH_CONFIGS["packed-bias"]
+    num_heads, module = config[1], backend_module(name)
+    builtin = torch.nn.MultiheadAttention(8, num_heads, batch_first=True, dtype=torch.float64)
+    randomize_torch(torch, builtin.eval(), seed=4)
+    layer = interop.from_torch(builtin, backend=name)
+    rng = np.random.default_rng(4)
+    tensors = inputs(config, "float64", rng)
+    per_head = rng.standard_normal((BATCH * num_heads, QUERIES, KEYS))
+    per_head[rng.random(per_head.shape) < 0.2] = -np.inf
+    padding = np.where(np.arange(KEYS) < np.array([[KEYS], [3], [5]]), 0.0, -np.inf)
+    cases = {
+        "attn_mask (Q, K)": {"attn_mask": rng.standard_normal((QUERIES, KEYS))},
+        "attn_mask (B * heads, Q, K)": {"attn_mask": per_head},
+        "key_padding_mask": {"key_padding_mask": padding + rng.standard_normal((BATCH, KEYS))},
+        "both": {"key_padding_mask": padding, "attn_mask": per_head},
+        "boolean padding, float bias": {"key_padding_mask": padding < 0, "attn_mask": per_head},
+    }
+    for case, masks in cases.items():
+        theirs = call_torch(
+            torch, builtin, *tensors, **{k: torch.from_numpy(v) for k, v in masks.items()}
+        )
+        converted = interop.from_torch_masks(**masks, num_heads=num_heads, backend=name)
+        assert "attn_bias" in converted, case
+        try:
+            assert_agree(call_mha(module, layer, *tensors, **converted), theirs, "float64")
+        except AssertionError as error:
+            raise AssertionError(f"mask case {case}: {error}") from None
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_is_causal_is_torchs_hint_that_attn_mask_is_the_causal_mask(torch, need_weights):
+    config = TORCH_CONFIGS["packed-bias"]
+    builtin = torch.nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64).eval()
+    randomize_torch(torch, builtin, seed=5)
+    layer = interop.from_torch(builtin, backend="numpy")
+    x = inputs(config, "float64", np.random.default_rng(5))[0]  # self-attention, Q = K
+    future = np.triu(np.ones((QUERIES, QUERIES), bool), 1)
+    padding = np.arange(QUERIES) >= np.array([[QUERIES], [2], [3]])
+    for attn_mask in (future, np.where(future, -np.inf, 0.0)):
+        for key_padding_mask in (None, padding):
+            masks = {"key_padding_mask": key_padding_mask, "attn_mask": attn_mask}
+            with torch.no_grad():
+                theirs = builtin(
+                    *[torch.from_numpy(x)] * 3,
+                    **{k: None if v is None else torch.from_numpy(v) for k, v in masks.items()},
+                    is_causal=True,
+                    need_weights=need_weights,
+                )[0].numpy()
+            converted = interop.from_torch_masks(**masks, num_heads=2, is_causal=True)
+            assert converted["causal"] and ("mask" in converted) == (key_padding_mask is not None)
+            np.testing.assert_allclose(layer(x, x, x, **converted), theirs, rtol=1e-12, atol=1e-12)
+    # Without attn_mask torch refuses the hint, or on its fast path attends to every key; with
+    # another mask it computes with the mask or with causal, depending on its path
+    with pytest.raises(ValueError, match="needs the attn_mask too"):
+        interop.from_torch_masks(num_heads=2, is_causal=True)
+    for attn_mask in (~future, np.where(future, -1e9, 0.0)):
+        with pytest.raises(ValueError, match="and this attn_mask is not"):
+            interop.from_torch_masks(attn_mask=attn_mask, num_heads=2, is_causal=True)
 
 
 @pytest.mark.torch

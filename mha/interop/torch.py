@@ -314,70 +314,108 @@ def from_torch_masks(
     """mha's mask arguments equivalent to torch MultiheadAttention's.
 
     Args:
-        key_padding_mask: (B, K), True (or nonzero) = ignore that key.
-        attn_mask: (Q, K) or (B * num_heads, Q, K); boolean with True = not allowed, or a
-            float mask holding only 0 (allowed) and -inf (not allowed), as
-            `nn.Transformer.generate_square_subsequent_mask` makes.
+        key_padding_mask: (B, K), boolean with True = ignore that key, or float (added to
+            the scores).
+        attn_mask: (Q, K) or (B * num_heads, Q, K); boolean with True = not allowed, or float
+            (added to the scores: 0 and -inf as `nn.Transformer.generate_square_subsequent_mask`
+            makes, or any bias).
         num_heads: the module's number of heads.
-        is_causal: torch's causal flag.
+        is_causal: torch's hint that attn_mask is the top-left causal mask.
         backend: the mha backend whose tensors to return (default: current).
 
     Returns:
-        A dict for an mha call: `mask` (a keep-mask broadcastable to (B, num_heads, Q, K))
-        when a mask is given, and `causal`.
+        A dict for an mha call: `causal`; `mask`, a keep-mask broadcastable to
+        (B, num_heads, Q, K), from the boolean masks and the float ones holding only 0 and
+        -inf; `attn_bias`, in the mask's dtype, from the float ones holding other numbers
+        (their sum where both do), which torch adds to the scores as mha adds attn_bias.
 
     Raises:
-        ValueError: a float attn_mask with other values (an additive bias mha cannot take).
+        ValueError: a mask neither boolean nor float (torch takes no other), or of another
+            shape; an attn_mask of (B * num_heads, Q, K) whose B is not key_padding_mask's;
+            is_causal without attn_mask (torch refuses it, or on its fast path ignores it) or
+            with one that is not the causal mask.
     """
-    keep = None
+    keep, bias = None, None
     if key_padding_mask is not None:
-        padding = as_numpy(key_padding_mask)
+        padding = _torch_mask(key_padding_mask, "key_padding_mask")
         if padding.ndim != 2:
             raise ValueError(
                 f"key_padding_mask must have shape (B, K). Received shape {padding.shape}"
             )
-        if _floating(padding):
-            padding = _float_mask_to_bool(padding, "key_padding_mask")
-        keep = ~padding.astype(bool)[:, None, None, :]
+        keep, bias = _keep_or_bias(padding[:, None, None, :])
     if attn_mask is not None:
-        allowed = _allowed_by(attn_mask, num_heads)
-        keep = allowed if keep is None else keep & allowed
+        batch = None if key_padding_mask is None else padding.shape[0]
+        allowed, added = _keep_or_bias(_attn_mask(attn_mask, num_heads, batch))
+        if is_causal:
+            _check_causal(allowed)
+            allowed = None  # mha's own causal mask, which its kernels take as is_causal
+        keep = allowed if keep is None else keep if allowed is None else keep & allowed
+        bias = added if bias is None else bias if added is None else bias + added
+    elif is_causal:
+        raise ValueError(
+            "is_causal is torch's hint that attn_mask is the causal mask: torch needs the "
+            "attn_mask too (without one its fast path attends to every key). Give the causal "
+            "attn_mask, or call mha with causal=True"
+        )
     result: dict[str, Any] = {"causal": bool(is_causal)}
-    if keep is not None:
-        module = load_backend(backend if backend is not None else get_backend())
-        result["mask"] = module.from_numpy(keep)
+    module = load_backend(backend if backend is not None else get_backend())
+    for name, value in (("mask", keep), ("attn_bias", bias)):
+        if value is not None:
+            result[name] = module.from_numpy(np.ascontiguousarray(value))
     return result
 
 
-def _allowed_by(attn_mask: Any, num_heads: int) -> np.ndarray:
-    """torch's attn_mask (Q, K) or (B * num_heads, Q, K) as mha's keep-mask
-    (1 or B, 1 or num_heads, Q, K)."""
-    forbidden = as_numpy(attn_mask)
-    if _floating(forbidden):
-        forbidden = _float_mask_to_bool(forbidden, "attn_mask")
-    forbidden = forbidden.astype(bool)
-    if forbidden.ndim == 2:
-        return ~forbidden[None, None]
-    if forbidden.ndim == 3 and forbidden.shape[0] % num_heads == 0:
-        return ~forbidden.reshape(-1, num_heads, *forbidden.shape[1:])
+def _torch_mask(values: Any, name: str) -> np.ndarray:
+    """A torch mask as numpy, refused unless boolean or float, as torch refuses it."""
+    values = as_numpy(values)
+    if values.dtype != np.bool_ and not _floating(values):
+        raise ValueError(
+            f"{name} must be boolean (True = not allowed) or float (added to the scores), as "
+            f"torch takes it. Received dtype {plain_dtype_name(values.dtype)}"
+        )
+    return values
+
+
+def _attn_mask(attn_mask: Any, num_heads: int, batch: int | None) -> np.ndarray:
+    """torch's attn_mask (Q, K) or (B * num_heads, Q, K) as (1 or B, 1 or num_heads, Q, K);
+    batch: B where key_padding_mask tells it."""
+    values = _torch_mask(attn_mask, "attn_mask")
+    if values.ndim == 2:
+        return values[None, None]
+    examples = values.shape[0] if values.ndim == 3 else 0
+    if examples and examples % num_heads == 0 and batch in (None, examples // num_heads):
+        return values.reshape(-1, num_heads, *values.shape[1:])
+    expected = "B * num_heads" if batch is None else f"B * num_heads = {batch * num_heads}"
     raise ValueError(
-        "attn_mask must have shape (Q, K) or (B * num_heads, Q, K). "
-        f"Received shape {forbidden.shape} with num_heads={num_heads}"
+        f"attn_mask must have shape (Q, K) or ({expected}, Q, K). "
+        f"Received shape {values.shape} with num_heads={num_heads}"
+    )
+
+
+def _keep_or_bias(values: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A torch mask as mha's (keep, None), where it is boolean or only 0 and -inf, else
+    (None, bias): torch adds a float mask to the scores."""
+    if not _floating(values):
+        return ~values, None
+    exact = values.astype(np.float64)  # exact for every float dtype, bfloat16 included
+    forbidden = np.isneginf(exact)
+    if np.all(forbidden | (exact == 0)):
+        return ~forbidden, None
+    return None, values
+
+
+def _check_causal(allowed: np.ndarray | None) -> None:
+    """Raise ValueError unless torch's attn_mask, kept where `allowed` (None: a bias), is the
+    top-left causal mask that its is_causal says it is."""
+    if allowed is not None and (allowed == np.tril(np.ones(allowed.shape[-2:], bool))).all():
+        return
+    raise ValueError(
+        "is_causal is torch's hint that attn_mask is the causal mask, and this attn_mask is "
+        "not: torch would compute with one or the other depending on its path. Give "
+        "is_causal=False to keep the attn_mask, or the causal mask as attn_mask"
     )
 
 
 def _floating(values: np.ndarray) -> bool:
     # ml_dtypes' bfloat16 is a float that numpy does not class as one (its kind is "V")
     return plain_dtype_name(values.dtype) in validation.FLOAT_DTYPES
-
-
-def _float_mask_to_bool(values: np.ndarray, name: str) -> np.ndarray:
-    """A float torch mask of 0 and -inf as torch's boolean form (True = not allowed)."""
-    values = values.astype(np.float64)  # exact for every float dtype, bfloat16 included
-    forbidden = np.isneginf(values)
-    if not np.all(forbidden | (values == 0)):
-        raise ValueError(
-            f"a float {name} converts only when it holds 0 (allowed) and -inf (not allowed); "
-            "mha has no additive attention bias to carry other values"
-        )
-    return forbidden
