@@ -623,6 +623,11 @@ def test_what_mha_cannot_take_from_keras(keras):
         interop.from_keras(built(num_heads=2, key_dim=2, value_dim=3))
     with pytest.raises(ValueError, match="has the shape"):
         interop.from_keras(built(num_heads=2, key_dim=3, output_shape=(2, 2)))
+    # Attending over axis 1 of (B, n, m, d): the kernels of (B, n, d), another layer's call
+    image = keras.layers.MultiHeadAttention(num_heads=2, key_dim=2, attention_axes=(1,))
+    image.build((None, 3, 5, 4), (None, 3, 5, 4))
+    with pytest.raises(ValueError, match=r"built for inputs of rank 4; mha takes \(B, n, d\)"):
+        interop.from_keras(image)
     with pytest.raises(ValueError, match="not built"):
         interop.from_keras(keras.layers.MultiHeadAttention(2, 2))
     with pytest.raises(ValueError, match="per-head mask"):

@@ -221,10 +221,11 @@ def _refuse_keras_layer(
         problems.append(
             f"value_dim={value_dim} differs from key_dim={key_dim}; mha's heads have one size"
         )
-    if kernels["q"].ndim != 3:
-        problems.append(
-            f"it was built for inputs of rank {kernels['q'].ndim + 0}; mha takes (B, n, d)"
-        )
+    # The kernels are the same for inputs of any rank; the query projection's equation
+    # ("abc,cde->abde" for (B, n, d)) tells the rank the layer was built for
+    rank = len(keras_dense(layer, "q").equation.split(",")[0])
+    if rank != 3:
+        problems.append(f"it was built for inputs of rank {rank}; mha takes (B, n, d)")
     if not sizes["grouped"] and tuple(layer.attention_axes or (1,)) not in ((1,), (-2,)):
         problems.append(f"attention_axes={layer.attention_axes}; mha attends over axis 1")
     if kernels["o"].ndim != 3:
