@@ -91,8 +91,8 @@ def _check_scale(name: str, value: Any) -> None:
             f"{name} must be None or a number. Received: {name}={value!r} of type "
             f"{type(value).__name__}"
         )
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite. Received: {name}={value!r}")
+    if not (math.isfinite(value) and value > 0):  # as the attention function's scale
+        raise ValueError(f"{name} must be a positive number or None. Received: {name}={value!r}")
 
 
 def check_dtype(dtype: Any) -> str:

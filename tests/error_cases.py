@@ -125,7 +125,7 @@ BAD_VALUES = {
     "optional boolean": ("no",),
     "positive number": (0.0, "1e4"),
     "optional positive number": (-1.0, float("inf")),
-    "scale": (float("inf"), "0.5"),
+    "scale": (float("inf"), "0.5", 0.0, -0.5),
     "empty_rows": ("nan", 0),
     "dtype": ("int32",),
     "qk_norm": ("rms", True),
