@@ -410,6 +410,51 @@ def test_torch_float_masks_of_any_numbers_become_attn_bias(torch, name):
 
 
 @pytest.mark.torch
+def test_mha_attn_bias_becomes_a_float_attn_mask(torch):
+    config = TORCH_CONFIGS["packed-bias"]
+    num_heads, module = config[1], backend_module("numpy")
+    layer = mha_layer(module, config, "float64")
+    builtin = interop.to_torch(layer).eval()
+    rng = np.random.default_rng(6)
+    tensors = inputs(config, "float64", rng)
+    per_head = rng.standard_normal((BATCH, num_heads, QUERIES, KEYS))
+    per_head[rng.random(per_head.shape) < 0.2] = -np.inf
+    lengths = np.array([2, KEYS + 3, 0])
+    cases = {
+        "(Q, K)": (rng.standard_normal((QUERIES, KEYS)), {}),
+        "(B, Q, K), causal": (per_head[:, 0], {"causal": True}),
+        "(1, heads, Q, K)": (per_head[:1], {}),
+        "(B, heads, Q, K), valid_lens": (per_head, {"valid_lens": lengths}),
+        "(B, 1, 1, K), mask": (
+            rng.standard_normal((BATCH, 1, 1, KEYS)),
+            {"mask": rng.random((QUERIES, KEYS)) < 0.7},
+        ),
+    }
+    for case, (bias, masks) in cases.items():
+        ours = call_mha(module, layer, *tensors, attn_bias=bias, **masks)
+        converted = interop.to_torch_masks(
+            **masks,
+            attn_bias=bias,
+            num_heads=num_heads,
+            num_queries=QUERIES,
+            num_keys=KEYS,
+            batch_size=BATCH,
+        )
+        assert converted["attn_mask"].dtype == torch.float64 and len(converted) == 1, case
+        try:
+            assert_agree(ours, call_torch(torch, builtin, *tensors, **converted), "float64")
+        except AssertionError as error:
+            raise AssertionError(f"mask case {case}: {error}") from None
+    with pytest.raises(ValueError, match=r"attn_bias must be a float array .* dtype bool"):
+        interop.to_torch_masks(
+            attn_bias=np.ones((QUERIES, KEYS), bool),
+            num_heads=2,
+            num_queries=QUERIES,
+            num_keys=KEYS,
+        )
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize("need_weights", [True, False])
 def test_is_causal_is_torchs_hint_that_attn_mask_is_the_causal_mask(torch, need_weights):
     config = TORCH_CONFIGS["packed-bias"]

@@ -245,11 +245,13 @@ def to_torch_masks(
     num_queries: int,
     num_keys: int,
     batch_size: int | None = None,
+    attn_bias: Any = None,
 ) -> dict[str, Any]:
     """torch MultiheadAttention's mask arguments equivalent to mha's.
 
     Args:
-        valid_lens, mask, causal: as mha's MultiHeadAttention call (numpy or framework arrays).
+        valid_lens, mask, causal, attn_bias: as mha's MultiHeadAttention call (numpy or
+            framework arrays).
         num_heads, num_queries, num_keys: the sizes of the call.
         batch_size: the call's batch size; needed only for a mask of one example that differs
             between heads, which torch takes as one mask per example and head.
@@ -258,33 +260,56 @@ def to_torch_masks(
         A dict for `module(query, key, value, **masks)`: `key_padding_mask` (B, K) for
         valid_lens of shape (B,), and `attn_mask` (Q, K) or (B * num_heads, Q, K) for the
         rest, both boolean torch tensors where True means NOT allowed (torch's convention, the
-        inverse of mha's). Empty when no mask is given.
+        inverse of mha's). With attn_bias, one float `attn_mask` of the bias's dtype instead,
+        which torch adds to the scores: the bias where mha's masks keep a key, -inf where
+        they do not. Empty when no mask is given.
 
     Raises:
         ValueError: valid_lens that are not non-negative whole numbers, with the layers'
             message; a mask of more than 4 axes or with a head axis of another size; a mask of
             one example that differs between heads without batch_size, or a batch_size that
-            is not the mask's.
+            is not the mask's; an attn_bias that is not a float array of at most 4 axes.
     """
     import torch
 
     result = {}
     lengths = None if valid_lens is None else as_numpy(valid_lens)
+    sizes = (batch_size, num_heads, num_queries, num_keys)
+    if attn_bias is not None:
+        added = _float_attn_mask(attn_bias, keep_mask(lengths, mask, causal, *sizes[2:]), sizes)
+        return {"attn_mask": load_backend("torch").from_numpy(added)}
     if lengths is not None and lengths.ndim == 1:
         padding = keep_mask(lengths, None, False, num_queries, num_keys)
         result["key_padding_mask"] = torch.from_numpy(~padding[:, 0, 0, :])
         lengths = None
     keep = keep_mask(lengths, mask, causal, num_queries, num_keys)
     if keep is not None:
-        keep = _attn_keep(keep, (batch_size, num_heads, num_queries, num_keys))
+        keep = _attn_keep(keep, sizes)
         result["attn_mask"] = torch.from_numpy(np.ascontiguousarray(~keep))
     return result
 
 
+def _float_attn_mask(attn_bias: Any, keep: np.ndarray | None, sizes: tuple) -> np.ndarray:
+    """mha's attn_bias where keep keeps a key, -inf where it does not, as torch's float
+    attn_mask of (Q, K) or (B * num_heads, Q, K); sizes: as _attn_keep's."""
+    bias = as_numpy(attn_bias)
+    if not _floating(bias) or bias.ndim > 4:
+        raise ValueError(
+            "attn_bias must be a float array of at most 4 axes, broadcastable to (B, "
+            f"num_heads, Q, K). Received dtype {plain_dtype_name(bias.dtype)}, shape "
+            f"{bias.shape}"
+        )
+    if bias.ndim < 4:  # as the layers broadcast it: (B, Q, K), without a head axis
+        bias = bias.reshape((1,) * (3 - bias.ndim) + bias.shape)[:, None]
+    if keep is not None:
+        bias = np.where(keep, bias, np.array(-np.inf, bias.dtype))
+    return np.ascontiguousarray(_attn_keep(bias, sizes))  # a boolean attn_mask's layouts
+
+
 def _attn_keep(keep: np.ndarray, sizes: tuple[int | None, int, int, int]) -> np.ndarray:
-    """keep (B or 1, heads or 1, Q or 1, K) as torch's attn_mask takes it, True = attend:
-    (Q, K) where it is the same for every example and head, else (B * num_heads, Q, K);
-    sizes: the call's (batch_size or None, num_heads, Q, K)."""
+    """keep (B or 1, heads or 1, Q or 1, K or 1), or a bias so shaped, as torch's attn_mask
+    takes it: (Q, K) where it is the same for every example and head, else
+    (B * num_heads, Q, K); sizes: the call's (batch_size or None, num_heads, Q, K)."""
     batch_size, num_heads, num_queries, num_keys = sizes
     examples, heads = keep.shape[:2]
     if heads not in (1, num_heads):
