@@ -6,6 +6,7 @@ import pytest
 
 from conftest import backend_module, backend_params
 from mha.backends import numpy as N
+from mha.weights import numpy_dtype
 
 B, Q, K, D = 2, 3, 4, 8
 
@@ -33,3 +34,23 @@ def test_every_integer_dtype_at_its_largest(name, dtype):
         np.testing.assert_allclose(
             module.to_numpy(softmax), N.masked_softmax(q, lengths), atol=1e-12
         )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("name", backend_params())
+def test_every_float_dtype_of_whole_numbers(name, dtype):
+    module = backend_module(name)
+    if name == "mxnet" and dtype == "bfloat16":
+        with pytest.raises(TypeError, match="MXNet has no bfloat16 arrays"):
+            module.from_numpy(np.zeros(2, numpy_dtype(dtype)))
+        return
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((B, n, D)) for n in (Q, K, K))
+    # bfloat16 lengths are numpy's only through ml_dtypes, whose kind is not "f"
+    lengths = np.array([0, 3], dtype=numpy_dtype(dtype))
+    expected = N.DotProductAttention(dtype="float64")(q, k, v, valid_lens=lengths)
+    layer = module.DotProductAttention(dtype="float64")
+    output = layer(*map(module.from_numpy, (q, k, v)), valid_lens=module.from_numpy(lengths))
+    np.testing.assert_allclose(module.to_numpy(output), expected, atol=1e-12)
+    softmax = module.masked_softmax(module.from_numpy(q), module.from_numpy(lengths))
+    np.testing.assert_allclose(module.to_numpy(softmax), N.masked_softmax(q, lengths), atol=1e-12)

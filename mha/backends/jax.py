@@ -292,9 +292,10 @@ def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
     # Lengths past the last key keep every key: clipped first, in their own dtype, so that
     # any length of any dtype (uint64 included) compares exactly as an int32. Integers are
     # clipped to int32's range, not to num_keys, which may be symbolic (jax.export)
-    kind = valid_lens.dtype.kind
-    top = num_keys if kind == "f" else min(jnp.iinfo(valid_lens.dtype).max, _INT32_MAX)
-    if isinstance(valid_lens, np.ndarray) and kind != "f":
+    # bfloat16 is a float that numpy does not class as one (its kind is "V")
+    floating = jnp.issubdtype(valid_lens.dtype, jnp.floating)
+    top = num_keys if floating else min(jnp.iinfo(valid_lens.dtype).max, _INT32_MAX)
+    if isinstance(valid_lens, np.ndarray) and not floating:
         # numpy's lengths are clipped by numpy: without 64-bit mode JAX would hold 64-bit
         # ones as 32-bit ones first, wrapping those past 2**31 - 1
         valid_lens = np.minimum(valid_lens, top)
