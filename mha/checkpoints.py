@@ -95,11 +95,15 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
             f"{os.fspath(path)} holds weights of {saved_class}; cannot load them into {class_name}"
         )
     problems = []
+    # A file written before an argument existed has that argument's default
+    saved = {**added_defaults(class_name), **saved}
     for key in LAYER_CLASSES[class_name]:
         if key in ("dropout", "dtype", "eps", "max_len"):
             continue  # not part of the weights; dtype is checked per tensor below
         mine, theirs = config.get(key), saved.get(key)
-        if mine is not None and mine != theirs:
+        # A lazy layer's input sizes are still None: the file's weights give them. Any other
+        # setting of the file's (scale, rope_theta, a window) must be the layer's
+        if mine != theirs and not (mine is None and key in _LAZY_SIZES):
             problems.append(
                 f"the file was saved with {key}={theirs!r}; this layer has {key}={mine!r}"
             )
@@ -108,6 +112,9 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
     if problems:
         raise_problems(f"load_weights({os.fspath(path)!r})", class_name, config, problems)
     import_weights(load_backend(backend_of(layer)), layer, arrays)
+
+
+_LAZY_SIZES = ("query_size", "key_size", "value_size")
 
 
 class Checkpoint(NamedTuple):

@@ -352,6 +352,22 @@ def test_load_rejects_other_class_and_other_config(tmp_path):
     assert "missing b_q" in message
 
 
+@pytest.mark.parametrize(
+    "option", [{"scale": 0.5}, {"rope_theta": 10000.0}, {"softcap": 30.0}, {"sliding_window": 2}]
+)
+def test_load_rejects_a_setting_of_the_file_the_layer_lacks(tmp_path, option):
+    # The weights fit either layer; the numbers they give do not
+    path = tmp_path / "w.safetensors"
+    source = make_mha(**option)
+    mha.save_weights(source, path)
+    [(key, value)] = option.items()
+    with pytest.raises(ValueError, match=f"saved with {key}={value!r}; this layer has {key}=None"):
+        mha.load_weights(make_mha(), path)
+    again = make_mha(**option)
+    mha.load_weights(again, path)
+    np.testing.assert_array_equal(again(*inputs()), source(*inputs()))
+
+
 def test_load_rejects_dtype_mismatch(tmp_path):
     path = tmp_path / "w.safetensors"
     mha.save_weights(make_mha(dtype="float64"), path)
