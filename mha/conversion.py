@@ -243,7 +243,7 @@ def _load_keras_file(name: str) -> Any:
     )
     try:
         keras.saving.load_weights(layer, name)
-    except (ValueError, OSError, KeyError) as error:
+    except (ValueError, OSError, KeyError, RuntimeError) as error:
         raise ValueError(f"{name} does not load into a Keras MultiHeadAttention: {error}") from None
     return layer
 
@@ -262,31 +262,49 @@ def _keras_file_layout(name: str) -> tuple[bool, dict[str, tuple[int, ...]], str
             if f"_{KERAS_GATE}_dense" in file:  # both layers' gate: its attribute name
                 paths["g"] = f"_{KERAS_GATE}_dense"
             _refuse_unknown_keras_entries(file, paths.values())
-            entries = [
-                file[f"{path}/vars/{i}"]
-                for path in paths.values()
-                for i in (0, 1)
-                if f"{path}/vars/{i}" in file
-            ]
-            if not all(isinstance(entry, h5py.Dataset) for entry in entries):
-                raise ValueError("its weight entries are not arrays")
+            names = [f"{path}/vars/{i}" for path in paths.values() for i in (0, 1)]
+            dtype = _keras_entries_dtype(file, [n for n in names if n in file])
             # Every array is read whole: together they must fit in the file that holds them
-            declared = sum(entry.size * entry.dtype.itemsize for entry in entries)
+            declared = sum(file[n].size * file[n].dtype.itemsize for n in names if n in file)
             if declared > os.path.getsize(name):
                 raise ValueError(f"its arrays declare {declared} bytes, more than the file has")
             shapes = {k: tuple(file[f"{path}/vars/0"].shape) for k, path in paths.items()}
-            query = file[f"{paths['q']}/vars/0"]
-            # Keras stores bfloat16 as 2 raw bytes per number and names the dtype in an
-            # attribute
-            dtype = query.attrs.get("dtype", query.dtype.name)
-            dtype = dtype.decode() if isinstance(dtype, bytes) else str(dtype)
             bias = f"{paths['q']}/vars/1" in file
-    except (OSError, KeyError, TypeError, ValueError) as error:
+    # h5py raises RuntimeError for damaged metadata
+    except (OSError, KeyError, RuntimeError, TypeError, ValueError) as error:
         raise ValueError(
             f"{name} is not a Keras MultiHeadAttention or GroupQueryAttention weights file (as "
             f"written by keras.saving.save_weights): {error}"
         ) from None
     return grouped, shapes, dtype, bias
+
+
+def _keras_entries_dtype(file: Any, names: list[str]) -> str:
+    """The one dtype of a Keras file's weight arrays `names`, each checked to be an array of
+    this file's own (no link to another file, no storage outside it) whose data has the
+    dtype Keras names: Keras would cast any other silently as it loads."""
+    import h5py
+
+    found = {}
+    for name in names:
+        parts = name.split("/")
+        for end in range(1, len(parts) + 1):
+            link = file.get("/".join(parts[:end]), getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise ValueError(f"{name} is a {type(link).__name__}; mha reads arrays in place")
+        entry = file[name]
+        if not isinstance(entry, h5py.Dataset) or entry.external or entry.is_virtual:
+            raise ValueError(f"{name} is not an array held in the file")
+        # Keras stores bfloat16 as 2 raw bytes per number and names it in an attribute
+        named = entry.attrs.get("dtype", entry.dtype.name)
+        named = named.decode() if isinstance(named, bytes) else str(named)
+        if entry.dtype.kind != "V" and named != entry.dtype.name:
+            raise ValueError(f"{name} holds {entry.dtype.name} numbers named {named}")
+        found[name] = named
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"{name} {dtype}" for name, dtype in found.items())
+        raise ValueError(f"its arrays have different dtypes, which Keras would cast: {listed}")
+    return next(iter(found.values()))
 
 
 def _refuse_unknown_keras_entries(file: Any, projections: Any) -> None:

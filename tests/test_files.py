@@ -302,11 +302,65 @@ def test_keras_files_that_declare_more_than_they_hold_are_refused(tmp_path):
         text=True,
         check=False,
     )
-    assert completed.returncode == 1 and "not arrays" in completed.stderr
+    assert completed.returncode == 1 and "not an array" in completed.stderr
     assert "Traceback" not in completed.stderr
     assert [line for line in completed.stderr.splitlines() if line.startswith("mha ")] == [
-        line for line in completed.stderr.splitlines() if "not arrays" in line
+        line for line in completed.stderr.splitlines() if "not an array" in line
     ]
+
+
+def test_keras_files_whose_arrays_keras_would_cast_or_fetch_are_refused(tmp_path):
+    # Keras casts every array to the layer's dtype and follows links as it loads: a file
+    # of mixed dtypes would load as other numbers, a link would read another file's
+    h5py = pytest.importorskip("h5py")
+    pytest.importorskip("tensorflow")
+    weights = mha.random_weights(
+        N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=4
+    )
+    good = tmp_path / "good.weights.h5"
+    interop.write_file(good, weights, num_heads=H)
+    other = tmp_path / "other.h5"
+    with h5py.File(other, "w") as file:
+        file["data"] = np.full((D, H, D // H), 42.0, "f4")
+
+    def changed(name, change):
+        path = tmp_path / f"{name}.weights.h5"
+        path.write_bytes(good.read_bytes())
+        with h5py.File(path, "r+") as file:
+            kernel = file["key_dense/vars/0"]
+            data, attributes = kernel[...], dict(kernel.attrs)
+            del file["key_dense/vars/0"]
+            change(file, "key_dense/vars/0", data, attributes)
+        return path
+
+    def retyped(dtype, named=None):
+        def change(file, name, data, attributes):
+            file[name] = data.astype(dtype)
+            for key, value in attributes.items():
+                file[name].attrs[key] = value
+            if named is not None:
+                file[name].attrs["dtype"] = named
+
+        return change
+
+    cases = {
+        "float64": (retyped("f8"), "different dtypes, which Keras would cast"),
+        "int32": (retyped("i4"), "different dtypes"),
+        "named float16": (retyped("f4", "float16"), "holds float32 numbers named float16"),
+        "external link": (
+            lambda file, name, *_: file.__setitem__(name, h5py.ExternalLink(str(other), "data")),
+            "is a ExternalLink",
+        ),
+        "soft link": (
+            lambda file, name, *_: file.__setitem__(name, h5py.SoftLink("/query_dense/vars/0")),
+            "is a SoftLink",
+        ),
+    }
+    for case, (change, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            interop.read_file(changed(case.replace(" ", "_"), change), num_heads=H)
+    read, _ = interop.read_file(good, num_heads=H)
+    np.testing.assert_array_equal(read["W_k"], weights["W_k"])
 
 
 @pytest.mark.torch
