@@ -27,7 +27,7 @@ import numpy as np
 
 from mha import layer_args, layouts, porting, validation
 from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
-from mha.files import write_atomically
+from mha.files import check_zip_archive, write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
 from mha.interop.flax import canonical_from_flax, flax_params
 from mha.interop.keras import KERAS_DENSE, KERAS_GATE, canonical_from_keras, to_keras
@@ -146,6 +146,7 @@ def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:
     import torch
 
     try:
+        check_zip_archive(name)
         state = torch.load(name, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's restricted unpickler raises many kinds on bad bytes
         message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)

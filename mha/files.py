@@ -122,3 +122,28 @@ def read_bytes(path: str | os.PathLike, limit: int) -> bytes:
         if size > limit:
             raise ValueError(f"it holds {size} bytes, more than a config may ({limit})")
         return file.read(limit + 1)[:limit]
+
+
+def check_zip_archive(path: str | os.PathLike) -> None:
+    """Check a zip archive (torch's file format) before a reader unpacks it: its entries are
+    stored, as torch writes them, within the file's size, and each matches its CRC-32 (torch
+    checks none, so a damaged file would load as other numbers). Files that are not zip
+    archives (torch's legacy format) pass unchecked.
+
+    Raises:
+        ValueError: an entry is compressed, larger than the file, or fails its checksum.
+    """
+    import zipfile
+
+    if not zipfile.is_zipfile(path):
+        return
+    with zipfile.ZipFile(path) as archive:
+        entries = archive.infolist()
+        for entry in entries:
+            if entry.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"its entry {entry.filename} is compressed; torch stores each")
+        if sum(entry.file_size for entry in entries) > os.path.getsize(path):
+            raise ValueError("its entries declare more bytes than the file holds")
+        damaged = archive.testzip()
+        if damaged is not None:
+            raise ValueError(f"its entry {damaged} fails its checksum: the file is damaged")

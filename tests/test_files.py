@@ -421,3 +421,44 @@ def test_compare_with_a_bad_seed_is_a_usage_error(seed):
     )
     assert completed.returncode == 2 and "--seed" in completed.stderr
     assert "Traceback" not in completed.stderr
+
+
+def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
+    # torch checks no CRC-32 of its zip entries: a flipped bit would load as another weight
+    import zipfile
+
+    torch = pytest.importorskip("torch")
+    weights = mha.random_weights(
+        N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
+    )
+    good = tmp_path / "good.pt"
+    interop.write_file(good, weights)
+    with zipfile.ZipFile(good) as archive:
+        entry = next(e for e in archive.infolist() if e.filename.endswith("/data/0"))
+    flipped = bytearray(good.read_bytes())
+    # The data follow the local header (30 bytes), its name and its own extra field
+    header = entry.header_offset
+    name_length, extra_length = np.frombuffer(flipped[header + 26 : header + 30], "<u2")
+    start = header + 30 + int(name_length) + int(extra_length)
+    flipped[start + 2] ^= 0x40
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(bytes(flipped))
+    states = [torch.load(path, weights_only=True) for path in (good, damaged)]
+    assert any(not torch.equal(states[0][key], states[1][key]) for key in states[0])
+    with pytest.raises(
+        ValueError, match=r"entry .*/data/0 fails its checksum: the file is damaged"
+    ):
+        interop.read_file(damaged, num_heads=H)
+    # A compressed entry may unpack to far more than the file holds; torch writes none
+    compressed = tmp_path / "compressed.pt"
+    with zipfile.ZipFile(good) as source, zipfile.ZipFile(compressed, "w") as target:
+        for entry in source.infolist():
+            target.writestr(entry, source.read(entry), compress_type=zipfile.ZIP_DEFLATED)
+    assert (
+        torch.load(compressed, weights_only=True).keys()
+        == torch.load(good, weights_only=True).keys()
+    )
+    with pytest.raises(ValueError, match=r"its entry \S+ is compressed; torch stores each"):
+        interop.read_file(compressed, num_heads=H)
+    read, _ = interop.read_file(good, num_heads=H)
+    np.testing.assert_array_equal(read["W_q"], weights["W_q"])
