@@ -369,6 +369,10 @@ def test_what_torch_cannot_express(torch):
     causal = torch.tensor([[0.0, -np.inf], [0.0, 0.0]], dtype=torch.bfloat16)
     allowed = interop.from_torch_masks(attn_mask=causal, num_heads=2)
     assert np.asarray(allowed["mask"]).tolist() == [[[[True, False], [True, True]]]]
+    # A file's keys may be anything: one that is not a name is named, not a TypeError
+    state = {**torch.nn.MultiheadAttention(4, 2).state_dict(), 0: torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"unexpected 0"):
+        interop.canonical_from_torch(state)
     # A state_dict holds the packed projection or the three separate ones
     state = torch.nn.MultiheadAttention(4, 2).state_dict()
     state["q_proj_weight"] = torch.zeros(4, 4)

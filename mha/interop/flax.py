@@ -112,7 +112,7 @@ def _kernels_and_biases(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """The kernels and biases of Flax parameters by projection ("q", "k", "v", "o"), as
     numpy arrays, after checking that the parameters are those of multi-head attention."""
-    found = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+    found = sorted(params, key=str) if isinstance(params, Mapping) else type(params).__name__
     if not isinstance(params, Mapping) or set(params) != set(FLAX_PROJECTIONS.values()):
         raise ValueError(
             "Expected Flax multi-head attention parameters: query, key, value and out, each "
@@ -122,7 +122,7 @@ def _kernels_and_biases(
     for k, name in FLAX_PROJECTIONS.items():
         entry = params[name]
         if not isinstance(entry, Mapping) or not {"kernel"} <= set(entry) <= {"kernel", "bias"}:
-            got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+            got = sorted(entry, key=str) if isinstance(entry, Mapping) else type(entry).__name__
             raise ValueError(f"Flax parameters {name!r} must hold kernel (and bias). Found: {got}")
         kernels[k] = as_numpy(entry["kernel"])
         if "bias" in entry:

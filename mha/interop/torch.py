@@ -132,9 +132,10 @@ def _name_problems(arrays: Mapping[str, np.ndarray]) -> list[str]:
     problems = []
     if "bias_k" in arrays or "bias_v" in arrays:
         problems.append("bias_k/bias_v (add_bias_kv=True) have no mha equivalent")
-    unexpected = sorted(set(arrays) - set(TORCH_WEIGHT_NAMES) - {"bias_k", "bias_v"})
-    if unexpected:
-        problems.append(f"unexpected {', '.join(unexpected)}")
+    unexpected = set(arrays) - set(TORCH_WEIGHT_NAMES) - {"bias_k", "bias_v"}
+    if unexpected:  # a file's keys may be anything: listed by their repr where not names
+        listed = (key if isinstance(key, str) else repr(key) for key in unexpected)
+        problems.append(f"unexpected {', '.join(sorted(listed))}")
     packed = "in_proj_weight" in arrays
     separate = sorted({"q_proj_weight", "k_proj_weight", "v_proj_weight"} & set(arrays))
     if packed and separate:
