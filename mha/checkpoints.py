@@ -26,7 +26,7 @@ import numpy as np
 
 from mha import validation
 from mha.config import get_backend
-from mha.files import write_atomically
+from mha.files import check_source, write_atomically
 from mha.options import added_defaults
 from mha.registry import backend_of, load_backend
 from mha.weights import (
@@ -320,7 +320,7 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     Every size and offset is checked before any data is read, so a truncated, foreign or
     hostile file raises ValueError instead of crashing or allocating without bound.
     """
-    name = os.fspath(path)
+    name = check_source(path)
 
     def corrupt(reason: str) -> ValueError:
         return ValueError(f"{name} is not a valid safetensors file: {reason}")

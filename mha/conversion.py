@@ -27,7 +27,7 @@ import numpy as np
 
 from mha import layer_args, layouts, porting, validation
 from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
-from mha.files import check_zip_archive, write_atomically
+from mha.files import check_source, check_zip_archive, write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
 from mha.interop.flax import canonical_from_flax, flax_params
 from mha.interop.keras import KERAS_DENSE, KERAS_GATE, canonical_from_keras, to_keras
@@ -122,7 +122,7 @@ def read_file(
 
 def _read_any(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The weights and config a file of any kind holds, as its kind tells them."""
-    kind, name = file_kind(path), os.fspath(path)
+    kind, name = file_kind(path), check_source(path)
     if kind == "mha":
         checkpoint = read_checkpoint(path)
         if checkpoint.class_name != "MultiHeadAttention":
@@ -334,7 +334,7 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     """Every array of a whole model's weights file, by name: a torch state_dict (.pt, .pth,
     loaded with weights_only=True), a safetensors file, or Flax parameters (.msgpack,
     flattened with "."). Only data is read, never code."""
-    kind, name = file_kind(path), os.fspath(path)
+    kind, name = file_kind(path), check_source(path)
     if kind == "torch":
         return _load_torch_file(name, only_weights=False)
     if kind == "flax":

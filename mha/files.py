@@ -110,6 +110,20 @@ def _umask() -> int:
     return umask
 
 
+def check_source(path: str | os.PathLike) -> str:
+    """The name of `path`, a regular file to read (a link to one counts), before anything
+    opens it: opening a FIFO waits for a writer, and a device reads without end.
+
+    Raises:
+        ValueError: `path` is a folder, a FIFO, a device or a socket.
+        FileNotFoundError: nothing is there.
+    """
+    name = os.fspath(path)
+    if not stat.S_ISREG(os.stat(name).st_mode):
+        raise ValueError(f"{name} is not a regular file (a folder, a FIFO or a device)")
+    return name
+
+
 def read_bytes(path: str | os.PathLike, limit: int) -> bytes:
     """The bytes of a small file (a config), its size checked against `limit` first.
 

@@ -462,3 +462,22 @@ def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
         interop.read_file(compressed, num_heads=H)
     read, _ = interop.read_file(good, num_heads=H)
     np.testing.assert_array_equal(read["W_q"], weights["W_q"])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX's")
+def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
+    # A FIFO would wait for a writer and a device read without end: refused before opening
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    endless = tmp_path / "endless.msgpack"
+    endless.symlink_to("/dev/zero")
+    for path in (folder, fifo):
+        with pytest.raises(ValueError, match="is not a regular file"):
+            mha.load(path)
+    for path in (folder, fifo, endless):
+        with pytest.raises(ValueError, match="is not a regular file"):
+            interop.read_file(path)
+    with pytest.raises(FileNotFoundError):
+        mha.load(tmp_path / "missing.safetensors")
