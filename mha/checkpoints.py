@@ -281,7 +281,20 @@ def write_safetensors(
 
 
 def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """The content of a safetensors file of numpy arrays and string metadata."""
+    """The content of a safetensors file of numpy arrays and string metadata.
+
+    Raises:
+        TypeError: a tensor of a dtype safetensors has not, or metadata other than strings
+            (the format holds strings only, and its readers refuse anything else).
+        ValueError: a tensor's name that is not a string, or is "__metadata__", the
+            format's own entry.
+    """
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"safetensors metadata holds strings only. Received {key!r}: {value!r}")
+    for name in tensors:
+        if not isinstance(name, str) or name == "__metadata__":
+            raise ValueError(f"a tensor of a safetensors file may not be named {name!r}")
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     blobs = []
     offset = 0

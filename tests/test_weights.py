@@ -488,3 +488,21 @@ def test_save_is_atomic_and_leaves_no_temporary_files(tmp_path):
     mha.save_weights(make_mha(), path)
     mha.save_weights(make_mha(), path)  # overwrite in place
     assert sorted(os.listdir(tmp_path)) == ["w.safetensors"]
+
+
+def test_write_safetensors_refuses_what_the_format_cannot_hold(tmp_path):
+    # A file the readers refuse must not replace a good one
+    path = tmp_path / "w.safetensors"
+    W.write_safetensors(path, {"W": np.ones(2, "f4")}, {"k": "v"})
+    before = path.read_bytes()
+    for tensors, metadata, error in (
+        ({"W": np.ones(2, "f4")}, {"k": 1}, TypeError),
+        ({"__metadata__": np.ones(2, "f4")}, {}, ValueError),
+        ({0: np.ones(2, "f4")}, {}, ValueError),
+    ):
+        with pytest.raises(error, match=r"strings only|may not be named"):
+            W.write_safetensors(path, tensors, metadata)
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+    tensors, metadata = safetensors.numpy.load_file(str(path)), W.read_safetensors(path)[1]
+    assert metadata == {"k": "v"} and tensors["W"].tolist() == [1, 1]
