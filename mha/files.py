@@ -18,13 +18,17 @@ from collections.abc import Callable
 
 
 def check_destination(path: str | os.PathLike) -> str:
-    """The destination as a string, or a ValueError saying why it cannot be written."""
+    """The destination as a string, or a ValueError saying why it cannot be written: a
+    folder, a folder that does not exist, or a file that may not be written."""
     name = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(name))
     if os.path.isdir(name):
         raise ValueError(f"{name} is a directory; give a file name to write")
     if not os.path.isdir(directory):
         raise ValueError(f"cannot write {name}: the folder {directory} does not exist")
+    # The file is replaced by a rename, which its own permissions do not stop: checked here
+    if os.path.isfile(name) and (not os.access(name, os.W_OK) or not os.stat(name).st_mode & 0o222):
+        raise ValueError(f"{name} is read-only; it is left as it was (make it writable first)")
     return name
 
 

@@ -176,6 +176,14 @@ def test_permissions_are_kept_and_new_files_follow_the_umask(tmp_path):
     os.chmod(copy, 0o604)
     interop.convert(path, copy)
     assert mode(copy) == 0o604
+    # A file no one may write is protected: a rename would replace it all the same
+    os.chmod(copy, 0o444)
+    before = copy.read_bytes()
+    with pytest.raises(ValueError, match="is read-only; it is left as it was"):
+        interop.convert(path, copy)
+    with pytest.raises(ValueError, match="is read-only"):
+        mha.save(N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), copy)
+    assert copy.read_bytes() == before and mode(copy) == 0o444
 
 
 def test_weights_holding_nan_convert_bit_for_bit(tmp_path):
