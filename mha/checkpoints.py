@@ -194,20 +194,7 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
         validation.check_layer_args(class_name, config)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} has an invalid config for {class_name}: {error}") from None
-    # Their tables are made from the config alone: a few bytes of file must not ask for TiBs
-    tables = {
-        "PositionalEncoding": ("a positional table of max_len * num_hiddens", "max_len"),
-        "RotaryEmbedding": ("a rotary table of num_hiddens", None),
-    }
-    if class_name in tables:
-        table, length = tables[class_name]
-        size = config["num_hiddens"] * (config[length] if length else 1)
-        if size > _MAX_TABLE_SIZE:
-            raise ValueError(
-                f"{name} asks for {table} = {size} numbers, more than a file may ask for "
-                f"({_MAX_TABLE_SIZE}); build the layer with these arguments yourself if you "
-                "mean it"
-            )
+    check_sizes_asked(name, class_name, config)
     problems, arrays = find_problems(class_name, config, tensors)
     if problems:
         raise_problems(f"read_checkpoint({name!r})", class_name, config, problems)
@@ -216,6 +203,25 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 # The largest positional table a checkpoint may ask for: 2**27 numbers, 1 GiB in float64
 _MAX_TABLE_SIZE = 2**27
+
+
+def check_sizes_asked(name: str, class_name: str, config: Mapping[str, Any]) -> None:
+    """Raise ValueError where a file's `config` asks for a table made from the config alone
+    (no weights of the file's bound it) larger than a file may ask for: a few bytes of file
+    must not ask for TiBs."""
+    tables = {
+        "PositionalEncoding": ("a positional table of max_len * num_hiddens", "max_len"),
+        "RotaryEmbedding": ("a rotary table of num_hiddens", None),
+    }
+    if class_name in tables:
+        table, length = tables[class_name]
+        size = config["num_hiddens"] * (config.get(length, 1000) if length else 1)
+        if size > _MAX_TABLE_SIZE:
+            raise ValueError(
+                f"{name} asks for {table} = {size} numbers, more than a file may ask for "
+                f"({_MAX_TABLE_SIZE}); build the layer with these arguments yourself if you "
+                "mean it"
+            )
 
 
 def save(layer: Any, path: str | os.PathLike) -> None:

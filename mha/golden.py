@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from mha import harness, validation
-from mha.checkpoints import read_safetensors, write_safetensors
+from mha.checkpoints import check_sizes_asked, read_safetensors, write_safetensors
 from mha.interop.common import as_numpy
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
-from mha.weights import LAYER_CLASSES, get_weights, layer_info
+from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info
 
 __all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "verify_layer"]
 
@@ -203,6 +203,13 @@ def _case_of_entry(
             key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)
         }
 
+    config, weights = dict(entry["config"]), group("weights/")
+    if layer != "masked_softmax":
+        # The sizes the layer is built with, before it is: bounded by the file's weights
+        check_sizes_asked(f"case {index}", layer, config)
+        problems, _ = find_problems(layer, config, weights)
+        if problems:
+            raise ValueError(f"case {index}'s weights do not fit its {layer}: {problems[0]}")
     options = entry.get("options", {})
     # causal, need_weights and absorbed are booleans, offset a non-negative integer
     offset = options.get("offset", 0)
@@ -215,8 +222,8 @@ def _case_of_entry(
     return GoldenCase(
         str(entry["name"]),
         layer,
-        dict(entry["config"]),
-        group("weights/"),
+        config,
+        weights,
         {**group("inputs/"), **options},
         arrays["output"],
         arrays.get("attention_weights"),

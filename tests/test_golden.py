@@ -104,3 +104,36 @@ def test_files_that_are_not_cases_are_refused(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "layer.safetensors")]) == 1
     assert "not an mha golden-case file" in capsys.readouterr().err
     assert cli.main(["verify", str(tmp_path / "missing.safetensors")]) == 2
+
+
+def test_a_case_may_not_ask_for_sizes_its_file_does_not_hold(tmp_path):
+    # verify builds each case's layer: its sizes are held to the file's weights first, and a
+    # table made from the config alone to the bound a checkpoint has
+    import json
+
+    from mha.checkpoints import read_safetensors, write_safetensors
+
+    layer = backend_module("numpy").MultiHeadAttention(4, 2, query_size=4, key_size=4, value_size=4)
+    mha.set_weights(layer, mha.random_weights(layer))
+    x = np.zeros((1, 3, 4), "float32")
+    encoding = backend_module("numpy").PositionalEncoding(4, max_len=8)
+    path = tmp_path / "cases.safetensors"
+    golden.record(
+        path,
+        [
+            golden.case_of(layer, {"queries": x, "keys": x, "values": x}, layer(x, x, x)),
+            golden.case_of(encoding, {"X": x}, encoding(x)),
+        ],
+    )
+    assert len(golden.read(path)) == 2
+    tensors, metadata = read_safetensors(path)
+    for index, change, message in (
+        (0, {"num_hiddens": 2**15}, r"case 0's weights do not fit its MultiHeadAttention: W_q"),
+        (1, {"max_len": 2**26}, r"case 1 asks for a positional table .* = 268435456 numbers"),
+    ):
+        cases = json.loads(metadata["cases"])
+        cases[index]["config"].update(change)
+        hostile = tmp_path / f"hostile{index}.safetensors"
+        write_safetensors(hostile, tensors, {**metadata, "cases": json.dumps(cases)})
+        with pytest.raises(ValueError, match=message):
+            golden.read(hostile)
