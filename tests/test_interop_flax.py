@@ -285,3 +285,25 @@ def test_dropout_draws_a_mask_for_each_weight_both_ways(flax):
         )
         converted = interop.from_flax(source, backend="numpy")
         assert N.layer_config(converted)["dropout"] == source.dropout_rate
+
+
+def test_big_endian_parameters_convert_as_the_same_numbers(flax, tmp_path):
+    # numpy keeps a file's byte order; torch takes only this machine's
+    rng = np.random.default_rng(7)
+    params = {
+        "query": {"kernel": rng.standard_normal((D, H, D // H))},
+        "key": {"kernel": rng.standard_normal((D, H, D // H))},
+        "value": {"kernel": rng.standard_normal((D, H, D // H))},
+        "out": {"kernel": rng.standard_normal((H, D // H, D))},
+    }
+    swapped = {k: {"kernel": v["kernel"].astype(">f4")} for k, v in params.items()}
+    weights, _ = interop.canonical_from_flax(swapped)
+    expected, _ = interop.canonical_from_flax(
+        {k: {"kernel": v["kernel"].astype("<f4")} for k, v in params.items()}
+    )
+    for name, value in weights.items():
+        assert value.dtype == np.dtype("float32") and value.dtype.isnative
+        np.testing.assert_array_equal(value, expected[name])
+    interop.write_file(tmp_path / "w.pt", weights)  # torch refuses a foreign byte order
+    read, _ = interop.read_file(tmp_path / "w.pt", num_heads=H)
+    np.testing.assert_array_equal(read["W_q"], expected["W_q"])

@@ -42,7 +42,10 @@ def as_numpy(x: Any) -> np.ndarray:
         return load_backend("torch").to_numpy(x).copy()
     if hasattr(x, "numpy"):  # TensorFlow tensors and Keras variables
         return np.array(x.numpy())
-    return np.array(x)
+    x = np.array(x)
+    # A file's arrays may be big-endian (msgpack keeps numpy's byte order): the same numbers
+    # in this machine's order, which every framework takes
+    return x.astype(x.dtype.newbyteorder("=")) if x.dtype.byteorder not in "=|" else x
 
 
 def refuse_overrides(
