@@ -131,13 +131,14 @@ def _read_any(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str,
                 "built-in counterpart in torch and Keras"
             )
         return checkpoint.weights, dict(checkpoint.config)
-    if kind == "torch":
-        weights, config = canonical_from_torch(_load_torch_file(name))
-        config.update(num_heads=None, dropout=0.0)
-        return weights, config
-    if kind == "flax":
-        return canonical_from_flax(_load_flax_file(name))
-    return canonical_from_keras(_load_keras_file(name))
+    try:
+        if kind == "torch":
+            weights, config = canonical_from_torch(_load_torch_file(name))
+            return weights, {**config, "num_heads": None, "dropout": 0.0}
+        read = canonical_from_flax if kind == "flax" else canonical_from_keras
+        return read(_load_flax_file(name) if kind == "flax" else _load_keras_file(name))
+    except ValueError as error:  # the layer's problems, named with the file they are in
+        raise ValueError(str(error) if name in str(error) else f"{name}: {error}") from None
 
 
 def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:

@@ -489,3 +489,12 @@ def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
             interop.read_file(path)
     with pytest.raises(FileNotFoundError):
         mha.load(tmp_path / "missing.safetensors")
+
+
+def test_a_file_holding_no_attention_layer_is_named_in_the_error(tmp_path):
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "other.pt"
+    torch.save({"linear.weight": torch.zeros(2, 2)}, path)
+    with pytest.raises(ValueError) as caught:
+        interop.read_file(path, num_heads=H)
+    assert str(caught.value).startswith(f"{path}: Not a torch.nn.MultiheadAttention state_dict")
