@@ -55,18 +55,28 @@ def write_atomically(
     """
     name = check_destination(path)
     directory = os.path.dirname(os.path.abspath(name))
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".mha-", suffix=suffix)
+
+    def failed(error: OSError) -> OSError:  # named by the destination, not the temporary file
+        return OSError(
+            f"writing {name} failed: {error.strerror or error}; {name} is left as it was"
+        )
+
+    try:
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".mha-", suffix=suffix)
+    except OSError as error:
+        raise failed(error) from error
     try:
         try:
             _write_and_flush(handle, content)
         except OSError as error:
-            raise OSError(
-                f"writing {name} failed: {error.strerror or error}; {name} is left as it was"
-            ) from error
+            raise failed(error) from error
         if check is not None:
             check(temporary)
-        os.chmod(temporary, _mode_for(name))
-        os.replace(temporary, name)
+        try:
+            os.chmod(temporary, _mode_for(name))
+            os.replace(temporary, name)
+        except OSError as error:
+            raise failed(error) from error
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)

@@ -498,3 +498,29 @@ def test_a_file_holding_no_attention_layer_is_named_in_the_error(tmp_path):
     with pytest.raises(ValueError) as caught:
         interop.read_file(path, num_heads=H)
     assert str(caught.value).startswith(f"{path}: Not a torch.nn.MultiheadAttention state_dict")
+
+
+@pytest.mark.parametrize("refused", ["mkstemp", "replace"])
+def test_a_refused_step_of_the_write_names_the_destination(tmp_path, monkeypatch, refused):
+    # A read-only folder refuses the temporary file, another file system the rename: the
+    # error names the file the user asked for, never the temporary one
+    import errno
+    import re
+    import tempfile
+
+    path = saved(tmp_path)
+    before = path.read_bytes()
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", ".mha-temporary")
+
+    monkeypatch.setattr(
+        *((tempfile, "mkstemp") if refused == "mkstemp" else (os, "replace")), refuse
+    )
+    with pytest.raises(
+        OSError,
+        match=f"writing {re.escape(str(path))} failed: Permission denied; .* left as it was",
+    ):
+        mha.save(N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
