@@ -137,6 +137,32 @@ def jax_nnx_jit(module, layer, inputs, arguments):
     return output
 
 
+def torch_traced(module, layer, inputs, arguments):
+    """torch.jit.trace of the call on clean inputs (zeros, lengths keeping every key), run on
+    the real ones: its graph keeps every branch its example took, so none may hang on values."""
+    import torch
+
+    tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    static = {k: v for k, v in arguments.items() if k not in tensors}
+    weights = static.get("need_weights", True)
+
+    class Call(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, queries, keys, values, *masks):
+            output = self.layer(
+                queries, keys, values, **dict(zip(tensors, masks, strict=True)), **static
+            )
+            return (output, self.layer.attention_weights) if weights else output
+
+    example = [torch.full_like(v, K) if k == "valid_lens" else v for k, v in tensors.items()]
+    traced = torch.jit.trace(Call(), (*map(torch.zeros_like, inputs), *example), check_trace=False)
+    result = traced(*inputs, *tensors.values())
+    return result if weights else (result, None)
+
+
 COMPILED = {
     "torch": torch_compiled,
     "tensorflow": tensorflow_function,
@@ -151,6 +177,17 @@ COMPILED = {
 @pytest.mark.parametrize("name", backend_params(list(COMPILED)))
 def test_a_masked_key_changes_nothing_in_a_compiled_call(name, kind, masks, poison):
     assert_masked_key_changes_nothing(name, kind, masks, poison, COMPILED[name])
+
+
+# torch warns where a size becomes the trace's constant: the sizes are the example's
+@pytest.mark.filterwarnings("ignore:Converting a tensor to a Python")
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_masked_key_changes_nothing_in_a_torch_jit_trace(kind, masks, poison):
+    # Traced on finite keys whose lengths keep every key: rows with no key and masked keys
+    # holding NaN must still be what the reference gives
+    assert_masked_key_changes_nothing("torch", kind, masks, poison, torch_traced)
 
 
 # What an attended score holds decides its row: softmax of a row with a NaN, a +inf, or only

@@ -61,12 +61,18 @@ def keep_every_row(keep: torch.Tensor,
     return keep | ~attended, attended
 
 
+def building_a_graph() -> bool:
+    """Whether this call is being made into a graph (torch.compile, torch.export, whose traced
+    tensors have no values, or torch.jit.trace, whose graph keeps every branch its example
+    took): no path may then hang on one input's values."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def may_have_empty_rows(attended: torch.Tensor) -> bool:
     """Whether a row has no kept key, or might. On the CPU one host read of the small
-    `attended` answers it; elsewhere (GPU, meta, a graph being compiled or exported) the answer
-    is yes without reading: no call waits for the device, and no graph keeps one input's answer."""
-    # is_compiling() is True under torch.export too, whose traced tensors have no values
-    if attended.device.type != "cpu" or torch.compiler.is_compiling():
+    `attended` answers it; elsewhere (GPU, meta, a graph being built) the answer is yes
+    without reading: no call waits for the device, and no graph keeps one input's answer."""
+    if attended.device.type != "cpu" or building_a_graph():
         return True
     return not bool(attended.all())
 
@@ -101,7 +107,8 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept
     # (float16, bfloat16, no mask). Elsewhere SDPA would fall back to its math kernel, slower,
     # and under is_causal one that lets a NaN key through: the heads are repeated instead
     half = queries.dtype in (torch.float16, torch.bfloat16)
-    enable_gqa = group > 1 and (queries.device.type == "cpu" or (attn_mask is None and half))
+    # bool: torch.jit.trace gives sizes as tensors, which SDPA's flag may not be
+    enable_gqa = bool(group > 1 and (queries.device.type == "cpu" or (attn_mask is None and half)))
     if group > 1 and not enable_gqa:
         keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = F.scaled_dot_product_attention(
@@ -233,8 +240,7 @@ def _known_finite(keys: torch.Tensor) -> bool:
     the CPU one read answers it (a pass over the keys, not the scores); on other devices and
     while compiling or exporting a read would wait for the device or has no values, so the
     answer is no: such masks then take the path that replaces the masked scores."""
-    # is_compiling() is True under torch.export too, whose traced tensors have no values
-    if keys.device.type != "cpu" or torch.compiler.is_compiling():
+    if keys.device.type != "cpu" or building_a_graph():
         return False
     # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, which is
     # safe. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
