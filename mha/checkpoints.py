@@ -215,7 +215,7 @@ def check_sizes_asked(name: str, class_name: str, config: Mapping[str, Any]) -> 
     }
     if class_name in tables:
         table, length = tables[class_name]
-        size = config["num_hiddens"] * (config.get(length, 1000) if length else 1)
+        size = config["num_hiddens"] * (config[length] if length else 1)
         if size > _MAX_TABLE_SIZE:
             raise ValueError(
                 f"{name} asks for {table} = {size} numbers, more than a file may ask for "

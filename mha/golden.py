@@ -27,6 +27,7 @@ import numpy as np
 from mha import harness, validation
 from mha.checkpoints import check_sizes_asked, read_safetensors, write_safetensors
 from mha.interop.common import as_numpy
+from mha.options import layer_defaults
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
 from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info
 
@@ -206,7 +207,7 @@ def _case_of_entry(
     config, weights = dict(entry["config"]), group("weights/")
     if layer != "masked_softmax":
         # The sizes the layer is built with, before it is: bounded by the file's weights
-        check_sizes_asked(f"case {index}", layer, config)
+        check_sizes_asked(f"case {index}", layer, {**layer_defaults(layer), **config})
         problems, _ = find_problems(layer, config, weights)
         if problems:
             raise ValueError(f"case {index}'s weights do not fit its {layer}: {problems[0]}")

@@ -375,8 +375,7 @@ def from_torch_masks(
         if is_causal:
             _check_causal(allowed)
             allowed = None  # mha's own causal mask, which its kernels take as is_causal
-        keep = allowed if keep is None else keep if allowed is None else keep & allowed
-        bias = added if bias is None else bias if added is None else bias + added
+        keep, bias = _joined(keep, allowed, np.logical_and), _joined(bias, added, np.add)
     elif is_causal:
         raise ValueError(
             "is_causal is torch's hint that attn_mask is the causal mask: torch needs the "
@@ -389,6 +388,11 @@ def from_torch_masks(
         if value is not None:
             result[name] = module.from_numpy(np.ascontiguousarray(value))
     return result
+
+
+def _joined(a: np.ndarray | None, b: np.ndarray | None, join: Any) -> np.ndarray | None:
+    """join(a, b), or the one of them that is given: torch combines its two masks so."""
+    return b if a is None else a if b is None else join(a, b)
 
 
 def _torch_mask(values: Any, name: str) -> np.ndarray:
