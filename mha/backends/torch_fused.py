@@ -11,6 +11,7 @@ layer then pools as the book does.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,13 @@ def building_a_graph() -> bool:
     tensors have no values, or torch.jit.trace, whose graph keeps every branch its example
     took): no path may then hang on one input's values."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def exporting_to_onnx() -> bool:
+    """Whether this call is being exported to ONNX (by torch.export or by tracing)."""
+    # torch.onnx is imported by its exporter: a process that never loaded it is not exporting
+    onnx = sys.modules.get("torch.onnx")
+    return building_a_graph() and onnx is not None and onnx.is_in_onnx_export()
 
 
 def may_have_empty_rows(attended: torch.Tensor) -> bool:
@@ -199,11 +207,16 @@ def _few_scores(queries, keys) -> bool:
 def _kernel_takes_causal(queries, values, dropout) -> bool:
     """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
     memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
-    math fallback adds -inf to them, and a NaN key would stay NaN. The kernels take 4-D inputs
+    math fallback adds -inf to them, and a NaN key would stay NaN, as it would in a program
+    exported to ONNX. The kernels take 4-D inputs
     of one head size: on the CPU any float dtype, on CUDA no float64 and head sizes that are a
     multiple of 8 up to 256. Dropout, which changes their choice, goes the other ways."""
     head_size, device = queries.shape[-1], queries.device.type
     if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
+        return False
+    if exporting_to_onnx():
+        # The ONNX exporter makes is_causal a mask added to the scores (so does ONNX's own
+        # Attention node): a NaN at a future key would reach every output
         return False
     if device == "cuda":
         return queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
