@@ -302,6 +302,39 @@ def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+def test_a_float_window_and_a_bias_both_add_to_the_scores(name, rng):
+    # DotProductAttention: batch b takes window b % 2; the window's -inf entries leave their
+    # keys out, its finite ones add to the scores, and so does attn_bias
+    module = backend_module(name)
+    query, key, value = (rng.standard_normal((4, n, 3)) for n in (2, 5, 5))
+    window = rng.standard_normal((2, 2, 5))
+    window[0, 0, 1] = window[1, 1, 4] = -np.inf
+    attn_bias = rng.standard_normal((4, 2, 5))
+    output = module.DotProductAttention(dtype="float64")(
+        *map(module.from_numpy, (query, key, value)),
+        window_mask=module.from_numpy(window),
+        attn_bias=module.from_numpy(attn_bias),
+    )
+    scores = query @ key.swapaxes(-1, -2) / math.sqrt(3) + window[[0, 1, 0, 1]] + attn_bias
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    assert weights[0, 0, 1] == weights[3, 1, 4] == 0
+    np.testing.assert_allclose(module.to_numpy(output), weights @ value, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_multihead_attention_without_weights_keeps_no_old_weights(name, rng):
+    # need_weights=False leaves attention_weights None, not the last call's weights
+    module = backend_module(name)
+    layer = module.MultiHeadAttention(8, 2, dtype="float64")
+    X = module.from_numpy(rng.standard_normal((2, 3, 8)))
+    layer(X, X, X, need_weights=True)
+    assert layer.attention_weights is not None
+    layer(X, X, X, need_weights=False)
+    assert layer.attention_weights is None
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_weights_log_sum_exp_soft_cap_and_empty_rows_by_the_formula(name, rng):
     query, key, value = random_call(rng, heads=2, kv_heads=2)
     mask = rng.random((2, 1, 5, 7)) < 0.6
@@ -564,3 +597,45 @@ def test_packed_sequences_give_the_numbers_of_each_sequence_alone(name, rng):
 def test_bad_segment_ids_are_refused(segment_ids, message, rng):
     with pytest.raises(ValueError, match=message):
         attention("numpy", *random_call(rng), segment_ids=segment_ids)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"causal": True, "alignment": 2**31 - 1},
+        {"causal": True, "alignment": 2**40},
+        {"window": 2**31},
+        {"window": (2**40, 2**40)},
+    ],
+    ids=["alignment-int32-max", "alignment-2**40", "window-2**31", "window-left-2**40"],
+)
+def test_positions_past_int32_keep_every_key_or_are_refused(backend, options, rng):
+    """An offset or window past int32's range keeps every key here (each query after every
+    key, or within its window), by the plain formula: no backend wraps it into another mask.
+    JAX without its 64-bit mode counts positions in int32 and refuses it by name."""
+    B = backend_module(backend)
+    query, key, value = (
+        rng.standard_normal(shape).astype(np.float32)
+        for shape in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 3))
+    )
+    scores = query @ key.swapaxes(-1, -2) / 2.0
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = weights / weights.sum(-1, keepdims=True) @ value
+    arrays = [B.from_numpy(x) for x in (query, key, value)]
+    if backend == "jax" and not required_import("jax").config.jax_enable_x64:
+        with pytest.raises(ValueError, match="int32's range"):
+            B.dot_product_attention(*arrays, **options)
+        return
+    output = B.to_numpy(B.dot_product_attention(*arrays, **options))
+    np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 0, 5), (2, 0, 3, 5), (2, 2, 0, 5)])
+def test_masked_softmax_of_no_rows_is_empty(backend, shape):
+    B = backend_module(backend)
+    output = B.masked_softmax(
+        B.from_numpy(np.zeros(shape, np.float32)), B.from_numpy(np.array([1, 2]))
+    )
+    assert B.to_numpy(output).shape == shape

@@ -312,20 +312,42 @@ class _Masks(Masks):
         return _length_mask(valid_lens, self.num_keys)
 
     def causal_mask(self):
-        return jnp.tri(self.num_queries, self.num_keys, k=self.offset, dtype=bool)
+        self.require_int32()
+        # Not jnp.tri: some JAX releases count its diagonal in int32 even in 64-bit mode
+        queries = jnp.arange(self.num_queries)[:, None] + self.offset
+        return queries >= jnp.arange(self.num_keys)[None, :]
 
     def band_mask(self, width):
         # Shape of distances: (Q, K), query i being at position offset + i
+        self.require_int32(width)
         queries = jnp.arange(self.num_queries)[:, None] + self.offset
         return jnp.abs(queries - jnp.arange(self.num_keys)[None, :]) < width
 
     def chunk_mask(self, size):
+        self.require_int32(size)
         queries = (jnp.arange(self.num_queries)[:, None] + self.offset) // size
         return queries == jnp.arange(self.num_keys)[None, :] // size
 
     def distances(self, like):
+        self.require_int32()
         queries = jnp.arange(self.num_queries)[:, None] + self.offset
         return (jnp.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
+
+    def require_int32(self, size: Any = 0) -> None:
+        """Without 64-bit mode JAX counts positions in int32: an offset (alignment), window or
+        chunk size whose positions pass its range is an error, not a wrapped number."""
+        if jax.config.jax_enable_x64:
+            return
+        known = sum(n for n in (self.num_queries, self.num_keys) if isinstance(n, int))
+        for name, value in (("the first query's position", self.offset),
+                            ("a window or chunk size", size)):
+            if isinstance(value, int) and abs(value) + known > _INT32_MAX:
+                raise ValueError(
+                    f"{name} is {value}: with {known} queries and keys its positions pass "
+                    "int32's range, in which JAX counts them without its 64-bit mode. Turn it "
+                    'on (jax.config.update("jax_enable_x64", True) or JAX_ENABLE_X64=1), or '
+                    "give sizes of at most the positions there are"
+                )
 
     def windows(self, window_mask):
         return jnp.tile(window_mask, (self.batch_size // window_mask.shape[0], 1, 1))

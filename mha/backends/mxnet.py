@@ -658,7 +658,8 @@ def masked_softmax(X: mx.np.ndarray, valid_lens: mx.np.ndarray | None = None, *,
     _check_valid_lens_values(valid_lens)
     F, dtype = mx.nd, numpy.dtype(X.dtype).name
     recording = mx.autograd.is_recording()
-    if valid_lens is None:
+    # An empty X has no row to mask: MXNet's broadcast of an empty mask aborts the process
+    if valid_lens is None or X.size == 0:
         return _softmax(F, X, None, dtype, recording)
     # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
     # middle axis of X so that it broadcasts against X

@@ -230,22 +230,27 @@ class _Masks(Masks):
         return _length_mask(valid_lens, self.num_keys)
 
     def causal_mask(self):
-        # Query i is at position offset + i; the offset may be a scalar tensor
-        queries = tf.range(self.num_queries)[:, None] + self.offset
-        return queries >= tf.range(self.num_keys)[None, :]
+        return self.query_positions() >= self.key_positions()
 
     def band_mask(self, width):
         # Shape of distances: (Q, K), query i being at position offset + i
-        queries = tf.range(self.num_queries)[:, None] + self.offset
-        return tf.abs(queries - tf.range(self.num_keys)[None, :]) < width
+        return tf.abs(self.query_positions() - self.key_positions()) < width
 
     def chunk_mask(self, size):
-        queries = (tf.range(self.num_queries)[:, None] + self.offset) // size
-        return queries == tf.range(self.num_keys)[None, :] // size
+        return self.query_positions() // size == self.key_positions() // size
 
     def distances(self, like):
-        queries = tf.range(self.num_queries)[:, None] + self.offset
-        return tf.cast(tf.range(self.num_keys)[None, :] - queries, like.dtype)
+        return tf.cast(self.key_positions() - self.query_positions(), like.dtype)
+
+    def query_positions(self):
+        """(Q, 1): query i at position offset + i, the offset maybe a scalar tensor. int64:
+        an offset, window or chunk size past int32's range must not wrap."""
+        queries = tf.range(self.num_queries, dtype=tf.int64)[:, None]
+        return queries + tf.cast(self.offset, tf.int64)
+
+    def key_positions(self):
+        """(1, K): key j at position j."""
+        return tf.range(self.num_keys, dtype=tf.int64)[None, :]
 
     def windows(self, window_mask):
         return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
