@@ -357,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "lanes", nargs="*", metavar="LANE", help=f"{' or '.join(LANES)} (default: both)"
+        "lanes",
+        nargs="*",
+        metavar="LANE",
+        help=f"{' or '.join(LANES)} (default: both); or gpu on its own, the GPU lane "
+        "(gpu [--device cpu|gpu])",
     )
     parser.add_argument(
         "--lock", action="store_true", help="regenerate the lanes' constraints files"

@@ -144,6 +144,22 @@ def test_dropout_follows_training_argument(TF, tf):
     assert not np.allclose(TF.to_numpy(add_norm(X, Y, training=True)), TF.to_numpy(add_norm(X, Y)))
 
 
+def test_dropout_layers_outside_training_give_the_references_numbers(TF):
+    X = np.random.default_rng(2).standard_normal((2, 9, 8))
+    Y = np.random.default_rng(3).standard_normal((2, 9, 8))
+    numpy_norm = reference.AddNorm(8, dtype="float64")
+    add_norm = TF.AddNorm(8, dropout=0.5, dtype="float64")
+    weights = mha.random_weights(numpy_norm, seed=4)
+    mha.set_weights(numpy_norm, weights)
+    mha.set_weights(add_norm, weights)
+    numpy_encoding = reference.PositionalEncoding(8, max_len=20, dtype="float64")
+    encoding = TF.PositionalEncoding(8, dropout=0.5, max_len=20, dtype="float64")
+    for training in ({}, {"training": False}):
+        output = TF.to_numpy(add_norm(X, Y, **training))
+        assert_agrees(output, numpy_norm(X, Y), "float64")
+        assert_agrees(TF.to_numpy(encoding(X, **training)), numpy_encoding(X), "float64")
+
+
 # ---------------------------------------------------------------------------------------------
 # Lazy sizes and canonical weights
 

@@ -393,6 +393,26 @@ def test_dropout_follows_train_and_eval(T, torch):
     assert torch.equal(add_norm.eval()(X, Y), add_norm.ln(X + Y))
 
 
+def test_eval_drops_nothing_on_the_fused_path_and_add_norm_drops_only_y(T, torch):
+    # need_weights=False takes the fused kernel, whose dropout_p must be 0 in eval()
+    torch.manual_seed(0)
+    config = {"dropout": 0.5, "query_size": 8, "key_size": 8, "value_size": 8, "dtype": "float64"}
+    reference, layer = N.MultiHeadAttention(8, 2, **config), T.MultiHeadAttention(8, 2, **config)
+    weights = mha.random_weights(reference, seed=3)
+    mha.set_weights(reference, weights)
+    mha.set_weights(layer, weights)
+    X = np.random.default_rng(2).standard_normal((B, 5, 8))
+    output = layer.eval()(*(T.from_numpy(X),) * 3, need_weights=False)
+    assert_agrees(T.to_numpy(output), reference(X, X, X), "float64")
+
+    # In train(), AddNorm's dropout falls on Y only: with Y = 0 it is LayerNorm(X) exactly
+    reference, add_norm = pair(T, "addnorm", "float64", seed=5)
+    add_norm.dropout.p = 0.5
+    X, Y = np.random.default_rng(4).standard_normal((2, 5, 7)), np.zeros((2, 5, 7))
+    output = add_norm.train()(T.from_numpy(X), T.from_numpy(Y))
+    assert_agrees(T.to_numpy(output), reference(X, Y), "float64")
+
+
 def test_inputs_are_not_modified(T, torch):
     _, layer = pair(T, "multihead", "float32")
     queries, keys, values = (T.from_numpy(x) for x in inputs(3, 6, "float32"))
