@@ -233,11 +233,15 @@ class _Masks(Masks):
         return self.query_positions() >= self.key_positions()
 
     def band_mask(self, width):
-        # Shape of distances: (Q, K), query i being at position offset + i
-        return tf.abs(self.query_positions() - self.key_positions()) < width
+        # Shape of distances: (Q, K), query i being at position offset + i. Two comparisons,
+        # not tf.abs: LiteRT's builtin ops have no int64 Abs
+        distances = self.query_positions() - self.key_positions()
+        return (distances < width) & (-distances < width)
 
     def chunk_mask(self, size):
-        return self.query_positions() // size == self.key_positions() // size
+        # int32: LiteRT's builtin ops have no int64 FloorDiv
+        queries = (tf.range(self.num_queries)[:, None] + self.offset) // size
+        return queries == tf.range(self.num_keys)[None, :] // size
 
     def distances(self, like):
         return tf.cast(self.key_positions() - self.query_positions(), like.dtype)
