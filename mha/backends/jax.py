@@ -312,26 +312,28 @@ class _Masks(Masks):
         return _length_mask(valid_lens, self.num_keys)
 
     def causal_mask(self):
-        self.require_int32()
         # Not jnp.tri: some JAX releases count its diagonal in int32 even in 64-bit mode
-        queries = jnp.arange(self.num_queries)[:, None] + self.offset
-        return queries >= jnp.arange(self.num_keys)[None, :]
+        return self.query_positions() >= self.key_positions()
 
     def band_mask(self, width):
         # Shape of distances: (Q, K), query i being at position offset + i
-        self.require_int32(width)
-        queries = jnp.arange(self.num_queries)[:, None] + self.offset
-        return jnp.abs(queries - jnp.arange(self.num_keys)[None, :]) < width
+        return jnp.abs(self.query_positions(width) - self.key_positions()) < width
 
     def chunk_mask(self, size):
-        self.require_int32(size)
-        queries = (jnp.arange(self.num_queries)[:, None] + self.offset) // size
-        return queries == jnp.arange(self.num_keys)[None, :] // size
+        return self.query_positions(size) // size == self.key_positions() // size
 
     def distances(self, like):
-        self.require_int32()
-        queries = jnp.arange(self.num_queries)[:, None] + self.offset
-        return (jnp.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
+        return (self.key_positions() - self.query_positions()).astype(like.dtype)
+
+    def query_positions(self, size: Any = 0):
+        """(Q, 1): query i at position offset + i; `size`, a window or chunk size compared
+        with them (see require_int32)."""
+        self.require_int32(size)
+        return jnp.arange(self.num_queries)[:, None] + self.offset
+
+    def key_positions(self):
+        """(1, K): key j at position j."""
+        return jnp.arange(self.num_keys)[None, :]
 
     def require_int32(self, size: Any = 0) -> None:
         """Without 64-bit mode JAX counts positions in int32: an offset (alignment), window or
