@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module, backend_params
+from conftest import backend_module, backend_params, required_import
 
 BACKENDS = backend_params()
 Q, K = 3, 5
@@ -39,7 +39,7 @@ def _numbers(name, layer_name, config, rng, **call):
     reference = getattr(backend_module("numpy"), layer_name)(**config)
     mha.set_weights(reference, weights)
     expected = reference(queries, keys, keys, **call)
-    plain = {k: v for k, v in config.items() if k != "sliding_window"}
+    plain = {k: v for k, v in config.items() if k not in ("sliding_window", "attention_chunk_size")}
     by_hand = getattr(module, layer_name)(**plain)
     mha.set_weights(by_hand, weights)
     by_hand = module.to_numpy(by_hand(*tensors, mask=module.from_numpy(hand)))
@@ -83,6 +83,31 @@ def test_a_sliding_window_follows_the_alignment(name, rng):
         causal=True,
         alignment="bottom_right",
         hand=_hand_mask(K - Q, band=2),
+    )
+    np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "size, first",
+    [(2**31, 0), (2**32, 2**32 - 2), (2**25, 2**25 - 2), (2**40, 2**40 - 1)],
+    ids=["chunk-2**31", "chunk-2**32", "chunk-2**25", "chunk-2**40"],
+)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_chunks_far_out_keep_the_keys_of_their_chunk(name, size, first, rng):
+    """Chunks and positions past int32's range (and float32's whole numbers) split queries and
+    keys where whole numbers do: query i, at position first + i, keeps the keys of its chunk,
+    (first + i) // size, as the hand mask counts in Python; none is wrapped into another.
+    JAX without its 64-bit mode counts positions in int32 and refuses them by name."""
+    hand = (first + np.arange(Q)[:, None]) // size == np.arange(K)[None, :] // size
+    config = {"num_hiddens": 4, "num_heads": 2, "attention_chunk_size": size}
+    x64 = name != "jax" or required_import("jax").config.jax_enable_x64
+    if not x64 and max(size, first + K) >= 2**31:
+        with pytest.raises(ValueError, match="int32's range"):
+            _numbers(name, "MultiHeadAttention", config, rng, alignment=first, hand=hand)
+        return
+    output, by_hand, expected = _numbers(
+        name, "MultiHeadAttention", config, rng, alignment=first, hand=hand
     )
     np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)

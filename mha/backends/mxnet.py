@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import threading
 from typing import Any, NamedTuple
 
@@ -441,14 +442,24 @@ class _Masks(Masks):
     @functools.cached_property
     def query_positions(self):
         # Query i is at position offset + i
-        return _positions(self.F, self.queries, -2, self.call.dtype) + self.offset
+        return self.counted(_positions(self.F, self.queries, -2, self.call.dtype)) + self.offset
 
     @functools.cached_property
     def key_positions(self):
-        return _positions(self.F, self.keys, -2, self.call.dtype)
+        return self.counted(_positions(self.F, self.keys, -2, self.call.dtype))
+
+    @functools.cached_property
+    def position_dtype(self):
+        # float64 where an offset passes float32's whole numbers (2**24)
+        far = isinstance(self.offset, numbers.Integral) and abs(self.offset) >= 2**24
+        return "float64" if far else _position_dtype(self.call.dtype)
+
+    def counted(self, positions):
+        far = self.position_dtype != _position_dtype(self.call.dtype)
+        return positions.astype("float64") if far else positions
 
     def length_mask(self, valid_lens):
-        ndim, dtype = self.call.valid_lens_ndim, self.call.dtype
+        ndim, dtype = self.call.valid_lens_ndim, self.position_dtype
         return _length_mask(self.F, valid_lens, ndim, self.key_positions, dtype)
 
     def causal_mask(self):
@@ -464,8 +475,9 @@ class _Masks(Masks):
         return queries == self.chunk_of(self.key_positions, size)
 
     def chunk_of(self, positions, size):
-        # Positions are floats here (float32 or float64, whole numbers), or packed segments' ints
-        return self.F.np.floor(positions.astype("float32") / size)
+        # Positions are floats here (float32 or float64, whole numbers), or packed segments'
+        # ints; float64, whose quotients round down to the right chunk up to 2**53
+        return self.F.np.floor(positions.astype("float64") / size)
 
     def distances(self, like):
         # A traced graph knows no dtypes: the call's is the scores'

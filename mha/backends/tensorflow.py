@@ -24,6 +24,7 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 from typing import Any
 
@@ -239,9 +240,13 @@ class _Masks(Masks):
         return (distances < width) & (-distances < width)
 
     def chunk_mask(self, size):
-        # int32: LiteRT's builtin ops have no int64 FloorDiv
-        queries = (tf.range(self.num_queries)[:, None] + self.offset) // size
-        return queries == tf.range(self.num_keys)[None, :] // size
+        # int32 where the positions fit it (LiteRT's builtin ops have no int64 FloorDiv); a
+        # tensor offset counts cached keys, far below 2**30
+        small = size < 2**31 and not (isinstance(self.offset, numbers.Integral)
+                                      and abs(self.offset) >= 2**30)
+        dtype = tf.int32 if small else tf.int64
+        queries = tf.range(self.num_queries, dtype=dtype)[:, None] + tf.cast(self.offset, dtype)
+        return queries // size == tf.range(self.num_keys, dtype=dtype)[None, :] // size
 
     def distances(self, like):
         return tf.cast(self.key_positions() - self.query_positions(), like.dtype)
