@@ -42,6 +42,11 @@ BACKEND_DTYPES = {
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    if not isinstance(value, int):  # a layer keeps its sizes, and files and Keras take ints
+        raise TypeError(
+            f"{name} must be a Python int (int() converts numpy's integers). "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
 
 
 def _check_optional_positive_int(name: str, value: Any) -> None:

@@ -118,8 +118,8 @@ X = f(B, Q, 4)
 
 # For each kind of value an option takes (mha.options.Option.check): values it refuses
 BAD_VALUES = {
-    "positive integer": (0, 2.5),
-    "optional positive integer": (-1, True),
+    "positive integer": (0, 2.5, np.int64(2)),
+    "optional positive integer": (-1, True, np.int32(2)),
     "dropout": (1.0, -0.1),
     "boolean": (1, "yes"),
     "optional boolean": ("no",),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 from conftest import backend_module, backend_params
@@ -53,6 +54,8 @@ def test_every_option_is_checked_by_the_kind_it_declares(layer, option):
 def _expected_error(kind, bad):
     """TypeError for a value of the wrong type where the kind says so, else ValueError."""
     if kind in ("boolean", "optional boolean") or (kind == "scale" and isinstance(bad, str)):
+        return TypeError
+    if isinstance(bad, np.integer):  # a size is a Python int
         return TypeError
     if kind in ("rope scaling", "query scaling") and not isinstance(bad, dict):
         return TypeError
