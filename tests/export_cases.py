@@ -47,6 +47,9 @@ MULTIHEAD_CASES = {
     "no_weights+window_float": ({}, ["window_float", "no_weights"]),
     "sliding_window": ({"sliding_window": 2}, ["valid_lens_2d"]),
     "grouped_rotary": (GROUPED, ["causal", "valid_lens_1d"]),
+    # Every query head on one key-value head: a group (4) other than the key-value heads (1),
+    # whose per-head mask follows the queries into one head of 4 x Q rows
+    "one_kv_head+mask_4d": ({"num_kv_heads": 1}, ["mask_4d", "head_mask_1d"]),
     "grouped_rotary+no_weights": (GROUPED, ["causal", "valid_lens_1d", "no_weights"]),
     "empty_cache": ({}, ["causal", "valid_lens_1d", "empty_cache"]),
     "cache": (GROUPED, ["causal", "valid_lens_1d", "cache"]),

@@ -711,3 +711,36 @@ def test_an_exported_graph_holds_no_position_of_the_traced_sizes(MX, mx, tmp_pat
     layer(*map(MX.from_numpy, inputs("float32")), causal=True, alignment="bottom_right")
     with pytest.raises(ValueError, match="bottom_right"):
         layer.export(str(tmp_path / "bottom_right"))
+
+
+@pytest.mark.parametrize(
+    "options", [{"rope_theta": 100.0}, {"alibi": True}], ids=["rotary", "alibi"]
+)
+def test_an_exported_rotary_or_alibi_graph_takes_its_constants_as_an_input(
+    MX, mx, tmp_path, options
+):
+    # The frequencies (or slopes) are the graph's fourth input, data3, not a parameter; each
+    # call hands them over for its number of keys, as backends.md says
+    sizes = dict(query_size=D, key_size=D, value_size=V)
+    layer = MX.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes, **options)
+    reference = NP.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes, **options)
+    mha.set_weights(reference, mha.get_weights(layer))
+    layer.hybridize()
+    layer(*map(MX.from_numpy, inputs("float32")), causal=True)
+    layer.export(str(tmp_path / "layer"))
+    with mx.util.np_shape(True), mx.util.np_array(True):
+        imported = mx.gluon.SymbolBlock.imports(
+            str(tmp_path / "layer-symbol.json"),
+            ["data0", "data1", "data2", "data3"],
+            str(tmp_path / "layer-0000.params"),
+        )
+        for num_queries, num_keys in ((3, 5), (6, 6)):
+            arrays = inputs("float32", num_queries, num_keys, seed=num_keys)
+            if "alibi" in options:
+                constant = layer.alibi_slopes
+            else:
+                constant = layer.rotary.frequencies_at(num_keys, mx.cpu())
+            output = imported(*map(MX.from_numpy, arrays), constant)
+            output = output[0] if isinstance(output, list | tuple) else output
+            expected = reference(*arrays, causal=True)
+            np.testing.assert_allclose(MX.to_numpy(output), expected, atol=1e-5)
