@@ -455,6 +455,7 @@ class _Masks(Masks):
         return "float64" if far else _position_dtype(self.call.dtype)
 
     def counted(self, positions):
+        # positions, made by _positions, in position_dtype
         far = self.position_dtype != _position_dtype(self.call.dtype)
         return positions.astype("float64") if far else positions
 
