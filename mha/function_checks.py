@@ -9,7 +9,14 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from mha.layer_args import ALIGNMENTS, FLOAT_DTYPES, check_alignment, check_bool, check_empty_rows
+from mha.layer_args import (
+    ALIGNMENTS,
+    FLOAT_DTYPES,
+    check_alignment,
+    check_bool,
+    check_empty_rows,
+    check_position,
+)
 from mha.masks import segment_pair
 from mha.tensors import broadcastable, describe, dtype_name, format_shape, shape_of
 from mha.validation import check_segment_ids, check_valid_lens, require_framework, require_tensor
@@ -141,9 +148,12 @@ def window_sides(window: Any) -> tuple[int | None, int | None] | None:
     if window is None:
         return None
     if _whole(window) and window >= 1:
+        check_position("window", window)
         return int(window) - 1, int(window) - 1
     pair = isinstance(window, tuple) and len(window) == 2
     if pair and all(side is None or (_whole(side) and side >= 0) for side in window):
+        for side in window:
+            check_position("a side of window", side or 0)
         return tuple(None if side is None else int(side) for side in window)
     raise ValueError(
         "window must be a positive int (keys within window - 1 positions of the query), or a "

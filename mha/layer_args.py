@@ -26,6 +26,7 @@ __all__ = [
     "check_dtype",
     "check_empty_rows",
     "check_layer_args",
+    "check_position",
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -39,9 +40,24 @@ BACKEND_DTYPES = {
 }
 
 
+# Sizes, windows, chunks and positions are at most this: a sum of three of them stays exact in
+# int64 and in float64 (MXNet counts positions there), so no backend wraps or rounds one
+MAX_POSITION = 2**50
+
+
+def check_position(name: str, value: int) -> None:
+    """A size, window, chunk or position (an int) must be within MAX_POSITION."""
+    if abs(value) > MAX_POSITION:
+        raise ValueError(
+            f"{name} must be at most 2**50 in magnitude: mha counts positions exactly, in "
+            f"int64 and float64, only that far. Received: {name}={value!r}"
+        )
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    check_position(name, value)
     if not isinstance(value, int):  # a layer keeps its sizes, and files and Keras take ints
         raise TypeError(
             f"{name} must be a Python int (int() converts numpy's integers). "
@@ -151,6 +167,8 @@ def check_alignment(alignment: Any) -> None:
             "alignment must be 'top_left', 'bottom_right' or the position of the first query "
             f"(an int). Received: alignment={alignment!r}"
         )
+    if whole:
+        check_position("alignment", alignment)
 
 
 QK_NORMS = ("head", "head_after_rotary", "projection", "layer_norm_per_head")

@@ -118,8 +118,8 @@ X = f(B, Q, 4)
 
 # For each kind of value an option takes (mha.options.Option.check): values it refuses
 BAD_VALUES = {
-    "positive integer": (0, 2.5, np.int64(2)),
-    "optional positive integer": (-1, True, np.int32(2)),
+    "positive integer": (0, 2.5, np.int64(2), 2**50 + 1),
+    "optional positive integer": (-1, True, np.int32(2), 2**63),
     "dropout": (1.0, -0.1),
     "boolean": (1, "yes"),
     "optional boolean": ("no",),
@@ -278,6 +278,7 @@ MASKS = {
     "causal int": call(MHA, *QKV, causal=1),
     "alignment unknown": call(ADD, *QKV, causal=True, alignment="bottom"),
     "alignment a float": call(MHA, *QKV, causal=True, alignment=1.0),
+    "alignment past 2**50": call(DOT, *QKV, causal=True, alignment=-(2**63)),
     "need_weights not bool": call(MHA, *QKV, need_weights=None),
     "window_mask rank 2": call(MHA, *QKV, window_mask=np.ones((Q, K), bool)),
     "window_mask not a batch divisor": call(MHA, *QKV, window_mask=np.ones((3, Q, K), bool)),

@@ -607,8 +607,17 @@ def test_bad_segment_ids_are_refused(segment_ids, message, rng):
         {"causal": True, "alignment": 2**40},
         {"window": 2**31},
         {"window": (2**40, 2**40)},
+        {"causal": True, "alignment": 2**50},
+        {"window": (2**50, None)},
     ],
-    ids=["alignment-int32-max", "alignment-2**40", "window-2**31", "window-left-2**40"],
+    ids=[
+        "alignment-int32-max",
+        "alignment-2**40",
+        "window-2**31",
+        "window-left-2**40",
+        "alignment-2**50",
+        "window-left-2**50",
+    ],
 )
 def test_positions_past_int32_keep_every_key_or_are_refused(backend, options, rng):
     """An offset or window past int32's range keeps every key here (each query after every
@@ -629,6 +638,25 @@ def test_positions_past_int32_keep_every_key_or_are_refused(backend, options, rn
         return
     output = B.to_numpy(B.dot_product_attention(*arrays, **options))
     np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options, name",
+    [
+        ({"window": 2**63}, "window"),
+        ({"window": (None, 2**50 + 1)}, "a side of window"),
+        ({"causal": True, "alignment": 2**63 - 1}, "alignment"),
+        ({"causal": True, "alignment": -(2**51)}, "alignment"),
+    ],
+)
+def test_positions_past_2_to_the_50_are_refused_by_name(backend, options, name, rng):
+    """Past 2**50 a sum of positions, windows and chunks could wrap in int64 (2**63 became
+    another window) or round in float64: every backend refuses it before computing."""
+    B = backend_module(backend)
+    arrays = [B.from_numpy(x.astype(np.float32)) for x in random_call(rng)]
+    with pytest.raises(ValueError, match=rf"^{name} must be at most 2\*\*50"):
+        B.dot_product_attention(*arrays, **options)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
