@@ -438,6 +438,7 @@ def _parse_shapes(text: str) -> list[tuple]:
 
 
 # Options that choose what to run: they mean nothing with --report
+_MAX_REPORT_BYTES = 1 << 26  # a report holds a few hundred rows of a few hundred bytes
 _RUN_OPTIONS = "backends quick shapes seconds valid_lens need_weights pass_ mode dtype device"
 
 
@@ -496,8 +497,9 @@ def _show_saved_report(arguments, out) -> int:
         options = ", ".join("--" + name.strip("_").replace("_", "-") for name in given)
         raise ValueError(f"--report shows a saved report and runs nothing: drop {options}")
     try:
-        with open(arguments.report) as file:
-            document = json.load(file)
+        from mha.files import parse_json, read_bytes
+
+        document = parse_json(read_bytes(arguments.report, _MAX_REPORT_BYTES))
         results = [Result.from_dict(row).as_dict() for row in document["results"]]
         document = {**document, "results": results, "skipped": dict(document["skipped"])}
     except (OSError, ValueError, KeyError, TypeError) as error:

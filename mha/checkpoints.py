@@ -26,7 +26,7 @@ import numpy as np
 
 from mha import validation
 from mha.config import get_backend
-from mha.files import check_source, write_atomically
+from mha.files import check_source, parse_json, write_atomically
 from mha.options import added_defaults
 from mha.registry import backend_of, load_backend
 from mha.weights import (
@@ -149,7 +149,7 @@ def _read_mha_file(
             f"{', '.join(LAYER_CLASSES)}. Received: {class_name!r}"
         )
     try:
-        saved = json.loads(metadata["config"])
+        saved = parse_json(metadata["config"])
         if not isinstance(saved, dict):
             raise TypeError("config is not a JSON object")
     except (TypeError, ValueError) as error:
@@ -324,15 +324,6 @@ def safetensors_bytes(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, 
     return b"".join([struct.pack("<Q", len(encoded)), encoded, *blobs])
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # A key given twice would leave the last one silently winning: the file is refused
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
-    if twice:
-        raise ValueError(f"it names {', '.join(map(repr, twice))} more than once")
-    return dict(pairs)
-
-
 def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Read a safetensors file into numpy arrays and its string metadata.
 
@@ -359,11 +350,8 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         file.seek(0)
         content = file.read()
     try:
-        header = json.loads(
-            content[8 : 8 + header_size].decode("utf-8"), object_pairs_hook=_unique_keys
-        )
-    except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        # RecursionError: JSON nested deeper than Python's parser goes
+        header = parse_json(content[8 : 8 + header_size].decode("utf-8"))
+    except ValueError as error:  # UnicodeDecodeError is one
         raise corrupt(f"its header is not JSON ({type(error).__name__}: {error})") from None
     if not isinstance(header, dict):
         raise corrupt("its header is not a JSON object")

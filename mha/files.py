@@ -1,4 +1,5 @@
-"""Writing files so that nothing a user had is lost when something fails.
+"""Writing files so that nothing a user had is lost when something fails, and reading small
+ones (configs, JSON) with their size and kind checked first.
 
 Every file mha writes goes through `write_atomically`: its whole content is built in memory
 first (the frameworks' writers never touch the disk), then Python writes it to a temporary
@@ -11,10 +12,12 @@ removes the temporary file.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 
 def check_destination(path: str | os.PathLike) -> str:
@@ -139,17 +142,37 @@ def check_source(path: str | os.PathLike) -> str:
 
 
 def read_bytes(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of a small file (a config), its size checked against `limit` first.
+    """The bytes of a small regular file (a config), its size checked against `limit` first.
 
     Raises:
-        ValueError: the file holds more than `limit` bytes.
+        ValueError: the file holds more than `limit` bytes, or is not a regular file.
         OSError: it cannot be read.
     """
-    with open(path, "rb") as file:
+    with open(check_source(path), "rb") as file:
         size = os.fstat(file.fileno()).st_size
         if size > limit:
-            raise ValueError(f"it holds {size} bytes, more than a config may ({limit})")
+            raise ValueError(f"it holds {size} bytes, more than mha reads there ({limit})")
         return file.read(limit + 1)[:limit]
+
+
+def parse_json(text: str | bytes) -> Any:
+    """A JSON document whose objects name each key once (else the last would silently win).
+
+    Raises:
+        ValueError: it is not JSON, names a key twice or nests deeper than Python's parser goes.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except RecursionError:
+        raise ValueError("its JSON nests deeper than Python's parser goes") from None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"it names {', '.join(map(repr, twice))} more than once")
+    return dict(pairs)
 
 
 def check_zip_archive(path: str | os.PathLike) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 
 from mha import harness, validation
 from mha.checkpoints import check_sizes_asked, read_safetensors, write_safetensors
+from mha.files import parse_json
 from mha.interop.common import as_numpy
 from mha.options import layer_defaults
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
@@ -174,7 +175,7 @@ def read(path: str | os.PathLike) -> list[GoldenCase]:
             f"{metadata.get('format')!r}; mha compare --record writes them)"
         )
     try:
-        described = json.loads(metadata["cases"])
+        described = parse_json(metadata["cases"])
         if not isinstance(described, list) or not all(isinstance(d, dict) for d in described):
             raise ValueError("its case list is not a list of objects")
         cases = [_case_of_entry(index, entry, tensors) for index, entry in enumerate(described)]

@@ -8,7 +8,6 @@ the field.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from mha.config_defaults import with_aliases, with_defaults
 from mha.config_fields import without_unread
 from mha.config_values import head_size, num_heads, positive_count, positive_number
 from mha.encoding import check_query_scaling
-from mha.files import read_bytes
+from mha.files import parse_json, read_bytes
 from mha.layer_kinds import layer_kind, uses_window
 from mha.model_qk_norm import LAYER_NORM_PER_HEAD, QK_NORM_ALWAYS, QK_NORM_FIELD, qk_norm_options
 from mha.model_rope import query_scaling, rotary_options
@@ -496,7 +495,7 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
 
 def _read_json(path: str | os.PathLike) -> dict[str, Any]:
     try:
-        value = json.loads(read_bytes(path, _MAX_CONFIG_BYTES))
+        value = parse_json(read_bytes(path, _MAX_CONFIG_BYTES))
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read the config {os.fspath(path)}: {error}") from None
     if not isinstance(value, dict):

@@ -290,6 +290,11 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     assert code == 2 and "not a report written by `mha bench --output`" in err
     code, _, err = run("--report", str(tmp_path / "missing.json"))
     assert code == 2 and "missing.json" in err
+    path.write_text('{"results": [], "results": []}')  # the last would silently win
+    code, _, err = run("--report", str(path))
+    assert code == 2 and "'results' more than once" in err
+    code, _, err = run("--report", str(tmp_path))
+    assert code == 2 and "is not a regular file" in err
     code, _, err = run("--report", str(path), "--quick", "--backends", "numpy")
     assert code == 2 and "runs nothing: drop --backends, --quick" in err
     code, _, err = run("--report", str(path), "--valid-lens", "no", "--pass", "forward")

@@ -419,6 +419,39 @@ def test_a_header_naming_a_key_twice_or_a_newer_format_is_refused(tmp_path):
         mha.load(newer)
 
 
+def metadata_file(tmp_path, name, metadata):
+    from mha.checkpoints import write_safetensors
+
+    path = tmp_path / name
+    write_safetensors(path, {}, metadata)
+    return path
+
+
+def test_json_inside_a_file_naming_a_key_twice_or_nested_too_deep_is_refused(tmp_path):
+    # The JSON inside a file is read by the header's rules: the last of two keys would win
+    from mha.checkpoints import FORMAT, FORMAT_VERSION
+
+    once = '{"num_hiddens": 4, "dropout": 0.0, "max_len": 8, "dtype": "float32"}'
+    configs = {
+        "twice": (once.replace("}", ', "max_len": 16}'), "'max_len' more than once"),
+        "deep": ("[" * 100_000 + "]" * 100_000, "nests deeper"),
+    }
+    for name, (config, message) in configs.items():
+        metadata = {"format": FORMAT, "format_version": FORMAT_VERSION}
+        metadata.update({"class": "PositionalEncoding", "config": config})
+        with pytest.raises(ValueError, match=f"corrupted config in its metadata: .*{message}"):
+            mha.load(metadata_file(tmp_path, f"{name}.safetensors", metadata))
+        cases = {"format": mha.golden.FORMAT, "format_version": mha.golden.FORMAT_VERSION}
+        golden = metadata_file(tmp_path, f"{name}-cases.safetensors", {**cases, "cases": config})
+        with pytest.raises(ValueError, match=f"not a valid golden-case file: .*{message}"):
+            mha.golden.read(golden)
+        model = tmp_path / name / "config.json"
+        model.parent.mkdir()
+        model.write_text(config)
+        with pytest.raises(ValueError, match=f"cannot read the config .*{message}"):
+            mha.porting.options_from_config(model)
+
+
 @pytest.mark.parametrize("seed", ["-1", "4294967296", "x"])
 def test_compare_with_a_bad_seed_is_a_usage_error(seed):
     completed = subprocess.run(
@@ -487,6 +520,8 @@ def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
     for path in (folder, fifo, endless):
         with pytest.raises(ValueError, match="is not a regular file"):
             interop.read_file(path)
+        with pytest.raises(ValueError, match="is not a regular file"):
+            mha.porting.options_from_config(path)
     with pytest.raises(FileNotFoundError):
         mha.load(tmp_path / "missing.safetensors")
 
