@@ -261,6 +261,35 @@ def test_a_foreign_msgpack_file_is_one_error(flax, tmp_path):
         interop.read_file(bad)
 
 
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda p: p["key"].update(kernel=p["key"]["kernel"].astype(np.int64)), "int64"),
+        (lambda p: p["key"].update(kernel=p["key"]["kernel"].astype(bool)), "bool"),
+        (lambda p: p["out"].update(bias=p["out"]["bias"].astype(np.float64)), "float32, float64"),
+        (lambda p: p["query"].update(bias=np.float32(1.0)), r"query bias \(\): expected \(2, 4\)"),
+        (lambda p: p["out"].update(bias=np.zeros((1, D), "f4")), r"out bias \(1, 8\)"),
+    ],
+    ids=["int64", "bool", "mixed", "scalar-bias", "out-bias-2d"],
+)
+def test_a_msgpack_file_of_other_dtypes_or_bias_shapes_is_refused_as_read(
+    flax, tmp_path, change, message
+):
+    # Flax files carry any dtype and shape: refused where read, not after a conversion began
+    from flax import serialization
+
+    layer = N.MultiHeadAttention(D, H, bias=True, query_size=D, key_size=D, value_size=D)
+    params = interop.flax_params(mha.get_weights(layer), H)
+    change(params)
+    path = tmp_path / "other.msgpack"
+    path.write_bytes(serialization.msgpack_serialize(params))
+    with pytest.raises(ValueError, match=rf"^{path}: This Flax .*\n  - .*{message}"):
+        interop.read_file(path)
+    with pytest.raises(ValueError, match=message):
+        interop.convert(path, tmp_path / "other.pt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.msgpack"]
+
+
 def test_dropout_draws_a_mask_for_each_weight_both_ways(flax):
     from flax import nnx
 

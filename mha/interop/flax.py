@@ -161,11 +161,29 @@ def _refuse_flax_shapes(
         )
     if biases and set(biases) != set("qkvo"):
         problems.append(f"biases on {sorted(FLAX_PROJECTIONS[k] for k in biases)} only")
+    problems += _bias_and_dtype_problems(kernels, biases)
     if problems:
         raise ValueError(
             "This Flax multi-head attention has no mha equivalent:\n"
             + "\n".join(f"  - {problem}" for problem in problems)
         )
+
+
+def _bias_and_dtype_problems(
+    kernels: Mapping[str, np.ndarray], biases: Mapping[str, np.ndarray]
+) -> list[str]:
+    """Biases shaped as Flax's (heads, head size) and (out,), and one float dtype for all."""
+    problems = []
+    for k, bias in biases.items():
+        expected = kernels[k].shape[2:] if k == "o" else kernels[k].shape[1:]
+        if bias.shape != expected:
+            problems.append(f"{FLAX_PROJECTIONS[k]} bias {bias.shape}: expected {expected}")
+    dtypes = sorted({array.dtype.name for array in (*kernels.values(), *biases.values())})
+    if len(dtypes) != 1 or dtypes[0] not in validation.FLOAT_DTYPES:
+        problems.append(
+            f"arrays of {', '.join(dtypes)}: expected one of {', '.join(validation.FLOAT_DTYPES)}"
+        )
+    return problems
 
 
 def _flax_params_of(source: Any) -> Any:
