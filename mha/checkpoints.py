@@ -98,7 +98,7 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
     # A file written before an argument existed has that argument's default
     saved = {**added_defaults(class_name), **saved}
     for key in LAYER_CLASSES[class_name]:
-        if key in ("dropout", "dtype", "eps", "max_len"):
+        if key in ("dropout", "dtype", "max_len"):
             continue  # not part of the weights; dtype is checked per tensor below
         mine, theirs = config.get(key), saved.get(key)
         # A lazy layer's input sizes are still None: the file's weights give them. Any other

@@ -368,6 +368,19 @@ def test_load_rejects_a_setting_of_the_file_the_layer_lacks(tmp_path, option):
     np.testing.assert_array_equal(again(*inputs()), source(*inputs()))
 
 
+def test_load_rejects_an_add_norm_of_another_eps(tmp_path):
+    # eps changes the normalized numbers as scale changes the scores
+    path = tmp_path / "w.safetensors"
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype("float32") * 1e-3
+    source = mha.AddNorm(4, eps=1e-6)
+    mha.save_weights(source, path)
+    with pytest.raises(ValueError, match="saved with eps=1e-06; this layer has eps=1e-05"):
+        mha.load_weights(mha.AddNorm(4), path)
+    again = mha.AddNorm(4, eps=1e-6)
+    mha.load_weights(again, path)
+    np.testing.assert_array_equal(again(x, x), source(x, x))
+
+
 def test_load_rejects_dtype_mismatch(tmp_path):
     path = tmp_path / "w.safetensors"
     mha.save_weights(make_mha(dtype="float64"), path)
