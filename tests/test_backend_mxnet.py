@@ -686,22 +686,30 @@ def test_mha_selects_gluon_blocks(MX, mx):
     assert "w_v" in MX.AdditiveAttention(4)._children
 
 
-def test_an_exported_graph_holds_no_position_of_the_traced_sizes(MX, mx, tmp_path):
-    # Exported after a causal call, the graph's masks follow every other number of queries
-    # and keys; one traced with alignment="bottom_right" would hold the traced K - Q: refused
+def exported_causal(MX, mx, tmp_path, num_inputs, **options):
+    """A hybridized layer exported after a causal call, its numpy twin, and the graph read
+    back as a SymbolBlock taking `num_inputs` arrays (data0, data1, ...)."""
     sizes = dict(query_size=D, key_size=D, value_size=V)
-    layer = MX.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes)
-    reference = NP.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes)
+    layer = MX.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes, **options)
+    reference = NP.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes, **options)
     mha.set_weights(reference, mha.get_weights(layer))
     layer.hybridize()
     layer(*map(MX.from_numpy, inputs("float32")), causal=True)
-    layer.export(str(tmp_path / "causal"))
+    layer.export(str(tmp_path / "layer"))
     with mx.util.np_shape(True), mx.util.np_array(True):
         imported = mx.gluon.SymbolBlock.imports(
-            str(tmp_path / "causal-symbol.json"),
-            ["data0", "data1", "data2"],
-            str(tmp_path / "causal-0000.params"),
+            str(tmp_path / "layer-symbol.json"),
+            [f"data{i}" for i in range(num_inputs)],
+            str(tmp_path / "layer-0000.params"),
         )
+    return layer, reference, imported
+
+
+def test_an_exported_graph_holds_no_position_of_the_traced_sizes(MX, mx, tmp_path):
+    # Exported after a causal call, the graph's masks follow every other number of queries
+    # and keys; one traced with alignment="bottom_right" would hold the traced K - Q: refused
+    layer, reference, imported = exported_causal(MX, mx, tmp_path, num_inputs=3)
+    with mx.util.np_shape(True), mx.util.np_array(True):
         for num_queries, num_keys in ((3, 5), (4, 9), (6, 6)):
             arrays = inputs("float32", num_queries, num_keys, seed=num_keys)
             output = imported(*map(MX.from_numpy, arrays))
@@ -721,19 +729,8 @@ def test_an_exported_rotary_or_alibi_graph_takes_its_constants_as_an_input(
 ):
     # The frequencies (or slopes) are the graph's fourth input, data3, not a parameter; each
     # call hands them over for its number of keys, as backends.md says
-    sizes = dict(query_size=D, key_size=D, value_size=V)
-    layer = MX.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes, **options)
-    reference = NP.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS, **sizes, **options)
-    mha.set_weights(reference, mha.get_weights(layer))
-    layer.hybridize()
-    layer(*map(MX.from_numpy, inputs("float32")), causal=True)
-    layer.export(str(tmp_path / "layer"))
+    layer, reference, imported = exported_causal(MX, mx, tmp_path, num_inputs=4, **options)
     with mx.util.np_shape(True), mx.util.np_array(True):
-        imported = mx.gluon.SymbolBlock.imports(
-            str(tmp_path / "layer-symbol.json"),
-            ["data0", "data1", "data2", "data3"],
-            str(tmp_path / "layer-0000.params"),
-        )
         for num_queries, num_keys in ((3, 5), (6, 6)):
             arrays = inputs("float32", num_queries, num_keys, seed=num_keys)
             if "alibi" in options:
