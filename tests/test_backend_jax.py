@@ -681,3 +681,15 @@ def test_float32_products_run_at_full_precision_unless_jax_is_told_otherwise(J, 
     with jax.default_matmul_precision("tensorfloat32"):
         chosen = jax.jit(f).lower(q).as_text()
     assert "HIGHEST" not in chosen
+
+
+def test_a_traced_fractional_length_keeps_the_keys_below_it(J, jax):
+    # Unchecked under jit, 0.5 keeps one key and 2.5 three, as TensorFlow's tf.function and
+    # torch's traces keep them (backends.md); an int32 cast would have dropped one
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, n, 4)).astype("float32") for n in (3, 5, 5))
+    lengths = np.array([0.5, 2.5], "float32")
+    call = jax.jit(lambda *arrays: J.DotProductAttention()(*arrays[:3], valid_lens=arrays[3]))
+    output = call(*map(J.from_numpy, (q, k, v, lengths)))
+    expected = N.DotProductAttention()(q, k, v, valid_lens=np.ceil(lengths))
+    np.testing.assert_allclose(J.to_numpy(output), expected, rtol=1e-5, atol=1e-6)

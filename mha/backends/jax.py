@@ -299,7 +299,9 @@ def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
         # numpy's lengths are clipped by numpy: without 64-bit mode JAX would hold 64-bit
         # ones as 32-bit ones first, wrapping those past 2**31 - 1
         valid_lens = np.minimum(valid_lens, top)
-    lengths = jnp.minimum(valid_lens, top).astype(jnp.int32)
+    lengths = jnp.minimum(valid_lens, top)
+    # An unchecked (traced) fractional length keeps keys j < length, as torch's and TF's do
+    lengths = (jnp.ceil(lengths) if floating else lengths).astype(jnp.int32)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
     lengths = lengths[:, None, None] if lengths.ndim == 1 else lengths[:, :, None]
     return jnp.arange(num_keys, dtype=jnp.int32) < lengths
