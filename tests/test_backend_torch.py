@@ -1001,3 +1001,21 @@ def test_a_masked_decoding_step_replaces_its_scores(T, torch, monkeypatch):
     assert fused == []
     expected = reference(X, X, X, lengths, causal=True)[:, 6:]
     np.testing.assert_allclose(T.to_numpy(output), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("fill", [-1e4, float(np.finfo(np.float16).min)])
+def test_a_half_precision_bias_is_added_in_its_dtype_with_weights_or_without(T, torch, fill):
+    # The fused kernel adds the bias in float32; the reference adds it in float16, where -1e4
+    # rounds every score of the row to one number: a row masked by a large finite number
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, 2, n, 8)).astype("float16") for n in (5, 7, 7))
+    bias = np.zeros((2, 2, 5, 7), "float16")
+    bias[:, :, 1] = fill
+    expected = N.dot_product_attention(q, k, v, bias=bias)
+    arrays = [torch.from_numpy(x) for x in (q, k, v)]
+    for weights in (False, True):
+        output = T.dot_product_attention(
+            *arrays, bias=torch.from_numpy(bias), return_weights=weights
+        )
+        output = output[0] if weights else output
+        np.testing.assert_allclose(output.numpy().astype("float32"), expected, atol=2e-3)

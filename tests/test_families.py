@@ -362,10 +362,11 @@ def tiny_model(model_type: str, attn_implementation: str | None = None, **change
     return config, model
 
 
-def attention_io(model, found: list[tuple[str, str]]):
+def attention_io(model, found: list[tuple[str, str]], attention_mask=None):
     """Each attention module's input hidden states (its query projection's, where the module
     norms them first: ESM) and its output projection's output in one run of the whole model:
-    {prefix: (x, y)}. found: (prefix, layout name) pairs."""
+    {prefix: (x, y)}. found: (prefix, layout name) pairs; attention_mask: the model's, its
+    positions counted from each row's first token."""
     seen: dict[str, list] = {prefix: [] for prefix, _ in found}
     handles = []
     for prefix, layout in found:
@@ -387,8 +388,14 @@ def attention_io(model, found: list[tuple[str, str]]):
     # An encoder-decoder's decoder reads the same ids (BART's would shift them; Pegasus's,
     # Marian's, ... need them given)
     decoder = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+    padding = {}
+    if attention_mask is not None:
+        # positions from each row's first token, as transformers' generate gives them
+        positions = np.maximum(np.cumsum(attention_mask, axis=-1) - 1, 0)
+        padding = {"attention_mask": torch.tensor(attention_mask)}
+        padding["position_ids"] = torch.tensor(positions)
     with torch.no_grad():
-        model(input_ids=ids, **decoder)
+        model(input_ids=ids, **decoder, **padding)
     for handle in handles:
         handle.remove()
     return seen
@@ -443,6 +450,27 @@ def assert_each_layer_ports(
         # float32's precision: transformers computes in float32, the reference in float64
         atol = 1e-5 * np.max(np.abs(expected))
         np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "ministral3"])
+def test_left_padding_ports_with_the_text_as_its_own_segment(model_type):
+    # transformers counts positions from each row's first token: Llama 4's chunks and
+    # Ministral 3's query scales follow them where the padding is a segment (porting.md);
+    # Llama 4's layers without rotary scale by the column, padding included: the mask alone
+    config, model = tiny_model(model_type)
+    padded = np.array([[0, 0, 0, 0, 1, 1, 1], [1] * 7])
+    found = porting.find_attention(model.state_dict())
+    seen = attention_io(model, found, padded)
+    for index, (prefix, _) in enumerate(found):
+        (x, expected) = seen[prefix]
+        options = porting.options_from_config(config.to_dict(), index)
+        ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
+        unturned = options.get("rope_theta") is None
+        call = {"mask": padded[:, None].astype(bool)} if unturned else {"segment_ids": padded}
+        output = ported(x, x, x, causal=True, **call)
+        kept = padded.astype(bool)  # the padded rows' outputs are not read
+        atol = 1e-5 * np.max(np.abs(expected))
+        np.testing.assert_allclose(output[kept], expected[kept], rtol=0, atol=atol, err_msg=prefix)
 
 
 def test_exaone_ports_under_the_names_of_its_checkpoints():

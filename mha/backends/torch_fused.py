@@ -126,10 +126,13 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept
     return output if attended is None else torch.where(attended, output, 0.0)
 
 
-def _why_not_fused(keep: torch.Tensor | None, empty_rows: str,
+def _why_not_fused(keep: torch.Tensor | None, bias: torch.Tensor | None, empty_rows: str,
                    adds_exactly: bool) -> str | None:
     """Why F.scaled_dot_product_attention cannot compute this call, or None when it can;
     adds_exactly: _mask_adds_exactly's answer."""
+    if bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
+        # a bias of -1e4 rounds the float16 sum of every score to one number: uniform weights
+        return "the kernel adds a half-precision bias in float32, the reference in its dtype"
     if keep is not None and empty_rows == "uniform":
         return "a row with no key takes uniform weights, which the kernel does not give"
     if not adds_exactly:
@@ -176,7 +179,7 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     if need_weights and few:
         return "scores"
     adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
-    if not need_weights and _why_not_fused(keep, empty_rows, adds_exactly) is None:
+    if not need_weights and _why_not_fused(keep, bias, empty_rows, adds_exactly) is None:
         return "fused"
     if few:
         return "scores"
