@@ -11,6 +11,7 @@ removes the temporary file.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -168,8 +169,9 @@ def parse_json(text: str | bytes) -> Any:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    twice = sorted({key for key in keys if keys.count(key) > 1})
+    # Counted once, not per key: a header may name hundreds of thousands of tensors
+    counts = collections.Counter(key for key, _ in pairs)
+    twice = sorted(key for key, count in counts.items() if count > 1)
     if twice:
         raise ValueError(f"it names {', '.join(map(repr, twice))} more than once")
     return dict(pairs)
