@@ -316,6 +316,36 @@ def test_sequential_model_saves_and_loads(TF, tmp_path):
     np.testing.assert_array_equal(TF.to_numpy(keras.models.load_model(path)(X)), expected)
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_a_keras_padding_mask_is_not_read_as_the_latent_layers_mask(TF, batch_size):
+    # Keras passes the padding mask of a call's only tensor as its `mask` argument; the
+    # latent layer takes X alone, and its mask is an attention mask, never read off X
+    # (batch_size 4 = the number of positions: such a padding mask has a mask's shape)
+    import keras
+
+    config = dict(
+        num_hiddens=8,
+        num_heads=2,
+        kv_lora_rank=4,
+        qk_nope_head_dim=2,
+        qk_rope_head_dim=2,
+        v_head_dim=3,
+    )
+    numpy_attention = reference.MultiHeadLatentAttention(**config)
+    attention = TF.MultiHeadLatentAttention(**config)
+    weights = mha.random_weights(numpy_attention, seed=3)
+    mha.set_weights(numpy_attention, weights)
+    mha.set_weights(attention, weights)
+    embedding = keras.layers.Embedding(10, 8, mask_zero=True)
+    ids = np.array([[3, 4, 0, 0], [5, 6, 7, 0], [1, 2, 3, 4], [8, 0, 0, 0]])[:batch_size]
+    X = embedding(ids)
+    expected = numpy_attention(TF.to_numpy(X))
+    assert_agrees(TF.to_numpy(attention(X)), expected, "float32")
+    inputs = keras.Input((4,), dtype="int32")
+    model = keras.Model(inputs, attention(embedding(inputs)))
+    assert_agrees(TF.to_numpy(model(ids)), expected, "float32")
+
+
 def test_subclassed_model_trains(TF, tf):
     import keras
 

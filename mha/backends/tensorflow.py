@@ -963,6 +963,11 @@ class MultiHeadLatentAttention(_AttentionLayer):
         X, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             X, valid_lens, mask, window_mask, attn_bias
         )
+        if mask is None and isinstance(X, tf.Tensor):
+            # Keras gives `mask` the padding mask that the call's only tensor carries
+            # (Embedding(mask_zero=True)); a new tensor carries none, as no mha mask is read
+            # off an input
+            X = tf.identity(X)
         if cache is not None:
             # A LatentCache of tensors (numpy arrays converted), as the call returns it
             cache = LatentCache(*_as_tensors(*cache))
