@@ -118,7 +118,9 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
             )
     (batch_size, heads, queries, d), k, v = shapes["query"], shapes["key"], shapes["value"]
     fits = k[0] == v[0] == batch_size and k[1] == v[1] and k[2] == v[2] and k[3] == d
-    if not fits or 0 in (heads, k[1], queries, k[2]) or heads % k[1]:
+    # A size unknown while tracing (None) is checked where the call runs
+    empty = 0 in (heads, k[1], queries, k[2])
+    if not fits or empty or (None not in (heads, k[1]) and heads % k[1]):
         raise ValueError(
             "key and value must have query's batch size, one number of heads that divides "
             "query's, one number of positions (at least one), and key query's head size. "

@@ -99,6 +99,8 @@ def require_tensor(name: str, x: Any) -> None:
 
 def describe(name: str, x: Any) -> str:
     """`x` as the checks' messages name it: "<name> with shape (2, 3) and dtype float32"."""
+    if getattr(x.shape, "rank", 0) is None:  # a tf.TensorSpec(None): no axis is known
+        return f"{name} of unknown rank and dtype {dtype_name(x)}"
     return f"{name} with shape {format_shape(shape_of(x))} and dtype {dtype_name(x)}"
 
 

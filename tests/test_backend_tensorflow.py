@@ -423,6 +423,47 @@ def test_tf_function(TF, tf, jit_compile):
     )
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_the_function_traces_with_every_size_unknown(TF, tf, jit_compile):
+    # Batch, heads and positions all None in the signature, grouped heads at run time
+    rng = np.random.default_rng(5)
+    query = rng.standard_normal((2, 4, 3, 6)).astype(np.float32)
+    key, value = rng.standard_normal((2, 2, 2, 5, 6)).astype(np.float32)
+    valid_lens = np.array([[1, 5, 2], [0, 4, 3]], np.int32)
+    spec = [tf.TensorSpec((None, None, None, 6))] * 3 + [tf.TensorSpec((None, None), tf.int32)]
+    options = [
+        {"causal": True, "alignment": "bottom_right"},
+        {"window": (1, 0), "return_weights": True, "return_lse": True},
+        {"causal": True, "empty_rows": "uniform", "return_weights": True},
+    ]
+    for kwargs in options:
+        traced = tf.function(
+            lambda q, k, v, n, kwargs=kwargs: TF.dot_product_attention(
+                q, k, v, valid_lens=n, **kwargs
+            ),
+            input_signature=spec,
+            jit_compile=jit_compile,
+        )
+        results = traced(query, key, value, valid_lens)
+        expected = reference.dot_product_attention(
+            query, key, value, valid_lens=valid_lens, **kwargs
+        )
+        for result, reference_result in zip(
+            tf.nest.flatten(results), tf.nest.flatten(expected), strict=True
+        ):
+            # The log-sum-exp of a row with no key is -inf in both
+            np.testing.assert_allclose(TF.to_numpy(result), reference_result, 1e-5, 1e-5)
+
+
+def test_lengths_of_unknown_rank_are_refused_as_such(TF, tf):
+    layer = TF.MultiHeadAttention(NUM_HIDDENS, NUM_HEADS)
+    spec = [tf.TensorSpec((None, None, NUM_HIDDENS)), tf.TensorSpec(None, tf.int32)]
+    traced = tf.function(lambda X, n: layer(X, X, X, n), input_signature=spec)
+    X = np.ones((2, 3, NUM_HIDDENS), np.float32)
+    with pytest.raises(ValueError, match="valid_lens of unknown rank"):
+        traced(X, np.array([1, 2], np.int32))
+
+
 def test_grouped_rotary_sliding_attention_compiles_and_saves(TF, tf, tmp_path):
     import keras
 

@@ -414,7 +414,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     """Attention of one call on (batch_size, heads, positions, head size): the NumPy
     reference's dot_product_attention (mha.backends.numpy, whose docstring has the
     arguments), in TensorFlow."""
-    sizes = function_checks.check_dot_product_attention_call(
+    function_checks.check_dot_product_attention_call(
         query, key, value, mask=mask, bias=bias, scale=scale, causal=causal,
         alignment=alignment, window=window, valid_lens=valid_lens, softcap=softcap,
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
@@ -425,7 +425,9 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         None if x is None else tf.convert_to_tensor(x)
         for x in (query, key, value, mask, bias, valid_lens)
     )
-    batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
+    # The sizes, each a scalar tensor where it is unknown while tracing
+    batch_size, num_heads, num_queries = _dims(query)[:3]
+    num_kv_heads, num_keys = _dims(key)[1:3]
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     masks = _Masks(batch_size, num_queries, num_keys, offset)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
@@ -464,9 +466,10 @@ def _attention(queries, keys, values, keep, bias, dropout, *, training=None, sca
     training decides dropout. Returns (output, weights, lse): weights unless need_weights,
     and each row's log-sum-exp unless lse, are None.
     """
-    if group > 1:
+    if not isinstance(group, int) or group > 1:
         # Each key-value head's `group` query heads as one head of group x Q query rows: the
-        # keys and values are read as they are (see masks.grouped_rows)
+        # keys and values are read as they are (see masks.grouped_rows); a group unknown
+        # while tracing (a tensor) takes this path, which is right for one head a group too
         heads, rows = _dims(queries)[-3:-1]
         queries, keep, bias, sinks = (_grouped(x, heads, rows, group)
                                       for x in (queries, keep, bias, sinks))
