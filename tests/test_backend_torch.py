@@ -213,6 +213,35 @@ def test_learned_table_is_a_trained_parameter_in_the_state_dict(T, torch):
     np.testing.assert_array_equal(mha.get_weights(fresh)["P"], mha.get_weights(layer)["P"])
 
 
+def test_constant_buffers_are_computed_again_by_to_empty_and_a_dtype_change(T, torch):
+    # ALiBi slopes of 12 heads (2 ** -(k / 2): not exact in half precision), rotary
+    # frequencies and the sinusoid table are buffers outside the state_dict, so each is
+    # computed again where .to_empty leaves it unset and where a cast would round it twice
+    options = {"alibi": True, "rope_theta": 100.0, "query_size": 5, "key_size": 6}
+    reference = N.MultiHeadAttention(24, 12, value_size=7, dtype="float64", **options)
+    weights = mha.random_weights(reference, seed=2)
+    mha.set_weights(reference, weights)
+    queries, keys, values = inputs(3, 6, "float64")
+    expected = reference(queries, keys, values, causal=True, alignment="bottom_right")
+    single = T.MultiHeadAttention(24, 12, value_size=7, **options)
+    mha.set_weights(single, {name: w.astype(np.float32) for name, w in weights.items()})
+    with torch.device("meta"):
+        on_meta = T.MultiHeadAttention(24, 12, value_size=7, **options)
+    on_meta.to_empty(device="cpu").load_state_dict(single.state_dict())
+    from_half = T.MultiHeadAttention(24, 12, value_size=7, dtype="float16", **options).double()
+    mha.set_weights(from_half, weights)
+    for layer, dtype in ((on_meta, "float32"), (from_half, "float64")):
+        output = layer(
+            *(T.from_numpy(x.astype(dtype)) for x in (queries, keys, values)),
+            causal=True,
+            alignment="bottom_right",
+        )
+        assert_agrees(T.to_numpy(output), expected, dtype)
+    encoding = T.PositionalEncoding(7, max_len=20).to("meta").to_empty(device="cpu")
+    table = sinusoid_table(20, 7).astype(np.float32)
+    np.testing.assert_array_equal(T.to_numpy(encoding.P), table)
+
+
 # ---------------------------------------------------------------------------------------------
 # Half precision
 
@@ -819,6 +848,22 @@ def test_save_in_torch_load_in_numpy(T, tmp_path):
     queries, keys, values = inputs(3, 6, "float64")
     output = layer(*map(T.from_numpy, (queries, keys, values)), causal=True)
     assert_agrees(T.to_numpy(output), reference(queries, keys, values, causal=True), "float64")
+
+
+@pytest.mark.parametrize("kind", ["dot", "additive", "multihead"])
+def test_a_layer_copies_after_a_call_that_records_gradients(T, torch, kind):
+    # An EMA or best-model copy taken after a training step: the attention weights kept
+    # from that call belong to its graph, which copy.deepcopy refuses for a tensor
+    _, layer = pair(T, kind, "float32", seed=4)
+    queries, keys, values = (T.from_numpy(x) for x in inputs(3, 6, "float32", kind))
+    queries.requires_grad_(True)
+    expected = T.to_numpy(layer(queries, keys, values, causal=True))
+    assert layer.attention_weights.grad_fn is not None
+    copy = __import__("copy").deepcopy(layer)
+    np.testing.assert_array_equal(
+        T.to_numpy(copy.attention_weights), T.to_numpy(layer.attention_weights)
+    )
+    np.testing.assert_array_equal(T.to_numpy(copy(queries, keys, values, causal=True)), expected)
 
 
 def test_state_dict_round_trip(T):

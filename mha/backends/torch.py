@@ -113,6 +113,29 @@ class Module(nn.Module):
         marker = torch.empty(0, dtype=_TORCH_DTYPES[name])
         self.register_buffer("_dtype_marker", marker, persistent=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The last call's attention_weights are copied (and pickled) detached: copy.deepcopy
+        # refuses a tensor that is not a leaf of its graph
+        state = super().__getstate__()
+        if isinstance(state.get("attention_weights"), torch.Tensor):
+            state["attention_weights"] = state["attention_weights"].detach()
+        return state
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        """The layer's constant buffers (tables, slopes) by name, computed again in float64
+        and cast to the layer's dtype, on the CPU; none here."""
+        return {}
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype) would cast a constant from its current dtype (float32 values in a float64
+        # table), and .to_empty leaves it unset (non-persistent buffers are in no state_dict):
+        # compute each again, on the device its buffer is on now
+        super()._apply(fn, recurse)
+        for name, value in self.constants().items():
+            if self._buffers[name] is not None:
+                self._buffers[name] = value.to(self._buffers[name].device)
+        return self
+
 
 def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) -> nn.Module:
     """y = x W^T + b: nn.LazyLinear when in_features is None (inferred at the first call)."""
@@ -659,10 +682,14 @@ class MultiHeadAttention(Module):
             self.W_g = _linear(num_hiddens, bias, query_size, self.dtype)
         # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
         self.alibi = alibi
-        slopes = torch.as_tensor(alibi_slopes(num_heads), dtype=_TORCH_DTYPES[self.dtype])
-        self.register_buffer("alibi_slopes", slopes.reshape(-1, 1, 1) if alibi else None,
+        self.register_buffer("alibi_slopes", self.constants()["alibi_slopes"] if alibi else None,
                              persistent=False)
         self.attention_weights = None
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        # ALiBi's slope of each head, (num_heads, 1, 1), in float64 and cast
+        slopes = torch.from_numpy(alibi_slopes(self.num_heads)).to(_TORCH_DTYPES[self.dtype])
+        return {"alibi_slopes": slopes.reshape(-1, 1, 1)}
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
@@ -917,7 +944,7 @@ class PositionalEncoding(Module):
         self.dtype = validation.check_layer_args("PositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer("P", self._table(_TORCH_DTYPES[self.dtype]), persistent=False)
+        self.register_buffer("P", self.constants()["P"], persistent=False)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         validation.check_positional_encoding_call(
@@ -926,18 +953,9 @@ class PositionalEncoding(Module):
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
 
-    def _table(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    def constants(self) -> dict[str, torch.Tensor]:
         table = torch.from_numpy(sinusoid_table(self.max_len, self.num_hiddens))
-        return table.to(device=device, dtype=dtype)
-
-    def _apply(self, fn, recurse=True):
-        # .to(dtype) / .double() / .half() would cast P from its current dtype (float32 values
-        # in a float64 P): cast the float64 table again instead, so P is always cast once
-        dtype = self.P.dtype
-        super()._apply(fn, recurse)
-        if self.P.dtype != dtype:
-            self.P = self._table(self.P.dtype, self.P.device)
-        return self
+        return {"P": table.to(_TORCH_DTYPES[self.dtype])}
 
 
 @documented
@@ -984,7 +1002,7 @@ class RotaryEmbedding(Module):
         # The first `rotated` features turn, in pairs; the others pass (partial rotary)
         self.rotated = rotary_dim or num_hiddens
         # Shape of frequencies: (rotated / 2,), one angle per position for each pair
-        self.register_buffer("frequencies", self._frequencies(), persistent=False)
+        self.register_buffer("frequencies", self.constants()["frequencies"], persistent=False)
         # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
         self.attention_factor = rotary_attention_factor(self.scaling)
 
@@ -1059,19 +1077,10 @@ class RotaryEmbedding(Module):
         longer = torch.from_numpy(longer).to(self.frequencies.dtype)
         return longer.to(self.frequencies.device, non_blocking=True)
 
-    def _frequencies(self, device: torch.device | None = None) -> torch.Tensor:
+    def constants(self) -> dict[str, torch.Tensor]:
         # In float64 for a float64 layer, else float32 (mha.encoding.rotary_angle_dtype)
         frequencies = torch.from_numpy(rotary_frequencies(self.rotated, self.theta, self.scaling))
-        return frequencies.to(device=device, dtype=_TORCH_DTYPES[rotary_angle_dtype(self.dtype)])
-
-    def _apply(self, fn, recurse=True):
-        # .to(dtype) / .double() / .half() would cast the frequencies with the layer (float16
-        # ones, or float32 values in float64): cast the float64 ones again to the angles' dtype
-        dtype = self.dtype
-        super()._apply(fn, recurse)
-        if self.dtype != dtype:
-            self.frequencies = self._frequencies(self.frequencies.device)
-        return self
+        return {"frequencies": frequencies.to(_TORCH_DTYPES[rotary_angle_dtype(self.dtype)])}
 
 
 @documented
