@@ -624,6 +624,34 @@ def test_weights_round_trip_before_the_first_call(MX, name):
         np.testing.assert_array_equal(MX.to_numpy(layer.W_q.weight.data()), weights["W_q"].T)
 
 
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_cast_carries_the_dtype_and_the_constants(MX, hybridize):
+    # Block.cast changes the parameters; the layer's dtype, its norms' and its constant
+    # arrays follow, computed again in float64 (ALiBi's 12 slopes are not exact in float32)
+    options = {"alibi": True, "rope_theta": 100.0, "qk_norm": "head", "value_size": V}
+    reference = NP.MultiHeadAttention(24, 12, query_size=D, key_size=D, dtype="float64", **options)
+    weights = mha.random_weights(reference, seed=6)
+    mha.set_weights(reference, weights)
+    layer = MX.MultiHeadAttention(24, 12, query_size=D, key_size=D, **options)
+    layer.hybridize(hybridize)
+    queries, keys, values = inputs("float32")
+    layer(*(MX.from_numpy(x) for x in (queries, keys, values)), causal=True)
+    layer.cast("float64")
+    assert layer.dtype == "float64"
+    mha.set_weights(layer, weights)
+    queries, keys, values = (x.astype(np.float64) for x in (queries, keys, values))
+    output = layer(*(MX.from_numpy(x) for x in (queries, keys, values)), causal=True)
+    expected = reference(queries, keys, values, causal=True)
+    assert_agrees(MX.to_numpy(output), expected, "float64")
+    encoding = MX.PositionalEncoding(7, max_len=20)
+    encoding.cast(np.float64)
+    np.testing.assert_array_equal(
+        MX.to_numpy(encoding.P), NP.PositionalEncoding(7, max_len=20, dtype="float64").P
+    )
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        encoding.cast("bfloat16")
+
+
 def test_layer_config_of_every_layer(MX):
     assert MX.layer_config(MX.DotProductAttention(0.25, dtype="float64")) == {
         "dropout": 0.25,

@@ -247,6 +247,20 @@ class Layer(nn.HybridBlock):
         # MXNet 1.9 has no bfloat16 arithmetic
         self._dtype = validation.check_backend_dtype(name, "mxnet")
 
+    def cast(self, dtype) -> None:
+        """Block.cast, which the layer's dtype follows, its constant arrays (tables, slopes)
+        computed again from float64, as a layer built in that dtype holds them."""
+        name = dtype if isinstance(dtype, str) else numpy.dtype(dtype).name
+        name = validation.check_backend_dtype(name, "mxnet")
+        super().cast(name)
+        self.dtype = name
+        for attribute, value in self.constants().items():
+            setattr(self, attribute, value)
+
+    def constants(self) -> dict[str, Any]:
+        """The layer's constant arrays by name, in its dtype; none here."""
+        return {}
+
     def __call__(self, *args, **kwargs):
         # Block.__call__ takes positional arguments only
         for hook in self._forward_pre_hooks.values():
@@ -320,6 +334,11 @@ class Sinks(nn.HybridBlock):
         return F.np.reshape(bias, (-1, 1, 1))
 
 
+def _dtype_of(parameter) -> str:
+    """The name of a Parameter's dtype, which Block.cast changes."""
+    return numpy.dtype(parameter.dtype).name
+
+
 def _rms_normalized(F, X, eps: float, dtype: str):
     """X's last axis scaled to a mean square of 1 (float32 sums for float16)."""
     x = X.astype("float32") if dtype == "float16" else X
@@ -333,12 +352,12 @@ class RMSNorm(nn.HybridBlock):
 
     def __init__(self, num_hiddens: int, eps: float, dtype: str):
         super().__init__()
-        self.eps, self._dtype = eps, dtype
+        self.eps = eps
         self.gamma = self.params.get("gamma", shape=(num_hiddens,), init=mx.init.One(),
                                      dtype=dtype)
 
     def hybrid_forward(self, F, X, gamma):
-        return gamma * _rms_normalized(F, X, self.eps, self._dtype)
+        return gamma * _rms_normalized(F, X, self.eps, _dtype_of(self.gamma))
 
 
 @mx.util.use_np
@@ -349,15 +368,16 @@ class HeadLayerNorm(nn.HybridBlock):
 
     def __init__(self, num_heads: int, head_size: int, eps: float, dtype: str):
         super().__init__()
-        self.eps, self._dtype = eps, dtype
+        self.eps = eps
         self.gamma = self.params.get("gamma", shape=(num_heads, head_size), init=mx.init.One(),
                                      dtype=dtype)
 
     def hybrid_forward(self, F, X, gamma):
-        x = X.astype("float32") if self._dtype == "float16" else X
+        dtype = _dtype_of(self.gamma)
+        x = X.astype("float32") if dtype == "float16" else X
         x = x - x.mean(axis=-1, keepdims=True)
         x = x / F.np.sqrt(F.np.square(x).mean(axis=-1, keepdims=True) + self.eps)
-        return F.np.expand_dims(gamma, 1) * x.astype(self._dtype)
+        return F.np.expand_dims(gamma, 1) * x.astype(dtype)
 
 
 def _dense(num_hiddens: int, bias: bool, in_features: int | None, dtype: str) -> nn.Dense:
@@ -1011,10 +1031,15 @@ class MultiHeadAttention(Layer):
         # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count,
         # a plain array that reaches a traced graph as an input, as the rotary frequencies
         self.alibi = alibi
-        slopes = alibi_slopes(num_heads).astype(self.dtype).reshape(-1, 1, 1)
-        self.alibi_slopes = from_numpy(slopes) if alibi else None
+        self.alibi_slopes = self.constants().get("alibi_slopes")
         self.attention_weights = None
         self.initialize(_LinearInit())
+
+    def constants(self) -> dict[str, Any]:
+        if not self.alibi:
+            return {}
+        slopes = alibi_slopes(self.num_heads).astype(self.dtype).reshape(-1, 1, 1)
+        return {"alibi_slopes": from_numpy(slopes)}
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                 window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
@@ -1363,7 +1388,10 @@ class PositionalEncoding(Layer):
         self.dtype = validation.check_layer_args("PositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nn.Dropout(dropout)
-        self.P = from_numpy(sinusoid_table(max_len, num_hiddens).astype(self.dtype))
+        self.P = self.constants()["P"]
+
+    def constants(self) -> dict[str, Any]:
+        return {"P": from_numpy(sinusoid_table(self.max_len, self.num_hiddens).astype(self.dtype))}
 
     def forward(self, X):
         self._require_ndarrays(X)
@@ -1430,12 +1458,14 @@ class RotaryEmbedding(Layer):
         # The first `rotated` features turn, in pairs; the others pass (partial rotary)
         self.rotated = rotary_dim or num_hiddens
         # Shape of frequencies: (rotated / 2,), one angle per position for each pair
-        angle_dtype = rotary_angle_dtype(self.dtype)
-        self.frequencies = from_numpy(
-            rotary_frequencies(self.rotated, theta, self.scaling).astype(angle_dtype)
-        )
+        self.frequencies = self.constants()["frequencies"]
         # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
         self.attention_factor = rotary_attention_factor(self.scaling)
+
+    def constants(self) -> dict[str, Any]:
+        # In float64 for a float64 layer, else float32 (mha.encoding.rotary_angle_dtype)
+        frequencies = rotary_frequencies(self.rotated, self.theta, self.scaling)
+        return {"frequencies": from_numpy(frequencies.astype(rotary_angle_dtype(self.dtype)))}
 
     def forward(self, X, offset=0):
         self._require_ndarrays(X)
