@@ -346,6 +346,21 @@ def test_a_keras_padding_mask_is_not_read_as_the_latent_layers_mask(TF, batch_si
     assert_agrees(TF.to_numpy(model(ids)), expected, "float32")
 
 
+@pytest.mark.parametrize("policy", ["float64", "bfloat16", "mixed_bfloat16", "mixed_float16"])
+def test_a_policy_of_another_dtype_is_refused_after_construction(TF, policy):
+    # The layer's weights, sublayers and checks hold its dtype: a policy set afterwards would
+    # change only the checks (a bfloat16 layer computing in float32, or raw MatMul errors)
+    numpy_layer, layer = make_pair(TF, "MultiHeadAttention", "float32")
+    queries, keys, values = inputs("float32")
+    for target in (layer, TF.PositionalEncoding(8), TF.AddNorm(8)):
+        with pytest.raises(ValueError, match="dtype it was built with, float32"):
+            target.dtype_policy = policy
+        assert target.dtype_policy.name == "float32"
+        target.dtype_policy = "float32"
+    expected = numpy_layer(queries, keys, values, causal=True)
+    assert_agrees(TF.to_numpy(layer(queries, keys, values, causal=True)), expected, "float32")
+
+
 def test_subclassed_model_trains(TF, tf):
     import keras
 

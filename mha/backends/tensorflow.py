@@ -140,7 +140,30 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
     return tf.reshape(y, out_shape)
 
 
-class Sinks(keras.layers.Layer):
+class Layer(keras.layers.Layer):
+    """keras.layers.Layer whose dtype is the one it was built with: its weights, sublayers
+    and checks hold it, so a new `dtype_policy` computing or storing in another dtype is
+    refused rather than half applied."""
+
+    @property
+    def dtype_policy(self):
+        return keras.layers.Layer.dtype_policy.fget(self)
+
+    @dtype_policy.setter
+    def dtype_policy(self, value) -> None:
+        before = self.dtype_policy
+        keras.layers.Layer.dtype_policy.fset(self, value)
+        dtypes = (self.compute_dtype, self.variable_dtype)
+        if dtypes != (before.compute_dtype, before.variable_dtype):
+            keras.layers.Layer.dtype_policy.fset(self, before)
+            raise ValueError(
+                f"{type(self).__name__} computes in the dtype it was built with, "
+                f"{before.variable_dtype}: build a layer with dtype={dtypes[1]!r} and load "
+                f"these weights into it (mha.set_weights). Received: dtype_policy={value!r}"
+            )
+
+
+class Sinks(Layer):
     """Each head's sink logit, the layer's `bias` (zeros at first)."""
 
     def __init__(self, num_heads: int, dtype: str, **kwargs):
@@ -156,7 +179,7 @@ def _rms_normalized(X: tf.Tensor, eps: float) -> tf.Tensor:
     return tf.cast(x, X.dtype)
 
 
-class RMSNorm(keras.layers.Layer):
+class RMSNorm(Layer):
     """Scale the last axis to a mean square of 1, then by gamma (float32 sums for half)."""
 
     def __init__(self, num_hiddens: int, eps: float, dtype: str, **kwargs):
@@ -169,7 +192,7 @@ class RMSNorm(keras.layers.Layer):
         return self.gamma * _rms_normalized(X, self.eps)
 
 
-class HeadLayerNorm(keras.layers.Layer):
+class HeadLayerNorm(Layer):
     """Each head's features of X (batch_size, num_heads, n, head size) to mean 0 and mean
     square 1, then scaled by that head's row of gamma (num_heads, head size): StableLM's
     layer norm per head, without a shift (float32 sums for half)."""
@@ -513,7 +536,7 @@ def _log_sum_exp(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
 # Layers
 
 
-class _AttentionLayer(keras.layers.Layer):
+class _AttentionLayer(Layer):
     """Keras reads a call argument named `mask` as its padding mask; ours is an attention
     keep-mask of shape (batch_size, no. of queries, no. of keys), so no mask is attached to
     the output (and Keras does not warn that one is dropped). Keras's autocast is off: the
@@ -1076,7 +1099,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
 
 @documented
 @keras.utils.register_keras_serializable(package="mha")
-class PositionalEncoding(keras.layers.Layer):
+class PositionalEncoding(Layer):
     """Add the sinusoidal positional encoding P to X, then dropout.
 
     A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
@@ -1110,7 +1133,7 @@ class PositionalEncoding(keras.layers.Layer):
 
 @documented
 @keras.utils.register_keras_serializable(package="mha")
-class LearnedPositionalEncoding(keras.layers.Layer):
+class LearnedPositionalEncoding(Layer):
     """Add a learned positional embedding to X, then dropout: P is a weight, one row per
     position, trained with the rest.
 
@@ -1149,7 +1172,7 @@ class LearnedPositionalEncoding(keras.layers.Layer):
 
 @documented
 @keras.utils.register_keras_serializable(package="mha")
-class RotaryEmbedding(keras.layers.Layer):
+class RotaryEmbedding(Layer):
     """Rotary position embeddings (RoPE): each pair of features turned by an angle that grows
     with the position.
 
@@ -1251,7 +1274,7 @@ class RotaryEmbedding(keras.layers.Layer):
 
 @documented
 @keras.utils.register_keras_serializable(package="mha")
-class AddNorm(keras.layers.Layer):
+class AddNorm(Layer):
     """The residual step after attention: LayerNorm(X + dropout(Y)) over the last axis.
 
     A Keras layer: `**kwargs` go to keras.layers.Layer (name, trainable), and the
