@@ -388,6 +388,33 @@ def test_gradcheck_encoding_and_add_norm(T, torch):
     _gradcheck(torch, function, X, Y, add_norm.ln.weight, add_norm.ln.bias)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
+def test_vmap_maps_the_inputs_and_the_lengths(T, torch, sinks):
+    # torch.func.vmap's batched tensors have no values to read (the lengths' check, the
+    # search for empty rows) and no storage for the softmax's out=
+    reference = N.MultiHeadAttention(8, H, query_size=5, key_size=6, value_size=7, sinks=sinks)
+    layer = T.MultiHeadAttention(8, H, query_size=5, key_size=6, value_size=7, sinks=sinks)
+    weights = mha.random_weights(reference, seed=7)
+    mha.set_weights(reference, weights)
+    mha.set_weights(layer, weights)
+    rng = np.random.default_rng(7)
+    queries = rng.standard_normal((3, B, 2, 5)).astype(np.float32)
+    keys = rng.standard_normal((3, B, 6, 6)).astype(np.float32)
+    values = rng.standard_normal((3, B, 6, 7)).astype(np.float32)
+    lengths = rng.integers(0, 7, (3, B))
+    lengths[0] = 0  # every row of one call empty
+    for need_weights in (True, False):
+        mapped = torch.func.vmap(
+            lambda q, k, v, n, need_weights=need_weights: layer(
+                q, k, v, n, causal=True, need_weights=need_weights
+            )
+        )
+        output = T.to_numpy(mapped(*(T.from_numpy(x) for x in (queries, keys, values, lengths))))
+        for i in range(3):
+            expected = reference(queries[i], keys[i], values[i], lengths[i], causal=True)
+            assert_agrees(output[i], expected, "float32")
+
+
 # ---------------------------------------------------------------------------------------------
 # Training flag, in-place safety, devices, torch.compile
 

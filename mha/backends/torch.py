@@ -209,7 +209,7 @@ def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> Any:
     either, nor one torch.jit.trace records (its graph would keep the example's answer). A
     graph being compiled reads them, and keeps no path chosen by them."""
     if (valid_lens is None or valid_lens.device.type != "cpu" or torch.compiler.is_exporting()
-            or torch.jit.is_tracing()):
+            or torch.jit.is_tracing() or fused.functorch_wrapped(valid_lens)):
         return None
     compiling = torch.compiler.is_compiling()
     if valid_lens.numel() <= validation.FEW_LENGTHS and not compiling:
@@ -315,7 +315,7 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = F
             # A row with no kept key, all -inf, would be NaN: a row of zeros, whose softmax
             # is uniform, zeroed after unless empty_rows says uniform
             scores = scores.masked_fill_(~attended, 0.0)
-    if in_place and not scores.requires_grad:
+    if in_place and not scores.requires_grad and not fused.functorch_wrapped(scores):
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:
         weights = torch.softmax(scores, dim=-1)

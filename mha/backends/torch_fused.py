@@ -69,6 +69,23 @@ def building_a_graph() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
+def functorch_wrapped(x: torch.Tensor) -> bool:
+    """Whether x is one of torch.func's wrapped tensors (vmap, grad): a batched one has no
+    values of its own to read, nor a storage for an out= argument."""
+    return _is_functorch_wrapped(x)
+
+
+def values_unread(x: torch.Tensor) -> bool:
+    """Whether no path may hang on x's values: off the CPU a read would wait for the device,
+    a graph being built would keep one input's answer, and torch.func's tensors have none."""
+    return x.device.type != "cpu" or building_a_graph() or functorch_wrapped(x)
+
+
+# torch.func has no public test of its tensors
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
+                                lambda x: False)
+
+
 def exporting_to_onnx() -> bool:
     """Whether this call is being exported to ONNX (by torch.export or by tracing)."""
     # torch.onnx is imported by its exporter: a process that never loaded it is not exporting
@@ -80,7 +97,7 @@ def may_have_empty_rows(attended: torch.Tensor) -> bool:
     """Whether a row has no kept key, or might. On the CPU one host read of the small
     `attended` answers it; elsewhere (GPU, meta, a graph being built) the answer is yes
     without reading: no call waits for the device, and no graph keeps one input's answer."""
-    if attended.device.type != "cpu" or building_a_graph():
+    if values_unread(attended):
         return True
     return not bool(attended.all())
 
@@ -256,7 +273,7 @@ def _known_finite(keys: torch.Tensor) -> bool:
     the CPU one read answers it (a pass over the keys, not the scores); on other devices and
     while compiling or exporting a read would wait for the device or has no values, so the
     answer is no: such masks then take the path that replaces the masked scores."""
-    if keys.device.type != "cpu" or building_a_graph():
+    if values_unread(keys):
         return False
     # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, which is
     # safe. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
