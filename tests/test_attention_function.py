@@ -285,6 +285,8 @@ def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
     assert (kept(causal=True, alignment=1) == [[yes, yes, no, no], [yes] * 3 + [no]]).all()
     # window=2: within one position; (0, 2): the query's and the next two
     assert (kept(window=2) == [[yes, yes, no, no], [yes, yes, yes, no]]).all()
+    # ... its left side too, at positions 2 and 3
+    assert (kept(window=2, alignment=2) == [[no, yes, yes, yes], [no, no, yes, yes]]).all()
     assert (kept(window=(0, 2)) == [[yes, yes, yes, no], [no, yes, yes, yes]]).all()
     assert (kept(window=(None, 0), alignment=2) == [[yes] * 3 + [no], [yes] * 4]).all()
     assert (kept(valid_lens=np.array([[1, 3]])) == [[yes] + [no] * 3, [yes] * 3 + [no]]).all()

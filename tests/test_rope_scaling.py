@@ -103,6 +103,24 @@ def test_frequencies_and_attention_factor_are_transformers(kind, length):
     assert encoding.rotary_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
 
 
+def test_yarn_ramp_ends_at_the_last_pair_where_its_bound_passes_it():
+    # A small base and a long pretrained length put yarn's upper correction bound past the
+    # head's pairs: transformers clamps it to the head size - 1
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1000}
+    config = transformers().LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        max_position_embeddings=4000,
+        rope_parameters={**yarn, "rope_theta": 10.0},
+    )
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    got = encoding.rotary_frequencies(16, 10.0, yarn)
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
+    assert encoding.rotary_attention_factor(yarn) == pytest.approx(factor, rel=1e-12)
+
+
 LONGROPE = {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}
 # Where transformers takes the pretrained length of a scaled rotary embedding: the config's own
 # beside one set of parameters wins over theirs (llama3, yarn, longrope; Phi-3's class writes
