@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from agreement_cases import all_cases
-from conftest import backend_module
+from conftest import assert_agrees, backend_module
 from mha import harness
 from mha.cases import MASKS
 
@@ -107,6 +107,62 @@ def test_a_masked_key_with_a_tiny_weight_fails(monkeypatch):
     (row,) = harness.compare(["numpy"], cases=[case])
     assert row.weights_difference <= harness.TOLERANCES["float32"]
     assert 0 < row.zero_difference < 1e-29 and not row.passed
+
+
+def test_gradients_that_disagree_between_backends_fail_the_row(monkeypatch):
+    # JAX's gradients moved by 1e-8 of their scale: within the gradient tolerance of the
+    # reference's finite differences (1e-7), far outside float64's agreement with the first
+    # autograd backend's (torch's, the anchor: 1e-10)
+    backend_module("torch"), backend_module("jax")
+    original = harness.run_case
+
+    def moved(backend, case, inputs, weights, config, cotangent=None):
+        result = original(backend, case, inputs, weights, config, cotangent)
+        if backend == "jax":
+            result.gradients = {
+                name: value + 1e-8 * np.abs(value).max() for name, value in result.gradients.items()
+            }
+        return result
+
+    case = harness.Case("DotProductAttention", ("valid_lens_1d",))
+    monkeypatch.setattr(harness, "run_case", moved)
+    torch_row, jax_row = harness.compare(["torch", "jax"], dtype="float64", cases=[case])
+    assert torch_row.passed and torch_row.gradient_agreement is None
+    assert jax_row.gradient_difference <= harness.GRADIENT_TOLERANCES["float64"]
+    assert jax_row.gradient_agreement > harness.TOLERANCES["float64"]
+    assert not jax_row.passed
+
+
+def test_weights_missing_from_a_backend_fail_the_row(monkeypatch):
+    original = harness.run_case
+
+    def without_weights(backend, case, inputs, weights, config, cotangent=None):
+        result = original(backend, case, inputs, weights, config, cotangent)
+        if config["dtype"] == "float32":
+            result.attention_weights = None
+        return result
+
+    case = harness.Case("MultiHeadAttention", ("valid_lens_1d",))
+    monkeypatch.setattr(harness, "run_case", without_weights)
+    (row,) = harness.compare(["numpy"], cases=[case])
+    assert row.weights_difference == float("inf") and not row.passed
+
+
+def test_the_tests_agreement_is_absolute_in_float64_and_relative_otherwise():
+    # conftest.assert_agrees, which the backends' own tests use, measures as the harness does
+    expected = np.array([1000.0, 1.0])
+
+    def off(by):
+        return expected + np.array([0.0, by])
+
+    with pytest.raises(AssertionError):
+        assert_agrees(off(5e-9), expected, "float64")
+    assert_agrees(off(5e-11), expected, "float64")
+    assert_agrees(off(5e-3), expected, "float32")  # 5e-6 of the scale
+    with pytest.raises(AssertionError):
+        assert_agrees(off(5e-2), expected, "float32")
+    with pytest.raises(AssertionError):
+        assert_agrees(np.array([np.nan, 1.0]), np.array([np.nan, 1.0]), "float64")
 
 
 @pytest.mark.parametrize(

@@ -337,6 +337,16 @@ def test_torch_state_dict_layouts(torch):
 
 
 @pytest.mark.torch
+def test_the_config_read_from_a_torch_state_has_each_input_size(torch):
+    # kdim 5 and vdim 3 beside embed_dim 8: separate projections, each its own input size
+    module = torch.nn.MultiheadAttention(8, 2, kdim=5, vdim=3)
+    weights, config = interop.canonical_from_torch(module.state_dict())
+    sizes = {"num_hiddens": 8, "query_size": 8, "key_size": 5, "value_size": 3}
+    assert {name: config[name] for name in sizes} == sizes
+    assert weights["W_k"].shape == (5, 8) and weights["W_v"].shape == (3, 8)
+
+
+@pytest.mark.torch
 def test_what_torch_cannot_express(torch):
     numpy_backend = backend_module("numpy")
     layer = mha_layer(numpy_backend, KERAS_CONFIGS["query-size-bias"], "float32")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import mha
 from conftest import backend_module
 
 pytestmark = pytest.mark.jax
@@ -134,3 +135,38 @@ def test_only_the_causal_mask_alone_takes_the_kernels_own(modules, monkeypatch, 
     layer(X, X, X, need_weights=False, **call)
     # Otherwise the mask varies by query: mha's own steps compute it, not the kernel
     assert seen == ([True] if alone else [])
+
+
+@pytest.mark.parametrize("option", ["sinks", "softcap", "attn_bias"])
+def test_sinks_a_soft_cap_and_a_bias_take_mhas_own_steps(modules, option):
+    # A bfloat16 call without weights may take the kernel's path, whose steps have no sinks,
+    # soft cap or bias: a call with one of them must not take it, on the CPU too
+    jnp, _ = modules
+    import ml_dtypes
+
+    from mha.backends import jax as backend
+    from mha.backends import numpy as reference
+
+    options = {"sinks": {"sinks": True}, "softcap": {"softcap": 0.5}}.get(option, {})
+    sizes = {"query_size": 32, "key_size": 32, "value_size": 32}
+    numpy_layer = reference.MultiHeadAttention(32, 2, dtype="float64", **sizes, **options)
+    weights = mha.random_weights(numpy_layer, seed=8)
+    if option == "sinks":
+        weights["sinks"] = np.array([3.0, -1.0])
+    weights = {name: w.astype(ml_dtypes.bfloat16) for name, w in weights.items()}
+    mha.set_weights(numpy_layer, {name: w.astype(np.float64) for name, w in weights.items()})
+    layer = backend.MultiHeadAttention(32, 2, dtype="bfloat16", **sizes, **options)
+    mha.set_weights(layer, weights)
+    rng = np.random.default_rng(8)
+    X = rng.standard_normal((2, 5, 32)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal((2, 1, 5, 5)).astype(ml_dtypes.bfloat16) * 3
+    call = {"attn_bias": bias} if option == "attn_bias" else {}
+    expected = numpy_layer(
+        *(X.astype(np.float64),) * 3, **{k: v.astype(np.float64) for k, v in call.items()}
+    )
+    output = layer(
+        *(jnp.asarray(X),) * 3, need_weights=False, **{k: jnp.asarray(v) for k, v in call.items()}
+    )
+    np.testing.assert_allclose(
+        np.asarray(output, np.float64), expected, atol=0.05 * np.abs(expected).max()
+    )
