@@ -669,3 +669,15 @@ def test_masked_softmax_of_no_rows_is_empty(backend, shape):
         B.from_numpy(np.zeros(shape, np.float32)), B.from_numpy(np.array([1, 2]))
     )
     assert B.to_numpy(output).shape == shape
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_log_sum_exp_of_scores_past_exps_range_is_finite(name):
+    # Every score 20 * 20 * 4 / sqrt(4) = 800, past float64's exp: 800 + log 3 by the formula,
+    # the row's maximum taken out first; the third key masked leaves 800 + log 2
+    query, key = np.full((1, 1, 2, 4), 20.0), np.full((1, 1, 3, 4), 20.0)
+    value = np.eye(3, 4).reshape(1, 1, 3, 4)
+    _, lse = attention(name, query, key, value, return_lse=True)
+    np.testing.assert_allclose(lse, np.full((1, 1, 2), 800 + np.log(3)), rtol=1e-15)
+    _, lse = attention(name, query, key, value, valid_lens=np.array([2]), return_lse=True)
+    np.testing.assert_allclose(lse, np.full((1, 1, 2), 800 + np.log(2)), rtol=1e-15)

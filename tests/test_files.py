@@ -224,6 +224,36 @@ def test_keras_files_are_written_the_same_by_either_way(tmp_path, monkeypatch, p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.weights.h5"]
 
 
+@pytest.mark.parametrize("change", ["a weight lost", "another dtype", "one ulp"])
+def test_a_file_that_would_not_read_back_the_same_is_not_written(tmp_path, monkeypatch, change):
+    # The read-back check compares names, dtypes and bits: each change of what comes back
+    # keeps the user's file as it was and leaves nothing beside it
+    from mha import conversion
+
+    layer = N.MultiHeadAttention(8, 2, bias=True, query_size=8, key_size=8, value_size=8)
+    weights = mha.random_weights(layer, seed=4)
+    destination = tmp_path / "a.safetensors"
+    destination.write_bytes(b"what the user had")
+    original = conversion.read_file
+
+    def changed(path, **kwargs):
+        read, config = original(path, **kwargs)
+        if change == "a weight lost":
+            del read["b_o"]
+        else:
+            W_q = read["W_q"]
+            read["W_q"] = (
+                W_q.astype(np.float64) if change == "another dtype" else (np.nextafter(W_q, np.inf))
+            )
+        return read, config
+
+    monkeypatch.setattr(conversion, "read_file", changed)
+    with pytest.raises(ValueError, match="would not read back as the same weights"):
+        interop.write_file(destination, weights, num_heads=2)
+    assert destination.read_bytes() == b"what the user had"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
 def test_a_header_larger_than_the_file_is_refused_before_reading_it(tmp_path):
     path = tmp_path / "hostile.safetensors"
     path.write_bytes((2**40).to_bytes(8, "little") + b"{}")

@@ -1695,6 +1695,10 @@ def _fused_decoder(Config, Model, seed=11, **fields):
     config = Config(**sizes, **fields)
     model = Model(config).double().eval()
     model.config._attn_implementation = "eager"
+    with torch.no_grad():  # biases of zeros, as transformers starts them, would hide a lost one
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.5)
     block = model.layers[0] if hasattr(model, "layers") else model.h[0]
     attention = getattr(block, "attention", None) or block.self_attention
     padding = torch.tensor([[1] * 7, [0] * 2 + [1] * 5])
