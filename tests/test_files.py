@@ -494,6 +494,31 @@ def test_compare_with_a_bad_seed_is_a_usage_error(seed):
     assert "Traceback" not in completed.stderr
 
 
+def test_a_torch_file_whose_entries_claim_more_than_it_holds_is_refused_unread(tmp_path):
+    # The central directory says 2**31 bytes for the data: refused before any entry is read
+    import zipfile
+
+    pytest.importorskip("torch")
+    weights = mha.random_weights(
+        N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
+    )
+    good = tmp_path / "good.pt"
+    interop.write_file(good, weights)
+    with zipfile.ZipFile(good) as archive:
+        name = next(e for e in archive.infolist() if e.filename.endswith("/data/0")).filename
+    raw = bytearray(good.read_bytes())
+    start = raw.find(b"PK\x01\x02")  # each central directory record
+    while start != -1:
+        name_length = int(np.frombuffer(raw[start + 28 : start + 30], "<u2")[0])
+        if raw[start + 46 : start + 46 + name_length] == name.encode():
+            raw[start + 20 : start + 28] = np.array([2**31, 2**31], "<u4").tobytes()
+        start = raw.find(b"PK\x01\x02", start + 1)
+    claiming = tmp_path / "claiming.pt"
+    claiming.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="its entries declare more bytes than the file holds"):
+        interop.read_file(claiming, num_heads=H)
+
+
 def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
     # torch checks no CRC-32 of its zip entries: a flipped bit would load as another weight
     import zipfile

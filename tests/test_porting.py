@@ -1624,6 +1624,22 @@ def test_phi3_fused_qkv_proj_with_grouped_heads_ports(name):
     np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
 
 
+def test_a_fused_grouped_qkv_proj_bias_is_cut_as_its_weight():
+    # Phi-3's layout (q's rows, then k's and v's: one key-value head of 4 here) with a bias,
+    # which Phi-3 has not but such a state may: each projection takes its own rows of both
+    rng = np.random.default_rng(0)
+    state = {
+        "qkv_proj.weight": rng.standard_normal((16, 8)),
+        "qkv_proj.bias": rng.standard_normal(16),
+        "o_proj.weight": rng.standard_normal((8, 8)),
+    }
+    port = porting.canonical_from_state_dict(state, num_heads=2, without_positions=True)
+    assert port.config["bias"] is True and port.config["num_kv_heads"] == 1
+    for name, rows in (("q", slice(0, 8)), ("k", slice(8, 12)), ("v", slice(12, 16))):
+        np.testing.assert_array_equal(port.weights[f"W_{name}"], state["qkv_proj.weight"][rows].T)
+        np.testing.assert_array_equal(port.weights[f"b_{name}"], state["qkv_proj.bias"][rows])
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_distilbert_attention_ports_to_every_backend(name):
     T = transformers()
