@@ -682,12 +682,14 @@ class MultiHeadAttention(Module):
             self.W_g = _linear(num_hiddens, bias, query_size, self.dtype)
         # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
         self.alibi = alibi
-        self.register_buffer("alibi_slopes", self.constants()["alibi_slopes"] if alibi else None,
+        self.register_buffer("alibi_slopes", self.constants().get("alibi_slopes"),
                              persistent=False)
         self.attention_weights = None
 
     def constants(self) -> dict[str, torch.Tensor]:
         # ALiBi's slope of each head, (num_heads, 1, 1), in float64 and cast
+        if not self.alibi:
+            return {}
         slopes = torch.from_numpy(alibi_slopes(self.num_heads)).to(_TORCH_DTYPES[self.dtype])
         return {"alibi_slopes": slopes.reshape(-1, 1, 1)}
 
