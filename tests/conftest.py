@@ -40,6 +40,25 @@ def required_import(module: str):
         pytest.skip(str(error))
 
 
+# The mha backend whose framework each module is
+_BACKEND_OF_FRAMEWORK = {
+    "torch": "torch",
+    "tensorflow": "tensorflow",
+    "keras": "tensorflow",
+    "mxnet": "mxnet",
+    "jax": "jax",
+    "flax": "jax",
+}
+
+
+def framework_import(module: str):
+    """A framework's own module (torch, keras, jax...), for a test of mha's backend beside it:
+    as backend_module, it fails where that backend is required and missing, and skips
+    otherwise."""
+    backend_module(_BACKEND_OF_FRAMEWORK[module.partition(".")[0]])
+    return importlib.import_module(module)
+
+
 def backend_params(names=None):
     """pytest params over backends, each marked with its name (`pytest -m torch`)."""
     return [

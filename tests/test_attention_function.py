@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import backend_module, backend_params, required_import
+from conftest import backend_module, backend_params, framework_import, required_import
 
 # The backends that have the function
 BACKENDS = backend_params()
@@ -205,7 +205,7 @@ TORCH_CALLS = {
 @pytest.mark.parametrize("call", TORCH_CALLS)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_torch_scaled_dot_product_attention_gives_the_same(name, call, rng):
-    torch = required_import("torch")
+    torch = framework_import("torch")
     query, key, value = random_call(rng)
     options = dict(TORCH_CALLS[call])
     theirs = {"scale": options.get("scale"), "is_causal": options.get("causal", False)}
@@ -242,7 +242,7 @@ def test_torch_scaled_dot_product_attention_gives_the_same(name, call, rng):
 def test_jax_dot_product_attention_gives_the_same(name, options, rng):
     # JAX's takes (batch, positions, heads, head size), its windows as (left, right) about
     # query i at position i, and the keys' lengths per batch row
-    jax = required_import("jax")
+    jax = framework_import("jax")
     query, key, value = random_call(rng, queries=6, keys=6, dv=8)
     options = dict(options)
     theirs = {"is_causal": options.get("causal", False), "scale": options.get("scale")}
@@ -402,7 +402,7 @@ def test_bad_tensors_are_refused(name, rng):
 def test_torch_gradients_are_the_references_finite_differences(rng):
     # Grouped heads, a value head size of its own, every mask kind and the soft cap; the loss
     # weighs the output and the log-sum-exp by fixed random numbers
-    torch = required_import("torch")
+    torch = framework_import("torch")
     from mha.backends import numpy as N
     from mha.backends import torch as T
 

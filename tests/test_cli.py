@@ -409,6 +409,13 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
 def test_compare_device_that_cannot_be_reached_is_a_usage_error():
     code, _, err = run("compare", "--backends", "numpy", "--device", "tpu")
     assert code == 2 and "--device" in err
+
+
+@pytest.mark.tensorflow
+def test_compare_device_of_a_backend_without_devices_is_a_usage_error():
+    from conftest import backend_module
+
+    backend_module("tensorflow")
     code, _, err = run("compare", "--backends", "numpy,tensorflow", "--device", "cpu")
     assert code == 2 and "cannot put the tensorflow backend on a device" in err
 

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from conftest import backend_module
+
 pytestmark = pytest.mark.tensorflow
 
 # TensorFlow writes absl log lines ("I0000 ... oneDNN custom operations are on") to the
@@ -30,6 +32,7 @@ def stderr_and_stdout(code: str) -> tuple[str, str]:
 
 @pytest.mark.slow
 def test_tensorflow_native_log_lines_are_set_aside():
+    backend_module("tensorflow")
     native, _ = stderr_and_stdout(IMPORT_TENSORFLOW)
     native = [line for line in native.splitlines() if line.strip()]
     err, out = stderr_and_stdout(IMPORT_ASIDE)

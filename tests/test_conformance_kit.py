@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import backend_module, backend_params, required_import
+from conftest import backend_module, backend_params, framework_import
 from mha import cli, conformance, conformance_adapters
 
 DTYPES = ("float32", "float64")
@@ -45,7 +45,7 @@ def test_mhas_own_function_agrees_on_every_case(name):
 
 @pytest.mark.torch
 def test_torch_sdpa_math_is_reported_as_it_behaves():
-    required_import("torch")
+    framework_import("torch")
     rows = conformance.run(conformance_adapters.torch_sdpa("math"), "torch", DTYPES)
     found = statuses(rows)
     assert "error" not in found
@@ -73,7 +73,7 @@ def test_torch_flex_attention_takes_every_case_and_agrees():
     # FlexAttention expresses every mask as a mask_mod and the bias and soft cap as a
     # score_mod: every case agrees (its CPU backward does not exist: outputs alone are
     # compared, and the row says so)
-    torch = required_import("torch")
+    torch = framework_import("torch")
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         pytest.skip(f"torch {torch.__version__} has no FlexAttention")
     # float32 alone: its eager path builds a block mask per call, the slowest of the adapters
@@ -87,7 +87,7 @@ def test_torch_flex_attention_takes_every_case_and_agrees():
 @pytest.mark.jax
 @pytest.mark.parametrize("empty_rows", ["zeros", "uniform"])
 def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
-    jax = required_import("jax")
+    jax = framework_import("jax")
     adapter = conformance_adapters.jax_dot_product_attention()
     rows = conformance.run(adapter, "jax", ("float32",), empty_rows=empty_rows)
     found = statuses(rows)
@@ -210,7 +210,7 @@ def test_device_places_the_functions_tensors():
 
 @pytest.mark.tensorflow
 def test_keras_dot_product_attention_is_reported_as_it_behaves():
-    required_import("keras")
+    backend_module("tensorflow")
     adapter = conformance_adapters.keras_dot_product_attention()
     rows = conformance.run(adapter, "tensorflow", ("float32",), empty_rows="uniform")
     found = statuses(rows)

@@ -1006,6 +1006,8 @@ def spelled_out_keep(valid_lens, mask, causal, num_heads):
 def test_mask_helpers_refuse_a_mask_that_is_not_boolean(helper):
     # As the layers do: an additive mask (0 and -inf) read as nonzero = keep would invert
     additive = np.where(np.tril(np.ones((3, 3), bool)), 0.0, -np.inf)
+    if helper == "to_torch_masks":  # its masks are torch tensors
+        backend_module("torch")
     sizes = {"num_queries": 3, "num_keys": 3, **({"num_heads": 2} if "torch" in helper else {})}
     for mask in (additive, np.tril(np.ones((3, 3), int))):
         with pytest.raises(TypeError, match=r"mask must be a boolean keep-mask \(True = attend"):

@@ -318,6 +318,7 @@ def test_dropout_draws_a_mask_for_each_weight_both_ways(flax):
 
 def test_big_endian_parameters_convert_as_the_same_numbers(flax, tmp_path):
     # numpy keeps a file's byte order; torch takes only this machine's
+    backend_module("torch")
     rng = np.random.default_rng(7)
     params = {
         "query": {"kernel": rng.standard_normal((D, H, D // H))},

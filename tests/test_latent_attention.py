@@ -13,7 +13,7 @@ import importlib
 import numpy as np
 import pytest
 
-from conftest import backend_module, backend_params, required_import
+from conftest import backend_module, backend_params, framework_import, required_import
 from mha.backends import numpy as N
 
 YARN = {
@@ -101,7 +101,7 @@ def _our_layer(config, theirs, q_lora_rank, scaling, sliding_window=None):
 @pytest.mark.parametrize("q_lora_rank", [None, 8], ids=["plain queries", "low-rank queries"])
 @pytest.mark.parametrize("scaling", [None, YARN], ids=["default rotary", "yarn"])
 def test_the_reference_is_transformers_own(q_lora_rank, scaling):
-    torch = required_import("torch")
+    torch = framework_import("torch")
     rope = (
         {"rope_type": "default", "rope_theta": 10000.0}
         if scaling is None
@@ -124,7 +124,7 @@ def test_the_reference_is_transformers_own(q_lora_rank, scaling):
 def test_a_sliding_window_and_an_additive_bias_are_transformers_own():
     # transformers takes one additive mask: causal, the band of the 2 latest keys and a bias,
     # each written here by hand; mha takes causal, sliding_window=2 and attn_bias
-    torch = required_import("torch")
+    torch = framework_import("torch")
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     config, theirs, rotary = _their_layer(torch, 8, rope)
     ours = _our_layer(config, theirs, 8, None, sliding_window=2)
@@ -371,7 +371,7 @@ def test_deepseek_ports_in_one_line(name, model, dtype):
     # the port's numbers are transformers' own module's, causal with padding, in every backend
     import mha
 
-    torch = required_import("torch")
+    torch = framework_import("torch")
     module = backend_module(name)  # a backend neither required nor installed skips
     model_type, interleave = MODELS[model]
     # rms_norm_eps far from 1e-6: the latent norms of transformers' module take 1e-6 all the
@@ -515,7 +515,7 @@ def test_mha_convert_writes_a_deepseek_v3_layer_as_a_checkpoint(tmp_path, capsys
     import mha
     from mha import cli
 
-    torch = required_import("torch")
+    torch = framework_import("torch")
     config, theirs, rotary = _their_layer(torch, None, {**YARN, "rope_theta": 10000.0})
     prefix = "model.layers.3.self_attn"
     state = {f"{prefix}.{key}": value.numpy() for key, value in theirs.state_dict().items()}
@@ -547,7 +547,7 @@ def test_deepseek_v3_2_sparse_attention_is_not_listed_as_v3_and_its_port_is_refu
     from mha import porting
 
     transformers = required_import("transformers")
-    torch = required_import("torch")
+    torch = framework_import("torch")
     sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, **SIZES)
     sizes |= dict(q_lora_rank=8, num_hidden_layers=1, vocab_size=16, n_routed_experts=2)
     sizes |= dict(num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=8)

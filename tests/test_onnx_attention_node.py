@@ -10,7 +10,7 @@ import collections
 import numpy as np
 import pytest
 
-from conftest import backend_module, required_import
+from conftest import backend_module, framework_import, required_import
 from mha.backends import numpy as N
 
 pytestmark = [
@@ -46,7 +46,7 @@ def _run(session, *arrays):
     ids=["lengths", "scale"],
 )
 def test_the_function_becomes_one_attention_node(options, rng):
-    torch = required_import("torch")
+    torch = framework_import("torch")
     T = backend_module("torch")
     lengths = options.pop("lengths", False)
 
@@ -74,7 +74,7 @@ def test_the_function_becomes_one_attention_node(options, rng):
 
 @pytest.mark.parametrize("options", [{"lengths": True}], ids=["lengths"])
 def test_a_layer_without_weights_becomes_one_attention_node(options, rng):
-    torch = required_import("torch")
+    torch = framework_import("torch")
     T = backend_module("torch")
     import mha
 
@@ -105,7 +105,7 @@ def test_a_causal_call_keeps_a_nan_future_key_out_of_the_onnx_program(rng):
     """ONNX's causal mask (the exporter's of is_causal, the Attention node's) is added to the
     scores, and NaN + -inf is NaN: mha's causal calls export as products that replace the
     masked scores, and a NaN or inf after every query reaches no output."""
-    torch = required_import("torch")
+    torch = framework_import("torch")
     T = backend_module("torch")
     import mha
 

@@ -129,35 +129,41 @@ def test_a_checkpoint_written_before_the_options_loads_with_their_defaults(tmp_p
     assert again.bias and again.out_bias is None
 
 
+# Each file kind is written by its framework
+_FRAMEWORK_OF_FILE = {"a.pt": "torch", "a.weights.h5": "tensorflow", "a.msgpack": "jax"}
+
+
+@pytest.mark.parametrize("destination", list(_FRAMEWORK_OF_FILE))
 @pytest.mark.parametrize("option", ["out_bias", "out_features", "scale", "sinks", "output_gate"])
-def test_the_frameworks_layers_refuse_what_they_cannot_hold(option, tmp_path):
+def test_the_frameworks_layers_refuse_what_they_cannot_hold(option, destination, tmp_path):
+    backend_module(_FRAMEWORK_OF_FILE[destination])
     value = {"out_bias": True, "out_features": 5, "scale": 0.5}.get(option, True)
     layer = backend_module("numpy").MultiHeadAttention(
         8, 2, query_size=8, key_size=8, value_size=8, **{option: value}
     )
     mha.set_weights(layer, mha.random_weights(layer, seed=0))
-    with pytest.raises(ValueError, match="has no equivalent of"):
-        interop.torch_state_dict(mha.get_weights(layer)) if option != "scale" else (
-            interop.write_file(tmp_path / "a.pt", mha.get_weights(layer), scale=value)
-        )
-    mha.save(layer, tmp_path / "a.safetensors")
-    for destination in ("a.pt", "a.weights.h5", "a.msgpack"):
-        if option == "out_features" and destination != "a.pt":
-            # Keras's output_shape and Flax's out_features hold another output size
-            interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
-            again, config = interop.read_file(tmp_path / destination)
-            assert config["out_features"] == 5 and again["W_o"].shape == (8, 5)
-            continue
-        if option == "output_gate" and destination == "a.weights.h5":
-            # Keras's gate (use_gate) is the output gate
-            interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
-            again, config = interop.read_file(tmp_path / destination)
-            assert config["output_gate"]
-            np.testing.assert_array_equal(again["W_g"], mha.get_weights(layer)["W_g"])
-            continue
+    if destination == "a.pt":
         with pytest.raises(ValueError, match="has no equivalent of"):
-            interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
-        assert not (tmp_path / destination).exists()
+            interop.torch_state_dict(mha.get_weights(layer)) if option != "scale" else (
+                interop.write_file(tmp_path / "a.pt", mha.get_weights(layer), scale=value)
+            )
+    mha.save(layer, tmp_path / "a.safetensors")
+    if option == "out_features" and destination != "a.pt":
+        # Keras's output_shape and Flax's out_features hold another output size
+        interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
+        again, config = interop.read_file(tmp_path / destination)
+        assert config["out_features"] == 5 and again["W_o"].shape == (8, 5)
+        return
+    if option == "output_gate" and destination == "a.weights.h5":
+        # Keras's gate (use_gate) is the output gate
+        interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
+        again, config = interop.read_file(tmp_path / destination)
+        assert config["output_gate"]
+        np.testing.assert_array_equal(again["W_g"], mha.get_weights(layer)["W_g"])
+        return
+    with pytest.raises(ValueError, match="has no equivalent of"):
+        interop.convert(tmp_path / "a.safetensors", tmp_path / destination)
+    assert not (tmp_path / destination).exists()
 
 
 def d2l_masked_softmax(X, valid_lens):
@@ -233,6 +239,8 @@ def test_the_converters_refuse_options_without_weights(tmp_path, option):
     # ALiBi, the queries' scaling by position and the values' norm are config, no weight: the
     # converters read them off mha's layer and mha's files, and the frameworks' layers have
     # none of them
+    for framework in ("torch", "tensorflow", "jax"):  # each writes its file kind
+        backend_module(framework)
     layer = backend_module("numpy").MultiHeadAttention(
         8, 2, query_size=8, key_size=8, value_size=8, **option
     )
@@ -250,6 +258,7 @@ def test_the_converters_refuse_options_without_weights(tmp_path, option):
 def test_an_mha_file_converted_keeps_uniform_empty_rows(tmp_path):
     # What a row with no key gets is no weight: mha's checkpoints keep it through a convert,
     # and a framework's file takes that framework's convention (docs/weights-and-files.md)
+    backend_module("torch")  # writes the .pt file
     N = backend_module("numpy")
     layer = N.MultiHeadAttention(
         8, 2, query_size=8, key_size=8, value_size=8, empty_rows="uniform", dtype="float64"
