@@ -51,11 +51,16 @@ _BACKEND_OF_FRAMEWORK = {
 }
 
 
-def framework_import(module: str):
+def framework_import(module: str, *, module_level: bool = False):
     """A framework's own module (torch, keras, jax...), for a test of mha's backend beside it:
     as backend_module, it fails where that backend is required and missing, and skips
-    otherwise."""
-    backend_module(_BACKEND_OF_FRAMEWORK[module.partition(".")[0]])
+    otherwise (the whole test file where module_level)."""
+    try:
+        backend_module(_BACKEND_OF_FRAMEWORK[module.partition(".")[0]])
+    except pytest.skip.Exception as skipped:
+        if not module_level:
+            raise
+        pytest.skip(skipped.msg, allow_module_level=True)
     return importlib.import_module(module)
 
 

@@ -206,3 +206,53 @@ def test_pickle_files_are_never_executed(tmp_path):
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         mha.load(path)
     assert not marker.exists()
+
+
+def _attention_by_formula(x, w, num_heads, scale):
+    """Multi-head self-attention by hand from canonical weights without biases."""
+    q, k, v = (x @ w[f"W_{name}"] for name in "qkv")
+    B, N, n = q.shape
+    heads = [a.reshape(B, N, num_heads, -1).transpose(0, 2, 1, 3) for a in (q, k, v)]
+    scores = heads[0] @ heads[1].transpose(0, 1, 3, 2) * scale
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return (p @ heads[2]).transpose(0, 2, 1, 3).reshape(B, N, n) @ w["W_o"]
+
+
+def _scaled_checkpoint(tmp_path):
+    """(path, weights) of a float64 MultiHeadAttention checkpoint saved with scale 0.5."""
+    layer = backend_module("numpy").MultiHeadAttention(
+        8, 2, scale=0.5, query_size=8, key_size=8, value_size=8, dtype="float64"
+    )
+    w = mha.random_weights(layer, seed=5)
+    mha.set_weights(layer, w)
+    mha.save(layer, tmp_path / "scaled.safetensors")
+    return tmp_path / "scaled.safetensors", w
+
+
+def test_a_checkpoint_keeps_its_scale_and_options(tmp_path):
+    path, w = _scaled_checkpoint(tmp_path)
+    assert mha.checkpoints.read_checkpoint(path).config["scale"] == 0.5
+    x = np.random.default_rng(6).standard_normal((2, 4, 8))
+    again = mha.load(path, backend="numpy")
+    expected = _attention_by_formula(x, w, 2, 0.5)
+    np.testing.assert_allclose(again(x, x, x), expected, rtol=0, atol=1e-12)
+    options = {"rope_theta": 10000.0, "sliding_window": 3, "softcap": 30.0}
+    other = backend_module("numpy").MultiHeadAttention(
+        8, 2, **options, query_size=8, key_size=8, value_size=8, dtype="float64"
+    )
+    mha.set_weights(other, w)
+    mha.save(other, tmp_path / "options.safetensors")
+    config = mha.checkpoints.read_checkpoint(tmp_path / "options.safetensors").config
+    assert {key: config[key] for key in options} == options
+
+
+def test_convert_keeps_a_checkpoints_scale_and_takes_the_one_given(tmp_path):
+    path, w = _scaled_checkpoint(tmp_path)
+    x = np.random.default_rng(3).standard_normal((2, 4, 8))
+    for scale in (None, 0.125):  # None: the checkpoint's own
+        destination = tmp_path / f"{scale}.safetensors"
+        mha.interop.convert(path, destination, scale=scale)
+        copy = mha.load(destination, backend="numpy")
+        expected = _attention_by_formula(x, w, 2, scale or 0.5)
+        np.testing.assert_allclose(copy(x, x, x), expected, rtol=0, atol=1e-12)

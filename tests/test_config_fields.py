@@ -8,14 +8,16 @@ model's own attention (its eager attention, which applies every field it reads).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from conftest import framework_import
 from mha import porting
 from mha.config_defaults import DEFAULTS
 from mha.config_fields import PLAIN, READ_BY, UNREAD, UNREAD_WITHOUT_ROTARY, without_unread
 from mha.rotary_types import ROTARY
 
-torch = pytest.importorskip("torch")  # transformers' models are torch modules
+torch = framework_import("torch", module_level=True)  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
 
 from test_families import (  # noqa: E402  (after the skip: they build torch models)
@@ -396,7 +398,6 @@ def test_whole_numbers_written_as_floats_are_read_as_whole():
     assert "sliding_window" not in porting.options_from_config(config, 0)
     assert porting.options_from_config(config, 1)["sliding_window"] == 4
     # A config built in Python may hold numpy's numbers: read as the numbers they are
-    np = pytest.importorskip("numpy")
     numbers = {
         "sliding_window": np.int64(8),
         "head_dim": np.int64(8),

@@ -14,13 +14,13 @@ import copy
 import numpy as np
 import pytest
 
-from conftest import required_import
+from conftest import framework_import, required_import
 from mha import porting
 from mha.layouts import LAYOUTS
 from mha.rotary_types import ROTARY
 from mha.shared_layers import KEYS_VALUES_ELSEWHERE
 
-torch = pytest.importorskip("torch")  # transformers' models are torch modules
+torch = framework_import("torch", module_level=True)  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
 
 SIZES = dict(
@@ -637,3 +637,43 @@ def test_roberta_prelayernorm_ports_with_its_input_norm_left_out():
     ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", num_heads=4)
     atol = 1e-5 * np.max(np.abs(expected))
     np.testing.assert_allclose(ported(x, x, x), expected, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.6])
+def test_a_fraction_of_a_head_rounds_down_as_transformers(fraction):
+    # StableLM with heads of 8: int(2.8) = 2 and int(4.8) = 4 features turned, where round()
+    # would give 3 and 5 (transformers: rotary_ndims = int(head_dim * partial_rotary_factor))
+    rope = {"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": fraction}
+    config, model = tiny_model("stablelm", rope_parameters=rope)
+    written = {**SIZES, "rope_parameters": rope, "model_type": "stablelm"}
+    head = config.hidden_size // config.num_attention_heads
+    turned = model.layers[0].self_attn.rotary_ndims
+    assert porting.options_from_config(written, 0)["rope_dim"] == turned == int(head * fraction)
+    assert_each_layer_ports("stablelm", model, config, written)
+
+
+def test_keys_values_of_takes_a_layer_index_on_the_command_line(tmp_path, capsys):
+    # `mha convert --keys-values-of 0`: the index of the layer whose keys and values a Gemma 3n
+    # layer reuses; the converted layer computes what transformers' layer computes
+    from safetensors.torch import save_file
+
+    import mha
+    from mha import cli
+
+    config, model = tiny_model("gemma3n_text", num_kv_shared_layers=2)
+    state = {name: value.contiguous().clone() for name, value in model.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors")
+    config.to_json_file(tmp_path / "config.json")
+    prefixes = ["layers.0.self_attn", "layers.2.self_attn"]
+    seen = attention_io(model, [(prefix, "") for prefix in prefixes])
+    (x, expected), keys_values = seen[prefixes[1]], seen[prefixes[0]][0]
+    destination = tmp_path / "layer.safetensors"
+    arguments = ["convert", str(tmp_path / "model.safetensors"), str(destination)]
+    arguments += ["--prefix", prefixes[1], "--config", str(tmp_path / "config.json")]
+    code = cli.main([*arguments, "--layer", "2", "--keys-values-of", "0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert f"those under '{prefixes[0]}': call the layer" in captured.out
+    layer = mha.load(destination, backend="numpy")
+    output = layer(x, keys_values, keys_values, causal=True)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5 * np.max(np.abs(expected)))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import mha
+from conftest import framework_import
 from mha import interop
 from mha.backends import numpy as N
 
@@ -33,7 +34,7 @@ def mode(path):
 
 @pytest.mark.torch
 def test_a_failed_convert_leaves_the_destination_as_it_was(tmp_path):
-    pytest.importorskip("torch")
+    framework_import("torch")
     old = tmp_path / "old.pt"
     interop.convert(saved(tmp_path, "good.safetensors"), old)
     before = old.read_bytes()
@@ -70,7 +71,7 @@ def run_limited(statements: str) -> subprocess.CompletedProcess:
 
 def old_destination(tmp_path, source, ending):
     if ENDINGS[ending] is not None:
-        pytest.importorskip(ENDINGS[ending])
+        framework_import(ENDINGS[ending])
     destination = tmp_path / f"old{ending}"
     interop.convert(source, destination)
     assert destination.stat().st_size > LIMIT
@@ -201,7 +202,7 @@ def test_weights_holding_nan_convert_bit_for_bit(tmp_path):
 def test_keras_files_are_written_the_same_by_either_way(tmp_path, monkeypatch, private_store):
     # Keras's in-memory store is private: where it differs, the public save_weights in a scratch
     # folder writes the file instead, and both load back into Keras's own layer as the weights
-    pytest.importorskip("keras")
+    framework_import("keras")
     from keras.src.saving import saving_lib
 
     class PathsOnly(saving_lib.H5IOStore):
@@ -318,8 +319,9 @@ def test_a_header_nested_deeper_than_the_parser_goes_is_refused(tmp_path):
 
 @pytest.mark.tensorflow
 def test_keras_files_that_declare_more_than_they_hold_are_refused(tmp_path):
-    h5py = pytest.importorskip("h5py")
-    pytest.importorskip("tensorflow")
+    framework_import("tensorflow")
+    import h5py  # Keras's own file library
+
     huge = tmp_path / "huge.weights.h5"
     with h5py.File(huge, "w") as file:
         for dense in ("query_dense", "key_dense", "value_dense", "output_dense"):
@@ -350,8 +352,9 @@ def test_keras_files_that_declare_more_than_they_hold_are_refused(tmp_path):
 def test_keras_files_whose_arrays_keras_would_cast_or_fetch_are_refused(tmp_path):
     # Keras casts every array to the layer's dtype and follows links as it loads: a file
     # of mixed dtypes would load as other numbers, a link would read another file's
-    h5py = pytest.importorskip("h5py")
-    pytest.importorskip("tensorflow")
+    framework_import("tensorflow")
+    import h5py  # Keras's own file library
+
     weights = mha.random_weights(
         N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=4
     )
@@ -405,7 +408,7 @@ def test_keras_files_whose_arrays_keras_would_cast_or_fetch_are_refused(tmp_path
 @pytest.mark.filterwarnings("ignore:.*(quantized|TypedStorage).*:UserWarning")
 @pytest.mark.parametrize("kind", ["sparse", "quantized", "meta", "float8", "int64"])
 def test_torch_files_of_foreign_tensors_are_one_error(tmp_path, kind):
-    torch = pytest.importorskip("torch")
+    torch = framework_import("torch")
     weight = torch.ones(3 * D, D)
     tensor = {
         "sparse": lambda: weight.to_sparse(),
@@ -498,7 +501,7 @@ def test_a_torch_file_whose_entries_claim_more_than_it_holds_is_refused_unread(t
     # The central directory says 2**31 bytes for the data: refused before any entry is read
     import zipfile
 
-    pytest.importorskip("torch")
+    framework_import("torch")
     weights = mha.random_weights(
         N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
     )
@@ -523,7 +526,7 @@ def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
     # torch checks no CRC-32 of its zip entries: a flipped bit would load as another weight
     import zipfile
 
-    torch = pytest.importorskip("torch")
+    torch = framework_import("torch")
     weights = mha.random_weights(
         N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
     )
@@ -582,7 +585,7 @@ def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
 
 
 def test_a_file_holding_no_attention_layer_is_named_in_the_error(tmp_path):
-    torch = pytest.importorskip("torch")
+    torch = framework_import("torch")
     path = tmp_path / "other.pt"
     torch.save({"linear.weight": torch.zeros(2, 2)}, path)
     with pytest.raises(ValueError) as caught:

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mha
+from conftest import framework_import
 from mha import interop
 from mha.backends import numpy as N
 from mha.weights import LAYER_CLASSES, read_safetensors
@@ -99,7 +100,7 @@ def test_any_config_in_an_mha_file(tmp_path, config, name):
 @FUZZ
 @given(data=st.binary(max_size=256))
 def test_any_bytes_as_a_flax_msgpack_file(tmp_path, data):
-    pytest.importorskip("flax")
+    framework_import("flax")
     path = tmp_path / "any.msgpack"
     path.write_bytes(data)
     read_or_refuse(interop.read_file, path)
@@ -109,7 +110,7 @@ def test_any_bytes_as_a_flax_msgpack_file(tmp_path, data):
 @FUZZ
 @given(data=st.binary(max_size=256))
 def test_any_bytes_as_a_torch_file(tmp_path, data):
-    pytest.importorskip("torch")
+    framework_import("torch")
     path = tmp_path / "any.pt"
     path.write_bytes(data)
     read_or_refuse(lambda p: interop.read_file(p, num_heads=2), path)

@@ -137,3 +137,57 @@ def test_a_case_may_not_ask_for_sizes_its_file_does_not_hold(tmp_path):
         write_safetensors(hostile, tensors, {**metadata, "cases": json.dumps(cases)})
         with pytest.raises(ValueError, match=message):
             golden.read(hostile)
+
+
+def test_a_float64_case_is_held_to_an_absolute_tolerance_whatever_its_scale():
+    # float64: 1e-10 absolute, so outputs in the thousands are refused for a change of 1e-8
+    torch = backend_module("torch").torch
+    torch.manual_seed(0)
+    source = torch.nn.MultiheadAttention(8, 2, batch_first=True).double().eval()
+    with torch.no_grad():
+        source.out_proj.weight.mul_(1000.0)
+        x = torch.randn(2, 5, 8, dtype=torch.float64)
+        expected, _ = source(x, x, x)
+    assert float(expected.abs().max()) > 100.0
+    layer = mha.interop.from_torch(source, backend="numpy")
+    rows = golden.verify_layer(layer, {"queries": x}, expected, backends=["numpy"])
+    assert rows[0].passed and rows[0].output_difference <= 1e-10
+    changed = expected.clone()
+    changed[1, 2, 3] += 1e-8
+    rows = golden.verify_layer(layer, {"queries": x}, changed, backends=["numpy"])
+    assert not rows[0].passed
+    np.testing.assert_allclose(rows[0].output_difference, 1e-8, rtol=1e-3)
+
+
+def test_an_altered_gradient_is_refused(tmp_path):
+    # A case's gradients are part of what it proves, as its output is
+    backend_module("torch")  # an autograd backend, so that gradients are recorded
+    path = tmp_path / "cases.safetensors"
+    case = harness.Case("MultiHeadAttention", ("valid_lens_1d",), {"bias": True})
+    cases = golden.record_run(path, "torch", [case])
+    assert cases[0].gradients
+    assert all(row.passed for row in golden.verify(path, ["torch"]))
+    name = sorted(cases[0].gradients)[0]
+    changed = cases[0].gradients[name].copy()
+    changed.flat[0] += 1e-3 * max(1.0, float(abs(changed).max()))
+    cases[0].gradients[name] = changed
+    golden.record(path, cases)
+    assert not golden.verify(path, ["torch"])[0].passed
+
+
+def test_an_expected_output_of_another_shape_is_refused():
+    # torch's nn.MultiheadAttention gives (length, batch, features) unless batch_first
+    torch = backend_module("torch").torch
+    torch.manual_seed(0)
+    source = torch.nn.MultiheadAttention(8, 2).double().eval()
+    x = torch.randn(5, 2, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected, weights = source(x, x, x, average_attn_weights=False)
+    layer = mha.interop.from_torch(source, backend="numpy")
+    inputs = {"queries": x.transpose(0, 1)}  # mha's (batch, length, features)
+    rows = golden.verify_layer(layer, inputs, expected.transpose(0, 1), weights, ["numpy"])
+    assert rows[0].passed
+    rows = golden.verify_layer(layer, inputs, expected, weights, ["numpy"])
+    assert not rows[0].passed and rows[0].output_difference == float("inf")
+    rows = golden.verify_layer(layer, inputs, expected.transpose(0, 1), weights[0], ["numpy"])
+    assert not rows[0].passed and rows[0].weights_difference == float("inf")

@@ -1919,3 +1919,56 @@ def test_alibi_bias_under_a_kv_cache_gives_the_full_calls_numbers(name):
         output, cache = layer(x, x, x, causal=True, attn_bias=bias, cache=cache)
         outputs.append(module.to_numpy(output))
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_keras_kernels_with_key_and_value_inputs_of_different_sizes_port(name):
+    # Keras's layer takes (query, value, key): inputs of sizes 6, 5 and 7 here, so that a
+    # size read off the wrong kernel is seen
+    keras = backend_module("tensorflow").keras
+    source = keras.layers.MultiHeadAttention(2, 3, dtype="float64")
+    rng = np.random.default_rng(11)
+    q, v, k = (rng.standard_normal(shape) for shape in [(2, 4, 6), (2, 5, 5), (2, 5, 7)])
+    expected = np.asarray(source(q, v, key=k))
+    state = {variable.path: variable.numpy() for variable in source.weights}
+    port = porting.canonical_from_state_dict(state, source.name)
+    assert port.layout == "Keras MultiHeadAttention"
+    sizes = (port.config["query_size"], port.config["key_size"], port.config["value_size"])
+    assert sizes == (6, 7, 5)
+    module = backend_module(name)
+    layer = porting.from_state_dict(state, source.name, backend=name)
+    output = module.to_numpy(layer(*(module.from_numpy(a) for a in (q, k, v))))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6)
+
+
+def test_convert_with_a_config_keeps_its_score_scale(tmp_path, capsys):
+    # Gemma 2 scales by query_pre_attn_scalar ** -0.5 (1/8 here), not head_dim ** -0.5 (1/2):
+    # `mha convert --config` keeps it, and the layer computes what transformers' layer does
+    from safetensors.numpy import save_file
+
+    config, model = _tiny_decoder(
+        "gemma2",
+        head_dim=4,
+        query_pre_attn_scalar=64,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=3,
+    )
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():  # scores of order 1 or more, which the scale changes
+        for block in model.layers:
+            block.self_attn.q_proj.weight.mul_(10)
+            block.self_attn.k_proj.weight.mul_(10)
+    assert model.layers[1].self_attn.scaling == 64**-0.5
+    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[1]
+    state = {key: value.numpy() for key, value in model.state_dict().items()}
+    save_file(state, tmp_path / "model.safetensors")
+    config.to_json_file(tmp_path / "config.json")
+    destination = tmp_path / "layer.safetensors"
+    arguments = ["convert", str(tmp_path / "model.safetensors"), str(destination)]
+    arguments += ["--prefix", "layers.1.self_attn", "--config", str(tmp_path / "config.json")]
+    code = cli.main([*arguments, "--layer", "1"])
+    assert code == 0, capsys.readouterr()
+    layer = mha.load(destination, backend="numpy")
+    assert layer.scale == 64**-0.5
+    output = layer(x, x, x, causal=True)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))

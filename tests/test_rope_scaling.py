@@ -16,10 +16,10 @@ import pytest
 from test_porting import transformers
 
 import mha
-from conftest import backend_module, backend_params
+from conftest import backend_module, backend_params, framework_import
 from mha import encoding, get_weights, porting, set_weights
 
-torch = pytest.importorskip("torch")
+torch = framework_import("torch", module_level=True)
 
 # Lengths of 5 to 12 positions cross each original length below, so that "dynamic" and
 # "longrope" take their long frequencies in the calls that run past it
@@ -436,3 +436,22 @@ def test_gpt_j_rotates_pairs_of_its_first_rotary_dim_features(name):
     output = module.to_numpy(layer(X, X, X, causal=True))
     expected = seen["y"].numpy()
     np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
+@pytest.mark.parametrize("length", [6, 12, 20])
+def test_dynamic_scaling_ignores_a_written_pretrained_length(length):
+    # transformers' "dynamic" stretches from max_position_embeddings, and does not read an
+    # original_max_position_embeddings written among the rotary parameters
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head = 8
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 100.0}
+    rope["original_max_position_embeddings"] = 4
+    fields = {"hidden_size": 4 * head, "num_attention_heads": 4, "head_dim": head}
+    fields.update(num_hidden_layers=1, max_position_embeddings=16, rope_parameters=rope)
+    config = transformers().AutoConfig.for_model("llama", **copy.deepcopy(fields))
+    expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=length)
+    scaling = porting.options_from_config({**fields, "model_type": "llama"})["rope_scaling"]
+    longer = encoding.rotary_frequencies_at(head, 100.0, scaling, length)
+    got = encoding.rotary_frequencies(head, 100.0, scaling) if longer is None else longer
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
