@@ -550,7 +550,8 @@ def test_kv_shared_layers_port_with_the_keys_and_values_of_an_earlier_layer(mode
 
 
 def test_convert_ports_a_kv_shared_layer_from_the_command_line(tmp_path, capsys):
-    # --config tells a KV-shared layer's source; --keys-values-of gives it by hand
+    # --config tells a KV-shared layer's source; --keys-values-of gives it by hand, as a
+    # prefix or as that layer's index
     from safetensors.torch import save_file
 
     import mha
@@ -563,7 +564,8 @@ def test_convert_ports_a_kv_shared_layer_from_the_command_line(tmp_path, capsys)
     prefixes = ["layers.0.self_attn", "layers.2.self_attn"]
     seen = attention_io(model, [(prefix, "") for prefix in prefixes])
     (x, expected), keys_values = seen[prefixes[1]], seen[prefixes[0]][0]
-    for given in (["--layer", "2"], ["--layer", "2", "--keys-values-of", prefixes[0]]):
+    by_hand = [["--keys-values-of", prefixes[0]], ["--keys-values-of", "0"]]
+    for given in [["--layer", "2"]] + [["--layer", "2", *each] for each in by_hand]:
         destination = tmp_path / "layer.safetensors"
         arguments = ["convert", str(tmp_path / "model.safetensors"), str(destination)]
         arguments += ["--prefix", prefixes[1], "--config", str(tmp_path / "config.json")]
@@ -650,30 +652,3 @@ def test_a_fraction_of_a_head_rounds_down_as_transformers(fraction):
     turned = model.layers[0].self_attn.rotary_ndims
     assert porting.options_from_config(written, 0)["rope_dim"] == turned == int(head * fraction)
     assert_each_layer_ports("stablelm", model, config, written)
-
-
-def test_keys_values_of_takes_a_layer_index_on_the_command_line(tmp_path, capsys):
-    # `mha convert --keys-values-of 0`: the index of the layer whose keys and values a Gemma 3n
-    # layer reuses; the converted layer computes what transformers' layer computes
-    from safetensors.torch import save_file
-
-    import mha
-    from mha import cli
-
-    config, model = tiny_model("gemma3n_text", num_kv_shared_layers=2)
-    state = {name: value.contiguous().clone() for name, value in model.state_dict().items()}
-    save_file(state, tmp_path / "model.safetensors")
-    config.to_json_file(tmp_path / "config.json")
-    prefixes = ["layers.0.self_attn", "layers.2.self_attn"]
-    seen = attention_io(model, [(prefix, "") for prefix in prefixes])
-    (x, expected), keys_values = seen[prefixes[1]], seen[prefixes[0]][0]
-    destination = tmp_path / "layer.safetensors"
-    arguments = ["convert", str(tmp_path / "model.safetensors"), str(destination)]
-    arguments += ["--prefix", prefixes[1], "--config", str(tmp_path / "config.json")]
-    code = cli.main([*arguments, "--layer", "2", "--keys-values-of", "0"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    assert f"those under '{prefixes[0]}': call the layer" in captured.out
-    layer = mha.load(destination, backend="numpy")
-    output = layer(x, keys_values, keys_values, causal=True)
-    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-5 * np.max(np.abs(expected)))
