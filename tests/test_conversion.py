@@ -64,6 +64,7 @@ def test_a_keras_file_with_key_and_value_inputs_of_different_sizes_converts(tmp_
 
     keras = backend_module("tensorflow").keras
     from keras import saving
+
     rng = np.random.default_rng(21)
     q, v, k = (rng.standard_normal(shape) for shape in [(2, 4, 6), (2, 5, 5), (2, 5, 7)])
     source = keras.layers.MultiHeadAttention(2, 3, dtype="float64")
