@@ -15,15 +15,10 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module, backend_params, required_backends, required_import
+from conftest import backend_module, backend_params, framework_import, required_import
 from mha import cli, interop, layouts, model_rope, porting, rotary_types
 
-try:
-    import torch
-except ImportError:  # the sources are torch modules; a required torch fails here
-    if "torch" in required_backends():
-        raise
-    pytest.skip("torch is not installed", allow_module_level=True)
+torch = framework_import("torch", module_level=True)  # the sources are torch modules
 
 TOLERANCE = 1e-10  # float64, as mha.harness holds the backends to the reference
 
