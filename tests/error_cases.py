@@ -135,6 +135,7 @@ BAD_VALUES = {
         {"beta": -0.1, "original_max_position_embeddings": 16},
         {"beta": 0.1, "original_max_position_embeddings": 16.5},
         {"beta": 0.1, "original_max_position_embeddings": 16, "factor": 2.0},
+        {"beta": 0.1, "original_max_position_embeddings": 16, "position_offset": -1},
     ),
     "rope scaling": (
         "linear",
@@ -142,6 +143,14 @@ BAD_VALUES = {
         {"rope_type": "yarn", "factor": 2.0},
         {"rope_type": "linear", "factor": -2.0},
         {"rope_type": "proportional", "partial_rotary_factor": 1.5},
+        {"rope_type": "linear", "factor": 0.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 2.0,
+            "high_freq_factor": 2.0,
+            "original_max_position_embeddings": 16,
+        },
     ),
 }
 

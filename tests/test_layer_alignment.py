@@ -135,3 +135,18 @@ def test_the_default_is_top_left_and_after_the_cache(name, rng):
     np.testing.assert_allclose(
         module.to_numpy(after_cache), module.to_numpy(whole)[:, 2:], rtol=1e-5, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_an_alignment_of_0_is_top_left_after_a_cache_too(name, rng):
+    # alignment=0, an int, places the first query at position 0 as "top_left" does, not
+    # after the cached positions: the same layer given that mask by hand over every key
+    module = backend_module(name)
+    layer = module.MultiHeadAttention(num_hiddens=4, num_heads=2)
+    Y = module.from_numpy(rng.standard_normal((2, K, 4)).astype(np.float32))
+    _, cache = layer(Y[:, :2], Y[:, :2], Y[:, :2], causal=True, cache=mha.KVCache())
+    new = Y[:, K - Q :]  # the Q positions after the 2 cached ones
+    by_hand = module.to_numpy(layer(new, Y, Y, mask=module.from_numpy(_hand_mask(0))))
+    for alignment in (0, "top_left"):
+        aligned, _ = layer(new, new, new, causal=True, cache=cache, alignment=alignment)
+        np.testing.assert_allclose(module.to_numpy(aligned), by_hand, rtol=1e-5, atol=1e-6)

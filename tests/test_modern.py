@@ -274,6 +274,35 @@ def test_alibi_adds_each_heads_slope_times_the_distance(backend, rng):
     assert_agrees(backend.to_numpy(layer.attention_weights), plain.attention_weights, "float64")
 
 
+def test_alibi_and_a_given_attn_bias_both_add_to_the_scores(backend, rng):
+    # 2 heads, by hand: slopes 2 ** (-8k / 2) for k = 1, 2. A call's own attn_bias (with a
+    # -inf entry) and a float window mask add beside ALiBi's: the plain layer gets their sum
+    slopes = 2.0 ** -np.array([4.0, 8.0])
+    i, j = np.arange(5)[:, None], np.arange(5)[None, :]
+    alibi = (slopes[:, None, None] * (j - i))[None]  # (1, heads, queries, keys)
+    given = rng.standard_normal((2, 2, 5, 5))
+    given[0, 1, 3, 1] = -np.inf
+    window = rng.standard_normal((1, 5, 5))
+    x, lengths = rng.standard_normal((2, 5, 8)), np.array([5, 4])
+    config = dict(num_hiddens=8, num_heads=2, dtype="float64")
+    weights = mha.random_weights(
+        "MultiHeadAttention", seed=6, query_size=8, key_size=8, value_size=8, **config
+    )
+    plain = reference.MultiHeadAttention(**config)
+    mha.set_weights(plain, weights)
+    layer = backend.MultiHeadAttention(alibi=True, **config)
+    mha.set_weights(layer, weights)
+    tensors = [backend.from_numpy(a) for a in (x, x, x, lengths)]
+    for extra, call in (
+        (given, {"attn_bias": given}),
+        (window[:, None], {"window_mask": window}),
+    ):
+        expected = plain(x, x, x, lengths, causal=True, attn_bias=alibi + extra)
+        given_call = {key: backend.from_numpy(value) for key, value in call.items()}
+        out = layer(*tensors, causal=True, **given_call)
+        assert_agrees(backend.to_numpy(out), expected, "float64")
+
+
 @pytest.mark.parametrize(
     "offset, spans", [(None, [0, 0, 1, 1, 2, 2, 3]), (1, [0, 1, 1, 2, 2, 3, 3])]
 )
@@ -530,6 +559,21 @@ def test_a_cache_that_does_not_fit_is_refused(backend):
     )
     with pytest.raises(ValueError, match="the same positions"):
         layer(x, x, x, cache=uneven)
+
+
+def test_a_cache_of_another_dtype_or_with_one_tensor_is_refused(backend):
+    # A float32 cache would be promoted (numpy) or cast silently into a float64 layer's
+    # numbers; a cache holding keys but no values is not the empty KVCache()
+    layer = backend.MultiHeadAttention(
+        8, 4, query_size=8, key_size=8, value_size=8, num_kv_heads=2, dtype="float64"
+    )
+    x = backend.from_numpy(np.zeros((2, 1, 8)))
+    narrow = mha.KVCache(*[backend.from_numpy(np.zeros((2, 2, 3, 2), np.float32))] * 2)
+    with pytest.raises(TypeError, match=r"cache\.keys must have the layer's dtype float64"):
+        layer(x, x, x, cache=narrow)
+    half = mha.KVCache(backend.from_numpy(np.zeros((2, 2, 3, 2))), None)
+    with pytest.raises(TypeError, match=r"cache\.values must be an array or tensor"):
+        layer(x, x, x, cache=half)
 
 
 def test_learned_positional_encoding_adds_its_rows(backend, rng, tmp_path):

@@ -456,6 +456,41 @@ def test_multihead_against_loops(case, bias):
     assert layer.attention_weights is None
 
 
+def test_multihead_three_d_attn_bias_adds_to_every_head_of_its_example():
+    # attn_bias (batch, Q, K): example e's bias on each of its heads. batch == heads, so a
+    # bias laid along the head axis instead would broadcast without an error
+    rng = np.random.default_rng(31)
+    batch = num_heads = 3
+    num_queries, num_keys = 4, 5
+    queries, keys, values = (
+        rng.standard_normal((batch, n, 4)) for n in (num_queries, num_keys, num_keys)
+    )
+    w = mha.random_weights(
+        "MultiHeadAttention",
+        num_hiddens=6,
+        num_heads=num_heads,
+        bias=False,
+        query_size=4,
+        key_size=4,
+        value_size=4,
+        dtype="float64",
+        seed=5,
+    )
+    layer = mha.MultiHeadAttention(6, num_heads, bias=False, dtype="float64")
+    mha.set_weights(layer, w)
+    attn_bias = rng.standard_normal((batch, num_queries, num_keys))
+    attn_bias[1, 2, 0] = -np.inf  # leaves that key out of that row exactly
+    output = layer(queries, keys, values, attn_bias=attn_bias)
+    kept = np.isfinite(attn_bias)
+    keep4 = np.broadcast_to(kept[:, None], (batch, num_heads, num_queries, num_keys))
+    additive = np.where(kept, attn_bias, 0.0)
+    expected, weights = loop_multihead(
+        w, queries, keys, values, keep4, num_heads, additive=additive
+    )
+    np.testing.assert_allclose(output, expected, atol=1e-12)
+    np.testing.assert_allclose(layer.attention_weights, weights, atol=1e-12)
+
+
 def test_multihead_book_example_shapes_and_need_weights():
     layer = mha.MultiHeadAttention(100, 5, 0.5)
     X, Y = np.ones((2, 4, 100), "float32"), np.ones((2, 6, 100), "float32")

@@ -10,6 +10,7 @@ to the output's scale. The frequencies themselves are compared with transformers
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -103,6 +104,37 @@ def test_frequencies_and_attention_factor_are_transformers(kind, length):
     assert encoding.rotary_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+@pytest.mark.parametrize("length", [4, 8, 9, 12])
+def test_frequencies_of_a_given_length_are_transformers(kind, length):
+    # rotary_frequencies itself given a length below, at and past the pretrained length (8):
+    # "dynamic" keeps its base up to it, "longrope" its short factors
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config, _ = _llama(kind)
+    rope_type = SCALINGS[kind]["rope_type"]
+    expected, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=length)
+    scaling = porting.options_from_config(config.to_dict())["rope_scaling"]
+    got = encoding.rotary_frequencies(HEAD, 100.0, scaling, length)
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        # Phi-3's sqrt(1 + ln(factor) / ln(original)): ln 4 / ln 8 = 2 / 3 by hand
+        ({"factor": 4.0}, math.sqrt(5 / 3)),
+        ({"factor": 64.0}, math.sqrt(3)),
+        ({"factor": 0.5}, 1.0),
+        ({"factor": 4.0, "attention_factor": 1.25}, 1.25),
+    ],
+    ids=["factor 4", "factor 64", "factor below 1", "attention_factor given"],
+)
+def test_longrope_attention_factor_from_its_factor_by_hand(extra, expected):
+    scaling = {**SCALINGS["longrope"], **extra}  # original_max_position_embeddings 8
+    assert encoding.rotary_attention_factor(scaling) == pytest.approx(expected, rel=1e-12)
+
+
 def test_yarn_ramp_ends_at_the_last_pair_where_its_bound_passes_it():
     # A small base and a long pretrained length put yarn's upper correction bound past the
     # head's pairs: transformers clamps it to the head size - 1
@@ -119,6 +151,26 @@ def test_yarn_ramp_ends_at_the_last_pair_where_its_bound_passes_it():
     got = encoding.rotary_frequencies(16, 10.0, yarn)
     np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
     assert encoding.rotary_attention_factor(yarn) == pytest.approx(factor, rel=1e-12)
+
+
+def test_yarn_ramp_of_equal_untruncated_ends_is_transformers():
+    # beta_fast == beta_slow, not truncated: both ends of the ramp at pair 0.995 (the
+    # beta whose wavelength fits there, by the bound's formula), where transformers
+    # widens the ramp by 0.001, so that pair 1 lies past it
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    beta = 20 / (2 * math.pi * 100.0 ** (2 * 0.995 / HEAD))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 20}
+    yarn.update(beta_fast=beta, beta_slow=beta, truncate=False)
+    config = transformers().LlamaConfig(
+        hidden_size=4 * HEAD,
+        num_attention_heads=4,
+        max_position_embeddings=80,
+        rope_parameters={**yarn, "rope_theta": 100.0},
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    got = encoding.rotary_frequencies(HEAD, 100.0, yarn)
+    np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
 
 
 LONGROPE = {"short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}
