@@ -58,12 +58,18 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
     }
     # It adds its mask to the scores: a NaN at a masked key stays NaN
     assert "NaN at masked keys" in found["differs"]
+    # What it expresses agrees: lengths as a boolean mask of keys among them
     for case in (
         "plain",
+        "scale",
         "grouped heads (4 query, 2 key-value)",
+        "value head size 12",
+        "causal, Q = K",
         "causal, Q < K (top_left)",
+        "boolean mask (batch, 1, 1, K)",
         "boolean mask (batch, heads, Q, K)",
         "additive bias (batch, heads, Q, K)",
+        "valid_lens (batch,)",
     ):
         assert case in found["agrees"], case
 
@@ -240,3 +246,134 @@ def test_a_wrong_gradient_is_flagged(capsys):
     assert plain.note.startswith("the gradient of value differs") and plain.difference < 1e-6
     without = conformance.run(detached_values, "torch", ("float32",), gradients=False)
     assert statuses(without) == {"agrees": {case.name for case in conformance.CASES}}
+
+
+def test_an_output_off_by_5e_5_in_either_direction_differs_in_float32():
+    # float32's tolerance is 1e-5 of the reference's scale (its largest output, at least 1;
+    # the kit's outputs are means of standard normal values, within a few units): mha's own
+    # function with 5e-5 taken off or added to every output differs on every case, by 5e-5
+    from mha.backends import numpy as N
+
+    for shift in (-5e-5, 5e-5):
+
+        def shifted(query, key, value, shift=shift, **options):
+            output = N.dot_product_attention(query, key, value, **options)
+            return output + np.float32(shift)
+
+        rows = conformance.run(shifted, "numpy", ("float32",))
+        assert statuses(rows) == {"differs": {case.name for case in conformance.CASES}}
+        for row in rows:
+            assert row.difference == pytest.approx(5e-5, rel=0.02), row
+            assert row.difference > row.tolerance
+
+
+def test_an_output_of_another_shape_differs_even_with_the_same_numbers():
+    # The right numbers under an extra axis broadcast against the reference without a
+    # difference; the kit still says the shape differs, naming both
+    from mha.backends import numpy as N
+
+    def unsqueezed(query, key, value, **options):
+        return N.dot_product_attention(query, key, value, **options)[None]
+
+    rows = conformance.run(unsqueezed, "numpy", ("float64",), cases=conformance.CASES[:1])
+    (row,) = rows
+    assert row.status == "differs" and row.difference is None
+    assert row.note == "output shape (1, 2, 4, 5, 8), expected (2, 4, 5, 8)"
+
+
+def _with_key_gradient(torch, backward):
+    """mha's torch function, its key passed through an identity whose backward is `backward`."""
+    from mha.backends import torch as T
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad)
+
+    def attention(query, key, value, **options):
+        return T.dot_product_attention(query, Identity.apply(key), value, **options)
+
+    return attention
+
+
+@pytest.mark.torch
+def test_a_nan_gradient_differs_and_a_failing_backward_is_an_error():
+    # Right outputs both: a key gradient of NaN is no agreement, and a backward that raises
+    # (other than NotImplementedError, which says there is none) is an error, not "not taken"
+    torch = framework_import("torch")
+    plain = conformance.CASES[:1]
+    nan = _with_key_gradient(torch, lambda grad: grad * float("nan"))
+    (row,) = conformance.run(nan, "torch", ("float32",), cases=plain)
+    assert row.status == "differs" and row.note.startswith("the gradient of key differs by nan")
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    (row,) = conformance.run(_with_key_gradient(torch, boom), "torch", ("float32",), cases=plain)
+    assert row.status == "error" and "boom" in row.note
+    fine = _with_key_gradient(torch, lambda grad: grad)
+    (row,) = conformance.run(fine, "torch", ("float32",), cases=plain)
+    assert row.status == "agrees" and row.gradient_difference < 1e-5
+
+
+@pytest.mark.jax
+def test_the_jax_adapter_gives_a_whole_window_as_its_sides():
+    # mha's window=3 keeps the keys within 2 positions either side of the query; the adapter
+    # gives jax.nn.dot_product_attention local_window_size=(2, 2), and agrees with the
+    # reference, as the pair (2, 2) does; a window aligned bottom-right it does not take
+    jax = framework_import("jax")
+    if _ignores_windows_alone(jax):
+        pytest.skip(f"jax {jax.__version__} applies local_window_size only with is_causal")
+    adapter = conformance_adapters.jax_dot_product_attention()
+    sizes = (2, 4, 4, 7, 7, 8, 8)
+    cases = [
+        conformance.Case("window 3", sizes=sizes, options=(("window", 3),)),
+        conformance.Case("window (2, 2)", sizes=sizes, options=(("window", (2, 2)),)),
+        # Its windows are about the top-left alignment alone: another is not taken
+        conformance.Case(
+            "window bottom_right, Q < K",
+            options=(("window", (2, 1)), ("alignment", "bottom_right")),
+        ),
+    ]
+    rows = conformance.run(adapter, "jax", ("float32",), cases=cases, gradients=False)
+    assert [row.status for row in rows] == ["agrees", "agrees", "not taken"], rows
+
+
+@pytest.mark.torch
+def test_flex_adapter_takes_lengths_per_query_and_segments_of_its_own_keys():
+    # Lengths of shape (batch, queries) and segment ids given as (of the queries, of the
+    # keys), which the kit's cases do not reach: the adapter gives the same numbers as torch's
+    # math SDPA with the boolean mask they mean, built here from their definitions
+    torch = framework_import("torch")
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+        pytest.skip(f"torch {torch.__version__} has no FlexAttention")
+    F = torch.nn.functional
+    rng = np.random.default_rng(3)
+    q, k, v = (torch.tensor(rng.standard_normal((2, 2, n, 8))) for n in (4, 6, 6))
+    flex = conformance_adapters.torch_flex_attention()
+    lengths = torch.tensor([[1, 2, 3, 6], [6, 5, 4, 2]])
+    kept = torch.arange(6) < lengths[:, None, :, None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=kept)
+    torch.testing.assert_close(flex(q, k, v, valid_lens=lengths), expected, rtol=0, atol=1e-12)
+    query_ids = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 2]])
+    key_ids = torch.tensor([[0, 1, 1, 1, 0, 0], [2, 2, 1, 1, 0, 0]])
+    kept = query_ids[:, None, :, None] == key_ids[:, None, None, :]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=kept)
+    found = flex(q, k, v, segment_ids=(query_ids, key_ids))
+    torch.testing.assert_close(found, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.torch
+def test_an_option_the_adapters_do_not_know_is_a_type_error():
+    # The kit reads a TypeError as "not taken": an option an adapter does not know (a
+    # misspelled one, or one of a later kit) is refused, never silently dropped
+    torch = framework_import("torch")
+    x = torch.zeros((1, 1, 2, 4))
+    for adapter in (conformance_adapters.torch_sdpa("math"), conformance_adapters.torch_sdpa()):
+        with pytest.raises(TypeError, match="unknown options: scal, sinks"):
+            adapter(x, x, x, sinks=x, scal=0.3)
+        assert adapter(x, x, x, scale=0.3).shape == (1, 1, 2, 4)

@@ -617,3 +617,68 @@ def test_a_refused_step_of_the_write_names_the_destination(tmp_path, monkeypatch
         mha.save(N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_a_file_one_byte_over_the_limit_is_refused_not_cut(tmp_path):
+    # read_bytes checks the size before reading: a file of limit + 1 bytes whose first limit
+    # bytes are a whole JSON document is refused, never read as that cut document; a file of
+    # exactly limit bytes is read whole
+    from mha.files import parse_json, read_bytes
+
+    document = b'{"num_heads": 4}'
+    whole = tmp_path / "whole.json"
+    whole.write_bytes(document)
+    assert parse_json(read_bytes(whole, len(document))) == {"num_heads": 4}
+    longer = tmp_path / "longer.json"
+    longer.write_bytes(document + b"x")
+    with pytest.raises(ValueError, match=f"holds {len(document) + 1} bytes, more than"):
+        read_bytes(longer, len(document))
+
+
+def test_the_new_bytes_reach_the_disk_before_they_replace_the_old(tmp_path, monkeypatch):
+    # The module's promise: the temporary file is flushed to the disk (fsync of a regular
+    # file), then moved over the destination, then the folder is synced; seen here by
+    # recording the calls the write makes
+    from mha.files import write_atomically
+
+    destination = tmp_path / "a.json"
+    destination.write_bytes(b"old")
+    events = []
+    fsync, replace = os.fsync, os.replace
+
+    def recorded_fsync(handle):
+        kind = "file" if stat.S_ISREG(os.fstat(handle).st_mode) else "folder"
+        events.append(("fsync", kind))
+        return fsync(handle)
+
+    def recorded_replace(source, target):
+        with open(source, "rb") as file:
+            events.append(("replace", os.fspath(target), file.read()))
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", recorded_replace)
+    write_atomically(destination, b"new")
+    assert events == [
+        ("fsync", "file"),
+        ("replace", os.fspath(destination), b"new"),
+        ("fsync", "folder"),
+    ]
+    assert destination.read_bytes() == b"new"
+
+
+def test_an_interrupted_write_leaves_the_destination_and_no_temporary_file(tmp_path):
+    # Ctrl-C (KeyboardInterrupt, no Exception) while the new file is checked: it propagates,
+    # the destination keeps its bytes, and the folder holds nothing else
+    from mha.files import write_atomically
+
+    destination = tmp_path / "a.json"
+    destination.write_bytes(b"old")
+
+    def interrupted(temporary):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomically(destination, b"new", check=interrupted)
+    assert destination.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["a.json"]

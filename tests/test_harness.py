@@ -325,3 +325,160 @@ def test_compare_refuses_a_device_it_cannot_reach():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch cannot reach a gpu"):
             harness.compare(["torch"], device="gpu")
+
+
+def test_difference_counts_either_sign_scales_by_the_reference_and_refuses_other_shapes():
+    # Worked by hand: an entry 0.5 below the reference is 0.5 off, as one above it is; the
+    # relative difference divides by the reference's largest entry (2), not the actual's
+    # (100); the same numbers in another shape are no agreement (docs/design.md, "Agreement")
+    reference = np.array([10.0, -20.0])
+    assert harness.difference(np.array([9.5, -20.0]), reference, relative=False) == 0.5
+    assert harness.difference(np.array([10.0, -20.5]), reference, relative=True) == 0.5 / 20
+    assert harness.difference(np.array([100.0, 0.0]), np.array([0.0, 2.0]), relative=True) == 50
+    flat = np.arange(6.0)
+    assert harness.difference(flat.reshape(1, 6), flat, relative=False) == float("inf")
+    assert harness.difference(flat.reshape(3, 2), flat.reshape(2, 3), relative=True) == float("inf")
+
+
+def _shifted_run_case(monkeypatch, change):
+    """harness.run_case with `change(backend, result)` applied to what it returns."""
+    original = harness.run_case
+
+    def changed(backend, case, inputs, weights, config, cotangent=None):
+        result = original(backend, case, inputs, weights, config, cotangent)
+        change(backend, result)
+        return result
+
+    monkeypatch.setattr(harness, "run_case", changed)
+
+
+def test_float64_agreement_is_absolute_whatever_the_scale(monkeypatch):
+    # docs/design.md: float64 within 1e-10 absolute. An output whose largest entry s is well
+    # above 1, moved by d between 1e-10 and 1e-10 * s, is within 1e-10 of its scale and still
+    # fails; NumPy's float64 row is otherwise exact
+    case = harness.Case("PositionalEncoding")
+    prepared = harness.prepare(case, dtype="float64", gradients=False)
+    scale = float(np.max(np.abs(prepared.reference.output)))
+    assert scale > 1.5
+    moved = 1e-10 * (1 + scale) / 2
+
+    def move(backend, result):
+        result.output = result.output + moved
+
+    _shifted_run_case(monkeypatch, move)
+    row, _ = harness.check("numpy", prepared)
+    assert row.output_difference == pytest.approx(moved, rel=1e-3)
+    assert not row.passed
+
+
+@pytest.mark.torch
+def test_float64_gradients_off_by_5e_7_of_their_scale_fail(monkeypatch):
+    # docs/design.md: float64 gradients within 1e-7 of their scale of the reference's central
+    # differences, which are accurate to about 1e-9. torch's gradients moved by 5e-7 of each
+    # one's scale are found that far off, and fail the row
+    backend_module("torch")
+    case = harness.Case("DotProductAttention", ("valid_lens_1d",))
+    prepared = harness.prepare(case, dtype="float64", seed=3)
+    row, _ = harness.check("torch", prepared)
+    assert row.passed and row.gradient_difference < 1e-8
+
+    def move(backend, result):
+        result.gradients = {k: v + 5e-7 * np.abs(v).max() for k, v in result.gradients.items()}
+
+    _shifted_run_case(monkeypatch, move)
+    row, _ = harness.check("torch", prepared)
+    assert row.gradient_difference == pytest.approx(5e-7, rel=0.05)
+    assert not row.passed
+
+
+@pytest.mark.torch
+def test_a_gradient_a_backend_does_not_give_fails_the_row(monkeypatch):
+    # Every input and weight has a gradient (central differences of the reference give each
+    # one): a backend that returns no gradient for W_o has not shown it agrees, and fails
+    backend_module("torch")
+    case = harness.Case("MultiHeadAttention", ("valid_lens_1d",))
+    prepared = harness.prepare(case, dtype="float64", seed=3)
+    assert "W_o" in prepared.numeric_gradients
+
+    def drop(backend, result):
+        del result.gradients["W_o"]
+
+    _shifted_run_case(monkeypatch, drop)
+    row, _ = harness.check("torch", prepared)
+    assert row.output_difference < 1e-10 and not row.passed
+    assert row.gradient_difference == float("inf")
+
+
+@pytest.mark.parametrize("leak", [1e-30, np.nan])
+def test_an_output_row_with_no_key_must_stay_exactly_zero(monkeypatch, leak):
+    # docs/design.md: a row with no key gives an all-zero attention output. DotProductAttention
+    # with a valid length of 0 gives such rows; 1e-30 there is within every tolerance and
+    # still fails the row, and a NaN there is an infinite difference
+    case = harness.Case("DotProductAttention", ("valid_lens_1d",))
+    prepared = harness.prepare(case, dtype="float32", gradients=False)
+    zero_rows = np.all(prepared.reference.output == 0, axis=-1)
+    assert zero_rows.any()
+
+    def leak_into_the_output(backend, result):
+        result.output = np.where(zero_rows[..., None], np.float32(leak), result.output)
+
+    _shifted_run_case(monkeypatch, leak_into_the_output)
+    row, _ = harness.check("numpy", prepared)
+    if leak == 1e-30:
+        assert row.output_difference <= harness.TOLERANCES["float32"]
+        assert row.weights_difference <= harness.TOLERANCES["float32"]
+        assert 0 < row.zero_difference < 1e-29
+    else:
+        assert row.zero_difference == float("inf")
+    assert not row.passed
+
+
+@pytest.mark.torch
+@pytest.mark.jax
+def test_float64_gradient_agreement_between_backends_is_absolute(monkeypatch):
+    # Between autograd backends, float64 gradients agree within 1e-10 absolute, as outputs do:
+    # one entry of JAX's largest gradient (scale s above 1) moved by d between 1e-10 and
+    # 1e-10 * s fails the row, though it is within 1e-10 of that gradient's scale
+    backend_module("torch"), backend_module("jax")
+    case = harness.Case("MultiHeadAttention", ("valid_lens_1d",))
+    prepared = harness.prepare(case, dtype="float64", seed=3)
+    name, scale = max(
+        ((k, float(np.max(np.abs(v)))) for k, v in prepared.numeric_gradients.items()),
+        key=lambda item: item[1],
+    )
+    assert scale > 1.5
+    moved = 1e-10 * (1 + scale) / 2
+
+    def move(backend, result):
+        if backend == "jax":
+            result.gradients[name] = result.gradients[name] + moved
+
+    _shifted_run_case(monkeypatch, move)
+    torch_row, jax_row = harness.compare(["torch", "jax"], dtype="float64", cases=[case], seed=3)
+    assert torch_row.passed
+    assert jax_row.gradient_agreement == pytest.approx(moved, rel=0.01)
+    assert not jax_row.passed
+
+
+@pytest.mark.torch
+@pytest.mark.jax
+@pytest.mark.tensorflow
+def test_every_backend_agrees_with_the_first_autograd_backend(monkeypatch):
+    # compare's docstring: the first autograd backend named is the one the others must agree
+    # with. torch's gradients moved by 1e-8 of their scale (within the finite differences'
+    # 1e-7): JAX and TensorFlow, which agree with each other, both disagree with torch
+    for name in ("torch", "jax", "tensorflow"):
+        backend_module(name)
+
+    def move(backend, result):
+        if backend == "torch":
+            result.gradients = {k: v + 1e-8 * np.abs(v).max() for k, v in result.gradients.items()}
+
+    _shifted_run_case(monkeypatch, move)
+    case = harness.Case("DotProductAttention", ("valid_lens_1d",))
+    rows = harness.compare(["torch", "jax", "tensorflow"], dtype="float64", cases=[case])
+    torch_row, jax_row, tf_row = rows
+    assert torch_row.passed and torch_row.gradient_agreement is None
+    assert jax_row.gradient_agreement > harness.TOLERANCES["float64"] and not jax_row.passed
+    assert tf_row.gradient_agreement == pytest.approx(jax_row.gradient_agreement, rel=1e-3)
+    assert not tf_row.passed

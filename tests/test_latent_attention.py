@@ -567,3 +567,23 @@ def test_deepseek_v3_2_sparse_attention_is_not_listed_as_v3_and_its_port_is_refu
         "DeepSeek-V3 latent attention (q_a_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj)",
     ) in porting.find_attention(dense)
     porting.from_state_dict(dense, prefix, num_heads=4, rope_theta=10000.0)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "option", [{"output_gate": True}, {"scale": 0.5}, {"without_positions": True}]
+)
+def test_multi_head_attentions_port_options_are_refused_for_latent_attention(option):
+    # DeepSeek-V3's layer ports without them; an option that would change a
+    # MultiHeadAttention's port is an error naming it here, never silently dropped
+    from mha import porting
+
+    torch = framework_import("torch")
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    _, theirs, _ = _their_layer(torch, None, rope)
+    state = theirs.state_dict()
+    port = porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0)
+    assert port.layer == "MultiHeadLatentAttention"
+    (name,) = option
+    with pytest.raises(ValueError, match=f"{name} is MultiHeadAttention's; the attention"):
+        porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0, **option)

@@ -1967,3 +1967,54 @@ def test_convert_with_a_config_keeps_its_score_scale(tmp_path, capsys):
     assert layer.scale == 64**-0.5
     output = layer(x, x, x, causal=True)
     np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
+def test_float32_rotary_frequencies_of_a_nearby_theta_are_refused():
+    # Worked from the formula 1 / theta ** (2i / d): with d = 8, theta 10100's frequencies
+    # differ from 10000's by up to 1 - 1.01 ** -0.75 = 0.75%, far beyond float32's rounding
+    # (6e-8). A float32 checkpoint's are held to that rounding, not to half precision's 1%
+    state = {f"{k}_proj.weight": np.eye(16) for k in "qkvo"}
+    frequencies = 1 / 10000.0 ** (np.arange(0, 8, 2) / 8)
+    state["rotary_emb.inv_freq"] = frequencies.astype("float32")
+    port = porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0)
+    assert "rotary_emb.inv_freq" in port.used
+    nearby = 1 / 10100.0 ** (np.arange(0, 8, 2) / 8)
+    assert 5e-3 < np.max(np.abs(nearby / frequencies - 1)) < 1e-2
+    with pytest.raises(ValueError, match=r"other frequencies than those of rope_theta=10100\.0"):
+        porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10100.0)
+    # Those of 4 of each head's 8 features (rope_dim=4) are other frequencies too
+    state["rotary_emb.inv_freq"] = (1 / 10000.0 ** (np.arange(0, 4, 2) / 4)).astype("float32")
+    with pytest.raises(ValueError, match=r"other frequencies than those of rope_theta=10000\.0"):
+        porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0)
+
+
+@pytest.mark.tensorflow
+def test_a_head_count_other_than_the_kernels_is_refused():
+    # Keras's kernels per head tell their heads (3 here): num_heads=3 agrees with them, and
+    # num_heads=2 contradicts them, an error rather than one of the two silently winning
+    keras = backend_module("tensorflow").keras
+    source = keras.layers.MultiHeadAttention(3, 4, dtype="float64")
+    x = np.random.default_rng(7).standard_normal((2, 5, 10))
+    source(x, x)
+    state = {variable.path: variable.numpy() for variable in source.weights}
+    assert state[f"{source.name}/query/kernel"].shape == (10, 3, 4)
+    port = porting.canonical_from_state_dict(state, source.name, num_heads=3)
+    assert port.config["num_heads"] == 3
+    with pytest.raises(ValueError, match=r"have 3 heads\. Received: num_heads=2"):
+        porting.canonical_from_state_dict(state, source.name, num_heads=2)
+
+
+def test_from_state_dict_takes_values_from_keys():
+    # Gemma 4's full layers hold no v_proj: with values_from_keys the built layer computes as
+    # the same layer ported from weights whose v_proj is a copy of k_proj
+    rng = np.random.default_rng(5)
+    state = {f"{k}_proj.weight": rng.standard_normal((8, 8)) for k in "qko"}
+    with_values = {**state, "v_proj.weight": state["k_proj.weight"].copy()}
+    layer = porting.from_state_dict(state, num_heads=2, values_from_keys=True, backend="numpy")
+    same = porting.from_state_dict(with_values, num_heads=2, backend="numpy")
+    x = rng.standard_normal((2, 5, 8))
+    np.testing.assert_array_equal(layer(x, x, x, None), same(x, x, x, None))
+    other = porting.from_state_dict(
+        {**state, "v_proj.weight": state["q_proj.weight"]}, num_heads=2, backend="numpy"
+    )
+    assert not np.allclose(other(x, x, x, None), same(x, x, x, None))

@@ -435,3 +435,13 @@ def test_bfloat16_only_where_the_backend_computes_in_it(backend, class_name):
     else:
         assert build(*LAYERS[class_name], dtype="bfloat16").dtype == "bfloat16"
     assert build(*LAYERS[class_name], dtype="float16").dtype == "float16"
+
+
+def test_a_mask_for_more_queries_than_the_call_has_is_refused():
+    # Broadcasting goes one way: a mask of 3 queries does not fit a call of 1 query (it
+    # would make 3 rows of output from 1), though the call's 1 would fit the mask's 3
+    one = np.zeros((2, 1, 4), "float32")
+    mask = np.ones((2, 3, 5), bool)
+    with pytest.raises(ValueError, match=r"mask must broadcast to .* = \(2, 1, 5\)"):
+        attend(queries=one, mask=mask)
+    attend(mask=mask)  # 3 queries: the same mask fits
