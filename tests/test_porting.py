@@ -1546,6 +1546,13 @@ def test_unknown_tensors_under_the_attention_are_refused():
     state["attn.gate.weight"] = np.ones((4, 8))
     with pytest.raises(ValueError, match=r"attn.*gate\.weight \(a tensor beside"):
         porting.canonical_from_state_dict(state, "attn", num_heads=2)
+    # GPT-2's causal buffer `bias` is left out by its whole name: a tensor whose name merely
+    # starts with it is no buffer of GPT-2's, and is refused
+    gpt2 = {"c_attn.weight": np.ones((8, 24)), "c_proj.weight": np.ones((8, 8))}
+    gpt2["bias"] = np.tril(np.ones((1, 1, 4, 4), bool))
+    assert porting.canonical_from_state_dict(gpt2, num_heads=2).left_out == ["bias"]
+    with pytest.raises(ValueError, match=r"bias_scale \(a tensor beside"):
+        porting.canonical_from_state_dict(gpt2 | {"bias_scale": np.ones(8)}, num_heads=2)
 
 
 def test_a_checkpoints_rotary_frequencies_are_checked():
