@@ -150,3 +150,28 @@ def test_an_alignment_of_0_is_top_left_after_a_cache_too(name, rng):
     for alignment in (0, "top_left"):
         aligned, _ = layer(new, new, new, causal=True, cache=cache, alignment=alignment)
         np.testing.assert_allclose(module.to_numpy(aligned), by_hand, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("num_kv_heads", [1, 2], ids=["grouped", "every head"])
+def test_without_weights_causal_follows_the_alignment_and_the_cache(name, num_kv_heads, rng):
+    # need_weights=False reaches the frameworks' fused kernels, whose own causal mask is
+    # top-left: bottom_right, an int alignment and queries after a cache are not, and each
+    # call is held to the same layer given that mask by hand over every key
+    module = backend_module(name)
+    layer = module.MultiHeadAttention(num_hiddens=4, num_heads=2, num_kv_heads=num_kv_heads)
+    Y = module.from_numpy(rng.standard_normal((2, K, 4)).astype(np.float32))
+    new = Y[:, K - Q :]
+    for alignment, first in (("bottom_right", K - Q), (1, 1), ("top_left", 0)):
+        found = layer(new, Y, Y, causal=True, alignment=alignment, need_weights=False)
+        by_hand = layer(new, Y, Y, mask=module.from_numpy(_hand_mask(first)))
+        np.testing.assert_allclose(
+            module.to_numpy(found), module.to_numpy(by_hand), rtol=1e-5, atol=1e-6
+        )
+    # Decoding: the Q queries after K - Q cached positions, as bottom_right places them
+    _, cache = layer(Y[:, : K - Q], Y[:, : K - Q], Y[:, : K - Q], cache=mha.KVCache())
+    found, _ = layer(new, new, new, causal=True, cache=cache, need_weights=False)
+    by_hand = layer(new, Y, Y, mask=module.from_numpy(_hand_mask(K - Q)))
+    np.testing.assert_allclose(
+        module.to_numpy(found), module.to_numpy(by_hand), rtol=1e-5, atol=1e-6
+    )
