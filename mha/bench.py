@@ -492,7 +492,9 @@ def execute(arguments, out, err, progress=None) -> int:
 
 def _show_saved_report(arguments, out) -> int:
     """`mha bench --report FILE`: a saved report's table again, without running."""
-    given = [name for name in _RUN_OPTIONS.split() if getattr(arguments, name) not in (None, False)]
+    values = {name: getattr(arguments, name) for name in _RUN_OPTIONS.split()}
+    # `is`, not `in`: a --seconds of 0 is given, though 0 == False
+    given = [name for name, value in values.items() if value is not None and value is not False]
     if given:
         options = ", ".join("--" + name.strip("_").replace("_", "-") for name in given)
         raise ValueError(f"--report shows a saved report and runs nothing: drop {options}")

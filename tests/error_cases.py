@@ -220,6 +220,9 @@ CONSTRUCTORS = {
         scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4},
     ),
     "num_heads negative": build("MultiHeadAttention", 8, -2),
+    # Windows and chunks count positions: whole numbers, whatever kind the table declares
+    "sliding_window fractional": build("DotProductAttention", sliding_window=2.5),
+    "attention_chunk_size fractional": build("MultiHeadAttention", 8, 2, attention_chunk_size=4.0),
     "latent rope odd": build(
         "MultiHeadLatentAttention",
         **{**GOOD_ARGUMENTS["MultiHeadLatentAttention"], "qk_rope_head_dim": 3},
@@ -272,6 +275,8 @@ VALID_LENS = {
 
 MASKS = {
     "mask not bool": call(MHA, *QKV, mask=f(Q, K)),
+    "mask integer": call(DOT, *QKV, mask=np.ones((Q, K), "int64")),
+    "mask uint8": call(MHA, *QKV, mask=np.ones((B, Q, K), "uint8")),
     "mask wrong keys": call(MHA, *QKV, mask=np.ones((Q, K - 1), bool)),
     "mask wrong queries": call(DOT, *QKV, mask=np.ones((B, Q + 1, K), bool)),
     "mask 4-D wrong heads": call(MHA, *QKV, mask=np.ones((B, 3, Q, K), bool)),
@@ -287,6 +292,7 @@ MASKS = {
     "causal int": call(MHA, *QKV, causal=1),
     "alignment unknown": call(ADD, *QKV, causal=True, alignment="bottom"),
     "alignment a float": call(MHA, *QKV, causal=True, alignment=1.0),
+    "alignment a bool": call(DOT, *QKV, causal=True, alignment=True),
     "alignment past 2**50": call(DOT, *QKV, causal=True, alignment=-(2**63)),
     "need_weights not bool": call(MHA, *QKV, need_weights=None),
     "window_mask rank 2": call(MHA, *QKV, window_mask=np.ones((Q, K), bool)),
@@ -314,12 +320,16 @@ OTHER_LAYERS = {
     "masked_softmax no keys": call(None, f(B, Q, 0)),
     "masked_softmax wrong lengths": call(None, f(B, Q, K), np.array([1, 2, 3])),
     "masked_softmax 2-D lengths of rank 2": call(None, f(B, K), np.ones((B, Q), "int64")),
+    # Its lengths' shape (B, B) would pass for (batch_size, no. of queries) of X read as 3-D
+    "masked_softmax 2-D lengths of rank 2, square": call(None, f(B, K), np.ones((B, B), "int64")),
     "masked_softmax negative": call(None, f(B, Q, K), np.array([1, -1])),
     "masked_softmax fractional": call(None, f(B, Q, K), np.array([0.5, 1.0])),
     "sequence longer than max_len": call(ENCODING, f(B, Q, 4)),
     "encoding size mismatch": call(("PositionalEncoding", (5,), {}), f(B, Q, 4)),
     "learned encoding longer than max_len": call(LEARNED, f(B, Q, 4)),
     "add_norm shapes differ": call(ADD_NORM, f(B, Q, 4), f(B, 2, 4)),
+    # Y of a lower rank, its axes the first of X's: X + Y would broadcast
+    "add_norm ranks differ": call(ADD_NORM, f(4, 4, 4), f(4, 4)),
     "add_norm wrong dtype": call(ADD_NORM, f(B, Q, 4), f(B, Q, 4, dtype="float64")),
     "add_norm rank 1": call(ADD_NORM, f(4), f(4)),
     "rotary rank 1": call(ROTARY, f(4)),
@@ -327,6 +337,7 @@ OTHER_LAYERS = {
     "rotary wrong dtype": call(ROTARY, f(B, Q, 4, dtype="float64")),
     "rotary offset negative": call(ROTARY, f(B, Q, 4), offset=-1),
     "rotary offset float": call(ROTARY, f(B, Q, 4), offset=1.0),
+    "rotary offset bool": call(ROTARY, f(B, Q, 4), offset=True),
     "gqa value_size mismatch": call(GQA, *QKV[:2], f(B, K, 5)),
 }
 

@@ -177,6 +177,36 @@ def test_shapes_choose_the_configurations():
     assert len(shapes) == 8
 
 
+def test_a_mode_runs_only_its_rows_and_seconds_set_the_budget(monkeypatch):
+    # Without MXNet no backend has two modes: numpy is given a second here, its calls the same
+    two = dataclasses.replace(bench.BENCHES["numpy"], modes=("reference", "other"))
+    monkeypatch.setitem(bench.BENCHES, "numpy", two)
+    budgets = []
+    original = bench.interleaved_times
+
+    def spy(calls, budget):
+        budgets.append(budget)
+        return original(calls, budget)
+
+    monkeypatch.setattr(bench, "interleaved_times", spy)
+    options = ("--backends", "numpy", "--mode", "other", "--seconds", "0.25")
+    document, _ = _quick_rows(*options, "--valid-lens", "no", "--need-weights", "true")
+    rows = [(*_key(row), row["pass"]) for row in document["results"]]
+    assert rows == [("numpy", "other", False, True, "forward")]
+    # The rounds ran with the budget asked for, and the report says so
+    assert budgets and {b.seconds for b in budgets if b.min_rounds == 3} == {0.25}
+    assert document["machine"]["budget"]["seconds"] == 0.25
+
+
+def test_shapes_of_decoding_steps_and_of_whole_sequences_mix():
+    # numpy has no decoding rows: of the two shapes it times the one without a cache
+    document, _ = _quick_rows("--backends", "numpy", "--shapes", "1,8,16,2;1,1,8,2+4")
+    configs = {(c["batch_size"], c["length"], c["num_hiddens"], c["num_heads"], c["cached"])
+               for c in (row["config"] for row in document["results"])}  # fmt: skip
+    assert configs == {(1, 8, 16, 2, 0)}
+    assert len(document["results"]) == 4
+
+
 @pytest.mark.mxnet
 def test_a_mode_runs_only_the_backends_that_have_it():
     backend_module("mxnet")
@@ -222,6 +252,8 @@ def test_usage_errors_exit_2_with_the_reason(monkeypatch):
         ),
         ("--backends", "numpy", "--shapes", "2,16,30,4"): "B,L,d,h",
         ("--backends", "numpy", "--shapes", "2,16,x,4"): "B,L,d,h",
+        ("--backends", "numpy", "--shapes", "2,16,32,4,3"): "B,L,d,h",  # 3 kv heads of 4
+        ("--backends", "numpy", "--shapes", "2,0,32,4"): "B,L,d,h",
         ("--backends", "numpy", "--valid-lens", "maybe"): "--valid-lens",
         ("--backends", "numpy", "--memory-scaling"): "unrecognized arguments",
     }
@@ -283,6 +315,20 @@ def test_a_saved_report_is_shown_again_without_running(tmp_path):
     assert code == 0 and json.loads(shown) == document
 
 
+def test_a_report_that_cannot_be_written_exits_1(tmp_path, monkeypatch):
+    from mha import files
+
+    def full_disk(path, data):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(files, "write_atomically", full_disk)
+    path = tmp_path / "bench.json"
+    code, _, err = run("--quick", "--backends", "numpy", "--output", str(path))
+    assert code == 1
+    assert "mha bench: error:" in err and "No space left on device" in err
+    assert not path.exists()
+
+
 def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     path = tmp_path / "other.json"
     path.write_text(json.dumps({"rows": []}))
@@ -299,6 +345,9 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     assert code == 2 and "runs nothing: drop --backends, --quick" in err
     code, _, err = run("--report", str(path), "--valid-lens", "no", "--pass", "forward")
     assert code == 2 and "drop --valid-lens, --pass" in err
+    # A budget of 0 seconds is given too, though 0 == False
+    code, _, err = run("--report", str(path), "--seconds", "0")
+    assert code == 2 and "drop --seconds" in err
 
 
 def test_markdown_table_and_summary():
@@ -328,6 +377,58 @@ def test_markdown_table_and_summary():
     smoke = [dataclasses.replace(row, rounds=3) for row in rows]
     assert bench.summary(smoke)[1].startswith("A smoke run: rows of 3 rounds")
     assert len(bench.summary(smoke)) == 2
+
+
+def test_a_rows_ratio_is_the_median_of_mhas_time_over_the_builtins_round_by_round():
+    # Three rounds, in seconds: mha 2, 4, 30 and the built-in 1, 1, 3, so the rounds' ratios
+    # are 2, 4 and 10, their median 4 (their mean would be 5.33, the inverse ratios' median
+    # 0.25); the medians of the times are 4 s and 1 s; 3 rounds' interval is the whole range
+    config = bench.Config(2, 16, 32, 4, valid_lens=False, need_weights=True)
+    times = {"mha": [2.0, 4.0, 30.0], "SDPA layer": [1.0, 1.0, 3.0]}
+    (row,) = bench._rows("torch", "eager", config, "forward", times)
+    assert (row.backend, row.mode, row.pass_, row.builtin) == (
+        "torch", "eager", "forward", "SDPA layer",
+    )  # fmt: skip
+    assert row.ratio == pytest.approx(4.0)
+    assert (row.mha_ms, row.builtin_ms) == (pytest.approx(4000.0), pytest.approx(1000.0))
+    assert row.interval == (pytest.approx(2.0), pytest.approx(10.0))
+    assert row.rounds == 3
+    # numpy's rows: against the time its FLOPs take at the rate of the 1024 x 1024 x 1024
+    # product timed in the same round (2 * 1024**3 FLOPs); this config's forward is 327680
+    # FLOPs (test_markdown_table_and_summary), so at 2 * 1024**3 FLOP/s it takes 327680 / (2 *
+    # 1024**3) s, and mha taking 4 times that has the ratio 4
+    product = 1.0  # seconds of the product: 2 * 1024**3 FLOP/s
+    forward = 327680 / (2 * 1024**3)
+    times = {"mha": [4 * forward] * 3, bench.ROOFLINE: [product] * 3}
+    (row,) = bench._rows("numpy", "reference", config, "forward", times)
+    assert row.builtin == "matmul roofline"
+    assert row.ratio == pytest.approx(4.0)
+    assert row.builtin_ms == pytest.approx(forward * 1e3)
+
+
+def test_the_summary_gives_each_backend_its_own_range_and_lists_no_roofline_row():
+    # Full runs (6 rounds): numpy's only row is 2.5 times the roofline's time, which is no
+    # built-in, so not a row above the bar; torch's rows are 0.9 and 1.2, JAX's 1.05
+    config = bench.Config(2, 16, 32, 4, valid_lens=False, need_weights=True)
+
+    def row(backend, builtin, ratio):
+        return bench.Result(backend, "eager", config, "forward", builtin, 1.0, 1.0, ratio,
+                            (ratio - 0.01, ratio + 0.01), 6)  # fmt: skip
+
+    rows = [
+        row("numpy", bench.ROOFLINE, 2.5),
+        row("torch", "SDPA layer", 0.9),
+        row("torch", "torch.nn.MultiheadAttention", 1.2),
+        row("jax", "flax.nnx.MultiHeadAttention", 1.05),
+    ]
+    lines = bench.summary(rows)
+    assert lines[:3] == [
+        "numpy: 1 rows, ratio to the roofline 2.500 to 2.500",
+        "torch: 2 rows, ratio to the built-ins 0.900 to 1.200",
+        "jax: 1 rows, ratio to the built-ins 1.050 to 1.050",
+    ]
+    assert lines[3] == "rows above 1.10 against a built-in: 1"
+    assert len(lines) == 5 and "against torch.nn.MultiheadAttention: 1.200" in lines[4]
 
 
 def test_the_interval_is_the_median_confidence_interval_by_ranks():

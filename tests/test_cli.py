@@ -101,6 +101,96 @@ def test_compare_fails_and_names_the_backend_that_disagrees(monkeypatch):
     assert "set aside while mha ran:\na framework's native log line" in err
 
 
+def test_compare_json_of_a_disagreement_says_it_failed(monkeypatch):
+    original = harness.run_case
+
+    def broken(backend, case, inputs, weights, config, *args, **kwargs):
+        result = original(backend, case, inputs, weights, config, *args, **kwargs)
+        if case.layer == "AddNorm" and config["dtype"] == "float32":
+            result.output = result.output + 0.01  # an arithmetic error in one layer
+        return result
+
+    monkeypatch.setattr(harness, "run_case", broken)
+    code, out, _ = run("compare", "--backends", "numpy", "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["passed"] is False
+    failing = {row["case"].split("[")[0] for row in report["rows"] if not row["passed"]}
+    assert failing == {"AddNorm"}
+
+
+def test_compare_runs_with_the_seed_sizes_and_dtype_given(monkeypatch):
+    # What --seed and the sizes choose reaches the comparison; --dtype defaults to float32
+    seen = []
+    original = harness.compare
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return original(**kwargs)
+
+    monkeypatch.setattr(harness, "compare", spy)
+    sizes = ["--batch-size", "3", "--num-queries", "2", "--num-keys", "6"]
+    sizes += ["--num-hiddens", "12", "--num-heads", "3"]
+    code, out, _ = run("compare", "--backends", "numpy", "--json", "--seed", "7", *sizes)
+    assert code == 3
+    (arguments,) = seen
+    assert arguments["seed"] == 7 and arguments["dtype"] == "float32"
+    assert arguments["shapes"] == harness.Shapes(
+        batch_size=3, num_queries=2, num_keys=6, num_hiddens=12, num_heads=3
+    )
+    report = json.loads(out)
+    assert (report["seed"], report["dtype"]) == (7, "float32")
+    multihead = next(
+        r for r in report["rows"] if r["case"] == "MultiHeadAttention(bias=False)[no_mask]"
+    )
+    assert multihead["output_shape"] == [3, 2, 12]  # (batch, queries, num_hiddens)
+
+
+def test_compare_records_its_own_run_and_a_failed_record_exits_1(tmp_path):
+    from mha import golden
+
+    path = tmp_path / "cases.safetensors"
+    code, out, err = run("compare", "--backends", "numpy", "--seed", "4", "--record", str(path))
+    assert code == 3, err
+    assert f"Recorded {len(harness.default_cases())} cases as numpy computes them" in out
+    # The recorded inputs are those of seed 4: as recording seed 4 directly, not seed 0
+    recorded = golden.read(path)
+    direct = {seed: golden.record_run(tmp_path / f"{seed}.safetensors", "numpy", seed=seed)
+              for seed in (0, 4)}  # fmt: skip
+    case = next(c for c in recorded if c.layer == "MultiHeadAttention")
+
+    def inputs_of(cases):
+        found = next(c for c in cases if c.name == case.name)
+        return np.asarray(found.inputs["queries"])
+
+    np.testing.assert_array_equal(inputs_of(recorded), inputs_of(direct[4]))
+    assert not np.array_equal(inputs_of(recorded), inputs_of(direct[0]))
+    assert cli.main(["verify", str(path), "--backends", "numpy"], out=io.StringIO()) == 0
+    # A destination that cannot be written: the run is reported as failed
+    missing = tmp_path / "no such folder" / "cases.safetensors"
+    code, _, err = run("compare", "--backends", "numpy", "--record", str(missing))
+    assert code == 1 and "mha compare: error:" in err
+
+
+def test_verify_runs_in_the_dtype_given(tmp_path, monkeypatch):
+    from mha import golden
+
+    path = tmp_path / "cases.safetensors"
+    golden.record_run(path, "numpy", harness.default_cases()[:2])  # float32 cases
+    seen = []
+    original = golden.verify
+
+    def spy(cases, names, dtype=None, **kwargs):
+        seen.append(dtype)
+        return original(cases, names, dtype, **kwargs)
+
+    monkeypatch.setattr(golden, "verify", spy)
+    for argv, dtype in (([], None), (["--dtype", "float64"], "float64")):
+        code, out, _ = run("verify", str(path), "--backends", "numpy", *argv)
+        assert code == 0 and "All 2 comparisons agree on numpy." in out
+        assert seen.pop() == dtype
+
+
 def test_native_log_lines_are_set_aside_and_standard_error_restored(capfd, monkeypatch):
     original = harness.run_case
 

@@ -167,6 +167,26 @@ def test_the_command_runs_a_framework_function_and_writes_json(capsys):
     assert {row["status"] for row in rows} == {"agrees"}
 
 
+def uniform_attention(query, key, value, **options):
+    """mha's NumPy function, giving a row with no key the mean of the values."""
+    from mha.backends import numpy as reference
+
+    return reference.dot_product_attention(query, key, value, **options, empty_rows="uniform")
+
+
+def test_the_command_holds_rows_with_no_key_to_empty_rows(capsys):
+    # A function that gives an empty row the mean of the values agrees on every case with
+    # --empty-rows uniform, and differs on the row with no key by default (zeros)
+    target = [f"{__name__}:uniform_attention", "--framework", "numpy", "--dtypes", "float64"]
+    assert cli.main(["conform", *target, "--empty-rows", "uniform", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["status"] for row in rows} == {"agrees"}
+    assert cli.main(["conform", *target, "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    differs = [row["case"] for row in rows if row["status"] != "agrees"]
+    assert differs and all("no key" in case for case in differs), differs
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [

@@ -122,8 +122,28 @@ def test_packed_queries_and_keys_of_their_own(name, rng):
             {},
             "need rows of at most its original_max_position_embeddings (4)",
         ),
+        (
+            {
+                "rope_theta": 10000.0,
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0, 1.0],
+                    "long_factor": [2.0, 2.0],
+                    "original_max_position_embeddings": 6,
+                },
+            },
+            {},
+            # Rows of 7 positions, one past the 6: their frequencies would be the long ones
+            "need rows of at most its original_max_position_embeddings (6)",
+        ),
     ],
-    ids=["with a cache", "wrong length", "floats", "dynamic scaling, longer rows"],
+    ids=[
+        "with a cache",
+        "wrong length",
+        "floats",
+        "dynamic scaling, longer rows",
+        "longrope scaling, one position longer",
+    ],
 )
 @pytest.mark.parametrize("name", BACKENDS)
 def test_bad_packing_is_refused(name, arguments, call, message, rng):

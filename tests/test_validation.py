@@ -59,6 +59,29 @@ ERRORS = {
         ValueError,
         "num_hiddens must be divisible by num_heads. Received: num_hiddens=100, num_heads=3",
     ),
+    "rope odd head size": (
+        # 6 features in 2 heads: heads of 3, which the rotary embedding cannot pair
+        lambda: mha.MultiHeadAttention(6, 2, rope_theta=10000.0),
+        ValueError,
+        "rotary embeddings rotate pairs of features: the head size num_hiddens / num_heads "
+        "must be even. Received: num_hiddens=6, num_heads=2",
+    ),
+    "sliding_window fractional": (
+        # A window of 2.5 positions: windows count whole positions
+        lambda: mha.DotProductAttention(sliding_window=2.5),
+        ValueError,
+        "sliding_window must be a positive integer. Received: sliding_window=2.5",
+    ),
+    "softcap a string": (
+        lambda: mha.DotProductAttention(softcap="30"),
+        ValueError,
+        "softcap must be a positive number. Received: softcap='30'",
+    ),
+    "rope_theta a string": (
+        lambda: mha.MultiHeadAttention(8, 2, rope_theta="1e4"),
+        ValueError,
+        "rope_theta must be a positive number. Received: rope_theta='1e4'",
+    ),
     "dropout one": (
         lambda: mha.DotProductAttention(1.0),
         ValueError,
@@ -222,6 +245,13 @@ ERRORS = {
         "mask must be a boolean keep-mask (True = attend). "
         "Received: mask with shape (3, 5) and dtype float32",
     ),
+    "mask integer": (
+        # A 0/1 integer mask is not read as a keep-mask: only booleans are
+        lambda: attend(mask=np.ones((3, 5), "int64")),
+        TypeError,
+        "mask must be a boolean keep-mask (True = attend). "
+        "Received: mask with shape (3, 5) and dtype int64",
+    ),
     "mask wrong keys": (
         lambda: attend(mask=np.ones((3, 4), bool)),
         ValueError,
@@ -253,6 +283,13 @@ ERRORS = {
         ValueError,
         "alignment must be 'top_left', 'bottom_right' or the position of the first query "
         "(an int). Received: alignment='bottom'",
+    ),
+    "alignment a bool": (
+        # True is an int to Python, but not the position of the first query
+        lambda: attend(causal=True, alignment=True),
+        ValueError,
+        "alignment must be 'top_left', 'bottom_right' or the position of the first query "
+        "(an int). Received: alignment=True",
     ),
     "need_weights not bool": (
         lambda: attend(need_weights=None),
@@ -309,6 +346,26 @@ ERRORS = {
         ValueError,
         "X must have rank 2 or more: (batch_size, ..., no. of keys). "
         "Received: X with shape (3,) and dtype float64",
+    ),
+    "masked_softmax 2-D lengths of rank 2": (
+        # X (2, 5) has no queries' axis: lengths (2, 2) are not per query, whatever their shape
+        lambda: mha.masked_softmax(np.ones((2, 5), "float32"), np.ones((2, 2), "int64")),
+        ValueError,
+        "2-D valid_lens needs X of rank 3 or more: (batch_size, no. of queries, no. of keys). "
+        "Received: X with shape (2, 5) and dtype float32, valid_lens with shape (2, 2) and "
+        "dtype int64",
+    ),
+    "rotary offset bool": (
+        # True is an int to Python, but not a position
+        lambda: mha.RotaryEmbedding(4)(f32, offset=True),
+        ValueError,
+        "offset must be a non-negative integer. Received: offset=True",
+    ),
+    "add_norm ranks differ": (
+        # Y (4, 4) would broadcast against X (4, 4, 4): the shapes must be the same
+        lambda: mha.AddNorm(4)(np.ones((4, 4, 4), "float32"), np.ones((4, 4), "float32")),
+        ValueError,
+        "X and Y must have the same shape. Received: X with shape (4, 4, 4), Y with shape (4, 4)",
     ),
     "sequence longer than max_len": (
         lambda: mha.PositionalEncoding(4, max_len=2)(f32),
