@@ -248,6 +248,27 @@ def test_compare_exit_codes_at_small_sizes():
     )
 
 
+@pytest.mark.jax
+def test_compare_in_float64_turns_on_jaxs_64_bit_mode(monkeypatch):
+    # JAX computes in float64 only in its 64-bit mode, off unless turned on: the command turns
+    # it on, and JAX's float64 rows agree with the reference (two cases, for time)
+    from conftest import framework_import
+
+    jax = framework_import("jax")
+    cases = [case for case in harness.default_cases() if case.layer == "MultiHeadAttention"]
+    monkeypatch.setattr(harness, "default_cases", lambda: cases[:2])
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        code, out, err = run("compare", "--backends", "jax", "--dtype", "float64", "--json")
+        assert jax.config.jax_enable_x64
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    assert code == 0, err
+    rows = json.loads(out)["rows"]
+    assert len(rows) == 2 and all(row["passed"] for row in rows), rows
+
+
 def test_python_dash_m_mha():
     completed = subprocess.run(
         [sys.executable, "-m", "mha", "compare", "--backends", "numpy"],
