@@ -480,7 +480,7 @@ def _conform(arguments, out, err) -> int:
         function, framework = _conform_target(arguments.target, arguments.framework)
     except BackendUnavailableError as error:
         raise UsageError(str(error)) from None
-    dtypes = [d.strip() for d in arguments.dtypes.split(",") if d.strip()]
+    dtypes = list(dict.fromkeys(d.strip() for d in arguments.dtypes.split(",") if d.strip()))
     unknown = [d for d in dtypes if d not in conformance.TOLERANCES]
     if unknown or not dtypes:
         raise UsageError(f"--dtypes takes {', '.join(conformance.TOLERANCES)}: {unknown}")

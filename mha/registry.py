@@ -149,8 +149,9 @@ def select_backends(text: str | None) -> tuple[list[str], dict[str, str]]:
     """The backends a command runs on, and {backend: reason} for those skipped.
 
     Args:
-        text: a comma list of names; each must import. None or empty: every backend that
-            imports, the others listed as skipped with the reason.
+        text: a comma list of names; each must import, and a name given twice (or by an
+            alias) runs once. None or empty: every backend that imports, the others listed as
+            skipped with the reason.
 
     Raises:
         ValueError: an unknown name, or a list that names none.
@@ -158,6 +159,7 @@ def select_backends(text: str | None) -> tuple[list[str], dict[str, str]]:
     """
     if text:
         names = [normalize_backend_name(name) for name in text.split(",") if name.strip()]
+        names = list(dict.fromkeys(names))
         if not names:
             raise ValueError("--backends names no backend")
         for name in names:

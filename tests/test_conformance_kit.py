@@ -158,7 +158,7 @@ def test_the_command_runs_a_framework_function_and_writes_json(capsys):
             "--framework",
             "numpy",
             "--dtypes",
-            "float32",
+            "float32, float32",  # a dtype given twice runs once
             "--json",
         ]
     )

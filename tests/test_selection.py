@@ -202,6 +202,12 @@ def test_unknown_attribute():
         mha.Transformer  # noqa: B018
 
 
+def test_a_backend_named_twice_runs_once():
+    # An alias or another case names the same backend: running it twice would count its rows
+    # twice in `mha compare` and `mha bench`
+    assert registry.select_backends("numpy, NumPy,numpy") == (["numpy"], {})
+
+
 def test_available_backends_include_numpy():
     assert "numpy" in mha.available_backends()
 
