@@ -424,17 +424,17 @@ def _parse_shapes(text: str) -> list[tuple]:
             or min(shape) <= 0
             or shape[2] % shape[3]
             or shape[3] % shape[-1]
-            or (plus and not cached.strip().isdigit())
+            or (plus and not (cached.strip().isdigit() and int(cached) > 0))
         ):
             raise ValueError(
                 "a shape is four positive integers B,L,d,h, h dividing d, and a fifth for "
                 "grouped-query attention, the key-value heads, dividing h; +C after them "
-                f"times a decoding step after C cached positions: {part!r}"
+                f"times a decoding step after C > 0 cached positions: {part!r}"
             )
         if plus:
             shape = (*shape[:4], shape[4] if len(shape) == 5 else None, int(cached))
         shapes.append(shape)
-    return shapes
+    return list(dict.fromkeys(shapes))  # a shape given twice is timed once
 
 
 # Options that choose what to run: they mean nothing with --report

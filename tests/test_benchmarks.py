@@ -663,7 +663,7 @@ def test_decoding_rows_time_one_step_after_the_cache(backend, need_weights, num_
 
 
 def test_decoding_shapes_parse_and_name_the_cache(monkeypatch):
-    assert bench._parse_shapes("1,1,512,8+4096;2,1,16,4,2+8") == [
+    assert bench._parse_shapes("1,1,512,8+4096;2,1,16,4,2+8;1,1,512,8+4096") == [
         (1, 1, 512, 8, None, 4096),
         (2, 1, 16, 4, 2, 8),
     ]
@@ -675,5 +675,6 @@ def test_decoding_shapes_parse_and_name_the_cache(monkeypatch):
     # torch and JAX have decoding rows; a backend without them says so
     code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+4")
     assert code == 2 and "no layer with a KV cache" in err
-    code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+x")
-    assert code == 2 and "+C" in err
+    for cached in ("x", "0", ""):  # +0 would be a call without a cache, not a decoding step
+        code, _, err = run("--quick", "--backends", "numpy", "--shapes", f"1,1,8,2+{cached}")
+        assert code == 2 and "+C" in err, cached
