@@ -337,6 +337,23 @@ def test_torch_state_dict_layouts(torch):
 
 
 @pytest.mark.torch
+@pytest.mark.parametrize("sizes", [(8, 3), (5, 8)], ids=["key-size-only", "value-size-only"])
+def test_one_input_size_of_embed_dim_gives_separate_torch_projections(torch, sizes):
+    # torch packs in_proj_weight only when kdim and vdim both equal embed_dim: one of them
+    # alone is three separate projections, and torch's layer computes what mha's does
+    config = (8, 2, True, 8, *sizes)
+    module = backend_module("numpy")
+    layer = mha_layer(module, config, "float32", seed=6)
+    builtin = interop.to_torch(layer).eval()
+    assert not builtin._qkv_same_embed_dim and "in_proj_weight" not in builtin.state_dict()
+    tensors = inputs(config, "float32", np.random.default_rng(6))
+    assert_agree(call_mha(module, layer, *tensors), call_torch(torch, builtin, *tensors), "float32")
+    back = interop.from_torch(builtin, backend="numpy")
+    for name, value in mha.get_weights(layer).items():
+        np.testing.assert_array_equal(mha.get_weights(back)[name], value)
+
+
+@pytest.mark.torch
 def test_the_config_read_from_a_torch_state_has_each_input_size(torch):
     # kdim 5 and vdim 3 beside embed_dim 8: separate projections, each its own input size
     module = torch.nn.MultiheadAttention(8, 2, kdim=5, vdim=3)
@@ -391,6 +408,23 @@ def test_what_torch_cannot_express(torch):
 
 
 @pytest.mark.torch
+def test_a_torch_state_dict_of_mixed_dtypes_or_half_its_biases_is_refused(torch):
+    # torch's load_state_dict would cast the odd tensor silently; mha reads one dtype, and
+    # biases on the input projections and on the output one, or on neither
+    state = torch.nn.MultiheadAttention(4, 2).state_dict()
+    mixed = {**state, "out_proj.weight": state["out_proj.weight"].double()}
+    with pytest.raises(ValueError, match="different dtypes: float32, float64"):
+        interop.canonical_from_torch(mixed)
+    halves = [
+        {k: v for k, v in state.items() if k != "out_proj.bias"},
+        {k: v for k, v in state.items() if k != "in_proj_bias"},
+    ]
+    for half in halves:
+        with pytest.raises(ValueError, match="must be both present or both absent"):
+            interop.canonical_from_torch(half)
+
+
+@pytest.mark.torch
 @pytest.mark.parametrize("name", backend_params())
 def test_torch_float_masks_of_any_numbers_become_attn_bias(torch, name):
     # torch adds a float mask to the scores, as mha adds attn_bias; -inf leaves a key out
@@ -421,6 +455,28 @@ def test_torch_float_masks_of_any_numbers_become_attn_bias(torch, name):
             assert_agree(call_mha(module, layer, *tensors, **converted), theirs, "float64")
         except AssertionError as error:
             raise AssertionError(f"mask case {case}: {error}") from None
+
+
+@pytest.mark.torch
+def test_two_float_torch_masks_of_any_numbers_add_up(torch):
+    # A float key_padding_mask and a float attn_mask, neither only 0 and -inf: torch adds
+    # both to the scores, so mha's attn_bias is their sum
+    num_heads, module = 2, backend_module("numpy")
+    builtin = torch.nn.MultiheadAttention(8, num_heads, batch_first=True, dtype=torch.float64)
+    randomize_torch(torch, builtin.eval(), seed=7)
+    layer = interop.from_torch(builtin, backend="numpy")
+    rng = np.random.default_rng(7)
+    tensors = inputs(TORCH_CONFIGS["packed-bias"], "float64", rng)
+    masks = {
+        "key_padding_mask": 2.0 * rng.standard_normal((BATCH, KEYS)),
+        "attn_mask": 2.0 * rng.standard_normal((BATCH * num_heads, QUERIES, KEYS)),
+    }
+    theirs = call_torch(
+        torch, builtin, *tensors, **{k: torch.from_numpy(v) for k, v in masks.items()}
+    )
+    converted = interop.from_torch_masks(**masks, num_heads=num_heads, backend="numpy")
+    assert set(converted) == {"causal", "attn_bias"}
+    assert_agree(call_mha(module, layer, *tensors, **converted), theirs, "float64")
 
 
 @pytest.mark.torch
@@ -498,6 +554,74 @@ def test_is_causal_is_torchs_hint_that_attn_mask_is_the_causal_mask(torch, need_
     for attn_mask in (~future, np.where(future, -1e9, 0.0)):
         with pytest.raises(ValueError, match="and this attn_mask is not"):
             interop.from_torch_masks(attn_mask=attn_mask, num_heads=2, is_causal=True)
+
+
+@pytest.mark.torch
+def test_dropout_and_batch_first_carry_over_to_and_from_torch(torch):
+    # The dropout rate is config, not weights: it must reach the new layer both ways. With
+    # batch_first=False torch takes (Q, B, d): the same numbers, the batch on axis 1
+    config = TORCH_CONFIGS["packed-bias"]
+    module = backend_module("numpy")
+    layer = module.MultiHeadAttention(8, 2, 0.25, True, query_size=8, key_size=8, value_size=8)
+    mha.set_weights(layer, mha.random_weights(layer, seed=3))
+    builtin = interop.to_torch(layer, batch_first=False)
+    assert builtin.dropout == 0.25 and not builtin.batch_first
+    back = interop.from_torch(builtin, backend="numpy")
+    assert module.layer_config(back)["dropout"] == 0.25
+    tensors = inputs(config, "float32", np.random.default_rng(7))
+    builtin.eval()
+    with torch.no_grad():
+        output, _ = builtin(*(torch.from_numpy(x.swapaxes(0, 1).copy()) for x in tensors))
+    layer_eval = mha_layer(module, config, "float32", seed=3)
+    ours, _ = call_mha(module, layer_eval, *tensors)
+    np.testing.assert_allclose(output.numpy().swapaxes(0, 1), ours, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.torch
+def test_is_causal_refuses_a_mask_that_differs_from_causal_in_one_key(torch):
+    # One forbidden key more than the causal mask (query 2 may not see key 0): not the mask
+    # that is_causal promises, so torch's paths would disagree and mha refuses the hint
+    future = np.triu(np.ones((QUERIES, QUERIES), bool), 1)
+    almost = future.copy()
+    almost[2, 0] = True
+    for attn_mask in (almost, np.where(almost, -np.inf, 0.0)):
+        with pytest.raises(ValueError, match="and this attn_mask is not"):
+            interop.from_torch_masks(attn_mask=attn_mask, num_heads=2, is_causal=True)
+    allowed = interop.from_torch_masks(attn_mask=almost, num_heads=2)["mask"]
+    assert np.array_equal(np.asarray(allowed)[0, 0], ~almost)
+
+
+@pytest.mark.torch
+def test_attn_bias_becomes_minus_infinity_exactly_where_masks_drop_a_key(torch):
+    # torch's float attn_mask: the bias where mha keeps a key, -inf (not a large negative
+    # number, which would still give a row without keys weights) where it does not
+    rng = np.random.default_rng(8)
+    bias = rng.standard_normal((BATCH, 2, QUERIES, KEYS))
+    lengths = np.array([2, KEYS, 0])
+    mask = rng.random((QUERIES, KEYS)) < 0.7
+    converted = interop.to_torch_masks(
+        lengths, mask, True, attn_bias=bias, num_heads=2, num_queries=QUERIES, num_keys=KEYS
+    )
+    added = converted["attn_mask"].numpy().reshape(BATCH, 2, QUERIES, KEYS)
+    keep = spelled_out_keep(lengths, mask, True, 2)
+    assert np.array_equal(np.isneginf(added), ~keep)
+    assert np.array_equal(added[keep], bias[keep])
+
+
+@pytest.mark.torch
+def test_a_qk_norm_eps_without_a_qk_norm_converts_to_torch(torch):
+    # The eps of a QK-norm the layer does not have changes no number: not an option torch
+    # lacks, so the layer converts, and torch's layer computes what it does
+    config = TORCH_CONFIGS["packed-bias"]
+    module = backend_module("numpy")
+    layer = module.MultiHeadAttention(
+        8, 2, bias=True, query_size=8, key_size=8, value_size=8, qk_norm_eps=1e-3
+    )
+    mha.set_weights(layer, mha.random_weights(layer, seed=4))
+    builtin = interop.to_torch(layer).eval()
+    tensors = inputs(config, "float32", np.random.default_rng(4))
+    ours = call_mha(module, layer, *tensors)
+    assert_agree(ours, call_torch(torch, builtin, *tensors), "float32")
 
 
 @pytest.mark.torch
@@ -696,6 +820,23 @@ def test_what_mha_cannot_take_from_keras(keras):
 
 
 @pytest.mark.tensorflow
+def test_keras_attention_axes_of_rank_3_inputs_convert_only_over_the_sequence(keras):
+    # Built for (B, n, d), a Keras layer may still attend over the batch axis or the heads'
+    # axis: the kernels are those of any other layer, the numbers are not mha's
+    x = np.random.default_rng(2).standard_normal((2, 3, 8))
+    for axes in ((0,), (2,)):
+        other = keras.layers.MultiHeadAttention(2, 4, attention_axes=axes, dtype="float64")
+        other(x, x)
+        with pytest.raises(ValueError, match=r"attention_axes=\(\d,\); mha attends over axis 1"):
+            interop.from_keras(other)
+    # Axis -2 of (B, n, d) is the sequence: it converts, and computes Keras's numbers
+    same = keras.layers.MultiHeadAttention(2, 4, attention_axes=(-2,), dtype="float64")
+    expected = np.asarray(same(x, x))
+    layer = interop.from_keras(same, backend="numpy")
+    np.testing.assert_allclose(layer(x, x, x), expected, rtol=0, atol=1e-7)
+
+
+@pytest.mark.tensorflow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("sliding_window", [None, 2])
 @pytest.mark.parametrize("name", backend_params())
@@ -793,6 +934,23 @@ def test_a_keras_gate_is_the_output_gate_both_ways(keras, name, dtype):
         np.testing.assert_array_equal(
             np.asarray(again(query, value, key)), np.asarray(builtin(query, value, key))
         )
+
+
+@pytest.mark.tensorflow
+def test_dropout_carries_over_to_and_from_keras(keras):
+    # The dropout rate is config, not weights: both Keras layers keep it through mha
+    module = backend_module("numpy")
+    layer = module.MultiHeadAttention(8, 2, 0.25, True, query_size=8, key_size=8, value_size=8)
+    mha.set_weights(layer, mha.random_weights(layer, seed=0))
+    builtin = interop.to_keras(layer)
+    assert builtin.dropout == 0.25
+    assert interop.canonical_from_keras(builtin)[1]["dropout"] == 0.25
+    assert module.layer_config(interop.from_keras(builtin, backend="numpy"))["dropout"] == 0.25
+    grouped = keras.layers.GroupQueryAttention(4, 4, 2, dropout=0.125)
+    grouped.build((None, 3, 8), (None, 3, 8))
+    _, config = interop.canonical_from_keras(grouped)
+    assert (config["dropout"], config["num_kv_heads"]) == (0.125, 2)
+    assert interop.to_keras(interop.from_keras(grouped, backend="numpy")).dropout == 0.125
 
 
 @pytest.mark.tensorflow
@@ -914,6 +1072,24 @@ def test_torch_to_keras_through_mha_and_back(torch, keras, backend):
         assert torch.equal(value, again.state_dict()[name])
 
 
+def test_layer_from_weights_keeps_what_the_weights_cannot_tell():
+    # num_heads, dropout, scale and the untold options are not in the weights: the layer
+    # built from them computes what a layer constructed with them does
+    module = backend_module("numpy")
+    options = dict(dropout=0.25, scale=0.3, sliding_window=2)
+    sizes = dict(query_size=6, key_size=5, value_size=3, dtype="float64")
+    expected = module.MultiHeadAttention(8, 4, bias=True, **sizes, **options)
+    weights = mha.random_weights(expected, seed=9)
+    mha.set_weights(expected, weights)
+    layer = interop.layer_from_weights(weights, 4, backend="numpy", **options)
+    assert module.layer_config(layer) == module.layer_config(expected)
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((2, 5, n)) for n in (6, 5, 3))
+    np.testing.assert_allclose(
+        layer(q, k, v, causal=True), expected(q, k, v, causal=True), rtol=0, atol=1e-12
+    )
+
+
 def test_import_mha_and_interop_imports_no_framework():
     code = (
         "import sys, json, mha, mha.interop; mha.interop.to_torch; "
@@ -980,6 +1156,23 @@ def test_mask_helpers_refuse_bad_lengths_with_the_layers_message(framework, vali
     with pytest.raises(ValueError) as raised:
         call_mask_helper(framework, valid_lens)
     assert str(raised.value) == expected
+
+
+@pytest.mark.parametrize(
+    "framework", ["keras", "flax", pytest.param("torch", marks=pytest.mark.torch)]
+)
+def test_mask_helpers_refuse_lengths_and_masks_of_too_many_axes(framework):
+    # valid_lens of 3 axes and masks of 5 have no meaning for the layers, which refuse them;
+    # a helper that took them would hand the framework a mask of another shape
+    lengths = np.full((BATCH, QUERIES, 1), 2)
+    assert "valid_lens must have shape" in layer_message(lengths)  # the layer refuses them
+    with pytest.raises(ValueError, match=r"valid_lens must have shape .* Received: valid_lens of"):
+        call_mask_helper(framework, lengths)
+    helper = getattr(interop, f"to_{framework}_masks")
+    sizes = {"num_queries": QUERIES, "num_keys": KEYS}
+    sizes.update({"num_heads": 2} if framework == "torch" else {})
+    with pytest.raises(ValueError, match=r"mask must have at most 4 axes"):
+        helper(mask=np.ones((1, 1, 1, QUERIES, KEYS), bool), **sizes)
 
 
 def spelled_out_keep(valid_lens, mask, causal, num_heads):

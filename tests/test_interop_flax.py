@@ -160,6 +160,59 @@ def test_what_flax_layers_mha_cannot_hold_is_an_error(flax):
         interop.flax_params(mha.get_weights(gated), H)
 
 
+def test_linen_parameters_of_a_qk_norm_are_refused(flax):
+    # Linen's normalize_qk adds query_ln and key_ln beside the four projections: read as
+    # if they were not there, the queries and keys would go unnormalized (other numbers)
+    import jax
+    import jax.numpy as jnp
+    from flax import linen
+
+    module = linen.MultiHeadDotProductAttention(
+        num_heads=H, qkv_features=D, out_features=D, normalize_qk=True
+    )
+    q, k, v = map(jnp.asarray, inputs(3))
+    params = module.init(jax.random.PRNGKey(0), q, k, v)
+    assert {"query_ln", "key_ln"} <= set(params["params"])
+    for source in (params, params["params"]):
+        with pytest.raises(ValueError, match=r"Found: \['key', 'key_ln', 'out', 'query'"):
+            interop.from_flax(source, backend="numpy")
+
+
+def test_kernels_of_another_head_layout_are_refused(flax):
+    # (head size, heads, out) holds as many numbers as (heads, head size, out): read as if it
+    # were Flax's layout, the heads' outputs would meet the wrong rows of W_o
+    layer = N.MultiHeadAttention(D, H, bias=False, query_size=D, key_size=D, value_size=D)
+    params = interop.flax_params(mha.get_weights(layer), H)
+    out = params["out"]["kernel"]
+    params["out"]["kernel"] = out.reshape(D // H, H, D)
+    with pytest.raises(ValueError, match=r"out kernel \(4, 2, 8\): expected \(num_heads"):
+        interop.from_flax(params)
+    params["out"]["kernel"] = out
+    # Keys or values in 4 heads of 2 beside queries in 2 heads of 4: as many columns, but
+    # heads that Flax's attention could not pair
+    for name in ("key", "value"):
+        changed = {**params, name: {"kernel": params[name]["kernel"].reshape(D, 2 * H, 2)}}
+        with pytest.raises(ValueError, match="heads or head sizes that do not fit together"):
+            interop.from_flax(changed)
+    # Three key-value heads do not divide four query heads (grouped-query attention)
+    rng = np.random.default_rng(1)
+    kernels = {"query": (D, 4, 2), "key": (D, 3, 2), "value": (D, 3, 2), "out": (4, 2, D)}
+    grouped = {name: {"kernel": rng.standard_normal(shape)} for name, shape in kernels.items()}
+    with pytest.raises(ValueError, match="heads or head sizes that do not fit together"):
+        interop.canonical_from_flax(grouped)
+
+
+def test_flax_parameters_with_biases_on_some_projections_only_are_refused(flax):
+    # Flax's use_bias gives the four projections a bias each, or none: a dict with some of
+    # them is not the parameters of its multi-head attention
+    layer = N.MultiHeadAttention(D, H, bias=True, query_size=D, key_size=D, value_size=D)
+    params = interop.flax_params(mha.get_weights(layer), H)
+    for name in ("key", "out"):
+        partial = {**params, name: {"kernel": params[name]["kernel"]}}
+        with pytest.raises(ValueError, match=r"biases on \[.*\] only"):
+            interop.canonical_from_flax(partial)
+
+
 def test_a_flax_layer_computing_with_functions_of_its_own_is_an_error(flax):
     # Its attention_fn (or products) computes other numbers than mha's layer would
     import jax
@@ -211,6 +264,8 @@ def test_flax_num_kv_heads_into_every_backend_and_back(flax, name):
     q, k, v = inputs(4)
     layer = interop.from_flax(source, backend=name)
     assert (layer.num_heads, layer.num_kv_heads) == (4, 2)
+    _, config = interop.canonical_from_flax(source)
+    assert (config["num_heads"], config["num_kv_heads"]) == (4, 2)
     for masks in MASKS.values():
         expected = flax_call(source, q, k, v, masks)
         np.testing.assert_allclose(mha_call(layer, q, k, v, masks), expected, atol=2e-5)
