@@ -727,6 +727,137 @@ def test_causal_alone_is_the_kernels_is_causal(T, torch, monkeypatch, call, is_c
         np.testing.assert_allclose(T.to_numpy(output), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("value_size", [8, 4], ids=["same_sizes", "value_size_of_its_own"])
+def test_causal_alone_keeps_out_a_nan_key_that_no_query_reaches(T, torch, value_size):
+    # Top-left causal, 5 queries and 7 keys: keys 5 and 6 are masked for every query. With a
+    # value head size of its own SDPA's is_causal falls back to its math kernel, which adds
+    # -inf to a NaN score: such a call must take another path and keep the NaN out
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((2, 2, 5, 8)), rng.standard_normal((2, 2, 7, 8))
+    v = rng.standard_normal((2, 2, 7, value_size))
+    expected = N.dot_product_attention(q, k, v, causal=True)
+    k[:, :, 5:] = np.nan
+    output = T.dot_product_attention(*(torch.from_numpy(x) for x in (q, k, v)), causal=True)
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("option", [{"sinks": True}, {"softcap": 0.5}], ids=["sinks", "softcap"])
+def test_grouped_causal_attention_with_sinks_or_a_soft_cap_without_weights(T, torch, option):
+    # The causal mask alone, without weights, on 4 query heads sharing 2 key-value heads: the
+    # kernel's is_causal takes neither sinks nor a soft cap, so the query heads are folded
+    # onto their key-value heads for the path that replaces the scores
+    sizes = dict(query_size=16, key_size=16, value_size=16, num_kv_heads=2, **option)
+    reference = N.MultiHeadAttention(16, 4, **sizes, dtype="float64")
+    weights = mha.random_weights(reference, seed=2)
+    if "sinks" in option:
+        weights["sinks"] = np.array([1.0, -2.0, 0.5, 3.0])
+    mha.set_weights(reference, weights)
+    layer = T.MultiHeadAttention(16, 4, **sizes, dtype="float64")
+    mha.set_weights(layer, weights)
+    X = np.random.default_rng(0).standard_normal((2, 5, 16))
+    expected = reference(X, X, X, causal=True)
+    output = layer(*(T.from_numpy(X),) * 3, causal=True, need_weights=False)
+    np.testing.assert_allclose(T.to_numpy(output), expected, rtol=0, atol=1e-12)
+
+
+def test_key_padding_takes_the_fused_kernel_whatever_a_padded_key_holds(T, torch, monkeypatch):
+    # Lengths mask whole keys (for every query and head), which are zeroed before the kernel
+    # adds the mask: a NaN at a padded key neither reaches an output nor keeps the call from
+    # F.scaled_dot_product_attention (the keys need no read for whether they are finite)
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 2, n, 8)) for n in (5, 7, 7))
+    lengths = np.array([4, 6])
+    expected = N.dot_product_attention(q, k, v, valid_lens=lengths)
+    k[0, :, 4:], k[1, :, 6] = np.nan, np.nan
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **kw: seen.append(1) or sdpa(*a, **kw),
+    )
+    arrays = [torch.from_numpy(x) for x in (q, k, v, lengths)]
+    output = T.dot_product_attention(*arrays[:3], valid_lens=arrays[3])
+    assert seen == [1]
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-12)
+
+
+def test_weights_over_many_scores_take_the_masked_product_and_over_few_do_not(
+    T, torch, monkeypatch
+):
+    # With weights, adding the mask inside one batched product pays over many scores (2**16
+    # here, all the heads' and examples'), not over few (2**10), which the scores path takes:
+    # both give the reference's outputs and weights
+    product, taken = T.fused.masked_product, []
+    monkeypatch.setattr(T.fused, "masked_product", lambda *a: taken.append(1) or product(*a))
+    rng = np.random.default_rng(6)
+    for Q, K, many in ((64, 128, True), (8, 16, False)):
+        q, k, v = (rng.standard_normal((2, 4, n, 8)) for n in (Q, K, K))
+        lengths = np.array([K // 2, K])
+        expected = N.dot_product_attention(q, k, v, valid_lens=lengths, return_weights=True)
+        taken.clear()
+        arrays = [torch.from_numpy(x) for x in (q, k, v, lengths)]
+        got = T.dot_product_attention(*arrays[:3], valid_lens=arrays[3], return_weights=True)
+        assert bool(taken) == many, (Q, K)
+        for x, y in zip(got, expected, strict=True):
+            np.testing.assert_allclose(x.numpy(), y, rtol=0, atol=1e-12)
+
+
+def test_is_causal_is_taken_on_the_cpu_not_where_sdpa_has_no_causal_kernel(T, torch):
+    # SDPA's is_causal on a device without a causal kernel of its own (here meta) is its math
+    # fallback, which adds -inf to a NaN score: such calls pass the mask instead
+    stay = torch.nn.Dropout(0.0)
+    for device in ("cpu", "meta"):
+        q = torch.zeros(2, 4, 5, 8, dtype=torch.float64, device=device)
+        path = T.fused.choose_path(q, q, q, None, None, False, "zeros", stay, causal=True)
+        assert (path == "is_causal") == (device == "cpu"), device
+
+
+@pytest.mark.parametrize("masks", ["valid_lens", "mask"])
+def test_a_row_with_no_key_takes_uniform_weights_without_weights_too(T, torch, masks):
+    # empty_rows="uniform": a row with no kept key averages the values, which neither fused
+    # kernel gives (they zero the row): without weights too, the call must not take them
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, 2, 5, 8)) for _ in range(3))
+    keep = np.ones((5, 5), bool)
+    keep[1] = False
+    call = {"valid_lens": np.array([0, 3])} if masks == "valid_lens" else {"mask": keep}
+    expected = N.dot_product_attention(q, k, v, empty_rows="uniform", **call)
+    arrays = [torch.from_numpy(x) for x in (q, k, v)]
+    output = T.dot_product_attention(*arrays, empty_rows="uniform", **to_torch(T, call))
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-12)
+
+
+def test_a_shared_bias_over_many_scores_is_added_with_weights(T, torch):
+    # One bias for every example and head, with weights, over many scores (2**16, where the
+    # mask may be added inside one batched product): the bias is added too, with the
+    # causal mask or alone
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((2, 4, n, 8)) for n in (64, 128, 128))
+    bias = rng.standard_normal((64, 128))
+    for causal in (False, True):
+        expected = N.dot_product_attention(q, k, v, bias=bias, causal=causal, return_weights=True)
+        arrays = [torch.from_numpy(x) for x in (q, k, v, bias)]
+        got = T.dot_product_attention(
+            *arrays[:3], bias=arrays[3], causal=causal, return_weights=True
+        )
+        for x, y in zip(got, expected, strict=True):
+            np.testing.assert_allclose(x.numpy(), y, rtol=0, atol=1e-12)
+
+
+def test_an_inf_at_a_key_no_query_reaches_stays_out_under_a_mask_along_the_queries(T, torch):
+    # Causal with lengths varies along the queries: a kernel would add the mask to the scores,
+    # where +inf + -inf is NaN, so a key holding +inf (not only NaN) keeps the call off it
+    rng = np.random.default_rng(10)
+    q, k, v = (rng.standard_normal((2, 2, n, 8)) for n in (5, 7, 7))
+    q[..., 0] = np.abs(q[..., 0]) + 0.1  # each query's score with key 6 is +inf
+    lengths = np.array([7, 6])
+    expected = N.dot_product_attention(q, k, v, causal=True, valid_lens=lengths)
+    k[:, :, 6, 0] = np.inf  # masked for every query: top-left causal, 5 queries
+    arrays = [torch.from_numpy(x) for x in (q, k, v, lengths)]
+    output = T.dot_product_attention(*arrays[:3], causal=True, valid_lens=arrays[3])
+    np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-12)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 def test_torch_compile_matches_eager(T, torch):
     class Block(torch.nn.Module):

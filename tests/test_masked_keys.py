@@ -190,6 +190,24 @@ def test_a_masked_key_changes_nothing_in_a_torch_jit_trace(kind, masks, poison):
     assert_masked_key_changes_nothing("torch", kind, masks, poison, torch_traced)
 
 
+@pytest.mark.torch
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("kind", ["dot", "multihead"])
+def test_a_masked_key_changes_nothing_in_torchs_masked_product(kind, masks, poison, monkeypatch):
+    # These scores are few, which the scores path computes: counted as many, a call with
+    # weights takes the masked product where it may (a mask of whole keys, whose masked keys
+    # are zeroed first), and the poison must stay out there too
+    backend_module("torch")
+    from mha.backends import torch_fused
+
+    monkeypatch.setattr(torch_fused, "SMALL_SCORES", 0)
+    product, taken = torch_fused.masked_product, []
+    monkeypatch.setattr(torch_fused, "masked_product", lambda *a: taken.append(1) or product(*a))
+    assert_masked_key_changes_nothing("torch", kind, masks, poison)
+    assert bool(taken) == (masks in ("valid_lens", "mask")), taken
+
+
 # What an attended score holds decides its row: softmax of a row with a NaN, a +inf, or only
 # -inf among its kept entries is undefined, and in float64 every backend gives NaN in the
 # whole row, as the frameworks' softmax does; a -inf beside finite kept entries just gets
