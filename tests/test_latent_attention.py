@@ -587,3 +587,23 @@ def test_multi_head_attentions_port_options_are_refused_for_latent_attention(opt
     (name,) = option
     with pytest.raises(ValueError, match=f"{name} is MultiHeadAttention's; the attention"):
         porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0, **option)
+
+
+def test_a_module_beside_deepseeks_latent_modules_is_refused_naming_it():
+    # A tensor mha's latent layer does not hold (gpt-oss's sinks, say) would change the
+    # numbers: its port is refused, not ported without it
+    from mha import porting
+
+    transformers = required_import("transformers")
+    torch = framework_import("torch")
+    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, **SIZES)
+    sizes |= dict(q_lora_rank=8, num_hidden_layers=1, vocab_size=16, n_routed_experts=2)
+    sizes |= dict(num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=8)
+    config = transformers.AutoConfig.for_model("deepseek_v3", intermediate_size=16, **sizes)
+    torch.manual_seed(0)
+    state = transformers.AutoModel.from_config(config).state_dict()
+    prefix = "layers.0.self_attn"
+    porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+    state[f"{prefix}.sinks"] = torch.zeros(4)
+    with pytest.raises(ValueError, match=rf"'{prefix}' holds sinks, which mha's"):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)

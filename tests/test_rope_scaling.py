@@ -187,6 +187,8 @@ PRETRAINED_LENGTHS = {
         16,
     ),
     "longrope_of_phi3_class": ("phi3", None, None, {"rope_type": "longrope", **LONGROPE}, 4),
+    # YaRN whose factor is null: transformers takes max_position_embeddings over its length
+    "yarn_of_null_factor": ("llama", None, None, {"rope_type": "yarn", "factor": None}, 4),
     "longrope_per_layer_type": (
         "gemma3_text",
         "full_attention",
