@@ -546,15 +546,7 @@ def test_deepseek_v3_2_sparse_attention_is_not_listed_as_v3_and_its_port_is_refu
     # of each query: find_attention does not list it as V3's, and its port says why
     from mha import porting
 
-    transformers = required_import("transformers")
-    torch = framework_import("torch")
-    sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, **SIZES)
-    sizes |= dict(q_lora_rank=8, num_hidden_layers=1, vocab_size=16, n_routed_experts=2)
-    sizes |= dict(num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=8)
-    sizes |= dict(intermediate_size=16, index_head_dim=8, index_n_heads=2)
-    config = transformers.AutoConfig.for_model("deepseek_v32", **sizes)
-    torch.manual_seed(0)
-    state = transformers.AutoModel.from_config(config).state_dict()
+    state = _tiny_deepseek_state("deepseek_v32", index_head_dim=8, index_n_heads=2)
     prefix = "layers.0.self_attn"
     assert any(name.startswith(f"{prefix}.indexer.") for name in state)
     assert porting.find_attention(state) == []
@@ -589,21 +581,28 @@ def test_multi_head_attentions_port_options_are_refused_for_latent_attention(opt
         porting.canonical_from_state_dict(state, num_heads=2, rope_theta=10000.0, **option)
 
 
+@pytest.mark.torch
 def test_a_module_beside_deepseeks_latent_modules_is_refused_naming_it():
     # A tensor mha's latent layer does not hold (gpt-oss's sinks, say) would change the
     # numbers: its port is refused, not ported without it
     from mha import porting
 
+    state = _tiny_deepseek_state("deepseek_v3")
+    prefix = "layers.0.self_attn"
+    porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+    state[f"{prefix}.sinks"] = framework_import("torch").zeros(4)
+    with pytest.raises(ValueError, match=rf"'{prefix}' holds sinks, which mha's"):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+
+
+def _tiny_deepseek_state(model_type, **extra):
+    """The state_dict of a one-layer DeepSeek model of `model_type` from transformers, with
+    4 heads and the latent sizes of SIZES."""
     transformers = required_import("transformers")
     torch = framework_import("torch")
     sizes = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, **SIZES)
     sizes |= dict(q_lora_rank=8, num_hidden_layers=1, vocab_size=16, n_routed_experts=2)
     sizes |= dict(num_experts_per_tok=1, n_group=1, topk_group=1, moe_intermediate_size=8)
-    config = transformers.AutoConfig.for_model("deepseek_v3", intermediate_size=16, **sizes)
+    config = transformers.AutoConfig.for_model(model_type, intermediate_size=16, **sizes, **extra)
     torch.manual_seed(0)
-    state = transformers.AutoModel.from_config(config).state_dict()
-    prefix = "layers.0.self_attn"
-    porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
-    state[f"{prefix}.sinks"] = torch.zeros(4)
-    with pytest.raises(ValueError, match=rf"'{prefix}' holds sinks, which mha's"):
-        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+    return transformers.AutoModel.from_config(config).state_dict()
