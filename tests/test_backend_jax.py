@@ -631,9 +631,11 @@ def test_every_layer_runs_under_jax_jit_and_grad(J, jax, nnx, name):
 
 def test_no_case_of_the_matrix_reads_a_value_while_traced(J, jax, nnx):
     """Every case of the agreement matrix (every layer, mask, option and the function), its
-    gradient traced by jax.eval_shape (no compile) with the weights and every tensor of the
+    gradient traced by jax.make_jaxpr (no compile) with the weights and every tensor of the
     call as traced arguments: a read of a value raises while tracing, where an eager call on a
-    GPU would wait for the device."""
+    GPU would wait for the device; and the program closes over no array on a device (the
+    rotary frequencies, ALiBi's slopes, the sinusoid table), which building it would read
+    back to the host."""
     failed = []
     for case in all_cases():
         prepared = harness.prepare(case, dtype="float32", gradients=False)
@@ -651,9 +653,13 @@ def test_no_case_of_the_matrix_reads_a_value_while_traced(J, jax, nnx):
             return harness.call_layer(J, run, called, tensors).sum()
 
         try:
-            jax.eval_shape(jax.grad(loss, argnums=(0, 1)), params, wrt, others)
+            program = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, wrt, others)
         except Exception as error:  # each case's failure named, not the first alone
             failed.append(f"{case}: {type(error).__name__}: {error}")
+            continue
+        on_a_device = [c.shape for c in program.consts if isinstance(c, jax.Array)]
+        if on_a_device:
+            failed.append(f"{case}: closes over arrays on a device, shaped {on_a_device}")
     assert not failed, "\n".join(failed)
 
 

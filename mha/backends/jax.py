@@ -1051,22 +1051,22 @@ class PositionalEncoding(nnx.Module):
 
     @property
     def P(self) -> jax.Array:
-        return _table(self.max_len, self.num_hiddens, self.dtype)
+        return jnp.asarray(_table(self.max_len, self.num_hiddens, self.dtype))
 
     def __call__(self, X: jax.Array) -> jax.Array:
         validation.check_positional_encoding_call(
             X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
         )
-        X = X + self.P[:, : X.shape[1], :]
+        X = X + _table(self.max_len, self.num_hiddens, self.dtype)[:, : X.shape[1], :]
         return self.dropout(X)
 
 
 @functools.cache
-def _table(max_len: int, num_hiddens: int, dtype: str) -> jax.Array:
-    # Computed in float64 and cast once, per size and dtype; a concrete array even when first
-    # asked for under jit, so that the cache never keeps a tracer
-    with jax.ensure_compile_time_eval():
-        return jnp.asarray(sinusoid_table(max_len, num_hiddens).astype(dtype))
+def _table(max_len: int, num_hiddens: int, dtype: str) -> np.ndarray:
+    # Computed in float64 and cast once, per size and dtype. Held in host memory, as are
+    # _alibi_slopes' and _frequencies': a jitted program takes such a constant from the host,
+    # where one on a GPU would be read back to the host to build it
+    return sinusoid_table(max_len, num_hiddens).astype(dtype)
 
 
 @documented
@@ -1123,7 +1123,7 @@ class RotaryEmbedding(nnx.Module):
     @property
     def frequencies(self) -> jax.Array:
         # Shape of frequencies: (rotated / 2,), one angle per position for each pair
-        return _frequencies(self.rotated, self.theta, self.scaling, self.dtype)
+        return jnp.asarray(_frequencies(self.rotated, self.theta, self.scaling, self.dtype))
 
     def __call__(self, X: jax.Array, offset: int = 0) -> jax.Array:
         validation.check_rotary_call(
@@ -1189,19 +1189,16 @@ class RotaryEmbedding(nnx.Module):
 
 
 @functools.cache
-def _alibi_slopes(num_heads: int, dtype: str) -> jax.Array:
-    # (num_heads, 1, 1), computed in float64 and cast once, concrete as _table's
-    with jax.ensure_compile_time_eval():
-        return jnp.asarray(alibi_slopes(num_heads).astype(dtype).reshape(-1, 1, 1))
+def _alibi_slopes(num_heads: int, dtype: str) -> np.ndarray:
+    # (num_heads, 1, 1), computed in float64 and cast once, in host memory as _table's
+    return alibi_slopes(num_heads).astype(dtype).reshape(-1, 1, 1)
 
 
 @functools.cache
-def _frequencies(num_hiddens: int, theta: float, scaling, dtype: str) -> jax.Array:
+def _frequencies(num_hiddens: int, theta: float, scaling, dtype: str) -> np.ndarray:
     # Computed in float64 and cast once to the angles' dtype (float64 for float64 layers, else
-    # float32), concrete as _table's
-    with jax.ensure_compile_time_eval():
-        angle_dtype = rotary_angle_dtype(dtype)
-        return jnp.asarray(rotary_frequencies(num_hiddens, theta, scaling).astype(angle_dtype))
+    # float32), in host memory as _table's
+    return rotary_frequencies(num_hiddens, theta, scaling).astype(rotary_angle_dtype(dtype))
 
 
 @documented
