@@ -1,7 +1,9 @@
 """JAX's cuDNN path (mha/backends/jax_fused.py) on the CPU: which calls may take it, and that
 its steps around the kernel keep a masked key's NaN out and zero a row with no key even when
 the mask is added to the scores as a large negative number, as cuDNN adds it (here XLA's
-function stands in for the kernel, which needs a GPU; the GPU lane runs the kernel itself)."""
+function stands in for the kernel, which needs a GPU; the GPU lane runs the kernel itself),
+and that a prefix of the keys reaches it as sequence lengths, any other key padding as a
+mask."""
 
 from __future__ import annotations
 
@@ -51,13 +53,35 @@ def test_which_calls_may_take_cudnn(modules):
     assert not may(sized[136], sized[136])
 
 
-def _added_mask(real):
-    """jax.nn.dot_product_attention as cuDNN computes it: XLA's, with a boolean mask added to
-    the scores as a large negative number (JAX's combine_bias_and_mask)."""
+def _added_mask(real, routes=None):
+    """jax.nn.dot_product_attention as cuDNN computes it: XLA's, with a boolean mask, or the
+    one its sequence lengths make, added to the scores as a large negative number (JAX's
+    combine_bias_and_mask), whatever the masked keys hold. `routes`, a list, gets "lengths"
+    or "mask" for each call as it runs (not as it is traced: of a jax.lax.cond's two branches,
+    only the one taken)."""
+    import jax
     import jax.numpy as jnp
 
-    def kernel(query, key, value, *, mask=None, implementation=None, **options):
+    def kernel(
+        query,
+        key,
+        value,
+        *,
+        mask=None,
+        implementation=None,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        **options,
+    ):
         assert implementation == "cudnn"
+        if key_value_seq_lengths is not None:
+            # Shape of mask: (batch, 1, Q, K), True where both positions are within the lengths
+            queries = jnp.arange(query.shape[1]) < query_seq_lengths[:, None]
+            keys = jnp.arange(key.shape[1]) < key_value_seq_lengths[:, None]
+            mask = (queries[:, :, None] & keys[:, None, :])[:, None]
+        if routes is not None:
+            route = "mask" if key_value_seq_lengths is None else "lengths"
+            jax.debug.callback(lambda: routes.append(route))
         bias = None if mask is None else jnp.where(mask, 0.0, -0.7 * jnp.finfo(query.dtype).max)
         return real(
             query,
@@ -83,7 +107,9 @@ def test_masked_keys_are_zeroed_and_empty_rows_zeros(modules, monkeypatch):
 
     from mha.backends import numpy as reference
 
-    monkeypatch.setattr(jax.nn, "dot_product_attention", _added_mask(jax.nn.dot_product_attention))
+    routes = []
+    kernel = _added_mask(jax.nn.dot_product_attention, routes)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((3, 4, 6, 8)) for _ in range(3))
     lengths = np.array([4, 0, 6])  # example 1 keeps no key: its rows must be zeros
@@ -93,6 +119,60 @@ def test_masked_keys_are_zeroed_and_empty_rows_zeros(modules, monkeypatch):
     keep = jnp.asarray((np.arange(6) < lengths[:, None])[:, None, None, :])
     got = _run(fused, jnp, q, k, v, keep, False)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert routes == ["lengths"]  # a prefix of the keys: the kernel's sequence lengths
+
+
+def test_key_padding_that_is_no_prefix_is_a_mask(modules, monkeypatch):
+    # Left padding, a hole, no key: the kernel's sequence lengths cannot say it, its mask does
+    jnp, fused = modules
+    import jax
+
+    from mha.backends import numpy as reference
+
+    routes = []
+    kernel = _added_mask(jax.nn.dot_product_attention, routes)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((3, 4, 5, 8))
+    k, v = (rng.standard_normal((3, 2, 6, 8)) for _ in range(2))  # grouped: 2 key-value heads
+    keep = np.array([[0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0]], bool)
+    expected = reference.dot_product_attention(q, k, v, mask=keep[:, None, None, :])
+    k[0, :, ~keep[0]] = np.nan
+    k[1, :, ~keep[1]] = np.nan
+    k[2] = np.inf
+    got = _run(fused, jnp, q, k, v, jnp.asarray(keep[:, None, None, :]), False)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    assert routes == ["mask"]
+
+
+def test_prefix_lengths(modules):
+    jnp, fused = modules
+    prefix = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    lengths, is_prefix = fused._prefix_lengths(jnp.asarray(prefix[:, None, None, :]))
+    assert np.asarray(lengths).tolist() == [3, 0, 4] and bool(is_prefix)
+    assert np.asarray(lengths).dtype == np.int32
+    for other in ([[1, 0, 1, 0]], [[0, 1, 1, 1]], [[1, 1, 0, 0], [0, 1, 0, 0]]):
+        keep = jnp.asarray(np.array(other, bool)[:, None, None, :])
+        assert not bool(fused._prefix_lengths(keep)[1])
+
+
+def test_grouped_heads_reach_the_kernel_unrepeated(modules, monkeypatch):
+    # cuDNN pairs each key-value head with its query heads: the layer neither folds nor
+    # repeats them for it
+    jnp, fused = modules
+    module = backend_module("jax")
+    seen = []
+    real = fused.attend
+
+    def spy(queries, keys, values, keep, **options):
+        seen.append((queries.shape, keys.shape))
+        return real(queries, keys, values, keep, **options)
+
+    monkeypatch.setattr(fused, "attend", spy)
+    layer = module.MultiHeadAttention(32, 4, num_kv_heads=2, dtype="bfloat16")
+    X = jnp.ones((2, 6, 32), jnp.bfloat16)
+    layer(X, X, X, jnp.asarray([3, 6]), need_weights=False)
+    assert seen == [((2, 4, 6, 8), (2, 2, 6, 8))]
 
 
 def test_the_causal_mask_is_the_kernels_own(modules, monkeypatch):

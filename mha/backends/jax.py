@@ -517,9 +517,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
         others=need_weights or lse or any(x is not None for x in (bias, softcap, sinks)),
         dropping=_may_drop(dropout),
     )
-    if group > 1 and not (fusable and causal_alone):
+    if group > 1 and not fusable:
         # Each key-value head's `group` query heads as one head of group x Q query rows: the
-        # keys and values are read as they are (see masks.grouped_rows)
+        # keys and values are read as they are (see masks.grouped_rows); cuDNN pairs them
         heads, rows = queries.shape[-3], queries.shape[-2]
         queries, keep, bias, sinks = (_grouped(x, heads, rows, group)
                                       for x in (queries, keep, bias, sinks))
