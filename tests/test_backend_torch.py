@@ -153,6 +153,72 @@ def test_fused_path_survives_kernels_that_give_nan(T, torch, monkeypatch, case):
     assert row.passed, row
 
 
+def _grouped_call_reaching_sdpa(T, torch, monkeypatch, device, choice):
+    """What F.scaled_dot_product_attention receives from a bfloat16 grouped call (4 query
+    heads, 2 key-value heads) with lengths and without weights on `device`, SDPA's own choice
+    of kernel for grouped heads being `choice` (a torch.nn.attention.SDPBackend)."""
+    import torch.nn.functional as F
+
+    seen, real = [], F.scaled_dot_product_attention
+
+    def spy(queries, keys, values, **options):
+        mask = options.get("attn_mask")
+        seen.append(
+            (
+                tuple(queries.shape),
+                tuple(keys.shape),
+                options.get("enable_gqa"),
+                None if mask is None else tuple(mask.shape),
+            )
+        )
+        return real(queries, keys, values, **options)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *args, **kwargs: int(choice))
+    sizes = dict(query_size=32, key_size=32, value_size=32, num_kv_heads=2)
+    layer = T.MultiHeadAttention(32, 4, dtype="bfloat16", **sizes).to(device)
+    X = torch.ones(2, 6, 32, dtype=torch.bfloat16, device=device)
+    layer(X, X, X, torch.tensor([3, 6], device=device), need_weights=False)
+    return seen
+
+
+def test_grouped_heads_reach_a_kernel_that_pairs_them_as_they_are(T, torch, monkeypatch):
+    # Off the CPU (here the meta device, which has shapes and no values), where SDPA's own
+    # choice for grouped heads with the mask is one of its kernels (cuDNN's on CUDA), the
+    # heads reach it unfolded and unrepeated, enable_gqa pairing them
+    from torch.nn.attention import SDPBackend
+
+    seen = _grouped_call_reaching_sdpa(T, torch, monkeypatch, "meta", SDPBackend.CUDNN_ATTENTION)
+    assert seen == [((2, 4, 6, 8), (2, 2, 6, 8), True, (2, 1, 1, 6))]
+
+
+def test_grouped_heads_are_folded_where_sdpa_would_fall_back_to_its_math(T, torch, monkeypatch):
+    # SDPA's math fallback would repeat the keys for each query head: each group of query
+    # heads becomes one head's rows first; on the CPU too, where folding is the faster
+    from torch.nn.attention import SDPBackend
+
+    for device in ("meta", "cpu"):
+        seen = _grouped_call_reaching_sdpa(T, torch, monkeypatch, device, SDPBackend.MATH)
+        assert seen == [((2, 2, 12, 8), (2, 2, 6, 8), False, (2, 1, 1, 6))], device
+
+
+def test_a_torch_that_cannot_say_pairs_heads_only_without_a_mask(T, torch, monkeypatch):
+    from mha.backends import torch_fused as fused
+
+    def unknown(*args, enable_gqa=False, **kwargs):  # an older torch: no enable_gqa
+        raise TypeError("_fused_sdp_choice() got an unexpected keyword argument 'enable_gqa'")
+
+    monkeypatch.setattr(torch, "_fused_sdp_choice", unknown)
+    q = torch.empty(2, 4, 6, 8, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(2, 2, 6, 8, dtype=torch.bfloat16, device="meta")
+    keep = torch.empty(2, 1, 1, 6, dtype=torch.bool, device="meta")
+    assert fused._kernel_pairs_heads(q, kv, kv, None, 0.0, True)  # flash's, half precision
+    assert not fused._kernel_pairs_heads(q, kv, kv, keep, 0.0, False)
+    assert not fused._kernel_pairs_heads(q.float(), kv.float(), kv.float(), None, 0.0, True)
+    on_cpu = (torch.empty(x.shape, dtype=x.dtype) for x in (q, kv, kv, keep))
+    assert fused._kernel_pairs_heads(*on_cpu, 0.0, False)  # every kernel of the CPU's
+
+
 # The masked product, taken where the scores are not few
 
 

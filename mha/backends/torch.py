@@ -429,8 +429,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     fused kernel or a product with the mask inside compute the same numbers where they can
     (torch_fused.choose_path).
     """
-    if group > 1 and (lse or not fused.takes_is_causal(
-            queries, values, need_weights, dropout, causal_alone, softcap, sinks is not None)):
+    if group > 1 and (lse or not fused.pairs_heads(
+            queries, keys, values, keep, bias, need_weights, empty_rows, dropout, causal_alone,
+            softcap, sinks is not None)):
         # Each key-value head's `group` query heads as one head of group x Q query rows: the
         # keys and values are read as they are (see masks.grouped_rows)
         heads, rows = queries.shape[-3], queries.shape[-2]

@@ -3,9 +3,10 @@ F.scaled_dot_product_attention (with its own causal mask, or with mha's mask) an
 added inside one batched product, and which of them may compute a call without letting what a
 masked key holds reach an output.
 
-`choose_path` decides once per call; `attend` computes the fused paths (None when the path is
-not one of them); `masked_product` gives the scores of the masked-product path, which the
-layer then pools as the book does.
+`choose_path` decides once per call; `pairs_heads` whether fewer key-value heads reach SDPA as
+they are; `attend` computes the fused paths (None when the path is not one of them);
+`masked_product` gives the scores of the masked-product path, which the layer then pools as
+the book does.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 __all__ = [
     "attend",
@@ -22,6 +24,7 @@ __all__ = [
     "keep_every_row",
     "masked_product",
     "may_have_empty_rows",
+    "pairs_heads",
     "takes_is_causal",
 ]
 
@@ -108,8 +111,8 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept
     other: see choose_path).
 
     Its boolean attn_mask means True = attend, like `keep`; its float attn_mask is added to the
-    scores, so keep and bias combine into one float mask when both are given. Under
-    is_causal keys and values may have fewer heads (axis -3) than the queries, query head h
+    scores, so keep and bias combine into one float mask when both are given. Keys and values
+    may have fewer heads (axis -3) than the queries where pairs_heads says so, query head h
     attending with key-value head h // group: its enable_gqa pairs them, or they are
     repeated first (the layers fold the other grouped calls' query heads before).
     """
@@ -128,12 +131,9 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept
         attn_mask = attn_mask.expand(rows)
     dropout_p = dropout.p if dropout.training else 0.0
     group = queries.shape[-3] // keys.shape[-3] if keys.dim() > 2 else 1
-    # enable_gqa where a kernel of SDPA's own takes it: the CPU's, and CUDA's flash kernel
-    # (float16, bfloat16, no mask). Elsewhere SDPA would fall back to its math kernel, slower,
-    # and under is_causal one that lets a NaN key through: the heads are repeated instead
-    half = queries.dtype in (torch.float16, torch.bfloat16)
     # bool: torch.jit.trace gives sizes as tensors, which SDPA's flag may not be
-    enable_gqa = bool(group > 1 and (queries.device.type == "cpu" or (attn_mask is None and half)))
+    enable_gqa = bool(group > 1 and _kernel_pairs_heads(queries, keys, values, attn_mask,
+                                                        dropout_p, is_causal))
     if group > 1 and not enable_gqa:
         keys, values = (x.repeat_interleave(group, dim=-3) for x in (keys, values))
     output = F.scaled_dot_product_attention(
@@ -141,6 +141,32 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept
         scale=1.0, enable_gqa=enable_gqa,
     )
     return output if attended is None else torch.where(attended, output, 0.0)
+
+
+def _kernel_pairs_heads(queries, keys, values, attn_mask, dropout_p, is_causal) -> bool:
+    """Whether F.scaled_dot_product_attention pairs fewer key-value heads with the query heads
+    (enable_gqa) in a kernel of its own: every kernel does on the CPU; elsewhere SDPA's own
+    choice says (on CUDA flash without a mask, cuDNN with one). Its math fallback would be
+    slower, and under is_causal would let a NaN key through: the heads are repeated then.
+    While a graph is built, or where torch cannot say, half precision without a mask."""
+    if queries.device.type == "cpu":
+        return True
+    if not building_a_graph():
+        try:
+            choice = torch._fused_sdp_choice(queries, keys, values, attn_mask, dropout_p,
+                                             is_causal, enable_gqa=True)
+            return choice in _OWN_KERNELS
+        except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+            pass  # a torch without the choice, or without enable_gqa in it
+    return attn_mask is None and queries.dtype in (torch.float16, torch.bfloat16)
+
+
+# SDPA's kernels of its own, as _fused_sdp_choice names them (an older torch lacks cuDNN's)
+_OWN_KERNELS = tuple(
+    int(getattr(SDPBackend, name))
+    for name in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+    if hasattr(SDPBackend, name)
+)
 
 
 def _why_not_fused(keep: torch.Tensor | None, bias: torch.Tensor | None, empty_rows: str,
@@ -203,6 +229,24 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     if _why_not_masked_product(queries, keep, bias, empty_rows, adds_exactly) is None:
         return "masked product"
     return "scores"
+
+
+def pairs_heads(queries, keys, values, keep, bias, need_weights, empty_rows, dropout,
+                causal=False, softcap=None, sinks=False) -> bool:
+    """Whether a call whose keys and values have fewer heads than its queries reaches
+    F.scaled_dot_product_attention with them as they are, the kernel pairing the heads: under
+    is_causal, and off the CPU on the "fused" path where a kernel of SDPA's own takes them with
+    the mask (cuDNN's on CUDA). Otherwise the layers make each group of query heads one head's
+    rows first (masks.grouped_rows)."""
+    if takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks):
+        return True
+    if queries.device.type == "cpu":
+        return False
+    path = choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dropout,
+                       causal, softcap, sinks)
+    dropout_p = dropout.p if dropout.training else 0.0
+    mask = keep if bias is None else bias
+    return path == "fused" and _kernel_pairs_heads(queries, keys, values, mask, dropout_p, False)
 
 
 def takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks) -> bool:
