@@ -101,15 +101,21 @@ def _run(fused, jnp, q, k, v, keep, causal_alone):
     return np.asarray(fused._cudnn(scaled, keys, values, keep, causal_alone))
 
 
-def test_masked_keys_are_zeroed_and_empty_rows_zeros(modules, monkeypatch):
-    jnp, fused = modules
+@pytest.fixture
+def routes(monkeypatch):
+    """cuDNN's kernel replaced by _added_mask's stand-in: the list of the routes it ran."""
     import jax
-
-    from mha.backends import numpy as reference
 
     routes = []
     kernel = _added_mask(jax.nn.dot_product_attention, routes)
     monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+    return routes
+
+
+def test_masked_keys_are_zeroed_and_empty_rows_zeros(modules, routes):
+    from mha.backends import numpy as reference
+
+    jnp, fused = modules
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((3, 4, 6, 8)) for _ in range(3))
     lengths = np.array([4, 0, 6])  # example 1 keeps no key: its rows must be zeros
@@ -122,16 +128,11 @@ def test_masked_keys_are_zeroed_and_empty_rows_zeros(modules, monkeypatch):
     assert routes == ["lengths"]  # a prefix of the keys: the kernel's sequence lengths
 
 
-def test_key_padding_that_is_no_prefix_is_a_mask(modules, monkeypatch):
+def test_key_padding_that_is_no_prefix_is_a_mask(modules, routes):
     # Left padding, a hole, no key: the kernel's sequence lengths cannot say it, its mask does
-    jnp, fused = modules
-    import jax
-
     from mha.backends import numpy as reference
 
-    routes = []
-    kernel = _added_mask(jax.nn.dot_product_attention, routes)
-    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+    jnp, fused = modules
     rng = np.random.default_rng(2)
     q = rng.standard_normal((3, 4, 5, 8))
     k, v = (rng.standard_normal((3, 2, 6, 8)) for _ in range(2))  # grouped: 2 key-value heads
