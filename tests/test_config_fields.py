@@ -276,6 +276,9 @@ def test_molmo2_scales_its_rotary_embedding_on_the_layers_it_names(rope, written
     assert ["rope_scaling" in each for each in options] == [True, False, True, False]
     with pytest.raises(ValueError, match="give the layer's index"):
         porting.options_from_config(config_dict)
+    # Without a count of layers, no index: whether the layer is scaled is not told
+    with pytest.raises(ValueError, match="rope_scaling_layers does not tell layer None"):
+        porting.options_from_config({**config_dict, "num_hidden_layers": None})
 
 
 @pytest.mark.parametrize("written", ["config.json", "as written"])
@@ -406,6 +409,24 @@ def test_whole_numbers_written_as_floats_are_read_as_whole():
     options = porting.options_from_config({**MISTRAL, **numbers})
     assert options["sliding_window"] == 8 and type(options["sliding_window"]) is int
     assert options["rope_theta"] == 1e4
+
+
+def test_a_scale_near_the_default_is_kept_as_written():
+    # Granite's scores times attention_multiplier: 0.1251 is not 64 ** -0.5 = 0.125, by 0.08%
+    granite = {"model_type": "granite", "num_attention_heads": 4, "hidden_size": 256}
+    assert (
+        porting.options_from_config({**granite, "attention_multiplier": 0.1251})["scale"] == 0.1251
+    )
+    assert "scale" not in porting.options_from_config({**granite, "attention_multiplier": 0.125})
+
+
+@pytest.mark.parametrize("layer", [-1, 2])
+def test_a_layer_index_outside_the_configs_layers_is_refused(layer):
+    # Two layers are indices 0 and 1: -1 would read the last layer's type, 2 one past it
+    config = {**MISTRAL, "num_hidden_layers": 2, "layer_types": ["sliding_attention"] * 2}
+    assert porting.options_from_config(config, 1)["num_heads"] == 4
+    with pytest.raises(ValueError, match=f"Received: layer={layer}"):
+        porting.options_from_config(config, layer)
 
 
 @pytest.mark.parametrize("written", ["config.json", "as written"])

@@ -474,6 +474,19 @@ def test_deepseek_v2_and_kimi_k2_configs_give_their_options():
     assert options_from_config(k2) == v3 and v3["rope_interleaved"] is False
 
 
+def test_a_kimi_k2_config_without_rope_interleave_turns_pairs_as_transformers_reads_it():
+    # transformers reads Kimi K2's text config as DeepSeek-V3's, whose rope_interleave
+    # defaults to True: each head's rotary part turns by pairs
+    required_import("transformers")
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+    from mha.porting import options_from_config
+
+    k2 = {"model_type": "kimi_k2", "num_attention_heads": 4, "qk_rope_head_dim": 64}
+    assert Kimi_K25Config(text_config=dict(k2)).text_config.rope_interleave is True
+    assert options_from_config(k2)["rope_interleaved"] is True
+
+
 def test_an_older_sarvam_config_gives_the_yarn_transformers_reads():
     # Sarvam's latent model's older config.json names its YaRN "deepseek_yarn" (rope_scaling's
     # type) and writes a head_dim: transformers reads it as DeepSeek-V3's YaRN, and so does mha
@@ -592,6 +605,49 @@ def test_a_module_beside_deepseeks_latent_modules_is_refused_naming_it():
     porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
     state[f"{prefix}.sinks"] = framework_import("torch").zeros(4)
     with pytest.raises(ValueError, match=rf"'{prefix}' holds sinks, which mha's"):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+
+
+@pytest.mark.torch
+def test_a_query_projection_beside_the_low_rank_ones_is_refused():
+    # q_proj is DeepSeek's query without a low rank (q_lora_rank null); q_b_proj beside it
+    # belongs to the low-rank queries, whose q_a_proj is missing: neither reading holds all
+    from mha import porting
+
+    prefix = "layers.0.self_attn"
+    state = _tiny_deepseek_state("deepseek_v3")
+    q_a = state.pop(f"{prefix}.q_a_proj.weight")
+    del state[f"{prefix}.q_a_layernorm.weight"]
+    q_b = state.pop(f"{prefix}.q_b_proj.weight")
+    state[f"{prefix}.q_proj.weight"] = q_b @ q_a  # a query projection of full rank
+    porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+    state[f"{prefix}.q_b_proj.weight"] = q_b
+    with pytest.raises(ValueError, match="must have q_proj, or q_a_proj, q_a_layernorm and"):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+
+
+@pytest.mark.torch
+def test_an_output_bias_without_the_others_is_refused_not_dropped():
+    # DeepSeek's attention_bias gives q_a_proj, kv_a_proj_with_mqa and o_proj biases together;
+    # o_proj's alone would shift every output: its port is refused, naming what is missing
+    from mha import porting
+
+    prefix = "layers.0.self_attn"
+    state = _tiny_deepseek_state("deepseek_v3")
+    state[f"{prefix}.o_proj.bias"] = framework_import("torch").ones(32)
+    with pytest.raises(ValueError, match="b_kva missing"):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
+
+
+@pytest.mark.torch
+def test_latent_tensors_of_two_dtypes_are_refused():
+    # One tensor in float64 beside float32 ones: a checkpoint mixed so is refused by name
+    from mha import porting
+
+    prefix = "layers.0.self_attn"
+    state = _tiny_deepseek_state("deepseek_v3")
+    state[f"{prefix}.kv_b_proj.weight"] = state[f"{prefix}.kv_b_proj.weight"].double()
+    with pytest.raises(ValueError, match="different dtypes: float32, float64"):
         porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
 
 

@@ -1169,6 +1169,23 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
             r"partial_rotary_factor=0\.5.*head size",
         ),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling=.*no rope_theta"),
+        # GPT-J's rotary_dim says the heads turn, in a config that tells no base to turn by
+        ({"rotary_dim": 4, "num_attention_heads": 4}, "rope_parameters=.*no rope_theta"),
+        # Two rotary embeddings: which one the model turns by is not told
+        (
+            {
+                "rope_parameters": {"rope_theta": 1e4},
+                "rope_scaling": {"type": "linear", "factor": 2},
+            },
+            "gives both rope_parameters",
+        ),
+        # Ministral 3's queries scaled over a pretrained length its rotary parameters do not
+        # give: transformers' attention passes None (no max_position_embeddings in its stead)
+        (
+            {"model_type": "ministral3", "max_position_embeddings": 64}
+            | {"rope_parameters": {"rope_theta": 1e4, "llama_4_scaling_beta": 0.1}},
+            "llama_4_scaling_beta and original_max_position_embeddings of its rope_parameters",
+        ),
         ({"rope_parameters": {"rope_type": "su", "rope_theta": 1e4}}, "'su'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
         (
@@ -1271,6 +1288,23 @@ def test_lfm3s_gate_of_each_head_ports_as_output_gate():
     assert port.config["output_gate"] and "g_proj.weight" in port.used
     with pytest.raises(ValueError, match="not one gate row for each of 4 heads"):
         porting.canonical_from_state_dict(state, num_heads=4, output_gate=True)
+
+
+def test_a_query_projection_with_its_gate_splits_by_hand():
+    # Qwen3-Next's q_proj: each head's query rows, then as many gate rows. Two heads of two
+    # features: rows 0-1 queries, 2-3 gate of head 0; rows 4-5 queries, 6-7 gate of head 1
+    rng = np.random.default_rng(3)
+    state = {"q_proj.weight": rng.standard_normal((8, 6))}
+    state |= {f"{k}_proj.weight": rng.standard_normal((4, 6)) for k in "kv"}
+    state["o_proj.weight"] = rng.standard_normal((6, 4))
+    port = porting.canonical_from_state_dict(state, num_heads=2, output_gate=True)
+    q = state["q_proj.weight"]
+    np.testing.assert_array_equal(port.weights["W_q"], q[[0, 1, 4, 5]].T)
+    np.testing.assert_array_equal(port.weights["W_g"], q[[2, 3, 6, 7]].T)
+    # Three rows a head: no query and gate of equal size, refused by name
+    state["q_proj.weight"] = rng.standard_normal((6, 6))
+    with pytest.raises(ValueError, match="not a query and a gate of equal size"):
+        porting.canonical_from_state_dict(state, num_heads=2, output_gate=True)
 
 
 def test_afmoes_gate_of_each_feature_ports_as_output_gate():
