@@ -419,6 +419,8 @@ DEFAULT_ROPE["mistral4"] = {
     "rope_theta": 10_000.0,
     "factor": 128.0,
     "original_max_position_embeddings": 8192,
+    # of the whole head, nope + rope: 0.5 x (64 + 64), the rotary part, with the defaults
+    "partial_rotary_factor": 0.5,
 }
 DEFAULT_ROPE["cwm"] = {
     "rope_type": "llama3",

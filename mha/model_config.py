@@ -396,10 +396,11 @@ def _latent_options(config: Mapping[str, Any], layer: int | None) -> dict[str, A
     modules). Every one is given, the layer's defaults being DeepSeek-V3's."""
     # The rotary part's size: transformers' default where the config does not write it
     rope = config.get("qk_rope_head_dim", 64)
-    # Mistral 4's rotary parameters give the part rotated as a fraction of the whole head
+    # Mistral 4's rotary parameters give the part rotated as a fraction of the whole head (its
+    # config class's default nope part: 64)
     head = rope
     if config.get("model_type") == "mistral4":
-        head += config.get("qk_nope_head_dim", 128)
+        head += config.get("qk_nope_head_dim", 64)
     rotary = rotary_options(config, None, layer, False, head, latent=True)
     rotated = rotary.pop("rope_dim", rope) if "rope_theta" in rotary else "none"
     if rotated != rope:

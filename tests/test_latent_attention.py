@@ -487,6 +487,33 @@ def test_a_kimi_k2_config_without_rope_interleave_turns_pairs_as_transformers_re
     assert options_from_config(k2)["rope_interleaved"] is True
 
 
+def test_a_mistral4_config_without_its_nope_size_or_rotary_parameters_takes_the_defaults():
+    # transformers fills a Mistral 4 config's qk_nope_head_dim (64) and rope_parameters (YaRN
+    # turning 0.5 of the whole head, nope + rope: its rotary part) from the class's defaults
+    required_import("transformers")
+    from transformers import Mistral4Config
+
+    from mha.porting import options_from_config
+
+    written = Mistral4Config().to_dict()
+    expected = options_from_config(written)
+    for left_out in (
+        ("qk_nope_head_dim",),
+        ("rope_parameters",),
+        ("qk_nope_head_dim", "rope_parameters"),
+    ):
+        config = {key: value for key, value in written.items() if key not in left_out}
+        filled = Mistral4Config(**config)
+        assert filled.qk_nope_head_dim == 64
+        assert filled.rope_parameters["partial_rotary_factor"] == 0.5
+        assert options_from_config(config) == expected, left_out
+    # A nope part of 128 under the default rotary parameters turns 0.5 x 192 = 96 features,
+    # more than the rotary part holds: refused
+    wider = {key: value for key, value in written.items() if key != "rope_parameters"}
+    with pytest.raises(ValueError, match="rotates 96 of the 64 features"):
+        options_from_config({**wider, "qk_nope_head_dim": 128})
+
+
 def test_an_older_sarvam_config_gives_the_yarn_transformers_reads():
     # Sarvam's latent model's older config.json names its YaRN "deepseek_yarn" (rope_scaling's
     # type) and writes a head_dim: transformers reads it as DeepSeek-V3's YaRN, and so does mha
