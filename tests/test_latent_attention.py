@@ -654,27 +654,24 @@ def test_a_query_projection_beside_the_low_rank_ones_is_refused():
 
 
 @pytest.mark.torch
-def test_an_output_bias_without_the_others_is_refused_not_dropped():
-    # DeepSeek's attention_bias gives q_a_proj, kv_a_proj_with_mqa and o_proj biases together;
-    # o_proj's alone would shift every output: its port is refused, naming what is missing
+@pytest.mark.parametrize(
+    "changed, message",
+    [
+        # DeepSeek's attention_bias gives q_a_proj, kv_a_proj_with_mqa and o_proj biases
+        # together; o_proj's alone would shift every output: refused, naming what is missing
+        ("o_proj.bias", "b_kva missing"),
+        # One tensor in float64 beside float32 ones: a checkpoint mixed so is refused by name
+        ("kv_b_proj.weight", "different dtypes: float32, float64"),
+    ],
+)
+def test_a_latent_state_with_one_odd_tensor_is_refused_naming_it(changed, message):
     from mha import porting
 
     prefix = "layers.0.self_attn"
     state = _tiny_deepseek_state("deepseek_v3")
-    state[f"{prefix}.o_proj.bias"] = framework_import("torch").ones(32)
-    with pytest.raises(ValueError, match="b_kva missing"):
-        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
-
-
-@pytest.mark.torch
-def test_latent_tensors_of_two_dtypes_are_refused():
-    # One tensor in float64 beside float32 ones: a checkpoint mixed so is refused by name
-    from mha import porting
-
-    prefix = "layers.0.self_attn"
-    state = _tiny_deepseek_state("deepseek_v3")
-    state[f"{prefix}.kv_b_proj.weight"] = state[f"{prefix}.kv_b_proj.weight"].double()
-    with pytest.raises(ValueError, match="different dtypes: float32, float64"):
+    name = f"{prefix}.{changed}"
+    state[name] = state[name].double() if name in state else framework_import("torch").ones(32)
+    with pytest.raises(ValueError, match=message):
         porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0)
 
 
