@@ -168,3 +168,22 @@ def test_scores_near_the_largest_float32_stay_finite(name, need_weights):
     assert_agrees(module.to_numpy(output), weights @ values, "float32")
     if need_weights:
         assert_agrees(module.to_numpy(layer.attention_weights)[:, 0], weights, "float32")
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_add_norm_in_float16_far_from_zero(name):
+    # Sums near 100, where float16's step is 1/16: a mean rounded to float16 would move every
+    # centred entry by up to 1/32 of a spread near 1. Every backend, the reference among
+    # them, stays within float16's agreement of the float64 formula on the float16 sum
+    module = backend_module(name)
+    rng = np.random.default_rng(0)
+    X, Y = rng.standard_normal((2, 2, 3, D)).astype("float16")
+    Y += np.float16(100)
+    gamma, beta = rng.standard_normal((2, D)).astype("float16")
+    Z = (X + Y).astype("float64")  # the residual sum, in the layer's dtype
+    normalized = (Z - Z.mean(-1, keepdims=True)) / np.sqrt(Z.var(-1, keepdims=True) + 1e-5)
+    expected = normalized * gamma + beta
+    layer = module.AddNorm(D, dtype="float16")
+    mha.set_weights(layer, {"gamma": gamma, "beta": beta})
+    output = layer(module.from_numpy(X), module.from_numpy(Y))
+    assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")

@@ -312,13 +312,17 @@ class LayerNorm(nn.LayerNorm):
     """Gluon's LayerNorm (same parameters gamma and beta) with eps in the data's dtype.
 
     npx.layer_norm rounds eps to float32, an error near 1e-10 in float64 outputs, so the
-    normalization is written out as in the reference.
+    normalization is written out as in the reference (float16 in float32).
     """
 
     def hybrid_forward(self, F, data, gamma, beta):
+        half = _dtype_of(self.gamma) == "float16"
+        if half:
+            data, gamma, beta = (x.astype("float32") for x in (data, gamma, beta))
         mean = data.mean(axis=-1, keepdims=True)
         variance = F.np.square(data - mean).mean(axis=-1, keepdims=True)
-        return (data - mean) / F.np.sqrt(variance + self._epsilon) * gamma + beta
+        normalized = (data - mean) / F.np.sqrt(variance + self._epsilon) * gamma + beta
+        return normalized.astype("float16") if half else normalized
 
 
 @mx.util.use_np

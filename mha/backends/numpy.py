@@ -179,9 +179,13 @@ class LayerNorm(Module):
         self.beta = np.zeros(num_hiddens, dtype=dtype)
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        mean = X.mean(axis=-1, keepdims=True)
-        variance = ((X - mean) ** 2).mean(axis=-1, keepdims=True)
-        return (X - mean) / np.sqrt(variance + X.dtype.type(self.eps)) * self.gamma + self.beta
+        # float16 in float32, rounded once at the end, as the frameworks' layer norms compute
+        # it: a float16 mean would move every centred entry by up to half its rounding step
+        x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+        mean = x.mean(axis=-1, keepdims=True)
+        variance = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+        y = (x - mean) / np.sqrt(variance + x.dtype.type(self.eps)) * self.gamma + self.beta
+        return y.astype(X.dtype)
 
 
 class Sinks(Module):
