@@ -289,6 +289,41 @@ def test_training_flag_and_rngs(J, nnx):
     assert not np.array_equal(weights[0]["W_q"], other["W_q"])
 
 
+def test_a_layer_without_dropout_keeps_no_random_stream(J, jax, nnx):
+    q, k, v = map(J.from_numpy, inputs("float32"))
+    sizes = {"query_size": D, "key_size": D, "value_size": D}
+    latent = {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4}
+    kinds = {
+        "MultiHeadAttention": lambda rate, rngs: J.MultiHeadAttention(
+            D, H, dropout=rate, **sizes, rngs=rngs
+        ),
+        "AdditiveAttention": lambda rate, rngs: J.AdditiveAttention(
+            D, rate, query_size=D, key_size=D, rngs=rngs
+        ),
+        "MultiHeadLatentAttention": lambda rate, rngs: J.MultiHeadLatentAttention(
+            D, H, **latent, dropout=rate, rngs=rngs
+        ),
+    }
+    for name, make in kinds.items():
+        quiet, dropping = make(0.0, nnx.Rngs(3)), make(0.5, nnx.Rngs(3))
+        # nnx's transforms carry a layer's random streams through every call: none to carry
+        assert not jax.tree.leaves(nnx.state(quiet, nnx.RngState)), name
+        assert jax.tree.leaves(nnx.state(dropping, nnx.RngState)), name
+        # The same seed gives the same weights whatever the rate
+        quiet_weights, dropping_weights = mha.get_weights(quiet), mha.get_weights(dropping)
+        assert quiet_weights.keys() == dropping_weights.keys()
+        for key in quiet_weights:
+            np.testing.assert_array_equal(quiet_weights[key], dropping_weights[key])
+    # Training at rate 0 draws nothing: the output is eval's, under nnx.jit too
+    layer = kinds["MultiHeadAttention"](0.0, nnx.Rngs(3))
+    jitted = nnx.jit(lambda layer, q, k, v: layer(q, k, v))
+    trained = J.to_numpy(jitted(layer, q, k, v))
+    layer.eval()
+    np.testing.assert_allclose(trained, J.to_numpy(jitted(layer, q, k, v)), rtol=1e-6, atol=1e-7)
+    for make in (lambda: J.PositionalEncoding(D, 0.0), lambda: J.AddNorm(D, 0.0)):
+        assert not jax.tree.leaves(nnx.state(make(), nnx.RngState))
+
+
 def test_gradients_through_every_mask_are_finite_under_jit(J, jax, nnx):
     layer, _ = pair(J)
     q, k, v = map(J.from_numpy, inputs())

@@ -161,6 +161,16 @@ def _rngs(rngs: nnx.Rngs | None) -> nnx.Rngs:
     return nnx.Rngs(0) if rngs is None else rngs
 
 
+def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
+    """Flax's Dropout, drawing from rngs. At rate 0 it never draws and keeps no random stream,
+    which nnx's transforms would carry in and out of every call; the stream is forked all the
+    same, so that the weights drawn after it do not depend on the rate."""
+    dropout = nnx.Dropout(rate, rngs=rngs)
+    if rate == 0:
+        dropout.rngs = None
+    return dropout
+
+
 _LAZY_UNDER_TRANSFORM = (
     "This layer's input sizes are not known yet: a lazy layer takes them at its first call, "
     "which cannot change the layer under jax.jit, jax.grad, jax.vmap or jax.export of a "
@@ -594,7 +604,7 @@ class DotProductAttention(nnx.Module):
         )
         self.scale, self.empty_rows, self.sliding_window = scale, empty_rows, sliding_window
         self.softcap = softcap
-        self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
+        self.dropout = _dropout(dropout, _rngs(rngs))
         self.attention_weights = nnx.data(None)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -659,7 +669,7 @@ class AdditiveAttention(nnx.Module):
         self.W_q = _Linear(num_hiddens, False, query_size, self.dtype, rngs)
         self.W_k = _Linear(num_hiddens, False, key_size, self.dtype, rngs)
         self.w_v = _Linear(1, False, num_hiddens, self.dtype, rngs)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = _dropout(dropout, rngs)
         self.attention_weights = nnx.data(None)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -936,7 +946,7 @@ class MultiHeadLatentAttention(nnx.Module):
                                       scaling=self.rope_scaling, dtype=self.dtype)
         # 1 / sqrt(head size), times yarn's mscale twice when the rotary is scaled so
         self.scale = latent_attention_scale(qk_head, self.rope_scaling)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = _dropout(dropout, rngs)
         self.attention_weights = nnx.data(None)
 
     def __call__(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
@@ -1047,7 +1057,7 @@ class PositionalEncoding(nnx.Module):
             validation.check_layer_args("PositionalEncoding", locals())
         )
         self.num_hiddens, self.max_len = num_hiddens, max_len
-        self.dropout = nnx.Dropout(dropout, rngs=_rngs(rngs))
+        self.dropout = _dropout(dropout, _rngs(rngs))
 
     @property
     def P(self) -> jax.Array:
@@ -1085,7 +1095,7 @@ class LearnedPositionalEncoding(nnx.Module):
         )
         rngs = _rngs(rngs)
         self.num_hiddens, self.max_len = num_hiddens, max_len
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = _dropout(dropout, rngs)
         self.embedding = nnx.Embed(max_len, num_hiddens, dtype=_DTYPES[self.dtype],
                                    param_dtype=_DTYPES[self.dtype], rngs=rngs)
 
@@ -1215,7 +1225,7 @@ class AddNorm(nnx.Module):
         )
         rngs = _rngs(rngs)
         self.num_hiddens, self.eps = num_hiddens, eps
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = _dropout(dropout, rngs)
         # Flax's fast variance, E[x^2] - E[x]^2, loses digits that the reference keeps
         self.ln = nnx.LayerNorm(num_hiddens, epsilon=eps, dtype=_DTYPES[self.dtype],
                                 param_dtype=_DTYPES[self.dtype], use_fast_variance=False,
