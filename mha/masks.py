@@ -279,7 +279,8 @@ class Masks:
 
     def segment_positions(self, segment_ids: Any) -> Any:
         """segment_ids (batch_size, n) -> (batch_size, n) integers: how many earlier positions
-        of the row share each position's segment id (its index within a run of equal ids)."""
+        of the row share each position's segment id (its index among its segment's positions,
+        which need not be contiguous)."""
         raise NotImplementedError
 
     def zeros_where(self, blocked: Any, x: Any) -> Any:

@@ -721,7 +721,7 @@ def _with_sinks(F, scores, keep, sinks):
 
 
 def _attention_pool(F, scores, values, keep, bias, dropout, call: _Call, sinks=None):
-    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     # The scores are the caller's own fresh array: masks may be added in place
     if bias is not None and _imperative(scores, call.recording):
         scores += bias

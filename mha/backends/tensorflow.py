@@ -387,7 +387,7 @@ def _with_sinks(scores: tf.Tensor, keep: tf.Tensor | None, sinks: tf.Tensor):
 
 def _attention_pool(scores, values, keep, bias, dropout, training, need_weights=True,
                     empty_rows="zeros", sinks=None):
-    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
     if sinks is not None:

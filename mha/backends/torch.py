@@ -355,7 +355,7 @@ def _with_sinks(scores: torch.Tensor, keep: torch.Tensor | None, sinks: torch.Te
 
 def _attention_pool(scores, values, keep, bias, dropout, need_weights=True, empty_rows="zeros",
                     sinks=None, rows_kept=False):
-    """Weights = masked softmax of the scores; output = dropout(weights) @ values."""
+    """Weights = masked softmax of (scores + bias); output = dropout(weights) @ values."""
     if bias is not None:
         scores = scores + bias
     if sinks is not None:
