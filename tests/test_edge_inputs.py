@@ -187,3 +187,38 @@ def test_add_norm_in_float16_far_from_zero(name):
     mha.set_weights(layer, {"gamma": gamma, "beta": beta})
     output = layer(module.from_numpy(X), module.from_numpy(Y))
     assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
+
+
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
+def test_a_float16_row_of_70000_keys(name):
+    # The sum of a near-uniform row's exponentials passes float16's largest, 65504: summed in
+    # float16 it is inf, and every weight 0. Each backend matches the float64 formula: the
+    # output the values' mean, each row's log-sum-exp log(70000)
+    module = backend_module(name)
+    rng = np.random.default_rng(0)
+    n = 70_000
+    query = np.zeros((1, 1, 1, 8), "float16")
+    key = (rng.standard_normal((1, 1, n, 8)) * 0.01).astype("float16")
+    value = (rng.standard_normal((1, 1, n, 8)) + 0.5).astype("float16")
+    output, lse = module.dot_product_attention(
+        *(module.from_numpy(x) for x in (query, key, value)), return_lse=True
+    )
+    expected = value.astype("float64").mean(axis=2, keepdims=True)
+    assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
+    assert_agrees(module.to_numpy(lse).astype("float64"), np.full((1, 1, 1), np.log(n)), "float16")
+
+
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
+def test_the_absorbed_latent_form_in_float16_over_512_latent_features(name):
+    # DeepSeek's kv_lora_rank: the absorbed form sums 512 products per output feature, which
+    # a float16 sum (np.einsum's, tf.einsum's) rounds past float16's agreement
+    module = backend_module(name)
+    sizes = {"kv_lora_rank": 512, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32}
+    reference = N.MultiHeadLatentAttention(128, 4, **sizes, v_head_dim=64, dtype="float64")
+    layer = module.MultiHeadLatentAttention(128, 4, **sizes, v_head_dim=64, dtype="float16")
+    weights = mha.get_weights(reference)
+    mha.set_weights(layer, {key: w.astype("float16") for key, w in weights.items()})
+    X = np.random.default_rng(0).standard_normal((1, 64, 128)).astype("float16")
+    expected = reference(X.astype("float64"), causal=True)
+    output = layer(module.from_numpy(X), causal=True, absorbed=True)
+    assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")

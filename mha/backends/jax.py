@@ -403,18 +403,25 @@ def _softmax(scores: jax.Array, keep: jax.Array | None, empty_rows: str = "zeros
     rows_kept: every row of keep is known to keep a key (masks.every_row_keeps_a_key), so
     none is looked for."""
     if keep is None:
-        return jax.nn.softmax(scores, axis=-1)
+        return _float_softmax(scores)
     if rows_kept:
-        return jax.nn.softmax(jnp.where(keep, scores, jnp.asarray(-jnp.inf, scores.dtype)),
-                              axis=-1)
+        return _float_softmax(jnp.where(keep, scores, jnp.asarray(-jnp.inf, scores.dtype)))
     # Shape of attended and fill: keep's, with 1 key
     attended = keep.any(axis=-1, keepdims=True)
     # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
     fill = jnp.where(attended, -jnp.inf, 0).astype(scores.dtype)
-    weights = jax.nn.softmax(jnp.where(keep, scores, fill), axis=-1)
+    weights = _float_softmax(jnp.where(keep, scores, fill))
     if empty_rows == "uniform":
         return weights
     return jnp.where(attended, weights, jnp.zeros((), weights.dtype))
+
+
+def _float_softmax(scores: jax.Array) -> jax.Array:
+    """jax.nn.softmax over the last axis; float16 in float32, rounded once, as the reference:
+    its float16 sum of a long row's exponentials passes 65504 (inf, every weight 0)."""
+    if scores.dtype != jnp.float16:
+        return jax.nn.softmax(scores, axis=-1)
+    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(jnp.float16)
 
 
 @documented
@@ -578,10 +585,12 @@ def _grouped(x, heads: int, rows: int, group: int):
 
 def _log_sum_exp(scores: jax.Array, keep: jax.Array | None) -> jax.Array:
     """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
-    row with none (jax.nn.logsumexp gives it)."""
+    row with none (jax.nn.logsumexp gives it; float16 in float32, rounded once)."""
     if keep is not None:
         scores = jnp.where(keep, scores, jnp.asarray(-jnp.inf, scores.dtype))
-    return jax.nn.logsumexp(scores, axis=-1)
+    if scores.dtype != jnp.float16:
+        return jax.nn.logsumexp(scores, axis=-1)
+    return jax.nn.logsumexp(scores.astype(jnp.float32), axis=-1).astype(jnp.float16)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -302,6 +302,11 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zer
     """Softmax over the last axis on the kept entries (keep broadcastable to scores, or None
     for all); masked entries are exactly 0, and rows with no kept entry 0 or, with
     empty_rows="uniform", 1 / no. of keys. The caller's scores are never written."""
+    dtype = scores.dtype
+    if dtype == np.float16:
+        # float16 in float32, rounded once, as torch's softmax: a float16 sum of a long row's
+        # exponentials passes 65504 (inf, every weight 0) from some 65,000 keys on
+        scores = scores.astype(np.float32)
     if keep is not None:
         # exp(-inf) = 0: masked entries get exactly 0 weight
         scores = np.where(keep, scores, scores.dtype.type(-np.inf))
@@ -323,7 +328,16 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zer
         # A row with no kept entry weighs every entry alike, as a fill of equal scores does
         uniform = weights.dtype.type(1 / weights.shape[-1])
         weights = np.where(keep.any(axis=-1, keepdims=True), weights, uniform)
-    return weights
+    return weights.astype(dtype, copy=False)
+
+
+def _einsum(subscripts: str, *operands: np.ndarray) -> np.ndarray:
+    """np.einsum, float16 in float32 rounded once: np.einsum sums float16 products in float16,
+    past float16's agreement over the 512 latent features of DeepSeek's absorbed form."""
+    dtype = operands[0].dtype
+    if dtype != np.float16:
+        return np.einsum(subscripts, *operands)
+    return np.einsum(subscripts, *(x.astype(np.float32) for x in operands)).astype(dtype)
 
 
 def _sigmoid(X: np.ndarray) -> np.ndarray:
@@ -462,14 +476,17 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
 
 def _log_sum_exp(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
-    row with none."""
+    row with none (float16 in float32, rounded once, as in _softmax)."""
+    dtype = scores.dtype
+    scores = scores.astype(np.float32) if dtype == np.float16 else scores
     if keep is not None:
         scores = np.where(keep, scores, scores.dtype.type(-np.inf))
     row_max = scores.max(axis=-1)
     # A row with no kept score has maximum -inf: shifting by 0 keeps its sum 0, its log -inf
     shift = np.where(np.isneginf(row_max), scores.dtype.type(0), row_max)
     with np.errstate(divide="ignore"):
-        return shift + np.log(np.exp(scores - shift[..., None]).sum(axis=-1))
+        lse = shift + np.log(np.exp(scores - shift[..., None]).sum(axis=-1))
+    return lse.astype(dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -854,7 +871,7 @@ class MultiHeadLatentAttention(Module):
         W = self.W_kvb.weight.reshape(self.kv_lora_rank, self.num_heads, -1)
         W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = np.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
+        absorbed = _einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
         queries = np.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = np.concatenate([latent[:, None], rotary_keys], axis=-1)
         output, self.attention_weights, _ = _attention(
@@ -862,7 +879,7 @@ class MultiHeadLatentAttention(Module):
             empty_rows=self.empty_rows, need_weights=need_weights, group=self.num_heads,
         )
         # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
-        return np.einsum("bhqr,rhv->bhqv", output, W_uv)
+        return _einsum("bhqr,rhv->bhqv", output, W_uv)
 
     def project_queries(self, X, offset=0):
         """Each head's query at positions offset, ..., its rotary part turned: (batch_size,

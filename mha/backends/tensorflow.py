@@ -334,15 +334,32 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None, empty_rows: str = "zeros
     zeroed rows get 0, so no NaN flows back.
     """
     if keep is None:
-        return tf.nn.softmax(scores, axis=-1)
+        return _float_softmax(scores)
     # Shape of attended and fill: keep's, with 1 key; small, as keep broadcasts over heads
     attended = tf.reduce_any(keep, axis=-1, keepdims=True)
     # Masked scores become -inf, and those of a row with no kept key 0 (finite, zeroed after)
     fill = tf.where(attended, tf.constant(-np.inf, scores.dtype), tf.zeros([], scores.dtype))
-    weights = tf.nn.softmax(tf.where(keep, scores, fill), axis=-1)
+    weights = _float_softmax(tf.where(keep, scores, fill))
     if empty_rows == "uniform" or not _may_have_empty_rows(attended):
         return weights
     return weights * tf.cast(attended, weights.dtype)
+
+
+def _float_softmax(scores: tf.Tensor) -> tf.Tensor:
+    """tf.nn.softmax over the last axis; float16 in float32, rounded once, as the reference:
+    its float16 sum of a long row's exponentials passes 65504 (inf, every weight 0)."""
+    if scores.dtype != tf.float16:
+        return tf.nn.softmax(scores, axis=-1)
+    return tf.cast(tf.nn.softmax(tf.cast(scores, tf.float32), axis=-1), tf.float16)
+
+
+def _einsum(subscripts: str, *operands: tf.Tensor) -> tf.Tensor:
+    """tf.einsum, float16 in float32 rounded once: tf.einsum sums float16 products in float16,
+    past float16's agreement over the 512 latent features of DeepSeek's absorbed form."""
+    dtype = operands[0].dtype
+    if dtype != tf.float16:
+        return tf.einsum(subscripts, *operands)
+    return tf.cast(tf.einsum(subscripts, *(tf.cast(x, tf.float32) for x in operands)), dtype)
 
 
 def _may_have_empty_rows(attended: tf.Tensor) -> bool:
@@ -526,10 +543,12 @@ def _attention(queries, keys, values, keep, bias, dropout, *, training=None, sca
 
 def _log_sum_exp(scores: tf.Tensor, keep: tf.Tensor | None) -> tf.Tensor:
     """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
-    row with none (tf.reduce_logsumexp gives it)."""
+    row with none (tf.reduce_logsumexp gives it; float16 in float32, rounded once)."""
     if keep is not None:
         scores = tf.where(keep, scores, tf.constant(-np.inf, scores.dtype))
-    return tf.reduce_logsumexp(scores, axis=-1)
+    if scores.dtype != tf.float16:
+        return tf.reduce_logsumexp(scores, axis=-1)
+    return tf.cast(tf.reduce_logsumexp(tf.cast(scores, tf.float32), axis=-1), tf.float16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1048,7 +1067,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
         W = tf.reshape(self.W_kvb.kernel, [self.kv_lora_rank, self.num_heads, -1])
         W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = tf.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
+        absorbed = _einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
         queries = tf.concat([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = tf.concat([latent[:, None], rotary_keys], axis=-1)
         output, self.attention_weights, _ = _attention(
@@ -1057,7 +1076,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
             group=self.num_heads,
         )
         # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
-        return tf.einsum("bhqr,rhv->bhqv", output, W_uv)
+        return _einsum("bhqr,rhv->bhqv", output, W_uv)
 
     def project_queries(self, X, offset=0):
         """Each head's query at positions offset, ..., its rotary part turned: (batch_size,

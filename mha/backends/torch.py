@@ -492,10 +492,13 @@ def _grouped(x, heads: int, rows: int, group: int):
 
 def _log_sum_exp(scores: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
     """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
-    row with none (torch.logsumexp gives it)."""
+    row with none (torch.logsumexp gives it; float16 in float32, rounded once: its float16 sum
+    of a long row's exponentials passes 65504)."""
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    return torch.logsumexp(scores, dim=-1)
+    if scores.dtype != torch.float16:
+        return torch.logsumexp(scores, dim=-1)
+    return torch.logsumexp(scores.float(), dim=-1).half()
 
 
 # ---------------------------------------------------------------------------------------------
