@@ -169,6 +169,12 @@ class Embedding(Module):
         return self.weight[indices]
 
 
+def _in_float32(X: np.ndarray) -> np.ndarray:
+    """X in float32 if it is float16, else X itself: float16's sums and means are taken in
+    float32 and rounded once after, as the frameworks' kernels take them."""
+    return X.astype(np.float32) if X.dtype == np.float16 else X
+
+
 class LayerNorm(Module):
     """Normalize the last axis to mean 0 and variance 1, then scale by gamma, shift by beta."""
 
@@ -179,13 +185,12 @@ class LayerNorm(Module):
         self.beta = np.zeros(num_hiddens, dtype=dtype)
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        # float16 in float32, rounded once at the end, as the frameworks' layer norms compute
-        # it: a float16 mean would move every centred entry by up to half its rounding step
-        x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+        # A float16 mean would move every centred entry by up to half its rounding step
+        x = _in_float32(X)
         mean = x.mean(axis=-1, keepdims=True)
         variance = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
         y = (x - mean) / np.sqrt(variance + x.dtype.type(self.eps)) * self.gamma + self.beta
-        return y.astype(X.dtype)
+        return y.astype(X.dtype, copy=False)
 
 
 class Sinks(Module):
@@ -198,9 +203,9 @@ class Sinks(Module):
 
 def _rms_normalized(X: np.ndarray, eps: float) -> np.ndarray:
     """X's last axis scaled to a mean square of 1 (float32 sums for float16)."""
-    x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+    x = _in_float32(X)
     x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + x.dtype.type(eps))
-    return x.astype(X.dtype)
+    return x.astype(X.dtype, copy=False)
 
 
 class RMSNorm(Module):
@@ -226,10 +231,10 @@ class HeadLayerNorm(Module):
         self.gamma = np.ones((num_heads, head_size), dtype=dtype)
 
     def forward(self, X: np.ndarray) -> np.ndarray:
-        x = X.astype(np.float64 if X.dtype == np.float64 else np.float32)
+        x = _in_float32(X)
         x = x - x.mean(axis=-1, keepdims=True)
         x = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + x.dtype.type(self.eps))
-        return self.gamma[:, None, :] * x.astype(X.dtype)
+        return self.gamma[:, None, :] * x.astype(X.dtype, copy=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,11 +307,8 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zer
     """Softmax over the last axis on the kept entries (keep broadcastable to scores, or None
     for all); masked entries are exactly 0, and rows with no kept entry 0 or, with
     empty_rows="uniform", 1 / no. of keys. The caller's scores are never written."""
-    dtype = scores.dtype
-    if dtype == np.float16:
-        # float16 in float32, rounded once, as torch's softmax: a float16 sum of a long row's
-        # exponentials passes 65504 (inf, every weight 0) from some 65,000 keys on
-        scores = scores.astype(np.float32)
+    # A float16 sum of a long row's exponentials passes 65504 (inf, every weight 0)
+    dtype, scores = scores.dtype, _in_float32(scores)
     if keep is not None:
         # exp(-inf) = 0: masked entries get exactly 0 weight
         scores = np.where(keep, scores, scores.dtype.type(-np.inf))
@@ -335,9 +337,7 @@ def _einsum(subscripts: str, *operands: np.ndarray) -> np.ndarray:
     """np.einsum, float16 in float32 rounded once: np.einsum sums float16 products in float16,
     past float16's agreement over the 512 latent features of DeepSeek's absorbed form."""
     dtype = operands[0].dtype
-    if dtype != np.float16:
-        return np.einsum(subscripts, *operands)
-    return np.einsum(subscripts, *(x.astype(np.float32) for x in operands)).astype(dtype)
+    return np.einsum(subscripts, *map(_in_float32, operands)).astype(dtype, copy=False)
 
 
 def _sigmoid(X: np.ndarray) -> np.ndarray:
@@ -477,8 +477,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
 def _log_sum_exp(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     """log(sum(exp(score))) of each row's kept scores, shape (..., no. of queries); -inf for a
     row with none (float16 in float32, rounded once, as in _softmax)."""
-    dtype = scores.dtype
-    scores = scores.astype(np.float32) if dtype == np.float16 else scores
+    dtype, scores = scores.dtype, _in_float32(scores)
     if keep is not None:
         scores = np.where(keep, scores, scores.dtype.type(-np.inf))
     row_max = scores.max(axis=-1)
