@@ -142,13 +142,21 @@ def _flax_layer_with_cache(config: Config, ours, keys, values):
     return layer
 
 
-def _call_cudnn(layer, X, lens):
-    """Flax's weights on cuDNN's fused kernel, lengths as it takes them."""
+def _call_cudnn(layer, X, lens, implementation="cudnn"):
+    """Flax's weights on cuDNN's fused kernel, lengths as it takes them: the keys' only, every
+    query computed, as mha computes them (another `implementation` checks the numbers)."""
     import jax
+    import jax.numpy as jnp
 
     q, k, v = (getattr(layer, p)(X) for p in ("query", "key", "value"))
+    every_query = None if lens is None else jnp.full_like(lens, X.shape[1])
     output = jax.nn.dot_product_attention(
-        q, k, v, query_seq_lengths=lens, key_value_seq_lengths=lens, implementation="cudnn"
+        q,
+        k,
+        v,
+        query_seq_lengths=every_query,
+        key_value_seq_lengths=lens,
+        implementation=implementation,
     )
     return layer.out(output), None
 

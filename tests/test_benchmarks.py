@@ -489,41 +489,64 @@ def test_the_books_gluon_block_computes_what_mha_computes(hybridize):
     )
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param("torch", marks=pytest.mark.torch),
-        pytest.param("tensorflow", marks=pytest.mark.tensorflow),
-    ],
-)
+# The (backend, dtype) pairs the CPU times: JAX's float16 attention is timed on a GPU only
+_CPU_TIMED = [
+    pytest.param(backend, dtype, marks=getattr(pytest.mark, backend))
+    for backend in ("torch", "tensorflow", "jax")
+    for dtype in ("float32", "bfloat16", "float16")
+    if (backend, dtype) != ("jax", "float16")
+]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), _CPU_TIMED)
 @pytest.mark.parametrize("need_weights", [True, False])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_timed_layer_computes_what_mha_computes(backend, need_weights, dtype):
     # A ratio is only fair between layers that do the same work: the built-ins hold mha's
     # weights and make their masks from the same valid_lens inside the timed call, so every
     # timed forward call returns mha's output, up to rounding
     module = backend_module(backend)
     config = bench.Config(3, 10, 8, 2, True, need_weights, dtype)
-    calls = bench.BENCHES[backend].calls(config, "eager")["forward"]
+    mode = bench.BENCHES[backend].modes[0]
+    calls = bench.BENCHES[backend].calls(config, mode)["forward"]
     assert len(calls) == (2 if need_weights or backend == "tensorflow" else 3)
     outputs = {name: module.to_numpy(call()) for name, call in calls.items()}
     assert {output.dtype.name for output in outputs.values()} == {dtype}
-    X, lens = bench_config.inputs(config)
-    assert lens.min() < 10  # some keys are masked
-    # Each against the float64 NumPy layer on the same inputs and weights, rounded to the
-    # dtype as the timed layers hold them, relative to the output's scale: the harness's
-    # tolerances, and for bfloat16, which the harness does not compare, two of its epsilons
+    assert bench_config.inputs(config)[1].min() < 10  # some keys are masked
+    expected, tolerance = _exact_output(config)
+    for name, output in outputs.items():
+        assert harness.difference(output, expected, relative=True) <= tolerance, name
+
+
+def _exact_output(config):
+    """The float64 NumPy layer's output on the bench's inputs and weights, rounded to the dtype
+    as the timed layers hold them, and the tolerance relative to the output's scale: the
+    harness's, and for bfloat16, which the harness does not compare, two of its epsilons."""
     from mha.backends import numpy as reference
     from mha.weights import numpy_dtype
 
-    exact_layer = reference.MultiHeadAttention(8, 2, dtype="float64")
+    X, lens = bench_config.inputs(config)
+    exact_layer = reference.MultiHeadAttention(
+        config.num_hiddens, config.num_heads, dtype="float64"
+    )
     weights = bench_config.weights(config)
     mha.set_weights(exact_layer, {name: w.astype(np.float64) for name, w in weights.items()})
-    X = X.astype(numpy_dtype(dtype)).astype(np.float64)
-    expected = exact_layer(X, X, X, lens)
-    tolerance = harness.TOLERANCES.get(dtype, 2 * 2**-7)
-    for name, output in outputs.items():
-        assert harness.difference(output, expected, relative=True) <= tolerance, name
+    X = X.astype(numpy_dtype(config.dtype)).astype(np.float64)
+    return exact_layer(X, X, X, lens), harness.TOLERANCES.get(config.dtype, 2 * 2**-7)
+
+
+@pytest.mark.jax
+def test_the_cudnn_layer_computes_every_query_as_mha_does():
+    # The GPU's cuDNN row takes the lengths as cuDNN does; through XLA's implementation of
+    # the same call, on the CPU, it gives mha's output, the queries past a length included
+    # (the keys' lengths alone: query lengths would leave those rows zero, less work)
+    from mha import bench_jax
+
+    backend_module("jax")
+    config = bench.Config(3, 10, 8, 2, True, False, "float32")
+    _, theirs, X, lens = bench_jax._jax_layers_and_inputs(config)
+    output, _ = bench_jax._call_cudnn(theirs, X, lens, implementation="xla")
+    expected, tolerance = _exact_output(config)
+    assert harness.difference(np.asarray(output), expected, relative=True) <= tolerance
 
 
 @pytest.mark.parametrize(
