@@ -6,9 +6,9 @@ both causal alignments, grouped heads, windows, soft cap, lengths, rows with no 
 masked key, packed segments) in each dtype, and compares its output with the NumPy
 reference's `dot_product_attention` of the same inputs in float64, at the dtype's tolerance.
 `options` are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap,
-segment_ids), only those a case sets: a function that raises TypeError or NotImplementedError
-for one has "not taken" it. `mha.conformance_adapters` gives the frameworks' own functions
-those names; `mha conform` is the command.
+segment_ids), only those a case sets: a function that raises NotImplementedError, or TypeError
+for a case that sets an option or a mask, has "not taken" it. `mha.conformance_adapters`
+gives the frameworks' own functions those names; `mha conform` is the command.
 """
 
 from __future__ import annotations
@@ -180,8 +180,13 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
     try:
         given = {k: place(module.from_numpy(_cast(v, dtype))) for k, v in arrays.items()}
         output = module.to_numpy(function(**given, **dict(case.options)))
-    except (TypeError, NotImplementedError) as error:
+    except NotImplementedError as error:
         return Row(case.name, dtype, "not taken", note=_first_line(error))
+    except TypeError as error:
+        # An option or mask the function has no argument for; a case that gives neither
+        # calls it with the query, key and value alone, which every function takes
+        status = "not taken" if case.options or case.masks else "error"
+        return Row(case.name, dtype, status, note=f"TypeError: {_first_line(error)}")
     except Exception as error:
         return Row(case.name, dtype, "error", note=f"{type(error).__name__}: {_first_line(error)}")
     output = np.asarray(output, dtype="float64")
@@ -265,7 +270,7 @@ def format_table(rows: Sequence[Row]) -> str:
         for dtype in dtypes:
             row = cell[case, dtype]
             texts.append(_cell(row).ljust(16))
-            if row.note and row.status != "agrees":
+            if row.note:  # an agreeing row's note says its gradients were not compared
                 notes.append(f"  {case}, {dtype}: {row.status}: {row.note}")
         lines.append(case.ljust(width) + "".join(texts).rstrip())
     counts = {

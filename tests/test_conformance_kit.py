@@ -150,6 +150,35 @@ def test_a_broken_function_is_flagged_on_the_cases_it_breaks(capsys):
     assert "DIFFERS" in plain and "plain, float64: differs: at (0, 0, 0, 0)" in out
 
 
+def attention_of_other_names(q, k, v):
+    """A function that takes none of the kit's names: every call is a TypeError."""
+    return q
+
+
+def test_a_function_that_takes_no_case_fails(capsys):
+    # A TypeError for the query, key and value alone is no refused option but an error, and
+    # a run that compared nothing does not pass
+    rows = conformance.run(attention_of_other_names, "numpy", ("float64",))
+    found = statuses(rows)
+    unmasked = {c.name for c in conformance.CASES if not (c.options or c.masks)}
+    assert {"plain", "grouped heads (4 query, 2 key-value)"} <= unmasked
+    assert found["error"] == unmasked and "agrees" not in found
+    assert found["not taken"] == {c.name for c in conformance.CASES} - unmasked
+    target = f"{sys.modules[__name__].__name__}:attention_of_other_names"
+    code = cli.main(["conform", target, "--framework", "numpy", "--dtypes", "float64"])
+    captured = capsys.readouterr()
+    assert code == 1 and "no case was compared" in captured.err
+    assert "plain, float64: error: TypeError:" in captured.out
+
+
+def test_the_table_says_where_gradients_were_not_compared():
+    # An agreeing cell without "+grad" would read as a framework without autograd: the note
+    # under the table says why its gradients were not compared
+    row = conformance.Row("plain", "float32", "agrees", 1e-7, 1e-5, "gradients not taken: no")
+    table = conformance.format_table([row])
+    assert "plain, float32: agrees: gradients not taken: no" in table
+
+
 def test_the_command_runs_a_framework_function_and_writes_json(capsys):
     code = cli.main(
         [
