@@ -113,6 +113,47 @@ def test_chunks_far_out_keep_the_keys_of_their_chunk(name, size, first, rng):
     np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
 
 
+# Queries at 2**24 - 1, 2**24 and 2**24 + 1: float32 has no 2**24 + 1, and a first query
+# below 2**24 does not say that a later one passes it
+STRADDLING = 2**24 - 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_queries_that_straddle_float32s_whole_numbers_keep_their_own_keys(name, rng):
+    # Expected, by hand: the last query keeps keys 2 to 4 of a window of 2**24 (key 1 too if
+    # its position rounded to 2**24) and none in a chunk of 2**24 + 1 (every key if it did)
+    position, key = STRADDLING + np.arange(Q)[:, None], np.arange(K)[None, :]
+    for option, hand in (
+        ({"sliding_window": 2**24}, np.abs(position - key) < 2**24),
+        ({"attention_chunk_size": 2**24 + 1}, position // (2**24 + 1) == key // (2**24 + 1)),
+    ):
+        assert hand[-1].sum() in (0, 3)  # the rounded position would keep 4 or 5
+        config = {"num_hiddens": 4, "num_heads": 2, **option}
+        output, by_hand, expected = _numbers(
+            name, "MultiHeadAttention", config, rng, alignment=STRADDLING, hand=hand
+        )
+        np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(output, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_functions_window_keeps_its_keys_where_queries_straddle_2_to_the_24(name, rng):
+    # Expected: query i, at STRADDLING + i, keeps keys p - (2**24 - 1) <= j <= p, by hand:
+    # keys 2 to 4 for the last (1 to 4 had its position rounded to 2**24)
+    module = backend_module(name)
+    position, key = STRADDLING + np.arange(Q)[:, None], np.arange(K)[None, :]
+    hand = (position - key <= 2**24 - 1) & (key <= position)
+    assert hand[-1].tolist() == [False, False, True, True, True]
+    query, key_, value = (rng.standard_normal((2, 2, n, 4)).astype(np.float32) for n in (Q, K, K))
+    tensors = [module.from_numpy(x) for x in (query, key_, value)]
+    window = (2**24 - 1, 0)
+    output = module.to_numpy(
+        module.dot_product_attention(*tensors, window=window, alignment=STRADDLING)
+    )
+    by_hand = module.to_numpy(module.dot_product_attention(*tensors, mask=module.from_numpy(hand)))
+    np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_the_default_is_top_left_and_after_the_cache(name, rng):
     module = backend_module(name)

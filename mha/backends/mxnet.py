@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import threading
 from typing import Any, NamedTuple
 
@@ -169,6 +168,8 @@ class _Call(NamedTuple):
     # That position follows the call's sizes (alignment="bottom_right": K - Q), which an
     # exported graph would hold as this call's (see Layer.export)
     sized_position: bool = False
+    # A position of the masks passes float32's whole numbers: they are counted in float64
+    far_positions: bool = False
     segments: bool = False  # segment_ids are given: graph inputs of query and key ids
     # Autograd records the call: masks take the forms whose backward is cheap (see _softmax)
     recording: bool = False
@@ -190,14 +191,24 @@ def _first_position(alignment, num_queries: int, num_keys: int) -> dict[str, Any
     if alignment is None:
         return {"first_position": None}
     first = function_checks.layer_first_position(alignment, num_queries, num_keys)
-    return {"first_position": first, "sized_position": alignment == "bottom_right"}
+    return {"first_position": first, "sized_position": alignment == "bottom_right",
+            "far_positions": _far(first, num_queries, num_keys)}
+
+
+def _far(first: int, num_queries: int, num_keys: int, reach: int = 0) -> bool:
+    """Whether a position of a call's masks passes float32's whole numbers (2**24): its
+    queries' (first, ..., first + num_queries - 1, shifted by up to `reach`, a window's
+    side) or its keys'. Any of them, not the first alone: the queries may straddle it."""
+    last = first + num_queries - 1
+    return max(abs(first) + reach, abs(last) + reach, num_keys - 1) >= 2**24
 
 
 def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, window_mask=None,
                     head_mask=None, need_weights=True, attn_bias=None,
                     empty_rows="zeros", sliding_window=None, cache=None, offset=0,
                     sinks=False, first_position=None, segment_ids=None,
-                    attention_chunk_size=None, sized_position=False, rows_kept=False) -> _Call:
+                    attention_chunk_size=None, sized_position=False, rows_kept=False,
+                    far_positions=False) -> _Call:
     return _Call(
         dtype=dtype,
         d=d,
@@ -217,6 +228,7 @@ def _call_structure(dtype, d=None, valid_lens=None, mask=None, causal=False, win
         sinks=sinks,
         first_position=first_position,
         sized_position=sized_position,
+        far_positions=far_positions,
         segments=segment_ids is not None,
         recording=mx.autograd.is_recording(),
         rows_kept=rows_kept,
@@ -474,9 +486,8 @@ class _Masks(Masks):
 
     @functools.cached_property
     def position_dtype(self):
-        # float64 where an offset passes float32's whole numbers (2**24)
-        far = isinstance(self.offset, numbers.Integral) and abs(self.offset) >= 2**24
-        return "float64" if far else _position_dtype(self.call.dtype)
+        # float64 where a position passes float32's whole numbers (2**24; _far)
+        return "float64" if self.call.far_positions else _position_dtype(self.call.dtype)
 
     def counted(self, positions):
         # positions, made by _positions, in position_dtype
@@ -768,9 +779,11 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, window, mask, bias,
                                       segment_ids)
+    sides = function_checks.window_sides(window) or ()
+    far = _far(offset, num_queries, num_keys, max((side or 0 for side in sides), default=0))
     call = _call_structure(dtype, d=query.shape[-1], valid_lens=valid_lens,
                            need_weights=return_weights, empty_rows=empty_rows,
-                           rows_kept=rows_kept)
+                           rows_kept=rows_kept, far_positions=far)
     masks = _Masks(F, query, key, call, offset=offset)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
