@@ -42,7 +42,16 @@ from typing import Any
 
 import numpy as np
 
-from mha.bench_frameworks import BENCHES, DTYPES, PASSES, ROOFLINE, ROOFLINE_SIZE, Bench, Config
+from mha.bench_frameworks import (
+    BENCHES,
+    DTYPES,
+    NO_CACHE,
+    PASSES,
+    ROOFLINE,
+    ROOFLINE_SIZE,
+    Bench,
+    Config,
+)
 from mha.registry import BACKENDS, BackendUnavailableError, select_backends
 
 __all__ = ["BENCHES", "SHAPES", "Bench", "Config", "Result", "markdown_table", "run"]
@@ -321,15 +330,18 @@ def markdown_table(results: Sequence[Result]) -> str:
 
 
 def summary(results: Sequence[Result]) -> list[str]:
-    """Per backend, its range of ratios; then every row above BAR (numpy's aside), where the
-    rows ran enough rounds for a verdict."""
+    """Per backend, its range of ratios against layers doing mha's work (a layer without a
+    cache aside); then every row above BAR (numpy's aside), where the rows ran enough rounds
+    for a verdict."""
     lines = []
     for backend in dict.fromkeys(r.backend for r in results):
-        ratios = [r.ratio for r in results if r.backend == backend]
+        rows = [r for r in results if r.backend == backend]
+        ratios = [r.ratio for r in rows if r.builtin != NO_CACHE] or [r.ratio for r in rows]
         against = "the roofline" if backend == "numpy" else "the built-ins"
+        aside = len(rows) - len(ratios)
         lines.append(
-            f"{backend}: {len(ratios)} rows, ratio to {against} {min(ratios):.3f} to "
-            f"{max(ratios):.3f}"
+            f"{backend}: {len(rows)} rows, ratio to {against} {min(ratios):.3f} to "
+            f"{max(ratios):.3f}" + (f" ({aside} against {NO_CACHE} aside)" if aside else "")
         )
     fewest = min((r.rounds for r in results), default=0)
     if fewest < Budget.min_rounds:  # --quick: 3 rounds time one call each, noise included
@@ -471,6 +483,7 @@ def execute(arguments, out, err, progress=None) -> int:
     if arguments.seconds is not None:
         budget.seconds = arguments.seconds
     chosen = {"yes": (True,), "no": (False,), "true": (True,), "false": (False,)}
+    lead = "\r\x1b[K" if err.isatty() else ""
     results, facts = run(
         names,
         shapes,
@@ -482,7 +495,8 @@ def execute(arguments, out, err, progress=None) -> int:
         need_weights=chosen.get(arguments.need_weights, (True, False)),
         passes=PASSES if arguments.pass_ is None else (arguments.pass_,),
         modes=None if arguments.mode is None else (arguments.mode,),
-        on_row=lambda row: print(f"  {_row_line(row)}", file=err, flush=True),
+        # On a terminal the row replaces the progress line, which the next step writes again
+        on_row=lambda row: print(f"{lead}  {_row_line(row)}", file=err, flush=True),
     )
     facts["budget"] = dataclasses.asdict(budget)
     document = {"machine": facts, "results": [r.as_dict() for r in results], "skipped": skipped}

@@ -68,6 +68,25 @@ def test_a_quick_run_prints_a_markdown_table_a_summary_and_progress():
     assert len(measured) == 4 and all("TFLOP/s" in line for line in measured)
 
 
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_each_row_replaces_the_progress_line():
+    # The progress line is rewritten in place without a newline: a row printed after it
+    # erases it first, so that no row is glued onto "[k/n] ..."
+    out, err = io.StringIO(), _Terminal()
+    assert cli.main(["bench", "--quick", "--backends", "numpy"], out=out, err=err) == 0
+    lines = err.getvalue().split("\n")
+    rows = [line for line in lines if "against matmul roofline: " in line]
+    assert len(rows) == 4
+    for line in rows:
+        # What the terminal shows is the text after the last erase: the row alone
+        shown = line.split("\r\x1b[K")[-1]
+        assert shown.startswith("  numpy reference ")
+
+
 @pytest.mark.slow
 def test_every_installed_backend_gives_rows_with_ratios_and_intervals(tmp_path):
     path = tmp_path / "bench.json"
@@ -429,6 +448,22 @@ def test_the_summary_gives_each_backend_its_own_range_and_lists_no_roofline_row(
     ]
     assert lines[3] == "rows above 1.10 against a built-in: 1"
     assert len(lines) == 5 and "against torch.nn.MultiheadAttention: 1.200" in lines[4]
+
+
+def test_the_summary_range_leaves_out_the_layer_without_a_cache():
+    # A decoding row against nn.MultiheadAttention, which projects every cached position in
+    # each call, is more work than mha's step: its 0.3 is no measure of mha's speed
+    config = bench.Config(1, 1, 512, 8, valid_lens=False, need_weights=True, cached=512)
+
+    def row(builtin, ratio):
+        return bench.Result("torch", "eager", config, "forward", builtin, 1.0, 1.0, ratio,
+                            (ratio - 0.01, ratio + 0.01), 6)  # fmt: skip
+
+    rows = [row(bench_frameworks.NO_CACHE, 0.3), row("SDPA layer with the cache", 1.04)]
+    assert bench.summary(rows)[0] == (
+        "torch: 2 rows, ratio to the built-ins 1.040 to 1.040 "
+        "(1 against nn.MultiheadAttention (no cache) aside)"
+    )
 
 
 def test_the_interval_is_the_median_confidence_interval_by_ranks():
