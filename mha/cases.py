@@ -207,11 +207,11 @@ def make_inputs(case: Case, shapes: Shapes, dtype: str, seed: int) -> dict[str, 
     """
     draw, masks = _Draws(np.random.default_rng(seed), dtype), set(case.masks)
     sizes = _call_sizes(case, shapes, masks)
-    inputs = _layer_inputs(case, shapes, masks, sizes, draw)
+    inputs = _Inputs(_layer_inputs(case, shapes, masks, sizes, draw))
     inputs.update(_length_inputs(shapes, masks, sizes, draw))
     inputs.update(_keep_masks(shapes, masks, sizes, draw))
     inputs.update(_other_masks(shapes, masks, sizes, draw))
-    return inputs
+    return dict(inputs)
 
 
 @dataclasses.dataclass
@@ -301,22 +301,45 @@ def _function_inputs(case: Case, s: Shapes, sizes: _Sizes, draw: _Draws) -> dict
 
 
 def _length_inputs(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
-    """valid_lens: lengths of 0 (nothing attended), 1, exactly K, and more than K among them."""
+    """valid_lens: lengths of 0 (nothing attended), 1, exactly K, and more than K among them,
+    as many as the batch holds beside one drawn length (1 to K) where it holds fewer than four,
+    so that a small batch's 1-D lengths still attend."""
     K = sizes.num_keys
     extremes = np.array([0, 1, K, K + 3])
     lengths = draw.rng.integers(1, K + 1, size=(s.batch_size, sizes.num_queries))
+    first = lengths[-1, 0]  # drawn
     lengths[:, 0] = np.resize(extremes, s.batch_size)
+    if s.batch_size < extremes.size:
+        lengths[-1, 0] = first
     lengths[0, -1] = K + 3
-    inputs: dict[str, Any] = {}
+    inputs = _Inputs()
     if "valid_lens_1d" in masks:
         inputs["valid_lens"] = lengths[:, 0].copy()
     if "valid_lens_2d" in masks:
         inputs["valid_lens"] = lengths
-    if "valid_lens" in inputs and "lens_float" in masks:
-        inputs["valid_lens"] = inputs["valid_lens"].astype(np.float32)
-    if "valid_lens" in inputs and "lens_int32" in masks:
-        inputs["valid_lens"] = inputs["valid_lens"].astype(np.int32)
+    casts = {"lens_float": np.float32, "lens_int32": np.int32}
+    for name in sorted(masks & casts.keys()):
+        if "valid_lens" in inputs:
+            inputs.replace("valid_lens", inputs["valid_lens"].astype(casts[name]))
     return inputs
+
+
+class _Inputs(dict):
+    """A case's inputs, each given by one of its masks: a second mask giving the same input
+    would replace the first, and the row would name a mask it never ran, so it is an error."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self:
+            raise ValueError(f"two of the case's masks give its {key}: one would be lost")
+        super().__setitem__(key, value)
+
+    def update(self, other: dict[str, Any]) -> None:
+        for key, value in other.items():
+            self[key] = value
+
+    def replace(self, key: str, value: Any) -> None:
+        """The same input, changed (its dtype)."""
+        super().__setitem__(key, value)
 
 
 def _keep_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:
@@ -328,7 +351,7 @@ def _keep_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]
         sizes.num_keys,
         sizes.empty_query,
     )
-    inputs: dict[str, Any] = {}
+    inputs = _Inputs()
     if "mask_1d" in masks:
         inputs["mask"] = draw.keep(K, p=0.6)
         inputs["mask"][0] = True  # never empty: a 1-D mask applies to every row
@@ -359,7 +382,7 @@ def _other_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any
     # Swin style: one window per example b mod num_windows, two windows when the batch allows
     num_windows = 2 if B % 2 == 0 else 1
     rows = None if sizes.empty_query is None else (-1, sizes.empty_query)
-    inputs: dict[str, Any] = {}
+    inputs = _Inputs()
     if "window_mask" in masks:
         # Additive: a bias where attended (a relative position bias), -inf where not
         blocked = ~draw.keep(num_windows, Q, K, p=0.7)

@@ -184,8 +184,44 @@ _CALL_OPTIONS = (
 _LATENT_CALL_OPTIONS = ("mask", "causal", "window_mask", "need_weights", "attn_bias", "absorbed")
 
 
+# The attention function's arguments a case's inputs give, by the inputs' names
+_FUNCTION_ARGUMENTS = {
+    "mask": "mask",
+    "attn_bias": "bias",
+    "causal": "causal",
+    "alignment": "alignment",
+    "valid_lens": "valid_lens",
+    "segment_ids": "segment_ids",
+}
+
+# What each call takes beside its inputs (DIFFERENTIABLE's); the attention layers', the keys
+# and values that self-attention leaves out and their options
+_CALL_TAKES = {
+    "PositionalEncoding": (),
+    "LearnedPositionalEncoding": (),
+    "AddNorm": (),
+    "masked_softmax": ("valid_lens",),
+    "RotaryEmbedding": ("offset",),
+    "MultiHeadLatentAttention": ("valid_lens", *_LATENT_CALL_OPTIONS),
+    "dot_product_attention": ("key", "value", *_FUNCTION_ARGUMENTS),
+}
+
+
+def _check_taken(case: Case, tensors: Mapping[str, Any]) -> None:
+    """Every input and option of `case` is an argument of its call: none is left out, so that
+    no row agrees on a mask or option that never reached a backend."""
+    attention = ("keys", "values", "valid_lens", *_CALL_OPTIONS)
+    takes = {*DIFFERENTIABLE[case.layer], *_CALL_TAKES.get(case.layer, attention)}
+    unused = sorted(set(tensors) - takes)
+    if case.layer == "masked_softmax":
+        unused += sorted(set(case.config) - {"empty_rows"})
+    if unused:
+        raise ValueError(f"case {case.id}: {case.layer}'s call takes no {', '.join(unused)}")
+
+
 def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) -> Any:
     """Call `layer` (or the backend's masked_softmax) on the case's tensors."""
+    _check_taken(case, tensors)
     if case.layer == "masked_softmax":
         options = {key: case.config[key] for key in ("empty_rows",) if key in case.config}
         return module.masked_softmax(tensors["X"], tensors.get("valid_lens"), **options)
@@ -204,17 +240,6 @@ def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) 
     queries = tensors["queries"]
     keys, values = tensors.get("keys", queries), tensors.get("values", queries)
     return layer(queries, keys, values, tensors.get("valid_lens"), **arguments)
-
-
-# The attention function's arguments a case's inputs give, by the inputs' names
-_FUNCTION_ARGUMENTS = {
-    "mask": "mask",
-    "attn_bias": "bias",
-    "causal": "causal",
-    "alignment": "alignment",
-    "valid_lens": "valid_lens",
-    "segment_ids": "segment_ids",
-}
 
 
 def _call_function(module: Any, case: Case, tensors: Mapping[str, Any]) -> Any:

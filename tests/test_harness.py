@@ -222,6 +222,54 @@ def test_all_cases_use_only_known_masks_and_are_distinct():
     assert {mask for case in cases for mask in case.masks} == set(MASKS)
 
 
+def test_valid_lens_hold_every_extreme_and_attend_in_a_small_batch():
+    # Expected: at the default batch of 4 the 1-D lengths are 0, 1, exactly K and more; a
+    # batch too small for all four keeps their first ones and one example that attends to
+    # some of its K = 7 keys, so that no batch's lengths prove zeros alone
+    case = harness.Case("MultiHeadAttention", ("valid_lens_1d",))
+    lengths = harness.make_inputs(case, harness.Shapes(), "float32", 0)["valid_lens"]
+    assert lengths.tolist() == [0, 1, 7, 10]
+    for batch_size in (1, 2, 3):
+        shapes = harness.Shapes(batch_size=batch_size)
+        lengths = harness.make_inputs(case, shapes, "float32", 0)["valid_lens"]
+        assert lengths[:-1].tolist() == [0, 1, 7][: batch_size - 1]
+        assert 1 <= lengths[-1] <= 7
+
+
+@pytest.mark.parametrize(
+    ("masks", "given"),
+    [
+        (("mask_2d", "mask_3d"), "mask"),
+        (("attn_bias", "attn_bias_4d"), "attn_bias"),
+        (("valid_lens_1d", "valid_lens_2d"), "valid_lens"),
+        (("bottom_right", "aligned_2"), "alignment"),
+    ],
+)
+def test_two_masks_that_give_one_input_are_an_error(masks, given):
+    # Expected: one would replace the other, and the row would name a mask it never ran
+    case = harness.Case("MultiHeadAttention", masks)
+    with pytest.raises(ValueError, match=f"give its {given}: one would be lost"):
+        harness.make_inputs(case, harness.Shapes(), "float32", 0)
+
+
+@pytest.mark.parametrize(
+    ("case", "left_out"),
+    [
+        (harness.Case("masked_softmax", ("mask_2d",)), "mask"),
+        (harness.Case("masked_softmax", ("valid_lens_1d",), {"softcap": 5.0}), "softcap"),
+        (harness.Case("dot_product_attention", ("window_mask",)), "window_mask"),
+        (harness.Case("dot_product_attention", ("no_weights",)), "need_weights"),
+        (harness.Case("MultiHeadLatentAttention", ("head_mask",)), "head_mask"),
+        (harness.Case("AddNorm", ("causal",)), "causal"),
+    ],
+)
+def test_an_input_the_call_does_not_take_is_an_error(case, left_out):
+    # Expected: a row whose mask or option never reached the call would agree with the row
+    # without it, and name what it did not run: the harness refuses it
+    with pytest.raises(ValueError, match=f"call takes no {left_out}"):
+        harness.prepare(case, harness.Shapes(), "float32", 0, gradients=False)
+
+
 # Every size `mha compare` accepts up to 12 features: num_hiddens with each of its divisors as
 # num_heads (10/5, 12/3, 6/2, 4/2 and 1/1 among them), beside the default lengths, one example
 # of one query and one key, and more queries than a case's max_len of 9
