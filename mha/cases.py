@@ -35,6 +35,7 @@ from mha.case_tables import (
 from mha.registry import load_backend
 
 __all__ = [
+    "DIFFERENTIABLE",
     "EMPTY_ROWS_AND_BIAS_CASES",
     "GQA",
     "LATENT",
@@ -51,6 +52,7 @@ __all__ = [
     "Case",
     "Shapes",
     "default_cases",
+    "differentiable",
     "fit",
     "make_inputs",
 ]
@@ -282,6 +284,27 @@ def _layer_inputs(case: Case, s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> 
         inputs["values"] = draw.normal(B, K, s.value_size)
     return inputs
 
+
+# The inputs each layer is differentiated with respect to.
+def differentiable(case: Case) -> tuple[str, ...]:
+    """The inputs `case` is differentiated with respect to (self-attention has one)."""
+    if "self" in case.masks:
+        return ("queries",)
+    return DIFFERENTIABLE[case.layer]
+
+
+DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
+    "masked_softmax": ("X",),
+    "PositionalEncoding": ("X",),
+    "RotaryEmbedding": ("X",),
+    "LearnedPositionalEncoding": ("X",),
+    "AddNorm": ("X", "Y"),
+    "DotProductAttention": ("queries", "keys", "values"),
+    "AdditiveAttention": ("queries", "keys", "values"),
+    "MultiHeadAttention": ("queries", "keys", "values"),
+    "MultiHeadLatentAttention": ("X",),
+    "dot_product_attention": ("query", "key", "value"),
+}
 
 # The attention function's config: what sizes its inputs (the others are its options)
 FUNCTION_SIZES = ("num_heads", "num_kv_heads")

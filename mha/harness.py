@@ -24,7 +24,17 @@ from typing import Any
 import numpy as np
 
 from mha import weights as weights_module
-from mha.cases import FUNCTION_SIZES, LATENT_SIZES, Case, Shapes, default_cases, fit, make_inputs
+from mha.cases import (
+    DIFFERENTIABLE,
+    FUNCTION_SIZES,
+    LATENT_SIZES,
+    Case,
+    Shapes,
+    default_cases,
+    differentiable,
+    fit,
+    make_inputs,
+)
 from mha.registry import load_backend, normalize_backend_name
 from mha.weights import random_weights, set_weights
 
@@ -133,27 +143,6 @@ def _config(case: Case, shapes: Shapes, dtype: str) -> dict[str, Any]:
     config.update(case.config)
     return config
 
-
-# The inputs each layer is differentiated with respect to.
-def differentiable(case: Case) -> tuple[str, ...]:
-    """The inputs `case` is differentiated with respect to (self-attention has one)."""
-    if "self" in case.masks:
-        return ("queries",)
-    return DIFFERENTIABLE[case.layer]
-
-
-DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
-    "masked_softmax": ("X",),
-    "PositionalEncoding": ("X",),
-    "RotaryEmbedding": ("X",),
-    "LearnedPositionalEncoding": ("X",),
-    "AddNorm": ("X", "Y"),
-    "DotProductAttention": ("queries", "keys", "values"),
-    "AdditiveAttention": ("queries", "keys", "values"),
-    "MultiHeadAttention": ("queries", "keys", "values"),
-    "MultiHeadLatentAttention": ("X",),
-    "dot_product_attention": ("query", "key", "value"),
-}
 
 # The cases that call a function: no layer, no weights
 FUNCTIONS = ("masked_softmax", "dot_product_attention")
