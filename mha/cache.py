@@ -4,7 +4,9 @@ A decoder generating one position at a time would project and attend the keys an
 every earlier position again at each step. `MultiHeadAttention(..., cache=KVCache())` keeps
 them instead: the call returns (output, cache), the cache now holding this call's keys and
 values after those of the calls before, and the next call continues from it. Its numbers are
-those of full causal attention over the whole sequence. MultiHeadLatentAttention keeps a
+those of full causal attention over the whole sequence (a "dynamic" or "longrope" rope_scaling
+up to its original length only: past it each call's frequencies follow that call's length, and
+cached keys keep theirs, as in transformers). MultiHeadLatentAttention keeps a
 `LatentCache` instead. The checks that a call's cache fits its layer, which mha.validation
 makes, are here too.
 """
