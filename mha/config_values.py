@@ -9,7 +9,15 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["fraction", "head_size", "is_whole", "num_heads", "positive_count", "positive_number"]
+__all__ = [
+    "flag",
+    "fraction",
+    "head_size",
+    "is_whole",
+    "num_heads",
+    "positive_count",
+    "positive_number",
+]
 
 
 def is_whole(value: Any) -> bool:
@@ -18,6 +26,18 @@ def is_whole(value: Any) -> bool:
     if isinstance(value, numbers.Integral):
         return True
     return isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer()
+
+
+def flag(config: Mapping[str, Any], field: str, default: bool = False) -> bool:
+    """A true-or-false field of the config: `default` where it is absent, false where it is
+    null (as transformers' `if config.field:` reads it), or an error naming the field: a
+    "false" string or a 0 read as a flag would turn an option on or off silently."""
+    value = config.get(field, default)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"the config's {field}={value!r} is not true or false")
+    return value
 
 
 def positive_count(field: str, value: Any) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mha.config_values import is_whole
+from mha.config_values import flag, is_whole
 
 __all__ = ["last_layer", "layer_kind", "rotates", "uses_window"]
 
@@ -109,7 +109,7 @@ def rotates(config: Mapping[str, Any], layer: int | None) -> bool | None:
 def uses_window(config: Mapping[str, Any]) -> bool:
     """Whether the config's window applies (to the layers of the sliding kind), as its
     use_sliding_window says (transformers' default of it filled in: mha.config_defaults)."""
-    return bool(config.get("use_sliding_window", True))
+    return flag(config, "use_sliding_window", True)
 
 
 def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:

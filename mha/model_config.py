@@ -15,7 +15,7 @@ from typing import Any
 
 from mha.config_defaults import with_aliases, with_defaults
 from mha.config_fields import without_unread
-from mha.config_values import head_size, num_heads, positive_count, positive_number
+from mha.config_values import flag, head_size, num_heads, positive_count, positive_number
 from mha.encoding import check_query_scaling
 from mha.files import parse_json, read_bytes
 from mha.layer_kinds import layer_kind, uses_window
@@ -321,7 +321,7 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"the config's attention_chunk_size={chunk!r} is not a size")
         found["attention_chunk_size"] = chunk
-    if rotary and config.get("use_qk_norm", True):
+    if rotary and flag(config, "use_qk_norm", True):
         found.update(qk_norm="head_after_rotary", weightless_qk_norm=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-5))
     if not rotary and config.get("attn_temperature_tuning", True):
@@ -346,7 +346,7 @@ def _gemma4_options(config: Mapping[str, Any], kind: str | None, layer: int | No
     their last num_kv_shared_layers layers' keys and values those of the last earlier layer of
     their kind (keys_values_of, a port option)."""
     found: dict[str, Any] = {"value_norm": True, "scale": 1.0}
-    if config.get("attention_k_eq_v") and kind == "full_attention":
+    if flag(config, "attention_k_eq_v") and kind == "full_attention":
         found["values_from_keys"] = True
     shared, count = config.get("num_kv_shared_layers") or 0, _num_layers(config)
     if not shared:
@@ -468,7 +468,7 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
                 "size, which it does not tell (head_dim, hidden_size)"
             )
         scale = None if head is None else head**-0.5 * multiplier
-    if config.get("scale_attn_weights") is False:  # GPT-2
+    if not flag(config, "scale_attn_weights", True):  # GPT-2
         scale = 1.0
     if (config.get("attn_config") or {}).get("softmax_scale") is not None:  # MPT
         scale = positive_number("softmax_scale", config["attn_config"]["softmax_scale"])
@@ -482,7 +482,7 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
                 "which it does not tell (head_dim, hidden_size)"
             )
         scale = factor * head**-0.5
-    if config.get("scale_attn_by_inverse_layer_idx"):
+    if flag(config, "scale_attn_by_inverse_layer_idx"):
         if layer is None or (scale is None and head is None):
             raise ValueError(
                 "the config's scale_attn_by_inverse_layer_idx=True scales each layer's scores "

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mha.config_values import flag
+
 __all__ = ["LAYER_NORM_PER_HEAD", "QK_NORM_ALWAYS", "QK_NORM_FIELD", "qk_norm_options"]
 
 # Model types whose attention normalizes queries and keys (RMSNorm, scaled by the weights
@@ -99,12 +101,13 @@ def qk_norm_options(config: Mapping[str, Any]) -> dict[str, Any]:
     """The QK-norm of the config's model type: qk_norm, qk_norm_eps, and the port options
     qk_norm_offset (Gemma's norms) and weightless_qk_norm (Muse Glimmer's); {} for none."""
     model_type, found = config.get("model_type"), {}
-    asked = model_type in QK_NORM_FIELD and config.get("use_qk_norm", QK_NORM_FIELD[model_type])
+    asked = model_type in QK_NORM_FIELD and flag(config, "use_qk_norm", QK_NORM_FIELD[model_type])
     if model_type in _QK_NORM or asked:  # RMSNorms of queries and keys, scaled by their weights
         found["qk_norm"] = _qk_norm_kind(config)
         field, default = _EPS_FIELD.get(model_type, ("rms_norm_eps", 1e-6))
         found["qk_norm_eps"] = float(config.get(field, default))
-    if config.get(LAYER_NORM_PER_HEAD.get(model_type, "")):  # a layer norm of each head
+    per_head = model_type in LAYER_NORM_PER_HEAD and flag(config, LAYER_NORM_PER_HEAD[model_type])
+    if per_head:  # a layer norm of each head
         found["qk_norm"] = "layer_norm_per_head"
         found["qk_norm_eps"] = float(config.get("layer_norm_eps", 1e-5))
     if model_type in _QK_NORM_OFFSET:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_KIND, DEFAULT_THETA
-from mha.config_values import fraction, positive_count, positive_number
+from mha.config_values import flag, fraction, positive_count, positive_number
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 from mha.layer_kinds import last_layer, rotates
 from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
@@ -132,7 +132,7 @@ def rotary_options(
         return {}
     convention = ROTARY[model_type]
     if convention == "rope_interleave":  # DeepSeek-V3, Kimi K2
-        convention = "pairs" if config.get("rope_interleave", True) else "half"
+        convention = "pairs" if flag(config, "rope_interleave", True) else "half"
     return {**rotary, "rope_interleaved": True} if convention == "pairs" else rotary
 
 

@@ -1271,6 +1271,37 @@ def test_config_fields_mha_cannot_represent_are_refused(config, message):
         porting.options_from_config(config)
 
 
+_GPT2 = {"model_type": "gpt2", "n_head": 4, "n_embd": 16}
+_HEADS = {"num_attention_heads": 4, "hidden_size": 16}
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({**_GPT2, "scale_attn_weights": "false"}, "scale_attn_weights"),
+        ({**_GPT2, "scale_attn_by_inverse_layer_idx": 0}, "scale_attn_by_inverse_layer_idx"),
+        (
+            {**_HEADS, "model_type": "qwen2", "sliding_window": 4, "use_sliding_window": "no"},
+            "use_sliding_window",
+        ),
+        ({**_HEADS, "model_type": "glm4_moe", "use_qk_norm": "false"}, "use_qk_norm"),
+        ({**_HEADS, "model_type": "stablelm", "qk_layernorm": 1}, "qk_layernorm"),
+    ],
+)
+def test_a_flag_that_is_not_true_or_false_is_refused(config, field):
+    # "false" as a string is true to Python: read as a flag it would turn the option on
+    with pytest.raises(ValueError, match=f"the config's {field}=.* is not true or false"):
+        porting.options_from_config(config)
+
+
+def test_a_null_flag_reads_as_false_as_transformers_reads_it():
+    # GPT-2's attention scales its scores `if config.scale_attn_weights`: null leaves them
+    # unscaled, as false does; absent, the default (true) scales them by 1 / sqrt(head size)
+    assert porting.options_from_config({**_GPT2, "scale_attn_weights": None})["scale"] == 1.0
+    assert porting.options_from_config({**_GPT2, "scale_attn_weights": False})["scale"] == 1.0
+    assert "scale" not in porting.options_from_config(_GPT2)
+
+
 def test_lfm3s_gate_of_each_head_ports_as_output_gate():
     # LFM3's g_proj gives each head one gate, sigmoid(x @ g_h), for all of the head's features:
     # output_gate's W_g with each head's row for every feature of the head
