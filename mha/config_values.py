@@ -1,6 +1,6 @@
-"""A config's numbers, checked where they are read: a count, a size or a scalar that is not
-one is an error naming the field, never rounded or passed on to fail elsewhere; and the
-number and size of its heads, under the names configs give them."""
+"""A config's numbers and flags, checked where they are read: a count, a size, a scalar or a
+flag that is not one is an error naming the field, never rounded or passed on to fail
+elsewhere; and the number and size of its heads, under the names configs give them."""
 
 from __future__ import annotations
 
