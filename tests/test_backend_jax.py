@@ -708,20 +708,55 @@ def test_a_lazy_layer_first_called_under_jax_jit_is_a_clear_error(J, jax):
     assert jax.jit(lambda q: layer(q, k, v))(q).shape == (B, Q, D)
 
 
-def test_float32_products_run_at_full_precision_unless_jax_is_told_otherwise(J, jax):
+def _products(jax, call, *arrays):
+    """The lines of call's lowered program that multiply matrices."""
+    text = jax.jit(call).lower(*arrays).as_text()
+    return [line for line in text.splitlines() if "dot_general" in line]
+
+
+# Every call that multiplies matrices
+PRODUCT_CALLS = (
+    "MultiHeadAttention",
+    "DotProductAttention",
+    "AdditiveAttention",
+    "latent_expanded",
+    "latent_absorbed",
+    "dot_product_attention",
+)
+
+
+@pytest.mark.parametrize("kind", PRODUCT_CALLS)
+def test_float32_products_run_at_full_precision_unless_jax_is_told_otherwise(J, jax, kind):
     # A CPU computes float32 exactly anyway: the lowered program shows the policy, which keeps
-    # XLA's TF32 default on GPUs away
+    # XLA's TF32 default on GPUs away, in every call that multiplies matrices
+    latent = {"kv_lora_rank": 8, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 4}
+    calls = {
+        "MultiHeadAttention": lambda q: J.MultiHeadAttention(
+            D, H, query_size=D, key_size=D, value_size=D
+        )(q, q, q),
+        "DotProductAttention": lambda q: J.DotProductAttention()(q, q, q),
+        "AdditiveAttention": lambda q: J.AdditiveAttention(D, query_size=D, key_size=D)(q, q, q),
+        "latent_expanded": lambda q: J.MultiHeadLatentAttention(D, H, **latent)(q),
+        "latent_absorbed": lambda q: J.MultiHeadLatentAttention(D, H, **latent)(q, absorbed=True),
+        "dot_product_attention": lambda q: J.dot_product_attention(q, q, q),
+    }
+    shape = (B, H, Q, D) if kind == "dot_product_attention" else (B, Q, D)
+    q = J.from_numpy(np.ones(shape, "float32"))
+    products = _products(jax, calls[kind], q)
+    assert products, kind
+    assert all("precision = [HIGHEST, HIGHEST]" in line for line in products), kind
+    # The user's own precision is taken instead, in every product
+    with jax.default_matmul_precision("tensorfloat32"):
+        chosen = _products(jax, calls[kind], q)
+    assert len(chosen) == len(products)
+    assert not any("HIGHEST" in line for line in chosen), kind
+
+
+def test_the_layer_makes_six_products(J, jax):
+    # Four projections, the scores, and the weights times values: none escapes the rule above
     layer = J.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
     q = J.from_numpy(np.ones((B, Q, D), "float32"))
-    f = lambda q: layer(q, q, q)  # noqa: E731
-    products = [
-        line for line in jax.jit(f).lower(q).as_text().splitlines() if "dot_general" in line
-    ]
-    assert len(products) == 6  # four projections, the scores, and the weights times values
-    assert all("precision = [HIGHEST, HIGHEST]" in line for line in products)
-    with jax.default_matmul_precision("tensorfloat32"):
-        chosen = jax.jit(f).lower(q).as_text()
-    assert "HIGHEST" not in chosen
+    assert len(_products(jax, lambda q: layer(q, q, q), q)) == 6
 
 
 def test_a_traced_fractional_length_keeps_the_keys_below_it(J, jax):

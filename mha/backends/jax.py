@@ -137,12 +137,17 @@ def _checked_dtype(dtype: str) -> str:
     return dtype
 
 
-def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b in full float32 precision on every device, as the reference computes: XLA's own
-    default on a GPU is TF32. A precision the user sets with JAX's
-    `jax.default_matmul_precision` (or its config option) is taken instead."""
+def _precision() -> jax.lax.Precision | None:
+    """Full float32 precision on every device, as the reference computes: XLA's own default
+    on a GPU is TF32. A precision the user sets with JAX's `jax.default_matmul_precision`
+    (or its config option) is taken instead: None leaves the product to it."""
     chosen = jax.config.jax_default_matmul_precision
-    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST if chosen is None else None)
+    return jax.lax.Precision.HIGHEST if chosen is None else None
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b at the layers' precision (_precision)."""
+    return jnp.matmul(a, b, precision=_precision())
 
 
 def _set_if_allowed(module: nnx.Module, name: str, value: Any) -> bool:
@@ -1013,7 +1018,7 @@ class MultiHeadLatentAttention(nnx.Module):
         W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
         absorbed = jnp.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk,
-                              precision=jax.lax.Precision.HIGHEST)
+                              precision=_precision())
         queries = jnp.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = jnp.concatenate([latent[:, None], rotary_keys], axis=-1)
         output, weights, _ = _attention(
@@ -1022,7 +1027,7 @@ class MultiHeadLatentAttention(nnx.Module):
         )
         _set_if_allowed(self, "attention_weights", weights)
         # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
-        return jnp.einsum("bhqr,rhv->bhqv", output, W_uv, precision=jax.lax.Precision.HIGHEST)
+        return jnp.einsum("bhqr,rhv->bhqv", output, W_uv, precision=_precision())
 
     def project_queries(self, X, offset=0):
         """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
