@@ -99,6 +99,29 @@ def test_float_valid_lens_keep_their_precision(TF):
     assert weights[0, 0, 3000] > 0 and weights[0, 0, 3001] == 0
 
 
+def test_no_value_is_read_from_a_tensor_on_a_gpu(TF, tf):
+    # A read of a GPU tensor's values waits for the device: the lengths' value check and the
+    # search for rows with no key skip it there, as in graphs. A stand-in for a GPU tensor
+    # (there is none on the CPU) fails the test if anything reads it
+    from tensorflow.python.types import core
+
+    class OnAGpu(core.Tensor):
+        device = "/job:localhost/replica:0/task:0/device:GPU:0"
+
+        def __array__(self, *args, **kwargs):
+            raise AssertionError("a value of a GPU tensor was read")
+
+        numpy = __array__
+
+    assert TF._check_valid_lens_values(OnAGpu()) is None
+    assert TF._may_have_empty_rows(OnAGpu())
+    # On the CPU both read: a negative length is refused, and a mask keeping a key in every
+    # row has no empty row
+    with pytest.raises(ValueError, match="non-negative"):
+        TF._check_valid_lens_values(tf.constant([2, -1]))
+    assert not TF._may_have_empty_rows(tf.constant([[True], [True]]))
+
+
 def test_float16_matches_reference(TF):
     numpy_layer, tf_layer = make_pair(TF, "MultiHeadAttention", "float16")
     queries, keys, values = inputs("float16")

@@ -219,12 +219,21 @@ class HeadLayerNorm(Layer):
 _TENSOR_TYPES = (tf.Tensor, tf.Variable, keras.Variable, keras.KerasTensor, np.ndarray)
 
 
+def _on_a_device(x) -> bool:
+    """Whether x is a tensor on a device other than the CPU, whose values a read would wait
+    for the device to compute."""
+    return tf.is_tensor(x) and "CPU" not in x.device.upper()
+
+
 def _check_valid_lens_values(valid_lens) -> None:
     # The one check that needs values: non-negative whole numbers. Values exist only when
-    # executing eagerly; in tf.function graphs and functional models they are symbolic.
+    # executing eagerly; in tf.function graphs and functional models they are symbolic. On a
+    # GPU it is skipped, as in graphs: no call waits for the device
     if valid_lens is None or not tf.executing_eagerly():
         return
     if isinstance(valid_lens, keras.KerasTensor) or tf.is_symbolic_tensor(valid_lens):
+        return
+    if _on_a_device(valid_lens):
         return
     validation.check_valid_lens_values(np.asarray(tf.convert_to_tensor(valid_lens)))
 
@@ -366,7 +375,7 @@ def _may_have_empty_rows(attended: tf.Tensor) -> bool:
     # Zeroing the rows with no kept key, a pass over the weights, changes none when none is
     return (
         not tf.executing_eagerly()  # a graph: no values to read
-        or "CPU" not in attended.device  # on a device, a read would wait for it
+        or _on_a_device(attended)  # a read would wait for the device
         or not bool(tf.reduce_all(attended))  # one read of a small tensor
     )
 
