@@ -207,8 +207,7 @@ _BOTH_WAYS = frozenset({"gemma3_text"})
 
 def _both_ways(config: Mapping[str, Any]) -> bool:
     """Whether the config's layers attend both ways (their ports are called without causal)."""
-    both = config.get("use_bidirectional_attention")
-    return config.get("model_type") in _BOTH_WAYS and bool(both)
+    return config.get("model_type") in _BOTH_WAYS and flag(config, "use_bidirectional_attention")
 
 
 def _num_layers(config: Mapping[str, Any]) -> int | None:
@@ -294,7 +293,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     found.update(qk_norm_options(config))
     if model_type in _OUTPUT_GATE:  # a port option: the query projection holds the gate
         found["output_gate"] = True
-    if model_type in _HEAD_GATE and config.get(_HEAD_GATE[model_type], True):
+    if model_type in _HEAD_GATE and flag(config, _HEAD_GATE[model_type], True):
         found["output_gate"] = True  # LFM3: g_proj, one gate per head
     if model_type in _ALIBI_MODEL_TYPES:  # BLOOM, MPT
         found["alibi"] = True
@@ -324,7 +323,7 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
     if rotary and flag(config, "use_qk_norm", True):
         found.update(qk_norm="head_after_rotary", weightless_qk_norm=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-5))
-    if not rotary and config.get("attn_temperature_tuning", True):
+    if not rotary and flag(config, "attn_temperature_tuning", True):
         beta, length = config.get("attn_scale", 0.1), config.get("floor_scale", 8192)
         scaling = {"beta": beta, "original_max_position_embeddings": length, "position_offset": 1}
         try:

@@ -1286,6 +1286,15 @@ _HEADS = {"num_attention_heads": 4, "hidden_size": 16}
         ),
         ({**_HEADS, "model_type": "glm4_moe", "use_qk_norm": "false"}, "use_qk_norm"),
         ({**_HEADS, "model_type": "stablelm", "qk_layernorm": 1}, "qk_layernorm"),
+        (
+            {**_HEADS, "model_type": "gemma3_text", "use_bidirectional_attention": "false"},
+            "use_bidirectional_attention",
+        ),
+        (
+            {**_HEADS, "model_type": "lfm3", "layer_types": ["full_attention"]}
+            | {"use_attention_gate": "false"},
+            "use_attention_gate",
+        ),
     ],
 )
 def test_a_flag_that_is_not_true_or_false_is_refused(config, field):
@@ -1444,6 +1453,16 @@ def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
         porting.options_from_config({**SCOUT, "attention_chunk_size": 0}, 0)
     with pytest.raises(ValueError, match="'chunked_attention' \\(layer_types,"):
         porting.options_from_config({"layer_types": ["chunked_attention"]}, 0)
+
+
+def test_llama4s_temperature_tuning_is_a_flag():
+    # "false" is true to Python: read so it would scale the queries of Llama 4's layers
+    # without a rotary embedding
+    with pytest.raises(ValueError, match="attn_temperature_tuning='false' is not true or false"):
+        porting.options_from_config({**SCOUT, "attn_temperature_tuning": "false"}, 3)
+    assert porting.options_from_config({**SCOUT, "attn_temperature_tuning": None}, 3) == {
+        "num_heads": 40
+    }
 
 
 def test_fields_transformers_does_not_read_leave_the_port_as_it_reads_them():
