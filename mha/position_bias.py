@@ -25,6 +25,7 @@ def t5_position_bias(
     bidirectional: bool = True,
     num_buckets: int = 32,
     max_distance: int = 128,
+    first_query: int | None = None,
 ) -> np.ndarray:
     """T5's relative position bias, the `attn_bias` of T5 attention ported to mha.
 
@@ -39,13 +40,24 @@ def t5_position_bias(
         num_queries, num_keys: the call's lengths.
         bidirectional, num_buckets, max_distance: T5's config (`is_decoder` is not
             bidirectional; `relative_attention_num_buckets`, `relative_attention_max_distance`).
+        first_query: the position of the first query among the keys' 0, 1, ...: by default
+            the queries are the last num_queries positions, as T5 places them under a cache
+            (`past_seen_tokens`: a decoding step's one query is the last key's position).
 
     Returns:
         (1, num_heads, num_queries, num_keys), in the embedding's dtype.
     """
     embedding = as_numpy(embedding)
+    first_query = _first_query(num_queries, num_keys, first_query)
+    if embedding.ndim != 2 or embedding.shape[0] != num_buckets:
+        raise ValueError(
+            f"embedding must be (num_buckets, num_heads) = ({num_buckets}, num_heads): give "
+            "num_buckets as the config's relative_attention_num_buckets. Received: embedding "
+            f"of shape {embedding.shape}"
+        )
     # Distance from query i to key j: j - i, negative for keys before the query
-    relative = np.arange(num_keys)[None, :] - np.arange(num_queries)[:, None]
+    queries = np.arange(first_query, first_query + num_queries)
+    relative = np.arange(num_keys)[None, :] - queries[:, None]
     buckets = np.zeros_like(relative)
     if bidirectional:
         num_buckets //= 2
@@ -63,6 +75,24 @@ def t5_position_bias(
     buckets += np.where(relative < max_exact, relative, large)
     # (Q, K, num_heads) -> (1, num_heads, Q, K)
     return np.ascontiguousarray(embedding[buckets].transpose(2, 0, 1)[None])
+
+
+def _first_query(num_queries: Any, num_keys: Any, first_query: Any) -> int:
+    """The first query's position: first_query, a whole number >= 0, or by default num_keys -
+    num_queries (the queries last); num_queries and num_keys positive integers."""
+    _check_positive(num_queries=num_queries, num_keys=num_keys)
+    if first_query is None:
+        if num_keys < num_queries:
+            raise ValueError(
+                f"with more queries ({num_queries}) than keys ({num_keys}) the queries are not "
+                "the last positions: give first_query, the first query's position"
+            )
+        return num_keys - num_queries
+    if isinstance(first_query, bool) or not isinstance(first_query, int) or first_query < 0:
+        raise ValueError(
+            f"first_query must be an integer >= 0. Received: first_query={first_query!r}"
+        )
+    return first_query
 
 
 def alibi_bias(
@@ -90,9 +120,7 @@ def alibi_bias(
         layer's (an attn_bias has the layer's dtype).
     """
     dtype = validation.check_dtype(dtype)
-    for name, value in [("num_heads", num_heads), ("num_queries", num_queries)]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+    _check_positive(num_heads=num_heads, num_queries=num_queries)
     if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < num_queries:
         raise ValueError(
             f"num_keys must be an integer >= num_queries ({num_queries}). Received: "
@@ -103,3 +131,10 @@ def alibi_bias(
     queries = np.arange(num_keys - num_queries, num_keys)
     relative = np.arange(num_keys)[None, :] - queries[:, None]
     return (slopes[:, None, None] * relative)[None].astype(dtype)
+
+
+def _check_positive(**sizes: Any) -> None:
+    """Each size a positive integer, or an error naming it."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")

@@ -271,17 +271,65 @@ def test_t5_position_bias_buckets_distances_as_t5_does(bidirectional):
         is_decoder=not bidirectional,
     )
     attention = T5Attention(config, has_relative_attention_bias=True).double()
-    with torch.no_grad():
-        expected = attention.compute_bias(30, 37).numpy()
-    bias = porting.t5_position_bias(
-        attention.relative_attention_bias.weight,
-        30,
-        37,
-        bidirectional=bidirectional,
-        num_buckets=8,
-        max_distance=20,
+    table = attention.relative_attention_bias.weight
+    buckets = {"bidirectional": bidirectional, "num_buckets": 8, "max_distance": 20}
+    for first_query in (0, 3):
+        with torch.no_grad():
+            expected = attention.compute_bias(30, 37, past_seen_tokens=first_query).numpy()
+        bias = porting.t5_position_bias(table, 30, 37, **buckets, first_query=first_query)
+        np.testing.assert_array_equal(bias, expected)
+
+
+@pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
+def test_t5_position_bias_places_the_queries_last_as_t5_does_under_a_cache(bidirectional):
+    # T5 puts a call's queries after the cached positions (past_seen_tokens): a decoding
+    # step's one query is the last key's position, not the first
+    T = transformers()
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    config = T.T5Config(d_model=16, d_kv=4, num_heads=4, is_decoder=not bidirectional)
+    attention = T5Attention(config, has_relative_attention_bias=True).double()
+    table = attention.relative_attention_bias.weight
+    for num_queries, num_keys in [(1, 1), (1, 40), (4, 300), (6, 6)]:
+        with torch.no_grad():
+            cached = num_keys - num_queries
+            expected = attention.compute_bias(num_queries, num_keys, past_seen_tokens=cached)
+        bias = porting.t5_position_bias(table, num_queries, num_keys, bidirectional=bidirectional)
+        np.testing.assert_array_equal(bias, expected.numpy())
+
+
+def test_t5_decoding_with_a_cache_gives_the_full_calls_numbers():
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((32, 4))
+    x = rng.standard_normal((2, 9, 16))
+    layer = backend_module("numpy").MultiHeadAttention(
+        16, 4, scale=1.0, query_size=16, key_size=16, value_size=16, dtype="float64"
     )
-    np.testing.assert_array_equal(bias, expected)
+    decoder = {"bidirectional": False}
+    full = layer(x, x, x, causal=True, attn_bias=porting.t5_position_bias(table, 9, 9, **decoder))
+    cache, steps = mha.KVCache(), []
+    for n in range(9):
+        step = x[:, n : n + 1]
+        bias = porting.t5_position_bias(table, 1, n + 1, **decoder)
+        output, cache = layer(step, step, step, causal=True, cache=cache, attn_bias=bias)
+        steps.append(output)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # A table of 64 buckets read as 32 would put distances in the wrong buckets
+        (lambda table: porting.t5_position_bias(np.zeros((64, 4)), 3, 3), "num_buckets"),
+        (lambda table: porting.t5_position_bias(table, 4, 3), "give first_query"),
+        (lambda table: porting.t5_position_bias(table, 3, 3, first_query=-1), "first_query"),
+        (lambda table: porting.t5_position_bias(table, 0, 3), "num_queries"),
+        (lambda table: porting.t5_position_bias(table, 3, 2.0), "num_keys"),
+    ],
+)
+def test_t5_position_bias_refuses_what_would_misplace_a_bucket(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(np.zeros((32, 4)))
 
 
 class TimmAttention(torch.nn.Module):
