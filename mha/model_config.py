@@ -15,7 +15,14 @@ from typing import Any
 
 from mha.config_defaults import with_aliases, with_defaults
 from mha.config_fields import without_unread
-from mha.config_values import flag, head_size, num_heads, positive_count, positive_number
+from mha.config_values import (
+    flag,
+    head_size,
+    is_whole,
+    num_heads,
+    positive_count,
+    positive_number,
+)
 from mha.encoding import check_query_scaling
 from mha.files import parse_json, read_bytes
 from mha.layer_kinds import layer_kind, uses_window
@@ -218,8 +225,9 @@ def _num_layers(config: Mapping[str, Any]) -> int | None:
                 raise ValueError(f"the config's {key} is not a list: {config[key]!r}")
             return len(config[key]) or None
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(config.get(key), int) and 0 < config[key] <= _MAX_LAYERS:
-            return config[key]
+        value = config.get(key)
+        if not isinstance(value, bool) and is_whole(value) and 0 < value <= _MAX_LAYERS:
+            return int(value)
     return None
 
 
@@ -317,9 +325,7 @@ def _llama4_options(config: Mapping[str, Any], kind: str | None, rotary: bool):
     found: dict[str, Any] = {}
     chunk = config.get("attention_chunk_size", 8192)
     if kind == "chunked_attention" or (kind is None and rotary and chunk is not None):
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"the config's attention_chunk_size={chunk!r} is not a size")
-        found["attention_chunk_size"] = chunk
+        found["attention_chunk_size"] = positive_count("attention_chunk_size", chunk)
     if rotary and flag(config, "use_qk_norm", True):
         found.update(qk_norm="head_after_rotary", weightless_qk_norm=True)
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-5))

@@ -427,6 +427,10 @@ def test_a_layer_index_outside_the_configs_layers_is_refused(layer):
     assert porting.options_from_config(config, 1)["num_heads"] == 4
     with pytest.raises(ValueError, match=f"Received: layer={layer}"):
         porting.options_from_config(config, layer)
+    # The count alone tells them, JSON's 2.0 as 2 (a count read as none let layer 2 through)
+    for count in (2, 2.0):
+        with pytest.raises(ValueError, match=f"Received: layer={layer}"):
+            porting.options_from_config({**MISTRAL, "num_hidden_layers": count}, layer)
 
 
 @pytest.mark.parametrize("written", ["config.json", "as written"])

@@ -1497,8 +1497,11 @@ def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
     for bad in ({"attn_scale": -0.1}, {"floor_scale": 0}, {"attn_scale": None}):
         with pytest.raises(ValueError, match="by attn_scale and floor_scale: they must be"):
             porting.options_from_config({**SCOUT, **bad}, 3)
-    with pytest.raises(ValueError, match="attention_chunk_size=0 is not a size"):
+    with pytest.raises(ValueError, match="attention_chunk_size=0 is not a positive whole"):
         porting.options_from_config({**SCOUT, "attention_chunk_size": 0}, 0)
+    # JSON's 8192.0 is the whole number
+    as_float = porting.options_from_config({**SCOUT, "attention_chunk_size": 8192.0}, 0)
+    assert as_float == porting.options_from_config(SCOUT, 0)
     with pytest.raises(ValueError, match="'chunked_attention' \\(layer_types,"):
         porting.options_from_config({"layer_types": ["chunked_attention"]}, 0)
 
