@@ -322,6 +322,14 @@ def test_a_layer_without_dropout_keeps_no_random_stream(J, jax, nnx):
     np.testing.assert_allclose(trained, J.to_numpy(jitted(layer, q, k, v)), rtol=1e-6, atol=1e-7)
     for make in (lambda: J.PositionalEncoding(D, 0.0), lambda: J.AddNorm(D, 0.0)):
         assert not jax.tree.leaves(nnx.state(make(), nnx.RngState))
+    # A rate raised later has no stream: Flax asks for one, and one given to it draws
+    layer.train()
+    layer.attention.dropout.rate = 0.5
+    with pytest.raises(ValueError, match="rngs"):
+        layer(q, k, v)
+    layer.attention.dropout.rngs = nnx.Rngs(dropout=1).dropout.fork()
+    first, second = (J.to_numpy(layer(q, k, v)) for _ in range(2))
+    assert not np.allclose(first, trained) and not np.allclose(first, second)
 
 
 def test_gradients_through_every_mask_are_finite_under_jit(J, jax, nnx):
