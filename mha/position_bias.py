@@ -12,7 +12,9 @@ import numpy as np
 
 from mha import validation
 from mha.encoding import alibi_slopes
+from mha.function_checks import first_position
 from mha.interop.common import as_numpy
+from mha.layer_args import check_alignment
 
 __all__ = ["alibi_bias", "t5_position_bias"]
 
@@ -25,7 +27,7 @@ def t5_position_bias(
     bidirectional: bool = True,
     num_buckets: int = 32,
     max_distance: int = 128,
-    first_query: int | None = None,
+    alignment: str | int = "bottom_right",
 ) -> np.ndarray:
     """T5's relative position bias, the `attn_bias` of T5 attention ported to mha.
 
@@ -40,15 +42,18 @@ def t5_position_bias(
         num_queries, num_keys: the call's lengths.
         bidirectional, num_buckets, max_distance: T5's config (`is_decoder` is not
             bidirectional; `relative_attention_num_buckets`, `relative_attention_max_distance`).
-        first_query: the position of the first query among the keys' 0, 1, ...: by default
-            the queries are the last num_queries positions, as T5 places them under a cache
-            (`past_seen_tokens`: a decoding step's one query is the last key's position).
+        alignment: where the queries are among the keys' positions 0, 1, ...:
+            "bottom_right" (the default) the last num_queries, as T5 places them under a
+            cache (a decoding step's one query at the last key's position); "top_left" from
+            0; or an int n, from n (T5's `past_seen_tokens`).
 
     Returns:
         (1, num_heads, num_queries, num_keys), in the embedding's dtype.
     """
     embedding = as_numpy(embedding)
-    first_query = _first_query(num_queries, num_keys, first_query)
+    _check_positive(num_queries=num_queries, num_keys=num_keys)
+    check_alignment(alignment)
+    first_query = first_position(alignment, num_queries, num_keys)
     if embedding.ndim != 2 or embedding.shape[0] != num_buckets:
         raise ValueError(
             f"embedding must be (num_buckets, num_heads) = ({num_buckets}, num_heads): give "
@@ -75,24 +80,6 @@ def t5_position_bias(
     buckets += np.where(relative < max_exact, relative, large)
     # (Q, K, num_heads) -> (1, num_heads, Q, K)
     return np.ascontiguousarray(embedding[buckets].transpose(2, 0, 1)[None])
-
-
-def _first_query(num_queries: Any, num_keys: Any, first_query: Any) -> int:
-    """The first query's position: first_query, a whole number >= 0, or by default num_keys -
-    num_queries (the queries last); num_queries and num_keys positive integers."""
-    _check_positive(num_queries=num_queries, num_keys=num_keys)
-    if first_query is None:
-        if num_keys < num_queries:
-            raise ValueError(
-                f"with more queries ({num_queries}) than keys ({num_keys}) the queries are not "
-                "the last positions: give first_query, the first query's position"
-            )
-        return num_keys - num_queries
-    if isinstance(first_query, bool) or not isinstance(first_query, int) or first_query < 0:
-        raise ValueError(
-            f"first_query must be an integer >= 0. Received: first_query={first_query!r}"
-        )
-    return first_query
 
 
 def alibi_bias(

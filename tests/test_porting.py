@@ -273,10 +273,10 @@ def test_t5_position_bias_buckets_distances_as_t5_does(bidirectional):
     attention = T5Attention(config, has_relative_attention_bias=True).double()
     table = attention.relative_attention_bias.weight
     buckets = {"bidirectional": bidirectional, "num_buckets": 8, "max_distance": 20}
-    for first_query in (0, 3):
+    for alignment, cached in [("top_left", 0), (3, 3), ("bottom_right", 7)]:
         with torch.no_grad():
-            expected = attention.compute_bias(30, 37, past_seen_tokens=first_query).numpy()
-        bias = porting.t5_position_bias(table, 30, 37, **buckets, first_query=first_query)
+            expected = attention.compute_bias(30, 37, past_seen_tokens=cached).numpy()
+        bias = porting.t5_position_bias(table, 30, 37, **buckets, alignment=alignment)
         np.testing.assert_array_equal(bias, expected)
 
 
@@ -321,8 +321,8 @@ def test_t5_decoding_with_a_cache_gives_the_full_calls_numbers():
     [
         # A table of 64 buckets read as 32 would put distances in the wrong buckets
         (lambda table: porting.t5_position_bias(np.zeros((64, 4)), 3, 3), "num_buckets"),
-        (lambda table: porting.t5_position_bias(table, 4, 3), "give first_query"),
-        (lambda table: porting.t5_position_bias(table, 3, 3, first_query=-1), "first_query"),
+        (lambda table: porting.t5_position_bias(table, 3, 3, alignment=True), "alignment"),
+        (lambda table: porting.t5_position_bias(table, 3, 3, alignment="last"), "alignment"),
         (lambda table: porting.t5_position_bias(table, 0, 3), "num_queries"),
         (lambda table: porting.t5_position_bias(table, 3, 2.0), "num_keys"),
     ],
