@@ -33,9 +33,8 @@ def t5_position_bias(
 
     T5 adds to the scores of head h a learned number per bucket of the distance from query i
     to key j: exact buckets for small distances, logarithmic ones up to max_distance, and with
-    `bidirectional` (the encoder) separate buckets for keys after the query. The decoder's
-    self-attention is not bidirectional. The layer that holds `relative_attention_bias.weight`
-    (T5's first layer of a stack) computes it for every layer of that stack.
+    `bidirectional` (the encoder) separate buckets for keys after the query. The table of a
+    stack's first layer (`relative_attention_bias.weight`) gives every layer of the stack its bias.
 
     Args:
         embedding: `relative_attention_bias.weight`, (num_buckets, num_heads).
