@@ -63,7 +63,8 @@ Call arguments:
         moves causal, a sliding window and ALiBi, not rotary positions.
     segment_ids: packed sequences: integers (batch_size, positions), as many queries as keys,
         or a pair (query ids (batch_size, no. of queries), key ids (batch_size, no. of
-        keys)); a query attends to the keys of its own segment only.
+        keys)); a query attends to the keys of its own segment only, the masks reading a
+        position's index among its segment's (a pair takes no "bottom_right" alignment).
     attn_bias: added to the scores (a relative position bias, ALiBi), of the layer's
         dtype, broadcastable to (batch_size, no. of queries, no. of keys); its -inf entries
         exclude their key exactly, as a float window_mask's do.

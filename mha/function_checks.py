@@ -88,7 +88,7 @@ def check_dot_product_attention_call(
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
     if segment_ids is not None:
-        check_segment_ids(segment_ids, batch_size, num_queries, num_keys)
+        check_segment_ids(segment_ids, batch_size, num_queries, num_keys, alignment)
     for name, flag in (("causal", causal), ("return_weights", return_weights)):
         check_bool(name, flag)
     check_bool("return_lse", return_lse)

@@ -90,6 +90,9 @@ class Masks:
         packed sequences: (batch_size, positions), or a pair for the queries and the keys;
         attention_chunk_size: the layer's chunks of positions, or None."""
         keep = bias = None
+        # Packed sequences: the positions within each segment, where each sequence alone has
+        # them, tell causal, the window and ALiBi; shape (batch_size, Q, K)
+        packed = None if segment_ids is None else self.packed_distances(segment_ids)
         # Each mask with its rank: the scores' leading axes it lacks are inserted at the end
         masks = []
         if valid_lens is not None:
@@ -98,22 +101,9 @@ class Masks:
         if mask is not None and self.rank(mask) <= 3:
             # A keep-mask of 1 to 3 axes, broadcastable to (batch_size, Q, K)
             masks.append((mask, self.rank(mask)))
-        if segment_ids is not None:
-            # Packed sequences: a query keeps the keys of its own segment; shape
-            # (batch_size, Q, K)
-            masks.append((self.same_segment(segment_pair(segment_ids)), 3))
-        if causal:
-            # Query i, at position offset + i, attends to keys j <= offset + i (top-left
-            # aligned when Q != K and nothing is cached); shape (Q, K)
-            masks.append((self.causal_mask(), 2))
-        if sliding_window is not None:
-            # Query i attends to keys j with |offset + i - j| < sliding_window; shape (Q, K)
-            masks.append((self.band_mask(sliding_window), 2))
-        if attention_chunk_size is not None:
-            # Query and key in the same chunk of positions; shape (Q, K), or
-            # (batch_size, Q, K) for packed sequences, whose chunks start at each segment
-            chunks = self.same_chunk(attention_chunk_size, segment_ids)
-            masks.append((chunks, 2 if segment_ids is None else 3))
+        masks += self.position_masks(
+            causal, sliding_window, attention_chunk_size, segment_ids, packed
+        )
         if window_mask is not None:
             # Example b uses window b mod num_windows; shape (batch_size, Q, K)
             windows = self.windows(window_mask)
@@ -129,13 +119,46 @@ class Masks:
             rank = max(rank, each_rank)
         keep = self.to_scores(keep, rank, multihead)
         return self.with_heads(
-            keep, bias, mask if multihead else None, attn_bias, multihead, alibi_slopes
+            keep, bias, mask if multihead else None, attn_bias, multihead, alibi_slopes, packed
         )
 
+    def position_masks(
+        self, causal: bool, sliding_window: Any, chunk_size: Any, segment_ids: Any, packed: Any
+    ) -> list[tuple[Any, int]]:
+        """combine's masks that read positions, each with its rank: (Q, K), or (batch_size,
+        Q, K) for packed sequences, whose positions are packed's (packed_distances)."""
+        masks = []
+        if segment_ids is not None:
+            # Packed sequences: a query keeps the keys of its own segment
+            masks.append((self.same_segment(segment_pair(segment_ids)), 3))
+        if causal:
+            # Query i, at position offset + i, attends to keys j <= offset + i (top-left
+            # aligned when Q != K and nothing is cached)
+            masks.append((self.causal_mask(), 2) if packed is None else (packed <= 0, 3))
+        if sliding_window is not None:
+            # Query i attends to keys j with |offset + i - j| < sliding_window
+            if packed is None:
+                masks.append((self.band_mask(sliding_window), 2))
+            else:
+                masks.append((self.both(packed < sliding_window, -packed < sliding_window), 3))
+        if chunk_size is not None:
+            # Query and key in the same chunk of positions, packed ones at each segment's
+            chunks = self.same_chunk(chunk_size, segment_ids)
+            masks.append((chunks, 2 if segment_ids is None else 3))
+        return masks
+
     def with_heads(
-        self, keep: Any, bias: Any, mask: Any, attn_bias: Any, multihead: bool, alibi_slopes: Any
+        self,
+        keep: Any,
+        bias: Any,
+        mask: Any,
+        attn_bias: Any,
+        multihead: bool,
+        alibi_slopes: Any,
+        packed: Any = None,
     ) -> tuple[Any, Any]:
-        """(keep, bias) with the masks and biases that may have a head axis added."""
+        """(keep, bias) with the masks and biases that may have a head axis added; packed:
+        packed_distances, or None."""
         # A 4-D mask or attn_bias is (batch_size, num_heads, Q, K), each axis broadcastable;
         # a bias, like a float window, excludes its -inf entries exactly and adds the others
         with_heads = []
@@ -153,8 +176,12 @@ class Masks:
         for each in with_heads:
             keep = each if keep is None else self.both(keep, each)
         if alibi_slopes is not None:
-            # ALiBi: head h adds slope_h * (j - (offset + i)); shape (1, num_heads, Q, K)
-            alibi = self.expand_dims(alibi_slopes * self.distances(alibi_slopes), 0)
+            # ALiBi: head h adds slope_h * (j - (offset + i)); shape (1, num_heads, Q, K), or
+            # (batch_size, num_heads, Q, K) for packed sequences
+            if packed is None:
+                alibi = self.expand_dims(alibi_slopes * self.distances(alibi_slopes), 0)
+            else:
+                alibi = alibi_slopes * self.expand_dims(self.cast_like(packed, alibi_slopes), 1)
             bias = alibi if bias is None else bias + alibi
         return keep, bias
 
@@ -171,14 +198,16 @@ class Masks:
         if valid_lens is not None:
             # Shape (batch_size, 1, 1 or no. of queries, no. of keys): every head alike
             masks.append(self.expand_dims(self.length_mask(valid_lens), 1))
+        packed = None
         if segment_ids is not None:
-            # Packed sequences: a query keeps the keys of its own segment; shape
-            # (batch_size, 1, Q, K)
+            # Packed sequences: a query keeps the keys of its own segment, and causal and the
+            # window read the positions within it; shape (batch_size, 1, Q, K)
             masks.append(self.expand_dims(self.same_segment(segment_pair(segment_ids)), 1))
+            packed = self.expand_dims(self.packed_distances(segment_ids), 1)
         if causal:
-            masks.append(self.causal_mask())
+            masks.append(self.causal_mask() if packed is None else packed <= 0)
         if window is not None:
-            masks.append(self.window_keep(*window))
+            masks.append(self.window_keep(*window, packed))
         if bias is not None:
             # A bias's -inf entries leave their keys out exactly; the others are added
             blocked = self.isneginf(bias)
@@ -200,6 +229,13 @@ class Masks:
         positions = self.segment_positions(keys)
         return positions if queries is keys else self.segment_positions(queries), positions
 
+    def packed_distances(self, segment_ids: Any) -> Any:
+        """(batch_size, Q, K) integers: key j's position less query i's (offset + i), each
+        counted within its own segment of the packed row, as its sequence alone counts them
+        (segments need not be contiguous, and the queries' and the keys' may differ)."""
+        queries, keys = self.packed_positions(segment_ids)
+        return self.expand_dims(keys, -2) - (self.expand_dims(queries, -1) + self.offset)
+
     def same_segment(self, segments: tuple[Any, Any]) -> Any:
         """keep (batch_size, Q, K): True where query i and key j have the same segment id."""
         queries, keys = segments
@@ -220,14 +256,18 @@ class Masks:
         """The chunk of each of the integer `positions`: position // size."""
         return positions // size
 
-    def window_keep(self, left: int | None, right: int | None) -> Any:
+    def window_keep(self, left: int | None, right: int | None, packed: Any = None) -> Any:
         """keep (Q, K): True where p - left <= j <= p + right for query i at p = offset + i,
-        a side that is None open; the causal masks of the diagonals shifted to its edges."""
+        a side that is None open; the causal masks of the diagonals shifted to its edges. With
+        `packed` (packed_distances), the positions within each segment, its shape."""
         keep = None
-        if right is not None:
-            keep = self.shifted(right).causal_mask()  # j <= p + right
-        if left is not None:
-            after = self.negate(self.shifted(-left - 1).causal_mask())  # j >= p - left
+        if right is not None:  # j <= p + right
+            keep = self.shifted(right).causal_mask() if packed is None else packed <= right
+        if left is not None:  # j >= p - left
+            if packed is None:
+                after = self.negate(self.shifted(-left - 1).causal_mask())
+            else:
+                after = -packed <= left
             keep = after if keep is None else self.both(keep, after)
         return keep
 
@@ -285,6 +325,10 @@ class Masks:
 
     def zeros_where(self, blocked: Any, x: Any) -> Any:
         """x with 0 where `blocked` is True."""
+        raise NotImplementedError
+
+    def cast_like(self, x: Any, like: Any) -> Any:
+        """x in the dtype of `like` (the scores')."""
         raise NotImplementedError
 
     def expand_dims(self, x: Any, axis: int) -> Any:

@@ -318,7 +318,9 @@ def check_attention_call(
         check_valid_lens(valid_lens, batch_size, num_queries)
     _check_flags(causal, need_weights, alignment)
     if segment_ids is not None:
-        _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys)
+        _check_packing(
+            segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys, alignment
+        )
     scores = (batch_size, num_queries, num_keys)
     _check_masks(mask, attn_bias, window_mask, head_mask, dtype, num_heads, scores)
     return batch_size, num_queries, num_keys
@@ -335,9 +337,21 @@ def _other_tensors(segment_ids: Any, cache: Any) -> dict[str, Any]:
     return given
 
 
-def check_segment_ids(segment_ids: Any, batch_size, num_queries, num_keys) -> None:
+def check_segment_ids(segment_ids: Any, batch_size, num_queries, num_keys, alignment=None) -> None:
     """segment_ids: integers (batch_size, positions), where there are as many queries as keys,
-    or a pair (query ids (batch_size, no. of queries), key ids (batch_size, no. of keys))."""
+    or a pair (query ids (batch_size, no. of queries), key ids (batch_size, no. of keys)),
+    whose sequences' positions `alignment` places unless it is "bottom_right"."""
+    if (
+        isinstance(segment_ids, tuple)
+        and isinstance(alignment, str)
+        and alignment == "bottom_right"
+    ):
+        raise ValueError(
+            "alignment='bottom_right' cannot be given with a pair of segment_ids: each packed "
+            "sequence counts its queries' and its keys' positions from its own first, and only "
+            "its own lengths could place its last query beside its last key. Give 'top_left' "
+            "or the position of each sequence's first query (an int)"
+        )
     pair = segment_pair(segment_ids)
     if len(pair) != 2:
         raise ValueError(
@@ -363,14 +377,14 @@ def _shape_is(x: Any, shape: tuple) -> bool:
     return len(actual) == len(shape) and all(map(same, actual, shape))
 
 
-def _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys):
+def _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys, alignment):
     """A layer's segment_ids: well formed, without a cache (whose keys' segments are not
     known), and with rotary frequencies that do not depend on the row's length."""
     if cache is not None:
         raise ValueError(
             "segment_ids cannot be given with a cache: packed sequences are attended whole"
         )
-    check_segment_ids(segment_ids, batch_size, num_queries, num_keys)
+    check_segment_ids(segment_ids, batch_size, num_queries, num_keys, alignment)
     scaling_type = None if rope_scaling is None else rope_scaling.get("rope_type")
     original = (
         None if rope_scaling is None else rope_scaling.get("original_max_position_embeddings")

@@ -585,6 +585,30 @@ def test_packed_sequences_give_the_numbers_of_each_sequence_alone(name, rng):
     assert (kept == (pair[0][:, None, :, None] == pair[1][:, None, None, :])).all()
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+def test_interleaved_and_paired_segments_count_positions_within_each(name, rng):
+    # Segments in any order, and queries and keys packed each their own way: causal and the
+    # window read each position's place in its own sequence, which alone gives the numbers
+    query, key, value = random_call(rng, batch=1, heads=2, queries=7, keys=7)
+    ids = np.array([[0, 1, 0, 0, 1, 2, 1]])
+    options = {"causal": True, "window": (1, 0)}
+    packed = attention(name, query, key, value, segment_ids=ids, **options)
+    for segment in (0, 1, 2):
+        where = np.flatnonzero(ids[0] == segment)
+        alone = attention(name, *(x[:, :, where] for x in (query, key, value)), **options)
+        np.testing.assert_allclose(packed[:, :, where], alone, atol=1e-12)
+    # Queries 2 + 3 against keys 4 + 3: each sequence's queries from its own first position
+    pair = (np.array([[0, 0, 1, 1, 1]]), np.array([[0, 0, 0, 0, 1, 1, 1]]))
+    for alignment in ("top_left", 1):
+        options = {"causal": True, "window": (2, None), "alignment": alignment}
+        packed = attention(name, query[:, :, :5], key, value, segment_ids=pair, **options)
+        for rows, keys in ((slice(0, 2), slice(0, 4)), (slice(2, 5), slice(4, 7))):
+            alone = attention(
+                name, query[:, :, rows], key[:, :, keys], value[:, :, keys], **options
+            )
+            np.testing.assert_allclose(packed[:, :, rows], alone, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "segment_ids, message",
     [
@@ -599,6 +623,17 @@ def test_packed_sequences_give_the_numbers_of_each_sequence_alone(name, rng):
 def test_bad_segment_ids_are_refused(segment_ids, message, rng):
     with pytest.raises(ValueError, match=message):
         attention("numpy", *random_call(rng), segment_ids=segment_ids)
+
+
+def test_a_pair_of_segment_ids_takes_no_bottom_right_alignment(rng):
+    # Only each sequence's own lengths could put its last query beside its last key
+    pair = (np.zeros((2, 5), "int64"), np.zeros((2, 5), "int64"))
+    with pytest.raises(ValueError, match="alignment='bottom_right' cannot be given with a pair"):
+        attention("numpy", *random_call(rng), segment_ids=pair, alignment="bottom_right")
+    with pytest.raises(ValueError, match="alignment='bottom_right' cannot be given with a pair"):
+        backend_module("numpy").MultiHeadAttention(8, 2)(
+            *[np.zeros((2, 5, 8), "float32")] * 3, segment_ids=pair, alignment="bottom_right"
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -79,11 +79,44 @@ def test_a_packed_row_gives_the_numbers_of_its_sequences_alone(name, config, rng
             start += length
 
 
+# Segments need not be contiguous: each position's sequence, in any order
+INTERLEAVED = np.array([[0, 1, 0, 0, 1, 2, 1], [1, 0, 1, 0, 1, 0, 1]], np.int64)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("name", BACKENDS)
-def test_packed_queries_and_keys_of_their_own(name, rng):
+def test_interleaved_sequences_give_the_numbers_of_each_alone(name, config, rng):
+    # Causal, the window and ALiBi read each position's place within its own sequence, as
+    # rotary embeddings do: the row's positions would put other keys in the window
+    module = backend_module(name)
+    layer_name, arguments, call = CONFIGS[config]
+    layer = getattr(module, layer_name)(**arguments)
+    X = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    ids = module.from_numpy(INTERLEAVED)
+    packed = module.to_numpy(layer(*[module.from_numpy(X)] * 3, segment_ids=ids, **call))
+    for b, row in enumerate(INTERLEAVED):
+        for segment in np.unique(row):
+            where = np.flatnonzero(row == segment)
+            alone = module.from_numpy(X[b : b + 1, where])
+            expected = module.to_numpy(layer(alone, alone, alone, **call))[0]
+            np.testing.assert_allclose(packed[b, where], expected, rtol=1e-5, atol=1e-5)
+
+
+CROSS = {
+    "rotary": ({"rope_theta": 10000.0}, {}),
+    # Each sequence's queries from its own first position: the row's would misplace them
+    "rotary, causal": ({"rope_theta": 10000.0}, {"causal": True}),
+    "ALiBi and a window, causal": ({"alibi": True, "sliding_window": 2}, {"causal": True}),
+}
+
+
+@pytest.mark.parametrize("cross", CROSS)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_packed_queries_and_keys_of_their_own(name, cross, rng):
     # Cross-attention over packed rows: query ids (batch, Q) and key ids (batch, K)
     module = backend_module(name)
-    config = {"num_hiddens": 8, "num_heads": 2, "rope_theta": 10000.0}
+    options, call = CROSS[cross]
+    config = {"num_hiddens": 8, "num_heads": 2, **options}
     layer = module.MultiHeadAttention(**config)
     queries_rows, keys_rows = ((2, 3),), ((4, 3),)
     queries = rng.standard_normal((1, 5, 8)).astype(np.float32)
@@ -92,14 +125,14 @@ def test_packed_queries_and_keys_of_their_own(name, rng):
     ids = (_segment_ids(queries_rows).astype(np.int32), _segment_ids(keys_rows))
     pair = tuple(module.from_numpy(x) for x in ids)
     packed = module.to_numpy(
-        layer(module.from_numpy(queries), *[module.from_numpy(keys)] * 2, segment_ids=pair)
+        layer(module.from_numpy(queries), *[module.from_numpy(keys)] * 2, segment_ids=pair, **call)
     )
     reference = backend_module("numpy").MultiHeadAttention(**config)
     mha.set_weights(reference, mha.get_weights(layer))
     q0 = k0 = 0
     for q_len, k_len in zip(queries_rows[0], keys_rows[0], strict=True):
         k = keys[:, k0 : k0 + k_len]
-        expected = reference(queries[:, q0 : q0 + q_len], k, k)
+        expected = reference(queries[:, q0 : q0 + q_len], k, k, **call)
         np.testing.assert_allclose(packed[:, q0 : q0 + q_len], expected, rtol=1e-4, atol=1e-5)
         q0, k0 = q0 + q_len, k0 + k_len
 

@@ -389,6 +389,9 @@ class _Masks(Masks):
     def zeros_where(self, blocked, x):
         return jnp.where(blocked, jnp.zeros((), x.dtype), x)
 
+    def cast_like(self, x, like):
+        return x.astype(like.dtype)
+
     def expand_dims(self, x, axis):
         return jnp.expand_dims(x, axis)
 

@@ -550,6 +550,10 @@ class _Masks(Masks):
     def zeros_where(self, blocked, x):
         return self.F.np.where(blocked, self.F.np.zeros_like(x), x)
 
+    def cast_like(self, x, like):
+        # A traced graph knows no dtypes: the call's is the scores'
+        return x.astype(self.call.dtype)
+
     def both(self, a, b):
         # MXNet 1.9 has no logical_and for bool
         return (a * b) != 0

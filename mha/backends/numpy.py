@@ -295,6 +295,9 @@ class _Masks(Masks):
     def zeros_where(self, blocked, x):
         return np.where(blocked, x.dtype.type(0), x)
 
+    def cast_like(self, x, like):
+        return x.astype(like.dtype)
+
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
 
@@ -411,7 +414,8 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     index ("top_left"), its index + K - Q ("bottom_right") or its index + n (alignment=n).
     valid_lens (batch_size,) or (batch_size, Q) keep each row's first keys; segment_ids
     (batch_size, positions), or a pair for the queries and the keys, keep each query's own
-    segment. A row with no kept key gives zeros (empty_rows="uniform": equal weights).
+    segment, causal and window then reading positions within each segment. A row with no
+    kept key gives zeros (empty_rows="uniform": equal weights).
     Returns the output (batch_size, heads, Q, value's head size), then the weights with
     return_weights and each row's log-sum-exp of its kept scores with return_lse.
     """

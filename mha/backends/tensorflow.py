@@ -315,6 +315,15 @@ class _Masks(Masks):
     def zeros_where(self, blocked, x):
         return tf.where(blocked, tf.zeros_like(x), x)
 
+    def cast_like(self, x, like):
+        return tf.cast(x, like.dtype)
+
+    def packed_distances(self, segment_ids):
+        # In int64, as query_positions: an offset past int32's range must not wrap
+        queries, keys = (tf.cast(x, tf.int64) for x in self.packed_positions(segment_ids))
+        queries = tf.expand_dims(queries, -1) + tf.cast(self.offset, tf.int64)
+        return tf.expand_dims(keys, -2) - queries
+
     def isneginf(self, x):
         # Below the dtype's lowest finite number is -inf exactly (NaN is neither). Not
         # x == -inf: LiteRT's converter stores a constant -inf as that lowest number, so the

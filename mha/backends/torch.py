@@ -283,6 +283,9 @@ class _Masks(Masks):
     def zeros_where(self, blocked, x):
         return torch.where(blocked, 0.0, x)
 
+    def cast_like(self, x, like):
+        return x.to(like.dtype)
+
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
 
