@@ -135,7 +135,7 @@ def _with_gradients(row: Row, function, module, place, case: Case, arrays: dict,
             for k, v in arrays.items()
         }
         _, found, _ = module.ADAPTER.value_and_gradients(
-            lambda t: call(**t, **options),
+            lambda t: _call(call, t, options),
             tensors,
             wrt,
             None,
@@ -167,6 +167,14 @@ def _with_gradients(row: Row, function, module, place, case: Case, arrays: dict,
     return dataclasses.replace(row, status=status, note=where, gradient_difference=worst)
 
 
+def _call(function, tensors: dict, options: dict):
+    """function(query, key, value, **masks, **options): the three by position, as the
+    conformance contract calls them, whatever the function names them."""
+    query, key, value = (tensors[k] for k in ("query", "key", "value"))
+    masks = {k: v for k, v in tensors.items() if k not in ("query", "key", "value")}
+    return function(query, key, value, **masks, **options)
+
+
 def _output_shape(arrays: dict) -> tuple[int, ...]:
     """The output's shape of a case's inputs: (batch, heads, queries, value head size)."""
     return (*arrays["query"].shape[:3], arrays["value"].shape[-1])
@@ -179,7 +187,7 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
     )
     try:
         given = {k: place(module.from_numpy(_cast(v, dtype))) for k, v in arrays.items()}
-        output = module.to_numpy(function(**given, **dict(case.options)))
+        output = module.to_numpy(_call(function, given, dict(case.options)))
     except NotImplementedError as error:
         return Row(case.name, dtype, "not taken", note=_first_line(error))
     except TypeError as error:

@@ -150,9 +150,20 @@ def test_a_broken_function_is_flagged_on_the_cases_it_breaks(capsys):
     assert "DIFFERS" in plain and "plain, float64: differs: at (0, 0, 0, 0)" in out
 
 
-def attention_of_other_names(q, k, v):
-    """A function that takes none of the kit's names: every call is a TypeError."""
+def attention_of_other_names(q, k, v, *, temperature):
+    """A function that needs an argument the kit never gives: every call is a TypeError."""
     return q
+
+
+def attention_by_position(q, k, v, /, **options):
+    """mha's function under names of its own, the three tensors positional only."""
+    return backend_module("numpy").dot_product_attention(q, k, v, **options)
+
+
+def test_the_query_key_and_value_are_given_by_position():
+    # The contract calls function(query, key, value, **options): any names take them
+    rows = conformance.run(attention_by_position, "numpy", ("float64",))
+    assert set(statuses(rows)) == {"agrees"}
 
 
 def test_a_function_that_takes_no_case_fails(capsys):
