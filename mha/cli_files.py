@@ -177,6 +177,8 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
         raise UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
     if not from_model and arguments.scale is not None and kinds[0] != "mha":
         raise UsageError("--scale goes with --prefix, or with an mha checkpoint")
+    if not from_model and arguments.scale is not None and arguments.command == "inspect":
+        raise UsageError("mha inspect takes --scale with --prefix: a file records its own")
     torch_source = arguments.command == "convert" and kinds[0] == "torch" != kinds[1]
     if torch_source and not from_model and arguments.num_heads is None:
         raise UsageError(
@@ -260,6 +262,11 @@ def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
             checkpoint.config,
             checkpoint.weights,
         )
+        if num_heads is not None and config.get("num_heads") != num_heads:
+            raise ValueError(
+                f"{path} holds a layer with num_heads={config.get('num_heads')}. "
+                f"Received: num_heads={num_heads}"
+            )
         saved_from = checkpoint.metadata.get("backend", "-")
         print(f"class: {class_name} (saved from the {saved_from} backend)", file=out)
     else:

@@ -515,6 +515,15 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
         "(8,)",
         "float32",
     ]
+    # A head count the file contradicts is refused, as in every other kind; the file's own
+    # count is taken
+    path = str(tmp_path / "attention.safetensors")
+    code, _, err = run("inspect", path, "--num-heads", "4")
+    assert code == 1 and "holds a layer with num_heads=2. Received: num_heads=4" in err
+    assert run("inspect", path, "--num-heads", "2")[0] == 0
+    # The file records its scale: --scale, which would not be shown, is a usage error
+    code, _, err = run("inspect", path, "--scale", "0.5")
+    assert code == 2 and "mha inspect takes --scale with --prefix" in err
 
 
 def test_compare_device_that_cannot_be_reached_is_a_usage_error():
