@@ -245,11 +245,11 @@ class Masks:
         """keep: True where query i and key j lie in the same chunk of `size` positions,
         chunks counted from position 0 (Llama 4's attention_chunk_size): (Q, K), query i at
         position offset + i; or, with segment_ids, (batch_size, Q, K) at the positions within
-        each packed segment."""
+        each packed segment, the queries' from offset."""
         if segment_ids is None:
             return self.chunk_mask(size)
         queries, keys = self.packed_positions(segment_ids)
-        queries, keys = self.chunk_of(queries, size), self.chunk_of(keys, size)
+        queries, keys = self.chunk_of(queries + self.offset, size), self.chunk_of(keys, size)
         return self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
 
     def chunk_of(self, positions: Any, size: int) -> Any:

@@ -47,6 +47,13 @@ CONFIGS = {
         {"num_hiddens": 8, "num_heads": 2},
         {"causal": True, "need_weights": False},
     ),
+    # alignment places each sequence's queries as it places a sequence's alone
+    "chunks, a window and ALiBi, aligned at 3": (
+        "MultiHeadAttention",
+        {"num_hiddens": 8, "num_heads": 2, "attention_chunk_size": 2, "sliding_window": 3}
+        | {"alibi": True},
+        {"causal": True, "alignment": 3},
+    ),
     "dot product": ("DotProductAttention", {}, {}),
     "additive, causal": ("AdditiveAttention", {"num_hiddens": 8}, {"causal": True}),
 }
@@ -219,12 +226,14 @@ def test_a_compiled_layer_packs_and_aligns_as_the_reference(name, rng):
     # hybridized graph: the reference's numbers
     module = backend_module(name)
     config = {"num_hiddens": 8, "num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0}
+    # Each position's place in its interleaved sequence, for the window, chunks and ALiBi
+    config |= {"sliding_window": 3, "attention_chunk_size": 2, "alibi": True}
     sizes = {"query_size": 8, "key_size": 8, "value_size": 8}
     layer = module.MultiHeadAttention(**config, **sizes)
     reference = backend_module("numpy").MultiHeadAttention(**config, **sizes)
     mha.set_weights(reference, mha.get_weights(layer))
     X = rng.standard_normal((2, 7, 8)).astype(np.float32)
-    segment_ids = _segment_ids(ROWS)
+    segment_ids = INTERLEAVED
     expected = reference(X, X, X, segment_ids=segment_ids, causal=True, alignment=1)
     compiled = _compiled(name, module, layer)
     tensors = [module.from_numpy(x) for x in (X, X, segment_ids)]
