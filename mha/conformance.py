@@ -143,8 +143,8 @@ def _with_gradients(row: Row, function, module, place, case: Case, arrays: dict,
         )
         return {k: np.asarray(v, dtype="float64") for k, v in found.items()}
 
-    def reference_call(**given):
-        return module.dot_product_attention(**given, empty_rows=empty_rows)
+    def reference_call(query, key, value, **given):
+        return module.dot_product_attention(query, key, value, **given, empty_rows=empty_rows)
 
     try:
         got = gradients_of(function, row.dtype, place)
