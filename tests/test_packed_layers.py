@@ -64,44 +64,24 @@ def _segment_ids(rows) -> np.ndarray:
     return np.stack([np.repeat(np.arange(len(row)), row) for row in rows]).astype(np.int64)
 
 
-@pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("name", BACKENDS)
-def test_a_packed_row_gives_the_numbers_of_its_sequences_alone(name, config, rng):
-    module = backend_module(name)
-    layer_name, arguments, call = CONFIGS[config]
-    layer = getattr(module, layer_name)(**arguments)
-    X = rng.standard_normal((len(ROWS), 7, 8)).astype(np.float32)
-    packed = layer(
-        *[module.from_numpy(X)] * 3, segment_ids=module.from_numpy(_segment_ids(ROWS)), **call
-    )
-    packed = module.to_numpy(packed)
-    for b, row in enumerate(ROWS):
-        start = 0
-        for length in row:
-            alone = module.from_numpy(X[b : b + 1, start : start + length])
-            expected = module.to_numpy(layer(alone, alone, alone, **call))[0]
-            np.testing.assert_allclose(
-                packed[b, start : start + length], expected, rtol=1e-5, atol=1e-5
-            )
-            start += length
-
-
 # Segments need not be contiguous: each position's sequence, in any order
 INTERLEAVED = np.array([[0, 1, 0, 0, 1, 2, 1], [1, 0, 1, 0, 1, 0, 1]], np.int64)
+LAYOUTS = {"one after another": _segment_ids(ROWS), "interleaved": INTERLEAVED}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("name", BACKENDS)
-def test_interleaved_sequences_give_the_numbers_of_each_alone(name, config, rng):
-    # Causal, the window and ALiBi read each position's place within its own sequence, as
-    # rotary embeddings do: the row's positions would put other keys in the window
+def test_a_packed_row_gives_the_numbers_of_its_sequences_alone(name, config, layout, rng):
+    # Causal, the window, chunks and ALiBi read each position's place within its own
+    # sequence, as rotary embeddings do: the row's positions would put other keys in the window
     module = backend_module(name)
     layer_name, arguments, call = CONFIGS[config]
     layer = getattr(module, layer_name)(**arguments)
     X = rng.standard_normal((2, 7, 8)).astype(np.float32)
-    ids = module.from_numpy(INTERLEAVED)
+    ids = module.from_numpy(LAYOUTS[layout])
     packed = module.to_numpy(layer(*[module.from_numpy(X)] * 3, segment_ids=ids, **call))
-    for b, row in enumerate(INTERLEAVED):
+    for b, row in enumerate(LAYOUTS[layout]):
         for segment in np.unique(row):
             where = np.flatnonzero(row == segment)
             alone = module.from_numpy(X[b : b + 1, where])
