@@ -27,6 +27,7 @@ __all__ = [
     "check_empty_rows",
     "check_layer_args",
     "check_position",
+    "check_positive_int",
 ]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -54,7 +55,7 @@ def check_position(name: str, value: int) -> None:
         )
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
     check_position(name, value)
@@ -67,7 +68,7 @@ def _check_positive_int(name: str, value: Any) -> None:
 
 def _check_optional_positive_int(name: str, value: Any) -> None:
     if value is not None:
-        _check_positive_int(name, value)
+        check_positive_int(name, value)
 
 
 def _check_dropout(name: str, value: Any) -> None:
@@ -182,7 +183,7 @@ def _check_qk_norm(name: str, value: Any) -> None:
 
 # The check of each kind of value an option takes (mha.options.Option.check)
 _VALUE_CHECKS = {
-    "positive integer": _check_positive_int,
+    "positive integer": check_positive_int,
     "optional positive integer": _check_optional_positive_int,
     "dropout": _check_dropout,
     "boolean": check_bool,

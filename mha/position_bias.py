@@ -14,7 +14,7 @@ from mha import validation
 from mha.encoding import alibi_slopes
 from mha.function_checks import first_position
 from mha.interop.common import as_numpy
-from mha.layer_args import check_alignment
+from mha.layer_args import check_alignment, check_positive_int
 
 __all__ = ["alibi_bias", "t5_position_bias"]
 
@@ -41,16 +41,16 @@ def t5_position_bias(
         num_queries, num_keys: the call's lengths.
         bidirectional, num_buckets, max_distance: T5's config (`is_decoder` is not
             bidirectional; `relative_attention_num_buckets`, `relative_attention_max_distance`).
-        alignment: where the queries are among the keys' positions 0, 1, ...:
-            "bottom_right" (the default) the last num_queries, as T5 places them under a
-            cache (a decoding step's one query at the last key's position); "top_left" from
-            0; or an int n, from n (T5's `past_seen_tokens`).
+        alignment: the queries' place among the keys' positions: "bottom_right" the last
+            ones, as T5 places them under a cache (a decoding step's query at the last key's
+            position); "top_left" from 0; an int n from n (T5's `past_seen_tokens`).
 
     Returns:
         (1, num_heads, num_queries, num_keys), in the embedding's dtype.
     """
     embedding = as_numpy(embedding)
-    _check_positive(num_queries=num_queries, num_keys=num_keys)
+    check_positive_int("num_queries", num_queries)
+    check_positive_int("num_keys", num_keys)
     check_alignment(alignment)
     first_query = first_position(alignment, num_queries, num_keys)
     if embedding.ndim != 2 or embedding.shape[0] != num_buckets:
@@ -106,7 +106,8 @@ def alibi_bias(
         layer's (an attn_bias has the layer's dtype).
     """
     dtype = validation.check_dtype(dtype)
-    _check_positive(num_heads=num_heads, num_queries=num_queries)
+    check_positive_int("num_heads", num_heads)
+    check_positive_int("num_queries", num_queries)
     if isinstance(num_keys, bool) or not isinstance(num_keys, int) or num_keys < num_queries:
         raise ValueError(
             f"num_keys must be an integer >= num_queries ({num_queries}). Received: "
@@ -117,10 +118,3 @@ def alibi_bias(
     queries = np.arange(num_keys - num_queries, num_keys)
     relative = np.arange(num_keys)[None, :] - queries[:, None]
     return (slopes[:, None, None] * relative)[None].astype(dtype)
-
-
-def _check_positive(**sizes: Any) -> None:
-    """Each size a positive integer, or an error naming it."""
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
