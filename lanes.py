@@ -69,6 +69,8 @@ class Lane:
     lock: tuple[str, ...]
     # pytest's -m expression of the tests the lane runs; "" runs them all
     select: str = ""
+    # The oldest Python every pin of the lane installs on (mha's own code takes 3.10)
+    python: tuple[int, ...] = (3, 11)
 
 
 # torch, TensorFlow, Keras, ONNX and LiteRT are the same releases in both lanes
@@ -98,6 +100,7 @@ LANES = {
         lock=("numpy>=2", "torch==2.13.0"),
         # MXNet needs numpy < 2: its tests are the legacy lane's, not skips here
         select="not mxnet",
+        python=(3, 11, 5),  # the documentation site's soupsieve and pymdown-extensions
     ),
 }
 
@@ -371,6 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown lane {unknown[0]!r}; the lanes are {', '.join(LANES)}")
     names = options.lanes or list(LANES)
+    for name in names:
+        if sys.version_info < LANES[name].python:
+            oldest = ".".join(map(str, LANES[name].python))
+            parser.error(
+                f"the {name} lane needs Python {oldest} or newer, which its pinned packages "
+                f"need; this is {sys.version.split()[0]}"
+            )
     if options.lock:
         for name in names:
             lock(name, LANES[name])

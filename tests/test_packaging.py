@@ -21,6 +21,7 @@ import venv
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from conftest import required_backends
 
@@ -219,6 +220,24 @@ def test_the_tests_the_legacy_lane_leaves_out_run_on_the_same_releases():
     numpy_and_its_own = {"numpy", "ml_dtypes", "jax", "jaxlib", "flax", "mxnet", "graphviz"}
     assert differ <= numpy_and_its_own, sorted(differ - numpy_and_its_own)
     assert {"torch", "tensorflow_cpu", "keras", "onnx", "onnxruntime"} <= set(legacy)
+
+
+def test_every_package_of_the_lane_installs_on_the_python_the_readme_names():
+    # The packages' own Requires-Python, not a list kept by hand: a new pin that needs a newer
+    # Python fails here until lanes.py and the README say so
+    lanes = _load_lanes().LANES
+    here = pathlib.Path(sys.prefix).resolve()
+    mine = [lane for lane in lanes.values() if (ROOT / lane.environment).resolve() == here]
+    oldest = max(lane.python for lane in (mine or lanes.values()))
+    version = ".".join(map(str, oldest + (0,) * (3 - len(oldest))))
+    for distribution in importlib.metadata.distributions():
+        needs = distribution.metadata["Requires-Python"]
+        if needs:
+            assert version in SpecifierSet(needs), (distribution.metadata["Name"], needs)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    legacy, current = (".".join(map(str, lanes[name].python)) for name in ("legacy", "current"))
+    assert f"with only Python {legacy} or newer installed" in readme
+    assert f"current lane needs {current} or newer" in readme
 
 
 def test_ci_runs_the_readmes_test_command():

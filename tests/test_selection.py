@@ -195,6 +195,8 @@ def test_every_backend_exports_the_same_names(backend):
     hooks = ("layer_config", "PARAMETERS", "read_parameter", "write_parameter")  # mha.weights calls
     for public in (*registry.PUBLIC_NAMES, *hooks):
         assert hasattr(backend, public), public
+    # `from mha.backends.torch import *` gives the public names, and only those
+    assert sorted(backend.__all__) == sorted(registry.PUBLIC_NAMES)
 
 
 def test_unknown_attribute():

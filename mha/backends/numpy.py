@@ -44,6 +44,7 @@ __all__ = [
     "MultiHeadLatentAttention",
     "PositionalEncoding",
     "RotaryEmbedding",
+    "dot_product_attention",
     "from_numpy",
     "masked_softmax",
     "to_numpy",
