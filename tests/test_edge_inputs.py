@@ -9,6 +9,7 @@ import mha
 from conftest import assert_agrees, backend_module, backend_params
 from mha.backends import numpy as N
 from mha.cases import LATENT, LATENT_SIZES
+from mha.weights import numpy_dtype
 
 Q, K, D, H = 3, 4, 8, 2
 RANK = LATENT_SIZES["kv_lora_rank"]
@@ -206,6 +207,26 @@ def test_a_float16_row_of_70000_keys(name):
     expected = value.astype("float64").mean(axis=2, keepdims=True)
     assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
     assert_agrees(module.to_numpy(lse).astype("float64"), np.full((1, 1, 1), np.log(n)), "float16")
+
+
+@pytest.mark.parametrize("name", backend_params(("torch", "tensorflow", "jax")))
+def test_bfloat16_weights_are_the_exact_softmax_rounded_once(name):
+    # bfloat16 keeps 8 significant bits: a softmax computed in its steps (the exponentials, a
+    # sum of 4,096 of them) puts weights several steps off; in float32, rounded once, each is
+    # within half a step (2**-8 of it) of the float64 softmax of the same bfloat16 scores
+    module = backend_module(name)
+    rng = np.random.default_rng(0)
+    scores = (rng.standard_normal((2, 3, 4096)) * 2).astype(numpy_dtype("bfloat16"))
+    exact = scores.astype("float64")
+    for valid_lens in (None, np.array([4096, 3000])):
+        # Shape of kept: (2, 1, 4096), one row of kept keys per sequence
+        kept = np.arange(4096) < (4096 if valid_lens is None else valid_lens[:, None, None])
+        expected = np.exp(np.where(kept, exact - exact.max(-1, keepdims=True), -np.inf))
+        expected /= expected.sum(-1, keepdims=True)
+        lengths = None if valid_lens is None else module.from_numpy(valid_lens)
+        actual = module.masked_softmax(module.from_numpy(scores), lengths)
+        error = np.abs(module.to_numpy(actual).astype("float64") - expected)
+        assert np.all(error <= 2**-8 * expected * 1.001), (name, error.max())
 
 
 @pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))

@@ -54,3 +54,28 @@ def test_every_float_dtype_of_whole_numbers(name, dtype):
     np.testing.assert_allclose(module.to_numpy(output), expected, atol=1e-12)
     softmax = module.masked_softmax(module.from_numpy(q), module.from_numpy(lengths))
     np.testing.assert_allclose(module.to_numpy(softmax), N.masked_softmax(q, lengths), atol=1e-12)
+
+
+# Per float dtype: keys past the dtype's exact integers, and lengths there. float16 counts by
+# 2 above 2048 and bfloat16 above 256, so in the lengths' dtype the key before a length of
+# 2052 (260) rounds up to it, and the number of keys, 2053 (261), down to a key
+LONG_ROWS = {"float16": (2053, [2052, 4096]), "bfloat16": (261, [260, 512])}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("name", backend_params())
+def test_float_lengths_past_the_dtypes_exact_integers_keep_their_keys(name, dtype):
+    module = backend_module(name)
+    if name == "mxnet" and dtype == "bfloat16":
+        pytest.skip("MXNet has no bfloat16 arrays: the test above holds its error")
+    num_keys, lengths = LONG_ROWS.get(dtype, LONG_ROWS["float16"])
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, n, 4)) for n in (1, num_keys, num_keys))
+    # The lengths as integers: the reference compares no float
+    expected = N.DotProductAttention(dtype="float64")(q, k, v, valid_lens=np.array(lengths))
+    held = module.from_numpy(np.array(lengths, dtype=numpy_dtype(dtype)))
+    layer = module.DotProductAttention(dtype="float64")
+    output = layer(*map(module.from_numpy, (q, k, v)), valid_lens=held)
+    np.testing.assert_allclose(module.to_numpy(output), expected, atol=1e-12)
+    weights = module.to_numpy(layer.attention_weights)
+    assert [int((row > 0).sum()) for row in weights[:, 0]] == [min(n, num_keys) for n in lengths]

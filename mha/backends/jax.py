@@ -300,17 +300,22 @@ def _on_the_cpu(x: jax.Array) -> bool:
 
 
 _INT32_MAX = 2**31 - 1
+_FLOAT32_TOP = 2**31 - 128  # the largest float32 below 2**31: exact, and an int32
 
 
 def _length_mask(valid_lens: jax.Array, num_keys: int) -> jax.Array:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
-    # Lengths past the last key keep every key: clipped first, in their own dtype, so that
-    # any length of any dtype (uint64 included) compares exactly as an int32. Integers are
-    # clipped to int32's range, not to num_keys, which may be symbolic (jax.export)
+    # Lengths past the last key keep every key: clipped first, so that any length of any
+    # dtype (uint64 included) compares exactly as an int32. They are clipped to int32's
+    # range, not to num_keys, which may be symbolic (jax.export) and which float16 or
+    # bfloat16 would round; such lengths are exact in float32, where they are clipped
     # bfloat16 is a float that numpy does not class as one (its kind is "V")
     floating = jnp.issubdtype(valid_lens.dtype, jnp.floating)
-    top = num_keys if floating else min(jnp.iinfo(valid_lens.dtype).max, _INT32_MAX)
+    if floating:
+        valid_lens = jnp.asarray(valid_lens)
+        valid_lens = valid_lens.astype(jnp.promote_types(valid_lens.dtype, jnp.float32))
+    top = _FLOAT32_TOP if floating else min(jnp.iinfo(valid_lens.dtype).max, _INT32_MAX)
     if isinstance(valid_lens, np.ndarray) and not floating:
         # numpy's lengths are clipped by numpy: without 64-bit mode JAX would hold 64-bit
         # ones as 32-bit ones first, wrapping those past 2**31 - 1
@@ -426,11 +431,12 @@ def _softmax(scores: jax.Array, keep: jax.Array | None, empty_rows: str = "zeros
 
 
 def _float_softmax(scores: jax.Array) -> jax.Array:
-    """jax.nn.softmax over the last axis; float16 in float32, rounded once, as the reference:
-    its float16 sum of a long row's exponentials passes 65504 (inf, every weight 0)."""
-    if scores.dtype != jnp.float16:
+    """jax.nn.softmax over the last axis; float16 and bfloat16 in float32, rounded once, as
+    the reference: a float16 sum of a long row's exponentials passes 65504 (inf, every weight
+    0), and bfloat16's steps of its exponentials and sum put weights several steps off."""
+    if scores.dtype not in (jnp.float16, jnp.bfloat16):
         return jax.nn.softmax(scores, axis=-1)
-    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(jnp.float16)
+    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(scores.dtype)
 
 
 @documented

@@ -365,11 +365,12 @@ def _softmax(scores: tf.Tensor, keep: tf.Tensor | None, empty_rows: str = "zeros
 
 
 def _float_softmax(scores: tf.Tensor) -> tf.Tensor:
-    """tf.nn.softmax over the last axis; float16 in float32, rounded once, as the reference:
-    its float16 sum of a long row's exponentials passes 65504 (inf, every weight 0)."""
-    if scores.dtype != tf.float16:
+    """tf.nn.softmax over the last axis; float16 and bfloat16 in float32, rounded once, as
+    the reference: a float16 sum of a long row's exponentials passes 65504 (inf, every weight
+    0), and bfloat16's steps of its exponentials and sum put weights several steps off."""
+    if scores.dtype not in (tf.float16, tf.bfloat16):
         return tf.nn.softmax(scores, axis=-1)
-    return tf.cast(tf.nn.softmax(tf.cast(scores, tf.float32), axis=-1), tf.float16)
+    return tf.cast(tf.nn.softmax(tf.cast(scores, tf.float32), axis=-1), scores.dtype)
 
 
 def _einsum(subscripts: str, *operands: tf.Tensor) -> tf.Tensor:

@@ -227,10 +227,10 @@ def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> Any:
 def _length_mask(valid_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     """Keep keys j < valid_len: shape (batch_size, 1, no. of keys) for 1-D valid_lens,
     (batch_size, no. of queries, no. of keys) for 2-D."""
-    # torch has no comparison for uint16 to uint64: such lengths are compared as float64,
-    # exact to 2**53, far past any number of keys
+    # Float lengths and uint16 to uint64 (which torch cannot compare) are compared as float64,
+    # exact to 2**53: in float16 or bfloat16 a key's position would be rounded to the length
     lengths = valid_lens
-    if lengths.dtype in (torch.uint16, torch.uint32, torch.uint64):
+    if lengths.is_floating_point() or lengths.dtype in (torch.uint16, torch.uint32, torch.uint64):
         lengths = lengths.to(torch.float64)
     # Shape of lengths: (batch_size, 1 or no. of queries, 1)
     lengths = lengths.reshape(-1, 1, 1) if lengths.ndim == 1 else lengths.unsqueeze(-1)
