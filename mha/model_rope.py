@@ -72,9 +72,12 @@ _NULL_THETA_TURNS_NONE = frozenset({"olmo_hybrid"})
 # rotary embedding (Cohere Compass's text model: its flat keys beside them are not read)
 _ROPE_BY_KIND_ONLY = frozenset({"cohere_compass_text"})
 
-# Model types whose rope_scaling transformers nests per layer type without reading its
-# older key 'type' (their rotary embedding stays the default one)
-_LEGACY_TYPE_UNREAD = frozenset({"gemma3n_text", "olmo3"})
+# Model types whose config class keeps rotary parameters per layer type alone: it nests an
+# older flat rope_scaling into the full layers' (ModernBERT's into both types': _LOCAL_SCALED)
+# over {"rope_type": "default"}, so reads no older key 'type', and from then on reads them as
+# parameters per layer type (no truncate, no top-level original length); it reads no flat
+# rope_parameters, and fills a layer type the config leaves out with the default embedding
+_NESTS_PER_KIND = frozenset(_LOCAL_THETA)
 # Model types whose older configs name YaRN 'deepseek_yarn' (rope_scaling's type)
 _DEEPSEEK_YARN = frozenset({"sarvam_mla"})
 
@@ -316,6 +319,11 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
         rope = DEFAULT_ROPE_BY_KIND[model_type]
     if not isinstance(rope, Mapping):
         raise ValueError(f"the config's rope_parameters is not a mapping: {rope!r}")
+    legacy = config.get("rope_scaling") or {}
+    if not isinstance(legacy, Mapping):
+        raise ValueError(f"the config's rope_scaling is not a mapping: {legacy!r}")
+    if model_type in _NESTS_PER_KIND:
+        rope, legacy = _nested_per_kind(config, rope, legacy), {}
     if rope and all(isinstance(value, Mapping) for value in rope.values()):
         # Gemma 3: one rotary embedding per layer type
         if kind not in rope:
@@ -324,34 +332,58 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
                 f"the config's rope_parameters are per layer type ({', '.join(rope)}), and "
                 f"it has {which}"
             )
-        return rope[kind], f"rope_parameters[{kind!r}]"
-    legacy = config.get("rope_scaling") or {}
-    if not isinstance(legacy, Mapping):
-        raise ValueError(f"the config's rope_scaling is not a mapping: {legacy!r}")
+        merged = config.get("rope_scaling") and kind in _nested_into(model_type)
+        return rope[kind], f"rope_parameters[{kind!r}]" + (" (with rope_scaling)" if merged else "")
     if legacy and rope:
         raise ValueError(
             f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
             f"{dict(legacy)}; mha reads one"
         )
-    if kind == "sliding_attention" and model_type in _LOCAL_THETA.keys() - _LOCAL_SCALED:
-        return {}, "rope_parameters"
     named = (legacy.get("type"), legacy.get("rope_type"))
     if model_type in _DEEPSEEK_YARN and "deepseek_yarn" in named:
         # transformers reads Sarvam's older configs' DeepSeek YaRN as YaRN, by either name
         legacy = {key: value for key, value in legacy.items() if key != "type"}
         return {**legacy, "rope_type": "yarn"}, "rope_scaling"
-    if model_type in _LEGACY_TYPE_UNREAD and legacy.get("type") not in (None, "default"):
-        if "rope_type" not in legacy:
-            raise ValueError(
-                f"the config's rope_scaling names its type {legacy['type']!r} under 'type', "
-                f"which transformers' code of model_type={model_type!r} does not read (it turns "
-                "by the default rotary embedding): write it as rope_type"
-            )
     if legacy:
         return legacy, "rope_scaling"
     if not rope and model_type in DEFAULT_ROPE:
         return DEFAULT_ROPE[model_type], f"transformers' default rope_parameters of {model_type}"
     return rope, "rope_parameters"
+
+
+def _nested_per_kind(config: Mapping[str, Any], rope: Mapping, legacy: Mapping) -> dict:
+    """The rotary parameters per layer type of a _NESTS_PER_KIND model type, as its config
+    class makes them: the config's, a flat rope_scaling nested in (an error where its type is
+    under 'type', which is not read), {"rope_type": "default"} for a type left out. Flat
+    rope_parameters, which the class does not read, are an error."""
+    model_type = config.get("model_type")
+    flat = sorted(key for key, value in rope.items() if not isinstance(value, Mapping))
+    if flat:
+        raise ValueError(
+            f"the config's rope_parameters give {', '.join(flat)} for every layer, which "
+            f"transformers' config of model_type={model_type!r} does not read (it reads them "
+            "per layer type, full_attention and sliding_attention, and turns by the default "
+            f"rotary embedding): give them per layer type ({dict(rope)})"
+        )
+    nested = {kind: dict(rope.get(kind) or {"rope_type": "default"}) for kind in _KINDS}
+    for kind in _nested_into(model_type):
+        nested[kind].update(legacy)
+        unread = legacy.get("type") not in (None, "default") and "rope_type" not in legacy
+        if unread and nested[kind].get("rope_type") == "default":
+            raise ValueError(
+                f"the config's rope_scaling names its type {legacy['type']!r} under 'type', "
+                f"which transformers' code of model_type={model_type!r} does not read (it turns "
+                "by the default rotary embedding): write it as rope_type"
+            )
+    return {**rope, **nested}
+
+
+_KINDS = ("full_attention", "sliding_attention")
+
+
+def _nested_into(model_type: str | None) -> tuple[str, ...]:
+    """The layer types a _NESTS_PER_KIND model type's flat rope_scaling is nested into."""
+    return _KINDS if model_type in _LOCAL_SCALED else _KINDS[:1]
 
 
 def _kind_rope(config: Mapping[str, Any], kind: str | None) -> tuple[Mapping | None, str]:
@@ -423,14 +455,11 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
         )
     if rope_type == "default":
         return None
-    per_layer_type = field.startswith("rope_parameters[")
-    _refuse_unread_truncate(rope, rope_type, field, per_layer_type)
+    _refuse_unread_truncate(rope, rope_type, field, field.startswith("rope_parameters["))
     longest = config.get("max_position_embeddings")
     original = rope.get("original_max_position_embeddings", longest)
-    if rope_type in ("llama3", "yarn", "longrope") and not per_layer_type:
-        # transformers: the pretrained length the config keeps beside one set of parameters
-        # (Phi-3's, whose class writes 4096) wins over theirs
-        original = config.get("original_max_position_embeddings", original)
+    if rope_type in _PRETRAINED_LENGTH:
+        original = _pretrained_length(config, rope, field)
     if rope_type == "dynamic":  # transformers scales from max_position_embeddings
         original = longest
     required, optional = ROPE_TYPES[rope_type]
@@ -445,6 +474,20 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     except (TypeError, ValueError) as error:
         raise ValueError(f"the config's rotary scaling: {error}") from None
     return scaling
+
+
+# The rotary types whose parameters transformers gives a pretrained length where they lack one
+_PRETRAINED_LENGTH = ("llama3", "yarn", "longrope")
+
+
+def _pretrained_length(config: Mapping[str, Any], rope: Mapping, field: str) -> Any:
+    """original_max_position_embeddings as transformers sets it in one set of parameters of a
+    _PRETRAINED_LENGTH type: the config's own beside them wins (Phi-3's class writes 4096),
+    then theirs, then max_position_embeddings; parameters per layer type keep theirs."""
+    original = rope.get("original_max_position_embeddings", config.get("max_position_embeddings"))
+    if field.startswith("rope_parameters["):
+        return original
+    return config.get("original_max_position_embeddings", original)
 
 
 def _refuse_unread_truncate(rope: Mapping, rope_type: str, field: str, per_type: bool) -> None:
@@ -466,9 +509,12 @@ def query_scaling(config: Mapping[str, Any], kind: str | None) -> dict[str, Any]
     if model_type not in _QUERY_SCALING:
         return None
     rope, field = _rope_parameters(config, kind)
+    original = rope.get("original_max_position_embeddings")
+    if rope.get("rope_type", rope.get("type")) in _PRETRAINED_LENGTH:
+        original = _pretrained_length(config, rope, field)  # as the rotary embedding's
     scaling = {
         "beta": rope.get("llama_4_scaling_beta"),
-        "original_max_position_embeddings": rope.get("original_max_position_embeddings"),
+        "original_max_position_embeddings": original,
     }
     try:
         check_query_scaling(field, scaling)

@@ -221,18 +221,20 @@ def test_a_config_without_a_model_type_mha_has_checked_is_read_as_written():
         assert porting.options_from_config(config)["sliding_window"] == 3
 
 
-@pytest.mark.parametrize("model_type", ["gemma3n_text", "olmo3"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma3n_text", "olmo3", "modernbert"])
 def test_an_older_rotary_type_their_code_does_not_read_is_refused(model_type):
     # transformers nests their rope_scaling per layer type and does not read its older key
-    # 'type': the model runs unscaled, which mha will not guess was meant
-    scaled = {"rope_scaling": {"type": "linear", "factor": 2.0}}
-    (_, model), (_, plain) = tiny_model(model_type, **scaled), tiny_model(model_type)
+    # 'type': the model runs unscaled, which mha will not guess was meant. Layer 3 is full
+    full = {"layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    kinds = full if model_type == "gemma3_text" else {}
+    scaled = {"rope_scaling": {"type": "linear", "factor": 2.0}, **kinds}
+    (_, model), (_, plain) = tiny_model(model_type, **scaled), tiny_model(model_type, **kinds)
     ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids)[0], plain(input_ids=ids)[0])
     with pytest.raises(ValueError, match="under 'type', which transformers' code"):
         porting.options_from_config(_written(model_type, scaled), 3)
-    written = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    written = {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, **kinds}
     assert porting.options_from_config(_written(model_type, written), 3)["rope_scaling"] == {
         "rope_type": "linear",
         "factor": 2.0,

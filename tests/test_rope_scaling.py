@@ -243,6 +243,121 @@ def test_a_yarn_per_layer_type_that_does_not_truncate_is_refused():
                 porting.options_from_config(config, 0)
 
 
+# Model types whose config class nests an older flat rope_scaling per layer type, each with
+# the fields that give it a sliding layer (0) and a full layer (1)
+NESTS_PER_KIND = {
+    "gemma3_text": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+    "gemma3n_text": {
+        **{"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+        "num_kv_shared_layers": 0,
+    },
+    "olmo3": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4},
+    "modernbert": {"global_attn_every_n_layers": 2, "local_attention": 4, "pad_token_id": 0},
+}
+OLDER_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def _transformers_frequencies(config, kind):
+    """The inverse frequencies and attention factor of a layer of `kind` as transformers
+    resolves the config (ROPE_INIT_FUNCTIONS; the plain ones by the formula)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = config.rope_parameters[kind]
+    if rope["rope_type"] == "default":
+        return 1.0 / rope["rope_theta"] ** (np.arange(0, HEAD, 2) / HEAD), 1.0
+    frequencies, factor = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu", layer_type=kind)
+    return frequencies.double().numpy(), factor
+
+
+@pytest.mark.parametrize("model_type", NESTS_PER_KIND)
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"rope_scaling": OLDER_YARN, "original_max_position_embeddings": 64},
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0},
+                "sliding_attention": {"rope_type": "linear", "factor": 3.0, "rope_theta": 10.0},
+            },
+            "rope_scaling": OLDER_YARN,
+        },
+        {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0}}},
+    ],
+    ids=["yarn_and_a_length_beside", "linear", "nested_and_rope_scaling", "full_alone"],
+)
+def test_an_older_rope_scaling_is_nested_per_layer_type_as_transformers_does(model_type, given):
+    # Its class merges it into the full layers' parameters (ModernBERT's into both), which
+    # then keep their own pretrained length, and fills the layer types the config leaves out
+    # with the default embedding (ModernBERT's class cannot: a KeyError)
+    nested = given.get("rope_parameters")
+    if model_type == "modernbert" and nested and "sliding_attention" not in nested:
+        given = {**given, "rope_parameters": {**nested, "sliding_attention": {}}}
+    T = transformers()
+    fields = {"hidden_size": 4 * HEAD, "num_attention_heads": 4, "head_dim": HEAD}
+    fields.update(num_hidden_layers=2, max_position_embeddings=16, rope_theta=100.0)
+    fields.update(NESTS_PER_KIND[model_type], **copy.deepcopy(given))
+    config = T.AutoConfig.for_model(model_type, **copy.deepcopy(fields))
+    for layer, kind in enumerate(("sliding_attention", "full_attention")):
+        if model_type == "modernbert":
+            kind = ("full_attention", "sliding_attention")[layer]
+        expected, factor = _transformers_frequencies(config, kind)
+        options = porting.options_from_config({**fields, "model_type": model_type}, layer)
+        scaling = options.get("rope_scaling")
+        got = encoding.rotary_frequencies(HEAD, options["rope_theta"], scaling)
+        np.testing.assert_allclose(got, expected, rtol=2e-7, err_msg=kind)
+        assert encoding.rotary_attention_factor(scaling) == pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "given", "message"),
+    [
+        ("olmo3", {"rope_scaling": {**OLDER_YARN, "truncate": False}}, "truncate=False"),
+        ("gemma3_text", {"rope_scaling": {"type": "linear", "factor": 4.0}}, "under 'type'"),
+        ("modernbert", {"rope_scaling": {"type": "linear", "factor": 4.0}}, "under 'type'"),
+        ("gemma3_text", {"rope_parameters": {"rope_type": "linear", "factor": 4.0}}, "per layer"),
+    ],
+    ids=["older_yarn_that_does_not_truncate", "type_key", "type_key_both_kinds", "flat"],
+)
+def test_what_a_class_of_parameters_per_layer_type_does_not_read_is_refused(
+    model_type, given, message
+):
+    # transformers truncates, turns by the default embedding, or ignores the flat parameters
+    config = {"model_type": model_type, "num_attention_heads": 4, "head_dim": HEAD}
+    config.update(max_position_embeddings=16, rope_theta=100.0, num_hidden_layers=2)
+    config.update(NESTS_PER_KIND[model_type], **given)
+    with pytest.raises(ValueError, match=message):
+        porting.options_from_config(config, 1 if model_type != "modernbert" else 0)
+
+
+QUERY_SCALED = {
+    "ministral3": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "mistral4": {
+        **{"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 2},
+        **{"q_lora_rank": 8, "kv_lora_rank": 6, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4},
+        **{"v_head_dim": 6, "moe_intermediate_size": 4, "n_routed_experts": 2, "n_group": 1},
+        **{"num_experts_per_tok": 1, "first_k_dense_replace": 1, "topk_group": 1},
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", QUERY_SCALED)
+def test_the_query_scaling_takes_the_pretrained_length_the_rotary_embedding_takes(model_type):
+    # A length beside the YaRN parameters wins over theirs when transformers builds the
+    # model, for the queries' scale as for the frequencies
+    T = transformers()
+    rope = {**OLDER_YARN, "rope_theta": 100.0, "llama_4_scaling_beta": 0.5}
+    fields = {"num_hidden_layers": 1, "max_position_embeddings": 32, "rope_parameters": rope}
+    fields.update(QUERY_SCALED[model_type], intermediate_size=8, vocab_size=30, pad_token_id=0)
+    fields["original_max_position_embeddings"] = 4
+    config = T.AutoConfig.for_model(model_type, **copy.deepcopy(fields))
+    T.AutoModel.from_config(config)
+    length = config.rope_parameters["original_max_position_embeddings"]
+    options = porting.options_from_config({**fields, "model_type": model_type}, 0)
+    assert options["query_scaling"]["original_max_position_embeddings"] == length == 4
+    assert options["rope_scaling"]["original_max_position_embeddings"] == length
+
+
 def _outputs(model, ids, padding=None, **call):
     """The attention input and output of layer 0 in a run of the whole model."""
     seen = {}
