@@ -966,6 +966,24 @@ def test_self_attention_compiles_into_one_graph(T, torch):
         torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
+def test_unmasked_weights_compile_without_an_out_argument(T, torch):
+    # Without gradients the eager softmax writes over the scores (out=); a graph must not:
+    # Inductor failed on it (KeyError) where the keys were a multiple of 8. Expected: the
+    # reference's weights and output
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, n, 8)).astype("float32") for n in (5, 16, 16))
+    reference = N.DotProductAttention()
+    expected = reference(q, k, v)
+    layer = T.DotProductAttention().eval()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        output = torch.compile(layer, fullgraph=True)(*map(torch.from_numpy, (q, k, v)))
+    np.testing.assert_allclose(output.numpy(), expected, rtol=1e-5, atol=1e-6)
+    weights = layer.attention_weights.numpy()
+    np.testing.assert_allclose(weights, reference.attention_weights, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 @pytest.mark.parametrize(

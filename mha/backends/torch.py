@@ -319,7 +319,10 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = F
             # A row with no kept key, all -inf, would be NaN: a row of zeros, whose softmax
             # is uniform, zeroed after unless empty_rows says uniform
             scores = scores.masked_fill_(~attended, 0.0)
-    if in_place and not scores.requires_grad and not fused.functorch_wrapped(scores):
+    # An out= argument needs the scores' own storage: not a graph's (Inductor fails on it)
+    # nor torch.func's wrapped tensors
+    own = not fused.building_a_graph() and not fused.functorch_wrapped(scores)
+    if in_place and not scores.requires_grad and own:
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:
         weights = torch.softmax(scores, dim=-1)
