@@ -531,6 +531,10 @@ def test_dropout_zeroes_and_rescales():
     Y = dropout(X)
     assert set(np.unique(Y).tolist()) == {0.0, np.float32(1 / 0.75)}
     assert abs((Y == 0).mean() - 0.25) < 0.02
+    # A rate raised to 1 after construction (which refuses it) drops every entry: zeros, not
+    # the NaN of 0 / 0
+    dropout.p = 1.0
+    assert np.array_equal(dropout(X), np.zeros_like(X))
 
 
 # ---------------------------------------------------------------------------------------------

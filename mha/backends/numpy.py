@@ -155,6 +155,8 @@ class Dropout(Module):
     def forward(self, X: np.ndarray) -> np.ndarray:
         if not self.training or self.p == 0.0:
             return X
+        if self.p >= 1.0:  # every entry dropped: zeros, as torch's and Flax's, not 0 / 0
+            return np.zeros_like(X)
         keep = np.random.random_sample(X.shape) >= self.p
         return (X * keep / (1.0 - self.p)).astype(X.dtype)
 
