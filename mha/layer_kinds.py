@@ -106,10 +106,27 @@ def rotates(config: Mapping[str, Any], layer: int | None) -> bool | None:
     return bool(no_rope[layer])
 
 
-def uses_window(config: Mapping[str, Any]) -> bool:
+# Model types whose config keeps sliding_window where use_sliding_window is false: their
+# masks (eager, SDPA) still slide on the layers layer_types name sliding, their flash
+# attention does not
+_MASKS_READ_LAYER_TYPES = frozenset({"smollm3"})
+
+
+def uses_window(config: Mapping[str, Any], kind: str | None = None) -> bool:
     """Whether the config's window applies (to the layers of the sliding kind), as its
-    use_sliding_window says (transformers' default of it filled in: mha.config_defaults)."""
-    return flag(config, "use_sliding_window", True)
+    use_sliding_window says (transformers' default of it filled in: mha.config_defaults).
+    A sliding layer (`kind`) that transformers' attentions window differently is an error."""
+    on = flag(config, "use_sliding_window", True)
+    split = config.get("model_type") in _MASKS_READ_LAYER_TYPES and config.get("layer_types")
+    if not on and split and kind == SLIDING and config.get("sliding_window") is not None:
+        raise ValueError(
+            f"the config's layer_types name sliding_attention layers, with sliding_window="
+            f"{config['sliding_window']!r} and use_sliding_window false: transformers' eager "
+            "and SDPA attention window them (their masks read layer_types) where its flash "
+            "attention does not: write use_sliding_window true, or those layers as "
+            "full_attention"
+        )
+    return on
 
 
 def layer_kind(config: Mapping[str, Any], layer: int | None) -> str | None:

@@ -279,7 +279,7 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
     if config.get("model_type") == "gpt_neo":
         window, kind = _gpt_neo_window(config, layer)
     slides = kind != "full_attention" or config.get("model_type") in _FULL_LAYERS_SLIDE
-    if window is not None and uses_window(config) and slides:
+    if window is not None and uses_window(config, kind) and slides:
         found["sliding_window"] = positive_count("sliding_window", window)
         if config.get("model_type") in _WINDOW_EITHER_SIDE:  # |i - j| <= w: mha's < w + 1
             found["sliding_window"] += 1

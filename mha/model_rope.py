@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.config_defaults import DEFAULT_PARTIAL, DEFAULT_ROPE, DEFAULT_ROPE_BY_KIND, DEFAULT_THETA
-from mha.config_values import flag, fraction, positive_count, positive_number
+from mha.config_values import flag, fraction, is_whole, positive_count, positive_number
 from mha.encoding import ROPE_TYPES, check_query_scaling, check_rope_scaling
 from mha.layer_kinds import last_layer, rotates
 from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
@@ -466,7 +466,7 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     scaling = {"rope_type": rope_type}
     scaling |= {key: rope[key] for key in (*required, *optional) if rope.get(key) is not None}
     if "original_max_position_embeddings" in required:
-        scaling["original_max_position_embeddings"] = original
+        scaling["original_max_position_embeddings"] = _whole(original)
     if rope_type in ("yarn", "longrope") and rope.get("factor") is None and longest and original:
         scaling["factor"] = longest / original
     try:
@@ -488,6 +488,12 @@ def _pretrained_length(config: Mapping[str, Any], rope: Mapping, field: str) -> 
     if field.startswith("rope_parameters["):
         return original
     return config.get("original_max_position_embeddings", original)
+
+
+def _whole(value: Any) -> Any:
+    """A length JSON wrote as a whole float (8192.0) as the integer; others as they are (the
+    scaling's checks refuse them by name)."""
+    return int(value) if is_whole(value) and not isinstance(value, bool) else value
 
 
 def _refuse_unread_truncate(rope: Mapping, rope_type: str, field: str, per_type: bool) -> None:
@@ -514,7 +520,7 @@ def query_scaling(config: Mapping[str, Any], kind: str | None) -> dict[str, Any]
         original = _pretrained_length(config, rope, field)  # as the rotary embedding's
     scaling = {
         "beta": rope.get("llama_4_scaling_beta"),
-        "original_max_position_embeddings": original,
+        "original_max_position_embeddings": _whole(original),
     }
     try:
         check_query_scaling(field, scaling)

@@ -512,3 +512,23 @@ def test_muse_glimmer_counts_its_full_layers_from_the_last(layers, written):
     assert [i for i, options in enumerate(each) if "sliding_window" not in options] == full
     assert [i for i, options in enumerate(each) if "rope_theta" not in options] == full
     assert_each_layer_ports("muse_glimmer_text", model, config, config_dict)
+
+
+def test_smollm3_layers_its_attentions_window_differently_are_refused():
+    # SmolLM3's config keeps sliding_window where use_sliding_window is false: its eager and
+    # SDPA masks slide on the sliding layers, its attention modules (flash) do not
+    kinds = ["sliding_attention", "full_attention"] * 2
+    changes = {"layer_types": kinds, "sliding_window": 3, "use_sliding_window": False}
+    config, model = tiny_model("smollm3", attn_implementation="eager", **changes)
+    assert config.sliding_window == 3 and model.layers[0].self_attn.sliding_window is None
+    ids = torch.tensor([[5, 17, 3, 42, 8, 29, 11]])
+    every_full = {**changes, "layer_types": ["full_attention"] * 4}
+    _, full = tiny_model("smollm3", attn_implementation="eager", **every_full)
+    with torch.no_grad():  # the mask slides: not the model whose layers are all full
+        assert not torch.allclose(model(input_ids=ids)[0], full(input_ids=ids)[0])
+    with pytest.raises(ValueError, match="eager and SDPA attention window them"):
+        porting.options_from_config(_written("smollm3", changes), 0)
+    on = porting.options_from_config(
+        _written("smollm3", {**changes, "use_sliding_window": True}), 0
+    )
+    assert on["sliding_window"] == 3

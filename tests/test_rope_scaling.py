@@ -189,6 +189,14 @@ PRETRAINED_LENGTHS = {
     "longrope_of_phi3_class": ("phi3", None, None, {"rope_type": "longrope", **LONGROPE}, 4),
     # YaRN whose factor is null: transformers takes max_position_embeddings over its length
     "yarn_of_null_factor": ("llama", None, None, {"rope_type": "yarn", "factor": None}, 4),
+    # JSON's 8.0: a whole number, as transformers reads it
+    "yarn_of_a_whole_float_length": (
+        "llama",
+        None,
+        None,
+        {"rope_type": "yarn", "factor": 4.0},
+        8.0,
+    ),
     "longrope_per_layer_type": (
         "gemma3_text",
         "full_attention",
