@@ -324,6 +324,11 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
         raise ValueError(f"the config's rope_scaling is not a mapping: {legacy!r}")
     if model_type in _NESTS_PER_KIND:
         rope, legacy = _nested_per_kind(config, rope, legacy), {}
+    if legacy and rope:
+        raise ValueError(
+            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
+            f"{dict(legacy)}; mha reads one"
+        )
     if rope and all(isinstance(value, Mapping) for value in rope.values()):
         # Gemma 3: one rotary embedding per layer type
         if kind not in rope:
@@ -334,11 +339,6 @@ def _rope_parameters(config: Mapping[str, Any], kind: str | None) -> tuple[Mappi
             )
         merged = config.get("rope_scaling") and kind in _nested_into(model_type)
         return rope[kind], f"rope_parameters[{kind!r}]" + (" (with rope_scaling)" if merged else "")
-    if legacy and rope:
-        raise ValueError(
-            f"the config gives both rope_parameters={dict(rope)} and rope_scaling="
-            f"{dict(legacy)}; mha reads one"
-        )
     named = (legacy.get("type"), legacy.get("rope_type"))
     if model_type in _DEEPSEEK_YARN and "deepseek_yarn" in named:
         # transformers reads Sarvam's older configs' DeepSeek YaRN as YaRN, by either name

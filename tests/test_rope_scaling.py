@@ -338,6 +338,19 @@ def test_what_a_class_of_parameters_per_layer_type_does_not_read_is_refused(
         porting.options_from_config(config, 1 if model_type != "modernbert" else 0)
 
 
+def test_parameters_per_layer_type_beside_a_rope_scaling_are_refused_elsewhere():
+    # Outside the classes that nest it, transformers takes a rope_scaling over the config's
+    # rope_parameters whole (or, Gemma 4's, ignores it): mha reads neither silently
+    nested = {"sliding_attention": {"rope_theta": 10.0}, "full_attention": {"rope_theta": 1e4}}
+    config = {"model_type": "ultrabert", "num_attention_heads": 4, "head_dim": HEAD}
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    config.update(rope_parameters=nested, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    with pytest.raises(ValueError, match="gives both rope_parameters"):
+        porting.options_from_config(config, 1)
+    del config["rope_scaling"]
+    assert porting.options_from_config(config, 1)["rope_theta"] == 1e4
+
+
 QUERY_SCALED = {
     "ministral3": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2},
     "mistral4": {
