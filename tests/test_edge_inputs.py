@@ -243,3 +243,18 @@ def test_the_absorbed_latent_form_in_float16_over_512_latent_features(name):
     expected = reference(X.astype("float64"), causal=True)
     output = layer(module.from_numpy(X), causal=True, absorbed=True)
     assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
+
+
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow")))
+def test_rotary_positions_past_2_24_are_whole_positions_rounded_once(name):
+    # float32 holds every second whole number past 2**24: each position is rounded once, as
+    # transformers rounds its int64 positions, not counted in float32 steps (which drift by
+    # a step per position). Expected: the same rows at the same positions given one by one
+    module = backend_module(name)
+    offset, n = 2**24 + 1, 300
+    X = np.random.default_rng(0).standard_normal((1, 1, n, 8)).astype("float32")
+    rotary = module.RotaryEmbedding(8)
+    at_offset = module.to_numpy(rotary.rotate(module.from_numpy(X), offset))
+    given = module.from_numpy(np.arange(offset, offset + n)[None])
+    one_by_one = module.to_numpy(rotary.rotate(module.from_numpy(X), offset, positions=given))
+    np.testing.assert_array_equal(at_offset, one_by_one)

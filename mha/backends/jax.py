@@ -1175,6 +1175,8 @@ class RotaryEmbedding(nnx.Module):
         n = X.shape[-2]
         frequencies = self.frequencies_at(offset + n if length is None else length)
         if positions is None:
+            # In the angles' dtype: without 64-bit mode JAX's integers stop at 2**31 - 1, where
+            # a float32 position is 1 to 2 positions off past 2**24 anyway
             positions = jnp.arange(offset, offset + n, dtype=frequencies.dtype)
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads

@@ -992,7 +992,9 @@ class RotaryEmbedding(Module):
         # Shape of angles, cos and sin: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
         n = X.shape[-2]
         if positions is None:
-            positions = np.arange(offset, offset + n, dtype=self.frequencies.dtype)
+            # Whole positions, each rounded once (a float32 arange steps by its first two's
+            # difference, 2 past 2**24, and drifts)
+            positions = np.arange(offset, offset + n).astype(self.frequencies.dtype)
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
             positions = positions[:, None, :].astype(self.frequencies.dtype)

@@ -1034,8 +1034,9 @@ class RotaryEmbedding(Module):
         # Shape of angles, cos and sin: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
         n = X.shape[-2]
         if positions is None:
-            positions = torch.arange(offset, offset + n, dtype=self.frequencies.dtype,
-                                     device=X.device)
+            # Whole positions, each rounded once, as transformers' (int64, then the dtype)
+            positions = torch.arange(offset, offset + n, device=X.device)
+            positions = positions.to(self.frequencies.dtype)
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
             positions = positions[:, None, :].to(self.frequencies.dtype)
