@@ -3,7 +3,7 @@
 `options_from_config` reads a config as transformers does: a field the file leaves out takes
 the default of the model type's config class (Gemma 2's query_pre_attn_scalar of 256 and its
 soft cap of 50, Granite's attention_multiplier of 1, Mistral's window of 4096, OLMo 2's norm
-eps of 1e-5). These are the class defaults of transformers 5.24 for the fields mha reads
+eps of 1e-5). These are the class defaults of transformers 5.25 for the fields mha reads
 (`tests/test_config_defaults.py` holds them to the installed transformers), and the
 rotary embedding's of each rotary model type, which `mha.model_rope` reads (the family test
 of `tests/test_families.py` holds those, from configs that write none).
@@ -232,6 +232,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "mellum": {"head_dim": 128, "sliding_window": 1024, "rms_norm_eps": 1e-06},
     "minicpm3": {"rms_norm_eps": 1e-05},
+    "minicpm5_moe": {"head_dim": 128, "rms_norm_eps": 1e-06},
     "minimax_m2": {"head_dim": 128, "rms_norm_eps": 1e-06},
     "minimax_m3_vl_text": {"head_dim": 128, "rms_norm_eps": 1e-06},
     "minimax": {"rms_norm_eps": 1e-05},
@@ -257,6 +258,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "openai_privacy_filter": {"head_dim": 64, "sliding_window": 128, "rms_norm_eps": 1e-05},
     "olmo_hybrid": {"rms_norm_eps": 1e-06},
     "olmoe": {"rms_norm_eps": 1e-05},
+    "param2moe": {"head_dim": 64, "rms_norm_eps": 1e-06, "use_qk_norm": True},
     "phi": {"layer_norm_eps": 1e-05, "qk_layernorm": False},
     "phi3": {"rms_norm_eps": 1e-05, "original_max_position_embeddings": 4096},
     "phimoe": {"rms_norm_eps": 1e-05},
@@ -342,6 +344,7 @@ DEFAULT_THETA = {
     "lfm2_moe": 1_000_000.0,
     "llama4_text": 500_000.0,
     "minimax": 1_000_000.0,
+    "minicpm5_moe": 5_000_000.0,
     "minimax_m2": 5_000_000.0,
     "minimax_m3_vl_text": 5_000_000.0,
     "mixtral": 1_000_000.0,
@@ -349,6 +352,7 @@ DEFAULT_THETA = {
     "modernbert-decoder": 160_000.0,
     "nomic_bert": 1_000.0,
     "olmo3": 500_000.0,
+    "param2moe": 500_000.0,
     "phimoe": 1_000_000.0,
     "qwen3_vl_moe_text": 500_000.0,
     "qwen3_vl_text": 500_000.0,

@@ -50,6 +50,8 @@ class Layout(NamedTuple):
     # weights do not hold ("" where some add none)
     positions: str = ""
     biases: bool = True  # whether the layout's models have biases (T5's have none)
+    # Whether the query projection holds each head's gate of its output beside its queries
+    gated: bool = False
 
 
 _ADD_NORM = "the layer norm after the residual, outside the attention"
@@ -81,6 +83,13 @@ LAYOUTS = (
         "q/k/v/o_proj (Llama, Mistral, Qwen)",
         "linear",
         {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"},
+    ),
+    Layout(
+        "q_gate_proj, k/v_proj and o_proj (MiniCPM5)",
+        "linear",
+        {"q": "q_gate_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"},
+        positions="rotary embeddings",
+        gated=True,
     ),
     Layout(
         "q/k/v_proj and out_proj (BART, OPT, Whisper)",

@@ -241,11 +241,11 @@ _WINDOW_EITHER_SIDE = frozenset(
 # beside its linear-attention layers)
 _FULL_LAYERS_SLIDE = frozenset({"minimax"})
 
-# Model types whose heads' output is gated: by rows of the query projection (Qwen3-Next's) or
-# by gate_proj (AFMoE's, a gate per feature); LFM3's g_proj gives one per head where its
-# use_attention_gate says (transformers' default: on)
+# Model types whose heads' output is gated: by rows of the query projection (Qwen3-Next's,
+# MiniCPM5's q_gate_proj) or by gate_proj (AFMoE's, a gate per feature); LFM3's g_proj gives
+# one per head where its use_attention_gate says (transformers' default: on)
 _OUTPUT_GATE = frozenset(
-    {"afmoe", "muse_glimmer_text", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"}
+    {"afmoe", "minicpm5_moe", "muse_glimmer_text", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"}
 )
 _HEAD_GATE = {"lfm3": "use_attention_gate"}
 

@@ -75,7 +75,7 @@ def _qk_norm_kind(config: Mapping[str, Any]) -> str:
 QK_NORM_ALWAYS = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "minimax_m2"})
 
 # Model types whose config's use_qk_norm adds _QK_NORM's "head" norms, and its default there
-QK_NORM_FIELD = {"glm4_moe": False, "sarvam_moe": True}
+QK_NORM_FIELD = {"glm4_moe": False, "param2moe": True, "sarvam_moe": True}
 # Model types whose field turns on a layer norm of each head, a scale of each head's own, no
 # shift (qk_norm="layer_norm_per_head"), before the rotary embedding: StableLM's, Cohere's
 LAYER_NORM_PER_HEAD = {"stablelm": "qk_layernorm", "cohere": "use_qk_norm"}

@@ -28,8 +28,8 @@ _THETA_ALONE = frozenset({"esm"})
 TURNS_PART = frozenset(
     (
         "glm glm4 glm4_moe glm4_moe_lite glm4v_moe_text glm4v_text glm_image_text glm_ocr_text "
-        "gpt_neox minimax_m2 minimax_m3_vl_text mistral4 nemotron phi phi3 qwen3_5_moe_text "
-        "qwen3_5_text qwen3_next recurrent_gemma sarvam_moe stablelm"
+        "gpt_neox minimax_m2 minimax_m3_vl_text mistral4 nemotron param2moe phi phi3 "
+        "qwen3_5_moe_text qwen3_5_text qwen3_next recurrent_gemma sarvam_moe stablelm"
     ).split()
 )
 # Model types among the others whose code fails on a fraction under any rotary embedding

@@ -150,8 +150,8 @@ def canonical_from_state_dict(
         scale: the score scale, where the model's is not its layout's (GPT-2's by layer).
         qk_norm_offset: what the source's QK-norms add to their weights before scaling
             (Gemma's scale by 1 + weight: 1.0); the canonical q_norm and k_norm hold the sum.
-        output_gate: the heads' output is gated: q_proj's rows split into W_q and W_g (Qwen3-
-            Next), or LFM3's g_proj (one per head) or AFMoE's gate_proj where it is there.
+        output_gate: the heads' output is gated: q_proj's (q_gate_proj's) rows split into W_q
+            and W_g (Qwen3-Next, MiniCPM5), or LFM3's g_proj or AFMoE's gate_proj, if there.
         without_positions: no rotary embedding or ALiBi in a layout whose models all add
             them (GPT-NeoX, BLOOM, MPT, Phi-3): none, or attn_bias=alibi_bias(...) at calls.
         values_from_keys: the layer has no v_proj, its values being the key projection's
@@ -215,6 +215,11 @@ def _read_port(layout: Layout, names, num_heads, where: str, qk_norm, port: dict
     left out, and the notes on what the port added; port: the port options."""
     output_gate, weightless = port["output_gate"], port["weightless_qk_norm"]
     qk_norm_offset = port["qk_norm_offset"]
+    if layout.gated and not output_gate:  # MiniCPM5's q_gate_proj
+        raise ValueError(
+            f"the {layout.name} weights {where} hold each head's queries and the gate of its "
+            "output in one projection: give output_gate=True"
+        )
     used = layout_names(layout, names)
     # Norms without weights read none: a q_norm.weight there is refused by name
     extra = _beside_projections(layout, names, None if weightless else qk_norm, output_gate, where)

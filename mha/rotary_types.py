@@ -87,6 +87,7 @@ ROTARY = {
     "llama4_text": "pairs",  # complex products of (2i, 2i + 1)
     "mellum": "half",
     "minicpm3": "half",  # DeepSeek-V2's latent attention, Llama's rotary
+    "minicpm5_moe": "half",  # Llama's attention, each head's queries beside its gate
     "minimax": "half",  # MiniMax-Text-01's full-attention layers
     "minimax_m2": "half",
     "minimax_m3_vl_text": "half",  # MiniMax-M3's text model, its full-attention layers
@@ -108,6 +109,7 @@ ROTARY = {
     "olmo_hybrid": "half",  # its full-attention layers; rope_parameters' rope_theta null: none
     "olmoe": "half",
     "openai_privacy_filter": "pairs",  # gpt-oss's attention both ways, its pairs interleaved
+    "param2moe": "half",  # Param2, GLM-4.5's layers in transformers, the whole head rotated
     "phi": "half",
     "phi3": "half",
     "phimoe": "half",
@@ -152,7 +154,7 @@ UNCHECKED_ROTARY = frozenset(
         "deepseek_v32 deepseek_v4 dia_decoder dia_encoder diffllama diffusion_gemma_text "
         "dinov3_vit doge dory dots3_note_audio_encoder dots3_note_text "
         "dots3_note_vision_encoder edgetam_video_mask_decoder edgetam_video_prompt_encoder "
-        "efficientloftr emu3_text_model emu3_vqgan eomt_dinov3 "
+        "efficientloftr emu3_text_model emu3_vqgan eomt_dinov3 ergo "
         "ernie4_5_vl_moe_text ernie4_5_vl_moe_vision exaone4_5_vision gemma3n_audio "
         "gemma3n_vision gemma4_audio gemma4_unified_audio gemma4_unified_text "
         "gemma4_unified_vision gemma4_vision glm4v_moe_vision "
@@ -161,14 +163,15 @@ UNCHECKED_ROTARY = frozenset(
         "gpt_neox_japanese granite4_vision_text granite_docling_vision hrm_text "
         "hunyuan_vl_text hunyuan_vl_vision hy_v4 hy_v4_vl_text hy_v4_vl_vision "
         "idefics_perciever idefics_vision inkling2_text inkling2_vision jetmoe "
-        "kimi_k25_vision laguna lasr_encoder lfm3_vl_vision llama4_vision_model longcat_flash "
+        "kimi_k25_vision kolibri1_1 laguna lasr_encoder lfm3_vl_vision llama4_vision_model "
+        "llava_onevision1_5_vision longcat_flash "
         "mimi mimi_decoder mimi_encoder mimo_v2_flash minimax_m3_vl_vision "
         "mistral_large4_text mlcd mlcd_vision_model mllama_text_model mllama_vision_model "
         "molmo2_adapter molmo2_vision moonshine "
         "moonshine_streaming_encoder moshi_depth muse_glimmer_assistant "
         "muse_glimmer_vision muse_spark_audio muse_spark_text muse_spark_vision "
         "nemotron3_5_transcribe_asr_audio nemotron3_5_transcribe_word_timestamp "
-        "nemotron3_diarization_audio neomme paddleocr_vl_text "
+        "nemotron3_diarization_audio neomme ovis2_5_vision paddleocr_vl_text "
         "paddleocr_vl_vision persimmon phi4_multimodal_audio phi4_multimodal_vision pixtral "
         "pocket_tts_audio_tokenizer pocket_tts_audio_tokenizer_decoder "
         "pocket_tts_audio_tokenizer_encoder qwen2_5_omni_audio_encoder qwen2_5_omni_bigvgan "

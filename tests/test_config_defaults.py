@@ -121,18 +121,40 @@ def test_every_model_type_whose_code_turns_queries_and_keys_is_known():
     # A model type outside ROTARY whose code rotates would port unrotated from a config
     # without rotary fields; configs that nest their models' (sub_configs) are refused as such
     T = required_import("transformers")
-    folder = os.path.join(os.path.dirname(T.__file__), "models")
     turning = set()
     for model_type, config_class in T.CONFIG_MAPPING.items():
         if getattr(config_class, "sub_configs", None):
             continue
-        where = os.path.join(folder, config_class.__module__.split(".")[2])
-        modeling = [name for name in os.listdir(where) if name.startswith("modeling_")]
-        text = "".join(_read(os.path.join(where, name)) for name in modeling)
+        text = "".join(_read(path) for path in _modeling_files(T, model_type, config_class))
         if re.search(_TURNS, text, re.MULTILINE):
             turning.add(model_type)
     assert turning - set(ROTARY) - UNCHECKED_ROTARY == set()
     assert not turning & PLAIN
+
+
+def test_a_config_whose_model_is_another_types_is_read_in_that_models_code():
+    # EXAONE 3's config has no modeling module: transformers builds Llama's model from it
+    T = required_import("transformers")
+    config_class = T.CONFIG_MAPPING["exaone"]
+    files = [os.path.basename(path) for path in _modeling_files(T, "exaone", config_class)]
+    assert files == ["modeling_llama.py"]
+
+
+def _modeling_files(T, model_type: str, config_class) -> list[str]:
+    """The modeling modules of the config class's folder, and of the folder of the model
+    class transformers builds from the model type where it is another's (Llama's for
+    EXAONE 3, GLM-4.5's for Param2)."""
+    folder = os.path.join(os.path.dirname(T.__file__), "models")
+    folders = {config_class.__module__.split(".")[2]}
+    model_name = T.models.auto.modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
+    if isinstance(model_name, str) and hasattr(T, model_name):
+        folders.add(getattr(T, model_name).__module__.split(".")[2])
+    return [
+        os.path.join(folder, name, file)
+        for name in sorted(folders)
+        for file in sorted(os.listdir(os.path.join(folder, name)))
+        if file.startswith("modeling_")
+    ]
 
 
 def _read(path: str) -> str:

@@ -186,6 +186,8 @@ OWN_SIZES["lfm2"] = {"norm_eps": 1e-3}
 # Few small experts; LaraMini's linear-attention layers small, its window within the sequence
 FEW_EXPERTS = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
 OWN_SIZES["sarvam_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4, "n_group": 1, "topk_group": 1}
+OWN_SIZES["param2moe"] = OWN_SIZES["sarvam_moe"]
+OWN_SIZES["minicpm5_moe"] = {**FEW_EXPERTS, "n_routed_experts": 4}
 OWN_SIZES["lara_mini"] = {
     **FEW_EXPERTS,
     "num_experts": 4,

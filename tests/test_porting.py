@@ -869,6 +869,7 @@ def _tiny_decoder(family, seed=9, **fields):
         "olmo2": (T.Olmo2Config, T.Olmo2Model),
         "phi3": (T.Phi3Config, T.Phi3Model),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextModel),
+        "minicpm5_moe": (T.MiniCPM5MoeConfig, T.MiniCPM5MoeModel),
     }[family]
     sizes = dict(
         hidden_size=16,
@@ -1062,6 +1063,32 @@ def test_qwen3_next_ports_with_its_output_gate(name):
     linear = {**config.to_dict(), "layer_types": ["linear_attention", "full_attention"]}
     with pytest.raises(ValueError, match=r"'linear_attention'"):
         porting.options_from_config(linear, 0)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_minicpm5_ports_with_the_gate_in_its_query_projection(name):
+    # q_gate_proj gives each head's queries, then its gate, with biases here; 4 query heads
+    # of 8 over 2 key-value heads, the whole head turned by halves
+    config, model = _tiny_decoder(
+        "minicpm5_moe", head_dim=8, attention_bias=True, mlp_layer_types=["dense", "dense"]
+    )
+    with torch.no_grad():  # gates away from one half
+        for block in model.layers:
+            block.self_attn.q_gate_proj.weight.mul_(10)
+            block.self_attn.q_gate_proj.bias.uniform_(-2, 2)
+    options = porting.options_from_config(config.to_dict(), 1)
+    assert options == {
+        "num_heads": 4,
+        "rope_theta": config.rope_parameters["rope_theta"],
+        "output_gate": True,
+    }
+    state, prefix = model.state_dict(), "layers.1.self_attn"
+    port = porting.canonical_from_state_dict(state, prefix, **options)
+    assert port.weights["W_g"].shape == (16, 32) and port.weights["b_g"].shape == (32,)
+    _check_causal_port(name, state, prefix, options, *_attention_io(model, IDS)[1])
+    # Without the gate the layout is refused by name, never ported as queries alone
+    with pytest.raises(ValueError, match=r"in one projection: give output_gate=True"):
+        porting.from_state_dict(state, prefix, **{**options, "output_gate": False})
 
 
 @pytest.mark.parametrize("name", backend_params())
