@@ -146,9 +146,10 @@ def _modeling_files(T, model_type: str, config_class) -> list[str]:
     EXAONE 3, GLM-4.5's for Param2)."""
     folder = os.path.join(os.path.dirname(T.__file__), "models")
     folders = {config_class.__module__.split(".")[2]}
-    model_name = T.models.auto.modeling_auto.MODEL_MAPPING_NAMES.get(model_type)
-    if isinstance(model_name, str) and hasattr(T, model_name):
-        folders.add(getattr(T, model_name).__module__.split(".")[2])
+    model_names = T.models.auto.modeling_auto.MODEL_MAPPING_NAMES.get(model_type, ())
+    for model_name in (model_names,) if isinstance(model_names, str) else model_names:
+        if hasattr(T, model_name):
+            folders.add(getattr(T, model_name).__module__.split(".")[2])
     return [
         os.path.join(folder, name, file)
         for name in sorted(folders)
