@@ -218,7 +218,8 @@ def _read_port(layout: Layout, names, num_heads, where: str, qk_norm, port: dict
     if layout.gated and not output_gate:  # MiniCPM5's q_gate_proj
         raise ValueError(
             f"the {layout.name} weights {where} hold each head's queries and the gate of its "
-            "output in one projection: give output_gate=True"
+            "output in one projection: give output_gate=True (mha convert: --config with the "
+            "model's config.json)"
         )
     used = layout_names(layout, names)
     # Norms without weights read none: a q_norm.weight there is refused by name
