@@ -154,6 +154,30 @@ def test_the_functions_window_keeps_its_keys_where_queries_straddle_2_to_the_24(
     np.testing.assert_allclose(output, by_hand, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_window_over_a_cache_past_2_to_the_24_keeps_the_keys_at_its_own_positions(name, rng):
+    # Queries at 2**24 and 2**24 + 1 after a cache of 2**24 positions, causal, a window of 2:
+    # each keeps its own key and the one before, as queries at 2 and 3 after the cache's last
+    # two positions alone do. Key 2**24 + 1 counted in float32 is 2**24: the first query
+    # would keep it too (and so the numbers of the whole cache would differ from these)
+    module = backend_module(name)
+    config = {"num_hiddens": 2, "num_heads": 1, "sliding_window": 2, "query_size": 2}
+    config.update(key_size=2, value_size=2)
+    layer = module.MultiHeadAttention(**config)
+    mha.set_weights(layer, mha.random_weights("MultiHeadAttention", seed=0, **config))
+    keys, values = (rng.standard_normal((1, 1, 2**24, 2)).astype(np.float32) for _ in range(2))
+    x = module.from_numpy(rng.standard_normal((1, 2, 2)).astype(np.float32))
+    outputs = []
+    for cached in (slice(None), slice(-2, None)):
+        cache = mha.KVCache(
+            module.from_numpy(keys[:, :, cached]), module.from_numpy(values[:, :, cached])
+        )
+        outputs.append(module.to_numpy(layer(x, x, x, causal=True, cache=cache)[0]))
+        del cache
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_the_default_is_top_left_and_after_the_cache(name, rng):
     module = backend_module(name)

@@ -185,15 +185,16 @@ def _segment_inputs(segment_ids) -> tuple:
     return (None, None) if segment_ids is None else function_checks.segment_pair(segment_ids)
 
 
-def _first_position(alignment, num_queries: int, num_keys: int) -> dict[str, Any]:
+def _first_position(alignment, num_queries: int, num_keys: int, cached: int = 0) -> dict:
     """_call_structure's first_position of a layer call (the position of its first query for
-    its masks: None, after the cached ones, unless `alignment` places it; num_keys counts the
-    cached keys) and sized_position (whether it follows the call's sizes)."""
+    its masks: None, after the `cached` ones, unless `alignment` places it; num_keys counts the
+    cached keys), sized_position (whether it follows the call's sizes) and far_positions."""
+    first = function_checks.layer_first_position(alignment, num_queries, num_keys, cached)
+    far = _far(first, num_queries, num_keys)
     if alignment is None:
-        return {"first_position": None}
-    first = function_checks.layer_first_position(alignment, num_queries, num_keys)
+        return {"first_position": None, "far_positions": far}
     return {"first_position": first, "sized_position": alignment == "bottom_right",
-            "far_positions": _far(first, num_queries, num_keys)}
+            "far_positions": far}
 
 
 def _far(first: int, num_queries: int, num_keys: int, reach: int = 0) -> bool:
@@ -431,11 +432,21 @@ def _position_dtype(dtype: str) -> str:
     return "float32" if dtype == "float16" else dtype
 
 
-def _positions(F, x, axis: int, dtype: str):
-    """0, 1, ..., n - 1 along `axis` of x, with no reference to x's values or sizes."""
-    if dtype == "float16":
+def _positions(F, x, axis: int, dtype: str, far: bool = False):
+    """0, 1, ..., n - 1 along `axis` of x (of the layer's `dtype`), with no reference to x's
+    values or sizes: in the position dtype, or in float64 where they pass 2**24 (`far`)."""
+    if far and dtype != "float64":  # arange_like counts in x's dtype: each whole number exact
+        x = x.astype("float64")
+    elif dtype == "float16":
         x = x.astype("float32")
     return F.npx.arange_like(x, axis=axis)
+
+
+def _offset_positions(F, x, offset, dtype: str, far: bool):
+    """offset, ..., offset + n - 1 along axis -2 of x, in the rotary angles' dtype: past 2**24
+    (`far`, offset then in float64) counted in float64 and rounded once, as the reference."""
+    positions = _positions(F, x, -2, dtype, far) + offset
+    return positions.astype(rotary_angle_dtype(dtype)) if far else positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,22 +489,18 @@ class _Masks(Masks):
 
     @functools.cached_property
     def query_positions(self):
-        # Query i is at position offset + i
-        return self.counted(_positions(self.F, self.queries, -2, self.call.dtype)) + self.offset
+        # Query i is at position offset + i; a cache's offset is counted in the same dtype
+        call = self.call
+        return _positions(self.F, self.queries, -2, call.dtype, call.far_positions) + self.offset
 
     @functools.cached_property
     def key_positions(self):
-        return self.counted(_positions(self.F, self.keys, -2, self.call.dtype))
+        return _positions(self.F, self.keys, -2, self.call.dtype, self.call.far_positions)
 
     @functools.cached_property
     def position_dtype(self):
         # float64 where a position passes float32's whole numbers (2**24; _far)
         return "float64" if self.call.far_positions else _position_dtype(self.call.dtype)
-
-    def counted(self, positions):
-        # positions, made by _positions, in position_dtype
-        far = self.position_dtype != _position_dtype(self.call.dtype)
-        return positions.astype("float64") if far else positions
 
     def length_mask(self, valid_lens):
         ndim, dtype = self.call.valid_lens_ndim, self.position_dtype
@@ -582,10 +589,11 @@ def _attention_masks(F, queries, keys, valid_lens, mask, window_mask, attn_bias,
     if alibi_slopes is None and _by_lengths(valid_lens, call):
         # Shape of lengths: (batch_size, no. of queries), or with multihead
         # (batch_size, num_heads, no. of queries)
-        key_positions = _positions(F, keys, -2, call.dtype)
-        query_positions = _positions(F, queries, -2, call.dtype)
+        far, dtype = call.far_positions, "float64" if call.far_positions else call.dtype
+        key_positions = _positions(F, keys, -2, call.dtype, far)
+        query_positions = _positions(F, queries, -2, call.dtype, far)
         lengths = _row_lengths(F, valid_lens, call.valid_lens_ndim, key_positions,
-                               query_positions, call.dtype)
+                               query_positions, dtype)
         if multihead:
             lengths = F.np.repeat(F.np.expand_dims(lengths, 1), num_heads, axis=1)
         return _Lengths(lengths), None
@@ -977,13 +985,13 @@ class AdditiveAttention(Layer):
         return _attention_pool(F, scores, values, keep, bias, self.dropout, self._structure)
 
 
-def _query_scales(F, scaling, queries, offset, dtype, positions=None):
+def _query_scales(F, scaling, queries, offset, dtype, positions=None, far=False):
     """query_scaling's factor of each of the heads' queries (batch_size, heads, n, d), in
     the layer's dtype: 1 + beta * log(1 + floor((p + o) / L)) (mha.encoding.query_scales) at
     positions offset, ..., offset + n - 1, (n, 1), or at each packed row's `positions`
     (batch_size, n), (batch_size, 1, n, 1); counted in float32 for float16."""
     if positions is None:
-        positions = F.np.expand_dims(_positions(F, queries, -2, dtype) + offset, -1)
+        positions = F.np.expand_dims(_offset_positions(F, queries, offset, dtype, far), -1)
     else:
         positions = F.np.expand_dims(F.np.expand_dims(positions, 1), -1)
         positions = positions.astype(rotary_angle_dtype(dtype))
@@ -1102,7 +1110,7 @@ class MultiHeadAttention(Layer):
                                self.sliding_window, cache, offset, self.sinks,
                                segment_ids=segment_ids,
                                attention_chunk_size=self.attention_chunk_size,
-                               **_first_position(alignment, num_queries, num_keys),
+                               **_first_position(alignment, num_queries, num_keys, offset),
                                rows_kept=rows_kept)
         # The rotary frequencies reach a traced graph as an input, on the queries' context
         frequencies = None
@@ -1131,7 +1139,7 @@ class MultiHeadAttention(Layer):
         # The positions before this call's, counted in the graph: a (1,) array, or 0
         offset = 0
         if call.cached:
-            cached_positions = _positions(F, cached_keys, 2, self.dtype)
+            cached_positions = _positions(F, cached_keys, 2, self.dtype, call.far_positions)
             offset = F.np.sum(F.np.ones_like(cached_positions), keepdims=True)
         # Shape after transpose_qkv: (batch_size, num_heads, no. of queries,
         # num_hiddens / num_heads); keys and values have num_kv_heads heads
@@ -1177,17 +1185,18 @@ class MultiHeadAttention(Layer):
         """Each head's queries and keys at their positions offset, offset + 1, ... (packed
         sequences: `positions`, each row's own): turned by the rotary embedding, normalized
         where qk_norm is "head_after_rotary", and the queries scaled by query_scaling."""
+        far = self._structure.far_positions
         if self.rotary is not None:
             queries = self.rotary.rotate(F, queries, offset, frequencies=frequencies,
-                                         positions=positions[0])
+                                         positions=positions[0], far=far)
             keys = self.rotary.rotate(F, keys, offset, frequencies=frequencies,
-                                      positions=positions[1])
+                                      positions=positions[1], far=far)
         if self.qk_norm == "head_after_rotary":  # Hunyuan: the turned features normalized
             queries, keys = self.q_norm(queries), self.k_norm(keys)
         if self.query_scaling is not None:
             # Ministral 3: each query scaled by its position, past every L positions
             queries = queries * _query_scales(F, self.query_scaling, queries, offset,
-                                              self.dtype, positions[0])
+                                              self.dtype, positions[0], far)
         return queries, keys
 
     def project(self, F, queries, keys, values):
@@ -1286,7 +1295,8 @@ class MultiHeadLatentAttention(Layer):
         call = _call_structure(self.dtype, valid_lens=valid_lens, mask=mask, causal=causal,
                                window_mask=window_mask, need_weights=need_weights,
                                attn_bias=attn_bias, empty_rows=self.empty_rows,
-                               sliding_window=self.sliding_window, cache=cache, offset=offset)
+                               sliding_window=self.sliding_window, cache=cache, offset=offset,
+                               far_positions=_far(offset, X.shape[1], offset + X.shape[1]))
         # The rotary frequencies, and the cached latents and rotary keys, reach a traced
         # graph as inputs, so that one graph serves every decoding step
         frequencies = self.rotary.frequencies_at(offset + X.shape[1], X.ctx)
@@ -1304,13 +1314,14 @@ class MultiHeadLatentAttention(Layer):
         # The positions before this call's, counted in the graph: a (1,) array, or 0
         offset = 0
         if call.cached:
-            cached_positions = _positions(F, cached_latent, 1, self.dtype)
+            cached_positions = _positions(F, cached_latent, 1, self.dtype, call.far_positions)
             offset = F.np.sum(F.np.ones_like(cached_positions), keepdims=True)
         # Shape of queries: (batch_size, num_heads, no. of steps, nope + rope)
         queries = self.project_queries(F, X, offset, frequencies)
         if self.query_scaling is not None:
             # Mistral 4: each query scaled by its position, past every L positions
-            queries = queries * _query_scales(F, self.query_scaling, queries, offset, self.dtype)
+            queries = queries * _query_scales(F, self.query_scaling, queries, offset, self.dtype,
+                                              far=call.far_positions)
         # Shape of latent: (batch_size, no. of steps, kv_lora_rank); of rotary_keys:
         # (batch_size, 1, no. of steps, rope), one rotary key for every head
         latent, rotary_keys = self.compress(F, X, offset, frequencies)
@@ -1363,7 +1374,8 @@ class MultiHeadLatentAttention(Layer):
         qk_head = self.qk_nope_head_dim + self.qk_rope_head_dim
         Q = F.np.transpose(F.npx.reshape(Q, (-2, -2, self.num_heads, qk_head)), (0, 2, 1, 3))
         nope, rope = F.np.split(Q, [self.qk_nope_head_dim], axis=-1)
-        rotated = self.rotary.rotate(F, rope, offset, frequencies=frequencies)
+        rotated = self.rotary.rotate(F, rope, offset, frequencies=frequencies,
+                                     far=self._structure.far_positions)
         return F.np.concatenate([nope, rotated], axis=-1)
 
     def compress(self, F, X, offset, frequencies):
@@ -1371,7 +1383,8 @@ class MultiHeadLatentAttention(Layer):
         n, rope) at positions offset, ..., turned): what a latent cache keeps."""
         latent, rope = F.np.split(self.W_kva(X), [self.kv_lora_rank], axis=-1)
         rotary_keys = self.rotary.rotate(F, F.np.expand_dims(rope, 1), offset,
-                                         frequencies=frequencies)
+                                         frequencies=frequencies,
+                                         far=self._structure.far_positions)
         return self.kv_norm(latent), rotary_keys
 
     def expand(self, F, latent, rotary_keys):
@@ -1495,12 +1508,15 @@ class RotaryEmbedding(Layer):
             X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
         )
         frequencies = self.frequencies_at(offset + X.shape[-2], X.ctx)
-        # Shape of offset: (1,), in the angles' dtype
-        offset = mx.np.full((1,), offset, dtype=frequencies.dtype, ctx=X.ctx)
-        return self._run(_call_structure(self.dtype), X, offset, frequencies)
+        # Shape of offset: (1,), in the angles' dtype, or float64 past 2**24 (_far)
+        far = _far(offset, X.shape[-2], 0)
+        dtype = "float64" if far else frequencies.dtype
+        offset = mx.np.full((1,), offset, dtype=dtype, ctx=X.ctx)
+        return self._run(_call_structure(self.dtype, far_positions=far), X, offset, frequencies)
 
     def hybrid_forward(self, F, X, offset, frequencies):
-        return self.rotate(F, X, offset, frequencies=frequencies)
+        return self.rotate(F, X, offset, frequencies=frequencies,
+                           far=self._structure.far_positions)
 
     def frequencies_at(self, length: int, ctx):
         """The frequencies of a call over positions 0, ..., length - 1, on `ctx`: the layer's,
@@ -1510,16 +1526,17 @@ class RotaryEmbedding(Layer):
             return self.frequencies.as_in_context(ctx)
         return mx.np.array(longer, dtype=self.frequencies.dtype, ctx=ctx)
 
-    def rotate(self, F, X, offset=0, *, frequencies, positions=None):
+    def rotate(self, F, X, offset=0, *, frequencies, positions=None, far=False):
         """X (..., n, num_hiddens) at positions offset, ..., offset + n - 1, rotated (no
         checks). MultiHeadAttention calls this on each head's queries and keys.
         frequencies: those of the call (frequencies_at), on X's context (an input of the graph
         being traced); positions (batch_size, n), each row's own (packed sequences, X
-        (batch_size, heads, n, num_hiddens)), replace offset's."""
+        (batch_size, heads, n, num_hiddens)), replace offset's; far: a position passes 2**24
+        (the offset is then in float64)."""
         # Shape of angles, cos and sin: (n, rotated / 2); positions are counted in the
         # angles' dtype (float32 for float16)
         if positions is None:
-            positions = _positions(F, X, -2, self.dtype) + offset
+            positions = _offset_positions(F, X, offset, self.dtype, far)
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
             positions = F.np.expand_dims(positions, 1).astype(rotary_angle_dtype(self.dtype))
