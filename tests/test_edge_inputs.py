@@ -245,7 +245,7 @@ def test_the_absorbed_latent_form_in_float16_over_512_latent_features(name):
     assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
 
 
-@pytest.mark.parametrize("name", backend_params(("torch", "tensorflow", "mxnet")))
+@pytest.mark.parametrize("name", backend_params(("torch", "tensorflow", "mxnet", "jax")))
 def test_a_rotary_embedding_past_2_24_turns_as_the_reference(name):
     # Each position rounded once to float32, as the reference counts them: positions counted
     # in float32 steps, or the offset rounded before them, turn the rows by other angles
@@ -257,7 +257,7 @@ def test_a_rotary_embedding_past_2_24_turns_as_the_reference(name):
     np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow")))
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
 def test_rotary_positions_past_2_24_are_whole_positions_rounded_once(name):
     # float32 holds every second whole number past 2**24: each position is rounded once, as
     # transformers rounds its int64 positions, not counted in float32 steps (which drift by

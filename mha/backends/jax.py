@@ -1174,9 +1174,12 @@ class RotaryEmbedding(nnx.Module):
         # Shape of angles, cos and sin: (n, rotated / 2), or (batch_size, 1, n, rotated / 2)
         n = X.shape[-2]
         frequencies = self.frequencies_at(offset + n if length is None else length)
-        if positions is None:
-            # In the angles' dtype: without 64-bit mode JAX's integers stop at 2**31 - 1, where
-            # a float32 position is 1 to 2 positions off past 2**24 anyway
+        if positions is None and isinstance(n, int) and offset + n - 1 <= _INT32_MAX:
+            # Whole positions, each rounded once, as the reference's
+            positions = jnp.arange(offset, offset + n).astype(frequencies.dtype)
+        elif positions is None:
+            # Without 64-bit mode JAX's integers stop at 2**31 - 1, and an exported length
+            # (symbolic) bounds none: counted in the angles' dtype, 1 to 2 off past 2**24
             positions = jnp.arange(offset, offset + n, dtype=frequencies.dtype)
         else:
             # Packed sequences: each row's own positions, (batch_size, 1, n) against the heads
