@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from mha.tensors import describe, dtype_name, require_tensor, same, shape_of
+from mha.tensors import LayerDtype, describe, dtype_words, has_dtype, require_tensor, same, shape_of
 
 __all__ = ["KVCache", "LatentCache", "check_kv_cache", "check_latent_cache"]
 
@@ -47,7 +47,7 @@ class LatentCache(NamedTuple):
 # The checks of a call's cache, which mha.validation makes
 
 
-def check_kv_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dtype: str):
+def check_kv_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dtype: LayerDtype):
     """The number of cached positions of a KVCache that fits the call and the layer."""
     if not isinstance(cache, KVCache):
         raise TypeError(
@@ -64,7 +64,7 @@ def check_kv_cache(cache: Any, batch_size, num_kv_heads: int, head_size: int, dt
     )
 
 
-def check_latent_cache(cache: Any, batch_size, kv_lora_rank: int, rope: int, dtype: str):
+def check_latent_cache(cache: Any, batch_size, kv_lora_rank: int, rope: int, dtype: LayerDtype):
     """The number of cached positions of a LatentCache that fits the call and the layer."""
     if not isinstance(cache, LatentCache):
         raise TypeError(
@@ -87,7 +87,7 @@ def check_latent_cache(cache: Any, batch_size, kv_lora_rank: int, rope: int, dty
     return _cached_positions(cache, expected, dtype)
 
 
-def _cached_positions(cache: Any, expected: dict[str, tuple[tuple, str]], dtype: str):
+def _cached_positions(cache: Any, expected: dict[str, tuple[tuple, str]], dtype: LayerDtype):
     """The positions a cache holds: field -> (its shape, None at the positions' axis, and that
     shape in words); each field a tensor of that shape and the layer's dtype, or all None."""
     tensors = {field: getattr(cache, field) for field in expected}
@@ -97,9 +97,10 @@ def _cached_positions(cache: Any, expected: dict[str, tuple[tuple, str]], dtype:
     for field, (shape, described) in expected.items():
         name, tensor = f"cache.{field}", tensors[field]
         require_tensor(name, tensor)
-        if dtype_name(tensor) != dtype:
+        if not has_dtype(tensor, dtype):
             raise TypeError(
-                f"{name} must have the layer's dtype {dtype}. Received: {describe(name, tensor)}"
+                f"{name} must have the layer's dtype {dtype_words(dtype)}. "
+                f"Received: {describe(name, tensor)}"
             )
         actual = shape_of(tensor)
         if len(actual) != len(shape) or not all(map(same, actual, shape)):

@@ -10,10 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "LayerDtype",
     "broadcastable",
     "describe",
     "dtype_name",
+    "dtype_words",
     "format_shape",
+    "has_dtype",
     "is_tensor",
     "plain_dtype_name",
     "require_tensor",
@@ -22,6 +25,8 @@ __all__ = [
 ]
 
 Shape = tuple[int | None, ...]
+# A layer's dtype, or the dtypes a call of it takes: the layer's first (see has_dtype)
+LayerDtype = str | tuple[str, ...]
 
 
 def shape_of(x: Any) -> Shape:
@@ -51,6 +56,19 @@ _SYMBOLIC_SIZES = ("SymInt", "_DimExpr")
 def dtype_name(x: Any) -> str:
     """The dtype of a numpy array or framework tensor as a plain name, e.g. "float32"."""
     return plain_dtype_name(x.dtype)
+
+
+def has_dtype(x: Any, dtype: LayerDtype) -> bool:
+    """Whether x has `dtype`, a layer's dtype, or one of a tuple of them: the layer's first,
+    then one a framework computes the layer in for now (torch's autocast)."""
+    return dtype_name(x) in ((dtype,) if isinstance(dtype, str) else dtype)
+
+
+def dtype_words(dtype: LayerDtype) -> str:
+    """has_dtype's dtypes for a message: "float32", or "float32 (or bfloat16 inside autocast)"."""
+    if isinstance(dtype, str):
+        return dtype
+    return f"{dtype[0]} (or {' or '.join(dtype[1:])} inside autocast)"
 
 
 def plain_dtype_name(dtype: Any) -> str:

@@ -37,11 +37,14 @@ from mha.layer_args import (
 )
 from mha.masks import segment_pair
 from mha.tensors import (
+    LayerDtype,
     Shape,
     broadcastable,
     describe,
     dtype_name,
+    dtype_words,
     format_shape,
+    has_dtype,
     is_tensor,
     require_tensor,
     same,
@@ -91,7 +94,7 @@ def require_framework(tensor_type: Any, **tensors: Any) -> None:
             )
 
 
-def _check_input(name: str, x: Any, dtype: str) -> Shape:
+def _check_input(name: str, x: Any, dtype: LayerDtype) -> Shape:
     require_tensor(name, x)
     shape = shape_of(x)
     if len(shape) != 3:
@@ -99,11 +102,21 @@ def _check_input(name: str, x: Any, dtype: str) -> Shape:
             f"{name} must have rank 3: (batch_size, sequence length, features). "
             f"Received: {describe(name, x)}"
         )
-    if dtype_name(x) != dtype:
-        raise TypeError(
-            f"{name} must have the layer's dtype {dtype}. Received: {describe(name, x)}"
-        )
+    _require_dtype(name, x, dtype)
     return shape
+
+
+def _require_dtype(
+    name: str, x: Any, dtype: LayerDtype, boolean: str | None = None, why: str = ""
+) -> None:
+    """x must have the layer's dtype, or be boolean where `boolean` (how one reads) is given."""
+    if has_dtype(x, dtype) or (boolean is not None and has_dtype(x, "bool")):
+        return
+    either = "" if boolean is None else f"be boolean{boolean} or "
+    raise TypeError(
+        f"{name} must {either}have the layer's dtype {dtype_words(dtype)}{why}. "
+        f"Received: {describe(name, x)}"
+    )
 
 
 def _check_size(name: str, x: Any, shape: Shape, size_name: str, size: int | None) -> None:
@@ -197,13 +210,9 @@ def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
     _check_broadcast("mask", mask, target, allow_heads)
 
 
-def _check_attn_bias(attn_bias: Any, target: Shape, allow_heads: bool, dtype: str) -> None:
+def _check_attn_bias(attn_bias: Any, target: Shape, allow_heads: bool, dtype: LayerDtype) -> None:
     require_tensor("attn_bias", attn_bias)
-    if dtype_name(attn_bias) != dtype:
-        raise TypeError(
-            f"attn_bias must have the layer's dtype {dtype} (it is added to the scores). "
-            f"Received: {describe('attn_bias', attn_bias)}"
-        )
+    _require_dtype("attn_bias", attn_bias, dtype, why=" (it is added to the scores)")
     _check_broadcast("attn_bias", attn_bias, target, allow_heads)
 
 
@@ -225,13 +234,9 @@ def _check_broadcast(name: str, tensor: Any, target: Shape, allow_heads: bool) -
         raise ValueError(f"{name} must broadcast to {expected}. Received: {describe(name, tensor)}")
 
 
-def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype: str) -> None:
+def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype) -> None:
     require_tensor("window_mask", window_mask)
-    if dtype_name(window_mask) not in ("bool", dtype):
-        raise TypeError(
-            f"window_mask must be boolean (True = attend) or have the layer's dtype {dtype} "
-            f"(added to the scores). Received: {describe('window_mask', window_mask)}"
-        )
+    _require_dtype("window_mask", window_mask, dtype, " (True = attend)", " (added to the scores)")
     shape = shape_of(window_mask)
     if len(shape) != 3 or not (same(shape[1], num_queries) and same(shape[2], num_keys)):
         raise ValueError(
@@ -249,13 +254,9 @@ def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtyp
         )
 
 
-def _check_head_mask(head_mask: Any, batch_size, num_heads: int, dtype: str) -> None:
+def _check_head_mask(head_mask: Any, batch_size, num_heads: int, dtype: LayerDtype) -> None:
     require_tensor("head_mask", head_mask)
-    if dtype_name(head_mask) not in ("bool", dtype):
-        raise TypeError(
-            f"head_mask must be boolean or have the layer's dtype {dtype}. "
-            f"Received: {describe('head_mask', head_mask)}"
-        )
+    _require_dtype("head_mask", head_mask, dtype, boolean="")
     shape = shape_of(head_mask)
     if not (
         (len(shape) == 1 and same(shape[0], num_heads))
@@ -284,7 +285,7 @@ def check_attention_call(
     alignment: Any = None,
     segment_ids: Any = None,
     rope_scaling: Any = None,
-    dtype: str,
+    dtype: LayerDtype,
     sizes: Sequence[tuple[str, str, int | None]] = (),
     same_query_key_size: bool = False,
     num_heads: int | None = None,
@@ -295,6 +296,8 @@ def check_attention_call(
     the keys counting the cached ones.
 
     Args:
+        dtype: the layer's dtype, or the dtypes the call takes, the layer's first
+            (tensors.has_dtype).
         sizes: (argument, size name, size) triples, e.g. ("queries", "query_size", 4): the
             last axis of the argument must have that size when it is known.
         same_query_key_size: queries and keys must share their last axis (dot product).
@@ -405,7 +408,7 @@ def _check_flags(causal: Any, need_weights: Any, alignment: Any) -> None:
         check_alignment(alignment)
 
 
-def _check_inputs(queries, keys, values, dtype: str, same_query_key_size: bool):
+def _check_inputs(queries, keys, values, dtype: LayerDtype, same_query_key_size: bool):
     """The shapes of queries, keys and values, which must fit together."""
     # Self-attention passes one tensor three times: it is checked once
     q_shape = _check_input("queries", queries, dtype)
@@ -439,7 +442,7 @@ def _check_inputs(queries, keys, values, dtype: str, same_query_key_size: bool):
     return q_shape, k_shape, v_shape
 
 
-def _check_masks(mask, attn_bias, window_mask, head_mask, dtype: str, num_heads, sizes) -> None:
+def _check_masks(mask, attn_bias, window_mask, head_mask, dtype, num_heads, sizes) -> None:
     """The masks of a call of (batch_size, no. of queries, no. of keys) = sizes."""
     batch_size, num_queries, num_keys = sizes
     if num_heads is None:
@@ -469,7 +472,7 @@ def check_latent_attention_call(
     attn_bias: Any = None,
     cache: Any = None,
     absorbed: Any = False,
-    dtype: str,
+    dtype: LayerDtype,
     num_hiddens: int,
     num_heads: int,
     latent_sizes: tuple[int, int],
@@ -540,7 +543,7 @@ def check_masked_softmax_call(
 
 
 def check_positional_encoding_call(
-    X: Any, num_hiddens: int, max_len: int, dtype: str, *, tensor_type: Any = object
+    X: Any, num_hiddens: int, max_len: int, dtype: LayerDtype, *, tensor_type: Any = object
 ) -> None:
     """Check PositionalEncoding's call: X (batch_size, no. of steps <= max_len, num_hiddens)."""
     require_framework(tensor_type, X=X)
@@ -554,7 +557,7 @@ def check_positional_encoding_call(
 
 
 def check_rotary_call(
-    X: Any, offset: Any, num_hiddens: int, dtype: str, *, tensor_type: Any = object
+    X: Any, offset: Any, num_hiddens: int, dtype: LayerDtype, *, tensor_type: Any = object
 ) -> None:
     """Check RotaryEmbedding's call: X (..., no. of positions, num_hiddens), offset the
     position of X's first row, a non-negative integer."""
@@ -566,24 +569,20 @@ def check_rotary_call(
             "X must have rank 2 or more: (..., no. of positions, num_hiddens). "
             f"Received: {describe('X', X)}"
         )
-    if dtype_name(X) != dtype:
-        raise TypeError(f"X must have the layer's dtype {dtype}. Received: {describe('X', X)}")
+    _require_dtype("X", X, dtype)
     _check_size("X", X, shape, "num_hiddens", num_hiddens)
     if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
         raise ValueError(f"offset must be a non-negative integer. Received: offset={offset!r}")
 
 
 def check_add_norm_call(
-    X: Any, Y: Any, num_hiddens: int, dtype: str, *, tensor_type: Any = object
+    X: Any, Y: Any, num_hiddens: int, dtype: LayerDtype, *, tensor_type: Any = object
 ) -> None:
     """Check AddNorm's call: X and Y of the same shape, last axis num_hiddens."""
     require_framework(tensor_type, X=X, Y=Y)
     for name, tensor in (("X", X), ("Y", Y)):
         require_tensor(name, tensor)
-        if dtype_name(tensor) != dtype:
-            raise TypeError(
-                f"{name} must have the layer's dtype {dtype}. Received: {describe(name, tensor)}"
-            )
+        _require_dtype(name, tensor, dtype)
         shape = shape_of(tensor)
         if len(shape) < 2:
             raise ValueError(

@@ -35,6 +35,7 @@ from mha.encoding import (
     sinusoid_table,
 )
 from mha.masks import Masks, every_row_keeps_a_key, grouped_rows, is_causal_alone
+from mha.tensors import plain_dtype_name
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
@@ -113,6 +114,17 @@ class Module(nn.Module):
     def dtype(self, name: str) -> None:
         marker = torch.empty(0, dtype=_TORCH_DTYPES[name])
         self.register_buffer("_dtype_marker", marker, persistent=False)
+
+    def call_dtype(self) -> str | tuple[str, str]:
+        """The dtype of a call's floating inputs, caches and masks: the layer's, and inside
+        torch.autocast for the layer's device also the dtype autocast computes in, which the
+        layers before it then give (autocast leaves a float64 layer as it is)."""
+        dtype, device = self.dtype, self._buffers["_dtype_marker"].device.type
+        # A device without autocast (meta) has no state of it to read
+        casting = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        if dtype == "float64" or not casting:
+            return dtype
+        return dtype, plain_dtype_name(torch.get_autocast_dtype(device))
 
     def __getstate__(self) -> dict[str, Any]:
         # The last call's attention_weights are copied (and pickled) detached: copy.deepcopy
@@ -532,7 +544,7 @@ class DotProductAttention(Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
-            dtype=self.dtype,
+            dtype=self.call_dtype(),
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         smallest = _check_valid_lens_values(valid_lens)
@@ -589,7 +601,7 @@ class AdditiveAttention(Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
-            dtype=self.dtype,
+            dtype=self.call_dtype(),
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -712,7 +724,7 @@ class MultiHeadAttention(Module):
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
-            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            rope_scaling=self.rope_scaling, dtype=self.call_dtype(), tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
@@ -859,7 +871,7 @@ class MultiHeadLatentAttention(Module):
         validation.check_latent_attention_call(
             X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
             need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
-            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            dtype=self.call_dtype(), num_hiddens=self.num_hiddens, num_heads=self.num_heads,
             latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
         )
         _check_valid_lens_values(valid_lens)
@@ -961,7 +973,7 @@ class PositionalEncoding(Module):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         validation.check_positional_encoding_call(
-            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+            X, self.num_hiddens, self.max_len, self.call_dtype(), tensor_type=_TENSOR_TYPES
         )
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
@@ -990,7 +1002,7 @@ class LearnedPositionalEncoding(Module):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         validation.check_positional_encoding_call(
-            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+            X, self.num_hiddens, self.max_len, self.call_dtype(), tensor_type=_TENSOR_TYPES
         )
         # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
         P = self.embedding(torch.arange(X.shape[1], device=X.device))[None]
@@ -1021,7 +1033,7 @@ class RotaryEmbedding(Module):
 
     def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
         validation.check_rotary_call(
-            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+            X, offset, self.num_hiddens, self.call_dtype(), tensor_type=_TENSOR_TYPES
         )
         return self.rotate(X, offset)
 
@@ -1111,7 +1123,7 @@ class AddNorm(Module):
 
     def forward(self, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
         validation.check_add_norm_call(
-            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+            X, Y, self.num_hiddens, self.call_dtype(), tensor_type=_TENSOR_TYPES
         )
         return self.ln(self.dropout(Y) + X)
 

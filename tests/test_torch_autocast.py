@@ -1,0 +1,182 @@
+"""torch's automatic mixed precision (torch.autocast), the usual way to train on a GPU: inside
+it the layers before an mha layer give their outputs in autocast's dtype, and a float32 mha
+layer takes them, as torch's own layers do; outside it an input of another dtype is still a
+TypeError. Run here on the CPU, whose autocast casts as CUDA's does (bfloat16 or float16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from masked_key_cases import LAST, MASKS, K, Q
+
+import mha
+from conftest import backend_module
+from mha.backends import numpy as N
+
+pytestmark = pytest.mark.torch
+
+B, L, D, H = 2, 6, 16, 4
+
+
+@pytest.fixture(scope="module")
+def T():
+    return backend_module("torch")
+
+
+@pytest.fixture(scope="module")
+def torch(T):
+    return T.torch
+
+
+def _autocast(torch, dtype):
+    return torch.autocast("cpu", dtype=getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_transformer_block_under_autocast_computes_as_torchs_own_layers(T, torch, dtype):
+    """Self-attention with lengths, add & norm, then cross-attention to the first attention's
+    output (autocast's dtype): mha's layers against nn.MultiheadAttention and nn.LayerNorm
+    holding the same weights, in the same autocast; the outputs and the inputs' gradients."""
+    torch.manual_seed(0)
+    ours = [T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D) for _ in "ab"]
+    theirs = [mha.interop.to_torch(layer, batch_first=True) for layer in ours]
+    norm, their_norm = T.AddNorm(D), torch.nn.LayerNorm(D)
+    lengths = torch.tensor([3, L])
+    padding = torch.arange(L) >= lengths[:, None]
+    outputs, gradients = [], []
+    for block in ("ours", "theirs"):
+        X = torch.randn(B, L, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with _autocast(torch, dtype):
+            if block == "ours":
+                Y = ours[0](X, X, X, lengths)
+                output = ours[1](norm(X, Y), Y, Y)
+            else:
+                Y = theirs[0](X, X, X, key_padding_mask=padding)[0]
+                output = theirs[1](their_norm(X + Y), Y, Y)[0]
+        assert Y.dtype == output.dtype == getattr(torch, dtype)
+        output.float().square().sum().backward()
+        outputs.append(output)
+        gradients.append(X.grad)
+    torch.testing.assert_close(*outputs)
+    torch.testing.assert_close(*gradients, atol=2e-2, rtol=2e-2)
+
+
+def test_decoding_under_autocast_keeps_its_cache_in_autocasts_dtype(T, torch):
+    """A prompt, then one position at a time with a KVCache, rotary embeddings and grouped
+    heads, all inside autocast: each step as the NumPy reference's whole causal call, to
+    bfloat16's precision."""
+    layer = T.MultiHeadAttention(
+        D, H, num_kv_heads=2, rope_theta=1e4, query_size=D, key_size=D, value_size=D
+    )
+    reference = N.MultiHeadAttention(
+        D, H, num_kv_heads=2, rope_theta=1e4, query_size=D, key_size=D, value_size=D
+    )
+    mha.set_weights(reference, mha.get_weights(layer))
+    X = np.random.default_rng(0).standard_normal((B, L, D)).astype("float32")
+    expected = reference(X, X, X, causal=True)
+    steps, cache = [], mha.KVCache()
+    with torch.no_grad(), _autocast(torch, "bfloat16"):
+        for start, stop in ((0, 3), (3, 4), (4, 5), (5, 6)):
+            part = torch.from_numpy(X[:, start:stop])
+            output, cache = layer(part, part, part, causal=True, cache=cache)
+            steps.append(output.float().numpy())
+    assert cache.keys.dtype == cache.values.dtype == torch.bfloat16
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), expected, atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("masks", MASKS)
+def test_a_nan_at_a_masked_key_stays_out_under_autocast(T, torch, masks, need_weights):
+    """NaN at key LAST, which each mask leaves out of some rows: those rows as with the key
+    clean, in the same autocast (the calls without weights reach the fused kernel), to
+    bfloat16's precision: a mask other than key padding takes another path when a key is
+    not finite, which rounds otherwise."""
+    layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D).eval()
+    rng = np.random.default_rng(0)
+    queries, keys, values = (torch.from_numpy(rng.standard_normal((B, n, D), "float32"))
+                             for n in (Q, K, K))  # fmt: skip
+    poisoned = keys.clone()
+    poisoned[:, LAST] = float("nan")
+    arguments = {k: torch.from_numpy(v.astype("float32") if v.dtype == "float64" else v)
+                 if isinstance(v, np.ndarray) else v for k, v in MASKS[masks].items()}  # fmt: skip
+    with torch.no_grad(), _autocast(torch, "bfloat16"):
+        layer(queries, keys, values, **arguments)
+        # Rows that give key LAST no weight in any head
+        rows = (layer.attention_weights[..., LAST] == 0).all(dim=1)
+        clean, output = (layer(queries, x, values, need_weights=need_weights, **arguments)
+                         for x in (keys, poisoned))  # fmt: skip
+    assert rows.any()
+    torch.testing.assert_close(output[rows], clean[rows], atol=1e-2, rtol=2e-2)
+
+
+def _every_layer(T, name):
+    """A layer of that kind, and its call on an input x: (layer, call(layer, x))."""
+    lengths = T.torch.tensor([3, L])
+    if name == "DotProductAttention":
+        return T.DotProductAttention(), lambda f, x: f(x, x, x, lengths)
+    if name == "AdditiveAttention":
+        layer = T.AdditiveAttention(8, query_size=D, key_size=D)
+        return layer, lambda f, x: f(x, x, x, lengths)
+    if name == "MultiHeadAttention":
+        layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
+        return layer, lambda f, x: f(x, x, x, lengths, causal=True)
+    if name == "MultiHeadLatentAttention":
+        layer = T.MultiHeadLatentAttention(
+            D, H, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4
+        )
+        return layer, lambda f, x: f(x, lengths, causal=True)
+    if name == "RotaryEmbedding":
+        return T.RotaryEmbedding(D), lambda f, x: f(x, 2)
+    if name == "AddNorm":
+        return T.AddNorm(D), lambda f, x: f(x, x)
+    return getattr(T, name)(D), lambda f, x: f(x)  # the positional encodings
+
+
+LAYERS = ["DotProductAttention", "AdditiveAttention", "MultiHeadAttention",
+          "MultiHeadLatentAttention", "PositionalEncoding", "LearnedPositionalEncoding",
+          "RotaryEmbedding", "AddNorm"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_every_layer_takes_autocasts_dtype_inside_autocast_only(T, torch, name):
+    """A bfloat16 input to a float32 layer: a TypeError naming the layer's dtype outside
+    autocast; inside it, the float32 call's numbers to bfloat16's precision."""
+    torch.manual_seed(0)
+    layer, call = _every_layer(T, name)
+    layer.eval()
+    X = torch.randn(B, L, D)
+    expected = call(layer, X)
+    low = X.to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"layer's dtype float32\. Received"):
+        call(layer, low)
+    with _autocast(torch, "bfloat16"):
+        output = call(layer, low)
+    torch.testing.assert_close(output.float(), expected, atol=5e-2, rtol=2e-2)
+
+
+def test_autocast_takes_its_own_dtype_alone_and_leaves_float64_layers_as_they_are(T, torch):
+    """Inside a bfloat16 autocast a float32 layer refuses float16, naming both dtypes it
+    takes; a float64 layer, which autocast does not cast, refuses bfloat16."""
+    layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
+    wide = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype="float64")
+    X = torch.randn(B, L, D)
+    with _autocast(torch, "bfloat16"):
+        half = X.half()
+        with pytest.raises(TypeError, match=r"float32 \(or bfloat16 inside autocast\)"):
+            layer(half, half, half)
+        low = X.to(torch.bfloat16)
+        with pytest.raises(TypeError, match=r"layer's dtype float64\. Received"):
+            wide(low, low, low)
+        cache = mha.KVCache(torch.zeros(B, H, 2, D // H, dtype=torch.float16), None)
+        with pytest.raises(TypeError, match=r"cache\.keys must have the layer's dtype float32"):
+            layer(X, X, X, cache=cache)
+
+
+def test_a_layer_on_the_meta_device_runs_inside_autocast(T, torch):
+    """The meta device has no autocast state to read: the layer's own dtype applies."""
+    layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D).to("meta")
+    X = torch.zeros(B, L, D, device="meta")
+    with _autocast(torch, "bfloat16"):
+        output = layer(X, X, X, causal=True)
+    assert output.device.type == "meta" and output.shape == (B, L, D)
