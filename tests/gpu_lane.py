@@ -9,11 +9,11 @@ TensorFlow, no MXNet, no pytest) and nothing to download:
   its first 12 cases in float64, against the NumPy reference on the CPU;
 - masked_keys: NaN and inf at a masked key change no row that does not attend to it, for every
   kind of mask, with and without weights, float32 and bfloat16 (whose calls without weights
-  reach the fused kernels);
+  reach the fused kernels), and torch's float32 layers inside torch.autocast (float16);
 - sync: no call reads the device's memory from the host: torch's sync debug mode set to
   "error", JAX's device-to-host transfer guard set to "disallow", around every layer and mask
   (the latent layer's, expanded and absorbed, among them), forward and backward, float32 and
-  bfloat16;
+  bfloat16, and torch inside torch.autocast;
 - conform: the frameworks' own attention functions (`mha conform`'s adapters: torch's SDPA
   kernels and FlexAttention, JAX's XLA and cuDNN implementations) held to the reference on the
   device, float32, float16 and bfloat16: a survey, each table printed; it fails only when an
@@ -28,6 +28,7 @@ runs the same checks on the CPU (the tests run the quick form so that the lane s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -166,12 +167,32 @@ def _as(module, array: np.ndarray, dtype: str, device: str):
     return module.to_device(module.from_numpy(array.astype(numpy_dtype(dtype))), device)
 
 
+def _dtypes(name: str, quick: bool) -> tuple[str, ...]:
+    """The dtypes of the masked-key and sync steps: "autocast" is torch's float32 layer called
+    inside torch.autocast (float16 on a GPU, bfloat16 on the CPU)."""
+    if quick:
+        return ("float32",)
+    return ("float32", "bfloat16", "autocast") if name == "torch" else ("float32", "bfloat16")
+
+
+def _autocast(dtype: str, device: str):
+    """torch.autocast on the device for the dtype "autocast"; for the others nothing."""
+    if dtype != "autocast":
+        return contextlib.nullcontext()
+    import torch
+
+    if device == "gpu":
+        return torch.autocast("cuda", dtype=torch.float16)
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
 def one_masked_key(
     name: str, kind: str, masks: str, poison: float, dtype: str, device: str
 ) -> str | None:
     """What went wrong when key LAST holds `poison`, or None: the rows that give it no weight
     must be those of the call on clean keys (and near the reference's), its weights 0."""
     module = mha.load_backend(name)
+    casting, dtype = dtype, "float32" if dtype == "autocast" else dtype
     reference, layer = _layers(module, kind, dtype, device)
     queries, keys, values = _inputs()
     expected = reference(queries, keys, values, **MASKS[masks])
@@ -184,14 +205,17 @@ def one_masked_key(
     outputs = []
     for each in (keys, poisoned):
         tensors = [_as(module, x, dtype, device) for x in (queries, each, values)]
-        outputs.append(module.to_numpy(layer(*tensors, **arguments)).astype(np.float64))
+        with _autocast(casting, device):
+            output = layer(*tensors, **arguments)
+        outputs.append(module.to_numpy(output).astype(np.float64))
         if need_weights is not False:
             weights = module.to_numpy(layer.attention_weights).astype(np.float64)
             if np.any(weights[..., LAST][masked] != 0):
                 return "a masked key has weight"
     clean, got = (output[rows] for output in outputs)
     # The clean keys may take another path (a fused kernel for keys known to be finite)
-    tolerance = (1e-5 if dtype == "float32" else 5e-2) * max(np.max(np.abs(expected)), 1.0)
+    low = dtype != "float32" or casting == "autocast"
+    tolerance = (5e-2 if low else 1e-5) * max(np.max(np.abs(expected)), 1.0)
     if not np.all(np.isfinite(got)) or np.max(np.abs(got - clean)) > tolerance:
         return f"the poison reached a row: largest change {np.max(np.abs(got - clean))}"
     if np.max(np.abs(clean - expected[rows])) > tolerance:
@@ -203,7 +227,7 @@ def masked_keys(device: str, quick: bool) -> bool:
     everything = 0
     for name in BACKENDS:
         failures = total = 0
-        for dtype in ("float32",) if quick else ("float32", "bfloat16"):
+        for dtype in _dtypes(name, quick):
             for kind in KINDS:
                 for masks in MASKS:
                     for poison in (np.nan, np.inf):
@@ -233,7 +257,8 @@ def sync(device: str, quick: bool) -> bool:
     for name in BACKENDS:
         module = mha.load_backend(name)
         calls = 0
-        for dtype in ("float32",) if quick else ("float32", "bfloat16"):
+        for casting in _dtypes(name, quick):
+            dtype = "float32" if casting == "autocast" else casting
             for kind in SYNC_KINDS:
                 for masks in MASKS:
                     _, layer = _layers(module, kind, dtype, device)
@@ -244,11 +269,12 @@ def sync(device: str, quick: bool) -> bool:
                         tensors = tensors[:1]  # self-attention: X alone
                         arguments["absorbed"] = kind == "latent_absorbed"
                     try:
-                        _call_without_reads(name, layer, tensors, arguments, device)
+                        with _autocast(casting, device):
+                            _call_without_reads(name, layer, tensors, arguments, device)
                         calls += 1
                     except Exception as error:  # the framework's own sync error, reported
                         problems.append(
-                            f"{name} {dtype} {kind} {masks}: {type(error).__name__}: {error}"
+                            f"{name} {casting} {kind} {masks}: {type(error).__name__}: {error}"
                         )
                         say("  FAILED", problems[-1])
         say(f"sync {name} on {device}: {calls} calls read nothing from the device")

@@ -97,6 +97,14 @@ _TORCH_DTYPES = {
 }
 
 
+def _autocasting(device: str) -> bool:
+    """Whether torch.autocast casts operations on this device type now."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type without autocast (meta) has no state of it
+        return False
+
+
 class Module(nn.Module):
     """torch.nn.Module with `dtype`, the plain name of the layer's float dtype.
 
@@ -119,10 +127,9 @@ class Module(nn.Module):
         """The dtype of a call's floating inputs, caches and masks: the layer's, and inside
         torch.autocast for the layer's device also the dtype autocast computes in, which the
         layers before it then give (autocast leaves a float64 layer as it is)."""
-        dtype, device = self.dtype, self._buffers["_dtype_marker"].device.type
-        # A device without autocast (meta) has no state of it to read
-        casting = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-        if dtype == "float64" or not casting:
+        marker = self._buffers["_dtype_marker"]
+        dtype, device = plain_dtype_name(marker.dtype), marker.device.type
+        if dtype == "float64" or not _autocasting(device):
             return dtype
         return dtype, plain_dtype_name(torch.get_autocast_dtype(device))
 
@@ -332,9 +339,10 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = F
             # is uniform, zeroed after unless empty_rows says uniform
             scores = scores.masked_fill_(~attended, 0.0)
     # An out= argument needs the scores' own storage: not a graph's (Inductor fails on it)
-    # nor torch.func's wrapped tensors
+    # nor torch.func's wrapped tensors; and autocast would not cast it (CUDA's softmax is
+    # float32 there)
     own = not fused.building_a_graph() and not fused.functorch_wrapped(scores)
-    if in_place and not scores.requires_grad and own:
+    if in_place and not scores.requires_grad and own and not _autocasting(scores.device.type):
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:
         weights = torch.softmax(scores, dim=-1)
