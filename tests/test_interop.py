@@ -900,35 +900,6 @@ def test_what_keras_cannot_hold_of_modern_attention(keras, tmp_path):
     assert not (tmp_path / "w.weights.h5").exists()
 
 
-@pytest.mark.tensorflow
-def test_a_keras_without_windows_or_gates_takes_the_layers_that_need_neither(keras, monkeypatch):
-    """Keras 3.4 to 3.13 have neither sliding_window nor use_gate (an unknown keyword is an
-    error there): to_keras passes neither to a layer without them, converting as before, and
-    refuses one with them, naming the option. Such a Keras stands in here: the layer's
-    constructor without those keywords."""
-
-    class Older(keras.layers.MultiHeadAttention):
-        def __init__(self, num_heads, key_dim, value_dim=None, dropout=0.0, use_bias=True,
-                     output_shape=None, dtype=None):  # fmt: skip
-            super().__init__(num_heads, key_dim, value_dim=value_dim, dropout=dropout,
-                             use_bias=use_bias, output_shape=output_shape, dtype=dtype)  # fmt: skip
-
-    monkeypatch.setattr(keras.layers, "MultiHeadAttention", Older)
-    N = backend_module("numpy")
-    layer = N.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, dtype="float64")
-    builtin = interop.to_keras(layer)
-    assert type(builtin) is Older
-    x = np.random.default_rng(0).standard_normal((2, 3, 8))
-    expected = layer(x, x, x, causal=True)
-    masks = interop.to_keras_masks(None, None, True, num_queries=3, num_keys=3)
-    np.testing.assert_allclose(call_keras(builtin, x, x, x, **masks)[0], expected, atol=1e-12)
-    for option, named in (({"sliding_window": 2}, "sliding_window=2"),
-                          ({"output_gate": True}, r"an output gate \(W_g\)")):  # fmt: skip
-        other = N.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8, **option)
-        with pytest.raises(ValueError, match="has no equivalent of " + named):
-            interop.to_keras(other)
-
-
 def _gated_keras_layers(keras, dtype):
     """Keras's layers with use_gate=True: MultiHeadAttention (its flag is `_use_gate`) with
     and without biases and with another output size, and GroupQueryAttention."""

@@ -188,7 +188,7 @@ def _keras_sizes(layer: Any) -> dict[str, Any]:
             "key_dim": layer.head_dim,
             "value_dim": layer.head_dim,
             "num_kv_heads": layer.num_key_value_heads,
-            "sliding_window": getattr(layer, "sliding_window", None),  # Keras 3.15 on
+            "sliding_window": layer.sliding_window,
         }
     return {
         "grouped": False,
@@ -253,15 +253,13 @@ def to_keras(layer: Any) -> Any:
         `layer(query, value, key)` (value before key!) and gives per-head weights with
         `return_attention_scores=True`.
 
-    An output gate (output_gate, W_g) becomes Keras's use_gate=True, and sliding_window
-    Keras's own, in a Keras that has them (3.14 and 3.15 on).
+    An output gate (output_gate, W_g) becomes Keras's use_gate=True, in a Keras that has it.
 
     Raises:
         ValueError: what Keras's layers cannot hold (rotary embeddings, a score scale; for
             GroupQueryAttention an output size other than the query size, which it fixes).
     """
-    takes = {"output_gate": "use_gate", "sliding_window": "sliding_window"}
-    has = ("num_kv_heads", *(option for option, name in takes.items() if _keras_takes(name)))
+    has = ("num_kv_heads", "sliding_window") + (("output_gate",) if _keras_has_gate() else ())
     config, weights = multihead_config(layer, "keras.layers.MultiHeadAttention", True, has=has)
     builtin = _new_keras_layer(config, gate="W_g" in weights)
     builtin.build(
@@ -277,14 +275,13 @@ def to_keras(layer: Any) -> Any:
     return builtin
 
 
-def _keras_takes(argument: str) -> bool:
-    """Whether this Keras's attention layers take `argument` (use_gate arrives in Keras 3.14,
-    sliding_window in 3.15)."""
+def _keras_has_gate() -> bool:
+    """Whether this Keras's attention layers take use_gate (older releases have no gate)."""
     import inspect
 
     import tensorflow as tf
 
-    return argument in inspect.signature(tf.keras.layers.MultiHeadAttention).parameters
+    return "use_gate" in inspect.signature(tf.keras.layers.MultiHeadAttention).parameters
 
 
 def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
@@ -296,9 +293,7 @@ def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
     head_size = num_hiddens // num_heads
     out_features = config["out_features"] or num_hiddens
     num_kv_heads = config["num_kv_heads"] or num_heads
-    optional = {"use_gate": True} if gate else {}
-    if config["sliding_window"] is not None:  # an argument older releases do not take
-        optional["sliding_window"] = config["sliding_window"]
+    gated = {"use_gate": True} if gate else {}
     if num_kv_heads == num_heads:
         return tf.keras.layers.MultiHeadAttention(
             num_heads,
@@ -307,8 +302,9 @@ def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
             dropout=config["dropout"],
             use_bias=config["bias"],
             output_shape=out_features,
+            sliding_window=config["sliding_window"],
             dtype=config["dtype"],
-            **optional,
+            **gated,
         )
     if out_features != config["query_size"]:
         raise ValueError(
@@ -321,8 +317,9 @@ def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
         num_kv_heads,
         dropout=config["dropout"],
         use_bias=config["bias"],
+        sliding_window=config["sliding_window"],
         dtype=config["dtype"],
-        **optional,
+        **gated,
     )
 
 
