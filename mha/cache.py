@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from mha.tensors import LayerDtype, describe, dtype_words, has_dtype, require_tensor, same, shape_of
+from mha.tensors import LayerDtype, describe, require_dtype, require_tensor, same, shape_of
 
 __all__ = ["KVCache", "LatentCache", "check_kv_cache", "check_latent_cache"]
 
@@ -97,11 +97,7 @@ def _cached_positions(cache: Any, expected: dict[str, tuple[tuple, str]], dtype:
     for field, (shape, described) in expected.items():
         name, tensor = f"cache.{field}", tensors[field]
         require_tensor(name, tensor)
-        if not has_dtype(tensor, dtype):
-            raise TypeError(
-                f"{name} must have the layer's dtype {dtype_words(dtype)}. "
-                f"Received: {describe(name, tensor)}"
-            )
+        require_dtype(name, tensor, dtype)
         actual = shape_of(tensor)
         if len(actual) != len(shape) or not all(map(same, actual, shape)):
             raise ValueError(

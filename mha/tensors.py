@@ -14,18 +14,17 @@ __all__ = [
     "broadcastable",
     "describe",
     "dtype_name",
-    "dtype_words",
     "format_shape",
-    "has_dtype",
     "is_tensor",
     "plain_dtype_name",
+    "require_dtype",
     "require_tensor",
     "same",
     "shape_of",
 ]
 
 Shape = tuple[int | None, ...]
-# A layer's dtype, or the dtypes a call of it takes: the layer's first (see has_dtype)
+# A layer's dtype, or the dtypes a call of it takes: the layer's first (see require_dtype)
 LayerDtype = str | tuple[str, ...]
 
 
@@ -58,17 +57,20 @@ def dtype_name(x: Any) -> str:
     return plain_dtype_name(x.dtype)
 
 
-def has_dtype(x: Any, dtype: LayerDtype) -> bool:
-    """Whether x has `dtype`, a layer's dtype, or one of a tuple of them: the layer's first,
-    then one a framework computes the layer in for now (torch's autocast)."""
-    return dtype_name(x) in ((dtype,) if isinstance(dtype, str) else dtype)
-
-
-def dtype_words(dtype: LayerDtype) -> str:
-    """has_dtype's dtypes for a message: "float32", or "float32 (or bfloat16 inside autocast)"."""
-    if isinstance(dtype, str):
-        return dtype
-    return f"{dtype[0]} (or {' or '.join(dtype[1:])} inside autocast)"
+def require_dtype(
+    name: str, x: Any, dtype: LayerDtype, boolean: str | None = None, why: str = ""
+) -> None:
+    """x must have `dtype`, a layer's, or one of a tuple of them (the layer's first, then one
+    its framework computes the layer in for now: torch's autocast), or be boolean where
+    `boolean` (how one reads) is given; `why` says what x is for."""
+    names = (dtype,) if isinstance(dtype, str) else dtype
+    if dtype_name(x) in names or (boolean is not None and dtype_name(x) == "bool"):
+        return
+    allowed = names[0] + (f" (or {' or '.join(names[1:])} inside autocast)" if names[1:] else "")
+    either = "" if boolean is None else f"be boolean{boolean} or "
+    raise TypeError(
+        f"{name} must {either}have the layer's dtype {allowed}{why}. Received: {describe(name, x)}"
+    )
 
 
 def plain_dtype_name(dtype: Any) -> str:

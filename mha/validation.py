@@ -42,10 +42,9 @@ from mha.tensors import (
     broadcastable,
     describe,
     dtype_name,
-    dtype_words,
     format_shape,
-    has_dtype,
     is_tensor,
+    require_dtype,
     require_tensor,
     same,
     shape_of,
@@ -102,21 +101,8 @@ def _check_input(name: str, x: Any, dtype: LayerDtype) -> Shape:
             f"{name} must have rank 3: (batch_size, sequence length, features). "
             f"Received: {describe(name, x)}"
         )
-    _require_dtype(name, x, dtype)
+    require_dtype(name, x, dtype)
     return shape
-
-
-def _require_dtype(
-    name: str, x: Any, dtype: LayerDtype, boolean: str | None = None, why: str = ""
-) -> None:
-    """x must have the layer's dtype, or be boolean where `boolean` (how one reads) is given."""
-    if has_dtype(x, dtype) or (boolean is not None and has_dtype(x, "bool")):
-        return
-    either = "" if boolean is None else f"be boolean{boolean} or "
-    raise TypeError(
-        f"{name} must {either}have the layer's dtype {dtype_words(dtype)}{why}. "
-        f"Received: {describe(name, x)}"
-    )
 
 
 def _check_size(name: str, x: Any, shape: Shape, size_name: str, size: int | None) -> None:
@@ -212,7 +198,7 @@ def _check_mask(mask: Any, target: Shape, allow_heads: bool) -> None:
 
 def _check_attn_bias(attn_bias: Any, target: Shape, allow_heads: bool, dtype: LayerDtype) -> None:
     require_tensor("attn_bias", attn_bias)
-    _require_dtype("attn_bias", attn_bias, dtype, why=" (it is added to the scores)")
+    require_dtype("attn_bias", attn_bias, dtype, why=" (it is added to the scores)")
     _check_broadcast("attn_bias", attn_bias, target, allow_heads)
 
 
@@ -236,7 +222,7 @@ def _check_broadcast(name: str, tensor: Any, target: Shape, allow_heads: bool) -
 
 def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtype) -> None:
     require_tensor("window_mask", window_mask)
-    _require_dtype("window_mask", window_mask, dtype, " (True = attend)", " (added to the scores)")
+    require_dtype("window_mask", window_mask, dtype, " (True = attend)", " (added to the scores)")
     shape = shape_of(window_mask)
     if len(shape) != 3 or not (same(shape[1], num_queries) and same(shape[2], num_keys)):
         raise ValueError(
@@ -256,7 +242,7 @@ def _check_window_mask(window_mask: Any, batch_size, num_queries, num_keys, dtyp
 
 def _check_head_mask(head_mask: Any, batch_size, num_heads: int, dtype: LayerDtype) -> None:
     require_tensor("head_mask", head_mask)
-    _require_dtype("head_mask", head_mask, dtype, boolean="")
+    require_dtype("head_mask", head_mask, dtype, boolean="")
     shape = shape_of(head_mask)
     if not (
         (len(shape) == 1 and same(shape[0], num_heads))
@@ -297,7 +283,7 @@ def check_attention_call(
 
     Args:
         dtype: the layer's dtype, or the dtypes the call takes, the layer's first
-            (tensors.has_dtype).
+            (tensors.require_dtype).
         sizes: (argument, size name, size) triples, e.g. ("queries", "query_size", 4): the
             last axis of the argument must have that size when it is known.
         same_query_key_size: queries and keys must share their last axis (dot product).
@@ -569,7 +555,7 @@ def check_rotary_call(
             "X must have rank 2 or more: (..., no. of positions, num_hiddens). "
             f"Received: {describe('X', X)}"
         )
-    _require_dtype("X", X, dtype)
+    require_dtype("X", X, dtype)
     _check_size("X", X, shape, "num_hiddens", num_hiddens)
     if isinstance(offset, bool) or not isinstance(offset, numbers.Integral) or offset < 0:
         raise ValueError(f"offset must be a non-negative integer. Received: offset={offset!r}")
@@ -582,7 +568,7 @@ def check_add_norm_call(
     require_framework(tensor_type, X=X, Y=Y)
     for name, tensor in (("X", X), ("Y", Y)):
         require_tensor(name, tensor)
-        _require_dtype(name, tensor, dtype)
+        require_dtype(name, tensor, dtype)
         shape = shape_of(tensor)
         if len(shape) < 2:
             raise ValueError(
