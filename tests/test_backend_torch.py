@@ -967,6 +967,24 @@ def test_self_attention_compiles_into_one_graph(T, torch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
+@pytest.mark.filterwarnings("ignore::UserWarning:torch.*")
+@pytest.mark.parametrize(
+    "lengths, message",
+    [([-1, 2], "must be non-negative"), ([1.5, 2.0], "must hold whole numbers")],
+)
+def test_a_compiled_call_refuses_the_lengths_an_eager_one_refuses(T, torch, lengths, message):
+    # Expected: the eager call's ValueError, from the same value check (docs/backends.md)
+    layer = T.MultiHeadAttention(8, H)
+    X = torch.randn(2, 3, 8)
+    valid_lens = torch.tensor(lengths)
+    with pytest.raises(ValueError, match=message):
+        layer(X, X, X, valid_lens)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=message):
+        torch.compile(layer, backend="eager")(X, X, X, valid_lens)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 def test_unmasked_weights_compile_without_an_out_argument(T, torch):
     # Without gradients the eager softmax writes over the scores (out=); a graph must not:
     # Inductor failed on it (KeyError) where the keys were a multiple of 8. Expected: the
