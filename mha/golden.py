@@ -32,7 +32,16 @@ from mha.options import layer_defaults
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
 from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info
 
-__all__ = ["GoldenCase", "case_of", "read", "record", "record_run", "verify", "verify_layer"]
+__all__ = [
+    "GoldenCase",
+    "case_of",
+    "read",
+    "record",
+    "record_run",
+    "tolerance_dtype",
+    "verify",
+    "verify_layer",
+]
 
 FORMAT = "mha-golden"
 FORMAT_VERSION = "1"
@@ -336,8 +345,14 @@ def verify_layer(
     return verify([case_of(layer, inputs, output, attention_weights)], backends, dtype)
 
 
+def tolerance_dtype(dtype: str, recorded: str) -> str:
+    """The dtype whose tolerance holds a run in `dtype` of numbers recorded in `recorded`:
+    the less precise of the two."""
+    return "float64" if {dtype, recorded} == {"float64"} else "float32"
+
+
 def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
-    precision = "float64" if {dtype, case.dtype} == {"float64"} else "float32"
+    precision = tolerance_dtype(dtype, case.dtype)
     relative = precision != "float64"
     try:
         validation.check_dtype(dtype)

@@ -49,6 +49,7 @@ __all__ = [
     "check",
     "compare",
     "default_cases",
+    "device_of",
     "difference",
     "fit",
     "make_inputs",
@@ -497,7 +498,7 @@ def _gradient_differences(
     return numeric, _gradient_difference(result.gradients, anchor.gradients, relative)
 
 
-def _device_of(name: str, device: str | None) -> str | None:
+def device_of(name: str, device: str | None) -> str | None:
     """Where compare runs backend `name` when asked for `device`: NumPy stays on the CPU."""
     if device is None or name == "numpy":
         return None
@@ -572,7 +573,7 @@ def compare(
         One Row per case and backend. A backend that raises gives a failed row with the error.
     """
     names = [normalize_backend_name(name) for name in backends]
-    placed = {name: _device_of(name, device) for name in names}
+    placed = {name: device_of(name, device) for name in names}
     autograd = any(load_backend(name).ADAPTER.autograd for name in names)
     cases = list(default_cases() if cases is None else cases)
     rows = []

@@ -189,6 +189,15 @@ def test_verify_runs_in_the_dtype_given(tmp_path, monkeypatch):
         code, out, _ = run("verify", str(path), "--backends", "numpy", *argv)
         assert code == 0 and "All 2 comparisons agree on numpy." in out
         assert seen.pop() == dtype
+        # float32 numbers hold a float64 run to float32's tolerance, and the legend says so
+        assert "tolerance 1e-05 relative to the output's scale" in out, out
+
+
+def test_compare_on_numpy_alone_in_float64_says_what_was_compared():
+    # In float64 numpy's run is the reference itself: no "float32 run" was compared
+    code, out, _ = run("compare", "--backends", "numpy", "--dtype", "float64")
+    assert code == 3
+    assert "the float64 reference is numpy's own run" in out and "float32" not in out
 
 
 def test_native_log_lines_are_set_aside_and_standard_error_restored(capfd, monkeypatch):

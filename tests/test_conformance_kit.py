@@ -113,6 +113,19 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
     assert len(found.get("differs", ())) == (empty_rows == "zeros") + ignored
 
 
+@pytest.mark.jax
+def test_jax_dot_product_attention_has_no_float16_backward_on_the_cpu():
+    # As the table of docs/attention-function.md says: its float16 output agrees, its
+    # backward fails inside XLA on the CPU, an error (with JAX_ENABLE_X64, as here)
+    framework_import("jax")
+    adapter = conformance_adapters.jax_dot_product_attention()
+    plain = conformance.CASES[:1]
+    (row,) = conformance.run(adapter, "jax", ("float16",), plain, device="cpu")
+    assert row.status == "error" and "F16_F16_F32" in row.note, row
+    (row,) = conformance.run(adapter, "jax", ("float16",), plain, gradients=False, device="cpu")
+    assert row.status == "agrees", row
+
+
 def _ignores_windows_alone(jax) -> bool:
     x = np.eye(4, dtype="float32").reshape(1, 4, 1, 4)
     windowed = jax.nn.dot_product_attention(x, x, x, local_window_size=(0, 0))
@@ -158,6 +171,21 @@ def attention_of_other_names(q, k, v, *, temperature):
 def attention_by_position(q, k, v, /, **options):
     """mha's function under names of its own, the three tensors positional only."""
     return backend_module("numpy").dot_product_attention(q, k, v, **options)
+
+
+def zeros_attention(q, k, v, **options):
+    """A function that takes every case and gets each one wrong."""
+    return np.zeros(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)
+
+
+def test_a_function_that_gets_every_case_wrong_says_so(capsys):
+    # Exit 1, and the message counts the cases that do not agree: they were compared
+    target = f"{sys.modules[__name__].__name__}:zeros_attention"
+    code = cli.main(["conform", target, "--framework", "numpy", "--dtypes", "float64"])
+    captured = capsys.readouterr()
+    taken = len(conformance.CASES)
+    assert code == 1 and f"{taken} of the {taken} cases taken do not agree" in captured.err
+    assert "no case was compared" not in captured.err
 
 
 def test_the_query_key_and_value_are_given_by_position():
@@ -253,6 +281,24 @@ def test_the_command_holds_rows_with_no_key_to_empty_rows(capsys):
 def test_usage_errors_exit_2(arguments, message, capsys):
     assert cli.main(["conform", *arguments]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.torch
+def test_a_device_the_framework_cannot_reach_is_a_usage_error(monkeypatch, capsys):
+    # As `mha compare --device`: exit 2 before any case, not one error row per case
+    import dataclasses
+
+    module = backend_module("torch")
+
+    def unreachable(x, device):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    adapter = dataclasses.replace(module.ADAPTER, to_device=unreachable)
+    monkeypatch.setattr(module, "ADAPTER", adapter)
+    code = cli.main(["conform", "torch-sdpa-math", "--dtypes", "float32", "--device", "gpu"])
+    captured = capsys.readouterr()
+    assert code == 2 and "torch cannot reach a gpu: Found no NVIDIA driver" in captured.err
+    assert "plain" not in captured.out
 
 
 @pytest.mark.jax
@@ -378,6 +424,40 @@ def test_a_nan_gradient_differs_and_a_failing_backward_is_an_error():
     fine = _with_key_gradient(torch, lambda grad: grad)
     (row,) = conformance.run(fine, "torch", ("float32",), cases=plain)
     assert row.status == "agrees" and row.gradient_difference < 1e-5
+
+
+@pytest.mark.jax
+def test_without_jaxs_64_bit_mode_the_outputs_alone_are_compared():
+    # No float64 reference gradients there: the function's backward is not run, so one that
+    # cannot run (jax.nn's in float16 on the CPU) leaves its agreeing outputs agreeing
+    jax = framework_import("jax")
+    module = backend_module("jax")
+    ran = []
+
+    @jax.custom_vjp
+    def attention(query, key, value):
+        return module.dot_product_attention(query, key, value)
+
+    def forward(query, key, value):
+        return attention(query, key, value), None
+
+    def backward(_, cotangent):
+        ran.append(True)
+        raise RuntimeError("no backward here")
+
+    attention.defvjp(forward, backward)
+    plain = conformance.CASES[:1]
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        (row,) = conformance.run(lambda q, k, v: attention(q, k, v), "jax", ("float32",), plain)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
+    assert row.status == "agrees" and row.difference < 1e-5, row
+    assert not ran and row.gradient_difference is None
+    # With it, the backward runs, and one that fails is an error
+    (row,) = conformance.run(lambda q, k, v: attention(q, k, v), "jax", ("float32",), plain)
+    assert ran and row.status == "error" and "no backward here" in row.note
 
 
 @pytest.mark.jax
