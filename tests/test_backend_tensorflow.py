@@ -375,9 +375,12 @@ def test_a_policy_of_another_dtype_is_refused_after_construction(TF, policy):
     # change only the checks (a bfloat16 layer computing in float32, or raw MatMul errors)
     numpy_layer, layer = make_pair(TF, "MultiHeadAttention", "float32")
     queries, keys, values = inputs("float32")
+    # The advice names the dtype the policy computes in: a mixed policy's, not float32
+    advice = f"build a layer with dtype='{policy.removeprefix('mixed_')}'"
     for target in (layer, TF.PositionalEncoding(8), TF.AddNorm(8)):
-        with pytest.raises(ValueError, match="dtype it was built with, float32"):
+        with pytest.raises(ValueError, match="dtype it was built with, float32") as raised:
             target.dtype_policy = policy
+        assert advice in str(raised.value)
         assert target.dtype_policy.name == "float32"
         target.dtype_policy = "float32"
     expected = numpy_layer(queries, keys, values, causal=True)
