@@ -30,7 +30,7 @@ _lock = threading.Lock()
 
 
 def get_backend() -> str:
-    """Return the name of the current backend ("numpy", "torch", "tensorflow" or "mxnet").
+    """Return the name of the current backend ("numpy", "torch", "tensorflow", "mxnet" or "jax").
 
     Raises:
         ValueError: MHA_BACKEND names no known backend.
