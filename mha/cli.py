@@ -321,7 +321,7 @@ def _verify(arguments, out, err) -> int:
         rows,
         names,
         skipped,
-        "float32" if "float32" in dtypes or not dtypes else "float64",
+        "float64" if dtypes == {"float64"} else "float32",
         out,
         f"Largest differences from the numbers recorded in {arguments.path} "
         f"({', '.join(recorded) or 'recorded elsewhere'}; {len(cases)} cases).",

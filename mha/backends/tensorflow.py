@@ -157,7 +157,7 @@ class Layer(keras.layers.Layer):
         dtypes = (self.compute_dtype, self.variable_dtype)
         if dtypes != (before.compute_dtype, before.variable_dtype):
             keras.layers.Layer.dtype_policy.fset(self, before)
-            # A mixed policy's layer is the one of its compute dtype: mha's compute in theirs
+            # The advice names the dtype the policy computes in (a mixed policy's, not float32)
             raise ValueError(
                 f"{type(self).__name__} computes in the dtype it was built with, "
                 f"{before.variable_dtype}: build a layer with dtype={dtypes[0]!r} and load "
