@@ -577,6 +577,30 @@ def test_dropout_and_batch_first_carry_over_to_and_from_torch(torch):
     np.testing.assert_allclose(output.numpy().swapaxes(0, 1), ours, rtol=1e-5, atol=1e-6)
 
 
+# The backends whose layers keep a mode of their own; Keras and Gluon take it at each call,
+# and compute without dropout when a call gives none
+KEEP_A_MODE = {"numpy", "torch", "jax"}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", backend_params())
+def test_a_torch_modules_mode_carries_over_both_ways(torch, name):
+    # A module in eval mode with dropout computes without it: so must the layer made from it,
+    # called as the module is, without a mode; one in training mode makes a layer that drops
+    module = backend_module(name)
+    builtin = torch.nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    randomize_torch(torch, builtin, seed=5)
+    x = np.random.default_rng(5).standard_normal((2, 4, 8)).astype("float32")
+    expected, _ = call_torch(torch, builtin.eval(), x, x, x)
+    layer = interop.from_torch(builtin, backend=name)
+    ours, _ = call_mha(module, layer, x, x, x)
+    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
+    back = interop.to_torch(layer)
+    assert back.training is (False if name in KEEP_A_MODE else True)  # else torch's default
+    dropping = call_mha(module, interop.from_torch(builtin.train(), backend=name), x, x, x)[0]
+    assert np.allclose(dropping, expected, atol=1e-3) is (name not in KEEP_A_MODE)
+
+
 @pytest.mark.torch
 def test_is_causal_refuses_a_mask_that_differs_from_causal_in_one_key(torch):
     # One forbidden key more than the causal mask (query 2 may not see key 0): not the mask

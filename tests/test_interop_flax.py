@@ -371,6 +371,28 @@ def test_dropout_draws_a_mask_for_each_weight_both_ways(flax):
         assert N.layer_config(converted)["dropout"] == source.dropout_rate
 
 
+@pytest.mark.parametrize("name", backend_params())
+def test_an_nnx_modules_mode_carries_over_both_ways(flax, name):
+    # A deterministic module computes without dropout, so must the layer made from it; an mha
+    # layer's mode (NumPy's layers start in evaluation) makes a module callable without one
+    from flax import nnx
+
+    backend_module(name)
+    source = nnx.MultiHeadAttention(
+        H, D, dropout_rate=0.5, broadcast_dropout=False, decode=False, rngs=nnx.Rngs(1)
+    )
+    source.eval()
+    q, k, v = inputs(seed=4)
+    expected = flax_call(source, q, k, v, {})
+    layer = interop.from_flax(source, backend=name)
+    np.testing.assert_allclose(mha_call(layer, q, k, v, {}), expected, rtol=1e-5, atol=1e-6)
+    evaluating = N.MultiHeadAttention(D, H, 0.5, True, query_size=D, key_size=D, value_size=D)
+    mha.set_weights(evaluating, mha.get_weights(layer))
+    builtin = interop.to_flax(evaluating)
+    np.testing.assert_allclose(flax_call(builtin, q, k, v, {}), expected, rtol=1e-5, atol=1e-6)
+    assert builtin.deterministic is True
+
+
 def test_big_endian_parameters_convert_as_the_same_numbers(flax, tmp_path):
     # numpy keeps a file's byte order; torch takes only this machine's
     backend_module("torch")

@@ -11,6 +11,7 @@ Importing this module imports no framework.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ __all__ = [
     "multihead_config",
     "options_of",
     "refuse_overrides",
+    "set_training",
+    "training_of",
 ]
 
 
@@ -143,6 +146,7 @@ def layer_from_weights(
     backend: str | None = None,
     dropout: float = 0.0,
     scale: float | None = None,
+    training: bool | None = None,
     **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention in `backend` (default: the current one) holding `weights`.
@@ -160,6 +164,7 @@ def layer_from_weights(
         backend: an mha backend name; None is the current backend.
         dropout: the new layer's dropout rate.
         scale: the score scale (weights cannot tell it); None is 1 / sqrt(head size).
+        training: the new layer's mode (`set_training`); None leaves its backend's default.
     """
     shapes = _projection_shapes(weights)
     check_untold_options(options)
@@ -184,6 +189,33 @@ def layer_from_weights(
         **options,
     )
     set_weights(layer, {name: np.asarray(value) for name, value in weights.items()})
+    return set_training(layer, training)
+
+
+def training_of(layer: Any) -> bool | None:
+    """Whether `layer` drops attention weights when called without a mode: torch modules and
+    mha's NumPy layers say it by `training`, Flax NNX modules (mha's JAX layers among them) by
+    their `deterministic`; Keras and Gluon take the mode at each call, and say None, as does a
+    Flax module that leaves it to the call (deterministic None)."""
+    if isinstance(getattr(layer, "training", None), bool):
+        return layer.training
+    nnx = sys.modules.get("flax.nnx")  # an NNX module means Flax was imported
+    if nnx is None or not isinstance(layer, nnx.Module):
+        return None
+    modules = nnx.iter_modules(layer) if hasattr(nnx, "iter_modules") else layer.iter_modules()
+    modes = {getattr(module, "deterministic", None) for _, module in modules} - {None}
+    return None if len(modes) != 1 else not modes.pop()
+
+
+def set_training(layer: Any, training: bool | None) -> Any:
+    """`layer` (a torch module, an mha layer, a Flax NNX module) in training mode or not, as
+    its framework sets it; unchanged where `training` is None or the layer keeps no mode."""
+    if training is None or not hasattr(layer, "train") or not hasattr(layer, "eval"):
+        return layer
+    if training:
+        layer.train()
+    else:
+        layer.eval()
     return layer
 
 

@@ -23,6 +23,8 @@ from mha.interop.common import (
     layer_from_weights,
     multihead_config,
     refuse_overrides,
+    set_training,
+    training_of,
 )
 from mha.interop.keras import KERAS_PROJECTIONS, keras_weights
 from mha.registry import load_backend
@@ -260,7 +262,9 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
     Returns:
         MultiHeadAttention(num_heads, in_features=query_size, qkv_features=num_hiddens,
         out_features=num_hiddens, in_kv_features=key_size, use_bias=bias, dropout_rate,
-        broadcast_dropout=False, dtype) holding the layer's weights. Flax takes
+        broadcast_dropout=False, dtype) holding the layer's weights, in the layer's mode
+        where its backend keeps one (`training_of`: torch's, NumPy's and JAX's layers;
+        otherwise Flax's deterministic=None, which each call then gives). Flax takes
         `module(query, key, value, mask=...)` with mask True = attend (see `to_flax_masks`).
 
     Raises:
@@ -302,20 +306,25 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         dense = getattr(module, name)
         for variable, value in variables.items():
             getattr(dense, variable)[...] = load_backend("jax").from_numpy(value)
-    return module
+    return set_training(module, training_of(layer))
 
 
 def from_flax(source: Any, *, backend: str | None = None) -> Any:
     """An mha MultiHeadAttention in `backend` (default: current) from Flax's multi-head
     attention: an `nnx.MultiHeadAttention`, or the parameters of one or of Linen's
     `MultiHeadDotProductAttention` (the number of heads is read from the kernels' shapes).
+    An nnx module's mode (`deterministic`) goes to the layer where its backend keeps one.
 
     Raises:
         ValueError: see `canonical_from_flax`.
     """
     weights, config = canonical_from_flax(source)
     return layer_from_weights(
-        weights, config["num_heads"], backend=backend, dropout=config["dropout"]
+        weights,
+        config["num_heads"],
+        backend=backend,
+        dropout=config["dropout"],
+        training=training_of(source),
     )
 
 

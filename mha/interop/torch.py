@@ -24,6 +24,8 @@ from mha.interop.common import (
     layer_from_weights,
     multihead_config,
     refuse_overrides,
+    set_training,
+    training_of,
 )
 from mha.registry import load_backend
 from mha.tensors import plain_dtype_name
@@ -183,8 +185,9 @@ def to_torch(layer: Any, *, batch_first: bool = True) -> Any:
 
     Returns:
         nn.MultiheadAttention(embed_dim=num_hiddens, num_heads, dropout, bias, kdim=key_size,
-        vdim=value_size, dtype=the layer's dtype), in training mode as every new module
-        (call `.eval()` before comparing when dropout > 0). Call it with
+        vdim=value_size, dtype=the layer's dtype), in the layer's mode where its backend
+        keeps one (`training_of`: torch's, NumPy's and JAX's layers), otherwise in training
+        mode as every new module (call `.eval()` before comparing when dropout > 0). Call it with
         `need_weights=True, average_attn_weights=False` for per-head weights.
 
     Raises:
@@ -206,7 +209,7 @@ def to_torch(layer: Any, *, batch_first: bool = True) -> Any:
     )
     from_numpy = load_backend("torch").from_numpy
     module.load_state_dict({name: from_numpy(value) for name, value in state.items()})
-    return module
+    return set_training(module, training_of(layer))
 
 
 def from_torch(module: Any, *, backend: str | None = None) -> Any:
@@ -214,7 +217,8 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
 
     The config is num_hiddens = query_size = embed_dim, key_size = kdim, value_size = vdim,
     num_heads, dropout, bias (torch's `bias` covers the four projections, as mha's does) and
-    the dtype of the module's weights. `batch_first` only concerns torch's inputs.
+    the dtype of the module's weights, and the module's mode (`.training`) where the backend's
+    layers keep one (torch, NumPy, JAX). `batch_first` only concerns torch's inputs.
 
     Raises:
         ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express,
@@ -233,7 +237,11 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
         )
     weights, _ = canonical_from_torch(module.state_dict())
     return layer_from_weights(
-        weights, module.num_heads, backend=backend, dropout=float(module.dropout)
+        weights,
+        module.num_heads,
+        backend=backend,
+        dropout=float(module.dropout),
+        training=module.training,
     )
 
 
