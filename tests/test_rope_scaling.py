@@ -420,6 +420,34 @@ def test_a_scaled_llama_ports_in_one_line(name, kind):
     np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * scale)
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_batch_padded_on_the_left_in_every_row_ports_without_its_shared_padding(kind):
+    # generate's positions count from each row's first token, and transformers chooses the
+    # frequencies from the largest, here the 7 tokens of row 0, short of the original 8;
+    # mha chooses them from the call's positions, 12 with the columns every row pads, 7
+    # without them (porting.md, "Left padding")
+    config, model = _llama(kind)
+    padding = np.array([[0] * 5 + [1] * 7, [0] * 7 + [1] * 5])
+    positions = np.maximum(np.cumsum(padding, axis=-1) - 1, 0)
+    x, expected = _outputs(
+        model,
+        torch.randint(3, 50, (2, 12)),
+        torch.tensor(padding),
+        position_ids=torch.tensor(positions),
+    )
+    options = porting.options_from_config(config.to_dict())
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend="numpy", **options
+    )
+    kept, atol = padding.astype(bool), 1e-6 * np.max(np.abs(expected))
+    whole = layer(x, x, x, causal=True, mask=kept[:, None])
+    assert np.max(np.abs(whole - expected)[kept]) > 100 * atol  # the long frequencies
+    start = int(np.argmax(kept.any(axis=0)))  # the first column with a token
+    x, kept = x[:, start:], kept[:, start:]
+    output = layer(x, x, x, causal=True, mask=kept[:, None])
+    np.testing.assert_allclose(output[kept], expected[:, start:][kept], rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("name", backend_params())
 @pytest.mark.parametrize("kind", ["dynamic", "longrope", "yarn"])
 def test_cached_decoding_is_transformers_own(name, kind):
