@@ -71,7 +71,7 @@ def options_from_config(
             `layer`; an unreadable file.
     """
     if not isinstance(config, Mapping):
-        config = _read_json(config)
+        config = read_config(config)
     config = with_defaults(without_unread(with_aliases(config)))  # as transformers reads it
     _refuse_config(config)
     count = _num_layers(config)
@@ -145,6 +145,8 @@ _MISREAD_MODEL_TYPES = {
     "longt5": "attends within blocks of the sequence (local or transient-global), under T5's names",
     "mpnet": "adds a relative position bias to its scaled scores, under the names T5 keeps "
     "unscaled",
+    "gpt_bigcode": "keeps q, k and v in a Linear c_attn (with multi_query one key-value head) "
+    "under the names GPT-2 gives its Conv1D",
 }
 # BigBird attends to blocks of the keys unless its config says attention_type='original_full'
 _BLOCK_SPARSE_MODEL_TYPES = frozenset({"big_bird", "bigbird_pegasus"})
@@ -174,6 +176,12 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
             for key, (plain, what) in _MPT_UNSUPPORTED.items()
             if attention.get(key, plain) not in (plain, None)
         ]
+    if config.get("model_type") == "bloom" and _bloom_slices_its_output(config):
+        problems.append(
+            f"slow_but_exact=True with pretraining_tp={config['pretraining_tp']!r} leaves the "
+            "output projection's bias out (transformers' BLOOM sums its slices without it; "
+            "with slow_but_exact=False, as BLOOM's released configs have it, it adds the bias)"
+        )
     if config.get("model_type") in _MISREAD_MODEL_TYPES:
         model_type = config["model_type"]
         problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
@@ -183,14 +191,19 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
     if any("ALiBi's position biases" in problem for problem in problems):
         problems.append(
             "(Falcon's ALiBi, scaled with the scores: port with from_state_dict(..., "
-            "num_heads=) and give each call attn_bias=mha.porting.alibi_bias(num_heads, "
-            "num_queries, num_keys) / sqrt(head size))"
+            "num_heads=) and give each call attn_bias=mha.porting.falcon_alibi_bias(num_heads, "
+            "num_keys, head_size=...))"
         )
     if problems:
         raise ValueError(
             "the config's attention does what mha's MultiHeadAttention cannot represent: "
             + "; ".join(problems)
         )
+
+
+def _bloom_slices_its_output(config: Mapping[str, Any]) -> bool:
+    tp = config.get("pretraining_tp", 1)
+    return bool(config.get("slow_but_exact")) and isinstance(tp, int) and tp > 1
 
 
 def _held(config: Mapping[str, Any], key: str) -> bool:
@@ -499,7 +512,8 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
     return scale
 
 
-def _read_json(path: str | os.PathLike) -> dict[str, Any]:
+def read_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A config.json's object, its size checked before it is read."""
     try:
         value = parse_json(read_bytes(path, _MAX_CONFIG_BYTES))
     except (OSError, ValueError) as error:

@@ -78,7 +78,7 @@ from mha.port_adjustments import (
     split_gate,
     unit_qk_norms,
 )
-from mha.position_bias import alibi_bias, t5_position_bias
+from mha.position_bias import alibi_bias, falcon_alibi_bias, t5_position_bias
 from mha.registry import load_backend
 from mha.shared_layers import (
     KEYS_AS_VALUES,
@@ -103,6 +103,7 @@ __all__ = [
     "Port",
     "alibi_bias",
     "canonical_from_state_dict",
+    "falcon_alibi_bias",
     "find_attention",
     "from_state_dict",
     "options_from_config",

@@ -10,6 +10,7 @@ layouts against Keras's and Flax's own layers.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -91,6 +92,26 @@ def test_bert_attention_ports_to_every_backend(name, bert):
     check_port(
         name, state, "encoder.layer.1.attention", x, y, num_heads=4, valid_lens=np.array([7, 4])
     )
+
+
+def test_bert_as_a_decoder_ports_and_is_called_causal():
+    # is_decoder=True masks each query's later keys; the config gives no option for it:
+    # the call's causal=True does (porting.md)
+    T = transformers()
+    torch.manual_seed(3)
+    sizes = dict(hidden_size=16, num_attention_heads=4, num_hidden_layers=1, vocab_size=50)
+    config = T.BertConfig(**sizes, intermediate_size=32, is_decoder=True)
+    model = T.BertModel(config).double().eval()
+    attention = model.encoder.layer[0].attention
+    with torch.no_grad():  # scores of a spread the mask shows in
+        for parameter in attention.self.parameters():
+            parameter.normal_(0.0, 0.5)
+    ids = torch.randint(0, 50, (2, 7))
+    x, y = capture(model, attention.self, attention.output.dense, input_ids=ids)
+    assert porting.options_from_config(config.to_dict()) == {"num_heads": 4}
+    layer = porting.from_state_dict(model.state_dict(), "encoder.layer.0.attention", num_heads=4)
+    np.testing.assert_allclose(layer(x, x, x, causal=True), y, rtol=0, atol=TOLERANCE)
+    assert not np.allclose(layer(x, x, x), y, rtol=0, atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("name", backend_params())
@@ -273,11 +294,19 @@ def test_t5_position_bias_buckets_distances_as_t5_does(bidirectional):
     attention = T5Attention(config, has_relative_attention_bias=True).double()
     table = attention.relative_attention_bias.weight
     buckets = {"bidirectional": bidirectional, "num_buckets": 8, "max_distance": 20}
+    written = config.to_dict()
     for alignment, cached in [("top_left", 0), (3, 3), ("bottom_right", 7)]:
         with torch.no_grad():
             expected = attention.compute_bias(30, 37, past_seen_tokens=cached).numpy()
         bias = porting.t5_position_bias(table, 30, 37, **buckets, alignment=alignment)
         np.testing.assert_array_equal(bias, expected)
+        # The same two fields read from the config itself, as options_from_config reads it
+        bias = porting.t5_position_bias(
+            table, 30, 37, bidirectional=bidirectional, alignment=alignment, config=written
+        )
+        np.testing.assert_array_equal(bias, expected)
+    with pytest.raises(ValueError, match=r"max_distance=128 differs from the config's rel"):
+        porting.t5_position_bias(table, 3, 3, max_distance=128, config=written)
 
 
 @pytest.mark.parametrize("bidirectional", [True, False], ids=["encoder", "decoder"])
@@ -1945,10 +1974,20 @@ def test_falcon_alibi_and_mpt_options_are_refused_and_query_key_value_needs_the_
         config = T.MptConfig(n_layers=1, attn_config={field: value}).to_dict()
         with pytest.raises(ValueError, match=rf"attn_config\['{field}'\]={value!r}"):
             porting.options_from_config(config)
+    # BLOOM's slices of the output projection, summed without its bias
+    bloom = T.BloomConfig(n_layer=1, pretraining_tp=2, slow_but_exact=True).to_dict()
+    with pytest.raises(ValueError, match=r"slow_but_exact=True with pretraining_tp=2 leaves"):
+        porting.options_from_config(bloom)
+    assert porting.options_from_config({**bloom, "slow_but_exact": False})["alibi"]
     # ChatGLM (remote code) names its block-ordered q, k and v query_key_value too
     chatglm = {"model_type": "chatglm", "num_attention_heads": 4, "rope_ratio": 1.0}
     with pytest.raises(ValueError, match=r"model_type='chatglm' keeps q, k and v in blocks"):
         porting.options_from_config(chatglm)
+    # GPT-BigCode's Linear c_attn under GPT-2's Conv1D names: multi-query, or q, k, v per head
+    for multi_query in (True, False):
+        bigcode = T.GPTBigCodeConfig(n_layer=1, multi_query=multi_query).to_dict()
+        with pytest.raises(ValueError, match=r"'gpt_bigcode' keeps q, k and v in a Linear"):
+            porting.options_from_config(bigcode)
     torch.manual_seed(0)
     sizes = dict(hidden_size=16, num_attention_heads=4, intermediate_size=16, vocab_size=50)
     state = T.GPTNeoXModel(T.GPTNeoXConfig(num_hidden_layers=1, **sizes)).state_dict()
@@ -1956,6 +1995,69 @@ def test_falcon_alibi_and_mpt_options_are_refused_and_query_key_value_needs_the_
         porting.canonical_from_state_dict(state, "layers.0.attention")
     with pytest.raises(ValueError, match=r"48 outputs: with 3 heads of the output projection's"):
         porting.canonical_from_state_dict(state, "layers.0.attention", num_heads=3)
+
+
+def test_falcon_alibi_bias_is_transformers_own_bit_for_bit():
+    # bfloat16 slopes times bfloat16 positions (from each row's first token), rounded again;
+    # 12 heads, whose odd slopes are not powers of 2, and positions past 256 that bfloat16
+    # cannot all hold
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    padding = np.ones((2, 300), np.int64)
+    padding[1, :3] = 0
+    for dtype in ("float32", "float64"):
+        expected = build_alibi_tensor(torch.tensor(padding), 12, getattr(torch, dtype))
+        expected = (expected.reshape(2, 12, 1, 300) / math.sqrt(4)).numpy()
+        bias = porting.falcon_alibi_bias(12, 300, head_size=4, attention_mask=padding, dtype=dtype)
+        assert bias.dtype == dtype
+        np.testing.assert_array_equal(bias, expected)
+    unpadded = porting.falcon_alibi_bias(12, 300, head_size=4)
+    np.testing.assert_array_equal(
+        unpadded[0], porting.falcon_alibi_bias(12, 300, head_size=4, attention_mask=padding)[0]
+    )
+    with pytest.raises(ValueError, match=r"attention_mask must be \(batch, num_keys=300\)"):
+        porting.falcon_alibi_bias(12, 300, head_size=4, attention_mask=padding[:, 1:])
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_falcon_with_alibi_ports_with_its_bias_at_each_call(name):
+    # Falcon-RW's attention: its config is refused (ALiBi scaled with the scores), and the
+    # port without positions given falcon_alibi_bias at the call is transformers' module;
+    # alibi_bias / sqrt(head size), unrounded, is not
+    T = transformers()
+    torch.manual_seed(2)
+    config = T.FalconConfig(
+        hidden_size=48, num_attention_heads=12, num_hidden_layers=1, vocab_size=50, alibi=True
+    )
+    config._attn_implementation = "eager"
+    model = T.FalconModel(config).double().eval()
+    attention = model.h[0].self_attention
+    with torch.no_grad():  # scores of a spread the biases' roundings show beside
+        for parameter in attention.parameters():
+            parameter.normal_(0.0, 0.5)
+    padding = np.ones((2, 300), np.int64)
+    padding[1, :3] = 0
+    ids = torch.randint(3, 50, (2, 300))
+    x, y = capture(model, attention, attention, input_ids=ids, attention_mask=torch.tensor(padding))
+    module = backend_module(name)
+    layer = porting.from_state_dict(
+        model.state_dict(), "h.0.self_attention", num_heads=12, without_positions=True, backend=name
+    )
+    mask = module.from_numpy(np.broadcast_to(padding[:, None].astype(bool), (2, 300, 300)).copy())
+    rows = np.s_[:, 3:]  # the padded row's first queries see no key (NaN in transformers')
+    atol = 1e-6 * np.max(np.abs(y[rows]))
+    for bias, agrees in [
+        (
+            porting.falcon_alibi_bias(
+                12, 300, head_size=4, attention_mask=padding, dtype="float64"
+            ),
+            True,
+        ),
+        (porting.alibi_bias(12, 300, 300, dtype="float64") / math.sqrt(4), False),
+    ]:
+        call = {"mask": mask, "causal": True, "attn_bias": module.from_numpy(bias)}
+        output = module.to_numpy(layer(*[module.from_numpy(x)] * 3, **call))
+        assert bool(np.max(np.abs(output - y)[rows]) <= atol) is agrees
 
 
 def test_a_layout_whose_models_all_add_positions_needs_them_told(tmp_path, capsys):
