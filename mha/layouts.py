@@ -40,7 +40,7 @@ class Layout(NamedTuple):
     """How one family of models keeps an attention layer's weights."""
 
     name: str
-    kind: str  # "linear", "fused", "fused_grouped", "conv1d", "heads" or "torch"
+    kind: str  # "linear", "fused", "fused_grouped", "conv1d", "conv1d_cross", "heads", "torch"
     paths: Mapping[str, str]  # role (q, k, v, o, or qkv) -> module path under the prefix
     scale: float | None = None  # None: 1 / sqrt(head size)
     # Names under the prefix that are not part of the layer's numbers (a name ending in "."
@@ -52,6 +52,8 @@ class Layout(NamedTuple):
     biases: bool = True  # whether the layout's models have biases (T5's have none)
     # Whether the query projection holds each head's gate of its output beside its queries
     gated: bool = False
+    # Names whose presence under the prefix marks another layout (GPT-2's cross-attention)
+    excludes: tuple[str, ...] = ()
 
 
 _ADD_NORM = "the layer norm after the residual, outside the attention"
@@ -151,6 +153,12 @@ LAYOUTS = (
         "conv1d",
         {"qkv": "c_attn", "o": "c_proj"},
         outside={"bias": _CAUSAL, "masked_bias": _CAUSAL},
+        excludes=("q_attn.weight",),
+    ),
+    Layout(
+        "GPT-2 Conv1D cross-attention (q_attn, c_attn, c_proj)",
+        "conv1d_cross",
+        {"q": "q_attn", "kv": "c_attn", "o": "c_proj"},
     ),
     Layout(
         "Keras MultiHeadAttention",
@@ -178,6 +186,7 @@ _MARK = {
     "fused_grouped": "weight",
     "fused_per_group": "weight",
     "conv1d": "weight",
+    "conv1d_cross": "weight",
     "heads": "kernel",
 }
 
@@ -217,6 +226,8 @@ def matches(layout: Layout, names: Iterable[str]) -> bool:
             "in_proj_weight" in names or "q_proj_weight" in names
         )
     if not layout.biases and any(f"{path}.bias" in names for path in layout.paths.values()):
+        return False
+    if any(name in names for name in layout.excludes):
         return False
     return all(f"{path}.{_MARK[layout.kind]}" in names for path in layout.paths.values())
 
@@ -396,6 +407,22 @@ def _read_conv1d(layout: Layout, arrays):
     }, None
 
 
+def _read_conv1d_cross(layout: Layout, arrays):
+    # GPT-2's cross-attention: the queries from q_attn, the keys and values from c_attn's
+    # two halves, applied to the encoder's states
+    W, b = _matrices(layout, arrays, "kv", False)
+    if W.shape[1] % 2:
+        problem = f"{layout.paths['kv']} has {W.shape[1]} outputs, not 2 equal blocks for k and v"
+        raise _problem(layout, [problem])
+    blocks, biases = np.split(W, 2, axis=1), [None] * 2 if b is None else np.split(b, 2)
+    return {
+        "q": _matrices(layout, arrays, "q", False),
+        "k": (blocks[0], biases[0]),
+        "v": (blocks[1], biases[1]),
+        "o": _matrices(layout, arrays, "o", False),
+    }, None
+
+
 def _read_heads(layout: Layout, arrays):
     kernels = {k: arrays[f"{layout.paths[k]}.kernel"] for k in "qkvo"}
     biases = {k: arrays.get(f"{layout.paths[k]}.bias") for k in "qkvo"}
@@ -432,6 +459,7 @@ _READERS = {
     "fused": _read_fused,
     "fused_grouped": _read_fused_grouped,
     "conv1d": _read_conv1d,
+    "conv1d_cross": _read_conv1d_cross,
     "heads": _read_heads,
 }
 

@@ -144,6 +144,47 @@ def test_gpt2_attention_ports_to_every_backend(name):
 
 
 @pytest.mark.parametrize("name", backend_params())
+def test_gpt2_cross_attention_ports_to_every_backend(name):
+    # An encoder-decoder's GPT-2 (add_cross_attention): queries from q_attn, keys and values
+    # from c_attn's halves applied to the encoder's states; the encoder's padding masked
+    T = transformers()
+    torch.manual_seed(5)
+    config = T.GPT2Config(
+        n_embd=16, n_head=4, n_layer=1, vocab_size=50, n_positions=32, add_cross_attention=True
+    )
+    model = T.GPT2Model(config).double().eval()
+    attention = model.h[0].crossattention
+    with torch.no_grad():  # biases of zeros would hide a lost one
+        for parameter in attention.parameters():
+            parameter.normal_(0.0, 0.5)
+    encoder = torch.randn(2, 5, 16, dtype=torch.float64)
+    seen = {}
+    hook = attention.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(x=args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True,
+    )
+    _, y = capture(
+        model,
+        attention,
+        attention.c_proj,
+        input_ids=torch.randint(0, 50, (2, 6)),
+        encoder_hidden_states=encoder,
+        encoder_attention_mask=torch.tensor([[1] * 5, [1] * 3 + [0] * 2]),
+    )
+    hook.remove()
+    found = dict(porting.find_attention(model.state_dict()))
+    assert found["h.0.crossattention"].startswith("GPT-2 Conv1D cross-attention")
+    assert found["h.0.attn"].startswith("GPT-2 Conv1D (")
+    module = backend_module(name)
+    layer = porting.from_state_dict(
+        model.state_dict(), "h.0.crossattention", num_heads=4, backend=name
+    )
+    x, memory = (module.from_numpy(a.numpy()) for a in (seen["x"], encoder))
+    output = layer(x, memory, memory, module.from_numpy(np.array([5, 3])))
+    np.testing.assert_allclose(module.to_numpy(output), y, rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_vit_attention_ports_to_every_backend(name):
     T = transformers()
     torch.manual_seed(2)
