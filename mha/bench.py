@@ -52,6 +52,7 @@ from mha.bench_frameworks import (
     Bench,
     Config,
 )
+from mha.cli_common import positive_float
 from mha.registry import BACKENDS, BackendUnavailableError, select_backends
 
 __all__ = ["BENCHES", "SHAPES", "Bench", "Config", "Result", "markdown_table", "run"]
@@ -409,7 +410,11 @@ def add_arguments(parser) -> None:
         help="semicolon-separated B,L,d,h[,kv][+C], C positions cached before a decoding step "
         f"(default: {default})",
     )
-    add("--seconds", type=float, help="time budget of each row's measurement (default: 3)")
+    add(
+        "--seconds",
+        type=positive_float,
+        help="time budget of each row's measurement (default: 3)",
+    )
     add("--valid-lens", choices=("yes", "no"), help="only the rows with or without valid_lens")
     add("--need-weights", choices=("true", "false"), help="only the rows with need_weights so")
     add("--pass", dest="pass_", choices=PASSES, help="only the rows of this pass")

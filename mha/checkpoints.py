@@ -393,7 +393,7 @@ def _safetensors_entries(
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise corrupt(f"the entry of {key!r} is not dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in _SAFETENSORS_DTYPES:
+        if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
             raise corrupt(f"{key!r} has dtype {dtype!r}, which mha does not read")
         if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape

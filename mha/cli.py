@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from mha import __version__, bench, conformance, conformance_adapters, golden, harness
 from mha.cli_common import UsageError, framework_logs_aside, positive_int, progress, seed
 from mha.cli_files import add_file_commands, file_command
+from mha.files import check_destination
 from mha.registry import (
     BACKENDS,
     BackendUnavailableError,
@@ -169,6 +170,8 @@ def _format(value: float | None) -> str:
 def _compare(arguments, out, err) -> int:
     shapes = _compare_shapes(arguments)
     try:
+        if arguments.record:  # before the run, which a wrong path would waste
+            check_destination(arguments.record)
         names, skipped = select_backends(arguments.backends)
     except (ValueError, BackendUnavailableError) as error:
         raise UsageError(str(error)) from None

@@ -51,6 +51,14 @@ def finite_float(text: str) -> float:
     return value
 
 
+def positive_float(text: str) -> float:
+    """The argument type of a finite number above 0 (a time budget)."""
+    value = finite_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+    return value
+
+
 def seed(text: str) -> int:
     """The argument type of a seed: a whole number from 0 to 2**32 - 1."""
     try:
@@ -100,7 +108,11 @@ def framework_logs_aside(err, kept: list[str]):
             os.dup2(aside.fileno(), 2)
             if _descriptor(err) == 2:
                 copy = io.FileIO(os.dup(saved), "w")
-                own = err = io.TextIOWrapper(copy, encoding="utf-8", line_buffering=True)
+                # As Python's own standard error: a name no encoding holds is escaped
+                encoding = getattr(err, "encoding", None) or "utf-8"
+                own = err = io.TextIOWrapper(
+                    copy, encoding=encoding, errors="backslashreplace", line_buffering=True
+                )
             try:
                 yield err
             finally:

@@ -184,7 +184,8 @@ def check_zip_archive(path: str | os.PathLike) -> None:
     archives (torch's legacy format) pass unchecked.
 
     Raises:
-        ValueError: an entry is compressed, larger than the file, or fails its checksum.
+        ValueError: an entry is compressed, larger than the file, named twice, or fails its
+            checksum.
     """
     import zipfile
 
@@ -192,6 +193,10 @@ def check_zip_archive(path: str | os.PathLike) -> None:
         return
     with zipfile.ZipFile(path) as archive:
         entries = archive.infolist()
+        names = [entry.filename for entry in entries]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:  # torch would read one of them, whichever its reader finds
+            raise ValueError(f"it holds more than one entry named {', '.join(twice)}")
         for entry in entries:
             if entry.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"its entry {entry.filename} is compressed; torch stores each")

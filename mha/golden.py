@@ -187,6 +187,8 @@ def read(path: str | os.PathLike) -> list[GoldenCase]:
         described = parse_json(metadata["cases"])
         if not isinstance(described, list) or not all(isinstance(d, dict) for d in described):
             raise ValueError("its case list is not a list of objects")
+        if not described:
+            raise ValueError("its case list is empty: there is nothing to verify")
         cases = [_case_of_entry(index, entry, tensors) for index, entry in enumerate(described)]
     except (KeyError, TypeError, json.JSONDecodeError) as error:
         raise ValueError(f"{name} is not a valid golden-case file: {error!r}") from None
@@ -214,6 +216,8 @@ def _case_of_entry(
             key[len(prefix) :]: value for key, value in arrays.items() if key.startswith(prefix)
         }
 
+    if not isinstance(entry["config"], dict) or not isinstance(entry.get("options", {}), dict):
+        raise ValueError(f"case {index}'s config and options are not both objects")
     config, weights = dict(entry["config"]), group("weights/")
     if layer != "masked_softmax":
         # The sizes the layer is built with, before it is: bounded by the file's weights

@@ -193,19 +193,28 @@ _MARK = {
 
 def flatten(state: Mapping[str, Any], separator: str = ".") -> dict[str, Any]:
     """A flat name -> array dict of a state_dict or of nested parameters (Flax), with "/"
-    (Keras's paths) read as ".". Flax's top-level "params" collection is dropped."""
+    (Keras's paths) read as ".". Flax's top-level "params" collection is dropped. Two
+    names that become one ("a/b" and "a.b") are a ValueError: either could be the weight."""
     if set(state) == {"params"} and isinstance(state["params"], Mapping):
         state = state["params"]
     flat: dict[str, Any] = {}
+    written: dict[str, str] = {}  # flat name -> the keys it was read under
 
-    def walk(prefix: str, value: Any) -> None:
+    def walk(keys: tuple[str, ...], value: Any) -> None:
         if isinstance(value, Mapping):
             for key, inner in value.items():
-                walk(f"{prefix}{separator}{key}" if prefix else str(key), inner)
-        else:
-            flat[prefix.replace("/", separator)] = value
+                walk((*keys, str(key)), inner)
+            return
+        name = separator.join(keys).replace("/", separator)
+        path = "".join(f"[{key!r}]" for key in keys)
+        if name in flat:
+            raise ValueError(
+                f"two tensors are both named {name!r} once '/' and nesting read as "
+                f"{separator!r}: {written[name]} and {path}; keep one"
+            )
+        flat[name], written[name] = value, path
 
-    walk("", state)
+    walk((), state)
     return flat
 
 

@@ -275,6 +275,8 @@ def test_usage_errors_exit_2_with_the_reason(monkeypatch):
         ("--backends", "numpy", "--shapes", "2,0,32,4"): "B,L,d,h",
         ("--backends", "numpy", "--valid-lens", "maybe"): "--valid-lens",
         ("--backends", "numpy", "--memory-scaling"): "unrecognized arguments",
+        ("--backends", "numpy", "--seconds", "0"): "expected a number above 0",
+        ("--backends", "numpy", "--seconds", "nan"): "expected a finite number",
     }
     if _installed("jax"):
         cases["--backends", "jax", "--dtype", "float16"] = (

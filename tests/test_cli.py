@@ -535,6 +535,24 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
     assert code == 2 and "mha inspect takes --scale with --prefix" in err
 
 
+def test_compare_record_into_a_missing_folder_is_refused_before_the_run(tmp_path):
+    code, out, err = run("compare", "--record", str(tmp_path / "no" / "cases.safetensors"))
+    assert code == 2 and "does not exist" in err and out == ""
+
+
+def test_a_path_no_encoding_holds_is_named_escaped_in_the_error(tmp_path):
+    # A file name of bytes that are not UTF-8 reaches the message, escaped, not a traceback
+    name = os.path.join(os.fsencode(tmp_path), b"no\xfe.safetensors")
+    completed = subprocess.run(
+        [os.fsencode(sys.executable), b"-m", b"mha", b"inspect", name],
+        capture_output=True,
+        check=False,
+    )
+    err = completed.stderr.decode("utf-8", "replace")
+    assert completed.returncode == 2 and "no\\udcfe.safetensors" in err, err
+    assert "Traceback" not in err
+
+
 def test_compare_device_that_cannot_be_reached_is_a_usage_error():
     code, _, err = run("compare", "--backends", "numpy", "--device", "tpu")
     assert code == 2 and "--device" in err

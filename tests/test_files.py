@@ -563,6 +563,45 @@ def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
     np.testing.assert_array_equal(read["W_q"], weights["W_q"])
 
 
+def test_a_torch_file_with_an_entry_named_twice_is_refused(tmp_path):
+    # Two data/0 entries of valid checksums: torch reads one of them, and nothing says which
+    import warnings
+    import zipfile
+
+    torch = framework_import("torch")
+    weights = mha.random_weights(
+        N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
+    )
+    good = tmp_path / "good.pt"
+    interop.write_file(good, weights)
+    twice = tmp_path / "twice.pt"
+    with zipfile.ZipFile(good) as source, zipfile.ZipFile(twice, "w") as target:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # zipfile's "Duplicate name"
+            for entry in source.infolist():
+                data = source.read(entry)
+                target.writestr(entry, data)
+                if entry.filename.endswith("/data/0"):
+                    target.writestr(entry, bytes(len(data)))  # zeros in its place
+    loaded = torch.load(twice, weights_only=True)
+    assert loaded.keys() == torch.load(good, weights_only=True).keys()
+    with pytest.raises(ValueError, match=r"more than one entry named \S+/data/0"):
+        interop.read_file(twice, num_heads=H)
+
+
+def test_a_header_entry_whose_dtype_is_not_a_name_is_refused(tmp_path):
+    import json
+    import struct
+
+    for dtype in (["F32"], {"F32": 1}, 32):
+        header = {"W_q": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}
+        encoded = json.dumps(header).encode()
+        path = tmp_path / "dtype.safetensors"
+        path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(4))
+        with pytest.raises(ValueError, match=r"'W_q' has dtype .*, which mha does not read"):
+            mha.load(path)
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX's")
 def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
     # A FIFO would wait for a writer and a device read without end: refused before opening

@@ -106,6 +106,27 @@ def test_files_that_are_not_cases_are_refused(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "missing.safetensors")]) == 2
 
 
+def test_a_golden_file_of_no_case_or_of_options_not_an_object_is_refused(tmp_path, capsys):
+    import json
+
+    from mha.checkpoints import read_safetensors, write_safetensors
+
+    recorded = tmp_path / "recorded.safetensors"
+    golden.record_run(recorded, backend="numpy")
+    tensors, metadata = read_safetensors(recorded)
+    cases = json.loads(metadata["cases"])
+    for name, described, message in [
+        ("empty", [], "its case list is empty: there is nothing to verify"),
+        ("options", [{**cases[0], "options": "causal"}], "case 0's config and options are not"),
+    ]:
+        path = tmp_path / f"{name}.safetensors"
+        write_safetensors(path, tensors, {**metadata, "cases": json.dumps(described)})
+        with pytest.raises(ValueError, match=message):
+            golden.read(path)
+        assert cli.main(["verify", str(path), "--backends", "numpy"]) == 1
+        assert message in capsys.readouterr().err
+
+
 def test_a_case_may_not_ask_for_sizes_its_file_does_not_hold(tmp_path):
     # verify builds each case's layer: its sizes are held to the file's weights first, and a
     # table made from the config alone to the bound a checkpoint has

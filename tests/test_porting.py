@@ -114,6 +114,17 @@ def test_bert_as_a_decoder_ports_and_is_called_causal():
     assert not np.allclose(layer(x, x, x), y, rtol=0, atol=TOLERANCE)
 
 
+def test_two_names_that_flatten_to_one_are_refused():
+    # "a/b" and "a.b", or a nested "a" holding "b" beside "a.b": either could be the weight
+    eye = np.eye(4)
+    state = {f"attn.{k}_proj.weight": eye for k in "qkvo"}
+    with pytest.raises(ValueError, match=r"both named 'attn.q_proj.weight' .*\['attn/q_pr"):
+        porting.canonical_from_state_dict({**state, "attn/q_proj.weight": eye}, "attn", num_heads=2)
+    nested = {"attn": {"query": {"kernel": np.ones((4, 2, 2))}}, "attn.query": {"kernel": eye}}
+    with pytest.raises(ValueError, match=r"\['attn'\]\['query'\]\['kernel'\] and \['attn.q"):
+        porting.find_attention(nested)
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_gpt2_attention_ports_to_every_backend(name):
     T = transformers()
