@@ -355,7 +355,8 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         raise corrupt(f"its header is not JSON ({type(error).__name__}: {error})") from None
     if not isinstance(header, dict):
         raise corrupt("its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata  # null as absent, as safetensors reads it
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):

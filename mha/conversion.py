@@ -220,6 +220,16 @@ def _load_keras_file(name: str) -> Any:
             f"{shapes['o']}"
         )
     num_heads, key_dim = shapes["q"][1:]
+    q, k, v, o = (shapes[role] for role in "qkvo")
+    if (
+        len(k) != 3
+        or (k[2], v[1], o[:2]) != (key_dim, k[1], (num_heads, v[2]))
+        or (not grouped and k[1] != num_heads)
+    ):
+        raise ValueError(
+            f"{name} holds kernels that are not one layer's: query {q}, key {k}, value {v}, "
+            f"output {o} ((input size, heads, head size); the output's (heads, head size, ...))"
+        )
     if grouped:
         # GroupQueryAttention's output has the query's size
         layer = tf.keras.layers.GroupQueryAttention(
@@ -264,6 +274,9 @@ def _keras_file_layout(name: str) -> tuple[bool, dict[str, tuple[int, ...]], str
             if f"_{KERAS_GATE}_dense" in file:  # both layers' gate: its attribute name
                 paths["g"] = f"_{KERAS_GATE}_dense"
             _refuse_unknown_keras_entries(file, paths.values())
+            missing = [f"{path}/vars/0" for path in paths.values() if f"{path}/vars/0" not in file]
+            if missing:
+                raise ValueError(f"it has no {', '.join(missing)} (the kernels)")
             names = [f"{path}/vars/{i}" for path in paths.values() for i in (0, 1)]
             dtype = _keras_entries_dtype(file, [n for n in names if n in file])
             # Every array is read whole: together they must fit in the file that holds them
@@ -271,7 +284,10 @@ def _keras_file_layout(name: str) -> tuple[bool, dict[str, tuple[int, ...]], str
             if declared > os.path.getsize(name):
                 raise ValueError(f"its arrays declare {declared} bytes, more than the file has")
             shapes = {k: tuple(file[f"{path}/vars/0"].shape) for k, path in paths.items()}
-            bias = f"{paths['q']}/vars/1" in file
+            biased = [path for path in paths.values() if f"{path}/vars/1" in file]
+            if biased and len(biased) != len(paths):
+                raise ValueError(f"only some projections have biases: {', '.join(biased)}")
+            bias = bool(biased)
     # h5py raises RuntimeError for damaged metadata
     except (OSError, KeyError, RuntimeError, TypeError, ValueError) as error:
         raise ValueError(
@@ -302,6 +318,11 @@ def _keras_entries_dtype(file: Any, names: list[str]) -> str:
         named = named.decode() if isinstance(named, bytes) else str(named)
         if entry.dtype.kind != "V" and named != entry.dtype.name:
             raise ValueError(f"{name} holds {entry.dtype.name} numbers named {named}")
+        if entry.dtype.kind == "V" and (named, entry.dtype.itemsize) != ("bfloat16", 2):
+            raise ValueError(
+                f"{name} holds raw {entry.dtype.itemsize}-byte items named {named}; Keras "
+                "writes raw bytes for bfloat16 alone, 2 each"
+            )
         found[name] = named
     if len(set(found.values())) > 1:
         listed = ", ".join(f"{name} {dtype}" for name, dtype in found.items())

@@ -396,6 +396,21 @@ def test_keras_files_whose_arrays_keras_would_cast_or_fetch_are_refused(tmp_path
             lambda file, name, *_: file.__setitem__(name, h5py.SoftLink("/query_dense/vars/0")),
             "is a SoftLink",
         ),
+        # Raw bytes: Keras writes them for bfloat16 alone, 2 each
+        "raw float32": (
+            lambda file, name, data, attributes: file.__setitem__(name, data.view("V4")),
+            "holds raw 4-byte items named void32; Keras writes raw bytes for bfloat16 alone",
+        ),
+        # Parts that are not there, or not of one layer: named, not Keras's own messages
+        "no kernel": (lambda *_: None, r"it has no key_dense/vars/0 \(the kernels\)"),
+        "other head size": (
+            lambda file, name, data, _: file.__setitem__(name, data[..., :1]),
+            r"kernels that are not one layer's: query \(8, 2, 4\), key \(8, 2, 1\)",
+        ),
+        "one bias": (
+            lambda file, name, data, _: file.update({name: data, "key_dense/vars/1": data[0]}),
+            "only some projections have biases: key_dense",
+        ),
     }
     for case, (change, message) in cases.items():
         with pytest.raises(ValueError, match=message):
@@ -589,17 +604,24 @@ def test_a_torch_file_with_an_entry_named_twice_is_refused(tmp_path):
         interop.read_file(twice, num_heads=H)
 
 
-def test_a_header_entry_whose_dtype_is_not_a_name_is_refused(tmp_path):
+def test_a_header_entry_whose_dtype_or_metadata_is_of_another_type_is_refused(tmp_path):
     import json
     import struct
 
-    for dtype in (["F32"], {"F32": 1}, 32):
-        header = {"W_q": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}
+    def written(header):
         encoded = json.dumps(header).encode()
-        path = tmp_path / "dtype.safetensors"
+        path = tmp_path / "header.safetensors"
         path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(4))
+        return path
+
+    entry = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+    for dtype in (["F32"], {"F32": 1}, 32):
         with pytest.raises(ValueError, match=r"'W_q' has dtype .*, which mha does not read"):
-            mha.load(path)
+            mha.load(written({"W_q": {**entry, "dtype": dtype}}))
+    # Metadata that is not a map is not an empty one
+    for metadata in ([], 0, ""):
+        with pytest.raises(ValueError, match=r"its __metadata__ is not a map of strings"):
+            mha.load(written({"__metadata__": metadata, "W_q": entry}))
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX's")
