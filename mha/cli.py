@@ -167,6 +167,12 @@ def _format(value: float | None) -> str:
     return "-" if value is None else f"{value:.1e}"
 
 
+def _own_sizes(shapes: harness.Shapes) -> list[str]:
+    """The cases that take sizes of their own rather than those given."""
+    fitted = [(case, harness.fit(case, shapes)) for case in harness.default_cases()]
+    return [fit.id for case, fit in fitted if fit != case]
+
+
 def _compare(arguments, out, err) -> int:
     shapes = _compare_shapes(arguments)
     try:
@@ -179,11 +185,7 @@ def _compare(arguments, out, err) -> int:
     passed = all(row.passed for row in rows)
     if arguments.record and not _record(arguments, names[0], shapes, err):
         return 1
-    own_sizes = [
-        harness.fit(case, shapes).id
-        for case in harness.default_cases()
-        if harness.fit(case, shapes) != case
-    ]
+    own_sizes = _own_sizes(shapes)
     if arguments.json:
         report = {
             "passed": passed,

@@ -2,8 +2,9 @@
 
 `run(function, framework)` calls `function(query, key, value, **options)` on the framework's
 tensors, (batch, heads, positions, head size), for each case of `CASES` (every mask kind,
-both causal alignments, grouped heads, windows, soft cap, lengths, rows with no key, NaN at a
-masked key, packed segments) in each dtype, and compares its output with the NumPy
+both causal alignments and an integer one, grouped heads, windows, soft cap, lengths, rows
+with no key, NaN at a masked key, packed segments, each option beside others, long rows) in
+each dtype, and compares its output with the NumPy
 reference's `dot_product_attention` of the same inputs in float64, at the dtype's tolerance.
 `options` are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap,
 segment_ids), only those a case sets: a function that raises NotImplementedError, or TypeError
@@ -61,6 +62,23 @@ CASES = (
     Case("packed segments (3 + 4, 5 + 2)", sizes=(2, 4, 4, 7, 7, 8, 8), masks=("segments",)),
     Case("a row with no key", masks=("empty row",)),
     Case("NaN at masked keys", masks=("key padding",), inputs="nan at masked keys"),
+    # Each option beside another, and the forms a kernel may mistake for a simpler one
+    Case("causal, alignment 1 (a cached key)", options=(("causal", True), ("alignment", 1))),
+    Case(
+        "window 3 (an int), alignment 1",
+        sizes=(2, 4, 4, 7, 7, 8, 8),
+        options=(("window", 3), ("alignment", 1)),
+    ),
+    Case("valid_lens (batch, Q)", masks=("lengths per query",)),
+    Case("softcap 5, causal", options=(("softcap", 5.0), ("causal", True))),
+    Case("softcap 5, additive bias", options=(("softcap", 5.0),), masks=("bias",)),
+    Case("additive bias with -inf, a row all -inf", masks=("bias with -inf",)),
+    Case(
+        "NaN at keys a -inf bias leaves out", masks=("padding bias",), inputs="nan at masked keys"
+    ),
+    Case("boolean mask (heads, Q, K)", masks=("per head, 3-D",)),
+    Case("packed segments, a pair (queries, keys)", masks=("segment pair",)),
+    Case("long rows (K = 4096)", sizes=(1, 2, 2, 3, 4096, 8, 8)),
 )
 
 
@@ -131,8 +149,7 @@ def _with_gradients(row: Row, function, module, place, case: Case, arrays: dict,
 
     def gradients_of(call, dtype, place=lambda x: x):
         tensors = {
-            k: place(module.from_numpy(_cast(_rounded(v, row.dtype), dtype)))
-            for k, v in arrays.items()
+            k: _given(module, place, _rounded(v, row.dtype), dtype) for k, v in arrays.items()
         }
         _, found, _ = module.ADAPTER.value_and_gradients(
             lambda t: _call(call, t, options),
@@ -186,7 +203,7 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
         **rounded, **dict(case.options), empty_rows=empty_rows
     )
     try:
-        given = {k: place(module.from_numpy(_cast(v, dtype))) for k, v in arrays.items()}
+        given = {k: _given(module, place, v, dtype) for k, v in arrays.items()}
         output = module.to_numpy(_call(function, given, dict(case.options)))
     except NotImplementedError as error:
         return Row(case.name, dtype, "not taken", note=_first_line(error))
@@ -221,19 +238,42 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     made = {
         "key padding": ("mask", padding),
         "per head": ("mask", rng.random((batch, heads, queries, keys)) < 0.6),
+        "per head, 3-D": ("mask", rng.random((heads, queries, keys)) < 0.6),
         "bias": ("bias", rng.standard_normal((batch, heads, queries, keys))),
+        "bias with -inf": (
+            "bias",
+            _with_minus_infinity(rng.standard_normal((batch, heads, queries, keys))),
+        ),
+        "padding bias": ("bias", np.where(padding, 0.0, -np.inf)),
         "lengths": ("valid_lens", lengths),
+        "lengths per query": ("valid_lens", rng.integers(1, keys + 1, (batch, queries))),
         "empty row": ("mask", _with_an_empty_row(rng.random((batch, 1, queries, keys)) < 0.6)),
         "segments": ("segment_ids", np.array([[0] * 3 + [1] * 4, [0] * 5 + [1] * 2][:batch])),
+        "segment pair": ("segment_ids", _segment_pair(batch, queries, keys)),
     }
     for name in case.masks:
         argument, value = made[name]
         arrays[argument] = value
-    if "per head" in case.masks:
+    if "per head" in case.masks or "per head, 3-D" in case.masks:
         arrays["mask"][..., 0] = True  # a kept key in every row
     if case.inputs == "nan at masked keys":  # padding: what a masked key holds is not read
         arrays["key"] = np.where(np.moveaxis(padding, -1, -2), arrays["key"], np.nan)
     return arrays
+
+
+def _with_minus_infinity(bias: np.ndarray) -> np.ndarray:
+    """-inf at some keys of every row, and at every key of example 0's query 1."""
+    bias[..., 1::3] = -np.inf
+    bias[0, :, 1] = -np.inf
+    return bias
+
+
+def _segment_pair(batch: int, queries: int, keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Query ids and key ids: two segments in each example, cut at other places."""
+    cuts = [(2, 3), (3, 4)][:batch]
+    query_ids = np.array([np.arange(queries) >= q for q, _ in cuts], dtype="int32")
+    key_ids = np.array([np.arange(keys) >= k for _, k in cuts], dtype="int32")
+    return query_ids, key_ids
 
 
 def _with_an_empty_row(mask: np.ndarray) -> np.ndarray:
@@ -242,13 +282,26 @@ def _with_an_empty_row(mask: np.ndarray) -> np.ndarray:
     return mask
 
 
-def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
-    """A float input in the dtype the function gets (bfloat16 as ml_dtypes'); masks as they are."""
-    return x.astype(numpy_dtype(dtype)) if x.dtype.kind == "f" else x
+def _cast(x: Any, dtype: str) -> Any:
+    """A float input in the dtype the function gets (bfloat16 as ml_dtypes'); masks as they
+    are; each a copy, which a function that writes into its arguments changes alone; a pair
+    (segment ids) each."""
+    if isinstance(x, tuple):
+        return tuple(_cast(part, dtype) for part in x)
+    return x.astype(numpy_dtype(dtype)) if x.dtype.kind == "f" else x.copy()
 
 
-def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+def _given(module, place, x: Any, dtype: str) -> Any:
+    """An input as the function gets it: the framework's tensor (a pair, each), placed."""
+    if isinstance(x, tuple):
+        return tuple(_given(module, place, part, dtype) for part in x)
+    return place(module.from_numpy(_cast(x, dtype)))
+
+
+def _rounded(x: Any, dtype: str) -> Any:
     """What the function gets, in float64 for the reference: only its arithmetic is judged."""
+    if isinstance(x, tuple):
+        return tuple(_rounded(part, dtype) for part in x)
     return _cast(x, dtype).astype("float64") if x.dtype.kind == "f" else x
 
 
@@ -256,7 +309,8 @@ def _where(output: np.ndarray, expected: np.ndarray, tolerance: float) -> str:
     """Where an output differs: NaN, or the first element out of tolerance."""
     if np.isnan(output).any():
         return f"NaN in {int(np.isnan(output).sum())} of {output.size} outputs"
-    index = tuple(int(i) for i in np.argwhere(np.abs(output - expected) > tolerance)[0])
+    # Not within tolerance, a NaN in the reference included
+    index = tuple(int(i) for i in np.argwhere(~(np.abs(output - expected) <= tolerance))[0])
     return f"at {index}: {output[index]:.6g}, reference {expected[index]:.6g}"
 
 

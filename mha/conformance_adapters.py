@@ -78,10 +78,9 @@ def torch_sdpa(kernel: str | None = None) -> Callable:
         if o.causal:
             _refuse("alignment", o.alignment, "top_left")
         mask = o.mask
-        if o.valid_lens is not None:
-            mask = (
-                torch.arange(key.shape[-2], device=key.device) < o.valid_lens[:, None, None, None]
-            )
+        if o.valid_lens is not None:  # (batch,) or (batch, Q): a mask of (batch, 1, Q or 1, K)
+            lengths = o.valid_lens.reshape(o.valid_lens.shape[0], 1, -1, 1)
+            mask = torch.arange(key.shape[-2], device=key.device) < lengths
         if mask is not None and o.bias is not None:
             raise NotImplementedError("a mask and a bias together: SDPA takes one attn_mask")
         within = sdpa_kernel(backends[kernel]) if kernel else contextlib.nullcontext()
@@ -186,6 +185,8 @@ def jax_dot_product_attention(implementation: str | None = None) -> Callable:
         window = (o.window - 1, o.window - 1) if isinstance(o.window, int) else o.window
         if window is not None and None in window:
             raise NotImplementedError(f"window={window!r}: its sides are counts, not open")
+        if o.valid_lens is not None and o.valid_lens.ndim != 1:
+            raise NotImplementedError("valid_lens of each query: it takes one length a row")
         lengths = None if o.valid_lens is None else o.valid_lens.astype("int32")
         output = jax.nn.dot_product_attention(
             *(jnp.swapaxes(x, 1, 2) for x in (query, key, value)),

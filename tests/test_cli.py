@@ -146,7 +146,7 @@ def test_compare_runs_with_the_seed_sizes_and_dtype_given(monkeypatch):
     assert multihead["output_shape"] == [3, 2, 12]  # (batch, queries, num_hiddens)
 
 
-def test_compare_records_its_own_run_and_a_failed_record_exits_1(tmp_path):
+def test_compare_records_its_own_run_and_a_failed_record_exits_1(tmp_path, monkeypatch):
     from mha import golden
 
     path = tmp_path / "cases.safetensors"
@@ -166,10 +166,14 @@ def test_compare_records_its_own_run_and_a_failed_record_exits_1(tmp_path):
     np.testing.assert_array_equal(inputs_of(recorded), inputs_of(direct[4]))
     assert not np.array_equal(inputs_of(recorded), inputs_of(direct[0]))
     assert cli.main(["verify", str(path), "--backends", "numpy"], out=io.StringIO()) == 0
-    # A destination that cannot be written: the run is reported as failed
-    missing = tmp_path / "no such folder" / "cases.safetensors"
-    code, _, err = run("compare", "--backends", "numpy", "--record", str(missing))
-    assert code == 1 and "mha compare: error:" in err
+
+    # A write that fails (the disk refuses it): the run is reported as failed
+    def refused(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(golden, "write_safetensors", refused)
+    code, _, err = run("compare", "--backends", "numpy", "--record", str(path))
+    assert code == 1 and "mha compare: error: No space left on device" in err
 
 
 def test_verify_runs_in_the_dtype_given(tmp_path, monkeypatch):

@@ -19,6 +19,13 @@ from mha import cli, conformance, conformance_adapters
 
 DTYPES = ("float32", "float64")
 PACKED = "packed segments (3 + 4, 5 + 2)"  # none of the frameworks' functions takes segments
+PAIR = "packed segments, a pair (queries, keys)"
+CACHED = "causal, alignment 1 (a cached key)"
+INT_WINDOW = "window 3 (an int), alignment 1"
+SOFTCAPS = {"softcap 5", "softcap 5, causal", "softcap 5, additive bias"}
+# A row whose bias is -inf at every key, and NaN at keys a -inf bias leaves out: the functions
+# that add the bias to the scores give NaN in both
+MINUS_INFINITY = {"additive bias with -inf, a row all -inf", "NaN at keys a -inf bias leaves out"}
 
 
 def statuses(rows) -> dict[str, set[str]]:
@@ -52,12 +59,15 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
     # What SDPA cannot express: bottom-right causal, windows, a soft cap
     assert found["not taken"] == {
         "causal bottom_right, Q < K",
+        CACHED,
         "window (2, 1)",
-        "softcap 5",
+        INT_WINDOW,
+        *SOFTCAPS,
         PACKED,
+        PAIR,
     }
     # It adds its mask to the scores: a NaN at a masked key stays NaN
-    assert "NaN at masked keys" in found["differs"]
+    assert found["differs"] == {"NaN at masked keys", "NaN at keys a -inf bias leaves out"}
     # What it expresses agrees: lengths as a boolean mask of keys among them
     for case in (
         "plain",
@@ -70,6 +80,10 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
         "boolean mask (batch, heads, Q, K)",
         "additive bias (batch, heads, Q, K)",
         "valid_lens (batch,)",
+        "valid_lens (batch, Q)",
+        "additive bias with -inf, a row all -inf",  # its softmax gives such a row zeros
+        "boolean mask (heads, Q, K)",
+        "long rows (K = 4096)",
     ):
         assert case in found["agrees"], case
 
@@ -100,17 +114,22 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
     assert found["not taken"] == {
         "value head size 12",
         "causal bottom_right, Q < K",
-        "softcap 5",
+        CACHED,
+        INT_WINDOW,
+        "valid_lens (batch, Q)",
+        *SOFTCAPS,
         PACKED,
+        PAIR,
     }
     # A row with no key: the mean of the values (equal scores), not zeros
     no_key = "a row with no key"
     assert no_key in (found["agrees"] if empty_rows == "uniform" else found["differs"])
     assert "NaN at masked keys" in found["agrees"]  # it replaces masked scores
+    assert MINUS_INFINITY <= found["differs"]  # but adds the bias
     # Some releases (0.7.1) apply local_window_size only with is_causal: the kit says so
     ignored = _ignores_windows_alone(jax)
     assert ("window (2, 1)" in found.get("differs", ())) is ignored
-    assert len(found.get("differs", ())) == (empty_rows == "zeros") + ignored
+    assert len(found["differs"]) == len(MINUS_INFINITY) + (empty_rows == "zeros") + ignored
 
 
 @pytest.mark.jax
@@ -188,6 +207,21 @@ def test_a_function_that_gets_every_case_wrong_says_so(capsys):
     assert "no case was compared" not in captured.err
 
 
+def scribbling_attention(q, k, v, **options):
+    """mha's function, writing into its mask once it has computed with it."""
+    output = backend_module("numpy").dot_product_attention(q, k, v, **options)
+    if "mask" in options:
+        options["mask"][...] = True
+    return output
+
+
+def test_a_function_that_writes_into_its_inputs_changes_no_other_call():
+    # Each dtype's call gets inputs of its own: the next dtype's reference, and the next
+    # call, see the case's mask as it was made
+    rows = conformance.run(scribbling_attention, "numpy", ("float32", "float64"))
+    assert statuses(rows) == {"agrees": {case.name for case in conformance.CASES}}
+
+
 def test_the_query_key_and_value_are_given_by_position():
     # The contract calls function(query, key, value, **options): any names take them
     rows = conformance.run(attention_by_position, "numpy", ("float64",))
@@ -251,8 +285,8 @@ def test_the_command_holds_rows_with_no_key_to_empty_rows(capsys):
     assert {row["status"] for row in rows} == {"agrees"}
     assert cli.main(["conform", *target, "--json"]) == 1
     rows = json.loads(capsys.readouterr().out)
-    differs = [row["case"] for row in rows if row["status"] != "agrees"]
-    assert differs and all("no key" in case for case in differs), differs
+    differs = {row["case"] for row in rows if row["status"] != "agrees"}
+    assert differs == {"a row with no key", "additive bias with -inf, a row all -inf"}, differs
 
 
 @pytest.mark.parametrize(
@@ -328,12 +362,17 @@ def test_keras_dot_product_attention_is_reported_as_it_behaves():
     found = statuses(rows)
     assert found["not taken"] == {
         "causal bottom_right, Q < K",
+        CACHED,
         "valid_lens (batch,)",
+        "valid_lens (batch, Q)",
         "window (2, 1)",
-        "softcap 5",
+        INT_WINDOW,
+        *SOFTCAPS,
         PACKED,
+        PAIR,
     }
-    assert set(found) == {"agrees", "not taken"}  # a row with no key: uniform, as held to
+    # A row with no key: uniform, as held to; it adds the bias to the scores
+    assert found["differs"] == MINUS_INFINITY and set(found) == {"agrees", "not taken", "differs"}
 
 
 @pytest.mark.torch
