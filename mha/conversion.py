@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -150,7 +151,7 @@ def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:
         check_zip_archive(name)
         state = torch.load(name, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's restricted unpickler raises many kinds on bad bytes
-        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        message = _torch_load_message(error)
         raise ValueError(
             f"{name} is not a torch state_dict file that loads with weights_only=True "
             f"(nothing in it was executed): {message}"
@@ -186,6 +187,19 @@ def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:
                 "float32 and float64 weights"
             )
     return dict(state)
+
+
+def _torch_load_message(error: Exception) -> str:
+    """The first line of torch's refusal, without its terminal's bold, and the class it would
+    have had to import (a whole pickled module, not a state_dict) where it names one."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip()
+    if not text:
+        return repr(error)
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    named = (
+        f" It would import {found.group(1)}: a pickled object, not a state_dict." if found else ""
+    )
+    return text.splitlines()[0].strip() + named
 
 
 def _load_flax_file(name: str) -> Any:

@@ -197,6 +197,8 @@ def check_zip_archive(path: str | os.PathLike) -> None:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:  # torch would read one of them, whichever its reader finds
             raise ValueError(f"it holds more than one entry named {', '.join(twice)}")
+        if any("/code/__torch__" in name for name in names):
+            raise ValueError("it is a TorchScript archive (torch.jit.save), not a state_dict")
         for entry in entries:
             if entry.compress_type != zipfile.ZIP_STORED:
                 raise ValueError(f"its entry {entry.filename} is compressed; torch stores each")

@@ -578,6 +578,22 @@ def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
     np.testing.assert_array_equal(read["W_q"], weights["W_q"])
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.*deprecated:DeprecationWarning")
+def test_a_torch_file_of_a_whole_module_or_a_torchscript_one_says_what_it_is(tmp_path):
+    # Neither is a state_dict; torch's own first line names neither, and holds terminal bold
+    torch = framework_import("torch")
+    module = torch.nn.MultiheadAttention(D, H)
+    torch.save(module, tmp_path / "module.pt")
+    torch.jit.save(torch.jit.script(torch.nn.Linear(D, D)), tmp_path / "script.pt")
+    for name, message in [
+        ("module.pt", r"It would import torch\.nn\.modules\.activation\.MultiheadAttention"),
+        ("script.pt", r"it is a TorchScript archive \(torch\.jit\.save\), not a state_dict"),
+    ]:
+        with pytest.raises(ValueError, match=message) as raised:
+            interop.read_file(tmp_path / name, num_heads=H)
+        assert "\x1b" not in str(raised.value) and "nothing in it was executed" in str(raised.value)
+
+
 def test_a_torch_file_with_an_entry_named_twice_is_refused(tmp_path):
     # Two data/0 entries of valid checksums: torch reads one of them, and nothing says which
     import warnings
