@@ -366,9 +366,11 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     assert code == 2 and "runs nothing: drop --backends, --quick" in err
     code, _, err = run("--report", str(path), "--valid-lens", "no", "--pass", "forward")
     assert code == 2 and "drop --valid-lens, --pass" in err
-    # A budget of 0 seconds is given too, though 0 == False
-    code, _, err = run("--report", str(path), "--seconds", "0")
+    # A budget is a run's option too (0 is none: --seconds takes a number above 0)
+    code, _, err = run("--report", str(path), "--seconds", "0.5")
     assert code == 2 and "drop --seconds" in err
+    code, _, err = run("--report", str(path), "--seconds", "0")
+    assert code == 2 and "expected a number above 0" in err
 
 
 def test_markdown_table_and_summary():
