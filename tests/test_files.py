@@ -512,16 +512,22 @@ def test_compare_with_a_bad_seed_is_a_usage_error(seed):
     assert "Traceback" not in completed.stderr
 
 
-def test_a_torch_file_whose_entries_claim_more_than_it_holds_is_refused_unread(tmp_path):
-    # The central directory says 2**31 bytes for the data: refused before any entry is read
-    import zipfile
-
-    framework_import("torch")
+def _a_torch_file(tmp_path):
+    """good.pt, a layer's weights as torch writes them, and those weights."""
     weights = mha.random_weights(
         N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
     )
     good = tmp_path / "good.pt"
     interop.write_file(good, weights)
+    return good, weights
+
+
+def test_a_torch_file_whose_entries_claim_more_than_it_holds_is_refused_unread(tmp_path):
+    # The central directory says 2**31 bytes for the data: refused before any entry is read
+    import zipfile
+
+    framework_import("torch")
+    good, _ = _a_torch_file(tmp_path)
     with zipfile.ZipFile(good) as archive:
         name = next(e for e in archive.infolist() if e.filename.endswith("/data/0")).filename
     raw = bytearray(good.read_bytes())
@@ -542,11 +548,7 @@ def test_a_damaged_or_compressed_torch_file_is_refused(tmp_path):
     import zipfile
 
     torch = framework_import("torch")
-    weights = mha.random_weights(
-        N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
-    )
-    good = tmp_path / "good.pt"
-    interop.write_file(good, weights)
+    good, weights = _a_torch_file(tmp_path)
     with zipfile.ZipFile(good) as archive:
         entry = next(e for e in archive.infolist() if e.filename.endswith("/data/0"))
     flipped = bytearray(good.read_bytes())
@@ -600,11 +602,7 @@ def test_a_torch_file_with_an_entry_named_twice_is_refused(tmp_path):
     import zipfile
 
     torch = framework_import("torch")
-    weights = mha.random_weights(
-        N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), seed=5
-    )
-    good = tmp_path / "good.pt"
-    interop.write_file(good, weights)
+    good, _ = _a_torch_file(tmp_path)
     twice = tmp_path / "twice.pt"
     with zipfile.ZipFile(good) as source, zipfile.ZipFile(twice, "w") as target:
         with warnings.catch_warnings():
