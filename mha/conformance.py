@@ -254,7 +254,7 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     for name in case.masks:
         argument, value = made[name]
         arrays[argument] = value
-    if "per head" in case.masks or "per head, 3-D" in case.masks:
+    if any(name.startswith("per head") for name in case.masks):
         arrays["mask"][..., 0] = True  # a kept key in every row
     if case.inputs == "nan at masked keys":  # padding: what a masked key holds is not read
         arrays["key"] = np.where(np.moveaxis(padding, -1, -2), arrays["key"], np.nan)
@@ -282,27 +282,27 @@ def _with_an_empty_row(mask: np.ndarray) -> np.ndarray:
     return mask
 
 
-def _cast(x: Any, dtype: str) -> Any:
+def _each(x: Any, change: Callable) -> Any:
+    """change(x), or of each array of a pair (segment ids of the queries and the keys)."""
+    return tuple(map(change, x)) if isinstance(x, tuple) else change(x)
+
+
+def _cast(x: np.ndarray, dtype: str) -> np.ndarray:
     """A float input in the dtype the function gets (bfloat16 as ml_dtypes'); masks as they
-    are; each a copy, which a function that writes into its arguments changes alone; a pair
-    (segment ids) each."""
-    if isinstance(x, tuple):
-        return tuple(_cast(part, dtype) for part in x)
+    are; each a copy, which a function that writes into its arguments changes alone."""
     return x.astype(numpy_dtype(dtype)) if x.dtype.kind == "f" else x.copy()
 
 
 def _given(module, place, x: Any, dtype: str) -> Any:
     """An input as the function gets it: the framework's tensor (a pair, each), placed."""
-    if isinstance(x, tuple):
-        return tuple(_given(module, place, part, dtype) for part in x)
-    return place(module.from_numpy(_cast(x, dtype)))
+    return _each(x, lambda part: place(module.from_numpy(_cast(part, dtype))))
 
 
 def _rounded(x: Any, dtype: str) -> Any:
     """What the function gets, in float64 for the reference: only its arithmetic is judged."""
-    if isinstance(x, tuple):
-        return tuple(_rounded(part, dtype) for part in x)
-    return _cast(x, dtype).astype("float64") if x.dtype.kind == "f" else x
+    return _each(
+        x, lambda part: _cast(part, dtype).astype("float64") if part.dtype.kind == "f" else part
+    )
 
 
 def _where(output: np.ndarray, expected: np.ndarray, tolerance: float) -> str:
