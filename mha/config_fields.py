@@ -37,13 +37,14 @@ _WINDOWED = frozenset(
 _QWEN2_RULES = frozenset({"qwen2", "qwen2_5_vl_text", "qwen2_moe", "qwen2_vl_text", "qwen3"})
 
 # Model types without a rotary embedding whose code mha has checked: encoders under BERT's
-# names, GPT-2's and GPT-1's, BART's, OPT's, BLOOM's, MPT's, Nemotron-H's attention, ...
+# names, GPT-2's and GPT-1's, BART's, OPT's, BLOOM's, MPT's, Nemotron-H's and Jamba's attention,
+# ...
 PLAIN = frozenset(
     (
         "bart bert bert-generation biogpt blenderbot blenderbot-small bloom camembert canine "
         "clip_text_model data2vec-text distilbert dpr electra ernie flaubert gpt-sw3 gpt2 "
-        "gpt_neo imagegpt layoutlm m2m_100 marian markuplm mbart mpt mvp nemotron_h openai-gpt "
-        "opt pegasus plbart rembert roberta "
+        "gpt_neo imagegpt jamba layoutlm m2m_100 marian markuplm mbart mpt mvp nemotron_h "
+        "openai-gpt opt pegasus plbart rembert roberta "
         "roberta-prelayernorm roc_bert splinter t5 tapas tipsv2_text_model visual_bert vit "
         "whisper xglm xlm xlm-roberta"
     ).split()

@@ -147,9 +147,18 @@ _MISREAD_MODEL_TYPES = {
     "unscaled",
     "gpt_bigcode": "keeps q, k and v in a Linear c_attn (with multi_query one key-value head) "
     "under the names GPT-2 gives its Conv1D",
+    "autoformer": "replaces attention with auto-correlation (the series' lags), under BART's names",
+    "pegasus_x": "attends within blocks of the sequence and to global tokens in its encoder, "
+    "under BART's names",
 }
-# BigBird attends to blocks of the keys unless its config says attention_type='original_full'
-_BLOCK_SPARSE_MODEL_TYPES = frozenset({"big_bird", "bigbird_pegasus"})
+# model type -> (its attention_type where the config does not write it, the one that is
+# softmax attention over every key, what the others do): BigBird's blocks of the keys,
+# Informer's ProbSparse attention, which attends with a sample of the queries
+_SPARSE_ATTENTION_TYPES = {
+    "big_bird": ("block_sparse", "original_full", "attends to blocks of the keys"),
+    "bigbird_pegasus": ("block_sparse", "original_full", "attends to blocks of the keys"),
+    "informer": ("prob", "full", "attends with a sample of the queries (ProbSparse)"),
+}
 
 
 def _refuse_config(config: Mapping[str, Any]) -> None:
@@ -185,9 +194,10 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
     if config.get("model_type") in _MISREAD_MODEL_TYPES:
         model_type = config["model_type"]
         problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
-    sparse = config.get("attention_type", "block_sparse")
-    if config.get("model_type") in _BLOCK_SPARSE_MODEL_TYPES and sparse != "original_full":
-        problems.append(f"attention_type={sparse!r} attends to blocks of the keys")
+    if config.get("model_type") in _SPARSE_ATTENTION_TYPES:
+        default, full, what = _SPARSE_ATTENTION_TYPES[config["model_type"]]
+        if config.get("attention_type", default) != full:
+            problems.append(f"attention_type={config.get('attention_type', default)!r} {what}")
     if any("ALiBi's position biases" in problem for problem in problems):
         problems.append(
             "(Falcon's ALiBi, scaled with the scores: port with from_state_dict(..., "

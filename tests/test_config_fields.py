@@ -115,8 +115,8 @@ WRITTEN_WITHOUT_ROTARY = {
 # The PLAIN model types whose attention is causal (the others' attends both ways)
 CAUSAL_PLAIN = frozenset(
     (
-        "biogpt bloom clip_text_model gpt-sw3 gpt2 gpt_neo imagegpt mpt nemotron_h openai-gpt "
-        "opt xglm"
+        "biogpt bloom clip_text_model gpt-sw3 gpt2 gpt_neo imagegpt jamba mpt nemotron_h "
+        "openai-gpt opt xglm"
     ).split()
 )
 # BART's sizes: its decoder's heads and layers as its encoder's
@@ -131,10 +131,12 @@ PLAIN_SIZES = {
     ),
     # GPT-Neo's layers global and local in turn, each local one within the last 3 positions
     "gpt_neo": {"attention_types": [[["global", "local"], 2]], "window_size": 3},
+    # Jamba's every second layer attention (its default: one in 8, from the fifth)
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
 }
 # Model types whose config refuses a layer_types of sliding layers (Nemotron-H's names its
-# kinds of layers, which it reads) or whose model fails on one (GPT-Neo's)
-NO_SLIDING_LAYER_TYPES = frozenset({"gpt_neo", "nemotron_h"})
+# kinds of layers, which it reads; Jamba's derives them) or whose model fails on one (GPT-Neo's)
+NO_SLIDING_LAYER_TYPES = frozenset({"gpt_neo", "jamba", "nemotron_h"})
 
 
 # PLAIN model types whose ports test_porting.py holds to their models (T5's position bias

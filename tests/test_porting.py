@@ -1363,6 +1363,11 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "longt5"}, "model_type='longt5' attends within blocks"),
         ({"model_type": "mpnet"}, "model_type='mpnet' adds a relative position bias"),
         ({"model_type": "big_bird"}, "attention_type='block_sparse' attends to blocks"),
+        # ... and BART's: Informer's ProbSparse attention, Autoformer's auto-correlation,
+        # PEGASUS-X's blocks with global tokens
+        ({"model_type": "informer"}, "attention_type='prob' attends with a sample"),
+        ({"model_type": "autoformer"}, "model_type='autoformer' replaces attention"),
+        ({"model_type": "pegasus_x"}, "model_type='pegasus_x' attends within blocks"),
         # RoFormer turns the values too where rotary_value says, and not its cross-attention;
         # ESM turns its cross-attention's by the queries' positions; ESM's relative positions
         ({"model_type": "roformer", "rotary_value": True}, "rotary_value=True turns the values"),
