@@ -454,11 +454,12 @@ def assert_each_layer_ports(
         np.testing.assert_allclose(output, expected, rtol=0, atol=atol, err_msg=prefix)
 
 
-@pytest.mark.parametrize("model_type", ["llama4_text", "ministral3"])
+@pytest.mark.parametrize("model_type", ["llama4_text", "ministral3", "hunyuan_v1_dense"])
 def test_left_padding_ports_with_the_text_as_its_own_segment(model_type):
-    # transformers counts positions from each row's first token: Llama 4's chunks and
-    # Ministral 3's query scales follow them where the padding is a segment (porting.md);
-    # Llama 4's layers without rotary scale by the column, padding included: the mask alone
+    # transformers counts positions from each row's first token: Llama 4's chunks,
+    # Ministral 3's query scales and Hunyuan's scores (its QK-norms' weights scale the turned
+    # features) follow them where the padding is a segment (porting.md); Llama 4's layers
+    # without rotary scale by the column, padding included: the mask alone
     config, model = tiny_model(model_type)
     padded = np.array([[0, 0, 0, 0, 1, 1, 1], [1] * 7])
     found = porting.find_attention(model.state_dict())
