@@ -239,7 +239,8 @@ def _inspect_port(path: str, arguments, options, out) -> int:
         **options,
     )
     print(f"{path}, under {arguments.prefix!r}: {port.layout}", file=out)
-    print(f"class: {port.layer} (config inferred from the weights)", file=out)
+    told = "the weights and --config" if arguments.config is not None else "the weights"
+    print(f"class: {port.layer} (config inferred from {told})", file=out)
     print(f"config: {json.dumps(port.config, sort_keys=True)}", file=out)
     print("weights:", file=out)
     for name, value in port.weights.items():

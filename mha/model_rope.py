@@ -450,8 +450,9 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     unknown = sorted(set(rope) - taken)
     if unknown:
         raise ValueError(
-            f"the config's {field} gives {', '.join(unknown)}, which a {rope_type!r} rotary "
-            f"embedding does not take and mha does not compute ({field}={dict(rope)})"
+            f"the config's {field} gives {', '.join(unknown)}, which mha's {rope_type!r} rotary "
+            f"embedding has no parameter for: the numbers they change it does not compute "
+            f"({field}={dict(rope)})"
         )
     if rope_type == "default":
         return None

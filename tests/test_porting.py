@@ -734,7 +734,9 @@ def test_convert_a_llama_layer_with_its_config(tmp_path, capsys):
     )
     # The command line overrides the config; a rotary embedding has no torch equivalent
     code = cli.main(["inspect", str(source), *arguments, "--rope-theta", "10000"])
-    assert code == 0 and '"rope_theta": 10000.0' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and '"rope_theta": 10000.0' in out
+    assert "(config inferred from the weights and --config)" in out
     code = cli.main(["convert", str(source), str(tmp_path / "layer.pt"), *arguments])
     assert code == 1 and "rope_theta=500.0" in capsys.readouterr().err
     assert not (tmp_path / "layer.pt").exists()
@@ -1408,7 +1410,17 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         # it gives), and a Ministral 3 config without its beta, which transformers needs
         (
             {"rope_parameters": {"rope_theta": 1e6, "llama_4_scaling_beta": 0.1}},
-            "llama_4_scaling_beta, which a 'default' rotary",
+            "llama_4_scaling_beta, which mha's 'default' rotary",
+        ),
+        # PhiMoE's longrope multiplies its cosines and sines by its own mscales
+        (
+            {
+                "model_type": "phimoe",
+                "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}
+                | {"short_factor": [1.0], "long_factor": [2.0]}
+                | {"short_mscale": 1.1, "long_mscale": 1.2},
+            },
+            "long_mscale, short_mscale, which mha's 'longrope' rotary embedding has no",
         ),
         (
             {
