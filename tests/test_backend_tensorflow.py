@@ -654,3 +654,58 @@ def test_keras_configured_for_another_backend(TF):
     assert "The mha backend 'tensorflow' is not available" in result.stdout
     assert "KERAS_BACKEND='jax'" in result.stdout
     assert "Traceback" not in result.stderr
+
+
+# Sizes a tf.function's signature leaves unknown, as one that broadcasting would hide: each
+# call's arguments beside queries and keys of shape (3, 7, 4), and the error's place
+_BATCH, _LENGTH = (3, 7, 4), (3, 7)
+UNKNOWN_SIZE_MISTAKES = {
+    "one length for three examples": dict(valid_lens=np.array([2], np.int32)),
+    "one length per example for seven queries": dict(valid_lens=np.full((3, 1), 2, np.int32)),
+    "the lengths of one example for three": dict(valid_lens=np.full((1, 7), 2, np.int32)),
+    "keys of one example for three": dict(keys=np.ones((1, 7, 4), np.float32)),
+    "a head_mask of one example for three": dict(head_mask=np.ones((1, 2), np.float32)),
+    "a head_mask of one head for two": dict(head_mask=np.ones((3, 1), np.float32)),
+    "segment ids of one example for three": dict(segment_ids=np.zeros((1, 7), np.int32)),
+}
+
+
+def _attend(layer, queries, arguments):
+    """The layer's self-attention call over keys, with the other arguments by name."""
+    keys = arguments["keys"]
+    named = {key: arguments[key] for key in ("head_mask", "segment_ids")}
+    return layer(queries, keys, keys, arguments["valid_lens"], **named)
+
+
+@pytest.mark.parametrize("mistake", UNKNOWN_SIZE_MISTAKES)
+def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake):
+    # mha.validation cannot check a size the trace leaves unknown; eagerly each of these is
+    # its ValueError, and in the graph an assertion of the shapes (backends.md)
+    rng = np.random.default_rng(0)
+    layer = TF.MultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=4)
+    expected_layer = reference.MultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=4)
+    mha.set_weights(expected_layer, mha.get_weights(layer))
+    mistaken = UNKNOWN_SIZE_MISTAKES[mistake]
+    per_query = mistaken.get("valid_lens", np.zeros(1)).ndim == 2  # the signature's rank
+    good = {
+        "keys": rng.standard_normal(_BATCH).astype(np.float32),
+        "valid_lens": np.array([[2] * 7, [7] * 7, [4] * 7] if per_query else [2, 7, 4], np.int32),
+        "head_mask": np.ones((3, 2), np.float32),
+        "segment_ids": np.ones(_LENGTH, np.int32),
+    }
+    spec = {name: tf.TensorSpec([None] * value.ndim, value.dtype) for name, value in good.items()}
+    attend = tf.function(
+        lambda queries, arguments: _attend(layer, queries, arguments),
+        input_signature=[tf.TensorSpec([None, None, 4], tf.float32), spec],
+    )
+    queries = rng.standard_normal(_BATCH).astype(np.float32)
+    output = attend(tf.constant(queries), {k: tf.constant(v) for k, v in good.items()})
+    expected = _attend(expected_layer, queries, good)
+    np.testing.assert_allclose(output.numpy(), expected, rtol=1e-5, atol=1e-5)
+    given = {k: tf.constant(v) for k, v in {**good, **mistaken}.items()}
+    with pytest.raises(ValueError):
+        _attend(layer, tf.constant(queries), given)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="mha: the tensors of the call disagree"
+    ):
+        attend(tf.constant(queries), given)

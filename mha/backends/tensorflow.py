@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from mha import function_checks, validation
+from mha import function_checks, traced_sizes, validation
 from mha.adapter import Adapter
 from mha.cache import KVCache, LatentCache
 from mha.docstrings import documented
@@ -238,6 +238,18 @@ def _check_valid_lens_values(valid_lens) -> None:
     if _on_a_device(valid_lens):
         return
     validation.check_valid_lens_values(np.asarray(tf.convert_to_tensor(valid_lens)))
+
+
+def _assert_shared_sizes(queries, keys, values, valid_lens, **named) -> None:
+    # A traced graph may leave sizes unknown, which mha.validation cannot check and which
+    # broadcasting would hide (one length for every example): asserted where it runs, from
+    # the shapes alone (mha.traced_sizes)
+    if tf.executing_eagerly():
+        return
+    shapes = traced_sizes.shared_sizes(queries, keys, values, valid_lens, **named)
+    if all(not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes):
+        return
+    tf.debugging.assert_shapes(shapes, message=traced_sizes.MESSAGE)
 
 
 def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
@@ -624,9 +636,11 @@ class DotProductAttention(_AttentionLayer):
         queries, keys, values, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
+        segment_ids = _as_segments(segment_ids)
+        _assert_shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
-                                alignment=_as_int(alignment), segment_ids=_as_segments(segment_ids),
+                                alignment=_as_int(alignment), segment_ids=segment_ids,
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -706,9 +720,11 @@ class AdditiveAttention(_AttentionLayer):
         queries, keys, values, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
+        segment_ids = _as_segments(segment_ids)
+        _assert_shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
-                                alignment=_as_int(alignment), segment_ids=_as_segments(segment_ids),
+                                alignment=_as_int(alignment), segment_ids=segment_ids,
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -858,10 +874,14 @@ class MultiHeadAttention(_AttentionLayer):
         if cache is not None:
             # A KVCache of tensors (numpy arrays converted), as the call returns it
             cache = KVCache(*_as_tensors(*cache))
+        segment_ids = _as_segments(segment_ids)
+        _assert_shared_sizes(queries, keys, values, valid_lens, head_mask=head_mask,
+                             num_heads=self.num_heads, segment_ids=segment_ids, cache=cache,
+                             kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads))
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
-                                alignment=_as_int(alignment), segment_ids=_as_segments(segment_ids),
+                                alignment=_as_int(alignment), segment_ids=segment_ids,
                                 training=training)
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
@@ -1029,6 +1049,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
         X, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             X, valid_lens, mask, window_mask, attn_bias
         )
+        _assert_shared_sizes(X, X, X, valid_lens)
         if mask is None and isinstance(X, tf.Tensor):
             # Keras gives `mask` the padding mask that the call's only tensor carries
             # (Embedding(mask_zero=True)); a new tensor carries none, as no mha mask is read

@@ -1,0 +1,63 @@
+"""The sizes an attention call's tensors share, for graphs that leave some unknown.
+
+`mha.validation` checks every size it knows before the first framework operation. A traced
+graph may leave some unknown (TensorFlow's `tf.function` with an input signature of `None`
+sizes, or relaxed by `reduce_retracing`), and there broadcasting would hide a mistake: one
+length given for every example of a batch, keys of one example for three queries. A
+backend whose graphs leave sizes unknown asserts these where the graph runs, reading
+shapes, never values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mha.cache import KVCache
+from mha.masks import segment_pair
+from mha.tensors import shape_of
+
+__all__ = ["MESSAGE", "shared_sizes"]
+
+# The names of the sizes the tensors share; an int is a size of its own, None any size
+BATCH, QUERIES, KEYS, CACHED = "batch_size", "no. of queries", "no. of keys", "cached positions"
+# What an assertion's message says first (TensorFlow escapes an apostrophe there)
+MESSAGE = (
+    "mha: the tensors of the call disagree on a size that the traced graph left unknown "
+    "(queries, keys, values, valid_lens, head_mask, segment_ids and a cache share batch_size; "
+    "valid_lens and the segment ids of the queries share the no. of queries)"
+)
+
+
+def shared_sizes(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    head_mask: Any = None,
+    num_heads: int | None = None,
+    segment_ids: Any = None,
+    cache: Any = None,
+    kv_heads: tuple[int, int] | None = None,
+) -> list[tuple[Any, tuple]]:
+    """(tensor, its sizes by name) of each of the call's tensors whose sizes another's fix,
+    as `mha.validation.check_attention_call` checks them: queries (batch_size, no. of queries,
+    features), keys and values (batch_size, no. of keys, features), valid_lens (batch_size,)
+    or (batch_size, no. of queries), head_mask (num_heads,) or (batch_size, num_heads),
+    segment_ids of the queries and of the keys, a KVCache's keys and values (batch_size,
+    num_kv_heads, cached positions, head size). Masks and attn_bias broadcast, which the
+    framework's own operations check."""
+    found = [(queries, (BATCH, QUERIES, None))]
+    found += [(keys, (BATCH, KEYS, None)), (values, (BATCH, KEYS, None))]
+    if valid_lens is not None:
+        found.append((valid_lens, (BATCH, QUERIES)[: len(shape_of(valid_lens))]))
+    if head_mask is not None:
+        per_example = len(shape_of(head_mask)) == 2
+        found.append((head_mask, (BATCH, num_heads) if per_example else (num_heads,)))
+    if segment_ids is not None:
+        query_ids, key_ids = segment_pair(segment_ids)
+        found += [(query_ids, (BATCH, QUERIES)), (key_ids, (BATCH, KEYS))]
+    if isinstance(cache, KVCache) and cache.keys is not None and kv_heads is not None:
+        cached = (BATCH, kv_heads[0], CACHED, kv_heads[1])
+        found += [(cache.keys, cached), (cache.values, cached)]
+    return found
