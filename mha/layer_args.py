@@ -83,7 +83,10 @@ def _check_dropout(name: str, value: Any) -> None:
 def check_bool(name: str, value: Any) -> None:
     """A TypeError unless `value` is True or False."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False. Received: {name}={value!r}")
+        received = repr(value)
+        if received in ("True", "False"):  # numpy 1's bool, which prints as Python's
+            received += f" of type {type(value).__module__}.{type(value).__qualname__}"
+        raise TypeError(f"{name} must be True or False. Received: {name}={received}")
 
 
 def _check_optional_bool(name: str, value: Any) -> None:

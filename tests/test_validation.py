@@ -296,6 +296,17 @@ ERRORS = {
         TypeError,
         "need_weights must be True or False. Received: need_weights=None",
     ),
+    "causal a numpy bool": (
+        # numpy 1 prints its bool as Python's; the message says which it is
+        lambda: attend(causal=np.array(True)[()]),
+        TypeError,
+        "causal must be True or False. Received: causal="
+        + (
+            "np.True_"
+            if np.lib.NumpyVersion(np.__version__) >= "2.0.0"
+            else "True of type numpy.bool_"
+        ),
+    ),
     "window_mask rank 2": (
         lambda: attend(window_mask=np.ones((3, 5), bool)),
         ValueError,
