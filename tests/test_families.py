@@ -476,6 +476,24 @@ def test_left_padding_ports_with_the_text_as_its_own_segment(model_type):
         np.testing.assert_allclose(output[kept], expected[kept], rtol=0, atol=atol, err_msg=prefix)
 
 
+def test_mistral4_left_padded_rows_port_without_their_padding():
+    # Mistral 4's latent layer takes no segment_ids, and its queries scale by the positions
+    # that generate counts from each row's first token: with the mask alone the padded row
+    # differs; called without its padding columns it agrees (porting.md, "Left padding")
+    config, model = tiny_model("mistral4")
+    padded = np.array([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    found = porting.find_attention(model.state_dict())
+    x, expected = attention_io(model, found, padded)[found[0][0]]
+    options = porting.options_from_config(config.to_dict(), 0)
+    ported = porting.from_state_dict(model.state_dict(), found[0][0], backend="numpy", **options)
+    kept, atol = padded.astype(bool), 1e-5 * np.max(np.abs(expected))
+    whole = ported(x, causal=True, mask=kept[:, None])
+    assert np.max(np.abs(whole - expected)[kept]) > 100 * atol
+    np.testing.assert_allclose(whole[1], expected[1], rtol=0, atol=atol)  # not padded
+    alone = ported(x[:1, 3:], causal=True)
+    np.testing.assert_allclose(alone[0], expected[0, 3:], rtol=0, atol=atol)
+
+
 def test_exaone_ports_under_the_names_of_its_checkpoints():
     # EXAONE 3's checkpoints keep Llama's projections as transformer.h.N.attn.attention's
     # q/k/v_proj and out_proj, which transformers renames on loading: BART's names, rotary
