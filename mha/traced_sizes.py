@@ -4,8 +4,8 @@
 graph may leave some unknown (TensorFlow's `tf.function` with an input signature of `None`
 sizes, or relaxed by `reduce_retracing`), and there broadcasting would hide a mistake: one
 length given for every example of a batch, keys of one example for three queries. A
-backend whose graphs leave sizes unknown asserts these where the graph runs, reading
-shapes, never values.
+backend whose graphs leave sizes unknown asserts these where the graph runs, and reshapes
+each tensor to them, which holds where a converter drops assertions; shapes, never values.
 """
 
 from __future__ import annotations

@@ -240,16 +240,32 @@ def _check_valid_lens_values(valid_lens) -> None:
     validation.check_valid_lens_values(np.asarray(tf.convert_to_tensor(valid_lens)))
 
 
-def _assert_shared_sizes(queries, keys, values, valid_lens, **named) -> None:
-    # A traced graph may leave sizes unknown, which mha.validation cannot check and which
-    # broadcasting would hide (one length for every example): asserted where it runs, from
-    # the shapes alone (mha.traced_sizes)
-    if tf.executing_eagerly():
-        return
+def _shared_sizes(queries, keys, values, valid_lens, **named):
+    """A traced graph may leave sizes unknown, which mha.validation cannot check and which
+    broadcasting would hide (one length for every example). There the sizes the call's
+    tensors share (mha.traced_sizes) are asserted, for an error that names the rule, and tied
+    by reshaping each tensor to them, which holds where assertions are dropped (XLA, LiteRT).
+    Returns the function that gives each tensor's tied one (itself where nothing is tied)."""
     shapes = traced_sizes.shared_sizes(queries, keys, values, valid_lens, **named)
-    if all(not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes):
-        return
-    tf.debugging.assert_shapes(shapes, message=traced_sizes.MESSAGE)
+    if tf.executing_eagerly() or all(
+        not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes
+    ):
+        return lambda x: x
+    # TensorFlow 1's name returns the assertion (TensorFlow 2's returns None in a graph)
+    asserted = tf.compat.v1.debugging.assert_shapes(shapes, message=traced_sizes.MESSAGE)
+    sizes, tied = {}, {}
+    for x, names in shapes:
+        if id(x) in tied or not tf.is_tensor(x):  # one tensor given twice is tied once
+            continue
+        shape = tf.shape(x)
+        sizes.update({name: shape[i] for i, name in enumerate(names) if isinstance(name, str)
+                      and name not in sizes})
+        target = [shape[i] if name is None else sizes.get(name, name)
+                  for i, name in enumerate(names)]
+        # The assertion's message first (None where the shapes left it nothing to check)
+        with tf.control_dependencies([] if asserted is None else [asserted]):
+            tied[id(x)] = tf.reshape(x, tf.stack(target))
+    return lambda x: tied.get(id(x), x)
 
 
 def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
@@ -464,6 +480,15 @@ def _as_tensors(*arguments):
     return [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x for x in arguments]
 
 
+def _tied_segments(tie, segment_ids):
+    # segment_ids, one tensor or a pair, as _shared_sizes ties them
+    return tuple(map(tie, segment_ids)) if isinstance(segment_ids, tuple) else tie(segment_ids)
+
+
+def _tied_cache(tie, cache):
+    return None if cache is None else type(cache)(*map(tie, cache))
+
+
 def _as_int(alignment):
     # Keras makes a numpy integer argument a tensor, which the alignment's names do not equal
     return int(alignment) if isinstance(alignment, np.integer) else alignment
@@ -637,7 +662,9 @@ class DotProductAttention(_AttentionLayer):
             queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         segment_ids = _as_segments(segment_ids)
-        _assert_shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
+        tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
+        queries, keys, values, valid_lens = map(tie, (queries, keys, values, valid_lens))
+        segment_ids = _tied_segments(tie, segment_ids)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
                                 alignment=_as_int(alignment), segment_ids=segment_ids,
@@ -721,7 +748,9 @@ class AdditiveAttention(_AttentionLayer):
             queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         segment_ids = _as_segments(segment_ids)
-        _assert_shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
+        tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
+        queries, keys, values, valid_lens = map(tie, (queries, keys, values, valid_lens))
+        segment_ids = _tied_segments(tie, segment_ids)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
                                 alignment=_as_int(alignment), segment_ids=segment_ids,
@@ -875,9 +904,12 @@ class MultiHeadAttention(_AttentionLayer):
             # A KVCache of tensors (numpy arrays converted), as the call returns it
             cache = KVCache(*_as_tensors(*cache))
         segment_ids = _as_segments(segment_ids)
-        _assert_shared_sizes(queries, keys, values, valid_lens, head_mask=head_mask,
-                             num_heads=self.num_heads, segment_ids=segment_ids, cache=cache,
-                             kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads))
+        tie = _shared_sizes(queries, keys, values, valid_lens, head_mask=head_mask,
+                            num_heads=self.num_heads, segment_ids=segment_ids, cache=cache,
+                            kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads))
+        queries, keys, values, valid_lens, head_mask = map(
+            tie, (queries, keys, values, valid_lens, head_mask))
+        segment_ids, cache = _tied_segments(tie, segment_ids), _tied_cache(tie, cache)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
@@ -1049,7 +1081,8 @@ class MultiHeadLatentAttention(_AttentionLayer):
         X, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             X, valid_lens, mask, window_mask, attn_bias
         )
-        _assert_shared_sizes(X, X, X, valid_lens)
+        tie = _shared_sizes(X, X, X, valid_lens)
+        X, valid_lens = tie(X), tie(valid_lens)
         if mask is None and isinstance(X, tf.Tensor):
             # Keras gives `mask` the padding mask that the call's only tensor carries
             # (Embedding(mask_zero=True)); a new tensor carries none, as no mha mask is read
