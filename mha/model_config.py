@@ -196,8 +196,9 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
     if config.get("model_type") in _SPARSE_ATTENTION_TYPES:
         default, full, what = _SPARSE_ATTENTION_TYPES[config["model_type"]]
-        if config.get("attention_type", default) != full:
-            problems.append(f"attention_type={config.get('attention_type', default)!r} {what}")
+        attention_type = config.get("attention_type", default)
+        if attention_type != full:
+            problems.append(f"attention_type={attention_type!r} {what}")
     if any("ALiBi's position biases" in problem for problem in problems):
         problems.append(
             "(Falcon's ALiBi, scaled with the scores: port with from_state_dict(..., "

@@ -246,10 +246,10 @@ def _shared_sizes(queries, keys, values, valid_lens, **named):
     tensors share (mha.traced_sizes) are asserted, for an error that names the rule, and tied
     by reshaping each tensor to them, which holds where assertions are dropped (XLA, LiteRT).
     Returns the function that gives each tensor's tied one (itself where nothing is tied)."""
+    if tf.executing_eagerly():  # every size known, and checked: nothing on the eager path
+        return lambda x: x
     shapes = traced_sizes.shared_sizes(queries, keys, values, valid_lens, **named)
-    if tf.executing_eagerly() or all(
-        not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes
-    ):
+    if all(not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes):
         return lambda x: x
     # TensorFlow 1's name returns the assertion (TensorFlow 2's returns None in a graph)
     asserted = tf.compat.v1.debugging.assert_shapes(shapes, message=traced_sizes.MESSAGE)
