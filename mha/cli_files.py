@@ -68,8 +68,8 @@ def _add_port_arguments(parser) -> None:
     parser.add_argument(
         "--config",
         metavar="CONFIG.JSON",
-        help="a Hugging Face config.json: num_attention_heads, rope_theta, sliding_window and "
-        "the score scale are read from it (the options below override it)",
+        help="a Hugging Face config.json: its heads (which the weights must have), rope_theta, "
+        "sliding_window and score scale (the options below override it)",
     )
     parser.add_argument(
         "--rope-theta",

@@ -33,6 +33,7 @@ from mha.interop.flax import canonical_from_flax, flax_params
 from mha.interop.keras import canonical_from_keras, to_keras
 from mha.interop.torch import canonical_from_torch, torch_state_dict
 from mha.keras_files import keras_weights_bytes, load_keras_file
+from mha.model_shapes import check_heads, shapes_given
 from mha.options import layer_defaults
 from mha.registry import BackendUnavailableError, load_backend
 from mha.weights import (
@@ -447,8 +448,11 @@ def _source_layer(
         extra = {"layout": port.layout, "left_out": port.left_out, "notes": list(port.notes)}
         extra["layer"] = port.layer
         return port.weights, port.config, extra
+    options = dict(options)
+    shapes = shapes_given(options)  # the config's heads, which the file's must be
     check_untold_options(options)
     weights, config = read_file(source, num_heads=num_heads)
+    check_heads(config, shapes, f"in {os.fspath(source)}")
     if scale is not None:
         config["scale"] = scale
     config.update(options)

@@ -21,6 +21,7 @@ import numpy as np
 
 from mha import validation
 from mha.interop.common import as_numpy
+from mha.model_shapes import refuse_latent
 from mha.options import layer_defaults, untold
 from mha.weights import weight_shapes
 
@@ -77,6 +78,7 @@ def read(
     """(canonical weights, MultiHeadLatentAttention's config, the names read) of the layout
     under a prefix; `options` are the layer's options the weights do not tell, rope_theta
     among them (the model's config gives them: mha.porting.options_from_config)."""
+    refuse_latent(options, where)
     unknown = sorted(set(options) - set(untold("MultiHeadLatentAttention")))
     if unknown:
         raise TypeError(

@@ -28,6 +28,7 @@ from mha.files import parse_json, read_bytes
 from mha.layer_kinds import layer_kind, uses_window
 from mha.model_qk_norm import LAYER_NORM_PER_HEAD, QK_NORM_ALWAYS, QK_NORM_FIELD, qk_norm_options
 from mha.model_rope import query_scaling, rotary_options
+from mha.model_shapes import head_shapes
 
 __all__ = ["options_from_config"]
 
@@ -36,8 +37,9 @@ def options_from_config(
     config: Mapping[str, Any] | str | os.PathLike, layer: int | None = None
 ) -> dict[str, Any]:
     """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
-    num_attention_heads, the rotary embedding (rope_theta, or transformers 5's
-    rope_parameters, also per layer type, with its scaling and partial_rotary_factor;
+    num_attention_heads, the heads it builds (head_size, num_kv_heads: port options the
+    weights must have, mha.model_shapes), the rotary embedding (rope_theta, or transformers
+    5's rope_parameters, also per layer type, with its scaling and partial_rotary_factor;
     transformers' defaults of the model type for what the config does not write), the
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and
@@ -66,9 +68,8 @@ def options_from_config(
 
     Raises:
         ValueError: anything of the config that changes the attention's numbers and mha's
-            layer cannot hold (QK-norm, clipped projections, Falcon's ALiBi, ...), each naming the
-            field and its value; layers that differ and no
-            `layer`; an unreadable file.
+            layer cannot hold (QK-norm, clipped projections, Falcon's ALiBi, ...), each naming
+            the field and its value; layers that differ and no `layer`; an unreadable file.
     """
     if not isinstance(config, Mapping):
         config = read_config(config)
@@ -296,9 +297,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         return _latent_options(config, layer)
     found: dict[str, Any] = {}
     heads = num_heads(config)
-    if heads is not None:
-        found["num_heads"] = heads
     kind = _attention_kind(config, layer)
+    if heads is not None:  # and the heads the weights must have: a port option
+        found.update(num_heads=heads, **head_shapes(config, kind, layer))
     window = config.get("sliding_window")
     if config.get("model_type") == "gpt_neo":
         window, kind = _gpt_neo_window(config, layer)

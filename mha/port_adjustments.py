@@ -1,24 +1,33 @@
 """What a port does to a source's weights where the source computes mha's numbers by other
 means: a gate inside the query projection or one per head (Qwen3-Next's, LFM3's), norms with
 no weight (Llama 4's, nanochat's), a rotary embedding turned the other way (nanochat's), layer
-norms of the whole projection (ESM C's). `mha.porting` applies them and notes each.
+norms of the whole projection (ESM C's); and the rotary frequencies an older checkpoint keeps
+beside the attention, checked against the options and used. `mha.porting` applies them and
+notes each.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
+from mha.encoding import rotary_frequencies
+from mha.interop.common import as_numpy
 from mha.layouts import Layout
 
 __all__ = [
     "CENTERED",
     "HALVES_SWAPPED",
+    "INV_FREQS",
     "UNIT_QK_NORMS",
     "centered_projections",
     "halves_swapped",
     "head_gate",
     "split_gate",
     "unit_qk_norms",
+    "use_inv_freq",
 ]
 
 
@@ -132,3 +141,41 @@ def centered_projections(weights: dict[str, np.ndarray], config, where: str) -> 
         name: w - w.mean(axis=-1, keepdims=True) if name in names else w
         for name, w in weights.items()
     }
+
+
+# Rotary frequencies kept under the attention by older checkpoints: Hugging Face's, ESM-2's
+# in transformers, ESM-2's in fair-esm
+INV_FREQS = ("rotary_emb.inv_freq", "self.rotary_embeddings.inv_freq", "rot_emb.inv_freq")
+
+
+def use_inv_freq(names, config, where: str, used: list[str], left_out: list[str]) -> None:
+    """An older checkpoint's rotary frequencies, once checked, are used, not left out."""
+    for name in [name for name in left_out if name in INV_FREQS]:
+        _check_inv_freq(name, names[name], config, where)
+        left_out.remove(name)
+        used.append(name)
+
+
+def _check_inv_freq(name: str, inv_freq: Any, config: Mapping[str, Any], where: str) -> None:
+    """A checkpoint's rotary frequencies are those of the layer's rope_theta, rope_dim and
+    rope_scaling: a layer without rotary embeddings, or with other ones, would give other
+    numbers."""
+    theta = config["rope_theta"]
+    if theta is None:
+        raise ValueError(
+            f"{name} {where} says the layer rotates its queries and keys: give rope_theta "
+            "(or the model's config to options_from_config)"
+        )
+    head = config["num_hiddens"] // config["num_heads"]
+    rotated, scaling = config.get("rope_dim") or head, config.get("rope_scaling")
+    expected = rotary_frequencies(rotated, theta, scaling)
+    found = as_numpy(inv_freq)
+    # Kept in the model's dtype: half precision rounds the frequencies to 3 digits
+    rtol = 1e-2 if found.dtype.itemsize < 4 else 1e-6
+    found = np.asarray(found, dtype=np.float64).reshape(-1)
+    if found.shape != expected.shape or not np.allclose(found, expected, rtol=rtol, atol=0):
+        raise ValueError(
+            f"{name} {where} holds other frequencies than those of rope_theta={theta} "
+            f"over {rotated} features of each head, rope_scaling={scaling}: give the model's "
+            "rope_dim and rope_scaling (or its config to options_from_config)"
+        )

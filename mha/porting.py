@@ -54,7 +54,6 @@ import numpy as np
 
 from mha import latent_layout, validation
 from mha.config import get_backend
-from mha.encoding import rotary_frequencies
 from mha.interop.common import as_numpy
 from mha.layouts import (
     LAYOUTS,
@@ -68,15 +67,18 @@ from mha.layouts import (
     weights_and_config,
 )
 from mha.model_config import options_from_config
+from mha.model_shapes import check_heads, shapes_given
 from mha.port_adjustments import (
     CENTERED,
     HALVES_SWAPPED,
+    INV_FREQS,
     UNIT_QK_NORMS,
     centered_projections,
     halves_swapped,
     head_gate,
     split_gate,
     unit_qk_norms,
+    use_inv_freq,
 )
 from mha.position_bias import alibi_bias, falcon_alibi_bias, t5_position_bias
 from mha.registry import load_backend
@@ -167,12 +169,12 @@ def canonical_from_state_dict(
             last num_kv_shared_layers): k_proj, v_proj and k_norm that layer's (its index in
             the prefix's one number, or its prefix); call with its input as keys and values.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
-            ... (`options_from_config` reads them from a Hugging Face config). Key and value
-            projections with fewer outputs than the query's give num_kv_heads.
+            ... (`options_from_config` reads them from a Hugging Face config); head_size and
+            num_kv_heads: the heads the weights must have (the config's: mha.model_shapes).
 
     Raises:
-        ValueError: no layout or several under the prefix, weights that do not fit, tensors
-            mha cannot hold (each listed), sparse attention, positions no option gives.
+        ValueError: no layout or several under the prefix, weights that do not fit or have
+            other heads, tensors mha cannot hold (each listed), sparse attention, positions.
     """
     port = {name: value for name, value in locals().items() if name in _MHA_PORT_OPTIONS}
     state = flatten(state)
@@ -190,14 +192,16 @@ def canonical_from_state_dict(
 def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str, port) -> Port:
     """The Port of MultiHeadAttention's layouts: the weights read and rewritten as the port
     options say (port), the config checked; copied: the names values_from_keys copied."""
+    shapes = shapes_given(options)  # the config's heads, which the weights must have
     check_untold_options(options)
     layout = _only_layout(state, names, prefix, where)
     weights, config, used, left_out, notes = _read_port(
         layout, names, num_heads, where, options.get("qk_norm"), port
     )
+    check_heads(config, shapes, where)
     config = _checked_config(layout, config, options, port["scale"])
     _check_positions(layout, config, port["without_positions"], where)
-    _use_inv_freq(names, config, where, used, left_out)
+    use_inv_freq(names, config, where, used, left_out)
     if port["reversed_rotary"]:  # nanochat: its halves swapped turn mha's way to the same scores
         weights = halves_swapped(weights, config, where)
         notes += (HALVES_SWAPPED,)
@@ -375,16 +379,11 @@ def _only_layout(state, names: Mapping[str, Any], prefix: str, where: str) -> La
     )
 
 
-# Rotary frequencies kept under the attention by older checkpoints: Hugging Face's, ESM-2's
-# in transformers, ESM-2's in fair-esm
-_INV_FREQS = ("rotary_emb.inv_freq", "self.rotary_embeddings.inv_freq", "rot_emb.inv_freq")
-
-
 def _left_out(layout: Layout, rest: set[str], where: str) -> list[str]:
     """The names outside the layout that are outside the attention's numbers too; any other
     is an error naming it, since porting without it would give other numbers."""
     refused = sorted(
-        name for name in rest if not _is_outside(layout, name) and name not in _INV_FREQS
+        name for name in rest if not _is_outside(layout, name) and name not in INV_FREQS
     )
     if refused:
         raise ValueError(
@@ -530,39 +529,6 @@ def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> i
             f"the {layout.name} weights {where} do not tell the number of heads: give num_heads"
         )
     return told if told is not None else given
-
-
-def _use_inv_freq(names, config, where: str, used: list[str], left_out: list[str]) -> None:
-    """An older checkpoint's rotary frequencies, once checked, are used, not left out."""
-    for name in [name for name in left_out if name in _INV_FREQS]:
-        _check_inv_freq(name, names[name], config, where)
-        left_out.remove(name)
-        used.append(name)
-
-
-def _check_inv_freq(name: str, inv_freq: Any, config: Mapping[str, Any], where: str) -> None:
-    """A checkpoint's rotary frequencies are those of the layer's rope_theta, rope_dim and
-    rope_scaling: a layer without rotary embeddings, or with other ones, would give other
-    numbers."""
-    theta = config["rope_theta"]
-    if theta is None:
-        raise ValueError(
-            f"{name} {where} says the layer rotates its queries and keys: give rope_theta "
-            "(or the model's config to options_from_config)"
-        )
-    head = config["num_hiddens"] // config["num_heads"]
-    rotated, scaling = config.get("rope_dim") or head, config.get("rope_scaling")
-    expected = rotary_frequencies(rotated, theta, scaling)
-    found = as_numpy(inv_freq)
-    # Kept in the model's dtype: half precision rounds the frequencies to 3 digits
-    rtol = 1e-2 if found.dtype.itemsize < 4 else 1e-6
-    found = np.asarray(found, dtype=np.float64).reshape(-1)
-    if found.shape != expected.shape or not np.allclose(found, expected, rtol=rtol, atol=0):
-        raise ValueError(
-            f"{name} {where} holds other frequencies than those of rope_theta={theta} "
-            f"over {rotated} features of each head, rope_scaling={scaling}: give the model's "
-            "rope_dim and rope_scaling (or its config to options_from_config)"
-        )
 
 
 def from_state_dict(

@@ -426,20 +426,26 @@ def test_each_rotary_model_type_ports_in_one_line(model_type, written):
     assert_each_layer_ports(model_type, model, config, config_as(written, config, model_type))
 
 
+def attention_layers(model, config) -> dict[int, tuple[str, str]]:
+    """{index: (prefix, layout name)} of the config's attention layers in the model (the first
+    of each index: an encoder's, a backbone's)."""
+    kinds = list(getattr(config, "layer_types", None) or [])
+    layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
+    assert layers, f"no attention layer among {kinds}"
+    found = porting.find_attention(model.state_dict())
+    return {
+        layer: next((prefix, name) for prefix, name in found if f".{layer}." in f"{prefix}.")
+        for layer in layers
+    }
+
+
 def assert_each_layer_ports(
     model_type: str, model, config, written: dict, causal: bool | None = None
 ) -> None:
     """Each attention layer of the model, ported with options_from_config(written, layer),
     gives the output of the model's own attention module in a run of the whole model.
     causal: whether its attention is (None: the model type's, ENCODERS' attend both ways)."""
-    kinds = list(getattr(config, "layer_types", None) or [])
-    layers = [i for i in range(config.num_hidden_layers) if not kinds or kinds[i] in ATTENTION]
-    assert layers, f"no attention layer among {kinds}"
-    found = porting.find_attention(model.state_dict())
-    chosen = {
-        layer: next((prefix, name) for prefix, name in found if f".{layer}." in f"{prefix}.")
-        for layer in layers
-    }
+    chosen = attention_layers(model, config)
     seen = attention_io(model, list(chosen.values()))
     for layer, (prefix, _) in chosen.items():
         (x, expected) = seen[prefix]

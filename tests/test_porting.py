@@ -108,7 +108,9 @@ def test_bert_as_a_decoder_ports_and_is_called_causal():
             parameter.normal_(0.0, 0.5)
     ids = torch.randint(0, 50, (2, 7))
     x, y = capture(model, attention.self, attention.output.dense, input_ids=ids)
-    assert porting.options_from_config(config.to_dict()) == {"num_heads": 4}
+    # heads of 16 / 4 features, each with its own keys and values
+    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 4}
+    assert porting.options_from_config(config.to_dict()) == heads
     layer = porting.from_state_dict(model.state_dict(), "encoder.layer.0.attention", num_heads=4)
     np.testing.assert_allclose(layer(x, x, x, causal=True), y, rtol=0, atol=TOLERANCE)
     assert not np.allclose(layer(x, x, x), y, rtol=0, atol=TOLERANCE)
@@ -644,7 +646,8 @@ def test_llama_attention_is_one_layer_with_gqa_and_rope(name, family):
             x, position_embeddings=_hf_rotary(T, config, positions), attention_mask=mask
         )
     options = porting.options_from_config(config.to_dict())
-    assert options == {"num_heads": 4, "rope_theta": 500.0}
+    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 2}  # of 16 / 4 features
+    assert options == {**heads, "rope_theta": 500.0}
     module = backend_module(name)
     layer = porting.from_state_dict(
         model.state_dict(), "layers.0.self_attn", backend=name, **options
@@ -832,7 +835,8 @@ def test_a_rotary_base_fixed_in_transformers_code_is_not_read_from_the_config(mo
     # models of test_families.py write another base, which they ignore)
     written = {"rope_theta": 20000.0, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}
     options = porting.options_from_config({"model_type": model_type, **written, "num_heads": 4})
-    assert options == {"num_heads": 4, "rope_theta": 10000.0, "rope_interleaved": True}
+    heads = {"num_heads": 4, "num_kv_heads": 4}  # a key-value head each; no hidden size
+    assert options == {**heads, "rope_theta": 10000.0, "rope_interleaved": True}
 
 
 def test_options_from_config_reads_a_file_and_refuses_an_incomplete_scaling(tmp_path):
@@ -1162,6 +1166,8 @@ def test_minicpm5_ports_with_the_gate_in_its_query_projection(name):
     options = porting.options_from_config(config.to_dict(), 1)
     assert options == {
         "num_heads": 4,
+        "head_size": 8,  # its head_dim
+        "num_kv_heads": 2,
         "rope_theta": config.rope_parameters["rope_theta"],
         "output_gate": True,
     }
@@ -1225,8 +1231,10 @@ def test_stablelm_partial_rotary_in_rope_parameters_is_read():
     assert "partial_rotary_factor" not in config.to_dict()  # transformers 5 keeps it inside
     options = porting.options_from_config(config.to_dict())
     assert options["rope_dim"] == 1
+    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 2}  # of 16 / 4 features
+    assert {key: options[key] for key in heads} == heads
     with pytest.raises(ValueError, match=r"rope_dim must be even"):
-        mha.MultiHeadAttention(16, **options)
+        mha.MultiHeadAttention(16, 4, rope_theta=options["rope_theta"], rope_dim=1)
 
 
 def _gpt_oss():
@@ -1604,15 +1612,16 @@ SCOUT = {
 
 
 def test_llama4s_layers_read_their_chunks_norms_and_scaling_off_the_config():
-    rotary = {"num_heads": 40, "rope_theta": 500000.0, "rope_interleaved": True}
+    heads = {"num_heads": 40, "head_size": 128, "num_kv_heads": 8}
+    rotary = {**heads, "rope_theta": 500000.0, "rope_interleaved": True}
     chunked = {**rotary, "attention_chunk_size": 8192}
     normed = {"qk_norm": "head_after_rotary", "weightless_qk_norm": True, "qk_norm_eps": 1e-05}
     scaled = {"beta": 0.1, "original_max_position_embeddings": 8192, "position_offset": 1}
     assert porting.options_from_config(SCOUT, 0) == {**chunked, **normed}
-    assert porting.options_from_config(SCOUT, 3) == {"num_heads": 40, "query_scaling": scaled}
+    assert porting.options_from_config(SCOUT, 3) == {**heads, "query_scaling": scaled}
     maverick = {**SCOUT, "use_qk_norm": False, "attn_temperature_tuning": False}
     assert porting.options_from_config(maverick, 1) == chunked
-    assert porting.options_from_config(maverick, 3) == {"num_heads": 40}
+    assert porting.options_from_config(maverick, 3) == heads
     # layer_types, where written, say which layers are chunked
     written = {**SCOUT, "layer_types": ["full_attention"] * 3 + ["chunked_attention"]}
     assert "attention_chunk_size" not in porting.options_from_config(written, 0)
@@ -1637,7 +1646,9 @@ def test_llama4s_temperature_tuning_is_a_flag():
     with pytest.raises(ValueError, match="attn_temperature_tuning='false' is not true or false"):
         porting.options_from_config({**SCOUT, "attn_temperature_tuning": "false"}, 3)
     assert porting.options_from_config({**SCOUT, "attn_temperature_tuning": None}, 3) == {
-        "num_heads": 40
+        "num_heads": 40,
+        "head_size": 128,
+        "num_kv_heads": 8,
     }
 
 
@@ -1762,7 +1773,9 @@ def test_gpt_neo_ports_unscaled_with_its_local_windows(name):
     module = backend_module(name)
     for i, window in ((0, {}), (1, {"sliding_window": 3})):
         options = porting.options_from_config(config.to_dict(), i)
-        assert options == {"num_heads": 4, "scale": 1.0, **window}
+        # heads of 16 / 4 features (GPT-Neo's hidden_size), a key-value head each
+        heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 4}
+        assert options == {**heads, "scale": 1.0, **window}
         layer = porting.from_state_dict(
             model.state_dict(), f"h.{i}.attn.attention", backend=name, **options
         )
@@ -2007,7 +2020,8 @@ def test_gpt_neox_per_head_query_key_value_and_a_quarter_rotated_ports(name):
     T = transformers()
     config, model, x, y = _fused_decoder(T.GPTNeoXConfig, T.GPTNeoXModel, intermediate_size=64)
     options = porting.options_from_config(config.to_dict(), 0)
-    assert options == {"num_heads": 4, "rope_theta": 10000.0, "rope_dim": 4}
+    heads = {"num_heads": 4, "head_size": 16, "num_kv_heads": 4}  # of 64 / 4 features
+    assert options == {**heads, "rope_theta": 10000.0, "rope_dim": 4}
     port = porting.canonical_from_state_dict(model.state_dict(), "layers.0.attention", **options)
     assert port.layout.startswith("fused query_key_value") and port.config["num_kv_heads"] is None
     _check_padded_causal(name, model.state_dict(), "layers.0.attention", options, x, y)
@@ -2181,7 +2195,8 @@ def test_bloom_and_mpt_port_in_one_line_and_with_alibi_bias(name):
     for model, prefix in models:
         model = model.double().eval()
         options = porting.options_from_config(model.config.to_dict())
-        assert options == {"num_heads": 6, "alibi": True}
+        heads = {"num_heads": 6, "head_size": 8, "num_kv_heads": 6}  # of 48 / 6 features
+        assert options == {**heads, "alibi": True}
         x, expected = _alibi_layer_call(model, prefix)
         mask = np.ones((2, 7, 7), bool)
         mask[1, :, :2] = False

@@ -631,6 +631,8 @@ def test_gpt_j_rotates_pairs_of_its_first_rotary_dim_features(name):
     options = porting.options_from_config(config.to_dict())
     assert options == {
         "num_heads": 4,
+        "head_size": 8,  # 32 / 4: GPT-J's code reads no head_dim
+        "num_kv_heads": 4,
         "rope_theta": 10000.0,
         "rope_dim": 4,
         "rope_interleaved": True,

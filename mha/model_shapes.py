@@ -1,0 +1,131 @@
+"""The heads a model's config gives a layer, and the check that its weights have them.
+
+transformers builds a layer's projections from its config: num_attention_heads heads of
+head_dim features (hidden_size / num_attention_heads where the model type's code reads no
+head_dim), num_key_value_heads of them for the keys and values; weights of other shapes do
+not load. A port takes the number of heads from the config and the rest from the weights, so
+the config of another model (Llama-3-70B's beside 8B's weights: 64 heads) would split the
+same rows into other heads without an error. `options_from_config` gives the head size and
+the number of key-value heads of the layer (`head_shapes`: head_size, num_kv_heads) for the
+model types mha has checked, and a port refuses weights without them (`check_heads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mha.config_fields import PLAIN
+from mha.config_values import head_size, num_heads, positive_count
+from mha.rotary_types import ROTARY
+
+__all__ = ["SHAPE_OPTIONS", "check_heads", "head_shapes", "refuse_latent", "shapes_given"]
+
+# The port options that say what heads the weights must have
+SHAPE_OPTIONS = ("head_size", "num_kv_heads")
+
+# Model types whose code sizes each head hidden_size / num_attention_heads whatever a head_dim
+# says (some read one for their rotary embedding alone): the PLAIN ones but T5 (its d_kv),
+# ViT and those with grouped heads (Jamba's, Nemotron-H's), and a few rotary ones
+_HEAD_FROM_HIDDEN = (PLAIN - {"jamba", "nemotron_h", "t5", "vit"}) | frozenset(
+    (
+        "esm falcon glm4v_text gpt_neox gptj modernbert modernbert-decoder qwen2_5_vl_text "
+        "qwen2_vl_text roformer stablelm"
+    ).split()
+)
+# Model types whose keys and values have a head for each query head whatever a
+# num_key_value_heads says (Falcon's count them by num_kv_heads and multi_query)
+_KV_HEAD_EACH = (PLAIN - {"jamba", "nemotron_h"}) | frozenset(
+    (
+        "esm gpt_neox gptj gte jina_embeddings_v3 modernbert modernbert-decoder nomic_bert roformer"
+    ).split()
+)
+
+# Model types whose full-attention layers have heads of their own size and count (Gemma 4's
+# and EmbeddingGemma 2's): the field that gates the count (None: always), the count's default
+_GLOBAL_HEADS = {
+    "gemma4_text": ("attention_k_eq_v", None),
+    "embedding_gemma2_text": (None, 1),
+}
+
+
+def head_shapes(config: Mapping[str, Any], kind: str | None, layer: int | None) -> dict[str, int]:
+    """head_size and num_kv_heads of the layer of a config read as transformers reads it
+    (aliases, defaults, fields its code does not read left out), where the model type is one
+    mha has checked and the config tells them; {} otherwise."""
+    model_type = config.get("model_type")
+    if model_type not in ROTARY.keys() | PLAIN or num_heads(config) is None:
+        return {}
+    head, kv_heads = head_size(config), config.get("num_key_value_heads")
+    if model_type == "t5":  # inner_dim = num_heads * d_kv, whatever d_model is
+        head = config.get("d_kv")
+    elif model_type in _HEAD_FROM_HIDDEN:
+        head = head_size({key: value for key, value in config.items() if key != "head_dim"})
+    if model_type in _KV_HEAD_EACH:
+        kv_heads = num_heads(config)
+    if model_type == "falcon":
+        kv_heads = _falcon_kv_heads(config)
+    if model_type in _GLOBAL_HEADS and kind == "full_attention":
+        head, kv_heads = _global_heads(config, layer, kv_heads)
+    found = {"head_size": head, "num_kv_heads": kv_heads}
+    return {key: positive_count(key, value) for key, value in found.items() if value is not None}
+
+
+def _falcon_kv_heads(config: Mapping[str, Any]) -> int:
+    """Falcon's key-value heads: num_kv_heads (its default: a head each) in its new decoder
+    architecture or without multi_query, one with multi_query (Falcon-7B's)."""
+    if config.get("new_decoder_architecture") or not config.get("multi_query", True):
+        return config.get("num_kv_heads") or num_heads(config)
+    return 1
+
+
+def _global_heads(config: Mapping[str, Any], layer: int | None, kv_heads: int | None):
+    """(head size, key-value heads) of Gemma 4's full-attention layer: its per_layer_config
+    (as transformers writes a config), or the global_head_dim (512 where not written) and
+    num_global_key_value_heads the config's class builds it from."""
+    per_layer = config.get("per_layer_config") or {}
+    if isinstance(per_layer, Mapping) and layer is not None:
+        own = per_layer.get(str(layer), per_layer.get(layer))
+        if isinstance(own, Mapping):
+            return own.get("head_dim"), own.get("num_key_value_heads", kv_heads)
+    gate, default = _GLOBAL_HEADS[config["model_type"]]
+    count = config.get("num_global_key_value_heads", default)
+    if gate is not None and not config.get(gate):
+        count = None
+    return config.get("global_head_dim", 512), kv_heads if count is None else count
+
+
+def shapes_given(options: dict[str, Any]) -> dict[str, Any]:
+    """The SHAPE_OPTIONS taken out of a port's options."""
+    return {key: options.pop(key) for key in SHAPE_OPTIONS if key in options}
+
+
+def check_heads(told: Mapping[str, Any], given: Mapping[str, Any], where: str) -> None:
+    """Refuse weights whose heads (told: num_hiddens, num_heads and num_kv_heads) are not
+    those given (head_size, num_kv_heads; a config's, from options_from_config)."""
+    if "kv_lora_rank" in told:  # a latent layer's file
+        refuse_latent(given, where)
+    given = {key: positive_count(key, value) for key, value in given.items()}
+    heads = told["num_heads"]
+    found = {
+        "head_size": told["num_hiddens"] / heads,
+        "num_kv_heads": told.get("num_kv_heads") or heads,
+    }
+    if all(found[key] == value for key, value in given.items()):
+        return
+    raise ValueError(
+        f"the weights {where} do not have the config's heads: split into num_heads={heads}, "
+        f"they hold heads of {found['head_size']:g} features and {found['num_kv_heads']} "
+        "key-value heads, where the config gives "
+        + " and ".join(f"{key}={value}" for key, value in given.items())
+        + " (is it another model's, or another part's?)"
+    )
+
+
+def refuse_latent(given: Mapping[str, Any], where: str) -> None:
+    """Refuse a config's heads (head_size, num_kv_heads) beside latent attention's weights."""
+    if any(key in given for key in SHAPE_OPTIONS):
+        raise ValueError(
+            f"the weights {where} are latent attention's, whose heads no head_size or "
+            "num_kv_heads tells: the config giving them is another model's"
+        )
