@@ -13,6 +13,7 @@ __all__ = [
     "flag",
     "fraction",
     "head_size",
+    "hidden_size",
     "is_whole",
     "num_heads",
     "positive_count",
@@ -100,10 +101,13 @@ def head_size(config: Mapping[str, Any]) -> int | None:
     """The size of a head: head_dim, or the hidden size over the number of heads."""
     if config.get("head_dim") is not None:
         return positive_count("head_dim", config["head_dim"])
-    heads = num_heads(config)
-    hidden = next(
-        (positive_count(key, config[key]) for key in _HIDDEN_SIZES if config.get(key)), None
-    )
+    heads, hidden = num_heads(config), hidden_size(config)
     if not heads or not hidden or hidden % heads:
         return None
     return hidden // heads
+
+
+def hidden_size(config: Mapping[str, Any]) -> int | None:
+    """The model's hidden size, under the names configs give it; None where not told."""
+    found = (positive_count(key, config[key]) for key in _HIDDEN_SIZES if config.get(key))
+    return next(found, None)

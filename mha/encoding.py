@@ -104,6 +104,8 @@ def _llama3(frequencies: np.ndarray, scaling: Mapping[str, Any]) -> np.ndarray:
     original = scaling["original_max_position_embeddings"]
     wavelengths = 2 * math.pi / frequencies
     scaled = np.where(wavelengths > original / low, frequencies / factor, frequencies)
+    if high == low:  # no blend between (Llama 4 Scout's): a step at original / low
+        return scaled
     smooth = (original / wavelengths - low) / (high - low)
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelengths >= original / high) & (wavelengths <= original / low)
@@ -264,9 +266,9 @@ def check_rope_scaling(name: str, scaling: Any) -> None:
                 f"{name} must give {key} {_ROPE_VALUE_KINDS.get(key, 'a positive number')}. "
                 f"Received: {name}={dict(scaling)!r}"
             )
-    if rope_type == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+    if rope_type == "llama3" and scaling["high_freq_factor"] < scaling["low_freq_factor"]:
         raise ValueError(
-            f"{name} must give high_freq_factor a number above its low_freq_factor. "
+            f"{name} must give high_freq_factor a number at or above its low_freq_factor. "
             f"Received: {name}={dict(scaling)!r}"
         )
 

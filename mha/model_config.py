@@ -37,9 +37,9 @@ def options_from_config(
     config: Mapping[str, Any] | str | os.PathLike, layer: int | None = None
 ) -> dict[str, Any]:
     """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
-    num_attention_heads, the heads it builds (head_size, num_kv_heads: port options the
-    weights must have, mha.model_shapes), the rotary embedding (rope_theta, or transformers
-    5's rope_parameters, also per layer type, with its scaling and partial_rotary_factor;
+    num_attention_heads, the heads it builds (head_size, num_kv_heads, query_size: port
+    options the weights must have, mha.model_shapes), the rotary embedding (rope_theta, or
+    transformers 5's rope_parameters, per layer type too, its scaling, partial_rotary_factor;
     transformers' defaults of the model type for what the config does not write), the
     sliding window of the layer's type (layer_types), the score scale where the config
     changes it (query_pre_attn_scalar, attention_multiplier, GPT-2's scale_attn_weights and

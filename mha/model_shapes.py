@@ -5,9 +5,11 @@ head_dim features (hidden_size / num_attention_heads where the model type's code
 head_dim), num_key_value_heads of them for the keys and values; weights of other shapes do
 not load. A port takes the number of heads from the config and the rest from the weights, so
 the config of another model (Llama-3-70B's beside 8B's weights: 64 heads) would split the
-same rows into other heads without an error. `options_from_config` gives the head size and
-the number of key-value heads of the layer (`head_shapes`: head_size, num_kv_heads) for the
-model types mha has checked, and a port refuses weights without them (`check_heads`).
+same rows into other heads without an error (Gemma-2-9B's beside 27B's: as many rows, heads of
+twice the size, inputs of another size). `options_from_config` gives the head size, the number
+of key-value heads and the input size of the layer (`head_shapes`: head_size, num_kv_heads,
+query_size, the hidden size) for the model types mha has checked, and a port refuses weights
+without them (`check_heads`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from mha.config_fields import PLAIN
-from mha.config_values import head_size, num_heads, positive_count
+from mha.config_values import head_size, hidden_size, num_heads, positive_count
 from mha.rotary_types import ROTARY
 
 __all__ = ["SHAPE_OPTIONS", "check_heads", "head_shapes", "refuse_latent", "shapes_given"]
 
 # The port options that say what heads the weights must have
-SHAPE_OPTIONS = ("head_size", "num_kv_heads")
+SHAPE_OPTIONS = ("head_size", "num_kv_heads", "query_size")
 
 # Model types whose code sizes each head hidden_size / num_attention_heads whatever a head_dim
 # says (some read one for their rotary embedding alone): the PLAIN ones but T5 (its d_kv),
@@ -50,9 +52,9 @@ _GLOBAL_HEADS = {
 
 
 def head_shapes(config: Mapping[str, Any], kind: str | None, layer: int | None) -> dict[str, int]:
-    """head_size and num_kv_heads of the layer of a config read as transformers reads it
-    (aliases, defaults, fields its code does not read left out), where the model type is one
-    mha has checked and the config tells them; {} otherwise."""
+    """head_size, num_kv_heads and query_size of the layer of a config read as transformers
+    reads it (aliases, defaults, fields its code does not read left out), where the model type
+    is one mha has checked and the config tells them; {} otherwise."""
     model_type = config.get("model_type")
     if model_type not in ROTARY.keys() | PLAIN or num_heads(config) is None:
         return {}
@@ -67,7 +69,7 @@ def head_shapes(config: Mapping[str, Any], kind: str | None, layer: int | None) 
         kv_heads = _falcon_kv_heads(config)
     if model_type in _GLOBAL_HEADS and kind == "full_attention":
         head, kv_heads = _global_heads(config, layer, kv_heads)
-    found = {"head_size": head, "num_kv_heads": kv_heads}
+    found = {"head_size": head, "num_kv_heads": kv_heads, "query_size": hidden_size(config)}
     return {key: positive_count(key, value) for key, value in found.items() if value is not None}
 
 
@@ -85,7 +87,8 @@ def _global_heads(config: Mapping[str, Any], layer: int | None, kv_heads: int | 
     num_global_key_value_heads the config's class builds it from."""
     per_layer = config.get("per_layer_config") or {}
     if isinstance(per_layer, Mapping) and layer is not None:
-        own = per_layer.get(str(layer), per_layer.get(layer))
+        # Its keys are the layers' indices, written padded with zeros ("05" beside "11")
+        own = next((value for key, value in per_layer.items() if _index(key) == layer), None)
         if isinstance(own, Mapping):
             return own.get("head_dim"), own.get("num_key_value_heads", kv_heads)
     gate, default = _GLOBAL_HEADS[config["model_type"]]
@@ -95,14 +98,19 @@ def _global_heads(config: Mapping[str, Any], layer: int | None, kv_heads: int | 
     return config.get("global_head_dim", 512), kv_heads if count is None else count
 
 
+def _index(key: Any) -> int | None:
+    """A per_layer_config key's layer index ("05": 5); None for another key."""
+    return int(key) if isinstance(key, (int, str)) and str(key).isdigit() else None
+
+
 def shapes_given(options: dict[str, Any]) -> dict[str, Any]:
     """The SHAPE_OPTIONS taken out of a port's options."""
     return {key: options.pop(key) for key in SHAPE_OPTIONS if key in options}
 
 
 def check_heads(told: Mapping[str, Any], given: Mapping[str, Any], where: str) -> None:
-    """Refuse weights whose heads (told: num_hiddens, num_heads and num_kv_heads) are not
-    those given (head_size, num_kv_heads; a config's, from options_from_config)."""
+    """Refuse weights whose heads (told: num_hiddens, num_heads, num_kv_heads, query_size) are
+    not those given (SHAPE_OPTIONS: a config's, from options_from_config)."""
     if "kv_lora_rank" in told:  # a latent layer's file
         refuse_latent(given, where)
     given = {key: positive_count(key, value) for key, value in given.items()}
@@ -110,22 +118,23 @@ def check_heads(told: Mapping[str, Any], given: Mapping[str, Any], where: str) -
     found = {
         "head_size": told["num_hiddens"] / heads,
         "num_kv_heads": told.get("num_kv_heads") or heads,
+        "query_size": told.get("query_size") or told["num_hiddens"],
     }
     if all(found[key] == value for key, value in given.items()):
         return
     raise ValueError(
         f"the weights {where} do not have the config's heads: split into num_heads={heads}, "
-        f"they hold heads of {found['head_size']:g} features and {found['num_kv_heads']} "
-        "key-value heads, where the config gives "
-        + " and ".join(f"{key}={value}" for key, value in given.items())
+        f"they hold heads of {found['head_size']:g} features, {found['num_kv_heads']} "
+        f"key-value heads and inputs of {found['query_size']} features, where the config gives "
+        + ", ".join(f"{key}={value}" for key, value in given.items())
         + " (is it another model's, or another part's?)"
     )
 
 
 def refuse_latent(given: Mapping[str, Any], where: str) -> None:
-    """Refuse a config's heads (head_size, num_kv_heads) beside latent attention's weights."""
+    """Refuse a config's heads (SHAPE_OPTIONS) beside latent attention's weights."""
     if any(key in given for key in SHAPE_OPTIONS):
         raise ValueError(
-            f"the weights {where} are latent attention's, whose heads no head_size or "
-            "num_kv_heads tells: the config giving them is another model's"
+            f"the weights {where} are latent attention's, whose heads no head_size, "
+            "num_kv_heads or query_size tells: the config giving them is another model's"
         )

@@ -169,8 +169,8 @@ def canonical_from_state_dict(
             last num_kv_shared_layers): k_proj, v_proj and k_norm that layer's (its index in
             the prefix's one number, or its prefix); call with its input as keys and values.
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
-            ... (`options_from_config` reads them from a Hugging Face config); head_size and
-            num_kv_heads: the heads the weights must have (the config's: mha.model_shapes).
+            ... (`options_from_config` reads them from a Hugging Face config); head_size,
+            num_kv_heads, query_size: what the weights must have (mha.model_shapes).
 
     Raises:
         ValueError: no layout or several under the prefix, weights that do not fit or have

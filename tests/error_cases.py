@@ -148,7 +148,7 @@ BAD_VALUES = {
             "rope_type": "llama3",
             "factor": 8.0,
             "low_freq_factor": 2.0,
-            "high_freq_factor": 2.0,
+            "high_freq_factor": 1.0,
             "original_max_position_embeddings": 16,
         },
     ),

@@ -158,11 +158,24 @@ def test_the_config_of_a_larger_model_beside_the_weights_is_refused_naming_both(
     # cannot load: heads of 128 / 16 = 8, 2 key-value heads
     options = porting.options_from_config(SEVENTY_B)
     message = (
-        r"split into num_heads=16, they hold heads of 4 features and 4 key-value heads, where "
-        r"the config gives head_size=8 and num_kv_heads=2"
+        r"split into num_heads=16, they hold heads of 4 features, 4 key-value heads and inputs "
+        r"of 64 features, where the config gives head_size=8, num_kv_heads=2, query_size=128"
     )
     with pytest.raises(ValueError, match=message):
         porting.from_state_dict(state, prefix, backend="numpy", **options)
+
+
+def test_the_config_of_a_model_of_as_many_rows_and_other_inputs_is_refused():
+    # Gemma-2-9B's and 27B's projections have as many rows (16 heads of 256, 32 of 128; 8 and
+    # 16 key-value heads) from inputs of 3584 and 4608 features: in small, 4 heads of 8 from 24
+    # beside a config of 2 heads of 16 from 16
+    state, prefix = _llama_state(24, 4, 2, 8), "model.layers.0.self_attn"
+    other = {**EIGHT_B, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1}
+    other["head_dim"] = 16
+    options = porting.options_from_config(other)
+    assert (options["head_size"], options["num_kv_heads"], options["query_size"]) == (16, 1, 16)
+    with pytest.raises(ValueError, match=r"inputs of 24 features, where .* query_size=16 "):
+        porting.canonical_from_state_dict(state, prefix, **options)
 
 
 def test_heads_given_by_hand_are_checked_as_the_configs(tmp_path):
@@ -209,3 +222,21 @@ def test_latent_attention_has_no_config_heads_and_refuses_another_models():
     llama = porting.options_from_config({**EIGHT_B, "hidden_size": 32, "num_attention_heads": 4})
     with pytest.raises(ValueError, match="latent attention's, whose heads no head_size"):
         porting.from_state_dict(model.state_dict(), "layers.1.self_attn", **llama)
+
+
+def test_gemma4_saved_by_transformers_keeps_its_full_layers_heads(tmp_path):
+    # transformers writes Gemma 4's full layers' heads as per_layer_config, its keys padded
+    # with zeros ("05" beside "11"), where the released config.json writes global_head_dim
+    # and num_global_key_value_heads
+    kinds = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    config, model = tiny_model("gemma4_text", layer_types=kinds, num_hidden_layers=12)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert set(saved["per_layer_config"]) == {"05", "11"}
+    state = model.state_dict()
+    for layer in (4, 5, 11):
+        options = porting.options_from_config(saved, layer)
+        attention = model.layers[layer].self_attn
+        assert options["head_size"] == attention.head_dim
+        assert options["num_kv_heads"] * attention.head_dim == attention.k_proj.out_features
+        porting.canonical_from_state_dict(state, f"layers.{layer}.self_attn", **options)

@@ -109,7 +109,7 @@ def test_bert_as_a_decoder_ports_and_is_called_causal():
     ids = torch.randint(0, 50, (2, 7))
     x, y = capture(model, attention.self, attention.output.dense, input_ids=ids)
     # heads of 16 / 4 features, each with its own keys and values
-    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 4}
+    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 4, "query_size": 16}
     assert porting.options_from_config(config.to_dict()) == heads
     layer = porting.from_state_dict(model.state_dict(), "encoder.layer.0.attention", num_heads=4)
     np.testing.assert_allclose(layer(x, x, x, causal=True), y, rtol=0, atol=TOLERANCE)
@@ -646,7 +646,7 @@ def test_llama_attention_is_one_layer_with_gqa_and_rope(name, family):
             x, position_embeddings=_hf_rotary(T, config, positions), attention_mask=mask
         )
     options = porting.options_from_config(config.to_dict())
-    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 2}  # of 16 / 4 features
+    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 2, "query_size": 16}  # 16 / 4
     assert options == {**heads, "rope_theta": 500.0}
     module = backend_module(name)
     layer = porting.from_state_dict(
@@ -1168,6 +1168,7 @@ def test_minicpm5_ports_with_the_gate_in_its_query_projection(name):
         "num_heads": 4,
         "head_size": 8,  # its head_dim
         "num_kv_heads": 2,
+        "query_size": 16,
         "rope_theta": config.rope_parameters["rope_theta"],
         "output_gate": True,
     }
@@ -1231,7 +1232,7 @@ def test_stablelm_partial_rotary_in_rope_parameters_is_read():
     assert "partial_rotary_factor" not in config.to_dict()  # transformers 5 keeps it inside
     options = porting.options_from_config(config.to_dict())
     assert options["rope_dim"] == 1
-    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 2}  # of 16 / 4 features
+    heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 2, "query_size": 16}  # 16 / 4
     assert {key: options[key] for key in heads} == heads
     with pytest.raises(ValueError, match=r"rope_dim must be even"):
         mha.MultiHeadAttention(16, 4, rope_theta=options["rope_theta"], rope_dim=1)
@@ -1774,7 +1775,7 @@ def test_gpt_neo_ports_unscaled_with_its_local_windows(name):
     for i, window in ((0, {}), (1, {"sliding_window": 3})):
         options = porting.options_from_config(config.to_dict(), i)
         # heads of 16 / 4 features (GPT-Neo's hidden_size), a key-value head each
-        heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 4}
+        heads = {"num_heads": 4, "head_size": 4, "num_kv_heads": 4, "query_size": 16}
         assert options == {**heads, "scale": 1.0, **window}
         layer = porting.from_state_dict(
             model.state_dict(), f"h.{i}.attn.attention", backend=name, **options
@@ -2020,7 +2021,7 @@ def test_gpt_neox_per_head_query_key_value_and_a_quarter_rotated_ports(name):
     T = transformers()
     config, model, x, y = _fused_decoder(T.GPTNeoXConfig, T.GPTNeoXModel, intermediate_size=64)
     options = porting.options_from_config(config.to_dict(), 0)
-    heads = {"num_heads": 4, "head_size": 16, "num_kv_heads": 4}  # of 64 / 4 features
+    heads = {"num_heads": 4, "head_size": 16, "num_kv_heads": 4, "query_size": 64}  # 64 / 4
     assert options == {**heads, "rope_theta": 10000.0, "rope_dim": 4}
     port = porting.canonical_from_state_dict(model.state_dict(), "layers.0.attention", **options)
     assert port.layout.startswith("fused query_key_value") and port.config["num_kv_heads"] is None
@@ -2195,7 +2196,7 @@ def test_bloom_and_mpt_port_in_one_line_and_with_alibi_bias(name):
     for model, prefix in models:
         model = model.double().eval()
         options = porting.options_from_config(model.config.to_dict())
-        heads = {"num_heads": 6, "head_size": 8, "num_kv_heads": 6}  # of 48 / 6 features
+        heads = {"num_heads": 6, "head_size": 8, "num_kv_heads": 6, "query_size": 48}  # 48 / 6
         assert options == {**heads, "alibi": True}
         x, expected = _alibi_layer_call(model, prefix)
         mask = np.ones((2, 7, 7), bool)

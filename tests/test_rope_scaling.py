@@ -56,6 +56,14 @@ SCALINGS = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16,
     },
+    # Llama 4 Scout's form: no blend, the wavelengths past original / low_freq_factor divided
+    "llama3_step": {
+        "rope_type": "llama3",
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 16,
+    },
     "longrope": {
         "rope_type": "longrope",
         "short_factor": [1.0, 1.2, 1.5, 2.0],
@@ -633,6 +641,7 @@ def test_gpt_j_rotates_pairs_of_its_first_rotary_dim_features(name):
         "num_heads": 4,
         "head_size": 8,  # 32 / 4: GPT-J's code reads no head_dim
         "num_kv_heads": 4,
+        "query_size": 32,
         "rope_theta": 10000.0,
         "rope_dim": 4,
         "rope_interleaved": True,
