@@ -93,8 +93,9 @@ _HEAD_COUNTS = (
     "encoder_attention_heads",
     "decoder_attention_heads",
 )
-# The names of the hidden size: GPT-2's n_embd, BART's and T5's d_model
-_HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model")
+# The names of the hidden size: GPT-2's n_embd, BART's and T5's d_model, DistilBERT's dim,
+# XLM's and FlauBERT's emb_dim
+_HIDDEN_SIZES = ("hidden_size", "n_embd", "d_model", "dim", "emb_dim")
 
 
 def head_size(config: Mapping[str, Any]) -> int | None:

@@ -68,7 +68,7 @@ def head_shapes(config: Mapping[str, Any], kind: str | None, layer: int | None) 
     if model_type == "falcon":
         kv_heads = _falcon_kv_heads(config)
     if model_type in _GLOBAL_HEADS and kind == "full_attention":
-        head, kv_heads = _global_heads(config, layer, kv_heads)
+        head, kv_heads = _global_heads(config, layer, head, kv_heads)
     found = {"head_size": head, "num_kv_heads": kv_heads, "query_size": hidden_size(config)}
     return {key: positive_count(key, value) for key, value in found.items() if value is not None}
 
@@ -81,16 +81,17 @@ def _falcon_kv_heads(config: Mapping[str, Any]) -> int:
     return 1
 
 
-def _global_heads(config: Mapping[str, Any], layer: int | None, kv_heads: int | None):
+def _global_heads(config: Mapping[str, Any], layer: int | None, head, kv_heads):
     """(head size, key-value heads) of Gemma 4's full-attention layer: its per_layer_config
-    (as transformers writes a config), or the global_head_dim (512 where not written) and
-    num_global_key_value_heads the config's class builds it from."""
+    (as transformers writes a config: what it leaves out, the other layers'), or the
+    global_head_dim (512 where not written) and num_global_key_value_heads the config's class
+    builds it from."""
     per_layer = config.get("per_layer_config") or {}
     if isinstance(per_layer, Mapping) and layer is not None:
         # Its keys are the layers' indices, written padded with zeros ("05" beside "11")
         own = next((value for key, value in per_layer.items() if _index(key) == layer), None)
         if isinstance(own, Mapping):
-            return own.get("head_dim"), own.get("num_key_value_heads", kv_heads)
+            return own.get("head_dim", head), own.get("num_key_value_heads", kv_heads)
     gate, default = _GLOBAL_HEADS[config["model_type"]]
     count = config.get("num_global_key_value_heads", default)
     if gate is not None and not config.get(gate):

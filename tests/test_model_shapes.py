@@ -75,6 +75,9 @@ def _written(model_type: str, config) -> dict:
 @pytest.mark.parametrize("model_type", CHECKED)
 def test_each_layer_ports_with_the_heads_its_code_builds(model_type):
     config, model = _model(model_type)
+    for layer in attention_layers(model, config):  # the check is in force on each
+        options = porting.options_from_config(_written(model_type, config), layer)
+        assert {"head_size", "num_kv_heads", "query_size"} <= options.keys(), layer
     if model_type not in HELD_ELSEWHERE:
         causal = _causal(model_type)
         assert_each_layer_ports(model_type, model, config, _written(model_type, config), causal)
