@@ -83,15 +83,15 @@ def _falcon_kv_heads(config: Mapping[str, Any]) -> int:
 
 def _global_heads(config: Mapping[str, Any], layer: int | None, head, kv_heads):
     """(head size, key-value heads) of Gemma 4's full-attention layer: its per_layer_config
-    (as transformers writes a config: what it leaves out, the other layers'), or the
-    global_head_dim (512 where not written) and num_global_key_value_heads the config's class
-    builds it from."""
-    per_layer = config.get("per_layer_config") or {}
-    if isinstance(per_layer, Mapping) and layer is not None:
+    (as transformers writes a config: what it leaves out, or a layer it leaves out, the other
+    layers'), or the global_head_dim (512 where not written) and num_global_key_value_heads the
+    config's class builds it from."""
+    per_layer = config.get("per_layer_config")
+    if isinstance(per_layer, Mapping):  # a layer it leaves out has the others' heads
         # Its keys are the layers' indices, written padded with zeros ("05" beside "11")
-        own = next((value for key, value in per_layer.items() if _index(key) == layer), None)
-        if isinstance(own, Mapping):
-            return own.get("head_dim", head), own.get("num_key_value_heads", kv_heads)
+        own = next((value for key, value in per_layer.items() if _index(key) == layer), {})
+        own = own if isinstance(own, Mapping) else {}
+        return own.get("head_dim", head), own.get("num_key_value_heads", kv_heads)
     gate, default = _GLOBAL_HEADS[config["model_type"]]
     count = config.get("num_global_key_value_heads", default)
     if gate is not None and not config.get(gate):

@@ -243,3 +243,12 @@ def test_gemma4_saved_by_transformers_keeps_its_full_layers_heads(tmp_path):
         assert options["head_size"] == attention.head_dim
         assert options["num_kv_heads"] * attention.head_dim == attention.k_proj.out_features
         porting.canonical_from_state_dict(state, f"layers.{layer}.self_attn", **options)
+    # Full layers of the others' heads: transformers saves no entry for them
+    same = {"global_head_dim": 8, "num_global_key_value_heads": 2, "attention_k_eq_v": False}
+    config, model = tiny_model("gemma4_text", **same)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["per_layer_config"] == {}
+    options = porting.options_from_config(saved, 1)
+    assert (options["head_size"], options["num_kv_heads"]) == (8, 2)
+    porting.canonical_from_state_dict(model.state_dict(), "layers.1.self_attn", **options)
