@@ -121,6 +121,23 @@ _UNSUPPORTED = {
     "attention_windows": ((None,), "gives each layer's window (give layer_types, sliding_window)"),
 }
 
+# Model types whose attention adds position biases that the model computes outside the
+# attention module and hands to it, which a port of the module cannot hold: model type ->
+# {field: its default in transformers' config class}, each true (or non-empty) value adding
+# biases
+_BIASES_FROM_OUTSIDE = {
+    "layoutlmv2": {"has_relative_attention_bias": True, "has_spatial_attention_bias": True},
+    "layoutlmv3": {"has_relative_attention_bias": True, "has_spatial_attention_bias": True},
+    "beit": {"use_relative_position_bias": False, "use_shared_relative_position_bias": False},
+    "data2vec-vision": {
+        "use_relative_position_bias": False,
+        "use_shared_relative_position_bias": False,
+    },
+    # UDOP's encoder: biases of the order and of the boxes in place of T5's (its decoder's are
+    # T5's)
+    "udop": {"relative_bias_args": [{"type": "1d"}, {"type": "horizontal"}, {"type": "vertical"}]},
+}
+
 # Model types whose attention adds ALiBi's position biases, which their configs do not say:
 # the layer's alibi option
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
@@ -151,6 +168,11 @@ _MISREAD_MODEL_TYPES = {
     "autoformer": "replaces attention with auto-correlation (the series' lags), under BART's names",
     "pegasus_x": "attends within blocks of the sequence and to global tokens in its encoder, "
     "under BART's names",
+    "bros": "adds to its scores the products of its queries and an embedding of the tokens' "
+    "boxes, which its model computes once and hands each layer, under BERT's names",
+    "speecht5": "adds to its encoder's scores the products of its queries and relative position "
+    "embeddings its encoder computes, under BART's names (its decoder's attention has none: "
+    "port it with from_state_dict(..., num_heads=))",
 }
 # model type -> (its attention_type where the config does not write it, the one that is
 # softmax attention over every key, what the others do): BigBird's blocks of the keys,
@@ -200,6 +222,7 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         attention_type = config.get("attention_type", default)
         if attention_type != full:
             problems.append(f"attention_type={attention_type!r} {what}")
+    problems += _biases_from_outside(config)
     if any("ALiBi's position biases" in problem for problem in problems):
         problems.append(
             "(Falcon's ALiBi, scaled with the scores: port with from_state_dict(..., "
@@ -211,6 +234,19 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
             "the config's attention does what mha's MultiHeadAttention cannot represent: "
             + "; ".join(problems)
         )
+
+
+def _biases_from_outside(config: Mapping[str, Any]) -> list[str]:
+    """What the config adds to the scores from outside the attention module
+    (_BIASES_FROM_OUTSIDE), each naming its field."""
+    fields = _BIASES_FROM_OUTSIDE.get(config.get("model_type"), {})
+    return [
+        f"{key}={config.get(key, default)!r} adds position biases that the model computes "
+        "outside the attention module, which a port of the module does not hold (port with "
+        "from_state_dict(..., num_heads=) and give each call attn_bias)"
+        for key, default in fields.items()
+        if config.get(key, default)
+    ]
 
 
 def _bloom_slices_its_output(config: Mapping[str, Any]) -> bool:

@@ -1379,6 +1379,11 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "informer"}, "attention_type='prob' attends with a sample"),
         ({"model_type": "autoformer"}, "model_type='autoformer' replaces attention"),
         ({"model_type": "pegasus_x"}, "model_type='pegasus_x' attends within blocks"),
+        # ... and terms of the queries their models compute outside the attention: BROS's of
+        # the tokens' boxes, SpeechT5's encoder's relative positions (tests/
+        # test_outside_biases.py: the biases others add)
+        ({"model_type": "bros"}, "model_type='bros' adds to its scores the products"),
+        ({"model_type": "speecht5"}, "model_type='speecht5' adds to its encoder's scores"),
         # RoFormer turns the values too where rotary_value says, and not its cross-attention;
         # ESM turns its cross-attention's by the queries' positions; ESM's relative positions
         ({"model_type": "roformer", "rotary_value": True}, "rotary_value=True turns the values"),
