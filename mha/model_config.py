@@ -154,7 +154,8 @@ _MPT_UNSUPPORTED = {
     "alibi_bias_max": (8, "changes ALiBi's slopes, which transformers' MPT does not"),
 }
 
-# Model types whose weights a port would misread without an error, and why
+# Model types whose weights a port would misread without an error, and why; and those whose
+# attention is another than their rotary embedding's convention would suggest
 _MISREAD_MODEL_TYPES = {
     "chatglm": "keeps q, k and v in blocks under query_key_value, where GPT-NeoX keeps those "
     "of each head, and rotates by a rule its config names rope_ratio",
@@ -173,6 +174,10 @@ _MISREAD_MODEL_TYPES = {
     "speecht5": "adds to its encoder's scores the products of its queries and relative position "
     "embeddings its encoder computes, under BART's names (its decoder's attention has none: "
     "port it with from_state_dict(..., num_heads=))",
+    "diffllama": "subtracts a second softmax attention of each head's halves, weighted by "
+    "learned lambdas, from the first (differential attention)",
+    "doge": "adds to its scores a mask its values compute (A, dt_proj)",
+    "bitnet": "norms the heads' output before its output projection (attn_sub_norm)",
 }
 # model type -> (its attention_type where the config does not write it, the one that is
 # softmax attention over every key, what the others do): BigBird's blocks of the keys,

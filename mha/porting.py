@@ -423,12 +423,15 @@ def described_left_out(layout_name: str, left_out: list[str]) -> str:
 
 def _what_it_is(name: str) -> str:
     module = name.rsplit(".", 1)[0] if "." in name else name
-    if "norm" in module.lower():
+    norm = next((part for part in module.lower().split(".") if "norm" in part), None)
+    if norm is not None and norm.startswith(("q", "k")):  # q_norm, query_layernorm, ...
         return (
             "a norm inside the attention: QK-norm; give qk_norm (and qk_norm_offset=1.0 for "
             "Gemma's, which scale by 1 + weight), as options_from_config gives Qwen3, OLMo 2, "
             "Gemma 3, Qwen3-Next and StableLM"
         )
+    if norm is not None:  # BitNet's attn_sub_norm, XLM-RoBERTa-XL's self_attn_layer_norm
+        return "a norm inside the attention, not of its queries and keys (of its input or output)"
     if module.split(".")[-1] == "sinks":
         return "attention sinks: a learned logit per head in each softmax"
     if module == "g_proj":

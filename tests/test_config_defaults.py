@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import required_import
-from mha import porting
+from mha import model_config, porting
 from mha.config_defaults import ALIASES, DEFAULTS, FIELDS, READ_NAMES
 from mha.config_fields import PLAIN
 from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
@@ -67,12 +67,14 @@ def test_a_field_left_out_takes_transformers_default_and_null_stays_null():
 @pytest.mark.parametrize("model_type", sorted(UNCHECKED_ROTARY))
 def test_a_model_type_that_rotates_by_a_rule_mha_has_not_checked_is_refused(model_type):
     # Their code rotates whatever the config writes: a config without a rotary field (which
-    # takes transformers' default) is refused too, not ported without the rotation
+    # takes transformers' default) is refused too, not ported without the rotation; those
+    # whose attention is another (DiffLlama's, ...) with what it does
     T = required_import("transformers")
     assert model_type not in ROTARY
     T.AutoConfig.for_model(model_type)  # a model type of transformers
     config = {"model_type": model_type, "num_attention_heads": 4, "num_hidden_layers": 1}
-    with pytest.raises(ValueError, match=f"model_type={model_type!r} has a rotary embedding"):
+    reason = model_config._MISREAD_MODEL_TYPES.get(model_type, "has a rotary embedding")
+    with pytest.raises(ValueError, match=re.escape(f"model_type={model_type!r} {reason}")):
         porting.options_from_config({**config, "layer_types": ["full_attention"]}, 0)
 
 

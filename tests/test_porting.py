@@ -1033,6 +1033,10 @@ def test_qk_norm_ports_in_one_line(name, family, qk_norm):
     plain = {key: value for key, value in options.items() if not key.startswith("qk_norm")}
     with pytest.raises(ValueError, match=r"k_norm\.weight \(.*QK-norm.*q_norm\.weight"):
         porting.from_state_dict(model.state_dict(), "layers.0.self_attn", **plain)
+    # ... and a norm of another tensor is not named a QK-norm: BitNet's of the heads' output
+    state = {**model.state_dict(), "layers.0.self_attn.attn_sub_norm.weight": torch.ones(32)}
+    with pytest.raises(ValueError, match=r"attn_sub_norm\.weight \(a norm .* not of its queries"):
+        porting.from_state_dict(state, "layers.0.self_attn", **options)
 
 
 @pytest.mark.parametrize("name", backend_params())
@@ -1384,6 +1388,10 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         # test_outside_biases.py: the biases others add)
         ({"model_type": "bros"}, "model_type='bros' adds to its scores the products"),
         ({"model_type": "speecht5"}, "model_type='speecht5' adds to its encoder's scores"),
+        # Llama's names, whose attention is another than the rotary embedding's would suggest
+        ({"model_type": "diffllama"}, "model_type='diffllama' subtracts a second softmax"),
+        ({"model_type": "doge"}, "model_type='doge' adds to its scores a mask"),
+        ({"model_type": "bitnet"}, "model_type='bitnet' norms the heads' output"),
         # RoFormer turns the values too where rotary_value says, and not its cross-attention;
         # ESM turns its cross-attention's by the queries' positions; ESM's relative positions
         ({"model_type": "roformer", "rotary_value": True}, "rotary_value=True turns the values"),
