@@ -178,6 +178,19 @@ _MISREAD_MODEL_TYPES = {
     "learned lambdas, from the first (differential attention)",
     "doge": "adds to its scores a mask its values compute (A, dt_proj)",
     "bitnet": "norms the heads' output before its output projection (attn_sub_norm)",
+    "lightglue": "turns its self-attention's queries and keys by angles that a learned "
+    "projection of the keypoints computes (its cross-attention has none: port it with "
+    "from_state_dict(..., num_heads=))",
+    "sam2_hiera_det_model": "gives each stage its own number of heads "
+    "(num_attention_heads_per_stage, not num_attention_heads) and max-pools the queries of a "
+    "pooled stage's first block (port another block with from_state_dict(..., num_heads=) of "
+    "its stage)",
+    **dict.fromkeys(
+        ("sam3_detr_decoder", "sam3_lite_text_detr_decoder"),
+        "adds to its vision cross-attention's scores biases of the boxes' relative positions "
+        "that its decoder computes (its self-attention and text cross-attention have none: "
+        "port them with from_state_dict(..., num_heads=))",
+    ),
 }
 # model type -> (its attention_type where the config does not write it, the one that is
 # softmax attention over every key, what the others do): BigBird's blocks of the keys,

@@ -1392,6 +1392,12 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "diffllama"}, "model_type='diffllama' subtracts a second softmax"),
         ({"model_type": "doge"}, "model_type='doge' adds to its scores a mask"),
         ({"model_type": "bitnet"}, "model_type='bitnet' norms the heads' output"),
+        # ... and others': LightGlue's keypoints turn its queries and keys, SAM 2's Hiera has
+        # heads per stage, SAM 3's DETR decoder adds biases of its boxes
+        ({"model_type": "lightglue"}, "model_type='lightglue' turns its self-attention's"),
+        ({"model_type": "sam2_hiera_det_model"}, "own number of heads"),
+        ({"model_type": "sam3_detr_decoder"}, "biases of the boxes' relative positions"),
+        ({"model_type": "sam3_lite_text_detr_decoder"}, "biases of the boxes' relative"),
         # RoFormer turns the values too where rotary_value says, and not its cross-attention;
         # ESM turns its cross-attention's by the queries' positions; ESM's relative positions
         ({"model_type": "roformer", "rotary_value": True}, "rotary_value=True turns the values"),
