@@ -8,11 +8,14 @@ without the config, the biases given to each call as attn_bias) gives them with 
 
 from __future__ import annotations
 
+import os
+import re
+
 import numpy as np
 import pytest
 
 from conftest import framework_import, required_import
-from mha import porting
+from mha import model_config, porting
 
 torch = framework_import("torch", module_level=True)  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
@@ -142,3 +145,55 @@ def test_with_the_biases_given_to_each_call_the_port_gives_the_model_s_numbers(m
     np.testing.assert_allclose(output, seen["y"], rtol=0, atol=atol)
     # ... and without them other numbers: the refusal is not of a bias that changes nothing
     assert np.max(np.abs(ported(x, x, x) - seen["y"])) > 100 * atol
+
+
+# A forward in a modeling module that takes a position bias, relative positions or an
+# embedding of boxes from its caller
+_TAKES_A_BIAS = re.compile(
+    r"def forward\(\s*self,[^)]*?\b(position_bias|relative_position_bias|rel_pos|rel_2d_pos"
+    r"|bbox_pos_emb)\b",
+    re.DOTALL,
+)
+# transformers' model folders whose attention takes one, and where each stands: T5's relative
+# position bias (the caller's attn_bias, porting.md), MPT's ALiBi (the layer's alibi), a table
+# in the attention module (a port refuses the tensor), no layout a port reads, layers of a
+# kind mha's is not, or refused by config or model type (the others)
+TAKEN = {
+    **dict.fromkeys(("t5", "mt5", "switch_transformers", "pop2piano"), "T5's"),
+    "mpt": "ALiBi",
+    "wavlm": "its own table",
+    **dict.fromkeys(("cpmant", "pix2struct"), "no layout"),
+    "pp_doclayout_v2": "its layers' kind",
+    **dict.fromkeys(
+        ("bros", "data2vec", "layoutlmv2", "layoutlmv3", "longt5", "mpnet", "speecht5", "udop"),
+        "refused",
+    ),
+}
+
+
+def test_every_attention_that_takes_a_bias_from_its_caller_is_known():
+    # A model transformers adds whose attention adds what its caller computes is looked at
+    # before its configs port as written
+    T = required_import("transformers")
+    models = os.path.join(os.path.dirname(T.__file__), "models")
+    taking = set()
+    for folder in os.listdir(models):
+        path = os.path.join(models, folder)
+        files = os.listdir(path) if os.path.isdir(path) else []
+        modeling = [name for name in files if name.startswith("modeling_")]
+        if any(_TAKES_A_BIAS.search(_read(path, name)) for name in modeling):
+            taking.add(folder)
+    assert taking - TAKEN.keys() == set()
+    refused = (
+        model_config._MISREAD_MODEL_TYPES.keys()
+        | model_config._BIASES_FROM_OUTSIDE.keys()
+        | model_config._SPARSE_ATTENTION_TYPES.keys()
+    )
+    for folder in (folder for folder, where in TAKEN.items() if where == "refused"):
+        types = {t for t, c in T.CONFIG_MAPPING.items() if c.__module__.split(".")[2] == folder}
+        assert types & refused, folder
+
+
+def _read(folder: str, name: str) -> str:
+    with open(os.path.join(folder, name), encoding="utf-8") as file:
+        return file.read()
