@@ -29,6 +29,7 @@ from mha.layer_kinds import layer_kind, uses_window
 from mha.model_qk_norm import LAYER_NORM_PER_HEAD, QK_NORM_ALWAYS, QK_NORM_FIELD, qk_norm_options
 from mha.model_rope import query_scaling, rotary_options
 from mha.model_shapes import head_shapes
+from mha.port_adjustments import LOCAL_CHUNKS
 
 __all__ = ["options_from_config"]
 
@@ -57,8 +58,8 @@ def options_from_config(
     (attention_chunk_size), norms with no weight (weightless_qk_norm=True: a port option)
     and queries scaled from position 1 on its layers without a rotary embedding, and
     nanochat's (weightless_qk_norm=True, and reversed_rotary=True: a port option for its
-    rotary embedding turned the other way), and ESM C's layer norms of the projections
-    (qk_norm="projection" and the port option centered_qk_norm=True).
+    rotary embedding turned the other way), ESM C's projections' layer norms (qk_norm=
+    "projection", port option centered_qk_norm), CANINE's local chunks (local_chunk_size)
 
     Args:
         config: the config of the model the layer belongs to (a text model's, not a
@@ -393,6 +394,9 @@ def _options_of_layer(config: Mapping[str, Any], layer: int | None) -> dict[str,
         found["qk_norm_eps"] = float(config.get("rms_norm_eps", 1e-6))
     if model_type == "esmc":  # layer norms of the projection, torch's eps: a port option
         found.update(qk_norm="projection", qk_norm_eps=1e-5, centered_qk_norm=True)
+    if model_type == "canine":  # its initial character encoder's chunks: a port option
+        stride = config.get("local_transformer_stride", 128)
+        found[LOCAL_CHUNKS] = positive_count("local_transformer_stride", stride)
     return found
 
 

@@ -1,9 +1,9 @@
 """What a port does to a source's weights where the source computes mha's numbers by other
 means: a gate inside the query projection or one per head (Qwen3-Next's, LFM3's), norms with
 no weight (Llama 4's, nanochat's), a rotary embedding turned the other way (nanochat's), layer
-norms of the whole projection (ESM C's); and the rotary frequencies an older checkpoint keeps
-beside the attention, checked against the options and used. `mha.porting` applies them and
-notes each.
+norms of the whole projection (ESM C's); CANINE's chunks of its initial character encoder; and
+the rotary frequencies an older checkpoint keeps beside the attention, checked against the
+options and used. `mha.porting` applies them and notes each.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = [
     "CENTERED",
     "HALVES_SWAPPED",
     "INV_FREQS",
+    "LOCAL_CHUNKS",
     "UNIT_QK_NORMS",
     "centered_projections",
     "halves_swapped",
@@ -28,6 +29,7 @@ __all__ = [
     "split_gate",
     "unit_qk_norms",
     "use_inv_freq",
+    "use_local_chunks",
 ]
 
 
@@ -179,3 +181,19 @@ def _check_inv_freq(name: str, inv_freq: Any, config: Mapping[str, Any], where: 
             f"over {rotated} features of each head, rope_scaling={scaling}: give the model's "
             "rope_dim and rope_scaling (or its config to options_from_config)"
         )
+
+
+# CANINE's initial character encoder attends within chunks of its config's
+# local_transformer_stride positions (its model's local attention), its other encoders to
+# every key, which a layer's index does not tell apart: options_from_config gives the size as
+# this port option, and the port of a layer under initial_char_encoder takes it as the layer's
+# attention_chunk_size
+LOCAL_CHUNKS = "local_chunk_size"
+
+
+def use_local_chunks(options: dict[str, Any], prefix: str) -> None:
+    """Take LOCAL_CHUNKS out of a port's options, as attention_chunk_size where the prefix is
+    CANINE's initial character encoder's."""
+    size = options.pop(LOCAL_CHUNKS, None)
+    if size is not None and "initial_char_encoder" in prefix.split("."):
+        options.setdefault("attention_chunk_size", size)

@@ -79,6 +79,7 @@ from mha.port_adjustments import (
     split_gate,
     unit_qk_norms,
     use_inv_freq,
+    use_local_chunks,
 )
 from mha.position_bias import alibi_bias, falcon_alibi_bias, t5_position_bias
 from mha.registry import load_backend
@@ -193,6 +194,7 @@ def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str,
     """The Port of MultiHeadAttention's layouts: the weights read and rewritten as the port
     options say (port), the config checked; copied: the names values_from_keys copied."""
     shapes = shapes_given(options)  # the config's heads, which the weights must have
+    use_local_chunks(options, prefix)  # CANINE's initial character encoder's
     check_untold_options(options)
     layout = _only_layout(state, names, prefix, where)
     weights, config, used, left_out, notes = _read_port(

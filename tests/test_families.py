@@ -679,3 +679,30 @@ def test_a_fraction_of_a_head_rounds_down_as_transformers(fraction):
     turned = model.layers[0].self_attn.rotary_ndims
     assert porting.options_from_config(written, 0)["rope_dim"] == turned == int(head * fraction)
     assert_each_layer_ports("stablelm", model, config, written)
+
+
+def test_canine_s_initial_character_encoder_attends_within_its_chunks():
+    # CANINE's initial character encoder attends within chunks of local_transformer_stride
+    # positions, its deep and final encoders to every key; each ports from the config alone,
+    # the first through the port option its prefix takes (7 characters: chunks of 3)
+    config, model = tiny_model("canine", local_transformer_stride=3)
+    found = porting.find_attention(model.state_dict())
+    assert [prefix.split(".")[0] for prefix, _ in found] == [
+        "initial_char_encoder",
+        *["encoder"] * config.num_hidden_layers,
+        "final_char_encoder",
+    ]
+    seen = attention_io(model, found)
+    options = porting.options_from_config(config.to_dict())
+    assert options["local_chunk_size"] == 3
+    for prefix, _ in found:
+        (x, expected) = seen[prefix]
+        ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
+        atol = 1e-5 * np.max(np.abs(expected))
+        np.testing.assert_allclose(ported(x, x, x), expected, rtol=0, atol=atol, err_msg=prefix)
+    # ... where attending to every key would give other numbers
+    everywhere = {key: value for key, value in options.items() if key != "local_chunk_size"}
+    prefix = found[0][0]
+    ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **everywhere)
+    x, expected = seen[prefix]
+    assert np.max(np.abs(ported(x, x, x) - expected)) > 1e-2 * np.max(np.abs(expected))
