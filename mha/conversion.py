@@ -35,7 +35,7 @@ from mha.interop.torch import canonical_from_torch, torch_state_dict
 from mha.keras_files import keras_weights_bytes, load_keras_file
 from mha.model_shapes import check_heads, shapes_given
 from mha.options import layer_defaults
-from mha.port_adjustments import LOCAL_CHUNKS
+from mha.port_adjustments import LOCAL_CHUNKS, local_chunks_untold
 from mha.registry import BackendUnavailableError, load_backend
 from mha.weights import (
     LAYER_CLASSES,
@@ -451,10 +451,12 @@ def _source_layer(
         return port.weights, port.config, extra
     options = dict(options)
     shapes = shapes_given(options)  # the config's heads, which the file's must be
-    options.pop(LOCAL_CHUNKS, None)  # CANINE's, which a layer's file without a prefix keeps
+    chunks = options.pop(LOCAL_CHUNKS, None)  # CANINE's initial character encoder's
     check_untold_options(options)
     weights, config = read_file(source, num_heads=num_heads)
     check_heads(config, shapes, f"in {os.fspath(source)}")
+    if chunks is not None and config.get("attention_chunk_size") is None:
+        raise local_chunks_untold(chunks, os.fspath(source))
     if scale is not None:
         config["scale"] = scale
     config.update(options)

@@ -26,6 +26,7 @@ __all__ = [
     "centered_projections",
     "halves_swapped",
     "head_gate",
+    "local_chunks_untold",
     "split_gate",
     "unit_qk_norms",
     "use_inv_freq",
@@ -193,7 +194,21 @@ LOCAL_CHUNKS = "local_chunk_size"
 
 def use_local_chunks(options: dict[str, Any], prefix: str) -> None:
     """Take LOCAL_CHUNKS out of a port's options, as attention_chunk_size where the prefix is
-    CANINE's initial character encoder's."""
+    CANINE's initial character encoder's; a prefix of none of its encoders is an error."""
     size = options.pop(LOCAL_CHUNKS, None)
-    if size is not None and "initial_char_encoder" in prefix.split("."):
-        options.setdefault("attention_chunk_size", size)
+    parts = prefix.split(".")
+    if size is None or {"encoder", "final_char_encoder"} & set(parts):
+        return
+    if "initial_char_encoder" not in parts:
+        raise local_chunks_untold(size, f"the prefix {prefix!r}")
+    options.setdefault("attention_chunk_size", size)
+
+
+def local_chunks_untold(size: int, what: str) -> ValueError:
+    """The error for CANINE's config beside a layer that does not tell its encoder."""
+    return ValueError(
+        f"the config is CANINE's, whose initial character encoder attends within chunks of "
+        f"{size} positions and whose other encoders attend to every key; {what} does not tell "
+        "which encoder the layer is: port the model's weights under the layer's prefix "
+        "(initial_char_encoder..., encoder..., final_char_encoder...)"
+    )

@@ -14,6 +14,7 @@ import copy
 import numpy as np
 import pytest
 
+import mha
 from conftest import framework_import, required_import
 from mha import porting
 from mha.layouts import LAYOUTS
@@ -700,9 +701,35 @@ def test_canine_s_initial_character_encoder_attends_within_its_chunks():
         ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **options)
         atol = 1e-5 * np.max(np.abs(expected))
         np.testing.assert_allclose(ported(x, x, x), expected, rtol=0, atol=atol, err_msg=prefix)
+    # ... a state of the module alone, which does not tell its encoder, is refused
+    alone = model.get_submodule(found[0][0]).state_dict()
+    with pytest.raises(ValueError, match="the prefix '' does not tell which encoder"):
+        porting.from_state_dict(alone, "", backend="numpy", **options)
     # ... where attending to every key would give other numbers
     everywhere = {key: value for key, value in options.items() if key != "local_chunk_size"}
     prefix = found[0][0]
     ported = porting.from_state_dict(model.state_dict(), prefix, backend="numpy", **everywhere)
     x, expected = seen[prefix]
     assert np.max(np.abs(ported(x, x, x) - expected)) > 1e-2 * np.max(np.abs(expected))
+
+
+def test_canine_s_config_with_a_layer_s_file_needs_the_file_to_tell_its_encoder(tmp_path):
+    # A layer's own file has no prefix: one with the initial encoder's chunks converts, one
+    # without could be either encoder's and is refused, never given the wrong attention
+    from mha import conversion
+
+    config, model = tiny_model("canine", local_transformer_stride=3)
+    options = porting.options_from_config(config.to_dict())
+    state = model.state_dict()
+    layers = {"initial_char_encoder.layer.0.attention": True, "encoder.layer.0.attention": False}
+    for prefix, chunked in layers.items():
+        source = tmp_path / f"{chunked}.safetensors"
+        mha.save(porting.from_state_dict(state, prefix, backend="numpy", **options), source)
+        target = tmp_path / f"{chunked}-again.safetensors"
+        if chunked:
+            conversion.convert(source, target, **options)
+            assert mha.load(target, backend="numpy").attention_chunk_size == 3
+        else:
+            with pytest.raises(ValueError, match="does not tell which encoder the layer is"):
+                conversion.convert(source, target, **options)
+            assert not target.exists()
