@@ -133,16 +133,40 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
 
 
 @pytest.mark.jax
-def test_jax_dot_product_attention_has_no_float16_backward_on_the_cpu():
-    # As the table of docs/attention-function.md says: its float16 output agrees, its
-    # backward fails inside XLA on the CPU, an error (with JAX_ENABLE_X64, as here)
+def test_jax_dot_product_attention_float16_backward_on_the_cpu_is_reported_as_it_runs():
+    # As the table of docs/attention-function.md says: its float16 output agrees; its backward
+    # under jax.jit fails inside XLA on the CPU before jax 0.12 (with JAX_ENABLE_X64, as here),
+    # an error in the kit's table, and the kit compares the gradients where JAX computes them
     framework_import("jax")
     adapter = conformance_adapters.jax_dot_product_attention()
     plain = conformance.CASES[:1]
     (row,) = conformance.run(adapter, "jax", ("float16",), plain, device="cpu")
-    assert row.status == "error" and "F16_F16_F32" in row.note, row
+    failure = _jax_float16_backward_failure()
+    if failure:
+        assert row.status == "error" and "F16_F16_F32" in row.note and "F16_F16_F32" in failure
+    else:
+        assert row.status == "agrees" and row.gradient_difference is not None, row
     (row,) = conformance.run(adapter, "jax", ("float16",), plain, gradients=False, device="cpu")
     assert row.status == "agrees", row
+
+
+def _jax_float16_backward_failure() -> str:
+    """What JAX itself raises for the gradients of its attention in float16 under jax.jit on
+    the CPU ("" when it computes them)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    x, cotangent = (jnp.asarray(rng.standard_normal((2, 5, 3, 8)), "float16") for _ in "xc")
+
+    def loss(query, key, value):
+        return jnp.sum(jax.nn.dot_product_attention(query, key, value) * cotangent)
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, x, x)
+    except Exception as error:  # XLA's own error, whatever its type
+        return str(error)
+    return ""
 
 
 def _ignores_windows_alone(jax) -> bool:
