@@ -14,6 +14,11 @@ A lane is a set of frameworks that install together, pinned by its constraints f
 - current: numpy 2 with the newest torch, TensorFlow, JAX and Flax that install here; no MXNet.
   Its environment is `.venv-current`.
 
+A lane's environment is made with the Python that runs lanes.py where the lane's pins install
+on it (legacy: 3.11 and 3.12, as on 3.13 ml_dtypes asks for numpy 2, which MXNet cannot take;
+current: 3.11.5 to 3.13, TensorFlow 2.21 having no build for 3.14), otherwise with the newest
+python3.X on the PATH that fits; with none, lanes.py stops and names the Pythons to install.
+
 torch and TensorFlow are the same releases in both lanes, so the tests of those two alone run
 once, in the current lane; the legacy lane runs the rest (SAME_IN_BOTH_ONCE below). The
 current lane leaves out the tests marked mxnet, which only the legacy lane can run.
@@ -71,6 +76,8 @@ class Lane:
     select: str = ""
     # The oldest Python every pin of the lane installs on (mha's own code takes 3.10)
     python: tuple[int, ...] = (3, 11)
+    # The first Python some pin of the lane has no build for
+    python_below: tuple[int, ...] = (3, 14)  # TensorFlow 2.21: none for 3.14
 
 
 # torch, TensorFlow, Keras, ONNX and LiteRT are the same releases in both lanes
@@ -91,6 +98,7 @@ LANES = {
         # jax 0.7.2 and later need numpy 2
         lock=("numpy<2", "torch==2.13.0", "jax<0.7.2"),
         select=SAME_IN_BOTH_ONCE,
+        python_below=(3, 13),  # on 3.13 ml_dtypes asks for numpy 2, which MXNet cannot take
     ),
     "current": Lane(
         environment=".venv-current",
@@ -153,11 +161,7 @@ def set_up(names: list[str]) -> dict[str, pathlib.Path]:
     installs = {}
     for name in names:
         lane = LANES[name]
-        environment = ROOT / lane.environment
-        if not python_of(environment).exists():
-            print(f"== {name}: creating {lane.environment}", flush=True)
-            venv.create(environment, with_pip=True)
-        python = python_of(environment)
+        python = environment_of(name)
         print(f"== {name}: installing into {lane.environment} (minutes the first time)", flush=True)
         pins, project = ROOT / lane.constraints, f"{ROOT}[{lane.extras}]"
         command = [python, "-m", "pip", "install", "-q", "--no-compile", "-c", pins, "-e", project]
@@ -167,6 +171,61 @@ def set_up(names: list[str]) -> dict[str, pathlib.Path]:
         if code != 0:
             raise SystemExit(f"{name}: installing the lane failed (pip exited {code})")
     return {name: python for name, (python, _) in installs.items()}
+
+
+def environment_of(name: str) -> pathlib.Path:
+    """The Python of the lane's environment, made where it is missing with a Python that the
+    lane's pins install on; one made with another Python is refused, saying what to do."""
+    lane = LANES[name]
+    environment = ROOT / lane.environment
+    python = python_of(environment)
+    if not python.exists():
+        maker = python_for(name)
+        print(f"== {name}: creating {lane.environment} with {maker}", flush=True)
+        if run(maker, "-m", "venv", environment) != 0:
+            raise SystemExit(f"{name}: {maker} could not make {lane.environment}")
+    elif not fits(lane, version_of(python)):
+        raise SystemExit(
+            f"{name}: {lane.environment} has Python {dotted(version_of(python))}, and the lane "
+            f"needs {span(lane)}: remove {lane.environment} and run again"
+        )
+    return python
+
+
+def python_for(name: str, running: tuple[int, ...] = tuple(sys.version_info[:3])) -> str:
+    """This Python where the lane's pins install on it, otherwise the newest python3.X on the
+    PATH that they do; with none, an error naming the Pythons to install."""
+    lane = LANES[name]
+    if fits(lane, running):
+        return sys.executable
+    for minor in reversed(range(lane.python[1], lane.python_below[1])):
+        found = shutil.which(f"python3.{minor}")
+        if found and fits(lane, version_of(found)):
+            return found
+    raise SystemExit(
+        f"the {name} lane needs Python {span(lane)}, which its pinned packages install "
+        f"on; this is {dotted(running)}, and the PATH has no python3.X that fits"
+    )
+
+
+def fits(lane: Lane, version: tuple[int, ...]) -> bool:
+    return lane.python <= version < lane.python_below
+
+
+def version_of(python) -> tuple[int, ...]:
+    """The version of the Python at `python`; () where it does not run."""
+    command = [str(python), "-c", "import sys; print(*sys.version_info[:3])"]
+    printed = subprocess.run(command, capture_output=True, text=True, check=False).stdout
+    return tuple(int(part) for part in printed.split())
+
+
+def span(lane: Lane) -> str:
+    last = (*lane.python_below[:-1], lane.python_below[-1] - 1)
+    return f"{dotted(lane.python)} to {dotted(last)}"
+
+
+def dotted(version: tuple[int, ...]) -> str:
+    return ".".join(map(str, version))
 
 
 # One thread per framework in each pytest-xdist worker, there being a worker per core: more
@@ -374,15 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown lane {unknown[0]!r}; the lanes are {', '.join(LANES)}")
     names = options.lanes or list(LANES)
-    for name in names:
-        if sys.version_info < LANES[name].python:
-            oldest = ".".join(map(str, LANES[name].python))
-            parser.error(
-                f"the {name} lane needs Python {oldest} or newer, which its pinned packages "
-                f"need; this is {sys.version.split()[0]}"
-            )
-    if options.lock:
+    if options.lock:  # in this Python, whose newest releases the lock writes down
         for name in names:
+            if not fits(LANES[name], tuple(sys.version_info[:3])):
+                parser.error(f"locking the {name} lane needs Python {span(LANES[name])}")
             lock(name, LANES[name])
         return 0
     pythons = set_up(names)

@@ -225,7 +225,8 @@ def test_the_tests_the_legacy_lane_leaves_out_run_on_the_same_releases():
 def test_every_package_of_the_lane_installs_on_the_python_the_readme_names():
     # The packages' own Requires-Python, not a list kept by hand: a new pin that needs a newer
     # Python fails here until lanes.py and the README say so
-    lanes = _load_lanes().LANES
+    module = _load_lanes()
+    lanes = module.LANES
     here = pathlib.Path(sys.prefix).resolve()
     mine = [lane for lane in lanes.values() if (ROOT / lane.environment).resolve() == here]
     oldest = max(lane.python for lane in (mine or lanes.values()))
@@ -235,9 +236,31 @@ def test_every_package_of_the_lane_installs_on_the_python_the_readme_names():
         if needs:
             assert version in SpecifierSet(needs), (distribution.metadata["Name"], needs)
     readme = " ".join((ROOT / "README.md").read_text().split())
-    legacy, current = (".".join(map(str, lanes[name].python)) for name in ("legacy", "current"))
-    assert f"with only Python {legacy} or newer installed" in readme
-    assert f"current lane needs {current} or newer" in readme
+    legacy, current = (module.span(lanes[name]) for name in ("legacy", "current"))
+    assert f"with only Python {legacy} installed" in readme
+    assert f"current lane takes {current};" in readme
+
+
+def test_a_lanes_environment_is_made_with_a_python_in_its_span(tmp_path, monkeypatch):
+    # Where the running Python is outside the span the lane's pins install on, the newest
+    # python3.X on the PATH inside it makes the environment; with none, lanes.py stops first
+    module = _load_lanes()
+    assert module.python_for("legacy", running=(3, 11, 7)) == sys.executable
+    assert module.python_for("current", running=(3, 13, 0)) == sys.executable
+    found = tmp_path / "bin"
+    found.mkdir()
+    for version in ("3 11 9", "3 12 4", "3 13 1"):
+        stub = found / f"python3.{version.split()[1]}"  # prints its version, as version_of asks
+        stub.write_text(f"#!/bin/sh\necho {version}\n")
+        stub.chmod(0o755)
+    monkeypatch.setenv("PATH", str(found))
+    assert module.python_for("legacy", running=(3, 13, 0)) == str(found / "python3.12")
+    assert module.python_for("current", running=(3, 14, 2)) == str(found / "python3.13")
+    assert module.python_for("current", running=(3, 11, 4)) == str(found / "python3.13")
+    (found / "python3.12").unlink()
+    (found / "python3.11").write_text("#!/bin/sh\nexit 1\n")  # a Python that does not run
+    with pytest.raises(SystemExit, match=r"legacy lane needs Python 3\.11 to 3\.12.* 3\.13\.0,"):
+        module.python_for("legacy", running=(3, 13, 0))
 
 
 def test_ci_runs_the_readmes_test_command():
