@@ -19,8 +19,8 @@ import sys
 import time
 
 import nbformat
-from jupyter_client import KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -71,8 +71,10 @@ def execute(
             outputs up to that cell.
     """
     # The kernel runs on this very interpreter (ipykernel's built-in spec), whatever
-    # kernels are registered on the machine.
-    manager = KernelManager(
+    # kernels are registered on the machine. An asynchronous manager, as nbclient expects:
+    # with a blocking one, waiting for a cell's output blocks the loop that checks the cell's
+    # time limit and the kernel's life, and a kernel that dies leaves the run waiting forever.
+    manager = AsyncKernelManager(
         kernel_name="python3", kernel_spec_manager=KernelSpecManager(kernel_dirs=[])
     )
     if parameters:
@@ -91,8 +93,8 @@ def execute(
         resources={"metadata": {"path": str(cwd)}},
         on_cell_start=on_cell_start,
     )
-    try:
-        client.execute(env=kernel_environment(backend))
+    try:  # the kernel is shut down after the run, as it ends or fails, not left running
+        client.execute(env=kernel_environment(backend), cleanup_kc=True)
     finally:
         _drop_framework_start_up_logs(notebook)
     return notebook

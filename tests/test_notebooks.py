@@ -14,8 +14,11 @@ from __future__ import annotations
 import ast
 import base64
 import importlib.util
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -141,3 +144,39 @@ def test_every_backend_notebook_runs(name, tmp_path):
     printed = "".join(output.get("text", "") for output in _code_cells(notebook)[0].outputs)
     (line,) = [line for line in printed.splitlines() if line.startswith("backends:")]
     assert set(required_backends()) <= set(ast.literal_eval(line.removeprefix("backends:").strip()))
+
+
+# A run ends with its kernel shut down, whether its cells pass, raise, pass the time limit or
+# kill the kernel, and the last two fail at once rather than wait on a kernel that cannot answer
+ENDINGS = {
+    "passes": ("x = 1", ""),
+    "raises": ("raise ValueError('no')", "CellExecutionError"),
+    "hangs": ("import time\ntime.sleep(600)", "CellTimeoutError"),
+    "dies": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", "DeadKernelError"),
+}
+ENDING = """
+import importlib.util, os, nbformat
+spec = importlib.util.spec_from_file_location("run", {runner!r})
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
+run.CELL_TIMEOUT = 5
+notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell({code!r})])
+try:
+    run.execute(notebook, cwd={cwd!r})
+except Exception as error:
+    print(type(error).__name__)
+try:
+    print("kernel-left-running" if os.waitpid(-1, os.WNOHANG) == (0, 0) else "")
+except ChildProcessError:
+    pass  # no child at all: the kernel was shut down and reaped
+"""
+
+
+@pytest.mark.skipif(os.name == "nt", reason="counts the kernel among the run's POSIX children")
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_a_run_ends_at_once_with_its_kernel_shut_down(ending, tmp_path):
+    code, error = ENDINGS[ending]
+    script = ENDING.format(runner=str(NOTEBOOKS / "run.py"), code=code, cwd=str(tmp_path))
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ([error] if error else []), done.stdout + done.stderr[-2000:]
