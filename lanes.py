@@ -76,7 +76,7 @@ class Lane:
     select: str = ""
     # The oldest Python every pin of the lane installs on (mha's own code takes 3.10)
     python: tuple[int, ...] = (3, 11)
-    # The first Python some pin of the lane has no build for
+    # The first Python the lane's pins do not install on
     python_below: tuple[int, ...] = (3, 14)  # TensorFlow 2.21: none for 3.14
 
 
