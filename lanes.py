@@ -184,10 +184,10 @@ def environment_of(name: str) -> pathlib.Path:
         print(f"== {name}: creating {lane.environment} with {maker}", flush=True)
         if run(maker, "-m", "venv", environment) != 0:
             raise SystemExit(f"{name}: {maker} could not make {lane.environment}")
-    elif not fits(lane, version_of(python)):
+    elif not fits(lane, made := version_of(python)):
         raise SystemExit(
-            f"{name}: {lane.environment} has Python {dotted(version_of(python))}, and the lane "
-            f"needs {span(lane)}: remove {lane.environment} and run again"
+            f"{name}: {lane.environment} has Python {dotted(made)}, and the lane needs "
+            f"{span(lane)}: remove {lane.environment} and run again"
         )
     return python
 
