@@ -12,11 +12,13 @@ from typing import Any
 
 from mha import validation
 from mha.interop.keras import KERAS_DENSE, KERAS_GATE
+from mha.registry import load_triton_before_tensorflow
 
 __all__ = ["keras_weights_bytes", "load_keras_file"]
 
 
 def load_keras_file(name: str) -> Any:
+    load_triton_before_tensorflow()
     import keras  # Keras 3, the tf.keras of TensorFlow 2.16 and later
     import tensorflow as tf
 

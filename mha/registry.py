@@ -6,6 +6,8 @@ Nothing here imports a framework until a backend is asked for by name.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
 import types
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "backend_of",
     "framework_version",
     "load_backend",
+    "load_triton_before_tensorflow",
     "normalize_backend_name",
     "select_backends",
 ]
@@ -98,6 +101,21 @@ def normalize_backend_name(name: str) -> str:
         valid = ", ".join([*BACKENDS, *ALIASES])
         raise ValueError(f"Unknown mha backend. Valid names: {valid}. Received: backend={name!r}")
     return key
+
+
+def load_triton_before_tensorflow() -> None:
+    """Load triton's compiler library (torch's compiler on Linux) while TensorFlow is not
+    imported yet, where both are installed. Each carries its own LLVM, and triton loaded after
+    TensorFlow ends the process the first time torch compiles or makes an optimizer: a
+    segmentation fault, or LLVM's "registered more than once" (TensorFlow 2.21 with triton
+    3.7.1 and 3.9.0). Once TensorFlow is imported nothing is done: loading triton then is the
+    crash itself."""
+    if "tensorflow" in sys.modules or importlib.util.find_spec("triton") is None:
+        return
+    try:
+        importlib.import_module("triton._C.libtriton")
+    except Exception:  # a broken triton is torch's to report when it compiles
+        pass
 
 
 _loaded: dict[str, types.ModuleType] = {}

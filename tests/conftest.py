@@ -15,11 +15,19 @@ import pytest
 from hypothesis import settings
 
 from mha import harness
-from mha.registry import BACKENDS, BackendUnavailableError, load_backend, normalize_backend_name
+from mha.registry import (
+    BACKENDS,
+    BackendUnavailableError,
+    load_backend,
+    load_triton_before_tensorflow,
+    normalize_backend_name,
+)
 
 # The tests compare float64 layers in every backend: JAX computes in float64 only in its 64-bit
 # mode, read when JAX is first imported (tests of the mode being off run in a subprocess)
 os.environ.setdefault("JAX_ENABLE_X64", "1")
+# A test may import Keras before mha's backend: torch's triton goes first (see the function)
+load_triton_before_tensorflow()
 
 
 def required_backends() -> list[str]:

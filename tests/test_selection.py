@@ -1,6 +1,8 @@
 """Backend selection: MHA_BACKEND, set_backend, use_backend, class forwarding, lazy imports."""
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -8,6 +10,7 @@ import threading
 import pytest
 
 import mha
+from conftest import backend_module
 from mha import registry
 
 FRAMEWORKS = ("torch", "tensorflow", "keras", "mxnet", "jax")
@@ -15,8 +18,6 @@ FRAMEWORKS = ("torch", "tensorflow", "keras", "mxnet", "jax")
 
 def run_python(code, **env):
     """Run `code` in a fresh interpreter and return its stdout (raises on failure)."""
-    import os
-
     environment = {k: v for k, v in os.environ.items() if k != "MHA_BACKEND"}
     environment.update(env)
     completed = subprocess.run(
@@ -217,3 +218,50 @@ def test_available_backends_include_numpy():
 def test_backend_of_rejects_foreign_objects():
     with pytest.raises(TypeError, match="Expected a layer from one of the mha backends"):
         registry.backend_of(object())
+
+
+# A stand-in for torch's triton that says whether TensorFlow was imported before it
+_TRITON = "import sys\nprint('triton', 'after' if 'tensorflow' in sys.modules else 'first')\n"
+
+
+@pytest.mark.tensorflow
+def test_triton_is_loaded_before_tensorflow_and_never_after_it(tmp_path):
+    # TensorFlow's LLVM and triton's loaded after it end the process at torch's first compile
+    # or optimizer: mha's ways into TensorFlow load triton first, and never after TensorFlow
+    backend_module("tensorflow")
+    (tmp_path / "triton" / "_C").mkdir(parents=True)
+    (tmp_path / "triton" / "__init__.py").write_text("")
+    (tmp_path / "triton" / "_C" / "__init__.py").write_text("")
+    (tmp_path / "triton" / "_C" / "libtriton.py").write_text(_TRITON)
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])
+    calls = {
+        "mha.load_backend('tensorflow')": ["triton first", "done"],
+        "from mha.keras_files import load_keras_file\n"
+        "try:\n    load_keras_file('missing.keras')\nexcept ValueError:\n    pass": [
+            "triton first",
+            "done",
+        ],
+        "import tensorflow\nmha.load_backend('tensorflow')": ["done"],
+    }
+    for call, expected in calls.items():
+        completed = run_python(f"import mha\n{call}\nprint('done')", PYTHONPATH=path)
+        assert completed.returncode == 0, completed.stderr
+        assert completed.stdout.splitlines() == expected, call
+
+
+@pytest.mark.torch
+@pytest.mark.tensorflow
+def test_torch_compiles_after_mha_loads_tensorflow_where_triton_is_installed():
+    # torch's builds for Linux GPUs install triton; its CPU build (the lanes') has none
+    backend_module("torch")
+    backend_module("tensorflow")
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (torch's CPU build has none)")
+    code = (
+        "import mha\nmha.load_backend('tensorflow')\nimport torch\n"
+        "model = torch.nn.Linear(2, 2)\noptimizer = torch.optim.Adam(model.parameters())\n"
+        "model(torch.ones(1, 2)).sum().backward()\noptimizer.step()\nprint('stepped')"
+    )
+    completed = run_python(code)
+    assert completed.returncode == 0, (completed.returncode, completed.stderr[-2000:])
+    assert completed.stdout.splitlines()[-1] == "stepped"

@@ -46,6 +46,7 @@ from mha.encoding import (
     sinusoid_table,
 )
 from mha.masks import Masks, grouped_rows
+from mha.registry import load_triton_before_tensorflow
 from mha.weights import canonical_parameters, read_config
 
 _KERAS_BACKEND = os.environ.get("KERAS_BACKEND", "").strip().lower()
@@ -56,6 +57,7 @@ if _KERAS_BACKEND not in ("", "tensorflow"):
         "or set KERAS_BACKEND=tensorflow before importing Keras"
     )
 
+load_triton_before_tensorflow()  # or torch's first compile after this import ends the process
 import tensorflow as tf  # noqa: E402
 
 keras = tf.keras
