@@ -227,7 +227,8 @@ _TRITON = "import sys\nprint('triton', 'after' if 'tensorflow' in sys.modules el
 @pytest.mark.tensorflow
 def test_triton_is_loaded_before_tensorflow_and_never_after_it(tmp_path):
     # TensorFlow's LLVM and triton's loaded after it end the process at torch's first compile
-    # or optimizer: mha's ways into TensorFlow load triton first, and never after TensorFlow
+    # or optimizer: mha's ways into TensorFlow (the backend, Keras files, the converters to
+    # Keras) load triton first, and never after TensorFlow
     backend_module("tensorflow")
     (tmp_path / "triton" / "_C").mkdir(parents=True)
     (tmp_path / "triton" / "__init__.py").write_text("")
@@ -241,6 +242,8 @@ def test_triton_is_loaded_before_tensorflow_and_never_after_it(tmp_path):
             "triton first",
             "done",
         ],
+        "import numpy\nlayer = mha.MultiHeadAttention(8, 2)\nx = numpy.ones((1, 2, 8), 'f')\n"
+        "layer(x, x, x)\nmha.interop.to_keras(layer)": ["triton first", "done"],
         "import tensorflow\nmha.load_backend('tensorflow')": ["done"],
     }
     for call, expected in calls.items():

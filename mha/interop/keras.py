@@ -29,7 +29,7 @@ from mha.interop.common import (
     options_of,
     refuse_overrides,
 )
-from mha.registry import load_backend
+from mha.registry import load_backend, load_triton_before_tensorflow
 
 __all__ = [
     "KERAS_DENSE",
@@ -168,8 +168,7 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
 def _keras_sizes(layer: Any) -> dict[str, Any]:
     """The heads, head sizes and sliding window of a built Keras MultiHeadAttention or
     GroupQueryAttention ("grouped" tells which), by the names mha's converters use."""
-    import tensorflow as tf
-
+    tf = _tensorflow()
     grouped = isinstance(layer, tf.keras.layers.GroupQueryAttention)
     if not grouped and not isinstance(layer, tf.keras.layers.MultiHeadAttention):
         raise TypeError(
@@ -203,8 +202,7 @@ def _keras_sizes(layer: Any) -> dict[str, Any]:
 def _refuse_keras_subclass(layer: Any, grouped: bool) -> None:
     """Raise ValueError where a subclass's own methods may compute other numbers than
     Keras's layer (keras_hub's cached layer computes the same, but applies no gate)."""
-    import tensorflow as tf
-
+    tf = _tensorflow()
     layers = tf.keras.layers
     base = layers.GroupQueryAttention if grouped else layers.MultiHeadAttention
     equivalent = frozenset() if _has_gate(layer) else _KERAS_CACHED
@@ -279,16 +277,14 @@ def _keras_has_gate() -> bool:
     """Whether this Keras's attention layers take use_gate (older releases have no gate)."""
     import inspect
 
-    import tensorflow as tf
-
+    tf = _tensorflow()
     return "use_gate" in inspect.signature(tf.keras.layers.MultiHeadAttention).parameters
 
 
 def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
     """An unbuilt Keras MultiHeadAttention, or GroupQueryAttention for fewer key-value heads,
     of an mha MultiHeadAttention's config; with use_gate=True where `gate`."""
-    import tensorflow as tf
-
+    tf = _tensorflow()
     num_hiddens, num_heads = config["num_hiddens"], config["num_heads"]
     head_size = num_hiddens // num_heads
     out_features = config["out_features"] or num_hiddens
@@ -338,6 +334,15 @@ def from_keras(layer: Any, *, backend: str | None = None) -> Any:
         dropout=config["dropout"],
         **options_of(config),
     )
+
+
+def _tensorflow() -> Any:
+    """TensorFlow, imported after torch's triton where that is installed (see
+    mha.registry.load_triton_before_tensorflow)."""
+    load_triton_before_tensorflow()
+    import tensorflow as tf
+
+    return tf
 
 
 def to_keras_masks(
