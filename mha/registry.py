@@ -104,8 +104,8 @@ def normalize_backend_name(name: str) -> str:
 
 
 def load_triton_before_tensorflow() -> None:
-    """Load triton's compiler library (torch's compiler on Linux) while TensorFlow is not
-    imported yet, where both are installed. Each carries its own LLVM, and triton loaded after
+    """Load triton's compiler library (torch's compiler on Linux), where it is installed,
+    while TensorFlow is not imported yet. Each carries its own LLVM, and triton loaded after
     TensorFlow ends the process the first time torch compiles or makes an optimizer: a
     segmentation fault, or LLVM's "registered more than once" (TensorFlow 2.21 with triton
     3.7.1 and 3.9.0). Once TensorFlow is imported nothing is done: loading triton then is the
