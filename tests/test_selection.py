@@ -254,8 +254,8 @@ def test_triton_is_loaded_before_tensorflow_and_never_after_it(tmp_path):
 
 @pytest.mark.torch
 @pytest.mark.tensorflow
-def test_torch_compiles_after_mha_loads_tensorflow_where_triton_is_installed():
-    # torch's builds for Linux GPUs install triton; its CPU build (the lanes') has none
+def test_torch_trains_after_mha_loads_tensorflow_where_triton_is_installed():
+    # torch's CUDA build (what pip gives on Linux) installs triton; its CPU build has none
     backend_module("torch")
     backend_module("tensorflow")
     if importlib.util.find_spec("triton") is None:
