@@ -1,7 +1,9 @@
 """torch's automatic mixed precision (torch.autocast), the usual way to train on a GPU: inside
 it the layers before an mha layer give their outputs in autocast's dtype, and a float32 mha
 layer takes them, as torch's own layers do; outside it an input of another dtype is still a
-TypeError. Run here on the CPU, whose autocast casts as CUDA's does (bfloat16 or float16).
+TypeError. Run here on the CPU, whose autocast computes the products in its dtype as CUDA's
+does (bfloat16 or float16); CUDA's also lifts the softmax and the layer norms to float32, which
+the GPU lane's autocast steps run (tests/gpu_lane.py).
 """
 
 from __future__ import annotations
@@ -63,16 +65,15 @@ def test_a_transformer_block_under_autocast_computes_as_torchs_own_layers(T, tor
     torch.testing.assert_close(*gradients, atol=2e-2, rtol=2e-2)
 
 
-def test_decoding_under_autocast_keeps_its_cache_in_autocasts_dtype(T, torch):
+@pytest.mark.parametrize("qk_norm", [None, "head"])
+def test_decoding_under_autocast_caches_what_the_call_computed(T, torch, qk_norm):
     """A prompt, then one position at a time with a KVCache, rotary embeddings and grouped
     heads, all inside autocast: each step as the NumPy reference's whole causal call, to
-    bfloat16's precision."""
-    layer = T.MultiHeadAttention(
-        D, H, num_kv_heads=2, rope_theta=1e4, query_size=D, key_size=D, value_size=D
-    )
-    reference = N.MultiHeadAttention(
-        D, H, num_kv_heads=2, rope_theta=1e4, query_size=D, key_size=D, value_size=D
-    )
+    bfloat16's precision. The cache holds autocast's dtype, but the keys a float32 QK-norm's
+    weights gave (torch's promotion, as transformers' RMSNorm gives them)."""
+    options = dict(num_kv_heads=2, rope_theta=1e4, qk_norm=qk_norm, query_size=D, key_size=D,
+                   value_size=D)  # fmt: skip
+    layer, reference = (M.MultiHeadAttention(D, H, **options) for M in (T, N))
     mha.set_weights(reference, mha.get_weights(layer))
     X = np.random.default_rng(0).standard_normal((B, L, D)).astype("float32")
     expected = reference(X, X, X, causal=True)
@@ -82,7 +83,8 @@ def test_decoding_under_autocast_keeps_its_cache_in_autocasts_dtype(T, torch):
             part = torch.from_numpy(X[:, start:stop])
             output, cache = layer(part, part, part, causal=True, cache=cache)
             steps.append(output.float().numpy())
-    assert cache.keys.dtype == cache.values.dtype == torch.bfloat16
+    assert cache.values.dtype == torch.bfloat16
+    assert cache.keys.dtype == (torch.bfloat16 if qk_norm is None else torch.float32)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), expected, atol=3e-2, rtol=0)
 
 
@@ -172,6 +174,53 @@ def test_autocast_takes_its_own_dtype_alone_and_leaves_float64_layers_as_they_ar
         cache = mha.KVCache(torch.zeros(B, H, 2, D // H, dtype=torch.float16), None)
         with pytest.raises(TypeError, match=r"cache\.keys must have the layer's dtype float32"):
             layer(X, X, X, cache=cache)
+
+
+def test_a_half_precision_layer_inside_its_own_autocast_names_its_dtype_once(T, torch):
+    layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype="bfloat16")
+    X = torch.randn(B, L, D)
+    with _autocast(torch, "bfloat16"), pytest.raises(TypeError) as error:
+        layer(X, X, X)
+    assert "must have the layer's dtype bfloat16. Received" in str(error.value)
+
+
+@pytest.mark.parametrize("dtype, other", [("float16", "bfloat16"), ("bfloat16", "float16")])
+def test_a_half_precision_add_norm_takes_its_own_dtype_alone_inside_autocast(
+    T, torch, dtype, other
+):
+    """torch's layer norm takes a half-precision input with weights of its dtype or of float32
+    alone (nn.LayerNorm of one half dtype fails inside the other's autocast): mha's AddNorm of
+    one half dtype refuses the other's inputs by name, where a float32 one takes them, as
+    nn.LayerNorm in float32 does."""
+    torch.manual_seed(0)
+    X, Y = (torch.randn(B, L, D).to(getattr(torch, other)) for _ in "XY")
+    with _autocast(torch, other):
+        with pytest.raises(RuntimeError):
+            torch.nn.LayerNorm(D, dtype=getattr(torch, dtype))(X + Y)
+        with pytest.raises(TypeError, match=rf"X must have the layer's dtype {dtype}\. Received"):
+            T.AddNorm(D, dtype=dtype)(X, Y)
+        torch.testing.assert_close(T.AddNorm(D)(X, Y), torch.nn.LayerNorm(D)(X + Y))
+
+
+def test_a_float32_bias_meets_the_scores_in_float32_inside_autocast(T, torch):
+    """torch's type promotion: scores in autocast's dtype plus a float32 attn_bias are float32,
+    so a row biased by -1e4 (transformers' padded query) keeps its scores' softmax, the float64
+    reference's weights to bfloat16's precision; rounded to bfloat16 first, as
+    nn.MultiheadAttention's baddbmm rounds its mask, -1e4 + a score keeps none of the score."""
+    layer, reference = (M.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
+                        for M in (T, N))  # fmt: skip
+    mha.set_weights(reference, mha.get_weights(layer))
+    X = np.random.default_rng(0).standard_normal((B, L, D)).astype("float32")
+    bias = np.zeros((B, 1, L, L), "float32")
+    bias[0, :, L - 1] = -1e4
+    expected = reference(X, X, X, attn_bias=bias)
+    inputs = torch.from_numpy(X)
+    with torch.no_grad(), _autocast(torch, "bfloat16"):
+        output = layer(inputs, inputs, inputs, attn_bias=torch.from_numpy(bias))
+    weights = layer.attention_weights
+    assert weights.dtype == torch.float32
+    np.testing.assert_allclose(weights.numpy(), reference.attention_weights, atol=2e-2)
+    np.testing.assert_allclose(output.float().numpy(), expected, atol=3e-2)
 
 
 def test_a_layer_on_the_meta_device_runs_inside_autocast(T, torch):

@@ -131,7 +131,8 @@ class Module(nn.Module):
         dtype, device = plain_dtype_name(marker.dtype), marker.device.type
         if dtype == "float64" or not _autocasting(device):
             return dtype
-        return dtype, plain_dtype_name(torch.get_autocast_dtype(device))
+        autocast = plain_dtype_name(torch.get_autocast_dtype(device))
+        return dtype if autocast == dtype else (dtype, autocast)
 
     def __getstate__(self) -> dict[str, Any]:
         # The last call's attention_weights are copied (and pickled) detached: copy.deepcopy
@@ -1130,9 +1131,10 @@ class AddNorm(Module):
         self.ln = nn.LayerNorm(num_hiddens, eps=eps, dtype=_TORCH_DTYPES[self.dtype])
 
     def forward(self, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
-        validation.check_add_norm_call(
-            X, Y, self.num_hiddens, self.call_dtype(), tensor_type=_TENSOR_TYPES
-        )
+        # torch's layer norm takes a half-precision input with weights of its dtype or of
+        # float32: a float16 AddNorm takes no bfloat16 autocast's input, nor the reverse
+        dtype = self.call_dtype() if self.dtype == "float32" else self.dtype
+        validation.check_add_norm_call(X, Y, self.num_hiddens, dtype, tensor_type=_TENSOR_TYPES)
         return self.ln(self.dropout(Y) + X)
 
 
