@@ -27,6 +27,7 @@ import numpy as np
 from mha import validation
 from mha.config import get_backend
 from mha.files import check_source, parse_json, write_atomically
+from mha.layer_args import check_dtype
 from mha.options import added_defaults
 from mha.registry import backend_of, load_backend
 from mha.weights import (
@@ -236,11 +237,13 @@ def save(layer: Any, path: str | os.PathLike) -> None:
     save_weights(layer, path)
 
 
-def load(path: str | os.PathLike, backend: str | None = None) -> Any:
+def load(path: str | os.PathLike, backend: str | None = None, *, dtype: str | None = None) -> Any:
     """Rebuild the layer saved in a checkpoint, in `backend` (default: the current backend).
 
     The layer gets the saved class, config (dropout and dtype included) and weights, whatever
-    backend saved it. Nothing in the file is executed.
+    backend saved it; `dtype` builds it in another dtype, the weights cast to it (bfloat16
+    widens to float32 exactly, for the backends that compute no bfloat16). Nothing in the
+    file is executed.
 
     Raises:
         ValueError: the file cannot be read, or its class, config or weights are invalid
@@ -249,10 +252,13 @@ def load(path: str | os.PathLike, backend: str | None = None) -> Any:
     """
     checkpoint = read_checkpoint(path)
     module = load_backend(backend if backend is not None else get_backend())
-    class_name, config = checkpoint.class_name, checkpoint.config
+    class_name, config, weights = checkpoint.class_name, checkpoint.config, checkpoint.weights
+    if dtype is not None:
+        config = {**config, "dtype": check_dtype(dtype)}
+        weights = {name: w.astype(numpy_dtype(config["dtype"])) for name, w in weights.items()}
     layer = build_layer(module, class_name, config)
-    if checkpoint.weights:
-        import_weights(module, layer, checkpoint.weights)
+    if weights:
+        import_weights(module, layer, weights)
     return layer
 
 
@@ -331,26 +337,45 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     hostile file raises ValueError instead of crashing or allocating without bound.
     """
     name = check_source(path)
-
-    def corrupt(reason: str) -> ValueError:
-        return ValueError(f"{name} is not a valid safetensors file: {reason}")
-
     with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size < 8:
-            raise corrupt(f"it has {size} bytes, fewer than the 8-byte header size")
-        (header_size,) = struct.unpack("<Q", file.read(8))
-        # The header's size is checked against the file's before anything more is read
-        if header_size > _MAX_HEADER_BYTES:
-            raise corrupt(f"its header claims {header_size} bytes (limit {_MAX_HEADER_BYTES})")
-        if 8 + header_size > size:
-            raise corrupt(
-                f"it is truncated: the header needs {header_size} bytes, {size - 8} remain"
-            )
-        file.seek(0)
-        content = file.read()
+        entries, metadata, _ = safetensors_layout(file, name)
+        data = memoryview(file.read())
+    corrupt = _corrupt(name)
+    # The entries fill the data exactly (safetensors_layout): other bytes, another file
+    if len(data) != (entries[-1].end if entries else 0):
+        raise corrupt("it changed while it was read")
+    tensors = {entry[2]: safetensors_array(data[entry[0] : entry[1]], entry, corrupt)
+               for entry in entries}  # fmt: skip
+    return tensors, metadata
+
+
+class Entry(NamedTuple):
+    """One tensor of a safetensors file: its bytes from `begin` to `end` of the data (which
+    starts after the header), its name, safetensors dtype and shape."""
+
+    begin: int
+    end: int
+    key: str
+    dtype: str
+    shape: list[int]
+
+
+def safetensors_layout(file: Any, name: str) -> tuple[list[Entry], dict[str, str], int]:
+    """(entries, metadata, where the data starts) of the safetensors file open in `file` (at
+    its start), from its header alone, every size and offset checked against the file's size;
+    `name` is the file's, for the errors (ValueError)."""
+    corrupt = _corrupt(name)
+    size = os.fstat(file.fileno()).st_size
+    if size < 8:
+        raise corrupt(f"it has {size} bytes, fewer than the 8-byte header size")
+    (header_size,) = struct.unpack("<Q", file.read(8))
+    # The header's size is checked against the file's before anything more is read
+    if header_size > _MAX_HEADER_BYTES:
+        raise corrupt(f"its header claims {header_size} bytes (limit {_MAX_HEADER_BYTES})")
+    if 8 + header_size > size:
+        raise corrupt(f"it is truncated: the header needs {header_size} bytes, {size - 8} remain")
     try:
-        header = parse_json(content[8 : 8 + header_size].decode("utf-8"))
+        header = parse_json(file.read(header_size).decode("utf-8"))
     except ValueError as error:  # UnicodeDecodeError is one
         raise corrupt(f"its header is not JSON ({type(error).__name__}: {error})") from None
     if not isinstance(header, dict):
@@ -361,34 +386,41 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise corrupt("its __metadata__ is not a map of strings")
-    data = memoryview(content)[8 + header_size :]
-    entries = _safetensors_entries(header, len(data), corrupt)
-    return _safetensors_arrays(data, entries, corrupt), metadata
+    entries = _safetensors_entries(header, size - 8 - header_size, corrupt)
+    return entries, metadata, 8 + header_size
 
 
-def _safetensors_arrays(data: memoryview, entries: list, corrupt: Any) -> dict[str, np.ndarray]:
-    """The arrays of a safetensors file's checked entries, by name, in native byte order."""
-    tensors = {}
-    for begin, end, key, dtype, shape in entries:
-        array = np.frombuffer(data[begin:end], dtype=_SAFETENSORS_DTYPES[dtype])
-        if dtype == "BOOL" and array.view(np.uint8).max(initial=0) > 1:
-            # numpy keeps such a byte: ~ of it stays True, so a mask and its negation would agree
-            raise corrupt(f"{key!r} is boolean and holds bytes other than 0 and 1")
-        try:
-            array = array.reshape(shape)
-        except ValueError as error:  # more axes than this numpy's arrays have (32 or 64)
-            raise corrupt(f"{key!r} has shape {shape}: {error}") from None
-        array = array.astype(array.dtype.newbyteorder("="))
-        tensors[key] = array.view(numpy_dtype("bfloat16")) if dtype == "BF16" else array
-    return tensors
+def safetensors_array(data: Any, entry: Entry, corrupt: Any) -> np.ndarray:
+    """The array of a checked entry from its bytes, in native byte order (bfloat16 as
+    ml_dtypes'); `corrupt(reason)` makes the error to raise."""
+    array = np.frombuffer(data, dtype=_SAFETENSORS_DTYPES[entry.dtype])
+    if entry.dtype == "BOOL" and array.view(np.uint8).max(initial=0) > 1:
+        # numpy keeps such a byte: ~ of it stays True, so a mask and its negation would agree
+        raise corrupt(f"{entry.key!r} is boolean and holds bytes other than 0 and 1")
+    try:
+        array = array.reshape(entry.shape)
+    except ValueError as error:  # more axes than this numpy's arrays have (32 or 64)
+        raise corrupt(f"{entry.key!r} has shape {entry.shape}: {error}") from None
+    array = array.astype(array.dtype.newbyteorder("="))
+    return array.view(numpy_dtype("bfloat16")) if entry.dtype == "BF16" else array
 
 
-def _safetensors_entries(
-    header: Mapping[str, Any], data_size: int, corrupt: Any
-) -> list[tuple[int, int, str, str, list[int]]]:
-    """(begin, end, name, dtype, shape) of each tensor of a safetensors header, in the order of
-    their data, after checking that they fill the data_size bytes after the header exactly;
-    `corrupt(reason)` makes the error to raise."""
+def safetensors_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype's arrays as mha reads them."""
+    return numpy_dtype("bfloat16") if dtype == "BF16" else np.dtype(_SAFETENSORS_DTYPES[dtype])
+
+
+def _corrupt(name: str) -> Any:
+    def corrupt(reason: str) -> ValueError:
+        return ValueError(f"{name} is not a valid safetensors file: {reason}")
+
+    return corrupt
+
+
+def _safetensors_entries(header: Mapping[str, Any], data_size: int, corrupt: Any) -> list[Entry]:
+    """The entry of each tensor of a safetensors header, in the order of their data, after
+    checking that they fill the data_size bytes after the header exactly; `corrupt(reason)`
+    makes the error to raise."""
     entries = []
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
@@ -410,7 +442,7 @@ def _safetensors_entries(
         itemsize = np.dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
         if offsets[1] - offsets[0] != math.prod(shape) * itemsize:
             raise corrupt(f"{key!r} has {offsets[1] - offsets[0]} bytes for shape {shape}")
-        entries.append((offsets[0], offsets[1], key, dtype, shape))
+        entries.append(Entry(offsets[0], offsets[1], key, dtype, shape))
     entries.sort()
     position = 0
     for begin, end, key, _, _ in entries:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from mha import conversion, model_config, porting
+from mha import conversion, model_config, porting, stored
 from mha.checkpoints import read_checkpoint
 from mha.cli_common import UsageError, finite_float, positive_int
 from mha.registry import BackendUnavailableError, load_backend
@@ -55,10 +55,10 @@ def _add_port_arguments(parser) -> None:
     parser.add_argument(
         "--prefix",
         metavar="MODULE.PATH",
-        help="read SRC as a whole model's weights (.pt, .pth, .safetensors, .msgpack) and take "
-        "the attention layer under this path, e.g. bert.encoder.layer.0.attention; the "
-        "layout (BERT, ViT, Llama, BART, T5, timm, GPT-2, Keras, Flax, torch) is recognized "
-        "from the names there ('' for a file holding one layer)",
+        help="read SRC as a whole model's weights (.pt, .pth, .safetensors, .msgpack, a "
+        "folder or its model.safetensors.index.json) and take the attention layer under this "
+        "path, e.g. bert.encoder.layer.0.attention, its layout (BERT, ViT, Llama, BART, T5, "
+        "timm, GPT-2, Keras, Flax, torch) told by the names there ('' for a one-layer file)",
     )
     parser.add_argument(
         "--scale",
@@ -118,13 +118,18 @@ def file_command(arguments, out, err) -> int:
     paths = [arguments.path] if arguments.command == "inspect" else [arguments.source]
     if arguments.command == "convert":
         paths.append(arguments.destination)
+    from_model = arguments.prefix is not None
+    # A folder or an index of shards holds a model's safetensors: a source for --prefix alone
+    whole = stored.is_whole_model(paths[0])
+    if whole and not from_model:
+        raise UsageError(f"{paths[0]} holds a whole model's weights: give --prefix")
     try:
-        kinds = [conversion.file_kind(path) for path in paths]
+        kinds = [conversion.file_kind(path) for path in paths[whole:]]
     except ValueError as error:
         raise UsageError(str(error)) from None
-    if not os.path.isfile(paths[0]):
+    kinds = ["mha"] * whole + kinds
+    if not os.path.isfile(paths[0]) and not (whole and os.path.exists(paths[0])):
         raise UsageError(f"{paths[0]} does not exist or is not a file")
-    from_model = arguments.prefix is not None
     options = _check_file_arguments(arguments, paths, kinds)
     try:
         if arguments.command == "inspect":
@@ -139,7 +144,7 @@ def file_command(arguments, out, err) -> int:
             **options,
         )
     except (ValueError, OSError) as error:
-        print(f"mha {arguments.command}: error: {error}", file=err)
+        print(f"mha {arguments.command}: error: {error}{stored.shard_hint(paths[0])}", file=err)
         return 1
     layout, left_out = config.pop("layout", None), config.pop("left_out", None)
     notes = config.pop("notes", None) or []
@@ -232,7 +237,7 @@ def _layer_options(arguments) -> dict:
 
 def _inspect_port(path: str, arguments, options, out) -> int:
     port = porting.canonical_from_state_dict(
-        conversion.read_state(path),
+        conversion.read_state(path, lazily=True),
         arguments.prefix,
         num_heads=arguments.num_heads,
         scale=arguments.scale,

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mha import layer_args, layouts, porting, validation
+from mha import layer_args, layouts, porting, stored, validation
 from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
 from mha.files import check_source, check_zip_archive, write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
@@ -223,10 +223,19 @@ def _load_flax_file(name: str) -> Any:
     return params
 
 
-def read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """Every array of a whole model's weights file, by name: a torch state_dict (.pt, .pth,
-    loaded with weights_only=True), a safetensors file, or Flax parameters (.msgpack,
-    flattened with "."). Only data is read, never code."""
+def read_state(path: str | os.PathLike, *, lazily: bool = False) -> dict[str, Any]:
+    """Every array of a whole model's weights, by name: a torch state_dict (.pt, .pth,
+    loaded with weights_only=True), a safetensors file, the shards of a Hugging Face index
+    (model.safetensors.index.json), a folder holding either, or Flax parameters (.msgpack,
+    flattened with "."). Only data is read, never code.
+
+    lazily: safetensors tensors as `mha.stored.StoredTensor`, each read when numpy takes it
+    (`np.asarray`), the headers alone read now: what a port of one layer of a big model
+    reads (mha.porting takes a path so).
+    """
+    if stored.is_whole_model(path) or (lazily and file_kind(path) == "mha"):
+        tensors = stored.read_lazily(path)
+        return tensors if lazily else {key: np.asarray(x) for key, x in tensors.items()}
     kind, name = file_kind(path), check_source(path)
     if kind == "torch":
         return _load_torch_file(name, only_weights=False)
@@ -376,8 +385,10 @@ def convert(
     reads back as the same weights, bit for bit; on any failure it is left as it was.
 
     With `prefix`, the source is a whole model's weights (a torch state_dict .pt/.pth, a
-    safetensors file such as a Hugging Face model.safetensors, or Flax .msgpack parameters)
-    and the attention layer under `prefix` is taken, in any layout `mha.porting` reads.
+    safetensors file such as a Hugging Face model.safetensors, the shards of its
+    model.safetensors.index.json or a folder holding either, or Flax .msgpack parameters)
+    and the attention layer under `prefix` is taken (of safetensors, its tensors alone are
+    read), in any layout `mha.porting` reads.
     `options` (rope_theta, rope_interleaved, sliding_window) set what weights do not tell;
     only an mha checkpoint keeps them.
 
@@ -444,11 +455,13 @@ def _source_layer(
     """(weights, config, what a port adds to the result) of the layer `convert` reads."""
     if prefix is not None:
         port = porting.canonical_from_state_dict(
-            read_state(source), prefix, num_heads=num_heads, scale=scale, **options
+            read_state(source, lazily=True), prefix, num_heads=num_heads, scale=scale, **options
         )
         extra = {"layout": port.layout, "left_out": port.left_out, "notes": list(port.notes)}
         extra["layer"] = port.layer
         return port.weights, port.config, extra
+    if stored.is_whole_model(source):
+        raise ValueError(f"{os.fspath(source)} holds a whole model's weights: give prefix")
     options = dict(options)
     shapes = shapes_given(options)  # the config's heads, which the file's must be
     chunks = options.pop(LOCAL_CHUNKS, None)  # CANINE's initial character encoder's

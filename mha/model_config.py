@@ -35,9 +35,9 @@ __all__ = ["options_from_config"]
 
 
 def options_from_config(
-    config: Mapping[str, Any] | str | os.PathLike, layer: int | None = None
+    config: Mapping[str, Any] | str | os.PathLike | Any, layer: int | None = None
 ) -> dict[str, Any]:
-    """num_heads and the port options of a Hugging Face config (a dict, or a config.json):
+    """num_heads and the port options of a Hugging Face config (dict, config.json, object):
     num_attention_heads, the heads it builds (head_size, num_kv_heads, query_size: port
     options the weights must have, mha.model_shapes), the rotary embedding (rope_theta, or
     transformers 5's rope_parameters, per layer type too, its scaling, partial_rotary_factor;
@@ -583,7 +583,10 @@ def _scale(config: Mapping[str, Any], layer: int | None) -> float | None:
 
 
 def read_config(path: str | os.PathLike) -> dict[str, Any]:
-    """A config.json's object, its size checked before it is read."""
+    """A config.json's object, its size checked before it is read (or the dict of
+    transformers' config object)."""
+    if callable(getattr(path, "to_dict", None)):  # a PretrainedConfig: every field it holds
+        return path.to_dict()
     try:
         value = parse_json(read_bytes(path, _MAX_CONFIG_BYTES))
     except (OSError, ValueError) as error:

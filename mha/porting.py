@@ -47,6 +47,7 @@ options of a Hugging Face config, `mha.model_config`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -55,6 +56,7 @@ import numpy as np
 from mha import latent_layout, validation
 from mha.config import get_backend
 from mha.interop.common import as_numpy
+from mha.layer_args import check_dtype
 from mha.layouts import (
     LAYOUTS,
     Layout,
@@ -93,11 +95,13 @@ from mha.shared_layers import (
     with_keys_values_of,
     with_values_from_keys,
 )
+from mha.stored import read_lazily
 from mha.weights import (
     LAYER_CLASSES,
     OPTION_DEFAULTS,
     build_layer,
     check_untold_options,
+    numpy_dtype,
     set_weights,
 )
 
@@ -129,7 +133,7 @@ class Port(NamedTuple):
 
 
 def canonical_from_state_dict(
-    state: Mapping[str, Any],
+    state: Mapping[str, Any] | str | os.PathLike,
     prefix: str = "",
     *,
     num_heads: int | None = None,
@@ -148,7 +152,7 @@ def canonical_from_state_dict(
     (MultiHeadLatentAttention's for DeepSeek-V3's layout: `Port.layer`; mha.latent_layout).
 
     Args:
-        state: a state_dict (name -> tensor, any framework's, or array), or Flax's params.
+        state: a state_dict (name -> tensor or array), Flax's params, or `read_lazily`'s path.
         prefix: the attention module's path, e.g. "encoder.layer.0.attention"; "" for all.
         num_heads: the number of heads; needed except for kernels per head, which tell it.
         scale: the score scale, where the model's is not its layout's (GPT-2's by layer).
@@ -178,7 +182,7 @@ def canonical_from_state_dict(
             other heads, tensors mha cannot hold (each listed), sparse attention, positions.
     """
     port = {name: value for name, value in locals().items() if name in _MHA_PORT_OPTIONS}
-    state = flatten(state)
+    state = flatten(state if isinstance(state, Mapping) else read_lazily(state))
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
     names, taken = with_keys_values_of(
         under(state, prefix), lambda other: under(state, other), keys_values_of, prefix, where
@@ -537,12 +541,13 @@ def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> i
 
 
 def from_state_dict(
-    state: Mapping[str, Any],
+    state: Mapping[str, Any] | str | os.PathLike,
     prefix: str = "",
     *,
     num_heads: int | None = None,
     scale: float | None = None,
     backend: str | None = None,
+    dtype: str | None = None,
     qk_norm_offset: float = 0.0,
     output_gate: bool = False,
     without_positions: bool = False,
@@ -550,8 +555,9 @@ def from_state_dict(
     **options: Any,
 ) -> Any:
     """An mha MultiHeadAttention (or MultiHeadLatentAttention) in `backend` (default: the
-    current one) holding the attention layer under `prefix`; see `canonical_from_state_dict`
-    for the arguments."""
+    current one) holding the attention layer under `prefix`, in `dtype` (default: the
+    weights'; bfloat16 weights widen to float32 exactly, for the backends without bfloat16);
+    see `canonical_from_state_dict` for the other arguments."""
     port = canonical_from_state_dict(
         state,
         prefix,
@@ -564,6 +570,10 @@ def from_state_dict(
         **options,
     )
     module = load_backend(backend if backend is not None else get_backend())
-    layer = build_layer(module, port.layer, port.config)
-    set_weights(layer, port.weights)
+    config, weights = port.config, port.weights
+    if dtype is not None:
+        config = {**config, "dtype": check_dtype(dtype)}
+        weights = {name: w.astype(numpy_dtype(dtype)) for name, w in weights.items()}
+    layer = build_layer(module, port.layer, config)
+    set_weights(layer, weights)
     return layer

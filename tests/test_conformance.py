@@ -9,11 +9,13 @@ every framework's default: in float64, jax.nn.dot_product_attention (jax 0.7.1) 
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
 import mha
-from conftest import backend_module, backend_params
+from conftest import backend_module, backend_params, required_import
 
 X = np.random.default_rng(0).standard_normal((1, 3, 4)).astype("float32")
 # Query 0 attends to keys 0 and 1, query 1 to none, query 2 to key 0
@@ -97,6 +99,24 @@ def flax_multihead():
     return layer(X, X, X, mask=KEEP[None, None])
 
 
+def transformers_attention(kind):
+    """transformers' attention functions of its models (Llama's and the others'), given the
+    mask as its models hand it to each: eager an additive one, the dtype's lowest number where
+    masked; SDPA a boolean one, True = attend."""
+    torch = backend_module("torch").torch
+    required_import("transformers")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    x = torch.tensor(X)[:, None]  # (batch, heads, length, head size)
+    module = types.SimpleNamespace(num_key_value_groups=1, is_causal=False, training=False)
+    keep = torch.tensor(KEEP)[None, None]
+    if kind == "sdpa":
+        return sdpa_attention_forward(module, x, x, x, keep, scaling=0.5)[0]
+    lowest = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    return eager_attention_forward(module, x, x, x, lowest, scaling=0.5)[0]
+
+
 def d2l_masked_softmax():
     """d2l's masked_softmax (the book's code, in numpy): masked scores become -1e6."""
     scores = X @ X.transpose(0, 2, 1) / np.sqrt(4)
@@ -120,6 +140,14 @@ FRAMEWORKS = {
     ),
     "jax.nn.dot_product_attention": (jax_dot_product_attention, "uniform"),
     "flax nnx.MultiHeadAttention": (flax_multihead, "uniform"),
+    "transformers eager attention (eager_attention_forward)": (
+        lambda: transformers_attention("eager"),
+        "uniform",
+    ),
+    "transformers SDPA attention (sdpa_attention_forward)": (
+        lambda: transformers_attention("sdpa"),
+        "zeros",
+    ),
     "d2l masked_softmax (-1e6 fill)": (d2l_masked_softmax, "uniform"),
 }
 

@@ -152,6 +152,8 @@ def test_what_flax_layers_mha_cannot_hold_is_an_error(flax):
         interop.from_flax({"query": {"kernel": np.zeros((D, H, 4))}, 1: 2})
     with pytest.raises(TypeError, match=r"flax\.nnx\.MultiHeadAttention"):
         interop.from_flax(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"Flax's multi-head attention holds.*AddNorm"):
+        interop.to_flax(N.AddNorm(4))
     layer = N.MultiHeadAttention(D, H, query_size=D, key_size=4, value_size=6)
     with pytest.raises(ValueError, match="in_kv_features"):
         interop.to_flax(layer)

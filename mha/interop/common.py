@@ -81,8 +81,8 @@ def multihead_config(
     _, class_name, config = layer_info(layer)
     if class_name != "MultiHeadAttention":
         raise TypeError(
-            f"Expected an mha MultiHeadAttention. Received: an mha {class_name}; only "
-            "multi-head attention has a built-in counterpart in torch and Keras"
+            f"Expected an mha MultiHeadAttention, which {target} holds. Received: an mha "
+            f"{class_name}, which has no counterpart there"
         )
     weights = get_weights(layer)
     check_expressible(weights, config["scale"], target, other_sizes, options_of(config), has)

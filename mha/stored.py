@@ -1,0 +1,159 @@
+"""A whole model's safetensors weights, read as they are used: one file, the shards that a
+Hugging Face index (model.safetensors.index.json) names, or a folder holding either.
+
+Only the headers are read at first, each checked as `mha.checkpoints` checks a whole file; a
+tensor's bytes are read when numpy takes it (`np.asarray`), so that porting one layer of a
+model of many gigabytes reads that layer's tensors alone, from whichever shards hold them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from mha.checkpoints import Entry, safetensors_array, safetensors_dtype, safetensors_layout
+from mha.files import check_source, parse_json, read_bytes
+
+__all__ = ["INDEX_SUFFIX", "StoredTensor", "is_whole_model", "read_lazily", "shard_hint"]
+
+INDEX_SUFFIX = ".safetensors.index.json"
+# The files a folder of a model holds, looked for in this order
+_MODEL_FILES = ("model" + INDEX_SUFFIX, "model.safetensors")
+_MAX_INDEX_BYTES = 100_000_000
+_SHARD = re.compile(r"-\d+-of-\d+\.safetensors$", re.IGNORECASE)
+
+
+class StoredTensor:
+    """One tensor of a safetensors file: its name, shape and dtype from the file's checked
+    header, its numbers read from the file when numpy asks for them (`np.asarray`)."""
+
+    def __init__(self, path: str, entry: Entry, start: int, size: int):
+        self.path, self.entry = path, entry
+        # Where the data starts in the file, and the file's size when its header was read
+        self._start, self._size = start, size
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.entry.shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return safetensors_dtype(self.entry.dtype)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.entry.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        begin, end = self._start + self.entry.begin, self._start + self.entry.end
+        with open(self.path, "rb") as file:
+            # The header's checks hold for the file as it was then: a file since rewritten
+            # could give other bytes, or fewer, under the same entry
+            if os.fstat(file.fileno()).st_size != self._size:
+                raise ValueError(f"{self.path} changed after its header was read")
+            file.seek(begin)
+            data = file.read(end - begin)
+        if len(data) != end - begin:
+            raise ValueError(f"{self.path} changed after its header was read")
+
+        def corrupt(reason: str) -> ValueError:
+            return ValueError(f"{self.path} is not a valid safetensors file: {reason}")
+
+        array = safetensors_array(data, self.entry, corrupt)
+        return array if dtype is None else array.astype(dtype)
+
+    def __repr__(self) -> str:
+        return f"StoredTensor({self.entry.key!r}, shape={self.shape}, dtype={self.dtype.name})"
+
+
+def is_whole_model(path: str | os.PathLike) -> bool:
+    """Whether `path` names a model's weights that only `read_lazily` reads: a folder, or an
+    index of shards."""
+    return os.path.isdir(path) or os.fspath(path).lower().endswith(INDEX_SUFFIX)
+
+
+def shard_hint(path: str | os.PathLike) -> str:
+    """What to add to an error about `path` where it is one shard of a model (named as
+    transformers names them, model-00001-of-00004.safetensors): a layer may go on in another."""
+    if not _SHARD.search(os.path.basename(path)):
+        return ""
+    name = os.fspath(path)
+    return f" ({name} is one shard of a model: give its model{INDEX_SUFFIX} or its folder)"
+
+
+def read_lazily(path: str | os.PathLike) -> dict[str, StoredTensor]:
+    """Every tensor of a safetensors file, of the shards that an index names, or of the model
+    in a folder (its model.safetensors.index.json, else its model.safetensors), by name.
+
+    Raises:
+        ValueError: a file that is not safetensors (by name or content), an index that is not
+            one, a shard that is not beside its index or lacks a tensor the index places
+            there, a name in two shards, a folder holding neither file.
+        OSError: a file cannot be read.
+    """
+    name = os.fspath(path)
+    if not is_whole_model(name) and not name.lower().endswith(".safetensors"):
+        raise ValueError(
+            f"{name}: a path of a model's weights is read as safetensors (.safetensors, "
+            f"model{INDEX_SUFFIX}, or a folder); read other files with "
+            "mha.conversion.read_state and give their state"
+        )
+    if os.path.isdir(name):
+        found = [os.path.join(name, file) for file in _MODEL_FILES]
+        found = [file for file in found if os.path.isfile(file)]
+        if not found:
+            raise ValueError(f"{name} holds neither {' nor '.join(_MODEL_FILES)}")
+        name = found[0]
+    if name.lower().endswith(INDEX_SUFFIX):
+        return _read_index(name)
+    return _read_file(name)
+
+
+def _read_file(path: str) -> dict[str, StoredTensor]:
+    name = check_source(path)
+    with open(name, "rb") as file:
+        entries, _, start = safetensors_layout(file, name)
+        size = os.fstat(file.fileno()).st_size
+    return {entry.key: StoredTensor(name, entry, start, size) for entry in entries}
+
+
+def _read_index(path: str) -> dict[str, StoredTensor]:
+    """The tensors of every shard an index names: all of each (a tensor the index left out is
+    still the model's), each name in one shard alone, the one the index places it in."""
+    weight_map = _weight_map(path)
+    folder = os.path.dirname(path)
+    state: dict[str, StoredTensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        for key, tensor in _read_file(os.path.join(folder, shard)).items():
+            if key in state:
+                raise ValueError(
+                    f"{path}: {key!r} is in two shards, {os.path.basename(state[key].path)} "
+                    f"and {shard}; either could be the weight"
+                )
+            state[key] = tensor
+    for key, shard in weight_map.items():
+        held = state.get(key)
+        if held is None or os.path.basename(held.path) != shard:
+            raise ValueError(f"{path} places {key!r} in {shard}, which does not hold it")
+    return state
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    """An index's weight_map, tensor name -> shard file, each shard a file name beside it."""
+    try:
+        index = parse_json(read_bytes(path, _MAX_INDEX_BYTES))
+    except ValueError as error:
+        raise ValueError(f"{path} is not a safetensors index: {error}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ValueError(f"{path} is not a safetensors index: no weight_map of names to files")
+    for key, shard in weight_map.items():
+        # A shard is named by its file alone: the index reads nothing outside its folder
+        if shard in ("", ".", "..") or os.path.basename(shard) != shard or "\\" in shard:
+            raise ValueError(f"{path} places {key!r} in {shard!r}, not a file beside it")
+    return weight_map
