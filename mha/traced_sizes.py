@@ -16,15 +16,16 @@ from mha.cache import KVCache
 from mha.masks import segment_pair
 from mha.tensors import shape_of
 
-__all__ = ["MESSAGE", "shared_sizes"]
+__all__ = ["MESSAGE", "function_sizes", "shared_sizes"]
 
 # The names of the sizes the tensors share; an int is a size of its own, None any size
 BATCH, QUERIES, KEYS, CACHED = "batch_size", "no. of queries", "no. of keys", "cached positions"
+KV_HEADS = "no. of key-value heads"
 # What an assertion's message says first (TensorFlow escapes an apostrophe there)
 MESSAGE = (
     "mha: the tensors of the call disagree on a size that the traced graph left unknown "
     "(queries, keys, values, valid_lens, head_mask, segment_ids and a cache share batch_size; "
-    "valid_lens and the segment ids of the queries share the no. of queries)"
+    "valid_lens, the segment ids of the queries and a window_mask share the no. of queries)"
 )
 
 
@@ -39,13 +40,15 @@ def shared_sizes(
     segment_ids: Any = None,
     cache: Any = None,
     kv_heads: tuple[int, int] | None = None,
+    window_mask: Any = None,
 ) -> list[tuple[Any, tuple]]:
     """(tensor, its sizes by name) of each of the call's tensors whose sizes another's fix,
     as `mha.validation.check_attention_call` checks them: queries (batch_size, no. of queries,
     features), keys and values (batch_size, no. of keys, features), valid_lens (batch_size,)
     or (batch_size, no. of queries), head_mask (num_heads,) or (batch_size, num_heads),
     segment_ids of the queries and of the keys, a KVCache's keys and values (batch_size,
-    num_kv_heads, cached positions, head size). Masks and attn_bias broadcast, which the
+    num_kv_heads, cached positions, head size), a window_mask's queries (its windows divide
+    the batch, its keys count the cached ones too). Masks and attn_bias broadcast, which the
     framework's own operations check."""
     found = [(queries, (BATCH, QUERIES, None))]
     found += [(keys, (BATCH, KEYS, None)), (values, (BATCH, KEYS, None))]
@@ -60,4 +63,21 @@ def shared_sizes(
     if isinstance(cache, KVCache) and cache.keys is not None and kv_heads is not None:
         cached = (BATCH, kv_heads[0], CACHED, kv_heads[1])
         found += [(cache.keys, cached), (cache.values, cached)]
+    if window_mask is not None:
+        found.append((window_mask, (None, QUERIES, None)))
+    return found
+
+
+def function_sizes(query: Any, key: Any, value: Any, valid_lens: Any = None, *,
+                   segment_ids: Any = None) -> list[tuple[Any, tuple]]:  # fmt: skip
+    """What `shared_sizes` gives for the attention function's tensors, (batch_size, heads,
+    positions, head size): the keys' and values' heads and positions agree too, and a query
+    head's size may differ from a value head's."""
+    found = [(query, (BATCH, None, QUERIES, None))]
+    found += [(key, (BATCH, KV_HEADS, KEYS, None)), (value, (BATCH, KV_HEADS, KEYS, None))]
+    if valid_lens is not None:
+        found.append((valid_lens, (BATCH, QUERIES)[: len(shape_of(valid_lens))]))
+    if segment_ids is not None:
+        query_ids, key_ids = segment_pair(segment_ids)
+        found += [(query_ids, (BATCH, QUERIES)), (key_ids, (BATCH, KEYS))]
     return found

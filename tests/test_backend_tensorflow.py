@@ -667,13 +667,14 @@ UNKNOWN_SIZE_MISTAKES = {
     "a head_mask of one example for three": dict(head_mask=np.ones((1, 2), np.float32)),
     "a head_mask of one head for two": dict(head_mask=np.ones((3, 1), np.float32)),
     "segment ids of one example for three": dict(segment_ids=np.zeros((1, 7), np.int32)),
+    "a window of one query for seven": dict(window_mask=np.ones((1, 1, 7), bool)),
 }
 
 
 def _attend(layer, queries, arguments):
     """The layer's self-attention call over keys, with the other arguments by name."""
     keys = arguments["keys"]
-    named = {key: arguments[key] for key in ("head_mask", "segment_ids")}
+    named = {key: arguments[key] for key in ("head_mask", "segment_ids", "window_mask")}
     return layer(queries, keys, keys, arguments["valid_lens"], **named)
 
 
@@ -692,6 +693,7 @@ def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake):
         "valid_lens": np.array([[2] * 7, [7] * 7, [4] * 7] if per_query else [2, 7, 4], np.int32),
         "head_mask": np.ones((3, 2), np.float32),
         "segment_ids": np.ones(_LENGTH, np.int32),
+        "window_mask": np.tril(np.ones((1, 7, 7), bool)),
     }
     spec = {name: tf.TensorSpec([None] * value.ndim, value.dtype) for name, value in good.items()}
     attend = tf.function(
@@ -709,3 +711,45 @@ def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake):
         tf.errors.InvalidArgumentError, match="mha: the tensors of the call disagree"
     ):
         attend(tf.constant(queries), given)
+
+
+# The attention function's tensors, (batch_size, heads, positions, head size): each mistake
+# beside a query (3, 4, 7, 2) and a key and value (3, 2, 7, 2)
+FUNCTION_MISTAKES = {
+    "one length for three examples": dict(valid_lens=np.array([2], np.int32)),
+    "keys and values of one example for three": dict(
+        key=np.ones((1, 2, 7, 2), np.float32), value=np.ones((1, 2, 7, 2), np.float32)
+    ),
+    "values of eight positions for keys of seven": dict(value=np.ones((3, 2, 8, 2), np.float32)),
+    "values of one head for keys of two": dict(value=np.ones((3, 1, 7, 2), np.float32)),
+}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("mistake", FUNCTION_MISTAKES)
+def test_the_attention_function_ties_the_sizes_a_graph_left_unknown(TF, tf, mistake, jit_compile):
+    # As the layers: asserted, and tied by reshapes where XLA drops the assertion (there, values
+    # of another length would otherwise be read as the keys' number, silently)
+    rng = np.random.default_rng(0)
+    good = {
+        "query": rng.standard_normal((3, 4, 7, 2)).astype(np.float32),
+        "key": rng.standard_normal((3, 2, 7, 2)).astype(np.float32),
+        "value": rng.standard_normal((3, 2, 7, 2)).astype(np.float32),
+        "valid_lens": np.array([2, 7, 4], np.int32),
+    }
+    spec = {name: tf.TensorSpec([None] * value.ndim, value.dtype) for name, value in good.items()}
+    attend = tf.function(
+        lambda arguments: TF.dot_product_attention(**arguments),
+        input_signature=[spec],
+        jit_compile=jit_compile,
+    )
+    output = attend({k: tf.constant(v) for k, v in good.items()})
+    expected = reference.dot_product_attention(**{k: v.astype(np.float64) if k != "valid_lens"
+                                                  else v for k, v in good.items()})  # fmt: skip
+    np.testing.assert_allclose(output.numpy(), expected, rtol=1e-5, atol=1e-5)
+    given = {**good, **FUNCTION_MISTAKES[mistake]}
+    with pytest.raises(ValueError):
+        TF.dot_product_attention(**given)
+    message = "Input to reshape" if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        attend({k: tf.constant(v) for k, v in given.items()})

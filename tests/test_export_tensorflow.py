@@ -430,28 +430,35 @@ def test_packed_sequences_convert_to_litert(TF, tmp_path):
         assert_agrees(output, reference(x, x, x, segment_ids=ids), "float32")
 
 
-def test_a_litert_model_refuses_lengths_of_another_batch(TF, tmp_path):
+def test_a_litert_model_refuses_lengths_and_head_masks_of_another_batch(TF, tmp_path):
     # LiteRT drops the graph's assertions; the sizes the tensors share are tied by reshaping
-    # them too, so lengths of one example for three fail rather than broadcast (deploying.md)
+    # them too, so lengths or head weights of one example for three fail rather than broadcast
+    # (deploying.md); the head weights' tie survives the converter's folding of reshapes
     import keras
     import tensorflow as tf
     from ai_edge_litert.interpreter import Interpreter
 
     X = keras.Input((None, 8), name="X")
     lengths = keras.Input((), dtype="int32", name="valid_lens")
+    heads = keras.Input((HEADS,), name="head_mask")
     layer = TF.MultiHeadAttention(8, HEADS, query_size=8, key_size=8, value_size=8)
-    model = keras.Model({"X": X, "valid_lens": lengths}, layer(X, X, X, lengths))
+    inputs = {"X": X, "valid_lens": lengths, "head_mask": heads}
+    model = keras.Model(inputs, layer(X, X, X, lengths, head_mask=heads))
     builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
     model.export(tmp_path / "lengths.tflite", format="litert", verbose=False, target_spec=builtins)
     runner = Interpreter(model_path=str(tmp_path / "lengths.tflite")).get_signature_runner()
     reference = backend_module("numpy").MultiHeadAttention(8, HEADS)
     mha.set_weights(reference, mha.get_weights(layer))
-    x = np.random.default_rng(0).standard_normal((3, 5, 8)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 5, 8)).astype(np.float32)
     valid_lens = np.array([2, 5, 3], np.int32)
-    (output,) = runner(X=x, valid_lens=valid_lens).values()
-    assert_agrees(output, reference(x, x, x, valid_lens), "float32")
+    head_mask = rng.random((3, HEADS)).astype(np.float32)
+    (output,) = runner(X=x, valid_lens=valid_lens, head_mask=head_mask).values()
+    assert_agrees(output, reference(x, x, x, valid_lens, head_mask=head_mask), "float32")
     with pytest.raises(RuntimeError, match="RESHAPE"):
-        runner(X=x, valid_lens=valid_lens[:1])
+        runner(X=x, valid_lens=valid_lens[:1], head_mask=head_mask)
+    with pytest.raises(RuntimeError, match="RESHAPE"):
+        runner(X=x, valid_lens=valid_lens, head_mask=head_mask[:1])
 
 
 def test_only_a_keras_file_passes_a_kv_cache_as_a_list(TF):

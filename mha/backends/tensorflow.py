@@ -242,15 +242,17 @@ def _check_valid_lens_values(valid_lens) -> None:
     validation.check_valid_lens_values(np.asarray(tf.convert_to_tensor(valid_lens)))
 
 
-def _shared_sizes(queries, keys, values, valid_lens, **named):
+def _shared_sizes(queries, keys, values, valid_lens, *, function=False, **named):
     """A traced graph may leave sizes unknown, which mha.validation cannot check and which
     broadcasting would hide (one length for every example). There the sizes the call's
-    tensors share (mha.traced_sizes) are asserted, for an error that names the rule, and tied
-    by reshaping each tensor to them, which holds where assertions are dropped (XLA, LiteRT).
-    Returns the function that gives each tensor's tied one (itself where nothing is tied)."""
+    tensors share (mha.traced_sizes; the attention function's where `function`) are asserted,
+    for an error that names the rule, and tied by reshaping each tensor to them, which holds
+    where assertions are dropped (XLA, LiteRT). Returns the function that gives each tensor's
+    tied one (itself where nothing is tied)."""
     if tf.executing_eagerly():  # every size known, and checked: nothing on the eager path
         return lambda x: x
-    shapes = traced_sizes.shared_sizes(queries, keys, values, valid_lens, **named)
+    sizes_of = traced_sizes.function_sizes if function else traced_sizes.shared_sizes
+    shapes = sizes_of(queries, keys, values, valid_lens, **named)
     if all(not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes):
         return lambda x: x
     # TensorFlow 1's name returns the assertion (TensorFlow 2's returns None in a graph)
@@ -525,6 +527,10 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         None if x is None else tf.convert_to_tensor(x)
         for x in (query, key, value, mask, bias, valid_lens)
     )
+    segment_ids = _as_segments(segment_ids)
+    tie = _shared_sizes(query, key, value, valid_lens, segment_ids=segment_ids, function=True)
+    query, key, value, valid_lens = map(tie, (query, key, value, valid_lens))
+    segment_ids = _tied_segments(tie, segment_ids)
     # The sizes, each a scalar tensor where it is unknown while tracing
     batch_size, num_heads, num_queries = _dims(query)[:3]
     num_kv_heads, num_keys = _dims(key)[1:3]
@@ -664,8 +670,10 @@ class DotProductAttention(_AttentionLayer):
             queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         segment_ids = _as_segments(segment_ids)
-        tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
-        queries, keys, values, valid_lens = map(tie, (queries, keys, values, valid_lens))
+        tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids,
+                            window_mask=window_mask)
+        queries, keys, values, valid_lens, window_mask = map(
+            tie, (queries, keys, values, valid_lens, window_mask))
         segment_ids = _tied_segments(tie, segment_ids)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
@@ -750,8 +758,10 @@ class AdditiveAttention(_AttentionLayer):
             queries, keys, values, valid_lens, mask, window_mask, attn_bias
         )
         segment_ids = _as_segments(segment_ids)
-        tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids)
-        queries, keys, values, valid_lens = map(tie, (queries, keys, values, valid_lens))
+        tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids,
+                            window_mask=window_mask)
+        queries, keys, values, valid_lens, window_mask = map(
+            tie, (queries, keys, values, valid_lens, window_mask))
         segment_ids = _tied_segments(tie, segment_ids)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
@@ -908,9 +918,10 @@ class MultiHeadAttention(_AttentionLayer):
         segment_ids = _as_segments(segment_ids)
         tie = _shared_sizes(queries, keys, values, valid_lens, head_mask=head_mask,
                             num_heads=self.num_heads, segment_ids=segment_ids, cache=cache,
-                            kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads))
-        queries, keys, values, valid_lens, head_mask = map(
-            tie, (queries, keys, values, valid_lens, head_mask))
+                            kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
+                            window_mask=window_mask)
+        queries, keys, values, valid_lens, head_mask, window_mask = map(
+            tie, (queries, keys, values, valid_lens, head_mask, window_mask))
         segment_ids, cache = _tied_segments(tie, segment_ids), _tied_cache(tie, cache)
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, head_mask=head_mask,
@@ -956,8 +967,11 @@ class MultiHeadAttention(_AttentionLayer):
                                        group=self.num_heads // num_kv_heads)
         self.attention_weights = self.attention.attention_weights
         if head_mask is not None:
-            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1)
-            output = output * tf.cast(head_mask, output.dtype)[..., None, None]
+            # (num_heads,) -> (num_heads, 1, 1); (batch_size, num_heads) -> (B, num_heads, 1, 1),
+            # the sizes the output's: a converter that folds the tie's reshape into this one
+            # (LiteRT's) then keeps the batch it ties
+            sizes = tf.concat([tf.shape(output)[2 - head_mask.shape.rank : 2], [1, 1]], 0)
+            output = output * tf.reshape(tf.cast(head_mask, output.dtype), sizes)
         # Shape of output_concat: (batch_size, no. of queries, num_hiddens)
         output_concat = self.transpose_output(output)
         if gates is not None:
@@ -1083,8 +1097,8 @@ class MultiHeadLatentAttention(_AttentionLayer):
         X, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             X, valid_lens, mask, window_mask, attn_bias
         )
-        tie = _shared_sizes(X, X, X, valid_lens)
-        X, valid_lens = tie(X), tie(valid_lens)
+        tie = _shared_sizes(X, X, X, valid_lens, window_mask=window_mask)
+        X, valid_lens, window_mask = map(tie, (X, valid_lens, window_mask))
         if mask is None and isinstance(X, tf.Tensor):
             # Keras gives `mask` the padding mask that the call's only tensor carries
             # (Embedding(mask_zero=True)); a new tensor carries none, as no mha mask is read
