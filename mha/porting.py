@@ -573,7 +573,7 @@ def from_state_dict(
     config, weights = port.config, port.weights
     if dtype is not None:
         config = {**config, "dtype": check_dtype(dtype)}
-        weights = {name: w.astype(numpy_dtype(dtype)) for name, w in weights.items()}
+        weights = {name: w.astype(numpy_dtype(config["dtype"])) for name, w in weights.items()}
     layer = build_layer(module, port.layer, config)
     set_weights(layer, weights)
     return layer

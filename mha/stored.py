@@ -30,10 +30,10 @@ class StoredTensor:
     """One tensor of a safetensors file: its name, shape and dtype from the file's checked
     header, its numbers read from the file when numpy asks for them (`np.asarray`)."""
 
-    def __init__(self, path: str, entry: Entry, start: int, size: int):
+    def __init__(self, path: str, entry: Entry, start: int, stamp: tuple):
         self.path, self.entry = path, entry
-        # Where the data starts in the file, and the file's size when its header was read
-        self._start, self._size = start, size
+        # Where the data starts in the file, and the file as it was when its header was read
+        self._start, self._stamp = start, stamp
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -48,11 +48,13 @@ class StoredTensor:
         return len(self.entry.shape)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:  # numpy 2's protocol: the numbers are read from the file, a copy
+            raise ValueError(f"{self!r} is read from its file: np.asarray makes a new array")
         begin, end = self._start + self.entry.begin, self._start + self.entry.end
-        with open(self.path, "rb") as file:
+        with open(check_source(self.path), "rb") as file:
             # The header's checks hold for the file as it was then: a file since rewritten
             # could give other bytes, or fewer, under the same entry
-            if os.fstat(file.fileno()).st_size != self._size:
+            if _stamp(file) != self._stamp:
                 raise ValueError(f"{self.path} changed after its header was read")
             file.seek(begin)
             data = file.read(end - begin)
@@ -72,15 +74,15 @@ class StoredTensor:
 def is_whole_model(path: str | os.PathLike) -> bool:
     """Whether `path` names a model's weights that only `read_lazily` reads: a folder, or an
     index of shards."""
-    return os.path.isdir(path) or os.fspath(path).lower().endswith(INDEX_SUFFIX)
+    return os.path.isdir(path) or os.fsdecode(path).lower().endswith(INDEX_SUFFIX)
 
 
 def shard_hint(path: str | os.PathLike) -> str:
     """What to add to an error about `path` where it is one shard of a model (named as
     transformers names them, model-00001-of-00004.safetensors): a layer may go on in another."""
-    if not _SHARD.search(os.path.basename(path)):
+    name = os.fsdecode(path)
+    if not _SHARD.search(os.path.basename(name)):
         return ""
-    name = os.fspath(path)
     return f" ({name} is one shard of a model: give its model{INDEX_SUFFIX} or its folder)"
 
 
@@ -92,9 +94,11 @@ def read_lazily(path: str | os.PathLike) -> dict[str, StoredTensor]:
         ValueError: a file that is not safetensors (by name or content), an index that is not
             one, a shard that is not beside its index or lacks a tensor the index places
             there, a name in two shards, a folder holding neither file.
-        OSError: a file cannot be read.
+        OSError: a file cannot be read, or `path` does not exist.
     """
-    name = os.fspath(path)
+    name = os.fsdecode(path)
+    if not os.path.exists(name):
+        raise FileNotFoundError(f"{name} does not exist")
     if not is_whole_model(name) and not name.lower().endswith(".safetensors"):
         raise ValueError(
             f"{name}: a path of a model's weights is read as safetensors (.safetensors, "
@@ -116,8 +120,15 @@ def _read_file(path: str) -> dict[str, StoredTensor]:
     name = check_source(path)
     with open(name, "rb") as file:
         entries, _, start = safetensors_layout(file, name)
-        size = os.fstat(file.fileno()).st_size
-    return {entry.key: StoredTensor(name, entry, start, size) for entry in entries}
+        stamp = _stamp(file)
+    return {entry.key: StoredTensor(name, entry, start, stamp) for entry in entries}
+
+
+def _stamp(file: Any) -> tuple:
+    """What tells an open file from another or from itself rewritten: its inode, size and the
+    time it last changed (to the nanosecond)."""
+    status = os.fstat(file.fileno())
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _read_index(path: str) -> dict[str, StoredTensor]:
@@ -152,6 +163,8 @@ def _weight_map(path: str) -> dict[str, str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise ValueError(f"{path} is not a safetensors index: no weight_map of names to files")
+    if not weight_map:
+        raise ValueError(f"{path} is a safetensors index of no tensor: its weight_map is empty")
     for key, shard in weight_map.items():
         # A shard is named by its file alone: the index reads nothing outside its folder
         if shard in ("", ".", "..") or os.path.basename(shard) != shard or "\\" in shard:

@@ -141,9 +141,38 @@ def test_a_file_rewritten_after_its_header_was_read_is_refused(tmp_path):
     state = llama_state()
     write_safetensors(path, state, {})
     tensors = stored.read_lazily(path)
+    key, value = f"{PREFIX}.k_proj.weight", f"{PREFIX}.v_proj.weight"
+    # The same names, shapes and size, two tensors' numbers swapped: the header's entries
+    # would read the other's
+    write_safetensors(path, {**state, key: state[value], value: state[key]}, {})
+    with pytest.raises(ValueError, match="changed after its header was read"):
+        np.asarray(tensors[key])
     write_safetensors(path, {"x": np.zeros(3, "float32")}, {})
     with pytest.raises(ValueError, match="changed after its header was read"):
         np.asarray(tensors[f"{PREFIX}.q_proj.weight"])
+    # A FIFO there now would wait for a writer: refused before it is opened
+    tensors = stored.read_lazily(path)
+    os.remove(path)
+    os.mkfifo(path)
+    with pytest.raises(ValueError, match="not a regular file"):
+        np.asarray(tensors["x"])
+
+
+def test_paths_given_every_way_and_the_mistakes_named(tmp_path):
+    state = llama_state()
+    index = write_shards(tmp_path, state, split_layer_one(state))
+    expected = porting.canonical_from_state_dict(state, PREFIX, num_heads=HEADS)
+    for path in (os.fsencode(index), os.fsencode(tmp_path), f"{tmp_path}{os.sep}"):
+        same_port(porting.canonical_from_state_dict(path, PREFIX, num_heads=HEADS), expected)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        stored.read_lazily(tmp_path / "nothing.safetensors")
+    (tmp_path / "config.json").touch()
+    with pytest.raises(ValueError, match=r"read other files with mha\.conversion\.read_state"):
+        stored.read_lazily(tmp_path / "config.json")
+    with open(index, "w") as file:
+        json.dump({"weight_map": {}}, file)
+    with pytest.raises(ValueError, match="weight_map is empty"):
+        stored.read_lazily(index)
 
 
 def test_a_bfloat16_port_widens_to_the_dtype_asked_for(tmp_path):
@@ -156,6 +185,9 @@ def test_a_bfloat16_port_widens_to_the_dtype_asked_for(tmp_path):
     with pytest.raises(ValueError, match="numpy backend"):
         porting.from_state_dict(path, PREFIX, num_heads=HEADS, backend="numpy")
     layer = porting.from_state_dict(path, PREFIX, num_heads=HEADS, backend="numpy", dtype="float32")
+    as_object = porting.from_state_dict(path, PREFIX, num_heads=HEADS, backend="numpy",
+                                        dtype=np.dtype("float64"))  # fmt: skip
+    assert as_object.dtype == "float64"
     wide = {name: value.astype("float32") for name, value in state.items()}
     expected = porting.from_state_dict(wide, PREFIX, num_heads=HEADS, backend="numpy")
     assert layer.dtype == expected.dtype == "float32"
