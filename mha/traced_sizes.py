@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mha.cache import KVCache
+from mha.cache import KVCache, LatentCache
 from mha.masks import segment_pair
 from mha.tensors import shape_of
 
@@ -47,9 +47,9 @@ def shared_sizes(
     features), keys and values (batch_size, no. of keys, features), valid_lens (batch_size,)
     or (batch_size, no. of queries), head_mask (num_heads,) or (batch_size, num_heads),
     segment_ids of the queries and of the keys, a KVCache's keys and values (batch_size,
-    num_kv_heads, cached positions, head size), a window_mask's queries (its windows divide
-    the batch, its keys count the cached ones too). Masks and attn_bias broadcast, which the
-    framework's own operations check."""
+    num_kv_heads, cached positions, head size) or a LatentCache's tensors, a window_mask's
+    queries (its windows divide the batch, its keys count the cached ones too). Masks and
+    attn_bias broadcast, which the framework's own operations check."""
     found = [(queries, (BATCH, QUERIES, None))]
     found += [(keys, (BATCH, KEYS, None)), (values, (BATCH, KEYS, None))]
     if valid_lens is not None:
@@ -63,6 +63,11 @@ def shared_sizes(
     if isinstance(cache, KVCache) and cache.keys is not None and kv_heads is not None:
         cached = (BATCH, kv_heads[0], CACHED, kv_heads[1])
         found += [(cache.keys, cached), (cache.values, cached)]
+    if isinstance(cache, LatentCache) and cache.latent is not None:
+        found += [
+            (cache.latent, (BATCH, CACHED, None)),
+            (cache.rotary_keys, (BATCH, 1, CACHED, None)),
+        ]
     if window_mask is not None:
         found.append((window_mask, (None, QUERIES, None)))
     return found

@@ -753,3 +753,30 @@ def test_the_attention_function_ties_the_sizes_a_graph_left_unknown(TF, tf, mist
     message = "Input to reshape" if jit_compile else "mha: the tensors of the call disagree"
     with pytest.raises(tf.errors.InvalidArgumentError, match=message):
         attend({k: tf.constant(v) for k, v in given.items()})
+
+
+def test_a_latent_cache_of_another_batch_is_named_in_a_graph_of_unknown_sizes(TF, tf):
+    # The LatentCache is tied as a KVCache is: a cache of one example for three is the mha
+    # message where the graph runs, not the concatenation's error; a cache that fits agrees
+    # with the eager call
+    layer = TF.MultiHeadLatentAttention(
+        8, 2, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2
+    )
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((3, 2, 8)).astype(np.float32)
+    cache = mha.LatentCache(*(rng.standard_normal(shape).astype(np.float32)
+                              for shape in ((3, 4, 4), (3, 1, 4, 2))))  # fmt: skip
+    spec = [tf.TensorSpec([None, None, 8], tf.float32),
+            mha.LatentCache(tf.TensorSpec([None, None, 4], tf.float32),
+                            tf.TensorSpec([None, 1, None, 2], tf.float32))]  # fmt: skip
+    attend = tf.function(lambda X, cache: layer(X, causal=True, cache=cache)[0],
+                         input_signature=spec)  # fmt: skip
+    expected = layer(X, causal=True, cache=cache)[0]
+    np.testing.assert_allclose(attend(X, cache).numpy(), expected.numpy(), rtol=1e-6, atol=1e-6)
+    one = mha.LatentCache(*(x[:1] for x in cache))
+    with pytest.raises(ValueError):
+        layer(X, causal=True, cache=one)
+    with pytest.raises(
+        tf.errors.InvalidArgumentError, match="mha: the tensors of the call disagree"
+    ):
+        attend(X, one)

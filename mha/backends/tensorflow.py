@@ -1097,16 +1097,17 @@ class MultiHeadLatentAttention(_AttentionLayer):
         X, valid_lens, mask, window_mask, attn_bias = _as_tensors(
             X, valid_lens, mask, window_mask, attn_bias
         )
-        tie = _shared_sizes(X, X, X, valid_lens, window_mask=window_mask)
+        if cache is not None:
+            # A LatentCache of tensors (numpy arrays converted), as the call returns it
+            cache = LatentCache(*_as_tensors(*cache))
+        tie = _shared_sizes(X, X, X, valid_lens, window_mask=window_mask, cache=cache)
         X, valid_lens, window_mask = map(tie, (X, valid_lens, window_mask))
+        cache = _tied_cache(tie, cache)
         if mask is None and isinstance(X, tf.Tensor):
             # Keras gives `mask` the padding mask that the call's only tensor carries
             # (Embedding(mask_zero=True)); a new tensor carries none, as no mha mask is read
             # off an input
             X = tf.identity(X)
-        if cache is not None:
-            # A LatentCache of tensors (numpy arrays converted), as the call returns it
-            cache = LatentCache(*_as_tensors(*cache))
         return super().__call__(X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
                                 absorbed=absorbed, training=training)
