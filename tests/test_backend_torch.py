@@ -11,6 +11,8 @@ parameter reaching the next call.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -479,6 +481,27 @@ def test_vmap_maps_the_inputs_and_the_lengths(T, torch, sinks):
         for i in range(3):
             expected = reference(queries[i], keys[i], values[i], lengths[i], causal=True)
             assert_agrees(output[i], expected, "float32")
+
+
+def test_a_compiled_vmap_maps_the_lengths_and_dynamo_warns_of_nothing(T, torch):
+    # Dynamo traces torch.func's test of a batched tensor, not its test of every wrapper,
+    # which warned ("please file an issue") at each compile of a call with lengths
+    reference = N.MultiHeadAttention(8, H, query_size=5, key_size=5, value_size=5)
+    layer = T.MultiHeadAttention(8, H, query_size=5, key_size=5, value_size=5)
+    mha.set_weights(layer, mha.get_weights(reference))
+    rng = np.random.default_rng(8)
+    X = rng.standard_normal((3, B, 4, 5)).astype(np.float32)
+    lengths = rng.integers(0, 5, (3, B))
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mapped = torch.compile(torch.func.vmap(lambda x, n: layer(x, x, x, n)), backend="eager")
+        output = T.to_numpy(mapped(T.from_numpy(X), T.from_numpy(lengths)))
+        single = torch.compile(layer, backend="eager")
+        single(*(T.from_numpy(X[0]),) * 3, T.from_numpy(lengths[0]))
+    assert not [w.message for w in caught if "functorch" in str(w.message)]
+    for i in range(3):
+        assert_agrees(output[i], reference(X[i], X[i], X[i], lengths[i]), "float32")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -74,7 +74,10 @@ def building_a_graph() -> bool:
 
 def functorch_wrapped(x: torch.Tensor) -> bool:
     """Whether x is one of torch.func's wrapped tensors (vmap, grad): a batched one has no
-    values of its own to read, nor a storage for an out= argument."""
+    values of its own to read, nor a storage for an out= argument. Dynamo traces only the
+    test of a batched one (the others' warns), and a graph it builds holds no other."""
+    if torch.compiler.is_compiling():
+        return torch._C._functorch.is_batchedtensor(x)
     return _is_functorch_wrapped(x)
 
 
