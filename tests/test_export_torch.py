@@ -306,3 +306,47 @@ def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     T.torch.testing.assert_close(
         program(*args, valid_lens=negative), program(*args, valid_lens=zero)
     )
+
+
+def test_a_program_called_with_a_cache_saves_and_loads(T, tmp_path):
+    # torch.export.save writes the input tree by its classes' names and torch.export.load reads
+    # them back with its weights_only unpickler: a KVCache (its sizes free, as deploying.md
+    # gives them) and a LatentCache save, load and give the reference's numbers again
+    torch = T.torch
+    Dim = torch.export.Dim
+    config = dict(num_hiddens=16, num_heads=4, num_kv_heads=2, rope_theta=1e4, query_size=8,
+                  key_size=8, value_size=8)  # fmt: skip
+    layer, reference = _pair(T, "MultiHeadAttention", config)
+    latent, latent_reference = _pair(T, "MultiHeadLatentAttention", dict(
+        num_hiddens=8, num_heads=2, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2,
+        v_head_dim=2))  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def draw(B, Q, shape):
+        queries = rng.standard_normal((B, Q, shape[0])).astype(np.float32)
+        return queries, tuple(rng.standard_normal((B, *s)).astype(np.float32) for s in shape[1:])
+
+    batch, steps, cached = Dim("batch"), Dim("steps"), Dim("cached")
+    free = {0: batch, 2: cached}
+    for model, numpy_model, shape, make in (
+        (layer, reference, [8, (2, 3, 4), (2, 3, 4)], mha.KVCache),
+        (latent, latent_reference, [8, (3, 4), (1, 3, 2)], mha.LatentCache),
+    ):
+        queries, arrays = draw(2, 4, shape)
+        if make is mha.KVCache:
+            args, kwargs = [_to_torch(T, queries)] * 3, {"causal": True}
+            dynamic = {key: {0: batch, 1: steps} for key in ("queries", "keys", "values")}
+            dynamic.update(causal=None, cache=mha.KVCache(free, free))
+        else:
+            args, kwargs, dynamic = [_to_torch(T, queries)], {"causal": True}, None
+        kwargs["cache"] = make(*_to_torch(T, arrays))
+        program = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=dynamic)
+        torch.export.save(program, tmp_path / "program.pt2")
+        loaded = torch.export.load(tmp_path / "program.pt2").module()
+        output, cache = loaded(*args, **kwargs)
+        assert isinstance(cache, make)
+        numpy_args = [queries] * len(args)
+        expected, expected_cache = numpy_model(*numpy_args, causal=True, cache=make(*arrays))
+        assert_agrees(T.to_numpy(output), expected, "float32")
+        for each, want in zip(cache, expected_cache, strict=True):
+            assert_agrees(T.to_numpy(each), want, "float32")

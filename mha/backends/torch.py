@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree
 from torch import nn
 
 from mha import function_checks, validation
@@ -52,6 +53,22 @@ __all__ = [
     "masked_softmax",
     "to_numpy",
 ]
+
+
+def _name_the_caches_for_saved_programs() -> None:
+    """torch.export.save writes a program's input tree by its classes' names, and
+    torch.export.load reads them with its weights_only unpickler: mha's caches get a name and
+    a place among the classes it takes, so a program called with a cache saves and loads."""
+    register = getattr(torch.utils._pytree, "_register_namedtuple", None)  # torch has no other
+    for cache in (KVCache, LatentCache) if register is not None else ():
+        try:
+            register(cache, serialized_type_name=f"mha.cache.{cache.__name__}")
+        except ValueError:  # named already: this module imported again
+            pass
+    torch.serialization.add_safe_globals([KVCache, LatentCache])
+
+
+_name_the_caches_for_saved_programs()
 
 
 # ---------------------------------------------------------------------------------------------
