@@ -31,9 +31,10 @@ __all__ = [
 ]
 
 
-def first_position(alignment: str | int, num_queries: int, num_keys: int) -> int:
-    """The position among the keys of the first query, under `alignment` (ALIGNMENTS)."""
-    if alignment == "top_left":
+def first_position(alignment: str | int | None, num_queries: int, num_keys: int) -> int:
+    """The position among the keys of the first query, under `alignment` (ALIGNMENTS; None is
+    "top_left", the function's default, as the layers' None is without a cache)."""
+    if alignment is None or alignment == "top_left":
         return 0
     # A numpy integer as a Python int: positions past its range must not wrap
     return num_keys - num_queries if alignment == "bottom_right" else int(alignment)
@@ -92,7 +93,8 @@ def check_dot_product_attention_call(
     for name, flag in (("causal", causal), ("return_weights", return_weights)):
         check_bool(name, flag)
     check_bool("return_lse", return_lse)
-    check_alignment(alignment)
+    if alignment is not None:
+        check_alignment(alignment)
     window_sides(window)
     for name, number in (("scale", scale), ("softcap", softcap)):
         if number is not None and not _positive_number(number):

@@ -281,6 +281,8 @@ def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
     yes, no = True, False
     # Top-left: query i at position i; bottom-right: at i + 2
     assert (kept(causal=True) == [[yes, no, no, no], [yes, yes, no, no]]).all()
+    # None as the layers' default is (without a cache): top-left, the function's default
+    assert (kept(causal=True, alignment=None) == kept(causal=True)).all()
     assert (kept(causal=True, alignment="bottom_right") == [[yes] * 3 + [no], [yes] * 4]).all()
     assert (kept(causal=True, alignment=1) == [[yes, yes, no, no], [yes] * 3 + [no]]).all()
     # window=2: within one position; (0, 2): the query's and the next two
