@@ -78,6 +78,13 @@ CASES = (
     ),
     Case("boolean mask (heads, Q, K)", masks=("per head, 3-D",)),
     Case("packed segments, a pair (queries, keys)", masks=("segment pair",)),
+    # Causal and windows on each position's index among its segment's, not the packed row's
+    Case("packed segments, a pair, causal", options=(("causal", True),), masks=("segment pair",)),
+    Case(
+        "packed segments, a pair, window (1, 0)",
+        options=(("window", (1, 0)),),
+        masks=("segment pair",),
+    ),
     Case("long rows (K = 4096)", sizes=(1, 2, 2, 3, 4096, 8, 8)),
 )
 

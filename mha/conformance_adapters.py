@@ -136,19 +136,24 @@ def _flex_mods(torch, o: SimpleNamespace, sizes: tuple[int, int, int, int]):
     mask = None if o.mask is None else whole(o.mask)
     bias = None if o.bias is None else whole(o.bias)
     segments = o.segment_ids if isinstance(o.segment_ids, tuple) else (o.segment_ids,) * 2
+    # Positions: each one's index among its segment's (the packed row's without segments)
+    places = [None if ids is None else _places_in_segments(torch, ids) for ids in segments]
 
     def keep(b, h, q, k):
-        kept, p = k >= 0, q + first  # p: the query's position among the keys
+        # p: the query's position among the keys; j: the key's
+        p = q + first if places[0] is None else places[0][b, q] + first
+        j = k if places[1] is None else places[1][b, k]
+        kept = k >= 0
         if mask is not None:
             kept = kept & mask[b, h, q, k]
         if bias is not None:
             kept = kept & (bias[b, h, q, k] != float("-inf"))
         if o.causal:
-            kept = kept & (k <= p)
+            kept = kept & (j <= p)
         if sides[0] is not None:
-            kept = kept & (k >= p - sides[0])
+            kept = kept & (j >= p - sides[0])
         if sides[1] is not None:
-            kept = kept & (k <= p + sides[1])
+            kept = kept & (j <= p + sides[1])
         if o.valid_lens is not None:
             lengths = o.valid_lens
             kept = kept & (k < (lengths[b] if lengths.dim() == 1 else lengths[b, q]))
@@ -166,6 +171,13 @@ def _flex_mods(torch, o: SimpleNamespace, sizes: tuple[int, int, int, int]):
         )
 
     return keep, score
+
+
+def _places_in_segments(torch, ids):
+    """Each position's index among the earlier positions of its segment: ids (B, n) -> (B, n)."""
+    same = ids[:, :, None] == ids[:, None, :]
+    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril(-1)
+    return (same & earlier).sum(-1)
 
 
 def jax_dot_product_attention(implementation: str | None = None) -> Callable:

@@ -20,6 +20,8 @@ from mha import cli, conformance, conformance_adapters
 DTYPES = ("float32", "float64")
 PACKED = "packed segments (3 + 4, 5 + 2)"  # none of the frameworks' functions takes segments
 PAIR = "packed segments, a pair (queries, keys)"
+# The pair beside causal and a window (each position's index among its segment's)
+PAIRED = {PAIR, "packed segments, a pair, causal", "packed segments, a pair, window (1, 0)"}
 CACHED = "causal, alignment 1 (a cached key)"
 INT_WINDOW = "window 3 (an int), alignment 1"
 SOFTCAPS = {"softcap 5", "softcap 5, causal", "softcap 5, additive bias"}
@@ -64,7 +66,7 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
         INT_WINDOW,
         *SOFTCAPS,
         PACKED,
-        PAIR,
+        *PAIRED,
     }
     # It adds its mask to the scores: a NaN at a masked key stays NaN
     assert found["differs"] == {"NaN at masked keys", "NaN at keys a -inf bias leaves out"}
@@ -119,7 +121,7 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
         "valid_lens (batch, Q)",
         *SOFTCAPS,
         PACKED,
-        PAIR,
+        *PAIRED,
     }
     # A row with no key: the mean of the values (equal scores), not zeros
     no_key = "a row with no key"
@@ -393,7 +395,7 @@ def test_keras_dot_product_attention_is_reported_as_it_behaves():
         INT_WINDOW,
         *SOFTCAPS,
         PACKED,
-        PAIR,
+        *PAIRED,
     }
     # A row with no key: uniform, as held to; it adds the bias to the scores
     assert found["differs"] == MINUS_INFINITY and set(found) == {"agrees", "not taken", "differs"}
