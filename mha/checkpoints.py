@@ -344,7 +344,7 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     # The entries fill the data exactly (safetensors_layout): other bytes, another file
     if len(data) != (entries[-1].end if entries else 0):
         raise corrupt("it changed while it was read")
-    tensors = {entry[2]: safetensors_array(data[entry[0] : entry[1]], entry, corrupt)
+    tensors = {entry.key: safetensors_array(data[entry.begin : entry.end], entry, corrupt)
                for entry in entries}  # fmt: skip
     return tensors, metadata
 
