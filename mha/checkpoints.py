@@ -340,7 +340,7 @@ def read_safetensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], di
     with open(path, "rb") as file:
         entries, metadata, _ = safetensors_layout(file, name)
         data = memoryview(file.read())
-    corrupt = _corrupt(name)
+    corrupt = corrupt_error(name)
     # The entries fill the data exactly (safetensors_layout): other bytes, another file
     if len(data) != (entries[-1].end if entries else 0):
         raise corrupt("it changed while it was read")
@@ -364,7 +364,7 @@ def safetensors_layout(file: Any, name: str) -> tuple[list[Entry], dict[str, str
     """(entries, metadata, where the data starts) of the safetensors file open in `file` (at
     its start), from its header alone, every size and offset checked against the file's size;
     `name` is the file's, for the errors (ValueError)."""
-    corrupt = _corrupt(name)
+    corrupt = corrupt_error(name)
     size = os.fstat(file.fileno()).st_size
     if size < 8:
         raise corrupt(f"it has {size} bytes, fewer than the 8-byte header size")
@@ -410,7 +410,9 @@ def safetensors_dtype(dtype: str) -> np.dtype:
     return numpy_dtype("bfloat16") if dtype == "BF16" else np.dtype(_SAFETENSORS_DTYPES[dtype])
 
 
-def _corrupt(name: str) -> Any:
+def corrupt_error(name: str) -> Any:
+    """The function that makes the ValueError of a reason the file `name` is not safetensors."""
+
     def corrupt(reason: str) -> ValueError:
         return ValueError(f"{name} is not a valid safetensors file: {reason}")
 

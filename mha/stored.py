@@ -14,13 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from mha.checkpoints import Entry, safetensors_array, safetensors_dtype, safetensors_layout
+from mha.checkpoints import (
+    Entry,
+    corrupt_error,
+    safetensors_array,
+    safetensors_dtype,
+    safetensors_layout,
+)
 from mha.files import check_source, parse_json, read_bytes
 
 __all__ = ["INDEX_SUFFIX", "StoredTensor", "is_whole_model", "read_lazily", "shard_hint"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
-# The files a folder of a model holds, looked for in this order
+# The files a folder of a model holds, one of them
 _MODEL_FILES = ("model" + INDEX_SUFFIX, "model.safetensors")
 _MAX_INDEX_BYTES = 100_000_000
 _SHARD = re.compile(r"-\d+-of-\d+\.safetensors$", re.IGNORECASE)
@@ -60,11 +66,7 @@ class StoredTensor:
             data = file.read(end - begin)
         if len(data) != end - begin:
             raise ValueError(f"{self.path} changed after its header was read")
-
-        def corrupt(reason: str) -> ValueError:
-            return ValueError(f"{self.path} is not a valid safetensors file: {reason}")
-
-        array = safetensors_array(data, self.entry, corrupt)
+        array = safetensors_array(data, self.entry, corrupt_error(self.path))
         return array if dtype is None else array.astype(dtype)
 
     def __repr__(self) -> str:
@@ -88,12 +90,12 @@ def shard_hint(path: str | os.PathLike) -> str:
 
 def read_lazily(path: str | os.PathLike) -> dict[str, StoredTensor]:
     """Every tensor of a safetensors file, of the shards that an index names, or of the model
-    in a folder (its model.safetensors.index.json, else its model.safetensors), by name.
+    in a folder (its model.safetensors.index.json or its model.safetensors), by name.
 
     Raises:
         ValueError: a file that is not safetensors (by name or content), an index that is not
             one, a shard that is not beside its index or lacks a tensor the index places
-            there, a name in two shards, a folder holding neither file.
+            there, a name in two shards, a folder holding neither file or both.
         OSError: a file cannot be read, or `path` does not exist.
     """
     name = os.fsdecode(path)
@@ -110,6 +112,8 @@ def read_lazily(path: str | os.PathLike) -> dict[str, StoredTensor]:
         found = [file for file in found if os.path.isfile(file)]
         if not found:
             raise ValueError(f"{name} holds neither {' nor '.join(_MODEL_FILES)}")
+        if len(found) > 1:  # two sets of weights: either could be the model's
+            raise ValueError(f"{name} holds both {' and '.join(_MODEL_FILES)}: give the one")
         name = found[0]
     if name.lower().endswith(INDEX_SUFFIX):
         return _read_index(name)

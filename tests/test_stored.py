@@ -131,6 +131,9 @@ def test_an_index_at_odds_with_its_shards_is_refused(tmp_path):
     write_safetensors(tmp_path / second, {name: state[name]}, {})
     with pytest.raises(ValueError, match=f"'{name}' is in two shards"):
         stored.read_lazily(index)
+    write_safetensors(tmp_path / "model.safetensors", state, {})
+    with pytest.raises(ValueError, match=r"holds both model\.safetensors\.index\.json and"):
+        stored.read_lazily(tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"holds neither model\.safetensors\.index\.json nor"):
         stored.read_lazily(tmp_path / "empty")
