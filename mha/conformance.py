@@ -3,7 +3,8 @@
 `run(function, framework)` calls `function(query, key, value, **options)` on the framework's
 tensors, (batch, heads, positions, head size), for each case of `CASES` (every mask kind,
 both causal alignments and an integer one, grouped heads, windows, soft cap, lengths, rows
-with no key, NaN at a masked key, packed segments, each option beside others, long rows) in
+with no key, NaN at a masked key, packed segments, each option beside others, long rows,
+scores past float32's exp and products past float16's range) in
 each dtype, and compares its output with the NumPy
 reference's `dot_product_attention` of the same inputs in float64, at the dtype's tolerance.
 `options` are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap,
@@ -35,8 +36,8 @@ TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One call: sizes (batch, heads, kv heads, queries, keys, head size, value head size),
-    the options it sets, and what it makes of the inputs (`inputs`: "plain", or
-    "nan at masked keys")."""
+    the options it sets, and what it makes of the inputs (`inputs`: "plain", "nan at masked
+    keys", "dominant key" or "large products")."""
 
     name: str
     sizes: tuple[int, int, int, int, int, int, int] = (2, 4, 4, 5, 7, 8, 8)
@@ -86,6 +87,14 @@ CASES = (
         masks=("segment pair",),
     ),
     Case("long rows (K = 4096)", sizes=(1, 2, 2, 3, 4096, 8, 8)),
+    # Scores a softmax must take apart: exp(106) is past float32's range, and so is a product
+    # of float16's rounded before it is scaled
+    Case("a dominant key (its score 106, the others near 0)", inputs="dominant key"),
+    Case(
+        "products past float16's range (q.k near 80,000), scale 3e-5",
+        options=(("scale", 3e-5),),
+        inputs="large products",
+    ),
 )
 
 
@@ -148,7 +157,7 @@ def _with_gradients(row: Row, function, module, place, case: Case, arrays: dict,
     """The row with its gradients compared (of sum(output * cotangent)); a NaN at a masked
     key is compared by outputs only: 0 x NaN makes the query's gradient NaN in any product, and
     so is a function whose backward raises NotImplementedError (the row's note says so)."""
-    if case.inputs != "plain":
+    if case.inputs == "nan at masked keys":
         return row
     options = dict(case.options)
     cotangent = np.random.default_rng(1).standard_normal(_output_shape(arrays))
@@ -265,6 +274,12 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
         arrays["mask"][..., 0] = True  # a kept key in every row
     if case.inputs == "nan at masked keys":  # padding: what a masked key holds is not read
         arrays["key"] = np.where(np.moveaxis(padding, -1, -2), arrays["key"], np.nan)
+    if case.inputs == "dominant key":  # every query's score with key 0 about 106
+        arrays["query"][..., 0], arrays["key"][..., 0] = 10.0, 0.0
+        arrays["key"][..., 0, 0] = 10.6 * np.sqrt(d)  # times 10, over sqrt(d)
+    if case.inputs == "large products":  # entries near 100 whose products sum past 65,504
+        arrays["query"] = 100.0 + 30.0 * arrays["query"]
+        arrays["key"] = 100.0 + 30.0 * arrays["key"]
     return arrays
 
 

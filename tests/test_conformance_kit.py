@@ -582,3 +582,56 @@ def test_an_option_the_adapters_do_not_know_is_a_type_error():
         with pytest.raises(TypeError, match="unknown options: scal, sinks"):
             adapter(x, x, x, sinks=x, scal=0.3)
         assert adapter(x, x, x, scale=0.3).shape == (1, 1, 2, 4)
+
+
+DOMINANT = "a dominant key (its score 106, the others near 0)"
+LARGE_PRODUCTS = "products past float16's range (q.k near 80,000), scale 3e-5"
+WIDE_SCORES = [c for c in conformance.CASES if c.name in (DOMINANT, LARGE_PRODUCTS)]
+
+
+def softmax_without_its_maximum(query, key, value, scale=None):
+    """exp of the scores as they are: exp(106) is past float32's largest number."""
+    scores = (query @ np.swapaxes(key, -1, -2)).astype("float32")
+    weights = np.exp(scores * np.float32(scale or query.shape[-1] ** -0.5))
+    return (weights / weights.sum(-1, keepdims=True)).astype(query.dtype) @ value
+
+
+def products_rounded_before_scaling(query, key, value, scale=None):
+    """The products in the inputs' dtype (float16: past 65,504 is inf), scaled after."""
+    scores = (query @ np.swapaxes(key, -1, -2)).astype("float32")
+    scores = scores * np.float32(scale or query.shape[-1] ** -0.5)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)).astype(query.dtype) @ value
+
+
+def test_scores_a_softmax_must_take_apart_catch_the_kernels_that_do_not():
+    # Without its maximum subtracted, a softmax gives NaN in every dtype at the dominant key;
+    # products rounded to float16 before scaling give NaN in float16 alone (bfloat16 and
+    # float32 hold 80,000): each case flags the kernel that breaks it, and no other
+    dtypes = ("float32", "float16", "bfloat16")
+    with np.errstate(over="ignore", invalid="ignore"):
+        unsubtracted = conformance.run(
+            softmax_without_its_maximum, "numpy", dtypes, cases=WIDE_SCORES
+        )
+        rounded = conformance.run(
+            products_rounded_before_scaling, "numpy", dtypes, cases=WIDE_SCORES
+        )
+    differs = {(row.case, row.dtype) for row in unsubtracted if row.status == "differs"}
+    assert {(DOMINANT, dtype) for dtype in dtypes} <= differs
+    assert all(row.note.startswith("NaN in") for row in unsubtracted if row.case == DOMINANT)
+    assert {(row.case, row.dtype) for row in rounded if row.status != "agrees"} == {
+        (LARGE_PRODUCTS, "float16")
+    }
+
+
+@pytest.mark.tensorflow
+def test_keras_float16_rounds_its_products_before_scaling_them():
+    # As docs/attention-function.md's table says (Keras 3.15 on TensorFlow: an einsum in
+    # float16, then the scale in float32): NaN where the products pass 65,504
+    backend_module("tensorflow")
+    adapter = conformance_adapters.keras_dot_product_attention()
+    dtypes = ("float32", "float16", "bfloat16")
+    rows = conformance.run(adapter, "tensorflow", dtypes, cases=WIDE_SCORES, gradients=False)
+    wrong = {(row.case, row.dtype): row.note for row in rows if row.status != "agrees"}
+    assert list(wrong) == [(LARGE_PRODUCTS, "float16")]
+    assert wrong[LARGE_PRODUCTS, "float16"].startswith("NaN in")
