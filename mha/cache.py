@@ -24,7 +24,8 @@ class KVCache(NamedTuple):
     """The keys and values of the positions seen so far, as MultiHeadAttention made them
     (projected, and rotated with rope_theta): each (batch_size, num_kv_heads, no. of
     positions, head size), tensors of the layer's framework. `KVCache()`, both None, is the
-    cache before the first call.
+    cache before the first call. A cache belongs to the layer that made it: its shapes, dtype
+    and framework are checked, but not the weights or rotary angles that made its keys.
 
     A NamedTuple, so that it passes through torch.compile, tf.function, jax.jit (a pytree)
     and Gluon's hybridized calls as two tensors.

@@ -28,7 +28,8 @@ def add_file_commands(commands) -> None:
         f"file names: {kinds}. The configuration is read off the weights; a torch state_dict "
         "does not tell the number of heads, so give --num-heads with one. DST is read back and "
         "must give the same weights before it replaces a file already there (a failure leaves DST "
-        "as it was). Exit 0 on success, 1 when a file cannot be read or written or the "
+        "as it was); the config printed is the one DST holds, and a note names what of SRC's it "
+        "does not hold. Exit 0 on success, 1 when a file cannot be read or written or the "
         "destination cannot express the layer, 2 on a usage error.",
     )
     convert.add_argument("source", metavar="SRC")

@@ -18,6 +18,7 @@ importing this module imports none.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -388,9 +389,8 @@ def convert(
     safetensors file such as a Hugging Face model.safetensors, the shards of its
     model.safetensors.index.json or a folder holding either, or Flax .msgpack parameters)
     and the attention layer under `prefix` is taken (of safetensors, its tensors alone are
-    read), in any layout `mha.porting` reads.
-    `options` (rope_theta, rope_interleaved, sliding_window) set what weights do not tell;
-    only an mha checkpoint keeps them.
+    read), in any layout `mha.porting` reads. `options` (rope_theta, rope_interleaved,
+    sliding_window) set what weights do not tell; only an mha checkpoint keeps them.
 
     Example:
         >>> mha.conversion.convert("attention.pt", "attention.weights.h5", num_heads=4)
@@ -398,9 +398,10 @@ def convert(
         ...                        prefix="bert.encoder.layer.0.attention")
 
     Returns:
-        The config of the converted layer; with `prefix`, also "layout" (the layout found)
-        and "left_out" (the names under the prefix that are not attention weights), and
-        "notes" (what the port added that the source does not hold, each exact).
+        The config the destination holds, read back; with `prefix`, "layout" (the layout
+        found) and "left_out" (the names under the prefix that are not attention weights);
+        "notes": what a port added that the source does not hold (each exact), and what of
+        the source's config the destination does not (a framework's file: dropout, empty_rows).
 
     Raises:
         ValueError: a file that cannot be read, a configuration the destination cannot express
@@ -424,7 +425,25 @@ def convert(
         scale=config["scale"],
         **options_of(config),
     )
-    return {**config, **extra}
+    return _held(destination, config, extra)
+
+
+def _held(destination: str | os.PathLike, config: Mapping[str, Any], extra: dict) -> dict:
+    """`extra` beside the config `destination` holds, read back, with a note naming what of
+    `config` it does not hold (a framework's file holds weights and sizes alone)."""
+    _, held = read_file(destination, num_heads=config["num_heads"])
+    lost = [key for key, value in config.items() if key in held and not _same(held[key], value)]
+    if lost:
+        given = ", ".join(f"{key}={config[key]!r}" for key in lost)
+        found = ", ".join(f"{key}={held[key]!r}" for key in lost)
+        note = f"{os.fspath(destination)} does not hold {given}: read back, {found}"
+        extra = {**extra, "notes": [*extra.get("notes", ()), note]}
+    return {**held, **extra}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal options as files write them: a tuple as a list, a scaling as a plain mapping."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def _write_latent(path, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> None:

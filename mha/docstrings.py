@@ -60,7 +60,7 @@ Call arguments:
     alignment: where the masks put query i when queries and keys differ in number:
         None (default; at i, after the cached positions with a cache), "top_left" (at i),
         "bottom_right" (at i + no. of keys - no. of queries) or an int n (at n + i). It
-        moves causal, a sliding window and ALiBi, not rotary positions.
+        moves causal, a sliding window, chunks and ALiBi, not rotary positions.
     segment_ids: packed sequences: integers (batch_size, positions), as many queries as keys,
         or a pair (query ids (batch_size, no. of queries), key ids (batch_size, no. of
         keys)); a query attends to the keys of its own segment only, the masks reading a

@@ -216,6 +216,10 @@ class RopeScaling(dict):
         raise TypeError("a layer's scaling cannot change; build a layer with another")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _frozen
+    __ior__ = _frozen
+
+    def __reduce__(self):  # pickle and copy.deepcopy build it whole, not item by item
+        return (RopeScaling, (dict(self),))
 
 
 def frozen_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:

@@ -71,6 +71,16 @@ def _check_optional_positive_int(name: str, value: Any) -> None:
         check_positive_int(name, value)
 
 
+def _check_python_number(name: str, value: Any) -> None:
+    """A TypeError for a number of another kind (numpy's float32): a layer keeps it, and its
+    config goes to JSON files, which take Python's numbers (and numpy's float64, a float)."""
+    if not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{name} must be a Python number (float() converts numpy's numbers). "
+            f"Received: {name}={value!r} of type {type(value).__name__}"
+        )
+
+
 def _check_dropout(name: str, value: Any) -> None:
     if (
         isinstance(value, bool)
@@ -78,6 +88,7 @@ def _check_dropout(name: str, value: Any) -> None:
         or not (0.0 <= float(value) < 1.0)
     ):
         raise ValueError(f"{name} must be a number in [0, 1). Received: {name}={value!r}")
+    _check_python_number(name, value)
 
 
 def check_bool(name: str, value: Any) -> None:
@@ -101,6 +112,7 @@ def _check_positive_number(name: str, value: Any) -> None:
         or not (math.isfinite(value) and value > 0)
     ):
         raise ValueError(f"{name} must be a positive number. Received: {name}={value!r}")
+    _check_python_number(name, value)
 
 
 def _check_optional_positive_number(name: str, value: Any) -> None:
@@ -118,6 +130,7 @@ def _check_scale(name: str, value: Any) -> None:
         )
     if not (math.isfinite(value) and value > 0):  # as the attention function's scale
         raise ValueError(f"{name} must be a positive number or None. Received: {name}={value!r}")
+    _check_python_number(name, value)
 
 
 def check_dtype(dtype: Any) -> str:

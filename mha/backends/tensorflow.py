@@ -103,6 +103,13 @@ def from_numpy(array: Any) -> tf.Tensor:
 # Building blocks that the frameworks provide and numpy does not
 
 
+def _keep_scalings(layer, **scalings) -> None:
+    """Set each scaling as it is frozen: Keras would wrap a dict in a TrackedDict, which can
+    change (and would write a changed scaling to files the layer does not compute)."""
+    for name, scaling in scalings.items():
+        object.__setattr__(layer, name, frozen_rope_scaling(scaling))
+
+
 def _dims(x: tf.Tensor) -> list:
     """The shape of x, each size static when known and a scalar tensor when not."""
     dynamic = tf.shape(x)
@@ -842,8 +849,8 @@ class MultiHeadAttention(_AttentionLayer):
         self.empty_rows, self.sliding_window = empty_rows, sliding_window
         self.attention_chunk_size, self.num_kv_heads = attention_chunk_size, num_kv_heads
         self.rope_theta, self.rope_interleaved = rope_theta, rope_interleaved
-        self.rope_dim, self.rope_scaling = rope_dim, frozen_rope_scaling(rope_scaling)
-        self.query_scaling, self.softcap = frozen_rope_scaling(query_scaling), softcap
+        self.rope_dim, self.softcap = rope_dim, softcap
+        _keep_scalings(self, rope_scaling=rope_scaling, query_scaling=query_scaling)
         self.attention = DotProductAttention(dropout, scale=scale, empty_rows=empty_rows,
                                              softcap=softcap, dtype=dtype)
         # Keys and values have num_kv_heads heads of num_hiddens / num_heads features each
@@ -1062,8 +1069,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
         self.v_head_dim, self.rope_theta = v_head_dim, rope_theta
         self.rope_interleaved = rope_interleaved
-        self.rope_scaling = frozen_rope_scaling(rope_scaling)
-        self.query_scaling = frozen_rope_scaling(query_scaling)
+        _keep_scalings(self, rope_scaling=rope_scaling, query_scaling=query_scaling)
         qk_head = qk_nope_head_dim + qk_rope_head_dim
         if q_lora_rank is None:
             self.W_q = _projection(num_heads * qk_head, False, num_hiddens, dtype)
@@ -1298,7 +1304,8 @@ class RotaryEmbedding(Layer):
         dtype = validation.check_layer_args("RotaryEmbedding", locals())
         super().__init__(dtype=dtype, **kwargs)
         self.num_hiddens, self.theta, self.interleaved = num_hiddens, theta, interleaved
-        self.rotary_dim, self.scaling = rotary_dim, frozen_rope_scaling(scaling)
+        self.rotary_dim = rotary_dim
+        _keep_scalings(self, scaling=scaling)
         self.supports_masking = True  # a Keras padding mask on X passes through
         # The first `rotated` features turn, in pairs; the others pass (partial rotary)
         self.rotated = rotary_dim or num_hiddens

@@ -91,13 +91,14 @@ def multihead_config(
 
 def options_of(config: Mapping[str, Any]) -> dict[str, Any]:
     """The untold options of a MultiHeadAttention config that are set (not their defaults);
-    the eps of a QK-norm the layer does not have is not one."""
+    the eps of a layer with neither a QK-norm nor a value norm, which would read it, is not."""
     defaults = layer_defaults("MultiHeadAttention")
+    unread = config.get("qk_norm") is None and not config.get("value_norm")
     return {
         key: config[key]
         for key in UNTOLD_OPTIONS
         if config.get(key, defaults[key]) not in (None, False, defaults[key])
-        and not (key == "qk_norm_eps" and config.get("qk_norm") is None)
+        and not (key == "qk_norm_eps" and unread)
     }
 
 
