@@ -114,15 +114,22 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
                 f"Received: {describe(name, x)}"
             )
         if dtype_name(x) not in FLOAT_DTYPES or dtype_name(x) != dtype_name(query):
+            received = describe("query", query)
+            if name != "query":
+                received += f", {describe(name, x)}"
             raise TypeError(
-                f"query, key and value must share one floating dtype. Received: "
-                f"{describe('query', query)}, {describe(name, x)}"
+                f"query, key and value must share one floating dtype. Received: {received}"
             )
     (batch_size, heads, queries, d), k, v = shapes["query"], shapes["key"], shapes["value"]
+    if 0 in (heads, k[1], queries, k[2]):
+        raise ValueError(
+            "query, key and value must each have at least one head and one position. "
+            f"Received: query {format_shape(shapes['query'])}, key {format_shape(k)}, "
+            f"value {format_shape(v)}"
+        )
     fits = k[0] == v[0] == batch_size and k[1] == v[1] and k[2] == v[2] and k[3] == d
     # A size unknown while tracing (None) is checked where the call runs
-    empty = 0 in (heads, k[1], queries, k[2])
-    if not fits or empty or (None not in (heads, k[1]) and heads % k[1]):
+    if not fits or (None not in (heads, k[1]) and heads % k[1]):
         raise ValueError(
             "key and value must have query's batch size, one number of heads that divides "
             "query's, one number of positions (at least one), and key query's head size. "

@@ -392,10 +392,18 @@ def test_bad_tensors_are_refused(name, rng):
         attention(name, query[0], key, value)
     with pytest.raises(ValueError, match="one number of heads that divides query's"):
         attention(name, query, key[:, :1], value)
-    with pytest.raises(ValueError, match="one number of heads that divides query's"):
+    empty = "must each have at least one head and one position"
+    with pytest.raises(ValueError, match=empty):
         attention(name, query, key[:, :0], value[:, :0])  # no key-value head
+    with pytest.raises(ValueError, match=empty):
+        attention(name, query[:, :, :0], key, value)  # no query
     with pytest.raises(TypeError, match="share one floating dtype"):
         attention(name, query, key.astype("float32"), value)
+    # Integer tensors: the query named once
+    with pytest.raises(
+        TypeError, match=r"Received: query with shape \S+ \S+ \S+ \S+ and dtype int64$"
+    ):
+        attention(name, query.astype("int64"), key.astype("int64"), value.astype("int64"))
     with pytest.raises(TypeError, match="must be an array or tensor of the layer's framework"):
         backend_module(name).dot_product_attention(query.tolist(), key, value)
 

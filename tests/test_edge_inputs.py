@@ -270,3 +270,66 @@ def test_rotary_positions_past_2_24_are_whole_positions_rounded_once(name):
     given = module.from_numpy(np.arange(offset, offset + n)[None])
     one_by_one = module.to_numpy(rotary.rotate(module.from_numpy(X), offset, positions=given))
     np.testing.assert_array_equal(at_offset, one_by_one)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_the_function_of_an_empty_batch_with_weights_and_lse(name):
+    # MXNet's sum of an empty batch returned, then failed the next call (its error is late)
+    module = backend_module(name)
+    q, k, v = (module.from_numpy(np.zeros((0, H, n, D), "float32")) for n in (Q, K, K))
+    output, weights, lse = module.dot_product_attention(
+        q, k, v, return_weights=True, return_lse=True
+    )
+    shapes = [module.to_numpy(x).shape for x in (output, weights, lse)]
+    assert shapes == [(0, H, Q, D), (0, H, Q, K), (0, H, Q)]
+    x = np.random.default_rng(0).standard_normal((1, H, Q, D)).astype("float32")
+    again = module.dot_product_attention(*(module.from_numpy(x) for _ in "qkv"))
+    assert_agrees(module.to_numpy(again), N.dot_product_attention(x, x, x), "float32")
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_the_lse_of_a_row_with_a_kept_infinite_or_nan_score(name):
+    # log(sum(exp)) of a row holding a kept +inf is +inf (torch's, TensorFlow's and JAX's
+    # logsumexp); of a NaN, NaN; of a row with no kept score, -inf. numpy and MXNet shifted by
+    # the +inf maximum and gave inf - inf = NaN
+    module = backend_module(name)
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal((1, 1, n, 4)).astype("float32") for n in (3, 4))
+    bias = np.zeros((1, 1, 3, 4), "float32")
+    bias[..., 0, 1], bias[..., 1, 2] = np.inf, np.nan
+    bias[..., 2, :] = -np.inf
+    q, k, bias = (module.from_numpy(t) for t in (q, k, bias))
+    _, lse = module.dot_product_attention(q, k, k, bias=bias, return_lse=True)
+    lse = module.to_numpy(lse)[0, 0]
+    assert lse[0] == np.inf and np.isnan(lse[1]) and lse[2] == -np.inf
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_numpy_float64_scale_and_softcap_keep_the_inputs_dtype(name):
+    # numpy 2 widens a float32 array times numpy's float64 (not a weak scalar) to float64
+    module = backend_module(name)
+    x = module.from_numpy(np.random.default_rng(2).standard_normal((1, 2, 3, 4)).astype("float32"))
+    output, weights = module.dot_product_attention(
+        x, x, x, scale=np.float64(0.3), softcap=np.float64(5.0), return_weights=True
+    )
+    assert {module.to_numpy(t).dtype for t in (output, weights)} == {np.dtype("float32")}
+    layer = module.DotProductAttention(scale=np.float64(0.3), softcap=np.float64(5.0))
+    assert module.to_numpy(layer(x[0], x[0], x[0])).dtype == np.float32
+
+
+@pytest.mark.torch
+def test_torchs_path_without_weights_gives_a_nan_query_zeros_as_its_kernel_does():
+    # As docs/design.md says: F.scaled_dot_product_attention's CPU kernel gives the row of a
+    # query holding NaN zeros, and mha's path without weights passes it through (reading the
+    # queries for it would cost a pass over them on every call); with weights it is NaN
+    T = backend_module("torch")
+    import torch
+
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((1, 1, 3, 4)).astype("float32"))
+    q = x.clone()
+    q[0, 0, 1, 2] = float("nan")
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, x, x)
+    without = T.dot_product_attention(q, x, x)
+    with_weights, _ = T.dot_product_attention(q, x, x, return_weights=True)
+    assert torch.equal(without, sdpa) and not without[0, 0, 1].isnan().any()
+    assert with_weights[0, 0, 1].isnan().all() and not with_weights[0, 0, 0].isnan().any()

@@ -8,6 +8,7 @@ Rows with no allowed key are compared separately (torch gives NaN there, mha zer
 import json
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -669,6 +670,25 @@ def test_a_torch_subclass_computing_its_own_way_is_refused(torch):
     np.testing.assert_allclose(layer(x, x, x), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.torch
+def test_a_torch_module_with_forward_hooks_is_refused(torch):
+    # A hook changes what the module computes as an override does (pruning computes its
+    # weights from in_proj_weight_orig and a mask in one): converted, it gave other numbers
+    from torch.nn.utils import prune
+
+    scaled, pruned = (torch.nn.MultiheadAttention(8, 2, batch_first=True) for _ in "ab")
+    scaled.register_forward_hook(lambda module, inputs, output: (0.5 * output[0], output[1]))
+    prune.l1_unstructured(pruned, "in_proj_weight", amount=0.5)
+    for module, name in ((scaled, "<lambda>"), (pruned, "L1Unstructured")):
+        with pytest.raises(ValueError, match=rf"has forward hooks \({name}\).*prune.remove"):
+            interop.from_torch(module)
+    prune.remove(pruned, "in_proj_weight")  # its weights, zeros and all
+    x = np.random.default_rng(5).standard_normal((2, 3, 8)).astype("float32")
+    expected = pruned(*[torch.from_numpy(x)] * 3, need_weights=False)[0].detach().numpy()
+    converted = interop.from_torch(pruned, backend="numpy")
+    np.testing.assert_allclose(converted(x, x, x), expected, rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # keras.layers.MultiHeadAttention
 
@@ -1015,6 +1035,21 @@ def test_a_keras_subclass_computing_its_own_way_is_refused(keras):
     gated(x, x)
     with pytest.raises(ValueError, match="CachedMultiHeadAttention overrides call"):
         interop.from_keras(gated)
+
+
+@pytest.mark.tensorflow
+@pytest.mark.parametrize("mode", ["float8", "int8"])
+def test_a_keras_layer_quantized_by_keras_is_refused(keras, mode):
+    # Model.quantize makes the projections multiply by float8 or int8 weights: their float
+    # kernels converted gave other numbers (float8: 0.67 off outputs of 4)
+    inputs = keras.Input((None, 8))
+    layer = keras.layers.MultiHeadAttention(2, 4)
+    model = keras.Model(inputs, layer(inputs, inputs))
+    with warnings.catch_warnings():  # Keras names the layers it leaves (Softmax, Dropout)
+        warnings.simplefilter("ignore")
+        model.quantize(mode)
+    with pytest.raises(ValueError, match=f"quantized \\(quantization_mode='{mode}'\\)"):
+        interop.from_keras(layer)
 
 
 @pytest.mark.tensorflow

@@ -566,7 +566,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
             *row_lse.shape[:-2], heads, rows)
     if fusable:
         d = queries.shape[-1]
-        scaled = queries / math.sqrt(d) if scale is None else queries * scale
+        scaled = queries / math.sqrt(d) if scale is None else queries * float(scale)
 
         def unfused(queries, keys, values):  # the steps below, on any other device
             return _attention(queries, keys, values, keep, None, dropout, scale=1.0,
@@ -577,13 +577,14 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
                               unfused=unfused)
         return output, None, None
     d = queries.shape[-1]
-    # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
-    queries = queries / math.sqrt(d) if scale is None else queries * scale
+    # The queries are scaled rather than the scores: Q x d numbers instead of Q x K; a Python
+    # float (weak in JAX), where numpy's float64 would widen float32 queries in 64-bit mode
+    queries = queries / math.sqrt(d) if scale is None else queries * float(scale)
     # Shape of scores: (..., no. of queries, no. of keys)
     scores = _matmul(queries, jnp.swapaxes(keys, -1, -2))
     if softcap is not None:
         # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
-        scores = softcap * jnp.tanh(scores / softcap)
+        scores = float(softcap) * jnp.tanh(scores / float(softcap))
     output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
                                       empty_rows, sinks, rows_kept)
     if not lse:

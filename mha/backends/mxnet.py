@@ -845,9 +845,13 @@ def _log_sum_exp(F, scores, keep):
     if keep is not None:
         scores = F.np.where(keep, scores, F.np.full_like(scores, -numpy.inf))
     row_max = scores.max(axis=-1)
+    if F is not mx.sym and scores.size == 0:  # an empty batch: MXNet's sum of it fails later
+        return row_max
     # A row with no kept score has maximum -inf: shifting by 0 keeps its sum 0, its log -inf
     shift = F.np.where(F.np.isneginf(row_max), F.np.zeros_like(row_max), row_max)
-    return shift + F.np.log(F.np.exp(scores - F.np.expand_dims(shift, -1)).sum(axis=-1))
+    lse = shift + F.np.log(F.np.exp(scores - F.np.expand_dims(shift, -1)).sum(axis=-1))
+    # A row with a kept +inf: +inf (MXNet's sum of a row holding +inf is NaN)
+    return F.np.where(F.np.isposinf(row_max), row_max, lse)
 
 
 # ---------------------------------------------------------------------------------------------

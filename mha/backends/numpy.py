@@ -473,7 +473,8 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
         scores = queries @ np.swapaxes(keys, -1, -2)
     if softcap is not None:
         # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
-        scores = softcap * np.tanh(scores / scores.dtype.type(softcap))
+        cap = scores.dtype.type(softcap)  # numpy's float64 would widen the scores
+        scores = cap * np.tanh(scores / cap)
     output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
                                       empty_rows, sinks)
     if not lse:
@@ -488,9 +489,10 @@ def _log_sum_exp(scores: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     if keep is not None:
         scores = np.where(keep, scores, scores.dtype.type(-np.inf))
     row_max = scores.max(axis=-1)
-    # A row with no kept score has maximum -inf: shifting by 0 keeps its sum 0, its log -inf
-    shift = np.where(np.isneginf(row_max), scores.dtype.type(0), row_max)
-    with np.errstate(divide="ignore"):
+    # A row with no kept score has maximum -inf: shifting by 0 keeps its sum 0, its log -inf;
+    # one with a kept +inf has maximum +inf, whose sum shifted by 0 is +inf, as its log
+    shift = np.where(np.isfinite(row_max), row_max, scores.dtype.type(0))
+    with np.errstate(divide="ignore", over="ignore"):
         lse = shift + np.log(np.exp(scores - shift[..., None]).sum(axis=-1))
     return lse.astype(dtype, copy=False)
 

@@ -116,9 +116,12 @@ def _kernels_and_biases(
     numpy arrays, after checking that the parameters are those of multi-head attention."""
     found = sorted(params, key=str) if isinstance(params, Mapping) else type(params).__name__
     if not isinstance(params, Mapping) or set(params) != set(FLAX_PROJECTIONS.values()):
+        why = ""
+        if isinstance(params, Mapping) and {"query_ln", "key_ln"} & set(params):
+            why = "; query_ln and key_ln are normalize_qk=True's norms, which mha cannot express"
         raise ValueError(
             "Expected Flax multi-head attention parameters: query, key, value and out, each "
-            f"with a kernel (and a bias). Found: {found}"
+            f"with a kernel (and a bias). Found: {found}{why}"
         )
     kernels, biases = {}, {}
     for k, name in FLAX_PROJECTIONS.items():

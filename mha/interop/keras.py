@@ -126,15 +126,16 @@ def canonical_from_keras(layer: Any) -> tuple[dict[str, np.ndarray], dict[str, A
 
     Raises:
         ValueError: the layer is not built, or its configuration has no mha equivalent
-            (value_dim != key_dim, attention_axes other than the sequence axis), or its
-            class overrides a method that computes the output (it may compute other
-            numbers). A gate (use_gate=True) becomes W_g and b_g, which give the layer
-            output_gate.
+            (value_dim != key_dim, attention_axes other than the sequence axis, projections
+            quantized by Keras), or its class overrides a method that computes the output
+            (it may compute other numbers). A gate (use_gate=True) becomes W_g and b_g,
+            which give the layer output_gate.
     """
     sizes = _keras_sizes(layer)
     num_heads, key_dim = sizes["num_heads"], sizes["key_dim"]
     _refuse_keras_subclass(layer, sizes["grouped"])
     projections = "qkvog" if _has_gate(layer) else "qkvo"
+    _refuse_quantized(layer, projections)
     kernels = {k: as_numpy(keras_dense(layer, k).kernel) for k in projections}
     _refuse_keras_layer(layer, sizes, kernels)
     output = kernels["o"]
@@ -207,6 +208,19 @@ def _refuse_keras_subclass(layer: Any, grouped: bool) -> None:
     base = layers.GroupQueryAttention if grouped else layers.MultiHeadAttention
     equivalent = frozenset() if _has_gate(layer) else _KERAS_CACHED
     refuse_overrides(layer, base, _KERAS_COMPUTING, equivalent)
+
+
+def _refuse_quantized(layer: Any, projections: str) -> None:
+    """Raise ValueError where Keras quantized the layer's projections (`Model.quantize`):
+    they multiply by float8 or integer weights, not by the float kernels mha would read."""
+    modes = {getattr(keras_dense(layer, k), "quantization_mode", None) for k in projections}
+    modes.discard(None)
+    if modes:
+        raise ValueError(
+            f"This keras.layers.{type(layer).__name__} is quantized (quantization_mode="
+            f"{', '.join(map(repr, sorted(modes)))}): its projections compute with weights "
+            "mha's layers do not hold. Convert the layer before quantizing it"
+        )
 
 
 def _refuse_keras_layer(

@@ -222,7 +222,8 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
 
     Raises:
         ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express,
-            or its class overrides forward (it may compute other numbers).
+            or its class overrides forward or it has forward hooks (pruning's among them),
+            which may compute other numbers.
     """
     import torch
 
@@ -231,6 +232,7 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
             f"Expected a torch.nn.MultiheadAttention. Received: {type(module).__qualname__}"
         )
     refuse_overrides(module, torch.nn.MultiheadAttention, ("forward", "merge_masks"))
+    _refuse_hooks(module)
     if module.add_zero_attn:
         raise ValueError(
             "torch.nn.MultiheadAttention with add_zero_attn=True has no mha equivalent"
@@ -243,6 +245,19 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
         dropout=float(module.dropout),
         training=module.training,
     )
+
+
+def _refuse_hooks(module: Any) -> None:
+    """Raise ValueError where forward hooks may change what the module computes (pruning's
+    among them, which computes the weights from `*_orig` and a mask before each call)."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    if hooks:
+        names = ", ".join(sorted({getattr(h, "__name__", type(h).__name__) for h in hooks}))
+        raise ValueError(
+            f"This torch.nn.MultiheadAttention has forward hooks ({names}), which may change "
+            "what it computes from its weights; remove them (torch.nn.utils.prune.remove for "
+            "pruning) before converting it"
+        )
 
 
 def to_torch_masks(
