@@ -315,6 +315,9 @@ _ROPE_VALUE_CHECKS = {
     "partial_rotary_factor": lambda v: _positive(v) and v <= 1,
     "mscale": lambda v: _number(v) and math.isfinite(v) and v >= 0,
     "mscale_all_dim": lambda v: _number(v) and math.isfinite(v) and v >= 0,
+    # 0 reads as the default (32, 1), as transformers reads `beta_fast or 32`
+    "beta_fast": lambda v: _number(v) and math.isfinite(v) and v >= 0,
+    "beta_slow": lambda v: _number(v) and math.isfinite(v) and v >= 0,
     "truncate": lambda v: isinstance(v, bool),
     "short_factor": _factors,
     "long_factor": _factors,
@@ -324,6 +327,8 @@ _ROPE_VALUE_KINDS = {
     "partial_rotary_factor": "a number in (0, 1]",
     "mscale": "a number >= 0",
     "mscale_all_dim": "a number >= 0",
+    "beta_fast": "a number >= 0 (0: the default, 32)",
+    "beta_slow": "a number >= 0 (0: the default, 1)",
     "truncate": "True or False",
     "short_factor": "a list of positive numbers",
     "long_factor": "a list of positive numbers",

@@ -137,8 +137,15 @@ def check_dtype(dtype: Any) -> str:
     """Return the dtype's plain name; accepts a name or any framework's dtype object."""
     name = dtype if isinstance(dtype, str) or dtype is None else plain_dtype_name(dtype)
     if name not in FLOAT_DTYPES:
+        # A mixed policy (Keras's "mixed_float16") computes in one dtype and stores in another
+        advice = ""
+        if "mixed" in str(name) or "mixed" in repr(dtype):
+            advice = (
+                ": a layer computes in the dtype its weights hold, so give the compute dtype "
+                "(dtype='float16' for mixed_float16) and load the weights into it"
+            )
         raise ValueError(
-            f"dtype must be one of {', '.join(FLOAT_DTYPES)}. Received: dtype={dtype!r}"
+            f"dtype must be one of {', '.join(FLOAT_DTYPES)}{advice}. Received: dtype={dtype!r}"
         )
     return name
 

@@ -34,20 +34,21 @@ TURNS_PART = frozenset(
 )
 # Model types among the others whose code fails on a fraction under any rotary embedding
 _FAILS_ON_PART = frozenset({"solar_open"})
-# Model types whose config names the base and the fraction rotated otherwise (Gemma 3 reads
-# no fraction outside its rope_parameters, Gemma 4 neither a base)
+# Model types whose config names the base and the fraction rotated otherwise (Gemma 4 reads
+# neither outside its rope_parameters; Gemma 3's, 3n's and OLMo 3's config classes copy a
+# top-level fraction into each layer type's parameters)
 _ROPE_FIELDS = {
     **{model_type: ("", "") for model_type in _THETA_IN_CODE},
     **{model_type: ("rope_theta", "") for model_type in _THETA_ALONE},
     "gpt_neox": ("rotary_emb_base", "rotary_pct"),
-    "gemma3_text": ("rope_theta", ""),
-    "gemma3n_text": ("rope_theta", ""),
+    "gemma3_text": ("rope_theta", "partial_rotary_factor"),
+    "gemma3n_text": ("rope_theta", "partial_rotary_factor"),
     "gemma4_text": ("", ""),  # its rope_parameters alone (transformers reads no older field)
     "embedding_gemma2_text": ("", ""),
     "mellum": ("", ""),
     "modernbert": ("global_rope_theta", ""),
     "modernbert-decoder": ("global_rope_theta", ""),
-    "olmo3": ("rope_theta", ""),
+    "olmo3": ("rope_theta", "partial_rotary_factor"),
     "qwen2_5_vl_text": ("rope_theta", ""),
     "qwen2_vl_text": ("rope_theta", ""),
 }
@@ -178,7 +179,7 @@ def _turned(config: Mapping[str, Any], partial: Any, scaling: dict | None, laten
     raise ValueError(
         f"the config turns part of each head (partial_rotary_factor={partial!r}) under {how} "
         f"rotary embedding; transformers' code of model_type={model_type!r} turns whole "
-        "heads, and cannot run it"
+        "heads, whose frequencies the part's do not fit (it fails, or broadcasts one)"
     )
 
 

@@ -413,6 +413,88 @@ def test_subclassed_model_trains(TF, tf):
     assert not np.array_equal(mha.get_weights(model.attention)["W_q"], before["W_q"])
 
 
+def test_a_subclassed_models_training_flag_reaches_the_layers_after_mhas(TF, tf):
+    # Keras takes an explicit training=None as the caller's and hands it on: the mha layer's
+    # own None turned its dropout, and the Dropout after it in the same call, to inference
+    import keras
+
+    class Block(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.attention = TF.DotProductAttention(0.5)
+            self.after = keras.layers.Dropout(0.5)
+
+        def call(self, X):  # training not passed on, as Keras 3 lets a call do
+            return self.after(self.attention(X, X, X))
+
+    block = Block()
+    X = np.ones((2, 6, D), np.float32)
+    inference = block(X, training=False).numpy()
+    trained = block(X, training=True).numpy()
+    np.testing.assert_allclose(inference, 1.0, rtol=1e-6)  # uniform weights of equal values
+    # Two dropouts of 0.5: each output is 0, or 1 scaled by 2 (after) times what survives
+    assert (trained == 0).mean() > 0.3 and len(np.unique(trained.round(5))) > 2
+
+
+def test_trainable_false_given_to_the_constructor_freezes_the_weights(TF, tf, tmp_path):
+    # Keras's setter freezes the sublayers there are; the constructor's flag, and a .keras
+    # file's, came before them: fit moved weights the layer said it did not train
+    import keras
+
+    X = np.random.default_rng(2).standard_normal((4, 3, D)).astype(np.float32)
+    for made in ("constructor", "file"):
+        layer = TF.MultiHeadAttention(
+            8, 2, query_size=D, key_size=D, value_size=D, trainable=made != "constructor"
+        )
+        inputs = keras.Input((3, D))
+        model = keras.Model(inputs, layer(inputs, inputs, inputs))
+        if made == "file":
+            layer.trainable = False
+            model.save(tmp_path / "frozen.keras")
+            model = keras.models.load_model(tmp_path / "frozen.keras")
+            layer = model.layers[-1]
+        before = mha.get_weights(layer)
+        assert model.trainable_weights == []
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        model.fit(X, np.ones((4, 3, 8), np.float32), epochs=2, verbose=0)
+        after = mha.get_weights(layer)
+        assert all(np.array_equal(after[k], before[k]) for k in before), made
+
+
+def test_sequential_hands_the_latent_layer_no_padding_mask(TF, tf):
+    # Where a Sequential cannot trace a layer it calls each layer with the padding mask as
+    # `mask`: read as the attention's (queries, keys) mask, it gave other numbers
+    import keras
+
+    class Untraced(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.supports_masking = True
+
+        def compute_output_spec(self, x):
+            raise NotImplementedError
+
+        def call(self, x):
+            return x
+
+    sizes = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4}
+    tokens = np.array([[3, 5, 0, 0], [2, 0, 0, 0], [1, 2, 3, 4], [7, 7, 7, 0]], "int32")
+    embedding = keras.layers.Embedding(10, 16, mask_zero=True)
+    layer = TF.MultiHeadLatentAttention(16, 2, **sizes)
+    model = keras.Sequential([keras.Input((None,), dtype="int32"), embedding, Untraced(), layer])
+    output = model(tokens).numpy()
+    X = embedding(tokens).numpy()
+    np.testing.assert_allclose(output, layer(X).numpy(), rtol=0, atol=1e-6)
+
+
+def test_a_mixed_policy_as_dtype_is_refused_with_the_advice(TF, tf):
+    import keras
+
+    for policy in ("mixed_float16", keras.DTypePolicy("mixed_bfloat16")):
+        with pytest.raises(ValueError, match="give the compute dtype"):
+            TF.MultiHeadAttention(8, 2, dtype=policy)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_tf_function(TF, tf, jit_compile):
     numpy_layer, layer = make_pair(TF, "MultiHeadAttention", "float32", bias=True)

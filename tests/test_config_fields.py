@@ -91,6 +91,25 @@ def test_fields_a_model_type_does_not_read_leave_its_port_as_transformers_runs_i
     assert_each_layer_ports(model_type, model, config, config_dict)
 
 
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gemma3n_text", "olmo3"])
+def test_a_top_level_fraction_beside_rotary_parameters_of_each_layer_type(model_type):
+    # Their config classes copy a top-level partial_rotary_factor into each layer type's
+    # parameters: under the full layers' YaRN it was not read (a whole head turned, where
+    # transformers fails or broadcasts); now refused as the same fraction written nested is,
+    # and under the sliding layers' default embedding ignored, as transformers' code does
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}
+    yarn["original_max_position_embeddings"] = 4
+    default = {"rope_type": "default", "rope_theta": 1e4}
+    layers = {"full_attention": yarn, "sliding_attention": default}
+    kinds = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    top = _written(model_type, {**kinds, "rope_parameters": layers, "partial_rotary_factor": 0.5})
+    nested = {k: {**v, "partial_rotary_factor": 0.5} for k, v in layers.items()}
+    for config in (top, {**top, "rope_parameters": nested}):
+        with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.5\) under a 'yarn'"):
+            porting.options_from_config(config, 1)
+        assert "rope_dim" not in porting.options_from_config(config, 0)
+
+
 def _written(model_type: str, changes: dict) -> dict:
     sizes = {**SIZES, **OWN_SIZES.get(model_type, {}), **changes, "model_type": model_type}
     return {key: value for key, value in sizes.items() if value is not None}

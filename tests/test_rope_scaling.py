@@ -34,6 +34,14 @@ SCALINGS = {
         "beta_fast": 8.0,
         "beta_slow": 1.0,
     },
+    # Betas of 0, which transformers reads as its defaults (32, 1)
+    "yarn_zero_betas": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 0,
+        "beta_slow": 0,
+    },
     # gpt-oss's form: the ramp's ends not rounded
     "yarn_untruncated": {
         "rope_type": "yarn",

@@ -103,6 +103,12 @@ def from_numpy(array: Any) -> tf.Tensor:
 # Building blocks that the frameworks provide and numpy does not
 
 
+def _given(training) -> dict:
+    """training for Layer.__call__ where the caller gave it: Keras takes an explicit None as
+    the caller's, and would hand None to the layers called after it in the enclosing call."""
+    return {} if training is None else {"training": training}
+
+
 def _keep_scalings(layer, **scalings) -> None:
     """Set each scaling as it is frozen: Keras would wrap a dict in a TrackedDict, which can
     change (and would write a changed scaling to files the layer does not compute)."""
@@ -154,6 +160,13 @@ class Layer(keras.layers.Layer):
     """keras.layers.Layer whose dtype is the one it was built with: its weights, sublayers
     and checks hold it, so a new `dtype_policy` computing or storing in another dtype is
     refused rather than half applied."""
+
+    def __setattr__(self, name, value):
+        # A sublayer made after Layer.__init__(trainable=False) is frozen as the layer is
+        # (Keras's setter freezes the sublayers there are; a .keras file's layer is made so)
+        if isinstance(value, keras.layers.Layer) and not getattr(self, "_trainable", True):
+            value.trainable = False
+        super().__setattr__(name, value)
 
     @property
     def dtype_policy(self):
@@ -638,6 +651,9 @@ class _AttentionLayer(Layer):
     def __init__(self, **kwargs):
         super().__init__(**{"autocast": False, **kwargs})
         self.supports_masking = True
+        # Sequential and Keras's wrappers hand a layer whose call has a `mask` their padding
+        # mask there: ours is an attention mask, given by the caller alone
+        self._call_has_mask_arg = False
 
     def compute_mask(self, inputs, previous_mask=None):
         return None
@@ -685,7 +701,7 @@ class DotProductAttention(_AttentionLayer):
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
                                 alignment=_as_int(alignment), segment_ids=segment_ids,
-                                training=training)
+                                **_given(training))
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
@@ -773,7 +789,7 @@ class AdditiveAttention(_AttentionLayer):
         return super().__call__(queries, keys, values, valid_lens, mask=mask, causal=causal,
                                 window_mask=window_mask, attn_bias=attn_bias,
                                 alignment=_as_int(alignment), segment_ids=segment_ids,
-                                training=training)
+                                **_given(training))
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
@@ -934,7 +950,7 @@ class MultiHeadAttention(_AttentionLayer):
                                 window_mask=window_mask, head_mask=head_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
                                 alignment=_as_int(alignment), segment_ids=segment_ids,
-                                training=training)
+                                **_given(training))
 
     def call(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
              window_mask=None, head_mask=None, need_weights=True, attn_bias=None,
@@ -1116,7 +1132,7 @@ class MultiHeadLatentAttention(_AttentionLayer):
             X = tf.identity(X)
         return super().__call__(X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
                                 need_weights=need_weights, attn_bias=attn_bias, cache=cache,
-                                absorbed=absorbed, training=training)
+                                absorbed=absorbed, **_given(training))
 
     def call(self, X, valid_lens=None, *, mask=None, causal=False, window_mask=None,
              need_weights=True, attn_bias=None, cache=None, absorbed=False, training=None):
@@ -1238,7 +1254,7 @@ class PositionalEncoding(Layer):
             X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
         )
         (X,) = _as_tensors(X)
-        return super().__call__(X, training=training)
+        return super().__call__(X, **_given(training))
 
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
         X = X + self.P[:, : _dims(X)[1], :]
@@ -1276,7 +1292,7 @@ class LearnedPositionalEncoding(Layer):
             X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
         )
         (X,) = _as_tensors(X)
-        return super().__call__(X, training=training)
+        return super().__call__(X, **_given(training))
 
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
         # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
@@ -1323,7 +1339,7 @@ class RotaryEmbedding(Layer):
             X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
         )
         (X,) = _as_tensors(X)
-        return super().__call__(X, offset=offset, training=training)
+        return super().__call__(X, offset=offset, **_given(training))
 
     def call(self, X: tf.Tensor, offset: int = 0) -> tf.Tensor:
         return self.rotate(X, offset)
@@ -1416,7 +1432,7 @@ class AddNorm(Layer):
             X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
         )
         X, Y = _as_tensors(X, Y)
-        return super().__call__(X, Y, training=training)
+        return super().__call__(X, Y, **_given(training))
 
     def call(self, X: tf.Tensor, Y: tf.Tensor, training=None) -> tf.Tensor:
         return self.ln(self.dropout(Y, training=training) + X)
