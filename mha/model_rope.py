@@ -179,7 +179,7 @@ def _turned(config: Mapping[str, Any], partial: Any, scaling: dict | None, laten
     raise ValueError(
         f"the config turns part of each head (partial_rotary_factor={partial!r}) under {how} "
         f"rotary embedding; transformers' code of model_type={model_type!r} turns whole "
-        "heads, whose frequencies the part's do not fit (it fails, or broadcasts one)"
+        "heads, and cannot run it (a part of one frequency it broadcasts over the head)"
     )
 
 
