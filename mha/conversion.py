@@ -443,7 +443,11 @@ def _held(destination: str | os.PathLike, config: Mapping[str, Any], extra: dict
 
 def _same(a: Any, b: Any) -> bool:
     """Equal options as files write them: a tuple as a list, a scaling as a plain mapping."""
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+    def written(x: Any) -> str:  # repr for a value JSON has no form of: compared, not failed
+        return json.dumps(x, sort_keys=True, default=repr)
+
+    return written(a) == written(b)
 
 
 def _write_latent(path, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> None:
