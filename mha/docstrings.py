@@ -177,8 +177,9 @@ Call arguments:
     offset: the position of X's first row (a cache's length when decoding); default 0.
 
 Returns:
-    X rotated, of X's shape. The angles are computed in float64 (float32 for float16 and
-    bfloat16) and their cosines and sines cast to the layer's dtype; there is no weight.
+    X rotated, of X's shape. The angles are computed in float32 (float64 in a float64 layer),
+    as Hugging Face and Keras compute them, and their cosines and sines cast to the layer's
+    dtype; there is no weight.
 """,
     "AddNorm": f"""
 {_args("AddNorm")}
