@@ -111,7 +111,7 @@ class Budget:
     """Warm-up calls, then rounds until `seconds` have passed, within [min_rounds, max_rounds]."""
 
     warmup: int = 2
-    min_rounds: int = 5
+    min_rounds: int = 6  # the fewest whose whole range holds the median with 95%
     max_rounds: int = 500
     seconds: float = 3.0
 
@@ -124,12 +124,11 @@ QUICK_BUDGET = Budget(warmup=1, min_rounds=3, max_rounds=3, seconds=0.0)
 def interleaved_times(calls: dict[str, Callable[[], Any]], budget: Budget) -> dict[str, list]:
     """Seconds of each call in each round: one call of each per round, in the given order in
     even rounds and reversed in odd ones, so that no call always runs after the same one."""
+    # Every warm-up, slow calls' too: a JAX layer keeping its weights compiles in each of its
+    # first two jitted calls (the weights join its state in the first)
     for call in calls.values():
         for _ in range(budget.warmup):
-            begin = time.perf_counter()
             call()
-            if time.perf_counter() - begin > budget.seconds / 4:
-                break  # a slow call: one warm-up builds its caches and graphs
     times: dict[str, list[float]] = {name: [] for name in calls}
     order, start = list(calls), time.perf_counter()
     while len(times[order[0]]) < budget.max_rounds:
@@ -224,6 +223,8 @@ def run(
             progress(index, len(cases), f"{backend} {mode} {config.shape} {described}")
         calls = {p: c for p, c in BENCHES[backend].calls(config, mode).items() if p in passes}
         for pass_ in list(calls):  # popped: one config's layers and weights go before the next
+            if len(calls[pass_]) < 2:  # mha's layer alone: nothing to time it against
+                continue
             rows = _rows(backend, mode, config, pass_, interleaved_times(calls.pop(pass_), budget))
             results += rows
             for row in rows if on_row else ():
@@ -362,17 +363,21 @@ def summary(results: Sequence[Result]) -> list[str]:
 
 
 def _write_or_print(document: dict[str, Any], arguments, out) -> None:
-    """Write the report to --output if given; print it as JSON (--json) or as a table."""
+    """Print the report, as JSON (--json) or as a table, then write it to --output if given:
+    a file that cannot be written loses nothing printed."""
+    print(_report_text(document, arguments.json), file=out)
     if arguments.output:
         from mha.files import write_atomically
 
         write_atomically(arguments.output, (json.dumps(document, indent=2) + "\n").encode())
-    if arguments.json:
-        print(json.dumps(document, indent=2), file=out)
-        return
+
+
+def _report_text(document: dict[str, Any], as_json: bool) -> str:
+    if as_json:
+        return json.dumps(document, indent=2)
     facts, results = document["machine"], [Result.from_dict(r) for r in document["results"]]
     settings = sorted({(r.config.dtype, r.config.device) for r in results})
-    print(
+    lines = [
         f"Machine: {facts['processor']} ({', '.join(facts['vector_extensions']) or '-'}), "
         f"{facts['cpu_count']} CPU cores, device {facts['device']}; matmul roofline "
         f"{facts['matmul_roofline_gflops']} GFLOP/s; load average {facts['load_average_start']} "
@@ -381,11 +386,10 @@ def _write_or_print(document: dict[str, Any], arguments, out) -> None:
         "ratio: median over rounds of mha's time / the built-in's in the same round (below 1.0: "
         "mha is faster);\nnumpy: / the time of its FLOPs at the roofline. 95% interval: of that "
         "median; one that holds 1.0 is a tie.",
-        file=out,
-    )
-    print(markdown_table(results) + "\n\n" + "\n".join(summary(results)), file=out)
-    for name, reason in document["skipped"].items():
-        print(f"skipped {name}: {reason}", file=out)
+        markdown_table(results) + "\n\n" + "\n".join(summary(results)),
+    ]
+    lines += [f"skipped {name}: {reason}" for name, reason in document["skipped"].items()]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,7 +423,11 @@ def add_arguments(parser) -> None:
     add("--need-weights", choices=("true", "false"), help="only the rows with need_weights so")
     add("--pass", dest="pass_", choices=PASSES, help="only the rows of this pass")
     modes = sorted({mode for entry in BENCHES.values() for mode in entry.modes})
-    add("--mode", choices=modes, help="only the rows of this mode (MXNet: imperative, hybridized)")
+    add(
+        "--mode",
+        choices=modes,
+        help="only the rows of this mode (MXNet: imperative or hybridized; one mode elsewhere)",
+    )
     add("--dtype", choices=DTYPES, help="of layers, inputs and weights (default: float32)")
     add("--device", choices=("cpu", "gpu"), help="cpu (default) or gpu: torch, TensorFlow and JAX")
     add("--report", metavar="FILE", help="print a saved JSON report (--output) without running")
@@ -435,13 +443,13 @@ def _parse_shapes(text: str) -> list[tuple]:
     shapes = []
     for part in text.split(";"):
         sizes, plus, cached = part.partition("+")
-        shape = tuple(int(v) if v.strip().isdigit() else 0 for v in sizes.split(","))
+        shape = tuple(int(v) if v.strip().isdecimal() else 0 for v in sizes.split(","))
         if (
             len(shape) not in (4, 5)
             or min(shape) <= 0
             or shape[2] % shape[3]
             or shape[3] % shape[-1]
-            or (plus and not (cached.strip().isdigit() and int(cached) > 0))
+            or (plus and not (cached.strip().isdecimal() and int(cached) > 0))
         ):
             raise ValueError(
                 "a shape is four positive integers B,L,d,h, h dividing d, and a fifth for "
@@ -471,7 +479,7 @@ def execute(arguments, out, err, progress=None) -> int:
     names, skipped = select_backends(arguments.backends)
     dtype, device = arguments.dtype or "float32", arguments.device or "cpu"
     shapes = QUICK_SHAPES if arguments.quick else SHAPES
-    shapes = _parse_shapes(arguments.shapes) if arguments.shapes else shapes
+    shapes = _parse_shapes(arguments.shapes) if arguments.shapes is not None else shapes
     grouped = all(len(shape) > 4 and shape[4] is not None for shape in shapes)
     decoding = all(len(shape) > 5 and shape[5] for shape in shapes)
     for name in list(names):
@@ -503,6 +511,11 @@ def execute(arguments, out, err, progress=None) -> int:
         # On a terminal the row replaces the progress line, which the next step writes again
         on_row=lambda row: print(f"{lead}  {_row_line(row)}", file=err, flush=True),
     )
+    if not results:
+        raise ValueError(
+            "no row was measured: no layer to time against takes the options given (a decoding "
+            "step is timed forward only, and in JAX with weights only for one position)"
+        )
     facts["budget"] = dataclasses.asdict(budget)
     document = {"machine": facts, "results": [r.as_dict() for r in results], "skipped": skipped}
     _write_or_print(document, arguments, out)
@@ -523,7 +536,8 @@ def _show_saved_report(arguments, out) -> int:
         document = parse_json(read_bytes(arguments.report, _MAX_REPORT_BYTES))
         results = [Result.from_dict(row).as_dict() for row in document["results"]]
         document = {**document, "results": results, "skipped": dict(document["skipped"])}
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        _report_text(document, as_json=False)  # every field the table reads, read before printing
+    except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as error:
         raise ValueError(
             f"{arguments.report} is not a report written by `mha bench --output`: {error!r}"
         ) from None

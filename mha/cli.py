@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from mha import __version__, bench, conformance, conformance_adapters, golden, harness
-from mha.cli_common import UsageError, framework_logs_aside, positive_int, progress, seed
+from mha.cli_common import UsageError, framework_logs_aside, placeable, positive_int, progress, seed
 from mha.cli_files import add_file_commands, file_command
 from mha.files import check_destination
 from mha.registry import (
@@ -179,38 +179,50 @@ def _compare(arguments, out, err) -> int:
         if arguments.record:  # before the run, which a wrong path would waste
             check_destination(arguments.record)
         names, skipped = select_backends(arguments.backends)
+        if arguments.device and not arguments.backends:
+            names = placeable(names, skipped, arguments.device)
     except (ValueError, BackendUnavailableError) as error:
         raise UsageError(str(error)) from None
     rows = _run_compare(arguments, names, shapes, err)
     passed = all(row.passed for row in rows)
+    if arguments.json:
+        print(json.dumps(_json_report(arguments, rows, skipped, names, shapes), indent=2), file=out)
+    else:
+        title = (
+            f"Largest differences from the NumPy reference in float64 ({arguments.dtype} "
+            f"runs, seed {arguments.seed})."
+        )
+        own_sizes = _own_sizes(shapes)
+        if own_sizes:
+            cases = "1 case needs" if len(own_sizes) == 1 else f"{len(own_sizes)} cases need"
+            title += (
+                f"\n  {cases} other sizes than those given: each takes sizes of its own, named "
+                "in its label"
+            )
+        _print_report(rows, names, skipped, arguments.dtype, out, title, table=arguments.table)
+    # After the report, which a destination that fails to take the record loses nothing of
     if arguments.record and not _record(arguments, names[0], shapes, err):
         return 1
-    own_sizes = _own_sizes(shapes)
-    if arguments.json:
-        report = {
-            "passed": passed,
-            "dtype": arguments.dtype,
-            "seed": arguments.seed,
-            "tolerance": harness.TOLERANCES[arguments.dtype],
-            "gradient_tolerance": harness.GRADIENT_TOLERANCES[arguments.dtype],
-            "skipped": skipped,
-            "own_sizes": own_sizes,
-            "across_frameworks": _across_frameworks(names),
-            "rows": [row.as_dict() for row in rows],
-        }
-        print(json.dumps(report, indent=2), file=out)
-        return _exit_code(passed, names)
-    title = (
-        f"Largest differences from the NumPy reference in float64 ({arguments.dtype} "
-        f"runs, seed {arguments.seed})."
-    )
-    if own_sizes:
-        cases = "1 case needs" if len(own_sizes) == 1 else f"{len(own_sizes)} cases need"
-        title += (
-            f"\n  {cases} other sizes than those given: each takes sizes of its own, named in "
-            "its label"
-        )
-    _print_report(rows, names, skipped, arguments.dtype, out, title, table=arguments.table)
+    if not arguments.json:
+        _closing_lines(arguments, names, passed, out)
+    return _exit_code(passed, names)
+
+
+def _json_report(arguments, rows, skipped, names, shapes) -> dict:
+    return {
+        "passed": all(row.passed for row in rows),
+        "dtype": arguments.dtype,
+        "seed": arguments.seed,
+        "tolerance": harness.TOLERANCES[arguments.dtype],
+        "gradient_tolerance": harness.GRADIENT_TOLERANCES[arguments.dtype],
+        "skipped": skipped,
+        "own_sizes": _own_sizes(shapes),
+        "across_frameworks": _across_frameworks(names),
+        "rows": [row.as_dict() for row in rows],
+    }
+
+
+def _closing_lines(arguments, names, passed, out) -> None:
     if arguments.record:
         print(
             f"Recorded {len(harness.default_cases())} cases as {names[0]} computes them: "
@@ -229,7 +241,6 @@ def _compare(arguments, out, err) -> int:
             file=out,
         )
     _hint_table(arguments, out)
-    return _exit_code(passed, names)
 
 
 def _hint_table(arguments, out) -> None:
@@ -556,6 +567,9 @@ def main(argv: Sequence[str] | None = None, out=None, err=None) -> int:
     try:
         with framework_logs_aside(err, hidden) as messages:
             code = _run(arguments, out, messages)
+    except BrokenPipeError:  # the reader of the output stopped (`| head`): nothing to tell it
+        if out is sys.__stdout__:  # Python's flush at exit would raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
     finally:
         # The frameworks' log lines may explain a failure: shown then, not otherwise
         if code == 1 and "".join(hidden).strip():
@@ -581,3 +595,6 @@ def _run(arguments, out, err) -> int:
     except UsageError as error:
         print(f"mha {arguments.command}: error: {error}", file=err)
         return 2
+    except MemoryError as error:  # sizes past this machine's memory, as numpy says it
+        print(f"mha {arguments.command}: error: not enough memory: {error}", file=err)
+        return 1

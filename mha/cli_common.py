@@ -19,6 +19,7 @@ __all__ = [
     "UsageError",
     "finite_float",
     "framework_logs_aside",
+    "placeable",
     "positive_int",
     "progress",
     "seed",
@@ -134,3 +135,21 @@ def _descriptor(stream) -> int | None:
         return stream.fileno()
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def placeable(names: list[str], skipped: dict[str, str], device: str) -> list[str]:
+    """The backends of a default selection that reach `device`, the others added to skipped
+    with the reason (named in --backends, such a backend is a usage error)."""
+    from mha.harness import device_of
+
+    placed = []
+    for name in names:
+        try:
+            device_of(name, device)
+            placed.append(name)
+        except ValueError as error:
+            skipped[name] = str(error)
+    if all(name == "numpy" for name in placed):
+        reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
+        raise ValueError(f"no framework here runs on the {device} ({reasons})")
+    return placed

@@ -56,7 +56,7 @@ def _add_port_arguments(parser) -> None:
     parser.add_argument(
         "--prefix",
         metavar="MODULE.PATH",
-        help="read SRC as a whole model's weights (.pt, .pth, .safetensors, .msgpack, a "
+        help="read the file as a whole model's weights (.pt, .pth, .safetensors, .msgpack, a "
         "folder or its model.safetensors.index.json) and take the attention layer under this "
         "path, e.g. bert.encoder.layer.0.attention, its layout (BERT, ViT, Llama, BART, T5, "
         "timm, GPT-2, Keras, Flax, torch) told by the names there ('' for a one-layer file)",
@@ -114,16 +114,26 @@ def _add_port_arguments(parser) -> None:
     )
 
 
+def _whole_model(path: str, from_model: bool) -> bool:
+    """Whether `path` is a folder or an index of shards, a model's safetensors: a source for
+    --prefix alone."""
+    whole = stored.is_whole_model(path)
+    if whole and not from_model:
+        what = "a folder" if os.path.isdir(path) else "an index of a model's shards"
+        raise UsageError(
+            f"{path} is {what}: a model's weights are read with --prefix, the path of its "
+            "attention layer"
+        )
+    return whole
+
+
 def file_command(arguments, out, err) -> int:
     """Run `mha convert` or `mha inspect`; returns the exit code (a UsageError for 2)."""
     paths = [arguments.path] if arguments.command == "inspect" else [arguments.source]
     if arguments.command == "convert":
         paths.append(arguments.destination)
     from_model = arguments.prefix is not None
-    # A folder or an index of shards holds a model's safetensors: a source for --prefix alone
-    whole = stored.is_whole_model(paths[0])
-    if whole and not from_model:
-        raise UsageError(f"{paths[0]} holds a whole model's weights: give --prefix")
+    whole = _whole_model(paths[0], from_model)
     try:
         kinds = [conversion.file_kind(path) for path in paths[whole:]]
     except ValueError as error:
@@ -232,7 +242,7 @@ def _layer_options(arguments) -> dict:
         options["values_from_keys"] = True
     if arguments.keys_values_of is not None:
         source = arguments.keys_values_of
-        options["keys_values_of"] = int(source) if source.isdigit() else source
+        options["keys_values_of"] = int(source) if source.isdecimal() else source
     return options
 
 

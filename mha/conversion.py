@@ -209,7 +209,15 @@ def _load_flax_file(name: str) -> Any:
     from flax import serialization
 
     with open(name, "rb") as file:
-        content = file.read()
+        first = file.read(1)
+        # Flax's parameters are a msgpack map (fixmap, map 16 or map 32): anything else is
+        # refused before the whole file is read
+        if not first or not (0x80 <= first[0] <= 0x8F or first[0] in (0xDE, 0xDF)):
+            raise ValueError(
+                f"{name} is not a flax.serialization msgpack file of parameters: it does not "
+                "begin with a map"
+            )
+        content = first + file.read()
     try:
         params = serialization.msgpack_restore(content)
     except Exception as error:  # msgpack raises its own kinds for every way bytes can be wrong

@@ -33,6 +33,10 @@ def check_destination(path: str | os.PathLike) -> str:
     # The file is replaced by a rename, which its own permissions do not stop: checked here
     if os.path.isfile(name) and (not os.access(name, os.W_OK) or not os.stat(name).st_mode & 0o222):
         raise ValueError(f"{name} is read-only; it is left as it was (make it writable first)")
+    try:  # the folder takes a new file (a read-only mount refuses even root): tried, not read
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as error:
+        raise ValueError(f"cannot write {name}: {error.strerror or error}") from None
     return name
 
 

@@ -101,7 +101,7 @@ def _global_heads(config: Mapping[str, Any], layer: int | None, head, kv_heads):
 
 def _index(key: Any) -> int | None:
     """A per_layer_config key's layer index ("05": 5); None for another key."""
-    return int(key) if isinstance(key, (int, str)) and str(key).isdigit() else None
+    return int(key) if isinstance(key, (int, str)) and str(key).isdecimal() else None
 
 
 def shapes_given(options: dict[str, Any]) -> dict[str, Any]:

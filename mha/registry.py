@@ -168,14 +168,14 @@ def select_backends(text: str | None) -> tuple[list[str], dict[str, str]]:
 
     Args:
         text: a comma list of names; each must import, and a name given twice (or by an
-            alias) runs once. None or empty: every backend that imports, the others listed as
+            alias) runs once. None: every backend that imports, the others listed as
             skipped with the reason.
 
     Raises:
         ValueError: an unknown name, or a list that names none.
         BackendUnavailableError: a named backend does not import.
     """
-    if text:
+    if text is not None:
         names = [normalize_backend_name(name) for name in text.split(",") if name.strip()]
         names = list(dict.fromkeys(names))
         if not names:

@@ -101,7 +101,7 @@ def source_prefix(prefix: str, source: int | str) -> str:
     if isinstance(source, bool) or not isinstance(source, int) or source < 0:
         raise ValueError(f"keys_values_of is a layer's index or prefix. Received: {source!r}")
     parts = prefix.replace("/", ".").split(".")
-    numbers = [i for i, part in enumerate(parts) if part.isdigit()]
+    numbers = [i for i, part in enumerate(parts) if part.isdecimal()]
     if len(numbers) != 1:
         raise ValueError(
             f"keys_values_of={source} changes the layer's index in its prefix, and {prefix!r} "

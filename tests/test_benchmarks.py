@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import os
 
 import numpy as np
 import pytest
@@ -273,6 +274,9 @@ def test_usage_errors_exit_2_with_the_reason(monkeypatch):
         ("--backends", "numpy", "--shapes", "2,16,x,4"): "B,L,d,h",
         ("--backends", "numpy", "--shapes", "2,16,32,4,3"): "B,L,d,h",  # 3 kv heads of 4
         ("--backends", "numpy", "--shapes", "2,0,32,4"): "B,L,d,h",
+        ("--backends", "numpy", "--shapes", "2,16,32,\u00b2"): "B,L,d,h",  # '²'.isdigit()
+        ("--backends", "numpy", "--shapes", ""): "B,L,d,h",
+        ("--backends", ""): "--backends names no backend",
         ("--backends", "numpy", "--valid-lens", "maybe"): "--valid-lens",
         ("--backends", "numpy", "--memory-scaling"): "unrecognized arguments",
         ("--backends", "numpy", "--seconds", "0"): "expected a number above 0",
@@ -298,6 +302,14 @@ def test_usage_errors_exit_2_with_the_reason(monkeypatch):
         assert "torch: torch sees no GPU" in err
     if _installed("tensorflow"):
         assert "tensorflow: TensorFlow sees no GPU" in err
+
+
+@pytest.mark.torch
+def test_options_that_leave_no_row_to_measure_are_a_usage_error():
+    # A decoding step is timed forward only: nothing of forward+backward to time
+    argv = ("--backends", "torch", "--shapes", "2,1,32,4+8", "--pass", "forward+backward")
+    code, out, err = run(*argv, "--seconds", "0.1")
+    assert code == 2 and out == "" and "no row was measured" in err
 
 
 def test_a_named_backend_that_is_not_installed_is_a_usage_error(monkeypatch):
@@ -344,10 +356,20 @@ def test_a_report_that_cannot_be_written_exits_1(tmp_path, monkeypatch):
 
     monkeypatch.setattr(files, "write_atomically", full_disk)
     path = tmp_path / "bench.json"
-    code, _, err = run("--quick", "--backends", "numpy", "--output", str(path))
+    code, out, err = run("--quick", "--backends", "numpy", "--output", str(path))
     assert code == 1
     assert "mha bench: error:" in err and "No space left on device" in err
     assert not path.exists()
+    # The run is printed before the file is written: a failed write loses none of it
+    assert "| backend | mode |" in out and "rows, ratio to the roofline" in out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="a folder no file can be made in")
+def test_an_output_in_a_folder_that_takes_no_file_is_refused_before_the_run():
+    # /proc refuses new files even to root, whom a folder's permissions do not stop
+    code, out, err = run("--quick", "--backends", "numpy", "--output", "/proc/bench.json")
+    assert code == 2 and "cannot write /proc/bench.json" in err
+    assert out == "" and "[0/" not in err  # nothing ran
 
 
 def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
@@ -371,6 +393,19 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     assert code == 2 and "drop --seconds" in err
     code, _, err = run("--report", str(path), "--seconds", "0")
     assert code == 2 and "expected a number above 0" in err
+    # Valid JSON with the rows' fields but not the machine's or an empty interval: refused
+    # before anything is printed
+    code, _, _ = run("--quick", "--backends", "numpy", "--output", str(path))
+    document = json.loads(path.read_text())
+    broken = [
+        {**document, "machine": {}},
+        {**document, "results": [{**document["results"][0], "interval": [1.0]}]},
+        {**document, "results": [{**document["results"][0], "mha_ms": "fast"}]},
+    ]
+    for report in broken:
+        path.write_text(json.dumps(report))
+        code, out, err = run("--report", str(path))
+        assert (code, out) == (2, "") and "not a report written by" in err, err
 
 
 def test_markdown_table_and_summary():
@@ -491,6 +526,19 @@ def test_each_round_calls_each_layer_once_alternating_the_order():
     # The budget's seconds decide between min_rounds and max_rounds
     budget = bench.Budget(warmup=0, min_rounds=2, max_rounds=50, seconds=0.0)
     assert len(bench.interleaved_times(calls, budget)["a"]) == 2
+    # Every warm-up call is made, a slow call's too (seconds of 0: every call is slow): a JAX
+    # layer keeping its weights compiles in its first two calls
+    sequence.clear()
+    bench.interleaved_times(calls, bench.Budget(warmup=2, min_rounds=1, max_rounds=1, seconds=0))
+    assert "".join(sequence) == "aabbcc" + "abc"
+
+
+def test_the_fewest_rounds_give_an_interval_holding_the_median_with_95_percent():
+    # With n rounds the whole range misses the median when every ratio falls on one side of it:
+    # 2 / 2**n; 5 rounds give 93.75%
+    n = bench.Budget().min_rounds
+    assert 1 - 2 / 2**n >= 0.95
+    assert bench.ratio_interval([float(r) for r in range(n)]) == (0.0, float(n - 1))
 
 
 @pytest.mark.mxnet

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from mha import cli, harness
+from mha import cli, cli_common, harness
 
 pytestmark = pytest.mark.numpy
 
@@ -172,8 +172,44 @@ def test_compare_records_its_own_run_and_a_failed_record_exits_1(tmp_path, monke
         raise OSError("No space left on device")
 
     monkeypatch.setattr(golden, "write_safetensors", refused)
-    code, _, err = run("compare", "--backends", "numpy", "--record", str(path))
+    code, out, err = run("compare", "--backends", "numpy", "--record", str(path))
     assert code == 1 and "mha compare: error: No space left on device" in err
+    # The report came before the record: the run is not lost with it
+    assert "Largest differences from the NumPy reference" in out and "Recorded" not in out
+
+
+def test_a_reader_that_stops_or_sizes_past_memory_end_in_one_line(tmp_path):
+    class Stopped(io.StringIO):  # `mha compare --table | head -1`: the pipe closes
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    err = io.StringIO()
+    assert cli.main(["info"], out=Stopped(), err=err) == 1
+    assert "Traceback" not in err.getvalue()
+    # numpy refuses the first array of this size at once (petabytes)
+    sizes = ("--batch-size", "100000", "--num-queries", "100000", "--num-keys", "100000")
+    code, _, err = run("compare", "--backends", "numpy", *sizes)
+    assert code == 1 and "mha compare: error: not enough memory: Unable to allocate" in err
+
+
+@pytest.mark.torch
+@pytest.mark.tensorflow
+def test_compare_on_a_device_skips_the_backends_mha_cannot_place_unless_named():
+    skipped = {}
+    assert cli_common.placeable(["numpy", "tensorflow", "torch"], skipped, "cpu") == [
+        "numpy",
+        "torch",
+    ]
+    assert "only torch and jax" in skipped["tensorflow"]
+    with pytest.raises(ValueError, match="no framework here runs on the cpu"):
+        cli_common.placeable(["numpy", "tensorflow"], {}, "cpu")
+    code, _, err = run("compare", "--backends", "numpy,tensorflow", "--device", "cpu")
+    assert code == 2 and "only torch and jax" in err
+
+
+def test_a_folder_given_without_prefix_is_named_a_folder(tmp_path):
+    code, _, err = run("inspect", str(tmp_path))
+    assert code == 2 and f"{tmp_path} is a folder: a model's weights are read with --prefix" in err
 
 
 def test_verify_runs_in_the_dtype_given(tmp_path, monkeypatch):

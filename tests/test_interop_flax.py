@@ -318,6 +318,18 @@ def test_a_foreign_msgpack_file_is_one_error(flax, tmp_path):
         interop.read_file(bad)
 
 
+def test_a_msgpack_file_not_holding_a_map_is_refused_before_it_is_read(flax, tmp_path):
+    # 1 GiB of zeros (sparse: no disk): a msgpack integer 0, then bytes; refused by its first
+    zeros = tmp_path / "zeros.msgpack"
+    with open(zeros, "wb") as file:
+        file.truncate(1 << 30)
+    for path, content in ((zeros, None), (tmp_path / "empty.msgpack", b"")):
+        if content is not None:
+            path.write_bytes(content)
+        with pytest.raises(ValueError, match="does not begin with a map"):
+            interop.read_file(path)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
