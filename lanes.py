@@ -41,7 +41,8 @@ and nothing to download: each step of tests/gpu_lane.py in its own process under
 the checks side by side (the agreement matrix, the masked-key and synchronization checks, the
 frameworks' own attention functions held to the reference), then a short benchmark alone. With no
 GPU visible it says so and exits 0; `python3 lanes.py gpu --device cpu` runs it on the CPU,
-each phase given four times as long (CPU_SLOWER).
+each phase given four times as long (CPU_SLOWER). With MHA_GPU_LANE_OUT naming a folder,
+the benchmark also writes its JSON reports there.
 It uses only the standard library, so that it runs with nothing but Python 3.
 """
 
@@ -323,9 +324,11 @@ GPU_PHASES = ((("agreement", "masked_keys", "sync", "conform"), 240), (("bench",
 # On the CPU (--device cpu, a check of the lane itself) the checks' processes share its cores
 # and JAX compiles for them: each phase may take this many times as long
 CPU_SLOWER = 4
-# JAX compiles each case's programs on the CPU, so its matrix is shared by processes: as many
-# as a GPU machine's cores run side by side beside the other steps
+# JAX compiles each case's programs on the CPU, so its share of a step is split among
+# processes: its agreement matrix among as many as a GPU machine's cores run beside the other
+# steps, its conform targets (XLA's, cuDNN's, mha's function) one each
 JAX_PARTS = 6
+GPU_PARTS = {"agreement": {"torch": 1, "jax": JAX_PARTS}, "conform": {"torch": 1, "jax": 3}}
 
 
 def gpu_lane(device: str = "gpu") -> int:
@@ -374,15 +377,15 @@ def gpu_lane(device: str = "gpu") -> int:
 
 
 def _gpu_parts(step: str) -> list[list[str]]:
-    """The arguments of each process of `step`: the agreement matrix split by framework, and
-    JAX's in JAX_PARTS parts; one process for every other step."""
-    if step != "agreement":
+    """The arguments of each process of `step`: the agreement matrix and the conform step split
+    by framework, and JAX's share into GPU_PARTS processes; one process for every other step."""
+    if step not in GPU_PARTS:
         return [[]]
     frameworks = [name for name in ("torch", "jax") if importlib.util.find_spec(name)]
     return [
-        ["--backends", name, "--part", f"{k}/{JAX_PARTS if name == 'jax' else 1}"]
+        ["--backends", name, "--part", f"{k}/{GPU_PARTS[step][name]}"]
         for name in frameworks
-        for k in range(1, (JAX_PARTS if name == "jax" else 1) + 1)
+        for k in range(1, GPU_PARTS[step][name] + 1)
     ]
 
 
@@ -412,8 +415,9 @@ def _sees_gpu(environment) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["gpu"]:
-        device = argv[argv.index("--device") + 1] if "--device" in argv else "gpu"
-        return gpu_lane(device)
+        gpu = argparse.ArgumentParser(prog="lanes.py gpu")
+        gpu.add_argument("--device", choices=("gpu", "cpu"), default="gpu")
+        return gpu_lane(gpu.parse_args(argv[1:]).device)
     own, pytest_args = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )

@@ -18,8 +18,9 @@ TensorFlow, no MXNet, no pytest) and nothing to download:
   kernels and FlexAttention, JAX's XLA and cuDNN implementations) held to the reference on the
   device, float32, float16 and bfloat16: a survey, each table printed; it fails only when an
   adapter cannot run at all;
-- bench: `mha bench` on the device, float32 and bfloat16 (8, 2048, 2048, 16), with valid_lens
-  and grouped-query heads.
+- bench: `mha bench` on the device, each framework in its own run, bfloat16 (8, 2048, 2048,
+  16) with valid_lens and grouped-query heads first, then float32 at the small and decoding
+  shapes; with MHA_GPU_LANE_OUT set, each run's JSON report in that folder.
 
 Each line is printed as it is known; a step's last line says "ok" or "FAILED". `--device cpu`
 runs the same checks on the CPU (the tests run the quick form so that the lane stays working).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -277,7 +279,10 @@ def sync(device: str, quick: bool) -> bool:
                             f"{name} {casting} {kind} {masks}: {type(error).__name__}: {error}"
                         )
                         say("  FAILED", problems[-1])
-        say(f"sync {name} on {device}: {calls} calls read nothing from the device")
+        if device == "cpu":  # neither guard sees a read of the host's own memory
+            say(f"sync {name} on cpu: {calls} calls ran under the guards (a GPU's run checks)")
+        else:
+            say(f"sync {name} on {device}: {calls} calls read nothing from the device")
     return not problems
 
 
@@ -319,33 +324,38 @@ CONFORM = {
 MHA_FUNCTIONS = {name: f"mha.backends.{name}:dot_product_attention" for name in ("torch", "jax")}
 
 
-def conform(device: str, quick: bool) -> bool:
-    """Each framework's own attention functions through mha's conformance kit on `device`."""
+def conform(device: str, quick: bool, backends=BACKENDS, part: str = "1/1") -> bool:
+    """Each framework's own attention functions through mha's conformance kit on `device`;
+    `part` "K/N" runs every Nth target of the backends' from the Kth."""
     from mha import cli, conformance, conformance_adapters
 
     quick = quick or device == "cpu"
     dtypes = ("float32",) if quick else ("float32", "float16", "bfloat16")
-    if "jax" in BACKENDS and not quick:  # gradients held to mha's function in float64
+    if "jax" in backends and not quick:  # gradients held to mha's function in float64
         import jax
 
         jax.config.update("jax_enable_x64", True)
     passed = True
-    for name in BACKENDS:
-        targets = CONFORM[name][:1] if quick else (*CONFORM[name], MHA_FUNCTIONS[name])
-        for target in targets:
-            try:
-                function = (
-                    cli._conform_target(target, name)[0]
-                    if ":" in target
-                    else conformance_adapters.ADAPTERS[target][1]()
-                )
-                rows = conformance.run(function, name, dtypes, device=device)
-            except Exception as error:  # the adapter itself, not a case, broke
-                say(f"conform {target} on {device}: FAILED to run: {type(error).__name__}: {error}")
-                passed = False
-                continue
-            say(f"conform {target} on {device}:")
-            say(conformance.format_table(rows))
+    index, count = (int(number) for number in part.split("/"))
+    chosen = [
+        (name, target)
+        for name in backends
+        for target in (CONFORM[name][:1] if quick else (*CONFORM[name], MHA_FUNCTIONS[name]))
+    ][index - 1 :: count]
+    for name, target in chosen:
+        try:
+            function = (
+                cli._conform_target(target, name)[0]
+                if ":" in target
+                else conformance_adapters.ADAPTERS[target][1]()
+            )
+            rows = conformance.run(function, name, dtypes, device=device)
+        except Exception as error:  # the adapter itself, not a case, broke
+            say(f"conform {target} on {device}: FAILED to run: {type(error).__name__}: {error}")
+            passed = False
+            continue
+        say(f"conform {target} on {device}:")
+        say(conformance.format_table(rows))
     return passed
 
 
@@ -353,38 +363,26 @@ SMALL_AND_DECODING = "32,64,256,8;1,1,512,8;1,1,512,8+512;1,1,512,8+4096"
 
 
 def bench(device: str, quick: bool) -> bool:
-    """mha bench on the device: float32 at the default shapes' first, the small shape and one
-    decoding step after 512 and 4,096 cached positions, bfloat16 at (8, 2048, 2048, 16) with
-    valid_lens and grouped-query heads; a tiny shape on the CPU."""
+    """mha bench on the device, each framework in a run of its own (one that sees no GPU stops
+    only its own): bfloat16 at (8, 2048, 2048, 16) with valid_lens and grouped-query heads
+    first (benchmarks/README.md's GPU table), then float32 at the default shapes' first, the
+    small shape and one decoding step after 512 and 4,096 cached positions; a tiny shape on
+    the CPU. MHA_GPU_LANE_OUT names a folder for each run's JSON report."""
     quick = quick or device == "cpu"
     runs = [
-        ["--dtype", "float32", "--shapes", "2,16,32,4" if quick else SMALL_AND_DECODING],
-        [
-            "--dtype",
-            "bfloat16",
-            "--shapes",
-            "2,16,32,4" if quick else "8,2048,2048,16;8,2048,2048,16,4",
-            "--need-weights",
-            "false",
-        ],
+        ("bfloat16", "2,16,32,4" if quick else "8,2048,2048,16;8,2048,2048,16,4", "false"),
+        ("float32", "2,16,32,4" if quick else SMALL_AND_DECODING, None),
     ]
-    codes = []
-    for arguments in runs:
-        command = [
-            sys.executable,
-            "-m",
-            "mha",
-            "bench",
-            "--backends",
-            ",".join(BACKENDS),
-            "--device",
-            device,
-            "--seconds",
-            "0.5" if quick else "1",
-            *arguments,
-        ]
-        say("+", " ".join(command[1:]))
-        codes.append(subprocess.run(command, check=False).returncode)
+    out, codes = os.environ.get("MHA_GPU_LANE_OUT"), []
+    for dtype, shapes, need_weights in runs:
+        for name in BACKENDS:
+            command = [sys.executable, "-m", "mha", "bench", "--backends", name]
+            command += ["--device", device, "--seconds", "0.5" if quick else "1"]
+            command += ["--dtype", dtype, "--shapes", shapes]
+            command += ["--need-weights", need_weights] if need_weights else []
+            command += ["--output", os.path.join(out, f"bench-{dtype}-{name}.json")] if out else []
+            say("+", " ".join(command[1:]))
+            codes.append(subprocess.run(command, check=False).returncode)
     return all(code == 0 for code in codes)
 
 
@@ -402,14 +400,16 @@ def main(argv=None) -> int:
     parser.add_argument("step", choices=(*STEPS, "versions"))
     parser.add_argument("--device", choices=("cpu", "gpu"), default="gpu")
     parser.add_argument("--quick", action="store_true", help="a few cases of each step")
-    parser.add_argument("--backends", help="agreement: comma-separated, of torch and jax")
-    parser.add_argument("--part", default="1/1", help="agreement: K/N, every Nth case from the Kth")
+    parser.add_argument("--backends", help="agreement, conform: comma-separated, of torch and jax")
+    parser.add_argument(
+        "--part", default="1/1", help="agreement, conform: K/N, every Nth from the Kth"
+    )
     options = parser.parse_args(argv)
     if options.step == "versions":
         versions(options.device)
         return 0
     arguments = [options.device, options.quick]
-    if options.step == "agreement":
+    if options.step in ("agreement", "conform"):
         arguments += [tuple(options.backends.split(",")) if options.backends else BACKENDS]
         arguments += [options.part]
     passed = STEPS[options.step](*arguments)
