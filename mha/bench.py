@@ -223,9 +223,10 @@ def run(
             progress(index, len(cases), f"{backend} {mode} {config.shape} {described}")
         calls = {p: c for p, c in BENCHES[backend].calls(config, mode).items() if p in passes}
         for pass_ in list(calls):  # popped: one config's layers and weights go before the next
-            if len(calls[pass_]) < 2:  # mha's layer alone: nothing to time it against
+            timed = calls.pop(pass_)
+            if len(timed) < 2:  # mha's layer alone: nothing to time it against
                 continue
-            rows = _rows(backend, mode, config, pass_, interleaved_times(calls.pop(pass_), budget))
+            rows = _rows(backend, mode, config, pass_, interleaved_times(timed, budget))
             results += rows
             for row in rows if on_row else ():
                 on_row(row)
