@@ -121,8 +121,8 @@ def _whole_model(path: str, from_model: bool) -> bool:
     if whole and not from_model:
         what = "a folder" if os.path.isdir(path) else "an index of a model's shards"
         raise UsageError(
-            f"{path} is {what}: a model's weights are read with --prefix, the path of its "
-            "attention layer"
+            f"{path} is {what}, read as a whole model's weights: give --prefix, the path of "
+            "its attention layer"
         )
     return whole
 

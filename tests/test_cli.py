@@ -209,7 +209,10 @@ def test_compare_on_a_device_skips_the_backends_mha_cannot_place_unless_named():
 
 def test_a_folder_given_without_prefix_is_named_a_folder(tmp_path):
     code, _, err = run("inspect", str(tmp_path))
-    assert code == 2 and f"{tmp_path} is a folder: a model's weights are read with --prefix" in err
+    assert (
+        code == 2
+        and f"{tmp_path} is a folder, read as a whole model's weights: give --prefix" in err
+    )
 
 
 def test_verify_runs_in_the_dtype_given(tmp_path, monkeypatch):
