@@ -54,6 +54,12 @@ CONFIGS = {
         | {"alibi": True},
         {"causal": True, "alignment": 3},
     ),
+    # Not causal: the window's future side reads the packed distances too
+    "a sliding window, not causal": (
+        "MultiHeadAttention",
+        {"num_hiddens": 8, "num_heads": 2, "sliding_window": 2},
+        {},
+    ),
     "dot product": ("DotProductAttention", {}, {}),
     "additive, causal": ("AdditiveAttention", {"num_hiddens": 8}, {"causal": True}),
 }
