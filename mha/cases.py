@@ -287,11 +287,22 @@ def _layer_inputs(case: Case, s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> 
 
 # The inputs each layer is differentiated with respect to.
 def differentiable(case: Case) -> tuple[str, ...]:
-    """The inputs `case` is differentiated with respect to (self-attention has one)."""
-    if "self" in case.masks:
-        return ("queries",)
-    return DIFFERENTIABLE[case.layer]
+    """The inputs `case` is differentiated with respect to (self-attention has one), and its
+    masks given as floats: a bias or a soft head mask may be trained, as T5's relative
+    position bias and Swin's window bias are."""
+    inputs = ("queries",) if "self" in case.masks else DIFFERENTIABLE[case.layer]
+    floats = (FLOAT_MASKS[mask] for mask in case.masks if mask in FLOAT_MASKS)
+    return inputs + tuple(dict.fromkeys(floats))
 
+
+# The masks drawn as floats, by the input each gives
+FLOAT_MASKS = {
+    "window_mask": "window_mask",
+    "head_mask": "head_mask",
+    "head_mask_2d": "head_mask",
+    "attn_bias": "attn_bias",
+    "attn_bias_4d": "attn_bias",
+}
 
 DIFFERENTIABLE: dict[str, tuple[str, ...]] = {
     "masked_softmax": ("X",),

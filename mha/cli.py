@@ -382,7 +382,7 @@ def _legend(rows, dtype, out, title, gradients) -> list[tuple[str, str]]:
     if autograd and gradients is None:
         anchor = autograd[0]
         print(
-            f"  grad~fd: gradients of the inputs and weights against float64 central "
+            f"  grad~fd: gradients of the inputs, float masks and weights against float64 central "
             f"differences, tolerance {harness.GRADIENT_TOLERANCES[dtype]:.0e} relative\n"
             f"  grad~{anchor}: gradients against {anchor}'s, tolerance {tolerance:.0e}",
             file=out,

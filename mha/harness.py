@@ -254,8 +254,9 @@ def run_case(
     """Build `case.layer` in `backend` with `weights`, call it on `inputs`, return numpy.
 
     With a `cotangent` (an array of the output's shape) and a backend with autograd, also
-    returns the gradients of sum(output * cotangent) with respect to the inputs and to every
-    weight, the latter in canonical names and layout.
+    returns the gradients of sum(output * cotangent) with respect to the differentiable inputs
+    (`differentiable`: float masks among them) and to every weight, the latter in canonical
+    names and layout.
 
     transform: called with the built layer, returns what is called instead (a compiled or
     hybridized layer: the framework's own ways of running it); the layer itself still holds

@@ -692,3 +692,45 @@ def test_dynamic_scaling_ignores_a_written_pretrained_length(length):
     longer = encoding.rotary_frequencies_at(head, 100.0, scaling, length)
     got = encoding.rotary_frequencies(head, 100.0, scaling) if longer is None else longer
     np.testing.assert_allclose(got, expected.double().numpy(), rtol=2e-7)
+
+
+@pytest.mark.parametrize("name", backend_params())
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_cross_attention_takes_its_frequencies_from_its_last_key(name, kind):
+    # 3 queries against 12 keys, past the original 8: the keys' length picks the long
+    # frequencies for both (porting.md), where the queries' 3 would pick the short ones.
+    # Worked with transformers' own frequencies and rotation, the attention by hand
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    config, model = _llama(kind)
+    attention = model.layers[0].self_attn
+    rng = np.random.default_rng(5)
+    x_q, x_k = rng.standard_normal((2, 3, 4 * HEAD)), rng.standard_normal((2, 12, 4 * HEAD))
+    frequencies, factor = ROPE_INIT_FUNCTIONS[kind](config, "cpu", seq_len=12)
+    angles = torch.arange(12, dtype=torch.float64)[:, None] * frequencies.double()
+    angles = torch.cat([angles, angles], dim=-1)[None]  # (1, 12, HEAD)
+    cos, sin = torch.cos(angles) * factor, torch.sin(angles) * factor
+
+    def heads(linear, x):  # (2, heads, positions, HEAD)
+        return linear(torch.from_numpy(x)).view(2, x.shape[1], -1, HEAD).transpose(1, 2)
+
+    with torch.no_grad():
+        q, k, v = (
+            heads(attention.q_proj, x_q),
+            heads(attention.k_proj, x_k),
+            heads(attention.v_proj, x_k),
+        )
+        q = apply_rotary_pos_emb(q, q, cos[:, :3], sin[:, :3])[0]
+        k = apply_rotary_pos_emb(k, k, cos, sin)[1]
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # 2 queries each
+        weights = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(HEAD), dim=-1)
+        expected = attention.o_proj((weights @ v).transpose(1, 2).reshape(2, 3, -1)).numpy()
+    module = backend_module(name)
+    options = porting.options_from_config(config.to_dict())
+    layer = porting.from_state_dict(
+        model.state_dict(), "layers.0.self_attn", backend=name, **options
+    )
+    K = module.from_numpy(x_k)
+    output = module.to_numpy(layer(module.from_numpy(x_q), K, K))
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
