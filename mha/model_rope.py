@@ -92,6 +92,10 @@ _SELF_ATTENTION_ONLY = frozenset({"esm", "roformer"})
 _POSITION_TYPES = {"esm": ("rotary", ("absolute",)), "granitemoehybrid": ("rope", None)}
 # Model types whose layers without a sliding window have no rotary embedding
 _ROTARY_WITH_WINDOW_ONLY = frozenset({"afmoe", "cohere2", "cohere2_moe", "flint", "lara_mini"})
+# Model types whose dense layers (mlp_layer_types' "dense", or the first first_k_dense_replace)
+# rotate without a window too where the dense layers' own pattern is 1: Cohere 2 MoE's
+# force_rope
+_ROTARY_ON_DENSE = frozenset({"cohere2_moe"})
 # Model types whose full-attention layers have none where the config has a sliding window
 _NO_ROTARY_ON_FULL_LAYERS = frozenset({"exaone4", "exaone_moe", "kolibri1"})
 
@@ -129,7 +133,7 @@ def rotary_options(
             "(add_cross_attention): give rope_theta and rope_interleaved for a self-attention "
             "layer yourself"
         )
-    if model_type in _ROTARY_WITH_WINDOW_ONLY and not windowed:
+    if model_type in _ROTARY_WITH_WINDOW_ONLY and not (windowed or _turns_dense(config, layer)):
         return {}
     no_rotary = model_type in _NO_ROTARY_ON_FULL_LAYERS and kind == "full_attention"
     if no_rotary and config.get("sliding_window") is not None:
@@ -138,6 +142,22 @@ def rotary_options(
     if convention == "rope_interleave":  # DeepSeek-V3, Kimi K2
         convention = "pairs" if flag(config, "rope_interleave", True) else "half"
     return {**rotary, "rope_interleaved": True} if convention == "pairs" else rotary
+
+
+def _turns_dense(config: Mapping[str, Any], layer: int | None) -> bool:
+    """Whether the layer is one of Cohere 2 MoE's dense layers that turn without a window:
+    its dense layers' pattern (prefix_dense_sliding_window_pattern) 1, all of them full."""
+    if config.get("model_type") not in _ROTARY_ON_DENSE or layer is None:
+        return False
+    if config.get("prefix_dense_sliding_window_pattern", 1) != 1:
+        return False
+    kinds = config.get("mlp_layer_types")  # transformers' own, written beside its layer_types
+    if kinds is None:
+        dense = config.get("first_k_dense_replace") or 0
+        return dense != 0 and layer < positive_count("first_k_dense_replace", dense)
+    if not isinstance(kinds, (list, tuple)) or not 0 <= layer < len(kinds):
+        raise ValueError(f"the config's mlp_layer_types does not tell layer {layer}: {kinds!r}")
+    return kinds[layer] == "dense"
 
 
 def _rotates(config: Mapping[str, Any], rotary: str, unturned: tuple[str, ...] | None) -> bool:

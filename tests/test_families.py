@@ -640,6 +640,29 @@ def test_olmo_hybrid_without_a_base_ports_unturned(written):
         porting.options_from_config(raw, 0)
 
 
+@pytest.mark.parametrize(
+    "dense",
+    [
+        {"first_k_dense_replace": 2},
+        {
+            "mlp_layer_types": ["dense", "dense", "sparse", "sparse"],
+            "layer_types": ["full_attention"] * 2 + ["sliding_attention", "full_attention"],
+        },
+        {"first_k_dense_replace": 2, "prefix_dense_sliding_window_pattern": 2},
+    ],
+    ids=["first_k_dense_replace", "mlp_layer_types", "dense layers' pattern 2"],
+)
+@pytest.mark.parametrize("written", ["config.json", "sizes alone"])
+def test_cohere2_moe_dense_layers_turn_where_their_pattern_is_1(dense, written):
+    # Cohere 2 MoE's code turns a dense layer that has no window where the dense layers'
+    # pattern is 1 (its force_rope); with a pattern of 2, its dense full layers do not turn
+    config, model = tiny_model("cohere2_moe", **dense)
+    raw = {**config_as(written, config, "cohere2_moe"), **dense}
+    turned = porting.options_from_config(raw, 1)
+    assert ("rope_theta" in turned) == ("prefix_dense_sliding_window_pattern" not in dense)
+    assert_each_layer_ports("cohere2_moe", model, config, raw)
+
+
 def test_esmc_layer_norms_of_the_projections_need_qk_norm_projection():
     # Centering the projections turns their RMSNorm into the layer norm; another qk_norm is
     # not a layer norm of the projection, and is refused naming the option
