@@ -6,6 +6,26 @@ today's decoders and multi-head latent attention. The test suite's matrix runs t
 
 from __future__ import annotations
 
+# Grouped-query heads: two queries' heads to each key-value head, and one for them all
+GQA = {"num_heads": 4, "num_kv_heads": 2}
+MQA = {"num_heads": 4, "num_kv_heads": 1}
+
+# The masks' alignments, their broadcasts, fewer keys than queries, the other head masks and
+# dtypes of lengths, the ranks of scores and AddNorm's inputs, and the attention function:
+# with the main combinations, every mask kind of mha.cases.MASKS at least once
+SHAPE_CASES = (
+    ("masked_softmax", ("rank_4", "valid_lens_2d"), {}),
+    ("AddNorm", ("rank_2",), {"eps": 1e-3}),
+    ("DotProductAttention", ("tall", "mask_keys", "causal", "bottom_right"), {}),
+    ("AdditiveAttention", ("valid_lens_1d", "causal", "aligned_2", "lens_float"), {}),
+    ("MultiHeadAttention", ("mask_1d", "head_mask_2d"), {}),
+    ("MultiHeadAttention", ("mask_4d_batch", "window_bool", "head_mask_bool"), {}),
+    ("MultiHeadAttention", ("tall", "valid_lens_2d", "lens_int32", "mask_keys", "causal"), {}),
+    ("MultiHeadAttention", ("mask_4d_heads", "causal", "bottom_right", "no_weights"), {}),
+    ("dot_product_attention", ("valid_lens_2d", "causal", "bottom_right"), GQA),
+    ("dot_product_attention", ("mask_4d", "attn_bias_4d"), {"softcap": 2.0}),
+)
+
 # A row with no key taking uniform weights, and biases added to the scores, on each layer
 UNIFORM = {"empty_rows": "uniform"}
 EMPTY_ROWS_AND_BIAS_CASES = (
@@ -163,8 +183,6 @@ ROPE_SCALING_CASES = (
 
 # Grouped-query attention, rotary embeddings and sliding windows, each on the paths with and
 # without weights; 4 query heads share 2 or 1 key-value heads
-GQA = {"num_heads": 4, "num_kv_heads": 2}
-MQA = {"num_heads": 4, "num_kv_heads": 1}
 ROPE = {"rope_theta": 10000.0}
 QUERY_SCALING = {"beta": 0.5, "original_max_position_embeddings": 2}
 MODERN_CASES = (
@@ -207,7 +225,7 @@ MODERN_CASES = (
     (
         "MultiHeadAttention",
         ("valid_lens_1d", "causal"),
-        {**GQA, "num_hiddens": 32, "qk_norm": "layer_norm_per_head"},
+        {**GQA, "num_hiddens": 32, "qk_norm": "layer_norm_per_head", "qk_norm_eps": 1e-3},
     ),
     # An output gate (Qwen3-Next) of the heads' output, with padding, and on the fused paths
     ("MultiHeadAttention", ("valid_lens_1d",), {"output_gate": True, "bias": True}),
@@ -267,11 +285,11 @@ LATENT = "MultiHeadLatentAttention"
 LATENT_CASES = (
     (LATENT, (), {}),
     (LATENT, ("valid_lens_1d", "causal"), {"q_lora_rank": 6, "bias": True}),
-    (LATENT, ("valid_lens_2d", "absorbed"), {}),
+    (LATENT, ("valid_lens_2d", "absorbed"), {"rope_theta": 500.0}),
     (LATENT, ("mask_4d", "window_mask"), {"q_lora_rank": 6}),
     (LATENT, ("causal", "no_weights", "absorbed"), {"sliding_window": 2}),
     (LATENT, ("valid_lens_1d", "attn_bias_4d"), {"rope_scaling": LATENT_YARN}),
-    (LATENT, ("mask_3d",), {**UNIFORM, "rope_interleaved": False}),
+    (LATENT, ("mask_3d",), {**UNIFORM, "rope_interleaved": False, "norm_eps": 1e-3}),
     # Mistral 4's queries scaled by their positions
     (LATENT, ("valid_lens_1d", "causal"), {"query_scaling": QUERY_SCALING}),
 )

@@ -30,6 +30,7 @@ from mha.case_tables import (
     OPTION_CASES,
     ROPE,
     ROPE_SCALING_CASES,
+    SHAPE_CASES,
     UNIFORM,
 )
 from mha.registry import load_backend
@@ -48,6 +49,7 @@ __all__ = [
     "OPTION_CASES",
     "ROPE",
     "ROPE_SCALING_CASES",
+    "SHAPE_CASES",
     "UNIFORM",
     "Case",
     "Shapes",
@@ -157,7 +159,8 @@ MASKS = (
 
 
 def default_cases() -> list[Case]:
-    """Every layer, and the main mask combinations on the attention layers."""
+    """Every layer, the main mask combinations on the attention layers, and every mask kind
+    and option at least once."""
     cases = [
         Case("masked_softmax"),
         Case("masked_softmax", ("valid_lens_1d",)),
@@ -194,6 +197,7 @@ def default_cases() -> list[Case]:
         ]
     cases += [Case("MultiHeadAttention", masks, config) for masks, config in OPTION_CASES]
     cases += [Case("DotProductAttention", ("valid_lens_2d",), {"scale": 0.25})]
+    cases += [Case(layer, masks, config) for layer, masks, config in SHAPE_CASES]
     cases += [Case(layer, masks, config) for layer, masks, config in EMPTY_ROWS_AND_BIAS_CASES]
     cases += [Case(layer, masks, config) for layer, masks, config in MODERN_CASES]
     cases += [Case(layer, masks, config) for layer, masks, config in LATENT_CASES]

@@ -78,12 +78,12 @@ def _add_compare_command(commands) -> None:
     compare = commands.add_parser(
         "compare",
         help="run every layer on every backend with one weight set and compare the outputs",
-        description="Run every layer and the main mask combinations on each backend, with one "
-        "canonical weight set and the same inputs, and compare each result with the NumPy "
-        "reference computed in float64. A case whose options cannot take the sizes given "
-        "(4 query heads, rotary embeddings' even head size) takes sizes of its own, named in "
-        "its label. Exit 0 when all agree within tolerance, 1 otherwise, 2 on a usage error, 3 "
-        "when all agree but only numpy ran (nothing compared across frameworks).",
+        description="Run every layer, the main mask combinations and every mask kind at least "
+        "once on each backend, with one canonical weight set and the same inputs, and compare "
+        "each result with the NumPy reference in float64. A case whose options cannot take the "
+        "sizes given (4 query heads, rotary embeddings' even head size) takes sizes of its own, "
+        "named in its label. Exit 0 when all agree within tolerance, 1 otherwise, 2 on a usage "
+        "error, 3 when all agree but only numpy ran (nothing compared across frameworks).",
     )
     compare.add_argument(
         "--backends",

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from mha import harness, validation
+from mha.cases import FLOAT_MASKS
 from mha.checkpoints import check_sizes_asked, read_safetensors, write_safetensors
 from mha.files import parse_json
 from mha.interop.common import as_numpy
@@ -46,7 +47,7 @@ __all__ = [
 FORMAT = "mha-golden"
 FORMAT_VERSION = "1"
 # The call's options that are not arrays
-_OPTIONS = ("causal", "need_weights", "absorbed", "offset")
+_OPTIONS = ("causal", "need_weights", "absorbed", "offset", "alignment")
 # What each layer's call takes as arrays, in harness.call_layer's names
 _ARRAYS = {
     "masked_softmax": ("X", "valid_lens"),
@@ -65,7 +66,10 @@ _ATTENTION_ARRAYS = (
     "window_mask",
     "head_mask",
     "attn_bias",
+    "segment_ids",
 )
+# The attention function's options a case's config may hold, beside its inputs' heads
+_FUNCTION_OPTIONS = ("scale", "softcap", "window", "empty_rows", *harness.FUNCTION_SIZES, "dtype")
 
 
 @dataclasses.dataclass
@@ -73,8 +77,9 @@ class GoldenCase:
     """One recorded call and its numbers.
 
     inputs: the call's arrays (queries, keys, values, valid_lens, masks; X and Y for the other
-    layers) and its options (causal, need_weights, absorbed), by harness.call_layer's names; self-
-    attention passes queries alone. gradients: keyed by input names and canonical weight
+    layers; query, key and value for the attention function) and its options (causal,
+    alignment, need_weights, absorbed), by harness.call_layer's names; self-attention passes
+    queries alone. gradients: keyed by input names and canonical weight
     names, of sum(output * cotangent); None when not recorded.
     """
 
@@ -107,7 +112,8 @@ def case_of(
     numbers expected of it, for example captured from the layer it was ported from.
 
     inputs: "queries", "keys", "values" (keys and values default to queries), "valid_lens",
-    "mask", "causal", "window_mask", "head_mask", "attn_bias", "need_weights"
+    "mask", "causal", "alignment", "window_mask", "head_mask", "attn_bias", "segment_ids",
+    "need_weights"
     (MultiHeadLatentAttention: "X", "valid_lens", "mask", "causal", "window_mask",
     "attn_bias", "need_weights", "absorbed"); arrays of any framework.
     """
@@ -203,7 +209,7 @@ def _case_of_entry(
     """Case `index` of a golden-case file: its entry in the file's case list, with its arrays
     (named "index/...") among the file's tensors."""
     layer = entry["layer"]
-    if layer != "masked_softmax" and layer not in LAYER_CLASSES:
+    if layer not in harness.FUNCTIONS and layer not in LAYER_CLASSES:
         raise ValueError(f"case {index} names an unknown layer {layer!r}")
     arrays = {
         key[len(f"{index}/") :]: value
@@ -219,19 +225,26 @@ def _case_of_entry(
     if not isinstance(entry["config"], dict) or not isinstance(entry.get("options", {}), dict):
         raise ValueError(f"case {index}'s config and options are not both objects")
     config, weights = dict(entry["config"]), group("weights/")
-    if layer != "masked_softmax":
+    unknown = sorted(set(config) - set(_FUNCTION_OPTIONS))
+    if layer == "dot_product_attention" and unknown:
+        raise ValueError(f"case {index}'s attention function takes no {', '.join(unknown)}")
+    if layer == "dot_product_attention" and isinstance(config.get("window"), list):
+        config["window"] = tuple(config["window"])  # a pair (left, right), a list in JSON
+    if layer not in harness.FUNCTIONS:
         # The sizes the layer is built with, before it is: bounded by the file's weights
         check_sizes_asked(f"case {index}", layer, {**layer_defaults(layer), **config})
         problems, _ = find_problems(layer, config, weights)
         if problems:
             raise ValueError(f"case {index}'s weights do not fit its {layer}: {problems[0]}")
     options = entry.get("options", {})
-    # causal, need_weights and absorbed are booleans, offset a non-negative integer
-    offset = options.get("offset", 0)
+    # causal, need_weights and absorbed are booleans, offset a non-negative integer, alignment
+    # a name or an integer (its value checked by the call)
+    offset, alignment = options.get("offset", 0), options.get("alignment", 0)
     if not (
         all(isinstance(options.get(key, True), bool) for key in _OPTIONS[:3])
         and type(offset) is int
         and offset >= 0
+        and type(alignment) in (int, str)
     ):
         raise ValueError(f"case {index} has options of the wrong types: {options}")
     return GoldenCase(
@@ -364,9 +377,16 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
         inputs = {key: _cast(value, dtype) for key, value in case.inputs.items()}
         weights = {key: np.asarray(value).astype(dtype) for key, value in case.weights.items()}
         masks = ("self",) if "keys" not in inputs and "queries" in inputs else ()
+        # The masks given as floats are differentiated, as the harness does: by their inputs'
+        # names, which are among the names of the masks giving them
+        masks += tuple(
+            mask
+            for mask, name in FLOAT_MASKS.items()
+            if mask == name and _is_float(inputs.get(name))
+        )
         cotangent = None if case.gradients is None else case.cotangent.astype(dtype)
-        # masked_softmax takes its options (empty_rows) in the call, from the case
-        options = case.config if case.layer == "masked_softmax" else {}
+        # A function takes its options (empty_rows, scale, ...) in the call, from the case
+        options = case.config if case.layer in harness.FUNCTIONS else {}
         layer = harness.Case(case.layer, masks, {k: v for k, v in options.items() if k != "dtype"})
         result = harness.run_case(backend, layer, inputs, weights, config, cotangent)
     except Exception as error:  # a crash is a disagreement, reported with its cause
@@ -407,6 +427,10 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
         gradient_difference,
         passed,
     )
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.dtype.kind == "f"
 
 
 def _cast(value: Any, dtype: str) -> Any:

@@ -6,7 +6,8 @@ fewer keys than queries and with more; every kind of valid_lens and boolean mask
 input ranks masked_softmax and AddNorm take. The cases are data: tuples of the names of
 mha.cases.MASKS, each with the configs it runs under, which all_cases() turns into
 mha.cases.Case objects. `mha compare` runs the shorter mha.cases.default_cases(), whose
-tables (OPTION_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES) this matrix runs too.
+tables (OPTION_CASES, SHAPE_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES) this matrix runs
+too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mha.cases import (
     MQA,
     OPTION_CASES,
     ROPE,
+    SHAPE_CASES,
     UNIFORM,
     Case,
 )
@@ -142,12 +144,11 @@ UNIFORM_AND_BIASES = (
 )
 
 # The attention function: its masks, alignments, grouped heads, windows, soft cap, packed
-# segments and a row with no key, each with a value head size of its own
+# segments and a row with no key, each with a value head size of its own (beside
+# SHAPE_CASES' two)
 FUNCTION = (
     ("dot_product_attention", (), {}),
     ("dot_product_attention", ("valid_lens_1d", "causal"), {"scale": 0.3}),
-    ("dot_product_attention", ("valid_lens_2d", "causal", "bottom_right"), GQA),
-    ("dot_product_attention", ("mask_4d", "attn_bias_4d"), {"softcap": 2.0}),
     ("dot_product_attention", ("mask_2d", "causal", "aligned_2"), {"window": (2, 1)}),
     ("dot_product_attention", ("square", "segments", "causal"), {**MQA, "window": 3}),
     ("dot_product_attention", ("tall", "causal", "bottom_right"), {"empty_rows": "uniform"}),
@@ -185,7 +186,7 @@ def all_cases() -> list[Case]:
         *_cases(multihead, MULTIHEAD, {"bias": False}),
         *_cases(multihead, MULTIHEAD, {"bias": True}),
         *_cases(multihead, MULTIHEAD_MORE, {"bias": True}),
-        *_rows(options, SCALES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES),
+        *_rows(options, SCALES, SHAPE_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES),
         *_rows(MODERN_MORE, UNIFORM_AND_BIASES, ENCODINGS_AND_NORMS, FUNCTION),
         *_rows(LATENT_CASES, LATENT_MORE),
     ]

@@ -23,6 +23,10 @@ CASES = [
     harness.Case("DotProductAttention", ("valid_lens_2d", "window_mask")),
     harness.Case("masked_softmax", ("valid_lens_2d",)),
     harness.Case("AddNorm"),
+    # An alignment by name, a float bias (differentiated), and the attention function with a
+    # window pair (a list in the file's JSON)
+    harness.Case("MultiHeadAttention", ("tall", "causal", "bottom_right", "attn_bias")),
+    harness.Case("dot_product_attention", ("mask_2d", "causal", "aligned_2"), {"window": (2, 1)}),
 ]
 
 
@@ -115,8 +119,11 @@ def test_a_golden_file_of_no_case_or_of_options_not_an_object_is_refused(tmp_pat
     golden.record_run(recorded, backend="numpy")
     tensors, metadata = read_safetensors(recorded)
     cases = json.loads(metadata["cases"])
+    function = {"layer": "dot_product_attention", "config": {"window": 2, "dropout": 0.1}}
     for name, described, message in [
         ("empty", [], "its case list is empty: there is nothing to verify"),
+        ("alignment", [{**cases[0], "options": {"alignment": [2]}}], "options of the wrong types"),
+        ("function", [{**cases[0], **function}], "attention function takes no dropout"),
         ("options", [{**cases[0], "options": "causal"}], "case 0's config and options are not"),
     ]:
         path = tmp_path / f"{name}.safetensors"
@@ -180,15 +187,16 @@ def test_a_float64_case_is_held_to_an_absolute_tolerance_whatever_its_scale():
     np.testing.assert_allclose(rows[0].output_difference, 1e-8, rtol=1e-3)
 
 
-def test_an_altered_gradient_is_refused(tmp_path):
-    # A case's gradients are part of what it proves, as its output is
+@pytest.mark.parametrize("masks, name", [(("valid_lens_1d",), None), (("attn_bias",), "attn_bias")])
+def test_an_altered_gradient_is_refused(tmp_path, masks, name):
+    # A case's gradients are part of what it proves, as its output is: a float mask's too
     backend_module("torch")  # an autograd backend, so that gradients are recorded
     path = tmp_path / "cases.safetensors"
-    case = harness.Case("MultiHeadAttention", ("valid_lens_1d",), {"bias": True})
+    case = harness.Case("MultiHeadAttention", masks, {"bias": True})
     cases = golden.record_run(path, "torch", [case])
     assert cases[0].gradients
     assert all(row.passed for row in golden.verify(path, ["torch"]))
-    name = sorted(cases[0].gradients)[0]
+    name = name or sorted(cases[0].gradients)[0]
     changed = cases[0].gradients[name].copy()
     changed.flat[0] += 1e-3 * max(1.0, float(abs(changed).max()))
     cases[0].gradients[name] = changed
