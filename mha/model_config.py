@@ -179,6 +179,15 @@ _MISREAD_MODEL_TYPES = {
     "learned lambdas, from the first (differential attention)",
     "doge": "adds to its scores a mask its values compute (A, dt_proj)",
     "bitnet": "norms the heads' output before its output projection (attn_sub_norm)",
+    "dory": "norms its queries and keys to unit length, scales them by features (sqk) and "
+    "norms and gates its output, as nGPT does",
+    "laguna": "gates its heads' output by a softplus of a projection of its input (g_proj), "
+    "where mha's gates are sigmoids",
+    "zaya": "mixes its queries, keys and values with their neighbours' by convolutions",
+    "beam": "scales its full layers' queries by a power of their position",
+    "ergo": "computes its rotary angles in float64, where mha's float32 and half-precision "
+    "layers compute them in float32 (the two part at long positions), and scales its full "
+    "layers' scores by global_attention_scale",
     "lightglue": "turns its self-attention's queries and keys by angles that a learned "
     "projection of the keypoints computes (its cross-attention has none: port it with "
     "from_state_dict(..., num_heads=))",

@@ -1392,6 +1392,12 @@ def test_cohere2_rotates_pairs_on_its_sliding_layers_only(name):
         ({"model_type": "diffllama"}, "model_type='diffllama' subtracts a second softmax"),
         ({"model_type": "doge"}, "model_type='doge' adds to its scores a mask"),
         ({"model_type": "bitnet"}, "model_type='bitnet' norms the heads' output"),
+        # ... whose rotary embeddings a port could take, beside what it cannot
+        ({"model_type": "dory", "rope_theta": 1e4}, "model_type='dory' norms its queries"),
+        ({"model_type": "laguna", "rope_theta": 1e4}, "model_type='laguna' gates its heads'"),
+        ({"model_type": "zaya", "rope_theta": 1e4}, "model_type='zaya' mixes its queries"),
+        ({"model_type": "beam", "rope_theta": 1e4}, "model_type='beam' scales its full"),
+        ({"model_type": "ergo", "rope_theta": 1e4}, "model_type='ergo' computes its rotary"),
         # ... and others': LightGlue's keypoints turn its queries and keys, SAM 2's Hiera has
         # heads per stage, SAM 3's DETR decoder adds biases of its boxes
         ({"model_type": "lightglue"}, "model_type='lightglue' turns its self-attention's"),
