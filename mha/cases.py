@@ -159,8 +159,8 @@ MASKS = (
 
 
 def default_cases() -> list[Case]:
-    """Every layer, the main mask combinations on the attention layers, and every mask kind
-    and option at least once."""
+    """Every layer, the main mask combinations on the attention layers, every mask kind at
+    least once, and the options' tables (mha.case_tables)."""
     cases = [
         Case("masked_softmax"),
         Case("masked_softmax", ("valid_lens_1d",)),
