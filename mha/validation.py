@@ -277,6 +277,7 @@ def check_attention_call(
     num_heads: int | None = None,
     kv_heads: tuple[int, int] | None = None,
     tensor_type: Any = object,
+    sizes_known: bool = True,
 ) -> tuple[int | None, int | None, int | None]:
     """Check the call of an attention layer; returns (batch_size, no. of queries, no. of keys),
     the keys counting the cached ones.
@@ -290,6 +291,8 @@ def check_attention_call(
         num_heads: set for multi-head attention; allows 4-D masks and `head_mask`.
         kv_heads: (num_kv_heads, head size) of multi-head attention, for its `cache`.
         tensor_type: the type (or types) of the layer's framework's tensors.
+        sizes_known: False where a program is traced whose sizes pass for ints (torch.export
+            with strict=True): a size is then not known to be the example's.
     """
     given = dict(queries=queries, keys=keys, values=values, valid_lens=valid_lens, mask=mask)
     given.update(window_mask=window_mask, head_mask=head_mask, attn_bias=attn_bias)
@@ -308,7 +311,14 @@ def check_attention_call(
     _check_flags(causal, need_weights, alignment)
     if segment_ids is not None:
         _check_packing(
-            segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys, alignment
+            segment_ids,
+            cache,
+            rope_scaling,
+            batch_size,
+            num_queries,
+            num_keys,
+            alignment,
+            sizes_known,
         )
     scores = (batch_size, num_queries, num_keys)
     _check_masks(mask, attn_bias, window_mask, head_mask, dtype, num_heads, scores)
@@ -366,7 +376,9 @@ def _shape_is(x: Any, shape: tuple) -> bool:
     return len(actual) == len(shape) and all(map(same, actual, shape))
 
 
-def _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys, alignment):
+def _check_packing(
+    segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys, alignment, sizes_known
+):
     """A layer's segment_ids: well formed, without a cache (whose keys' segments are not
     known), and with rotary frequencies that do not depend on the row's length."""
     if cache is not None:
@@ -378,12 +390,14 @@ def _check_packing(segment_ids, cache, rope_scaling, batch_size, num_queries, nu
     original = (
         None if rope_scaling is None else rope_scaling.get("original_max_position_embeddings")
     )
-    longer = isinstance(num_keys, int) and original is not None and num_keys > original
-    if scaling_type in ("dynamic", "longrope") and (longer or not isinstance(num_keys, int)):
+    known = sizes_known and isinstance(num_keys, int)
+    longer = known and original is not None and num_keys > original
+    if scaling_type in ("dynamic", "longrope") and (longer or not known):
+        received = f"{num_keys} keys" if known else "rows of a length a traced program leaves free"
         raise ValueError(
             f"segment_ids with a {scaling_type!r} rope_scaling need rows of at most its "
             f"original_max_position_embeddings ({original}) positions: beyond, the frequencies "
-            f"follow the row's length, not each sequence's. Received: {num_keys} keys"
+            f"follow the row's length, not each sequence's. Received: {received}"
         )
 
 

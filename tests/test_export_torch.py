@@ -108,8 +108,11 @@ def _export(T, layer, args, kwargs, way):
     signature = inspect.signature(layer.forward)
     arguments = signature.bind(*args, **kwargs).arguments
     dynamic_shapes = {name: _free_sizes(T, value) for name, value in arguments.items()}
-    if way == "export-dynamic":
-        return T.torch.export.export(layer, args, kwargs, dynamic_shapes=dynamic_shapes).module()
+    if way in ("export-dynamic", "export-strict"):
+        strict = way == "export-strict"  # traced by Dynamo, whose sizes pass for ints
+        return T.torch.export.export(
+            layer, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+        ).module()
     program = T.torch.onnx.export(
         layer, args, kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes, verbose=False
     )
@@ -246,8 +249,11 @@ LENGTH_SCALINGS = {
 }
 
 
-@pytest.mark.parametrize("way", ["export-dynamic", "onnx"])
-@pytest.mark.parametrize("cached", [0, 3], ids=["no_cache", "cache"])
+# Dynamo's tracing (strict) holds a call with a cache to the example's batch size (a guard)
+@pytest.mark.parametrize(
+    "way, cached",
+    [("export-dynamic", 0), ("export-dynamic", 3), ("onnx", 0), ("onnx", 3), ("export-strict", 0)],
+)
 @pytest.mark.parametrize("scaling", LENGTH_SCALINGS.values(), ids=LENGTH_SCALINGS)
 def test_a_rotary_scaling_of_the_length_holds_past_the_traced_length(T, scaling, cached, way):
     # Traced on a sequence within the original positions, run on one past them: the program
@@ -267,6 +273,26 @@ def test_a_rotary_scaling_of_the_length_holds_past_the_traced_length(T, scaling,
             kwargs["cache"] = mha.KVCache(*arrays)
         calls.append((args, kwargs))
     _check_exported(T, layer, reference, calls, way)
+
+
+@pytest.mark.parametrize("way", ["export-dynamic", "export-strict", "onnx"])
+@pytest.mark.parametrize("scaling", ["dynamic", "longrope"])
+def test_packed_rows_of_a_scaling_of_the_length_are_refused_when_their_length_is_free(
+    T, scaling, way
+):
+    # Each packed sequence's frequencies would follow the row's length past the original
+    # positions: a program whose rows' length is free cannot hold them, and is refused, also
+    # by Dynamo's tracing (strict, the ONNX exporter's retry), which passes a size for an int
+    config = {**LAYERS["MultiHeadAttention"], "num_hiddens": 16}
+    config.update(rope_theta=1e4, rope_scaling=LENGTH_SCALINGS[scaling])
+    layer, _ = _pair(T, "MultiHeadAttention", config)
+    rng = np.random.default_rng(0)
+    args = tuple(
+        T.from_numpy(rng.standard_normal(s).astype(np.float32)) for s in attention_shapes(2, 3, 3)
+    )
+    kwargs = {"causal": True, "segment_ids": T.from_numpy(np.array([[0, 0, 1], [0, 1, 1]]))}
+    with pytest.raises(Exception, match="rows of a length a traced program leaves free"):
+        _export(T, layer, args, kwargs, way)
 
 
 @pytest.mark.parametrize("way", ["export-dynamic", "onnx"])

@@ -238,6 +238,13 @@ class HeadLayerNorm(nn.Module):
 _TENSOR_TYPES = torch.Tensor
 
 
+def _strictly_traced() -> bool:
+    """Whether torch.export traces with Dynamo (strict=True, and torch.onnx.export's retry):
+    its sizes pass for ints, and a choice made on one would hold the program to the example's
+    size (a guard, which an ONNX file does not keep)."""
+    return torch.compiler.is_exporting() and torch.compiler.is_dynamo_compiling()
+
+
 def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> Any:
     """The one check that needs values: non-negative whole numbers. Returns the smallest
     length, None where the values were not read or a path may not hang on them.
@@ -752,6 +759,7 @@ class MultiHeadAttention(Module):
             attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
             rope_scaling=self.rope_scaling, dtype=self.call_dtype(), tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
+            sizes_known=not _strictly_traced(),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
                    ("values", "value_size", _in_features(self.W_v))),
@@ -1103,7 +1111,8 @@ class RotaryEmbedding(Module):
         a dynamic or longrope scaling gives a sequence longer than it was trained on. A
         program being exported may leave the length free: the frequencies are then computed
         in the program, from the length as a tensor."""
-        if isinstance(length, int) or not torch.compiler.is_exporting():
+        known = isinstance(length, int) and not _strictly_traced()
+        if known or not torch.compiler.is_exporting():
             # torch.compile guards a free length's comparison; an exported program keeps none
             return self._frequencies_of(
                 rotary_frequencies_at(self.rotated, self.theta, self.scaling, length))
