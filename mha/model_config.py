@@ -30,6 +30,7 @@ from mha.model_qk_norm import LAYER_NORM_PER_HEAD, QK_NORM_ALWAYS, QK_NORM_FIELD
 from mha.model_rope import query_scaling, rotary_options
 from mha.model_shapes import head_shapes
 from mha.port_adjustments import LOCAL_CHUNKS
+from mha.refused_models import MISREAD_MODEL_TYPES, MPT_UNSUPPORTED, SPARSE_ATTENTION_TYPES
 
 __all__ = ["options_from_config"]
 
@@ -143,74 +144,6 @@ _BIASES_FROM_OUTSIDE = {
 # the layer's alibi option
 _ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 
-# MPT's attn_config fields whose values change the attention in ways mha's layer cannot
-# represent: field -> (the value that leaves it as transformers' MPT computes, what it does).
-# transformers adds ALiBi's biases with a max_bias of 8 whatever alibi and alibi_bias_max say
-_MPT_UNSUPPORTED = {
-    "clip_qkv": (None, "clips the projections' outputs"),
-    "qk_ln": (False, "normalizes the queries and keys (QK-norm)"),
-    "prefix_lm": (False, "attends both ways over a prefix"),
-    "attn_uses_sequence_id": (False, "keeps packed sequences apart"),
-    "alibi": (True, "turns ALiBi off, which transformers' MPT adds nonetheless"),
-    "alibi_bias_max": (8, "changes ALiBi's slopes, which transformers' MPT does not"),
-}
-
-# Model types whose weights a port would misread without an error, and why; and those whose
-# attention is another than their rotary embedding's convention would suggest
-_MISREAD_MODEL_TYPES = {
-    "chatglm": "keeps q, k and v in blocks under query_key_value, where GPT-NeoX keeps those "
-    "of each head, and rotates by a rule its config names rope_ratio",
-    "yoso": "approximates softmax attention by hashing, under BERT's names",
-    "mra": "approximates softmax attention at several resolutions, under BERT's names",
-    "longt5": "attends within blocks of the sequence (local or transient-global), under T5's names",
-    "mpnet": "adds a relative position bias to its scaled scores, under the names T5 keeps "
-    "unscaled",
-    "gpt_bigcode": "keeps q, k and v in a Linear c_attn (with multi_query one key-value head) "
-    "under the names GPT-2 gives its Conv1D",
-    "autoformer": "replaces attention with auto-correlation (the series' lags), under BART's names",
-    "pegasus_x": "attends within blocks of the sequence and to global tokens in its encoder, "
-    "under BART's names",
-    "bros": "adds to its scores the products of its queries and an embedding of the tokens' "
-    "boxes, which its model computes once and hands each layer, under BERT's names",
-    "speecht5": "adds to its encoder's scores the products of its queries and relative position "
-    "embeddings its encoder computes, under BART's names (its decoder's attention has none: "
-    "port it with from_state_dict(..., num_heads=))",
-    "diffllama": "subtracts a second softmax attention of each head's halves, weighted by "
-    "learned lambdas, from the first (differential attention)",
-    "doge": "adds to its scores a mask its values compute (A, dt_proj)",
-    "bitnet": "norms the heads' output before its output projection (attn_sub_norm)",
-    "dory": "norms its queries and keys to unit length, scales them by features (sqk) and "
-    "norms and gates its output, as nGPT does",
-    "laguna": "gates its heads' output by a softplus of a projection of its input (g_proj), "
-    "where mha's gates are sigmoids",
-    "zaya": "mixes its queries, keys and values with their neighbours' by convolutions",
-    "beam": "scales its full layers' queries by a power of their position",
-    "ergo": "computes its rotary angles in float64, where mha's float32 and half-precision "
-    "layers compute them in float32 (the two part at long positions), and scales its full "
-    "layers' scores by global_attention_scale",
-    "lightglue": "turns its self-attention's queries and keys by angles that a learned "
-    "projection of the keypoints computes (its cross-attention has none: port it with "
-    "from_state_dict(..., num_heads=))",
-    "sam2_hiera_det_model": "gives each stage its own number of heads "
-    "(num_attention_heads_per_stage, not num_attention_heads) and max-pools the queries of a "
-    "pooled stage's first block (port another block with from_state_dict(..., num_heads=) of "
-    "its stage)",
-    **dict.fromkeys(
-        ("sam3_detr_decoder", "sam3_lite_text_detr_decoder"),
-        "adds to its vision cross-attention's scores biases of the boxes' relative positions "
-        "that its decoder computes (its self-attention and text cross-attention have none: "
-        "port them with from_state_dict(..., num_heads=))",
-    ),
-}
-# model type -> (its attention_type where the config does not write it, the one that is
-# softmax attention over every key, what the others do): BigBird's blocks of the keys,
-# Informer's ProbSparse attention, which attends with a sample of the queries
-_SPARSE_ATTENTION_TYPES = {
-    "big_bird": ("block_sparse", "original_full", "attends to blocks of the keys"),
-    "bigbird_pegasus": ("block_sparse", "original_full", "attends to blocks of the keys"),
-    "informer": ("prob", "full", "attends with a sample of the queries (ProbSparse)"),
-}
-
 
 def _refuse_config(config: Mapping[str, Any]) -> None:
     """Refuse every field mha's layer cannot represent, and configs that nest the model's."""
@@ -233,7 +166,7 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
         attention = config.get("attn_config") or {}
         problems += [
             f"attn_config['{key}']={attention[key]!r} {what}"
-            for key, (plain, what) in _MPT_UNSUPPORTED.items()
+            for key, (plain, what) in MPT_UNSUPPORTED.items()
             if attention.get(key, plain) not in (plain, None)
         ]
     if config.get("model_type") == "bloom" and _bloom_slices_its_output(config):
@@ -242,11 +175,11 @@ def _refuse_config(config: Mapping[str, Any]) -> None:
             "output projection's bias out (transformers' BLOOM sums its slices without it; "
             "with slow_but_exact=False, as BLOOM's released configs have it, it adds the bias)"
         )
-    if config.get("model_type") in _MISREAD_MODEL_TYPES:
+    if config.get("model_type") in MISREAD_MODEL_TYPES:
         model_type = config["model_type"]
-        problems.append(f"model_type={model_type!r} {_MISREAD_MODEL_TYPES[model_type]}")
-    if config.get("model_type") in _SPARSE_ATTENTION_TYPES:
-        default, full, what = _SPARSE_ATTENTION_TYPES[config["model_type"]]
+        problems.append(f"model_type={model_type!r} {MISREAD_MODEL_TYPES[model_type]}")
+    if config.get("model_type") in SPARSE_ATTENTION_TYPES:
+        default, full, what = SPARSE_ATTENTION_TYPES[config["model_type"]]
         attention_type = config.get("attention_type", default)
         if attention_type != full:
             problems.append(f"attention_type={attention_type!r} {what}")

@@ -309,18 +309,9 @@ def check_attention_call(
     if valid_lens is not None:
         check_valid_lens(valid_lens, batch_size, num_queries)
     _check_flags(causal, need_weights, alignment)
-    if segment_ids is not None:
-        _check_packing(
-            segment_ids,
-            cache,
-            rope_scaling,
-            batch_size,
-            num_queries,
-            num_keys,
-            alignment,
-            sizes_known,
-        )
     scores = (batch_size, num_queries, num_keys)
+    if segment_ids is not None:
+        _check_packing(segment_ids, cache, rope_scaling, scores, alignment, sizes_known)
     _check_masks(mask, attn_bias, window_mask, head_mask, dtype, num_heads, scores)
     return batch_size, num_queries, num_keys
 
@@ -376,11 +367,11 @@ def _shape_is(x: Any, shape: tuple) -> bool:
     return len(actual) == len(shape) and all(map(same, actual, shape))
 
 
-def _check_packing(
-    segment_ids, cache, rope_scaling, batch_size, num_queries, num_keys, alignment, sizes_known
-):
+def _check_packing(segment_ids, cache, rope_scaling, scores, alignment, sizes_known):
     """A layer's segment_ids: well formed, without a cache (whose keys' segments are not
-    known), and with rotary frequencies that do not depend on the row's length."""
+    known), and with rotary frequencies that do not depend on the row's length. scores:
+    (batch_size, no. of queries, no. of keys)."""
+    batch_size, num_queries, num_keys = scores
     if cache is not None:
         raise ValueError(
             "segment_ids cannot be given with a cache: packed sequences are attended whole"

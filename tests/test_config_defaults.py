@@ -12,7 +12,7 @@ import re
 import pytest
 
 from conftest import required_import
-from mha import model_config, porting
+from mha import porting, refused_models
 from mha.config_defaults import ALIASES, DEFAULTS, FIELDS, READ_NAMES
 from mha.config_fields import PLAIN
 from mha.rotary_types import ROTARY, UNCHECKED_ROTARY
@@ -73,7 +73,7 @@ def test_a_model_type_that_rotates_by_a_rule_mha_has_not_checked_is_refused(mode
     assert model_type not in ROTARY
     T.AutoConfig.for_model(model_type)  # a model type of transformers
     config = {"model_type": model_type, "num_attention_heads": 4, "num_hidden_layers": 1}
-    reason = model_config._MISREAD_MODEL_TYPES.get(model_type, "has a rotary embedding")
+    reason = refused_models.MISREAD_MODEL_TYPES.get(model_type, "has a rotary embedding")
     with pytest.raises(ValueError, match=re.escape(f"model_type={model_type!r} {reason}")):
         porting.options_from_config({**config, "layer_types": ["full_attention"]}, 0)
 

@@ -374,6 +374,8 @@ def test_what_torch_cannot_express(torch):
         interop.from_torch(torch.nn.MultiheadAttention(8, 2, add_bias_kv=True))
     with pytest.raises(ValueError, match="add_zero_attn"):
         interop.from_torch(torch.nn.MultiheadAttention(8, 2, add_zero_attn=True))
+    with pytest.raises(ValueError, match="meta device holds no values"):
+        interop.from_torch(torch.nn.MultiheadAttention(8, 2, device="meta"))
     with pytest.raises(TypeError, match=r"torch\.nn\.MultiheadAttention holds.*AddNorm"):
         interop.to_torch(numpy_backend.AddNorm(4))
     with pytest.raises(ValueError, match=r"missing out_proj\.weight"):

@@ -94,13 +94,16 @@ def test_nnx_multihead_attention_into_every_backend(flax, name, bias, masks):
 @pytest.mark.parametrize("masks", MASKS)
 @pytest.mark.parametrize("name", backend_params())
 def test_every_backend_to_nnx(flax, name, masks):
+    # Keys and values of a size other than the queries' (nnx's in_kv_features)
     module = backend_module(name)
-    reference = N.MultiHeadAttention(D, H, bias=True, query_size=D, key_size=D, value_size=D)
-    layer = module.MultiHeadAttention(D, H, bias=True)
+    sizes = {"query_size": D, "key_size": 6, "value_size": 6}
+    reference = N.MultiHeadAttention(D, H, bias=True, **sizes)
+    layer = module.MultiHeadAttention(D, H, bias=True, **sizes)
     mha.set_weights(layer, mha.get_weights(reference))
     builtin = interop.to_flax(layer)
     builtin.eval()
-    q, k, v = inputs(1)
+    assert builtin.in_kv_features == 6
+    q, k, v = inputs(1, key_size=6)
     np.testing.assert_allclose(
         flax_call(builtin, q, k, v, MASKS[masks]), reference(q, k, v, **MASKS[masks]), atol=2e-5
     )

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import framework_import, required_import
-from mha import model_config, porting
+from mha import model_config, porting, refused_models
 
 torch = framework_import("torch", module_level=True)  # transformers' models are torch modules
 pytestmark = pytest.mark.torch
@@ -185,9 +185,9 @@ def test_every_attention_that_takes_a_bias_from_its_caller_is_known():
             taking.add(folder)
     assert taking - TAKEN.keys() == set()
     refused = (
-        model_config._MISREAD_MODEL_TYPES.keys()
+        refused_models.MISREAD_MODEL_TYPES.keys()
         | model_config._BIASES_FROM_OUTSIDE.keys()
-        | model_config._SPARSE_ATTENTION_TYPES.keys()
+        | refused_models.SPARSE_ATTENTION_TYPES.keys()
     )
     for folder in (folder for folder, where in TAKEN.items() if where == "refused"):
         types = {t for t, c in T.CONFIG_MAPPING.items() if c.__module__.split(".")[2] == folder}

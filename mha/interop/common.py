@@ -42,6 +42,11 @@ def as_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "asnumpy"):  # MXNet
         return x.asnumpy()
     if hasattr(x, "detach"):  # torch
+        if getattr(x, "is_meta", False):
+            raise ValueError(
+                "a tensor on the meta device holds no values (a module made under "
+                "torch.device('meta')): load or materialize its weights first"
+            )
         return load_backend("torch").to_numpy(x).copy()
     if hasattr(x, "numpy"):  # TensorFlow tensors and Keras variables
         return np.array(x.numpy())
