@@ -99,7 +99,8 @@ Call arguments:
     attn_bias: added to the scores, of the layer's dtype; as `mask`, 1-D to 3-D applies
         to every head and 4-D is per head (T5's relative bias: (1, num_heads, Q, K)); its
         -inf entries exclude their key exactly.
-    head_mask: (num_heads,) or (batch_size, num_heads); multiplies each head's output.
+    head_mask: (num_heads,) or (batch_size, num_heads), of the layer's dtype or boolean;
+        multiplies each head's output.
     need_weights: when False, `attention_weights` is None.
     cache: None, or an `mha.KVCache` for decoding: `KVCache()` at the first call, then the
         cache the previous call returned. This call's queries and keys take the positions

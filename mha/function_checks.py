@@ -15,6 +15,7 @@ from mha.layer_args import (
     check_alignment,
     check_bool,
     check_empty_rows,
+    check_held_in_dtype,
     check_position,
 )
 from mha.masks import segment_pair
@@ -99,6 +100,7 @@ def check_dot_product_attention_call(
     for name, number in (("scale", scale), ("softcap", softcap)):
         if number is not None and not _positive_number(number):
             raise ValueError(f"{name} must be a positive number or None. Received: {number!r}")
+        check_held_in_dtype(name, number, dtype_name(query))
     check_empty_rows(empty_rows)
     return sizes
 

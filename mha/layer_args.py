@@ -25,6 +25,7 @@ __all__ = [
     "check_bool",
     "check_dtype",
     "check_empty_rows",
+    "check_held_in_dtype",
     "check_layer_args",
     "check_position",
     "check_positive_int",
@@ -39,6 +40,24 @@ BACKEND_DTYPES = {
     "mxnet": ("float16", "float32", "float64"),
     "jax": FLOAT_DTYPES,
 }
+
+# The largest finite number of each float dtype
+LARGEST_FLOAT = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": 3.4028234663852886e38,
+    "float64": 1.7976931348623157e308,
+}
+
+
+def check_held_in_dtype(name: str, value: Any, dtype: str) -> None:
+    """A number the scores are scaled by in `dtype` (scale, softcap) must be finite there:
+    past its largest number it is infinity, and the scores NaN, in every backend but torch."""
+    if value is not None and value > LARGEST_FLOAT[dtype]:
+        raise ValueError(
+            f"{name} must be at most {LARGEST_FLOAT[dtype]:g}, the largest {dtype} number, "
+            f"since the scores are scaled in {dtype}. Received: {name}={value!r}"
+        )
 
 
 # Sizes, windows, chunks and positions are at most this: a sum of three of them stays exact in
@@ -339,4 +358,8 @@ def check_layer_args(layer: str, arguments: Mapping[str, Any]) -> str:
         _VALUE_CHECKS[option.check](option.name, arguments[option.name])
     for rule in _LAYER_RULES.get(layer, ()):
         rule(arguments)
-    return check_dtype(arguments["dtype"])
+    dtype = check_dtype(arguments["dtype"])
+    for option in options.layer_options(layer):
+        if option.name in ("scale", "softcap"):
+            check_held_in_dtype(option.name, arguments[option.name], dtype)
+    return dtype

@@ -70,6 +70,7 @@ from mha.layouts import (
 )
 from mha.model_config import options_from_config
 from mha.model_shapes import check_heads, shapes_given
+from mha.options import untold
 from mha.port_adjustments import (
     CENTERED,
     HALVES_SWAPPED,
@@ -199,8 +200,9 @@ def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str,
     options say (port), the config checked; copied: the names values_from_keys copied."""
     shapes = shapes_given(options)  # the config's heads, which the weights must have
     use_local_chunks(options, prefix)  # CANINE's initial character encoder's
+    layout = _only_layout(state, names, prefix, where)  # a wrong prefix named before options
+    _refuse_latent_options(options, layout, where)
     check_untold_options(options)
-    layout = _only_layout(state, names, prefix, where)
     weights, config, used, left_out, notes = _read_port(
         layout, names, num_heads, where, options.get("qk_norm"), port
     )
@@ -219,6 +221,17 @@ def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str,
         notes += (keys_values_note(prefix, port["keys_values_of"]),)
     notes += (VALUES_FROM_KEYS,) if port["values_from_keys"] else ()
     return Port(weights, config, layout.name, used, left_out, notes)
+
+
+def _refuse_latent_options(options: Mapping[str, Any], layout: Layout, where: str) -> None:
+    """Options of latent attention alone (a DeepSeek-V3 config's) beside other weights."""
+    latent = (set(options) - set(untold())) & set(untold("MultiHeadLatentAttention"))
+    if latent:
+        raise ValueError(
+            f"{', '.join(sorted(latent))} {'is' if len(latent) == 1 else 'are'} of multi-head "
+            f"latent attention (a config of DeepSeek-V2's or V3's), but the weights {where} "
+            f"are of the {layout.name} layout"
+        )
 
 
 def _read_port(layout: Layout, names, num_heads, where: str, qk_norm, port: dict[str, Any]):

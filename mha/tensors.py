@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "LayerDtype",
     "broadcastable",
@@ -16,6 +18,7 @@ __all__ = [
     "dtype_name",
     "format_shape",
     "is_tensor",
+    "layout_refused",
     "plain_dtype_name",
     "require_dtype",
     "require_tensor",
@@ -107,6 +110,19 @@ def _read_dtype_name(dtype: Any) -> str:
 def is_tensor(x: Any) -> bool:
     """Whether `x` has a shape and a dtype, as arrays and tensors of every framework have."""
     return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def layout_refused(x: Any) -> str | None:
+    """What keeps the array or tensor `x` from being read as a plain one (a numpy masked
+    array, a torch tensor that is sparse or nested), or None."""
+    if isinstance(x, np.ma.MaskedArray):
+        return "a numpy masked array, whose mask the layers would not read"
+    layout = getattr(x, "layout", None)
+    if type(layout).__module__ == "torch" and str(layout) != "torch.strided":
+        return f"a tensor of layout {layout}"
+    if getattr(x, "is_nested", False) is True:
+        return "a nested tensor"
+    return None
 
 
 def require_tensor(name: str, x: Any) -> None:

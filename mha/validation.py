@@ -44,6 +44,7 @@ from mha.tensors import (
     dtype_name,
     format_shape,
     is_tensor,
+    layout_refused,
     require_dtype,
     require_tensor,
     same,
@@ -91,6 +92,9 @@ def require_framework(tensor_type: Any, **tensors: Any) -> None:
                 f"{name} must be an array or tensor of the layer's framework. "
                 f"Received: {name} of type {type(x).__module__}.{type(x).__qualname__}"
             )
+        refused = None if x is None else layout_refused(x)
+        if refused:
+            raise TypeError(f"{name} must be a plain dense array or tensor. Received: {refused}")
 
 
 def _check_input(name: str, x: Any, dtype: LayerDtype) -> Shape:
@@ -109,6 +113,11 @@ def _check_size(name: str, x: Any, shape: Shape, size_name: str, size: int | Non
     if size is not None and not same(shape[-1], size):
         raise ValueError(
             f"The last axis of {name} must have size {size_name}={size}. "
+            f"Received: {describe(name, x)}"
+        )
+    if size is None and shape[-1] == 0:  # a lazy layer takes its size from the first call
+        raise ValueError(
+            f"{size_name} must be a positive integer: the last axis of {name} has none. "
             f"Received: {describe(name, x)}"
         )
 

@@ -429,6 +429,8 @@ def test_bfloat16_runs_close_to_the_reference(J):
 
 
 def test_float64_without_64_bit_mode_is_an_error():
+    """A float64 layer, array, or numpy float64 input of the functions (which JAX's own
+    functions take and compute in float32) is refused."""
     # A fresh process: JAX reads its mode when it is first imported
     code = """
 import numpy as np
@@ -436,8 +438,11 @@ from mha.backends import jax as J
 layer = J.MultiHeadAttention(8, 2, query_size=8, dtype="float32")
 x = J.from_numpy(np.ones((1, 3, 8), "float32"))
 assert layer(x, x, x).dtype == np.float32
+q = np.ones((1, 2, 3, 4))
 for make in (lambda: J.MultiHeadAttention(8, 2, dtype="float64"),
-             lambda: J.from_numpy(np.ones(3))):
+             lambda: J.from_numpy(np.ones(3)),
+             lambda: J.dot_product_attention(q, q, q),
+             lambda: J.masked_softmax(np.ones((2, 3, 4)), np.array([1, 2]))):
     try:
         make()
     except ValueError as error:

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import assert_agrees, backend_module, backend_params
+from conftest import (
+    assert_agrees,
+    backend_module,
+    backend_params,
+    framework_import,
+)
 from mha.backends import numpy as N
 from mha.cases import LATENT, LATENT_SIZES
 from mha.weights import numpy_dtype
@@ -209,7 +214,7 @@ def test_a_float16_row_of_70000_keys(name):
     assert_agrees(module.to_numpy(lse).astype("float64"), np.full((1, 1, 1), np.log(n)), "float16")
 
 
-@pytest.mark.parametrize("name", backend_params(("torch", "tensorflow", "jax")))
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
 def test_bfloat16_weights_are_the_exact_softmax_rounded_once(name):
     # bfloat16 keeps 8 significant bits: a softmax computed in its steps (the exponentials, a
     # sum of 4,096 of them) puts weights several steps off; in float32, rounded once, each is
@@ -224,8 +229,9 @@ def test_bfloat16_weights_are_the_exact_softmax_rounded_once(name):
         expected = np.exp(np.where(kept, exact - exact.max(-1, keepdims=True), -np.inf))
         expected /= expected.sum(-1, keepdims=True)
         lengths = None if valid_lens is None else module.from_numpy(valid_lens)
-        actual = module.masked_softmax(module.from_numpy(scores), lengths)
-        error = np.abs(module.to_numpy(actual).astype("float64") - expected)
+        actual = module.to_numpy(module.masked_softmax(module.from_numpy(scores), lengths))
+        assert actual.dtype.name == "bfloat16", actual.dtype
+        error = np.abs(actual.astype("float64") - expected)
         assert np.all(error <= 2**-8 * expected * 1.001), (name, error.max())
 
 
@@ -333,3 +339,91 @@ def test_torchs_path_without_weights_gives_a_nan_query_zeros_as_its_kernel_does(
     with_weights, _ = T.dot_product_attention(q, x, x, return_weights=True)
     assert torch.equal(without, sdpa) and not without[0, 0, 1].isnan().any()
     assert with_weights[0, 0, 1].isnan().all() and not with_weights[0, 0, 0].isnan().any()
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_scale_or_soft_cap_past_the_dtypes_largest_number_is_refused(name):
+    """Past the dtype's largest number a scale or soft cap is infinity in that dtype, and the
+    scores NaN where it is rounded to the inputs' dtype (numpy, TensorFlow, JAX) where torch
+    multiplied in float32: refused in every backend; float32's largest itself gives the
+    float64 formula's numbers."""
+    module = backend_module(name)
+    pasts = [("float32", 1e39)] + ([] if name == "mxnet" else [("float16", 7e4)])
+    for dtype, past in pasts:
+        q = module.from_numpy(np.full((1, 1, 2, 4), 0.1, dtype))
+        for option in ("scale", "softcap"):
+            with pytest.raises(ValueError, match=f"{option} must be at most"):
+                module.dot_product_attention(q, q, q, **{option: past})
+            with pytest.raises(ValueError, match=f"{option} must be at most"):
+                module.DotProductAttention(dtype=dtype, **{option: past})
+    largest = 3.4028234663852886e38
+    rng = np.random.default_rng(0)
+    query = np.full((1, 2, 3, 4), 2e-38, "float32")  # normal: XLA flushes subnormals to 0
+    key, value = rng.standard_normal((2, 1, 2, 5, 4)).astype("float32")
+    key *= np.float32(0.1)
+    scores = (query.astype("float64") * largest) @ key.astype("float64").swapaxes(-1, -2)
+    expected = _softmax64(scores, np.ones(scores.shape, bool)) @ value
+    output = module.dot_product_attention(
+        *map(module.from_numpy, (query, key, value)), scale=largest
+    )
+    assert_agrees(module.to_numpy(output), expected, "float32")
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_lazy_layer_refuses_inputs_without_features(name):
+    # The constructor refuses query_size=0; a lazy layer taking it from its first call
+    # refuses it there, rather than dividing by it or keeping a (0, h) projection
+    module = backend_module(name)
+    none = module.from_numpy(np.zeros((2, 3, 0), "float32"))
+    some = module.from_numpy(np.ones((2, 3, 4), "float32"))
+    for size, inputs in [
+        ("query_size", (none, some, some)),
+        ("key_size", (some, none, some)),
+        ("value_size", (some, some, none)),
+    ]:
+        with pytest.raises(ValueError, match=f"{size} must be a positive integer: the last"):
+            module.MultiHeadAttention(4, 2)(*inputs)
+    with pytest.raises(ValueError, match="query_size must be a positive integer: the last"):
+        module.AdditiveAttention(6)(none, some, some)
+
+
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
+def test_the_function_in_bfloat16_gives_bfloat16_near_the_formula(name):
+    # The NumPy reference's function takes ml_dtypes' bfloat16 as the frameworks' do: each
+    # product and the softmax in float32, rounded once to bfloat16, which is what it returns
+    module = backend_module(name)
+    rng = np.random.default_rng(1)
+    bfloat16 = numpy_dtype("bfloat16")
+    q = rng.standard_normal((1, 2, 4, 8)).astype(bfloat16)
+    k, v = (rng.standard_normal((2, 1, 2, 2048, 8)) * 2).astype(bfloat16)
+    exact = [x.astype("float64") for x in (q, k, v)]
+    scores = exact[0] @ exact[1].swapaxes(-1, -2) / np.sqrt(8)
+    weights = _softmax64(scores, np.ones(scores.shape, bool))
+    lse = np.log(np.exp(scores - scores.max(-1, keepdims=True)).sum(-1)) + scores.max(-1)
+    results = module.dot_product_attention(
+        *map(module.from_numpy, (q, k, v)), return_weights=True, return_lse=True
+    )
+    results = [module.to_numpy(x) for x in results]
+    assert [x.dtype.name for x in results] == ["bfloat16"] * 3
+    for actual, expected in zip(results, (weights @ exact[2], weights, lse), strict=True):
+        scale = max(1.0, np.abs(expected).max())
+        assert np.abs(actual.astype("float64") - expected).max() <= 2e-2 * scale
+
+
+def test_masked_arrays_and_sparse_tensors_are_refused_by_name():
+    # Their checks pass (a shape, a dtype, the framework's class) and the computation would
+    # ignore a numpy mask or fail inside on a sparse layout
+    x = np.ones((2, 3, 4), "float32")
+    masked = np.ma.masked_array(x, mask=x > 2)
+    with pytest.raises(TypeError, match=r"queries must be a plain dense.*numpy masked array"):
+        N.DotProductAttention()(masked, x, x)
+    with pytest.raises(TypeError, match=r"valid_lens must be a plain dense.*masked array"):
+        N.masked_softmax(x, np.ma.masked_array([1, 2]))
+    T = backend_module("torch")
+    torch = framework_import("torch")
+    X = torch.ones(2, 3, 4)
+    with pytest.raises(TypeError, match=r"keys must be a plain dense.*layout torch.sparse_coo"):
+        T.DotProductAttention()(X, X.to_sparse(), X)
+    lens = torch.tensor([1, 2]).to_sparse()
+    with pytest.raises(TypeError, match="valid_lens must be a plain dense"):
+        T.dot_product_attention(X[None], X[None], X[None], valid_lens=lens)

@@ -636,6 +636,22 @@ def test_a_module_beside_deepseeks_latent_modules_is_refused_naming_it():
 
 
 @pytest.mark.torch
+def test_a_latent_config_at_a_wrong_prefix_or_beside_other_weights_is_named():
+    # A DeepSeek config's options (norm_eps among them) at a prefix with no layer name the
+    # prefix, and beside another layout's weights name the mismatch, never "unknown option"
+    from mha import porting
+
+    state = _tiny_deepseek_state("deepseek_v3")
+    options = dict(num_heads=4, rope_theta=10000.0, norm_eps=1e-6)
+    where = r"no known attention layout under 'model.layers.0.self_attn'.*found under 'layers"
+    with pytest.raises(ValueError, match=where):
+        porting.from_state_dict(state, "model.layers.0.self_attn", **options)
+    llama = {f"p.{name}_proj.weight": np.eye(8, dtype="float32") for name in "qkvo"}
+    with pytest.raises(ValueError, match=r"norm_eps is of multi-head latent attention.*q/k/v/o"):
+        porting.from_state_dict(llama, "p", **options)
+
+
+@pytest.mark.torch
 def test_a_query_projection_beside_the_low_rank_ones_is_refused():
     # q_proj is DeepSeek's query without a low rank (q_lora_rank null); q_b_proj beside it
     # belongs to the low-rank queries, whose q_a_proj is missing: neither reading holds all

@@ -445,6 +445,7 @@ def masked_softmax(X: jax.Array, valid_lens: jax.Array | None = None, *,
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
     validation.check_masked_softmax_call(X, valid_lens, tensor_type=_TENSOR_TYPES,
                                          empty_rows=empty_rows)
+    _require_x64(X.dtype)  # a numpy float64 X would be computed in float32
     _check_valid_lens_values(valid_lens)
     if valid_lens is None:
         return _softmax(X, None)
@@ -499,6 +500,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         empty_rows=empty_rows, return_weights=return_weights, return_lse=return_lse,
         segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
+    _require_x64(query.dtype)  # numpy float64 inputs would be computed in float32
     smallest = _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     offset = function_checks.first_position(alignment, num_queries, num_keys)

@@ -173,9 +173,10 @@ class Embedding(Module):
 
 
 def _in_float32(X: np.ndarray) -> np.ndarray:
-    """X in float32 if it is float16, else X itself: float16's sums and means are taken in
-    float32 and rounded once after, as the frameworks' kernels take them."""
-    return X.astype(np.float32) if X.dtype == np.float16 else X
+    """X in float32 if it is float16 (or ml_dtypes' bfloat16, which the attention function
+    takes), else X itself: their sums and means are taken in float32 and rounded once after,
+    as the frameworks' kernels take them."""
+    return X.astype(np.float32) if X.dtype.name in ("float16", "bfloat16") else X
 
 
 class LayerNorm(Module):
@@ -391,7 +392,8 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
     weights = _softmax(scores, keep, empty_rows)
     if sinks is not None:
         weights = weights[..., :-1]
-    return dropout(weights) @ values, weights if need_weights else None
+    output = (dropout(weights) @ values).astype(values.dtype, copy=False)
+    return output, weights if need_weights else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,8 +471,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     # Shape of scores: (..., no. of queries, no. of keys). A masked key may hold anything
     # (padding): its NaN or inf scores are replaced by the mask, so their arithmetic does
     # not warn
+    # ml_dtypes' bfloat16 product is float32: rounded once to the inputs' dtype, as torch's
     with np.errstate(invalid="ignore"):
-        scores = queries @ np.swapaxes(keys, -1, -2)
+        scores = (queries @ np.swapaxes(keys, -1, -2)).astype(queries.dtype, copy=False)
     if softcap is not None:
         # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
         cap = scores.dtype.type(softcap)  # numpy's float64 would widen the scores
