@@ -293,3 +293,22 @@ LATENT_CASES = (
     # Mistral 4's queries scaled by their positions
     (LATENT, ("valid_lens_1d", "causal"), {"query_scaling": QUERY_SCALING}),
 )
+
+
+# Decoding with a cache (mha.case_calls): a prompt of the first positions, then the rest
+# after it, on the paths and options whose positions the cache moves
+CACHED_CASES = (
+    ("MultiHeadAttention", ("self", "causal", "cached"), {"bias": True}),
+    ("MultiHeadAttention", ("square", "valid_lens_1d", "causal", "cached"), {**GQA, **ROPE}),
+    (
+        "MultiHeadAttention",
+        ("self", "causal", "no_weights", "cached"),
+        {**GQA, **ROPE, "sliding_window": 2},
+    ),
+    (
+        "MultiHeadAttention",
+        ("self", "causal", "cached"),
+        {"rope_theta": 100.0, "sinks": True, "softcap": 2.0, "qk_norm": "head"},
+    ),
+    (LATENT, ("valid_lens_1d", "causal", "absorbed", "cached"), {"rope_theta": 500.0}),
+)

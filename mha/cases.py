@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mha.case_tables import (
+    CACHED_CASES,
     EMPTY_ROWS_AND_BIAS_CASES,
     GQA,
     LATENT,
@@ -36,6 +37,7 @@ from mha.case_tables import (
 from mha.registry import load_backend
 
 __all__ = [
+    "CACHED_CASES",
     "DIFFERENTIABLE",
     "EMPTY_ROWS_AND_BIAS_CASES",
     "GQA",
@@ -90,7 +92,8 @@ class Case:
     "attn_bias" (batch x queries x keys, finite and -inf, a row all -inf), "attn_bias_4d" (1 x
     heads x queries x keys, finite, as T5's), "no_weights" (need_weights=False), "absorbed"
     (MultiHeadLatentAttention's absorbed form; its X is self-attention's, as many keys as
-    queries, and its sizes beside num_hiddens and num_heads LATENT_SIZES'). The layer
+    queries, and its sizes beside num_hiddens and num_heads LATENT_SIZES'), "cached" (the
+    attention layers called as decoding calls them, with a cache: mha.case_calls). The layer
     "dot_product_attention" is the attention function: its config holds its options (scale,
     softcap, window, empty_rows) and the heads of its inputs (num_heads, num_kv_heads), and
     attn_bias_4d is its bias.
@@ -152,6 +155,7 @@ MASKS = (
     "attn_bias_4d",
     "no_weights",
     "absorbed",
+    "cached",
     "rank_2",
     "rank_4",
     "offset",
@@ -201,6 +205,7 @@ def default_cases() -> list[Case]:
     cases += [Case(layer, masks, config) for layer, masks, config in EMPTY_ROWS_AND_BIAS_CASES]
     cases += [Case(layer, masks, config) for layer, masks, config in MODERN_CASES]
     cases += [Case(layer, masks, config) for layer, masks, config in LATENT_CASES]
+    cases += [Case(layer, masks, config) for layer, masks, config in CACHED_CASES]
     cases += [Case("PositionalEncoding"), Case("AddNorm")]
     return cases
 
@@ -411,7 +416,24 @@ def _keep_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]
         inputs["alignment"] = "bottom_right"
     if "aligned_2" in masks:  # the masks' first query at position 2
         inputs["alignment"] = 2
+    if "cached" in masks:
+        _check_cached(masks)
+        inputs["cached"] = True
     return inputs
+
+
+# The masks a cached case may have: those of every key alone, which a call of some of the
+# positions takes as they are (valid_lens count the cached keys too)
+_CACHED_MASKS = {"cached", "square", "self", "valid_lens_1d", "lens_float", "lens_int32"}
+_CACHED_MASKS |= {"causal", "head_mask", "no_weights", "absorbed"}
+
+
+def _check_cached(masks: set[str]) -> None:
+    if masks - _CACHED_MASKS:
+        raise ValueError(
+            "a cached case takes masks of every key alone: "
+            f"{', '.join(sorted(_CACHED_MASKS - {'cached'}))}. Received: {sorted(masks)}"
+        )
 
 
 def _other_masks(s: Shapes, masks, sizes: _Sizes, draw: _Draws) -> dict[str, Any]:

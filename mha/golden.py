@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from mha import harness, validation
-from mha.cases import FLOAT_MASKS
+from mha.cases import FLOAT_MASKS, FUNCTION_SIZES
 from mha.checkpoints import check_sizes_asked, read_safetensors, write_safetensors
 from mha.files import parse_json
 from mha.interop.common import as_numpy
@@ -47,7 +47,7 @@ __all__ = [
 FORMAT = "mha-golden"
 FORMAT_VERSION = "1"
 # The call's options that are not arrays
-_OPTIONS = ("causal", "need_weights", "absorbed", "offset", "alignment")
+_OPTIONS = ("causal", "need_weights", "absorbed", "offset", "alignment", "cached")
 # What each layer's call takes as arrays, in harness.call_layer's names
 _ARRAYS = {
     "masked_softmax": ("X", "valid_lens"),
@@ -69,7 +69,7 @@ _ATTENTION_ARRAYS = (
     "segment_ids",
 )
 # The attention function's options a case's config may hold, beside its inputs' heads
-_FUNCTION_OPTIONS = ("scale", "softcap", "window", "empty_rows", *harness.FUNCTION_SIZES, "dtype")
+_FUNCTION_OPTIONS = ("scale", "softcap", "window", "empty_rows", *FUNCTION_SIZES, "dtype")
 
 
 @dataclasses.dataclass

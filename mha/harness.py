@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 
 from mha import weights as weights_module
+from mha.case_calls import call_layer
 from mha.cases import (
-    DIFFERENTIABLE,
-    FUNCTION_SIZES,
     LATENT_SIZES,
     Case,
     Shapes,
@@ -157,88 +156,6 @@ def build_layer(backend: str, case: Case, config: Mapping[str, Any], weights=Non
     if weights:
         set_weights(layer, dict(weights))
     return layer
-
-
-# The keyword arguments of an attention layer's call that a case may give
-_CALL_OPTIONS = (
-    "mask",
-    "causal",
-    "alignment",
-    "window_mask",
-    "head_mask",
-    "need_weights",
-    "attn_bias",
-    "segment_ids",
-)
-# ... and MultiHeadLatentAttention's
-_LATENT_CALL_OPTIONS = ("mask", "causal", "window_mask", "need_weights", "attn_bias", "absorbed")
-
-
-# The attention function's arguments a case's inputs give, by the inputs' names
-_FUNCTION_ARGUMENTS = {
-    "mask": "mask",
-    "attn_bias": "bias",
-    "causal": "causal",
-    "alignment": "alignment",
-    "valid_lens": "valid_lens",
-    "segment_ids": "segment_ids",
-}
-
-# What each call takes beside its inputs (DIFFERENTIABLE's); the attention layers', the keys
-# and values that self-attention leaves out and their options
-_CALL_TAKES = {
-    "PositionalEncoding": (),
-    "LearnedPositionalEncoding": (),
-    "AddNorm": (),
-    "masked_softmax": ("valid_lens",),
-    "RotaryEmbedding": ("offset",),
-    "MultiHeadLatentAttention": ("valid_lens", *_LATENT_CALL_OPTIONS),
-    "dot_product_attention": ("key", "value", *_FUNCTION_ARGUMENTS),
-}
-
-
-def _check_taken(case: Case, tensors: Mapping[str, Any]) -> None:
-    """Every input and option of `case` is an argument of its call: none is left out, so that
-    no row agrees on a mask or option that never reached a backend."""
-    attention = ("keys", "values", "valid_lens", *_CALL_OPTIONS)
-    takes = {*DIFFERENTIABLE[case.layer], *_CALL_TAKES.get(case.layer, attention)}
-    unused = sorted(set(tensors) - takes)
-    if case.layer == "masked_softmax":
-        unused += sorted(set(case.config) - {"empty_rows"})
-    if unused:
-        raise ValueError(f"case {case.id}: {case.layer}'s call takes no {', '.join(unused)}")
-
-
-def call_layer(module: Any, case: Case, layer: Any, tensors: Mapping[str, Any]) -> Any:
-    """Call `layer` (or the backend's masked_softmax) on the case's tensors."""
-    _check_taken(case, tensors)
-    if case.layer == "masked_softmax":
-        options = {key: case.config[key] for key in ("empty_rows",) if key in case.config}
-        return module.masked_softmax(tensors["X"], tensors.get("valid_lens"), **options)
-    if case.layer in ("PositionalEncoding", "LearnedPositionalEncoding"):
-        return layer(tensors["X"])
-    if case.layer == "RotaryEmbedding":
-        return layer(tensors["X"], **({"offset": tensors["offset"]} if "offset" in tensors else {}))
-    if case.layer == "AddNorm":
-        return layer(tensors["X"], tensors["Y"])
-    if case.layer == "dot_product_attention":
-        return _call_function(module, case, tensors)
-    if case.layer == "MultiHeadLatentAttention":
-        arguments = {key: tensors[key] for key in _LATENT_CALL_OPTIONS if key in tensors}
-        return layer(tensors["X"], tensors.get("valid_lens"), **arguments)
-    arguments = {key: tensors[key] for key in _CALL_OPTIONS if key in tensors}
-    queries = tensors["queries"]
-    keys, values = tensors.get("keys", queries), tensors.get("values", queries)
-    return layer(queries, keys, values, tensors.get("valid_lens"), **arguments)
-
-
-def _call_function(module: Any, case: Case, tensors: Mapping[str, Any]) -> Any:
-    """The backend's dot_product_attention on the case's tensors and options (its config
-    less the sizes of its inputs)."""
-    arguments = {name: tensors[key] for key, name in _FUNCTION_ARGUMENTS.items() if key in tensors}
-    options = {k: v for k, v in case.config.items() if k not in FUNCTION_SIZES}
-    query, key, value = (tensors[name] for name in ("query", "key", "value"))
-    return module.dot_product_attention(query, key, value, **arguments, **options)
 
 
 def run_case(

@@ -6,8 +6,8 @@ fewer keys than queries and with more; every kind of valid_lens and boolean mask
 input ranks masked_softmax and AddNorm take. The cases are data: tuples of the names of
 mha.cases.MASKS, each with the configs it runs under, which all_cases() turns into
 mha.cases.Case objects. `mha compare` runs the shorter mha.cases.default_cases(), whose
-tables (OPTION_CASES, SHAPE_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES) this matrix runs
-too.
+tables (OPTION_CASES, SHAPE_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES, LATENT_CASES,
+CACHED_CASES) this matrix runs too.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from mha.cases import (
+    CACHED_CASES,
     EMPTY_ROWS_AND_BIAS_CASES,
     GQA,
     LATENT,
@@ -174,6 +175,29 @@ LATENT_MORE = (
     (LATENT, ("mask_keys", "no_weights", "absorbed"), {"q_lora_rank": 6, "num_heads": 1}),
 )
 
+# Decoding with a cache beside CACHED_CASES: queries and keys of their own (more keys than
+# queries: each call's halves differ), float lengths and head masks, chunks, ALiBi's
+# distances without causal, a scaled rotary embedding, latent attention's plain form
+CACHED_MORE = (
+    ("MultiHeadAttention", ("valid_lens_1d", "lens_float", "cached"), {**MQA, **ROPE}),
+    ("MultiHeadAttention", ("self", "causal", "no_weights", "cached"), {"attention_chunk_size": 2}),
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_1d", "cached"),
+        {"num_heads": 6, "num_hiddens": 12, "alibi": True},
+    ),
+    (
+        "MultiHeadAttention",
+        ("square", "causal", "head_mask", "cached"),
+        {
+            "rope_theta": 100.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "qk_norm": "head_after_rotary",
+        },
+    ),
+    (LATENT, ("causal", "no_weights", "cached"), {"q_lora_rank": 6, "sliding_window": 2}),
+)
+
 
 def all_cases() -> list[Case]:
     """The full matrix the test suite runs, in a fixed order (see the module's docstring)."""
@@ -188,7 +212,7 @@ def all_cases() -> list[Case]:
         *_cases(multihead, MULTIHEAD_MORE, {"bias": True}),
         *_rows(options, SCALES, SHAPE_CASES, EMPTY_ROWS_AND_BIAS_CASES, MODERN_CASES),
         *_rows(MODERN_MORE, UNIFORM_AND_BIASES, ENCODINGS_AND_NORMS, FUNCTION),
-        *_rows(LATENT_CASES, LATENT_MORE),
+        *_rows(LATENT_CASES, LATENT_MORE, CACHED_CASES, CACHED_MORE),
     ]
 
 
