@@ -332,10 +332,10 @@ def markdown_table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
-def summary(results: Sequence[Result]) -> list[str]:
+def summary(results: Sequence[Result], min_rounds: int = Budget.min_rounds) -> list[str]:
     """Per backend, its range of ratios against layers doing mha's work (a layer without a
     cache aside); then every row above BAR (numpy's aside), where the rows ran enough rounds
-    for a verdict."""
+    for a verdict: the run's own min_rounds (a saved report's budget), or --quick's fewer."""
     lines = []
     for backend in dict.fromkeys(r.backend for r in results):
         rows = [r for r in results if r.backend == backend]
@@ -347,7 +347,8 @@ def summary(results: Sequence[Result]) -> list[str]:
             f"{max(ratios):.3f}" + (f" ({aside} against {NO_CACHE} aside)" if aside else "")
         )
     fewest = min((r.rounds for r in results), default=0)
-    if fewest < Budget.min_rounds:  # --quick: 3 rounds time one call each, noise included
+    # --quick: 3 rounds time one call each, noise included
+    if fewest < min(min_rounds, Budget.min_rounds) or min_rounds <= QUICK_BUDGET.min_rounds:
         lines.append(
             f"A smoke run: rows of {fewest} rounds show that every layer runs and give no "
             f"verdict on speed; without --quick each row runs {Budget.min_rounds} to "
@@ -377,6 +378,7 @@ def _report_text(document: dict[str, Any], as_json: bool) -> str:
     if as_json:
         return json.dumps(document, indent=2)
     facts, results = document["machine"], [Result.from_dict(r) for r in document["results"]]
+    min_rounds = facts.get("budget", {}).get("min_rounds", Budget.min_rounds)
     settings = sorted({(r.config.dtype, r.config.device) for r in results})
     lines = [
         f"Machine: {facts['processor']} ({', '.join(facts['vector_extensions']) or '-'}), "
@@ -387,7 +389,7 @@ def _report_text(document: dict[str, Any], as_json: bool) -> str:
         "ratio: median over rounds of mha's time / the built-in's in the same round (below 1.0: "
         "mha is faster);\nnumpy: / the time of its FLOPs at the roofline. 95% interval: of that "
         "median; one that holds 1.0 is a tie.",
-        markdown_table(results) + "\n\n" + "\n".join(summary(results)),
+        markdown_table(results) + "\n\n" + "\n".join(summary(results, min_rounds)),
     ]
     lines += [f"skipped {name}: {reason}" for name, reason in document["skipped"].items()]
     return "\n".join(lines)
@@ -517,6 +519,8 @@ def execute(arguments, out, err, progress=None) -> int:
             "no row was measured: no layer to time against takes the options given (a decoding "
             "step is timed forward only, and in JAX with weights only for one position)"
         )
+    for name in [name for name in names if name not in {r.backend for r in results}]:
+        skipped[name] = "has no layer to time against that takes the options given"
     facts["budget"] = dataclasses.asdict(budget)
     document = {"machine": facts, "results": [r.as_dict() for r in results], "skipped": skipped}
     _write_or_print(document, arguments, out)

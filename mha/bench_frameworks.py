@@ -93,12 +93,13 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
     with torch.no_grad():
         _, cache = ours(before, before, before, cache=mha.KVCache())
     everything = torch.cat([before, X], dim=1)
-    keep = (
-        None if valid_lens is None else (torch.arange(keys, device=X.device) < valid_lens[:, None])
-    )
 
-    def heads_keep():  # (batch_size, 1, 1, keys): True = attend
-        return None if keep is None else keep[:, None, None, :]
+    def keep():  # (batch_size, keys): True = attend, made in each call as mha makes its own
+        if valid_lens is not None:
+            return torch.arange(keys, device=X.device) < valid_lens[:, None]
+
+    def heads_keep():  # (batch_size, 1, 1, keys)
+        return None if valid_lens is None else keep()[:, None, None, :]
 
     def run_ours():
         return ours(X, X, X, valid_lens, need_weights=config.need_weights, cache=cache)[0]
@@ -116,11 +117,16 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
     if kv == h:
         theirs = mha.interop.to_torch(ours, batch_first=True).to(X.device).eval()
         options = {"need_weights": config.need_weights, "average_attn_weights": False}
-        padding = None if keep is None else ~keep
-        layers[NO_CACHE] = (
-            lambda: theirs(X, everything, everything, key_padding_mask=padding, **options)[0],
-            theirs,
-        )
+        held = {}  # weights the built-in returns are kept until its next call, as mha keeps its own
+
+        def run_theirs():
+            padding = None if valid_lens is None else ~keep()
+            output, held["weights"] = theirs(
+                X, everything, everything, key_padding_mask=padding, **options
+            )
+            return output
+
+        layers[NO_CACHE] = (run_theirs, theirs)
     return layers
 
 

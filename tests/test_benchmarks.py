@@ -435,6 +435,11 @@ def test_markdown_table_and_summary():
     smoke = [dataclasses.replace(row, rounds=3) for row in rows]
     assert bench.summary(smoke)[1].startswith("A smoke run: rows of 3 rounds")
     assert len(bench.summary(smoke)) == 2
+    assert bench.summary(smoke, min_rounds=3)[1].startswith("A smoke run")  # --quick's budget
+    # A saved run judged by its own budget: rows of 5 rounds where its least was 5
+    saved = [dataclasses.replace(row, rounds=5) for row in rows]
+    assert bench.summary(saved, min_rounds=5)[1] == "rows above 1.10 against a built-in: 1"
+    assert bench.summary(saved)[1].startswith("A smoke run")
 
 
 def test_a_rows_ratio_is_the_median_of_mhas_time_over_the_builtins_round_by_round():
@@ -619,6 +624,20 @@ def _exact_output(config):
     mha.set_weights(exact_layer, {name: w.astype(np.float64) for name, w in weights.items()})
     X = X.astype(numpy_dtype(config.dtype)).astype(np.float64)
     return exact_layer(X, X, X, lens), harness.TOLERANCES.get(config.dtype, 2 * 2**-7)
+
+
+@pytest.mark.torch
+@pytest.mark.jax
+def test_a_backend_with_no_row_for_the_options_given_is_named_as_skipped():
+    # JAX times a decoding step with weights for one position only: its steps of three
+    # positions with weights have no layer to time against, and the report says so
+    backend_module("torch"), backend_module("jax")
+    code, out, err = run(
+        "--quick", "--backends", "torch,jax", "--shapes", "1,3,8,2+4", "--need-weights", "true"
+    )
+    assert code == 0, err
+    assert "skipped jax: has no layer to time against that takes the options given" in out
+    assert "| torch | eager | (1, 3, 8, 2, cache 4) |" in out
 
 
 @pytest.mark.jax

@@ -10,7 +10,7 @@ import pytest
 from masked_key_cases import LAST, MASKS, K, Q
 
 import mha
-from conftest import backend_module, backend_params
+from conftest import backend_module, backend_params, framework_import
 from mha.backends import numpy as N
 
 B, D, H = 2, 8, 2
@@ -279,3 +279,37 @@ def test_an_attended_key_holding_nan_or_inf_makes_its_rows_nan(name, kind, poiso
         weights = module.to_numpy(layer.attention_weights)
         assert np.isnan(weights[0]).all()
         assert np.isfinite(weights[1]).all()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("need_weights", [True, False], ids=["weights", "no_weights"])
+def test_a_bias_holding_anything_at_masked_keys_changes_no_gradient(need_weights, poison):
+    # An example with no key (valid_lens 0) and a bias holding NaN or inf only at keys the
+    # lengths leave out: the gradients of every input and weight are those of the same call
+    # with a clean bias (torch's fused path once took them all NaN: an empty row keeps every
+    # key in the kernel, its bias with them)
+    T = backend_module("torch")
+    torch = framework_import("torch")
+    layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype="float64")
+    rng = np.random.default_rng(0)
+    queries, keys, values = (rng.standard_normal((B, n, D)) for n in (Q, K, K))
+    lengths = np.array([0, K - 1])
+    clean = rng.standard_normal((B, H, Q, K))
+    poisoned = clean.copy()
+    poisoned[0], poisoned[1, ..., K - 1] = poison, poison
+
+    def gradients(bias):
+        tensors = [torch.tensor(x, requires_grad=True) for x in (queries, keys, values, bias)]
+        layer.zero_grad()
+        output = layer(
+            *tensors[:3], torch.tensor(lengths), attn_bias=tensors[3], need_weights=need_weights
+        )
+        output.sum().backward()
+        grads = [t.grad for t in tensors[:3]] + [p.grad for p in layer.parameters()]
+        bias_grad = tensors[3].grad.clone()
+        bias_grad[0], bias_grad[1, ..., K - 1] = 0, 0  # the poisoned entries' own
+        return [g.numpy() for g in (*grads, bias_grad)]
+
+    for got, expected in zip(gradients(poisoned), gradients(clean), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-12)

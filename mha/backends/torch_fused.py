@@ -125,6 +125,11 @@ def _sdpa(queries, keys, values, keep, bias, dropout, is_causal=False, rows_kept
         # output is zeroed after, as _softmax does
         keep, attended = keep_every_row(keep, rows_kept)
     attn_mask = keep
+    if bias is not None and attended is not None:
+        # An empty row keeps every key: its bias, which may hold anything at the keys the
+        # other masks leave out (NaN, +inf), is 0 there, or the kernel's backward gives
+        # every gradient 0 x NaN
+        bias = torch.where(attended, bias, 0.0)
     if bias is not None:
         attn_mask = bias if keep is None else torch.where(keep, bias, float("-inf"))
     if attn_mask is not None and torch.compiler.is_compiling():
