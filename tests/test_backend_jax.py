@@ -497,6 +497,39 @@ print("ok")
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
 
 
+def test_float16_products_are_summed_in_float32_with_xlas_own_flags(J):
+    """jax 0.7.1's CPU sums float16 products in float16 at XLA's default optimization, which
+    the lanes turn off (lanes.QUICK_XLA): a fresh process with XLA's flags as users have them,
+    the function over 4,096 keys and a layer's projections, against the float64 formula."""
+    code = """
+import numpy as np
+from mha.backends import jax as J
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 2, n, 64)) for n in (1, 4096, 4096))
+q, k, v = (x.astype("float16") for x in (q, k, v + 3))
+exact = [x.astype("float64") for x in (q, k, v)]
+scores = exact[0] @ exact[1].swapaxes(-1, -2) / 8.0
+weights = np.exp(scores - scores.max(-1, keepdims=True))
+expected = weights / weights.sum(-1, keepdims=True) @ exact[2]
+output = np.asarray(J.dot_product_attention(*map(J.from_numpy, (q, k, v))), "float64")
+error = np.abs(output - expected).max() / np.abs(expected).max()
+assert error <= 2e-3, ("function", error)
+X = (rng.standard_normal((4, 64, 1024)) + 3).astype("float16")
+W = (rng.standard_normal((1024, 1024)) / 32).astype("float16")
+expected = X.astype("float64") @ W.astype("float64")
+output = np.asarray(J._matmul(J.from_numpy(X), J.from_numpy(W)), "float64")
+error = np.abs(output - expected).max() / np.abs(expected).max()
+assert error <= 2e-3, ("projection", error)
+print("ok")
+"""
+    environment = {**os.environ}
+    environment.pop("XLA_FLAGS", None)
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_the_case_matrix_agrees_in_jax_default_mode(J):
     """The suite turns JAX's 64-bit mode on; its users mostly have it off (JAX's default),

@@ -146,9 +146,24 @@ def _precision() -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if chosen is None else None
 
 
+def _summed_in(dtype: Any) -> Any:
+    """float32 for half precision: its products summed in float32 and rounded once, as the
+    reference and the kernels sum them (jax 0.7.1's CPU sums float16 ones in float16)."""
+    return jnp.float32 if dtype in (jnp.float16, jnp.bfloat16) else None
+
+
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b at the layers' precision (_precision)."""
-    return jnp.matmul(a, b, precision=_precision())
+    """a @ b at the layers' precision (_precision), half precision summed in float32."""
+    summed_in = _summed_in(a.dtype)
+    product = jnp.matmul(a, b, precision=_precision(), preferred_element_type=summed_in)
+    return product if summed_in is None else product.astype(a.dtype)
+
+
+def _einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """jnp.einsum of two operands, as _matmul computes a product."""
+    summed_in = _summed_in(a.dtype)
+    product = jnp.einsum(subscripts, a, b, precision=_precision(), preferred_element_type=summed_in)
+    return product if summed_in is None else product.astype(a.dtype)
 
 
 def _set_if_allowed(module: nnx.Module, name: str, value: Any) -> bool:
@@ -1030,8 +1045,7 @@ class MultiHeadLatentAttention(nnx.Module):
         W = self.W_kvb.kernel[...].reshape(self.kv_lora_rank, self.num_heads, -1)
         W_uk, W_uv = W[..., : self.qk_nope_head_dim], W[..., self.qk_nope_head_dim :]
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
-        absorbed = jnp.einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk,
-                              precision=_precision())
+        absorbed = _einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
         queries = jnp.concatenate([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
         keys = jnp.concatenate([latent[:, None], rotary_keys], axis=-1)
         output, weights, _ = _attention(
@@ -1040,7 +1054,7 @@ class MultiHeadLatentAttention(nnx.Module):
         )
         _set_if_allowed(self, "attention_weights", weights)
         # Shape of output: (batch_size, num_heads, no. of steps, v_head_dim)
-        return jnp.einsum("bhqr,rhv->bhqv", output, W_uv, precision=_precision())
+        return _einsum("bhqr,rhv->bhqv", output, W_uv)
 
     def project_queries(self, X, offset=0):
         """Each head's query at positions offset, ..., its rotary part turned: (batch_size,
