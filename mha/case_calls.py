@@ -105,8 +105,11 @@ def _decoded(layer: Any, inputs, valid_lens, cache, arguments) -> Any:
     split = min(shape_of(x)[1] for x in inputs) // 2
     if split == 0:
         return layer(*inputs, valid_lens, cache=cache, **arguments)[0]
-    _, cache = layer(*(x[:, :split] for x in inputs), valid_lens, cache=cache, **arguments)
-    output, _ = layer(*(x[:, split:] for x in inputs), valid_lens, cache=cache, **arguments)
+    # One slice of each tensor: self-attention's one tensor stays one (its fast paths)
+    parts = (slice(split), slice(split, None))
+    first, rest = ({id(x): x[:, part] for x in inputs} for part in parts)
+    _, cache = layer(*(first[id(x)] for x in inputs), valid_lens, cache=cache, **arguments)
+    output, _ = layer(*(rest[id(x)] for x in inputs), valid_lens, cache=cache, **arguments)
     return output
 
 
