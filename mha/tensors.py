@@ -7,9 +7,8 @@ messages the same way in every backend. `mha.validation.shape_of` and `dtype_nam
 
 from __future__ import annotations
 
+import sys
 from typing import Any
-
-import numpy as np
 
 __all__ = [
     "LayerDtype",
@@ -115,7 +114,8 @@ def is_tensor(x: Any) -> bool:
 def layout_refused(x: Any) -> str | None:
     """What keeps the array or tensor `x` from being read as a plain one (a numpy masked
     array, a torch tensor that is sparse or nested), or None."""
-    if isinstance(x, np.ma.MaskedArray):
+    masked = sys.modules.get("numpy.ma")  # `import mha` imports no numpy: none before it
+    if masked is not None and isinstance(x, masked.MaskedArray):
         return "a numpy masked array, whose mask the layers would not read"
     layout = getattr(x, "layout", None)
     if type(layout).__module__ == "torch" and str(layout) != "torch.strided":
