@@ -3,19 +3,20 @@
 `run(function, framework)` calls `function(query, key, value, **options)` on the framework's
 tensors, (batch, heads, positions, head size), for each case of `CASES` (every mask kind,
 both causal alignments and an integer one, grouped heads, windows, soft cap, lengths, rows
-with no key, NaN at a masked key, packed segments, each option beside others, long rows,
-scores past float32's exp and products past float16's range) in
-each dtype, and compares its output with the NumPy
-reference's `dot_product_attention` of the same inputs in float64, at the dtype's tolerance.
-`options` are mha's names (mask, bias, scale, causal, alignment, window, valid_lens, softcap,
-segment_ids), only those a case sets: a function that raises NotImplementedError, or TypeError
-for a case that sets an option or a mask, has "not taken" it. `mha.conformance_adapters`
+with no key, NaN at a masked key, packed segments, each option beside others, masks
+together, long rows, scores past float32's exp and products past float16's range) in each
+dtype, and compares its output with the NumPy reference's `dot_product_attention` of the
+same inputs in float64, at the dtype's tolerance. `options` are mha's names (mask, bias,
+scale, causal, alignment, window, valid_lens, softcap, segment_ids), only those a case sets:
+a function that raises NotImplementedError, or TypeError for an option or mask of the case it
+has no argument for, has "not taken" it. `mha.conformance_adapters`
 gives the frameworks' own functions those names; `mha conform` is the command.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ TOLERANCES = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e
 class Case:
     """One call: sizes (batch, heads, kv heads, queries, keys, head size, value head size),
     the options it sets, and what it makes of the inputs (`inputs`: "plain", "nan at masked
-    keys", "dominant key" or "large products")."""
+    keys", "dominant key", "large products" or "long rows")."""
 
     name: str
     sizes: tuple[int, int, int, int, int, int, int] = (2, 4, 4, 5, 7, 8, 8)
@@ -46,10 +47,14 @@ class Case:
     inputs: str = "plain"
 
 
+_GROUPED = (2, 4, 2, 5, 7, 8, 8)
+_WINDOW_CAUSAL = (("window", (2, 1)), ("causal", True))
+_WINDOW_BOTTOM_RIGHT = (("window", (2, 1)), ("alignment", "bottom_right"))
+
 CASES = (
     Case("plain"),
     Case("scale", options=(("scale", 0.3),)),
-    Case("grouped heads (4 query, 2 key-value)", sizes=(2, 4, 2, 5, 7, 8, 8)),
+    Case("grouped heads (4 query, 2 key-value)", sizes=_GROUPED),
     Case("value head size 12", sizes=(2, 4, 4, 5, 7, 8, 12)),
     Case("causal, Q = K", sizes=(2, 4, 4, 6, 6, 8, 8), options=(("causal", True),)),
     Case("causal, Q < K (top_left)", options=(("causal", True),)),
@@ -86,7 +91,29 @@ CASES = (
         options=(("window", (1, 0)),),
         masks=("segment pair",),
     ),
-    Case("long rows (K = 4096)", sizes=(1, 2, 2, 3, 4096, 8, 8)),
+    # Masks together, as a kernel that takes one of them at a time would not compute them
+    Case("boolean mask and causal", masks=("per head",), options=(("causal", True),)),
+    Case("valid_lens and causal", masks=("lengths",), options=(("causal", True),)),
+    Case("boolean mask and additive bias", masks=("key padding", "bias")),
+    Case("boolean mask and valid_lens", masks=("per head", "lengths")),
+    Case("window (2, 1) and causal", sizes=(2, 4, 4, 7, 7, 8, 8), options=_WINDOW_CAUSAL),
+    # Grouped heads beside masks: a kernel folding a group's queries into one axis must read
+    # each query's own position and head
+    Case("grouped heads, causal", sizes=_GROUPED, options=(("causal", True),)),
+    Case("grouped heads, boolean mask (batch, heads, Q, K)", sizes=_GROUPED, masks=("per head",)),
+    # Windows where Q < K: the alignments differ
+    Case("window (2, 1), Q < K (top_left)", options=(("window", (2, 1)),)),
+    Case("window (2, 1) bottom_right, Q < K", options=_WINDOW_BOTTOM_RIGHT),
+    # Rows with no key that no mask or bias makes: a length of 0, queries before every key
+    Case("valid_lens with a 0 (an example of padding alone)", masks=("lengths with a 0",)),
+    Case(
+        "causal bottom_right, Q > K (the first queries keep no key)",
+        sizes=(2, 4, 4, 7, 5, 8, 8),
+        options=(("causal", True), ("alignment", "bottom_right")),
+    ),
+    # More keys than any tile size divides, each query's weight on a few of them, one on the
+    # last key: a kernel losing a partial last tile or an earlier tile's rescaling shows
+    Case("long rows (K = 4133)", sizes=(1, 2, 2, 3, 4133, 8, 8), inputs="long rows"),
     # Scores a softmax must take apart: exp(106) is past float32's range, and so is a product
     # of float16's rounded before it is scaled
     Case("a dominant key (its score 106, the others near 0)", inputs="dominant key"),
@@ -224,9 +251,7 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
     except NotImplementedError as error:
         return Row(case.name, dtype, "not taken", note=_first_line(error))
     except TypeError as error:
-        # An option or mask the function has no argument for; a case that gives neither
-        # calls it with the query, key and value alone, which every function takes
-        status = "not taken" if case.options or case.masks else "error"
+        status = "not taken" if _declined(function, error, arrays, case) else "error"
         return Row(case.name, dtype, status, note=f"TypeError: {_first_line(error)}")
     except Exception as error:
         return Row(case.name, dtype, "error", note=f"{type(error).__name__}: {_first_line(error)}")
@@ -239,6 +264,25 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
     agrees = difference <= tolerance
     note = "" if agrees else _where(output, expected, tolerance)
     return Row(case.name, dtype, "agrees" if agrees else "differs", difference, tolerance, note)
+
+
+def _declined(function, error: TypeError, arrays: dict, case: Case) -> bool:
+    """Whether a TypeError says the function has no argument for an option or mask the case
+    gives (its signature cannot take them, or the error names one as unexpected), rather than
+    a failure inside it; a case that gives neither calls it as every function is called."""
+    names = {*dict(case.options), *(k for k in arrays if k not in ("query", "key", "value"))}
+    if not names:
+        return False
+    message = str(error)
+    if "unexpected keyword" in message and any(repr(name) in message for name in names):
+        return True
+    try:
+        inspect.signature(function).bind(None, None, None, **dict.fromkeys(names))
+    except TypeError:
+        return True
+    except ValueError:  # no signature to read (a builtin): the error alone tells
+        return "keyword" in message or "argument" in message
+    return False
 
 
 def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -262,6 +306,7 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
         ),
         "padding bias": ("bias", np.where(padding, 0.0, -np.inf)),
         "lengths": ("valid_lens", lengths),
+        "lengths with a 0": ("valid_lens", np.array([0, keys][:batch])),
         "lengths per query": ("valid_lens", rng.integers(1, keys + 1, (batch, queries))),
         "empty row": ("mask", _with_an_empty_row(rng.random((batch, 1, queries, keys)) < 0.6)),
         "segments": ("segment_ids", np.array([[0] * 3 + [1] * 4, [0] * 5 + [1] * 2][:batch])),
@@ -277,6 +322,9 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     if case.inputs == "dominant key":  # every query's score with key 0 about 106
         arrays["query"][..., 0], arrays["key"][..., 0] = 10.0, 0.0
         arrays["key"][..., 0, 0] = 10.6 * np.sqrt(d)  # times 10, over sqrt(d)
+    if case.inputs == "long rows":  # scores of spread 2: a few keys hold a row's weight
+        arrays["query"] *= 2.0
+        arrays["key"][:, :, -1] = arrays["query"][:, :, 0]  # query 0's score with it near 11
     if case.inputs == "large products":  # entries near 100 whose products sum past 65,504
         arrays["query"] = 100.0 + 30.0 * arrays["query"]
         arrays["key"] = 100.0 + 30.0 * arrays["key"]

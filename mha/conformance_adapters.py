@@ -57,8 +57,9 @@ def _refuse(name: str, value: Any, taken: Any = None) -> None:
 def torch_sdpa(kernel: str | None = None) -> Callable:
     """torch.nn.functional.scaled_dot_product_attention, under torch's kernel `kernel` ("math",
     "efficient", "flash", "cudnn"; None: torch's choice). It takes one mask, boolean or
-    additive, top-left causal alone, and grouped heads (enable_gqa); valid_lens become a
-    boolean mask of keys."""
+    additive, top-left causal, and grouped heads (enable_gqa); valid_lens become a boolean
+    mask of keys, joining a boolean mask, and causal joins a mask or bias (is_causal alone
+    takes none)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -80,22 +81,35 @@ def torch_sdpa(kernel: str | None = None) -> Callable:
         mask = o.mask
         if o.valid_lens is not None:  # (batch,) or (batch, Q): a mask of (batch, 1, Q or 1, K)
             lengths = o.valid_lens.reshape(o.valid_lens.shape[0], 1, -1, 1)
-            mask = torch.arange(key.shape[-2], device=key.device) < lengths
+            kept = torch.arange(key.shape[-2], device=key.device) < lengths
+            mask = kept if mask is None else mask & kept
         if mask is not None and o.bias is not None:
             raise NotImplementedError("a mask and a bias together: SDPA takes one attn_mask")
+        attn_mask, causal = o.bias if mask is None else mask, o.causal
+        if causal and attn_mask is not None:  # is_causal takes no attn_mask: causal joins it
+            attn_mask = _with_causal(torch, attn_mask, query.shape[-2], key.shape[-2])
+            causal = False
         within = sdpa_kernel(backends[kernel]) if kernel else contextlib.nullcontext()
         with within:
             return F.scaled_dot_product_attention(
                 query,
                 key,
                 value,
-                attn_mask=o.bias if mask is None else mask,
-                is_causal=o.causal,
+                attn_mask=attn_mask,
+                is_causal=causal,
                 scale=o.scale,
                 enable_gqa=key.shape[1] != query.shape[1],
             )
 
     return attention
+
+
+def _with_causal(torch, attn_mask, queries: int, keys: int):
+    """A boolean mask or additive bias with the keys after each query's index left out too."""
+    below = torch.ones(queries, keys, dtype=torch.bool, device=attn_mask.device).tril()
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & below
+    return attn_mask.masked_fill(~below, float("-inf"))
 
 
 def torch_flex_attention() -> Callable:

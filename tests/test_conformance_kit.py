@@ -7,6 +7,7 @@ broken function is flagged.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sys
@@ -28,6 +29,16 @@ SOFTCAPS = {"softcap 5", "softcap 5, causal", "softcap 5, additive bias"}
 # A row whose bias is -inf at every key, and NaN at keys a -inf bias leaves out: the functions
 # that add the bias to the scores give NaN in both
 MINUS_INFINITY = {"additive bias with -inf, a row all -inf", "NaN at keys a -inf bias leaves out"}
+# A window beside causal, and where Q < K at each alignment
+WINDOWS_MORE = {
+    "window (2, 1) and causal",
+    "window (2, 1), Q < K (top_left)",
+    "window (2, 1) bottom_right, Q < K",
+}
+MASKS_TOGETHER = {"boolean mask and causal", "valid_lens and causal", "boolean mask and valid_lens"}
+ZERO_LENGTH = "valid_lens with a 0 (an example of padding alone)"
+QUERIES_BEFORE_KEYS = "causal bottom_right, Q > K (the first queries keep no key)"
+LONG_ROWS = "long rows (K = 4133)"
 
 
 def statuses(rows) -> dict[str, set[str]]:
@@ -67,6 +78,9 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
         *SOFTCAPS,
         PACKED,
         *PAIRED,
+        *WINDOWS_MORE,
+        "boolean mask and additive bias",  # one attn_mask
+        QUERIES_BEFORE_KEYS,
     }
     # It adds its mask to the scores: a NaN at a masked key stays NaN
     assert found["differs"] == {"NaN at masked keys", "NaN at keys a -inf bias leaves out"}
@@ -85,7 +99,12 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
         "valid_lens (batch, Q)",
         "additive bias with -inf, a row all -inf",  # its softmax gives such a row zeros
         "boolean mask (heads, Q, K)",
-        "long rows (K = 4096)",
+        LONG_ROWS,
+        # Lengths join a mask, causal joins either (is_causal takes no attn_mask)
+        *MASKS_TOGETHER,
+        "grouped heads, causal",
+        "grouped heads, boolean mask (batch, heads, Q, K)",
+        ZERO_LENGTH,
     ):
         assert case in found["agrees"], case
 
@@ -122,16 +141,26 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
         *SOFTCAPS,
         PACKED,
         *PAIRED,
+        "window (2, 1) bottom_right, Q < K",
+        QUERIES_BEFORE_KEYS,
     }
-    # A row with no key: the mean of the values (equal scores), not zeros
-    no_key = "a row with no key"
-    assert no_key in (found["agrees"] if empty_rows == "uniform" else found["differs"])
+    # A row with no key (a mask's, a length of 0's): the mean of the values, not zeros
+    no_key = {"a row with no key", ZERO_LENGTH}
+    assert no_key <= (found["agrees"] if empty_rows == "uniform" else found["differs"])
     assert "NaN at masked keys" in found["agrees"]  # it replaces masked scores
     assert MINUS_INFINITY <= found["differs"]  # but adds the bias
+    assert {*MASKS_TOGETHER, "boolean mask and additive bias", "grouped heads, causal"} <= found[
+        "agrees"
+    ]
     # Some releases (0.7.1) apply local_window_size only with is_causal: the kit says so
-    ignored = _ignores_windows_alone(jax)
-    assert ("window (2, 1)" in found.get("differs", ())) is ignored
-    assert len(found["differs"]) == len(MINUS_INFINITY) + (empty_rows == "zeros") + ignored
+    ignored = {"window (2, 1)", "window (2, 1), Q < K (top_left)"}
+    if _ignores_windows_alone(jax):
+        assert ignored <= found["differs"]
+    else:
+        assert not ignored & found.get("differs", set())
+    assert "window (2, 1) and causal" in found["agrees"]
+    expected = {*MINUS_INFINITY, *(no_key if empty_rows == "zeros" else ())}
+    assert found["differs"] - ignored == expected
 
 
 @pytest.mark.jax
@@ -206,6 +235,120 @@ def test_a_broken_function_is_flagged_on_the_cases_it_breaks(capsys):
     assert code == 1
     plain = next(line for line in out.splitlines() if line.startswith("plain "))
     assert "DIFFERS" in plain and "plain, float64: differs: at (0, 0, 0, 0)" in out
+
+
+def _dropping(option: str, beside: str):
+    """mha's function that drops `option` where `beside` is given too: a kernel that takes one
+    mask at a time."""
+
+    def attention(query, key, value, **options):
+        if beside in options:
+            options.pop(option, None)
+        return backend_module("numpy").dot_product_attention(query, key, value, **options)
+
+    return attention
+
+
+@pytest.mark.parametrize(
+    "option, beside, case",
+    [
+        ("causal", "mask", "boolean mask and causal"),
+        ("causal", "valid_lens", "valid_lens and causal"),
+        ("mask", "bias", "boolean mask and additive bias"),
+        ("mask", "valid_lens", "boolean mask and valid_lens"),
+        ("window", "causal", "window (2, 1) and causal"),
+    ],
+)
+def test_a_kernel_taking_one_mask_at_a_time_is_flagged(option, beside, case):
+    rows = conformance.run(_dropping(option, beside), "numpy", ("float64",))
+    assert statuses(rows)["differs"] == {case}
+
+
+def folded_grouped_attention(query, key, value, *, causal=False):
+    """Grouped heads folded into the query axis, (B, kv heads, group x Q, d), with causal read
+    on the folded index: the queries of every group but the first see too many keys."""
+    batch, heads, queries, _ = query.shape
+    folded = query.reshape(batch, key.shape[1], -1, query.shape[-1])
+    output = backend_module("numpy").dot_product_attention(folded, key, value, causal=causal)
+    return output.reshape(batch, heads, queries, -1)
+
+
+def lengths_minus_infinity_attention(query, key, value, *, valid_lens=None):
+    """Lengths as -inf scores before a plain softmax: a length of 0 makes a row of NaN."""
+    scores = query @ np.swapaxes(key, -1, -2) / np.sqrt(query.shape[-1])
+    if valid_lens is not None:
+        lengths = valid_lens.reshape(valid_lens.shape[0], 1, -1, 1)
+        scores = np.where(np.arange(key.shape[-2]) < lengths, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return weights / weights.sum(-1, keepdims=True) @ value
+
+
+def test_grouped_heads_and_lengths_of_0_are_held_beside_the_masks():
+    found = statuses(conformance.run(folded_grouped_attention, "numpy", ("float64",)))
+    assert {"grouped heads (4 query, 2 key-value)", "causal, Q < K (top_left)"} <= found["agrees"]
+    assert "grouped heads, causal" in found["differs"]
+    found = statuses(conformance.run(lengths_minus_infinity_attention, "numpy", ("float64",)))
+    assert {"valid_lens (batch,)", "valid_lens (batch, Q)"} <= found["agrees"]
+    assert found["differs"] == {ZERO_LENGTH}
+
+
+def _tiled(query, key, value, rescale: bool, whole_tiles: bool, tile: int = 128):
+    """An online softmax over tiles of keys, in float32, as flash kernels compute: with
+    whole_tiles, the keys past the last whole tile are lost; without rescale, the sums of
+    earlier tiles keep an earlier maximum."""
+    q, k, v = (np.asarray(x, dtype="float32") for x in (query, key, value))
+    scores = q @ np.swapaxes(k, -1, -2) / np.float32(np.sqrt(q.shape[-1]))
+    end = scores.shape[-1] // tile * tile if whole_tiles else scores.shape[-1]
+    peak = np.full((*scores.shape[:-1], 1), -np.inf, dtype="float32")
+    total, accumulated = 0.0, 0.0
+    for start in range(0, end, tile):
+        part = scores[..., start : min(start + tile, end)]
+        new_peak = np.maximum(peak, part.max(-1, keepdims=True))
+        shrink = np.exp(peak - new_peak) if rescale else 1.0
+        p = np.exp(part - new_peak)
+        total = total * shrink + p.sum(-1, keepdims=True)
+        accumulated = accumulated * shrink + p @ v[..., start : start + p.shape[-1], :]
+        peak = new_peak
+    return (accumulated / total).astype(query.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_tiled_kernel_losing_a_tile_or_its_rescaling_is_flagged(dtype):
+    # Rows of more keys than any tile size divides, each row's weight on a few keys
+    (case,) = (case for case in conformance.CASES if case.name == LONG_ROWS)
+    right = functools.partial(_tiled, rescale=True, whole_tiles=False)
+    assert statuses(conformance.run(right, "numpy", (dtype,), [case])) == {"agrees": {LONG_ROWS}}
+    for wrong in ({"rescale": False, "whole_tiles": False}, {"rescale": True, "whole_tiles": True}):
+        rows = conformance.run(functools.partial(_tiled, **wrong), "numpy", (dtype,), [case])
+        assert statuses(rows) == {"differs": {LONG_ROWS}}, wrong
+
+
+def unpacking_window(query, key, value, *, window=None, alignment="top_left"):
+    """A kernel that takes a window but fails inside on an int one."""
+    left, right = (None, None) if window is None else window
+    return backend_module("numpy").dot_product_attention(
+        query, key, value, window=(left, right), alignment=alignment
+    )
+
+
+def forwarding_attention(query, key, value, **options):
+    """A wrapper handing its options to a function that takes a mask alone."""
+    return mask_only_attention(query, key, value, **options)
+
+
+def mask_only_attention(query, key, value, *, mask=None):
+    return backend_module("numpy").dot_product_attention(query, key, value, mask=mask)
+
+
+def test_a_typeerror_inside_the_function_is_an_error_not_an_option_it_lacks():
+    rows = conformance.run(unpacking_window, "numpy", ("float64",))
+    found = statuses(rows)
+    assert found["error"] == {INT_WINDOW} and "window (2, 1)" in found["agrees"]
+    assert "softcap 5" in found["not taken"]  # no argument for it
+    # An unexpected keyword from a function the options are handed on to: not taken
+    found = statuses(conformance.run(forwarding_attention, "numpy", ("float64",)))
+    assert "error" not in found and "softcap 5" in found["not taken"]
+    assert "boolean mask (batch, heads, Q, K)" in found["agrees"]
 
 
 def attention_of_other_names(q, k, v, *, temperature):
@@ -312,7 +455,8 @@ def test_the_command_holds_rows_with_no_key_to_empty_rows(capsys):
     assert cli.main(["conform", *target, "--json"]) == 1
     rows = json.loads(capsys.readouterr().out)
     differs = {row["case"] for row in rows if row["status"] != "agrees"}
-    assert differs == {"a row with no key", "additive bias with -inf, a row all -inf"}, differs
+    no_key = {"a row with no key", "additive bias with -inf, a row all -inf"}
+    assert differs == {*no_key, ZERO_LENGTH, QUERIES_BEFORE_KEYS}, differs
 
 
 @pytest.mark.parametrize(
@@ -396,6 +540,11 @@ def test_keras_dot_product_attention_is_reported_as_it_behaves():
         *SOFTCAPS,
         PACKED,
         *PAIRED,
+        *WINDOWS_MORE,
+        "valid_lens and causal",
+        "boolean mask and valid_lens",
+        ZERO_LENGTH,
+        QUERIES_BEFORE_KEYS,
     }
     # A row with no key: uniform, as held to; it adds the bias to the scores
     assert found["differs"] == MINUS_INFINITY and set(found) == {"agrees", "not taken", "differs"}
