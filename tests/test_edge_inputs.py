@@ -219,9 +219,21 @@ def test_bfloat16_weights_are_the_exact_softmax_rounded_once(name):
     # bfloat16 keeps 8 significant bits: a softmax computed in its steps (the exponentials, a
     # sum of 4,096 of them) puts weights several steps off; in float32, rounded once, each is
     # within half a step (2**-8 of it) of the float64 softmax of the same bfloat16 scores
-    module = backend_module(name)
+    _assert_softmax_rounded_once(backend_module(name), "bfloat16", 2**-8, 0.0)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_float16_weights_are_the_exact_softmax_rounded_once(name):
+    # float16's 11 significant bits: summed in float16, a row of 4,096 exponentials puts
+    # weights far off (every weight of a uniform row 1/2048); in float32, rounded once, each
+    # is within half a step of the float64 softmax, or of float16's smallest step, 2**-24
+    _assert_softmax_rounded_once(backend_module(name), "float16", 2**-11, 2**-25)
+
+
+def _assert_softmax_rounded_once(module, dtype: str, half_step: float, smallest: float) -> None:
     rng = np.random.default_rng(0)
-    scores = (rng.standard_normal((2, 3, 4096)) * 2).astype(numpy_dtype("bfloat16"))
+    scores = (rng.standard_normal((2, 3, 4096)) * 2).astype(numpy_dtype(dtype))
+    scores[1, 2] = 0  # a uniform row
     exact = scores.astype("float64")
     for valid_lens in (None, np.array([4096, 3000])):
         # Shape of kept: (2, 1, 4096), one row of kept keys per sequence
@@ -230,9 +242,10 @@ def test_bfloat16_weights_are_the_exact_softmax_rounded_once(name):
         expected /= expected.sum(-1, keepdims=True)
         lengths = None if valid_lens is None else module.from_numpy(valid_lens)
         actual = module.to_numpy(module.masked_softmax(module.from_numpy(scores), lengths))
-        assert actual.dtype.name == "bfloat16", actual.dtype
+        assert actual.dtype.name == dtype, actual.dtype
         error = np.abs(actual.astype("float64") - expected)
-        assert np.all(error <= 2**-8 * expected * 1.001), (name, error.max())
+        bound = np.maximum(half_step * expected, smallest) * 1.001
+        assert np.all(error <= bound), (module.__name__, error.max())
 
 
 @pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))

@@ -663,7 +663,11 @@ def _softmax(F, scores, keep, dtype: str, recording: bool = False, in_place: boo
     `scores`, a fresh array of the caller's, when run imperatively without recording: MXNet
     does not pool CPU memory, so every new (..., Q, K) array is fresh pages. rows_kept: every
     row of keep is known to keep a key (masks.every_row_keeps_a_key), so none is looked for.
+    float16 is computed in float32 and rounded once: npx.softmax sums float16 in float16.
     """
+    if dtype == "float16":
+        return _softmax(F, scores.astype("float32"), keep, "float32", recording,
+                        empty_rows=empty_rows, rows_kept=rows_kept).astype("float16")
     in_place = in_place and _imperative(scores, recording)
     if keep is None:
         # In place, the weights are written over the scores
