@@ -104,7 +104,7 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
         mine, theirs = config.get(key), saved.get(key)
         # A lazy layer's input sizes are still None: the file's weights give them. Any other
         # setting of the file's (scale, rope_theta, a window) must be the layer's
-        if mine != theirs and not (mine is None and key in _LAZY_SIZES):
+        if not same_setting(mine, theirs) and not (mine is None and key in _LAZY_SIZES):
             problems.append(
                 f"the file was saved with {key}={theirs!r}; this layer has {key}={mine!r}"
             )
@@ -116,6 +116,15 @@ def load_weights(layer: Any, path: str | os.PathLike) -> None:
 
 
 _LAZY_SIZES = ("query_size", "key_size", "value_size")
+
+
+def same_setting(a: Any, b: Any) -> bool:
+    """Equal options as files write them: a tuple as a list, a scaling as a plain mapping."""
+
+    def written(x: Any) -> str:  # repr for a value JSON has no form of: compared, not failed
+        return json.dumps(x, sort_keys=True, default=repr)
+
+    return written(a) == written(b)
 
 
 class Checkpoint(NamedTuple):

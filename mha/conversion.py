@@ -18,7 +18,6 @@ importing this module imports none.
 from __future__ import annotations
 
 import io
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from mha import layer_args, layouts, porting, stored, validation
-from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors
+from mha.checkpoints import checkpoint_bytes, read_checkpoint, read_safetensors, same_setting
 from mha.files import check_source, check_zip_archive, write_atomically
 from mha.interop.common import check_expressible, layer_from_weights, options_of
 from mha.interop.flax import canonical_from_flax, flax_params
@@ -440,22 +439,15 @@ def _held(destination: str | os.PathLike, config: Mapping[str, Any], extra: dict
     """`extra` beside the config `destination` holds, read back, with a note naming what of
     `config` it does not hold (a framework's file holds weights and sizes alone)."""
     _, held = read_file(destination, num_heads=config["num_heads"])
-    lost = [key for key, value in config.items() if key in held and not _same(held[key], value)]
+    lost = [
+        key for key, value in config.items() if key in held and not same_setting(held[key], value)
+    ]
     if lost:
         given = ", ".join(f"{key}={config[key]!r}" for key in lost)
         found = ", ".join(f"{key}={held[key]!r}" for key in lost)
         note = f"{os.fspath(destination)} does not hold {given}: read back, {found}"
         extra = {**extra, "notes": [*extra.get("notes", ()), note]}
     return {**held, **extra}
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal options as files write them: a tuple as a list, a scaling as a plain mapping."""
-
-    def written(x: Any) -> str:  # repr for a value JSON has no form of: compared, not failed
-        return json.dumps(x, sort_keys=True, default=repr)
-
-    return written(a) == written(b)
 
 
 def _write_latent(path, weights: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> None:

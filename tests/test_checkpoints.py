@@ -247,6 +247,35 @@ def test_a_checkpoint_keeps_its_scale_and_options(tmp_path):
     assert {key: config[key] for key in options} == options
 
 
+def test_load_weights_takes_a_file_of_the_same_scaling_written_as_lists(tmp_path):
+    # JSON writes longrope's factors as lists where the layer holds tuples: the same setting;
+    # another factor is still refused
+    def layer(long_factor):
+        scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.5], "factor": 2.0}
+        scaling.update(long_factor=long_factor, original_max_position_embeddings=4)
+        return backend_module("numpy").MultiHeadAttention(
+            8,
+            2,
+            rope_theta=100.0,
+            rope_scaling=scaling,
+            query_size=8,
+            key_size=8,
+            value_size=8,
+            dtype="float64",
+        )
+
+    saved = layer([2.0, 3.0])
+    w = mha.random_weights(saved, seed=2)
+    mha.set_weights(saved, w)
+    mha.save_weights(saved, tmp_path / "longrope.safetensors")
+    same = layer([2.0, 3.0])
+    mha.load_weights(same, tmp_path / "longrope.safetensors")
+    x = np.random.default_rng(3).standard_normal((1, 4, 8))
+    np.testing.assert_array_equal(same(x, x, x), saved(x, x, x))
+    with pytest.raises(ValueError, match="the file was saved with rope_scaling="):
+        mha.load_weights(layer([2.0, 4.0]), tmp_path / "longrope.safetensors")
+
+
 def test_convert_keeps_a_checkpoints_scale_and_takes_the_one_given(tmp_path):
     path, w = _scaled_checkpoint(tmp_path)
     x = np.random.default_rng(3).standard_normal((2, 4, 8))
