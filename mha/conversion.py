@@ -165,6 +165,7 @@ def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:
             f"{name} does not hold a state_dict (a dict of tensors). "
             f"Received: {type(state).__name__}"
         )
+    _check_storages(name, state, torch)
     for key, value in state.items() if only_weights else ():
         # Only plain dense float tensors are weights mha reads
         kind = (
@@ -189,6 +190,20 @@ def _load_torch_file(name: str, only_weights: bool = True) -> dict[str, Any]:
                 "float32 and float64 weights"
             )
     return dict(state)
+
+
+def _check_storages(name: str, state: Mapping[str, Any], torch) -> None:
+    """Each dense tensor's elements within the bytes its storage holds: a view that repeats
+    them (stride 0) would grow a file of a few bytes into gigabytes when read."""
+    for key, value in state.items():
+        if value.layout != torch.strided or value.device.type == "meta":
+            continue
+        size, stored = value.numel() * value.element_size(), value.untyped_storage().nbytes()
+        if size > stored:
+            raise ValueError(
+                f"{name} holds a tensor at {key!r} of {size} bytes that repeats a storage of "
+                f"{stored} (a view with a stride of 0); mha reads tensors stored whole"
+            )
 
 
 def _torch_load_message(error: Exception) -> str:

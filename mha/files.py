@@ -23,11 +23,19 @@ from typing import Any
 
 def check_destination(path: str | os.PathLike) -> str:
     """The destination as a string, or a ValueError saying why it cannot be written: a
-    folder, a folder that does not exist, or a file that may not be written."""
+    folder, a FIFO, a device or a socket (a rename would put a file in its place), a folder
+    that does not exist, or a file that may not be written. A link is replaced, as a file."""
     name = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(name))
     if os.path.isdir(name):
         raise ValueError(f"{name} is a directory; give a file name to write")
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(name).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise ValueError(
+                f"{name} is not a regular file (a FIFO, a device or a socket); mha replaces "
+                "files only, and leaves it as it is"
+            )
     if not os.path.isdir(directory):
         raise ValueError(f"cannot write {name}: the folder {directory} does not exist")
     # The file is replaced by a rename, which its own permissions do not stop: checked here
@@ -54,8 +62,9 @@ def write_atomically(
     Only Python writes to the disk here, so a failed write is an OSError (a framework's
     writer, h5py's, may crash the process instead when the disk refuses a write).
 
-    The new file keeps the permissions of the file it replaces; a new file gets those of any
-    file the process creates (0666 less the umask), not the private 0600 of a temporary file.
+    The new file keeps the permissions of the file it replaces, and its owner where the
+    process may give it (root); a new file gets those of any file the process creates (0666
+    less the umask), not the private 0600 of a temporary file.
 
     Raises:
         ValueError: `path` is a folder or its folder does not exist, or `check` refused.
@@ -82,6 +91,7 @@ def write_atomically(
             check(temporary)
         try:
             os.chmod(temporary, _mode_for(name))
+            _keep_owner(temporary, name)
             os.replace(temporary, name)
         except OSError as error:
             raise failed(error) from error
@@ -116,6 +126,16 @@ def _mode_for(name: str) -> int:
         return stat.S_IMODE(os.stat(name).st_mode)
     except FileNotFoundError:
         return 0o666 & ~_umask()
+
+
+def _keep_owner(temporary: str, name: str) -> None:
+    # A file replaced by a privileged process stays its owner's; others cannot give files away
+    if not hasattr(os, "chown"):
+        return
+    with contextlib.suppress(OSError):
+        owner = os.stat(name)
+        if (owner.st_uid, owner.st_gid) != (os.getuid(), os.getgid()):
+            os.chown(temporary, owner.st_uid, owner.st_gid)
 
 
 def _umask() -> int:

@@ -639,6 +639,27 @@ def test_a_header_entry_whose_dtype_or_metadata_is_of_another_type_is_refused(tm
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX's")
+@pytest.mark.torch
+def test_a_torch_file_of_views_repeating_their_storage_is_refused(tmp_path):
+    # torch.save keeps an expanded view as one element and a stride of 0: a file of a few
+    # hundred bytes whose tensors would be gigabytes read
+    torch = framework_import("torch")
+    one = torch.zeros(1)
+    state = {
+        "in_proj_weight": one.expand(3 * 4096, 4096),
+        "out_proj.weight": one.expand(4096, 4096),
+    }
+    torch.save(state, tmp_path / "views.pt")
+    with pytest.raises(ValueError, match="repeats a storage of 4 .* stride of 0"):
+        interop.read_file(tmp_path / "views.pt", num_heads=H)
+    # Views sharing one storage whole, as a layer's q, k and v of one in_proj, are read
+    whole = torch.randn(3 * D, D, dtype=torch.float64)
+    state = {"in_proj_weight": whole, "out_proj.weight": whole[:D].t()}
+    torch.save(state, tmp_path / "shared.pt")
+    weights, _ = interop.read_file(tmp_path / "shared.pt", num_heads=H)
+    np.testing.assert_array_equal(weights["W_o"], whole[:D].numpy())  # (in, out): W^T
+
+
 def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
     # A FIFO would wait for a writer and a device read without end: refused before opening
     folder = tmp_path / "folder.safetensors"
@@ -657,6 +678,34 @@ def test_a_path_that_is_not_a_regular_file_is_one_error(tmp_path):
             mha.porting.options_from_config(path)
     with pytest.raises(FileNotFoundError):
         mha.load(tmp_path / "missing.safetensors")
+
+
+def test_a_destination_that_is_not_a_regular_file_is_left_as_it_is(tmp_path):
+    # A rename would put a file in place of a FIFO or a device (/dev/null): refused, unwritten
+    source = saved(tmp_path)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        mha.save(N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D), fifo)
+    completed = subprocess.run(
+        [sys.executable, "-m", "mha", "convert", str(source), str(fifo)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert completed.returncode == 1 and "is not a regular file" in completed.stderr
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".mha-")]
+
+
+def test_a_file_replaced_by_root_stays_its_owners(tmp_path):
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("only root may give a file to another user")
+    path = saved(tmp_path)
+    os.chown(path, 12345, 23456)
+    os.chmod(path, 0o600)
+    interop.convert(saved(tmp_path, "b.safetensors"), path)
+    assert (os.stat(path).st_uid, os.stat(path).st_gid, mode(path)) == (12345, 23456, 0o600)
 
 
 def test_a_file_holding_no_attention_layer_is_named_in_the_error(tmp_path):
