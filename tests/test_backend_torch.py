@@ -973,6 +973,27 @@ def test_torch_compile_matches_eager(T, torch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_compiled_scaling_of_a_free_length_keeps_float64(T, torch, kind):
+    # A length torch.compile leaves free passes for an int: numpy traced with it kept
+    # float32's precision (1e-9 off in float64). Expected: the NumPy reference
+    scaling = {"rope_type": kind, "factor": 2.0, "original_max_position_embeddings": 4}
+    if kind == "longrope":
+        scaling.update(short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])
+    options = dict(query_size=8, key_size=8, value_size=8, dtype="float64", rope_theta=100.0)
+    reference = N.MultiHeadAttention(8, H, rope_scaling=scaling, **options)
+    layer = T.MultiHeadAttention(8, H, rope_scaling=scaling, **options).eval()
+    mha.set_weights(layer, mha.get_weights(reference))
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
+    for n in (3, 6, 8):
+        x = np.random.default_rng(n).standard_normal((2, n, 8))
+        expected = reference(x, x, x, causal=True)[0]
+        with torch.no_grad():
+            output = compiled(*(torch.from_numpy(x),) * 3, causal=True)[0]
+        np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-13)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.*")
 def test_self_attention_compiles_into_one_graph(T, torch):
     # Without gradients, self-attention traces whole (fullgraph=True: a graph break is an
     # error). (valid_lens would break it: their value check reads them.) Expected: the eager

@@ -1061,7 +1061,10 @@ class RotaryEmbedding(Module):
         # The first `rotated` features turn, in pairs; the others pass (partial rotary)
         self.rotated = rotary_dim or num_hiddens
         # Shape of frequencies: (rotated / 2,), one angle per position for each pair
-        self.register_buffer("frequencies", self.constants()["frequencies"], persistent=False)
+        constants = self.constants()
+        self.register_buffer("frequencies", constants["frequencies"], persistent=False)
+        self.register_buffer("long_frequencies", constants.get("long_frequencies"),
+                             persistent=False)
         # The factor of the cosines and sines: a yarn or longrope scaling's, else 1
         self.attention_factor = rotary_attention_factor(self.scaling)
 
@@ -1110,10 +1113,9 @@ class RotaryEmbedding(Module):
         """The frequencies of a call over positions 0, ..., length - 1: the layer's, or those
         a dynamic or longrope scaling gives a sequence longer than it was trained on. A
         program being exported may leave the length free: the frequencies are then computed
-        in the program, from the length as a tensor."""
-        known = isinstance(length, int) and not _strictly_traced()
-        if known or not torch.compiler.is_exporting():
-            # torch.compile guards a free length's comparison; an exported program keeps none
+        in the program, from the length as a tensor, as under torch.compile (where a free
+        length passes for an int, and numpy traced with it keeps float32's precision)."""
+        if isinstance(length, int) and not torch.compiler.is_compiling():
             return self._frequencies_of(
                 rotary_frequencies_at(self.rotated, self.theta, self.scaling, length))
         if self.scaling is None or self.scaling["rope_type"] not in ("dynamic", "longrope"):
@@ -1126,8 +1128,7 @@ class RotaryEmbedding(Module):
             frequencies = dynamic_frequencies(self.rotated, self.theta, self.scaling,
                                               length.clamp(min=original), pairs / self.rotated)
             return frequencies.to(self.frequencies.dtype)
-        longer = rotary_frequencies(self.rotated, self.theta, self.scaling, original + 1)
-        return torch.where(length > original, self._frequencies_of(longer), self.frequencies)
+        return torch.where(length > original, self.long_frequencies, self.frequencies)
 
     def _frequencies_of(self, longer: np.ndarray | None) -> torch.Tensor:
         """A scaling's frequencies for a longer sequence on the layer's device, or the
@@ -1140,8 +1141,15 @@ class RotaryEmbedding(Module):
 
     def constants(self) -> dict[str, torch.Tensor]:
         # In float64 for a float64 layer, else float32 (mha.encoding.rotary_angle_dtype)
+        dtype = _TORCH_DTYPES[rotary_angle_dtype(self.dtype)]
         frequencies = torch.from_numpy(rotary_frequencies(self.rotated, self.theta, self.scaling))
-        return {"frequencies": frequencies.to(_TORCH_DTYPES[rotary_angle_dtype(self.dtype)])}
+        constants = {"frequencies": frequencies.to(dtype)}
+        if self.scaling is not None and self.scaling["rope_type"] == "longrope":
+            # Past the original length, for a compiled call (numpy traced there is float32)
+            longer = self.scaling["original_max_position_embeddings"] + 1
+            longer = rotary_frequencies(self.rotated, self.theta, self.scaling, longer)
+            constants["long_frequencies"] = torch.from_numpy(longer).to(dtype)
+        return constants
 
 
 @documented
