@@ -650,7 +650,7 @@ def test_a_torch_file_of_views_repeating_their_storage_is_refused(tmp_path):
         "out_proj.weight": one.expand(4096, 4096),
     }
     torch.save(state, tmp_path / "views.pt")
-    with pytest.raises(ValueError, match="repeats a storage of 4 .* stride of 0"):
+    with pytest.raises(ValueError, match=r"repeats a storage of 4 .* stride of 0"):
         interop.read_file(tmp_path / "views.pt", num_heads=H)
     # Views sharing one storage whole, as a layer's q, k and v of one in_proj, are read
     whole = torch.randn(3 * D, D, dtype=torch.float64)

@@ -5,7 +5,8 @@ the same order, so that the two files read side by side. The layers are `flax.nn
 `module.train()` / `.eval()` decide dropout (a new layer trains, as in Flax), parameters and
 dropout draw from the `rngs` a layer is given (`nnx.Rngs(0)` when none is), and every layer
 runs under `nnx.jit`, and under jax.jit, jax.grad, jax.vmap and jax.export of a closure, with
-the same numbers (a closure draws no dropout mask: there, train under `nnx.jit`). float32 products are computed in full float32 precision on every device.
+the same numbers (a closure draws no dropout mask: there, train under `nnx.jit`). float32
+products are computed in full float32 precision on every device.
 The checks that need values (valid_lens are non-negative whole numbers) run when the call is
 eager, as under TensorFlow's tf.function; shapes and dtypes are checked always.
 
