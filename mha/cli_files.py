@@ -271,7 +271,7 @@ def _inspect_port(path: str, arguments, options, out) -> int:
 
 
 def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
-    print(f"{path}: {conversion.FILE_KINDS[kind]}", file=out)
+    # Read whole before the first line: a file that fails prints the error alone
     if kind == "mha":
         checkpoint = read_checkpoint(path)
         class_name, config, weights = (
@@ -285,10 +285,12 @@ def _inspect(path: str, kind: str, num_heads: int | None, out) -> int:
                 f"Received: num_heads={num_heads}"
             )
         saved_from = checkpoint.metadata.get("backend", "-")
-        print(f"class: {class_name} (saved from the {saved_from} backend)", file=out)
+        told = f"{class_name} (saved from the {saved_from} backend)"
     else:
         weights, config = conversion.read_file(path, num_heads=num_heads)
-        print("class: MultiHeadAttention (config inferred from the weights)", file=out)
+        told = "MultiHeadAttention (config inferred from the weights)"
+    print(f"{path}: {conversion.FILE_KINDS[kind]}", file=out)
+    print(f"class: {told}", file=out)
     print(f"config: {json.dumps(config, sort_keys=True)}", file=out)
     print("weights:", file=out)
     for name, value in weights.items():

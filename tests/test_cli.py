@@ -518,8 +518,9 @@ def test_convert_refuses_files_it_cannot_read_or_express(tmp_path):
     code, _, err = run("convert", str(tmp_path / "query6.safetensors"), str(tmp_path / "a.pt"))
     assert code == 1 and "query size to equal embed_dim" in err
     (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
-    code, _, err = run("inspect", str(tmp_path / "junk.safetensors"))
+    code, out, err = run("inspect", str(tmp_path / "junk.safetensors"))
     assert code == 1 and "not a valid safetensors file" in err
+    assert out == ""  # nothing of the file is told before it is read
 
 
 def test_inspect_prints_class_config_and_shapes(tmp_path):
