@@ -202,6 +202,28 @@ def test_a_half_precision_add_norm_takes_its_own_dtype_alone_inside_autocast(
         torch.testing.assert_close(T.AddNorm(D)(X, Y), torch.nn.LayerNorm(D)(X + Y))
 
 
+@pytest.mark.parametrize("dtype, other", [("float16", "bfloat16"), ("bfloat16", "float16")])
+def test_one_half_dtype_inside_the_others_autocast_is_named_not_torchs_failure(
+    T, torch, dtype, other
+):
+    """torch's cat and stack fail on one half dtype inside the other's autocast ("Unexpected
+    floating ScalarType"): a RotaryEmbedding of one half dtype, and a cache of one continued
+    in the other's autocast, are TypeErrors naming both; a float32 RotaryEmbedding takes
+    autocast's dtype there."""
+    X = torch.randn(B, L, D).to(getattr(torch, dtype))
+    with _autocast(torch, other):
+        with pytest.raises(RuntimeError, match="Unexpected floating ScalarType"):
+            torch.cat([X, X], dim=-1)
+        with pytest.raises(TypeError, match=rf"a {dtype} RotaryEmbedding cannot run inside"):
+            T.RotaryEmbedding(D, dtype=dtype)(X)
+        low = X.to(getattr(torch, other))
+        assert T.RotaryEmbedding(D)(low).dtype == low.dtype
+    layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype=dtype)
+    _, cache = layer(X[:, :2], X[:, :2], X[:, :2], causal=True, cache=mha.KVCache())
+    with _autocast(torch, other), pytest.raises(TypeError, match=f"the cache holds {dtype}"):
+        layer(X[:, 2:], X[:, 2:], X[:, 2:], causal=True, cache=cache)
+
+
 def test_a_float32_bias_meets_the_scores_in_float32_inside_autocast(T, torch):
     """torch's type promotion: scores in autocast's dtype plus a float32 attn_bias are float32,
     so a row biased by -1e4 (transformers' padded query) keeps its scores' softmax, the float64

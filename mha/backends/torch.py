@@ -122,6 +122,18 @@ def _autocasting(device: str) -> bool:
         return False
 
 
+def _continued(cached: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
+    """A cache's tensor, then this call's, along the positions (dim). torch's cat fails on
+    one half dtype beside the other inside autocast: the cache's dtype is named instead."""
+    if cached.dtype != new.dtype and {cached.dtype, new.dtype} == {torch.float16, torch.bfloat16}:
+        raise TypeError(
+            f"the cache holds {plain_dtype_name(cached.dtype)} where this call computes in "
+            f"{plain_dtype_name(new.dtype)} (torch.autocast): continue a cache in the dtype "
+            "it began in"
+        )
+    return torch.cat([cached, new], dim=dim)
+
+
 class Module(nn.Module):
     """torch.nn.Module with `dtype`, the plain name of the layer's float dtype.
 
@@ -785,8 +797,8 @@ class MultiHeadAttention(Module):
         if cache is not None:
             # This call's keys and values follow those of the positions before it
             if cache.keys is not None:
-                keys = torch.cat([cache.keys, keys], dim=2)
-                values = torch.cat([cache.values, values], dim=2)
+                keys = _continued(cache.keys, keys, dim=2)
+                values = _continued(cache.values, values, dim=2)
             cache = KVCache(keys, values)
         # mha's causal mask alone, nothing cached: the kernels' own is_causal where they have it
         others = (mask, window_mask, attn_bias, self.sliding_window, segment_ids,
@@ -923,8 +935,8 @@ class MultiHeadLatentAttention(Module):
         if cache is not None:
             # This call's latents and rotary keys follow those of the positions before it
             if cache.latent is not None:
-                latent = torch.cat([cache.latent, latent], dim=1)
-                rotary_keys = torch.cat([cache.rotary_keys, rotary_keys], dim=2)
+                latent = _continued(cache.latent, latent, dim=1)
+                rotary_keys = _continued(cache.rotary_keys, rotary_keys, dim=2)
             cache = LatentCache(latent, rotary_keys)
         masks = _Masks(batch_size, num_steps, latent.shape[1], cached, device=X.device)
         keep, bias = masks.combine(valid_lens, mask, causal, window_mask, multihead=True,
@@ -1069,9 +1081,14 @@ class RotaryEmbedding(Module):
         self.attention_factor = rotary_attention_factor(self.scaling)
 
     def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        validation.check_rotary_call(
-            X, offset, self.num_hiddens, self.call_dtype(), tensor_type=_TENSOR_TYPES
-        )
+        dtype = self.call_dtype()
+        if isinstance(dtype, tuple) and dtype[0] != "float32":
+            # torch's cat and stack fail on one half dtype inside the other's autocast
+            raise TypeError(
+                f"a {dtype[0]} RotaryEmbedding cannot run inside torch.autocast of {dtype[1]}: "
+                f"build it in float32 (it then takes {dtype[1]} there) or call it outside"
+            )
+        validation.check_rotary_call(X, offset, self.num_hiddens, dtype, tensor_type=_TENSOR_TYPES)
         return self.rotate(X, offset)
 
     def rotate(self, X: torch.Tensor, offset: int = 0, length=None, positions=None) -> torch.Tensor:
