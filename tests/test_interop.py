@@ -707,7 +707,8 @@ def test_mha_to_keras(keras, name, config, dtype):
     assert builtin.key_dim == builtin.value_dim == config[0] // config[1]
     rng = np.random.default_rng(4)
     tensors = inputs(config, dtype, rng)
-    for case, valid_lens, mask, causal in mha_mask_cases(config[1], rng, per_head=False):
+    # A per-head mask among them: Keras's layers apply a 4-D attention_mask to each head
+    for case, valid_lens, mask, causal in mha_mask_cases(config[1], rng):
         ours = call_mha(module, layer, *tensors, valid_lens, mask=mask, causal=causal)
         masks = interop.to_keras_masks(valid_lens, mask, causal, num_queries=QUERIES, num_keys=KEYS)
         theirs = call_keras(builtin, *tensors, **masks)
@@ -767,6 +768,33 @@ def test_a_float_keras_mask_attends_where_it_is_nonzero(keras):
         masks = interop.from_keras_masks(attention_mask, causal, backend="numpy")
         ours = layer(queries, values, values, **masks)
         np.testing.assert_allclose(ours, np.asarray(theirs), rtol=0, atol=1e-12)
+
+
+@pytest.mark.tensorflow
+def test_the_masks_keras_inputs_carry_are_given_to_from_keras_masks(keras):
+    # Embedding(mask_zero=True) marks padding on its output, which Keras's layer joins with
+    # attention_mask by itself: given as query_mask and value_mask, mha's layer agrees on
+    # every query that attends; left out, it attends to the padding
+    ids = np.array([[3, 1, 4, 0], [5, 9, 0, 0]])
+    embedding = keras.layers.Embedding(10, 8, mask_zero=True, dtype="float64")
+    builtin = keras.layers.MultiHeadAttention(2, 4, dtype="float64")
+    builtin(embedding(ids), embedding(ids))
+    randomize_keras(builtin, seed=3)
+    layer = interop.from_keras(builtin, backend="numpy")
+    attention_mask = np.random.default_rng(4).random((2, 4, 4)) < 0.8
+    attention_mask[..., 0] = True
+    # Keras clears the masks of the tensors a call takes: each call gets fresh ones
+    embedded = embedding(ids)
+    x = np.asarray(embedded)
+    theirs = np.asarray(builtin(embedded, embedded, attention_mask=attention_mask))
+    real = ids != 0
+    masks = interop.from_keras_masks(
+        attention_mask, query_mask=real, value_mask=real, backend="numpy"
+    )
+    ours = layer(x, x, x, **masks)
+    np.testing.assert_allclose(ours[real], theirs[real], rtol=0, atol=1e-12)
+    unmasked = layer(x, x, x, **interop.from_keras_masks(attention_mask, backend="numpy"))
+    assert not np.allclose(unmasked[real], theirs[real], atol=1e-3)
 
 
 @pytest.mark.tensorflow
@@ -859,8 +887,6 @@ def test_what_mha_cannot_take_from_keras(keras):
         interop.from_keras(image)
     with pytest.raises(ValueError, match="not built"):
         interop.from_keras(keras.layers.MultiHeadAttention(2, 2))
-    with pytest.raises(ValueError, match="per-head mask"):
-        interop.to_keras_masks(mask=np.ones((1, 2, 3, 4), bool), num_queries=3, num_keys=4)
     with pytest.raises(TypeError, match=r"keras\.layers\.MultiHeadAttention"):
         interop.from_keras(object())
 

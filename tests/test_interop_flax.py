@@ -109,6 +109,30 @@ def test_every_backend_to_nnx(flax, name, masks):
     )
 
 
+@pytest.mark.parametrize("name", backend_params())
+def test_flax_masks_of_each_rank_into_every_backend(flax, name):
+    # Flax reads a mask of 3 axes as (heads, Q, K), which mha's layers would read as (batch,
+    # Q, K): with as many examples as heads nothing else would tell them apart. A float 0/1
+    # mask (make_attention_mask's) attends where nonzero
+    import jax.numpy as jnp
+    from flax import nnx
+
+    backend_module(name)
+    module = nnx.MultiHeadAttention(H, D, decode=False, deterministic=True, rngs=nnx.Rngs(5))
+    layer = interop.from_flax(module, backend=name)
+    q, k, v = inputs(2)
+    rng = np.random.default_rng(6)
+    per_head = rng.random((H, Q, K)) < 0.6
+    per_head[..., 0] = True  # a key in every row: Flax gives a row with none the values' mean
+    keys = (np.arange(K) < np.array([[3], [5]]))[:, None, :]  # (B, 1, K)
+    for mask in (per_head, per_head[0], per_head[None] & keys[:, None], keys[:, None] * 1.0):
+        expected = np.asarray(module(*map(jnp.asarray, (q, k, v)), mask=jnp.asarray(mask)))
+        output = mha_call(layer, q, k, v, interop.from_flax_masks(mask, backend="numpy"))
+        np.testing.assert_allclose(output, expected, atol=2e-5)
+    with pytest.raises(ValueError, match=r"\(batch, heads, Q, K\)"):
+        interop.from_flax_masks(np.ones((1, 1, H, Q, K), bool))
+
+
 def test_linen_parameters_both_ways(flax):
     import jax
     import jax.numpy as jnp

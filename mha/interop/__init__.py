@@ -26,7 +26,7 @@ What the built-in layers cannot express raises ValueError before anything is bui
   and `add_zero_attn` have no mha equivalent.
 - keras: mha has one head size, so a Keras layer converts when value_dim = key_dim, with
   attention over axis 1 of rank-3 inputs, one output axis (output_shape other than
-  num_heads * key_dim becomes out_features) and no sliding window.
+  num_heads * key_dim becomes out_features).
 - mha's options the built-in layers do not have (a score scale, an output bias apart from the
   others, and for torch another output size) are a ValueError naming them.
 
@@ -35,8 +35,12 @@ rules of mha's layers (`mha.masks`), lengths refused with the layers' messages:
 - torch's boolean masks mean the opposite of mha's: True = NOT allowed. `to_torch_masks` turns
   valid_lens of shape (B,) into `key_padding_mask` (B, K) and everything else (valid_lens
   (B, Q), a keep-mask, causal) into `attn_mask` (Q, K) or (B * num_heads, Q, K), inverted.
-- Keras's `attention_mask` (B, Q, K) means True = attend, as mha's mask does; `causal` becomes
-  `use_causal_mask` (top-left aligned in both). Keras has no per-head mask.
+- Keras's `attention_mask` (B, Q, K), or (B, heads, Q, K) per head, means True = attend, as
+  mha's mask does; `causal` becomes `use_causal_mask` (top-left aligned in both). Keras also
+  applies the masks its inputs carry (`Embedding(mask_zero=True)`'s): `from_keras_masks` takes
+  them as query_mask and value_mask.
+- Flax's `mask` means True = attend too, over [..., heads, Q, K]: `from_flax_masks` gives a
+  mask of 3 axes (heads, Q, K) its batch axis, which mha's layers would read as the batch.
 
 Rows with no allowed key: mha gives all-zero weights and an all-zero attention output (the
 layer output is b_o), or uniform weights with empty_rows="uniform". torch's layer gives NaN
@@ -57,7 +61,14 @@ from __future__ import annotations
 from typing import Any
 
 from mha.interop.common import layer_from_weights
-from mha.interop.flax import canonical_from_flax, flax_params, from_flax, to_flax, to_flax_masks
+from mha.interop.flax import (
+    canonical_from_flax,
+    flax_params,
+    from_flax,
+    from_flax_masks,
+    to_flax,
+    to_flax_masks,
+)
 from mha.interop.keras import (
     canonical_from_keras,
     from_keras,
@@ -84,6 +95,7 @@ __all__ = [
     "file_kind",
     "flax_params",
     "from_flax",
+    "from_flax_masks",
     "from_keras",
     "from_keras_masks",
     "from_torch",

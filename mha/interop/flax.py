@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mha import validation
+from mha.config import get_backend
 from mha.interop.common import (
     as_numpy,
     check_expressible,
@@ -34,6 +35,7 @@ __all__ = [
     "canonical_from_flax",
     "flax_params",
     "from_flax",
+    "from_flax_masks",
     "to_flax",
     "to_flax_masks",
 ]
@@ -351,3 +353,28 @@ def to_flax_masks(
     """
     keep = keep_mask(valid_lens, mask, causal, num_queries, num_keys)
     return {} if keep is None else {"mask": np.ascontiguousarray(keep)}
+
+
+def from_flax_masks(mask: Any = None, *, backend: str | None = None) -> dict[str, Any]:
+    """mha's mask argument equivalent to Flax's: {"mask": a boolean keep-mask of 4 axes, as
+    the backend's tensor}, or {} when no mask is given.
+
+    Flax reads a mask's last axes as [..., num_heads, Q, K]: one of 3 axes is (heads, Q, K),
+    which mha's layers would read as (batch, Q, K); it gets its batch axis here. A float mask
+    (`nnx.make_attention_mask`'s and `make_causal_mask`'s 0 and 1) attends where nonzero, as
+    Flax's `where` reads it.
+
+    Raises:
+        ValueError: a mask of fewer than 2 or more than 4 axes.
+    """
+    if mask is None:
+        return {}
+    keep = as_numpy(mask).astype(bool)
+    if not 2 <= keep.ndim <= 4:
+        raise ValueError(
+            "Flax's mask is (Q, K), (heads, Q, K) or (batch, heads, Q, K). "
+            f"Received: a mask of shape {keep.shape}"
+        )
+    keep = keep.reshape((1,) * (4 - keep.ndim) + keep.shape)
+    module = load_backend(backend if backend is not None else get_backend())
+    return {"mask": module.from_numpy(np.ascontiguousarray(keep))}

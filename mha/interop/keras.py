@@ -371,44 +371,61 @@ def to_keras_masks(
 
     Returns:
         A dict for `layer(query, value, key, **masks)`: `attention_mask`, a boolean numpy
-        array (B or 1, Q, K) with True = attend (mha's convention), when valid_lens or mask is
-        given, and `use_causal_mask`.
+        array (B or 1, Q, K) with True = attend (mha's convention), or (B or 1, heads, Q, K)
+        for a mask that differs between heads (Keras's layers apply a 4-D one to each head),
+        when valid_lens or mask is given, and `use_causal_mask`.
 
     Raises:
-        ValueError: a per-head (4-D) mask, which Keras's attention_mask cannot hold;
-            valid_lens that are not non-negative whole numbers, with the layers' message.
+        ValueError: valid_lens that are not non-negative whole numbers, with the layers'
+            message.
     """
     keep = keep_mask(valid_lens, mask, False, num_queries, num_keys)
     result: dict[str, Any] = {"use_causal_mask": bool(causal)}
     if keep is not None:
-        if keep.shape[1] != 1:
-            raise ValueError(
-                "Keras MultiHeadAttention's attention_mask (B, Q, K) applies to every head; "
-                f"a per-head mask cannot be translated. Received a mask with {keep.shape[1]} "
-                "heads on axis 1"
-            )
+        # Shape of keep: (B or 1, 1 or heads, Q, K); one head's alone is (B or 1, Q, K)
+        whole = np.broadcast_to(keep, (*keep.shape[:2], num_queries, num_keys))
         result["attention_mask"] = np.ascontiguousarray(
-            np.broadcast_to(keep[:, 0], (keep.shape[0], num_queries, num_keys))
+            whole[:, 0] if keep.shape[1] == 1 else whole
         )
     return result
 
 
 def from_keras_masks(
-    attention_mask: Any = None, use_causal_mask: bool = False, *, backend: str | None = None
+    attention_mask: Any = None,
+    use_causal_mask: bool = False,
+    *,
+    query_mask: Any = None,
+    value_mask: Any = None,
+    key_mask: Any = None,
+    backend: str | None = None,
 ) -> dict[str, Any]:
     """mha's mask arguments equivalent to Keras MultiHeadAttention's.
 
+    Keras also applies the masks its inputs carry (an `Embedding(mask_zero=True)`'s, read
+    with `keras.ops.get_keras_mask`) and its query_mask, value_mask and key_mask: give them
+    here, as Keras joins them with attention_mask, or they are left out.
+
     Args:
-        attention_mask: (B, Q, K), True (or nonzero) = attend.
+        attention_mask: (B, Q, K), or (B, heads, Q, K), True (or nonzero) = attend.
         use_causal_mask: Keras's causal flag (top-left aligned, as mha's `causal`).
+        query_mask: (B, Q), the queries that attend (a query left out attends to no key).
+        value_mask, key_mask: (B, K), the keys attended to.
         backend: the mha backend whose tensors to return (default: current).
 
     Returns:
-        {"mask": keep-mask (B, Q, K) as the backend's tensor, "causal": bool}.
+        {"mask": keep-mask (B, Q, K) or (B, heads, Q, K) as the backend's tensor, "causal": bool}.
     """
     result: dict[str, Any] = {"causal": bool(use_causal_mask)}
-    if attention_mask is not None:
-        keep = as_numpy(attention_mask).astype(bool)  # Keras casts it: nonzero attends
+    # Keras casts each: nonzero attends; a query's mask is (B, Q, 1), a key's (B, 1, K)
+    parts = [as_numpy(attention_mask).astype(bool)] if attention_mask is not None else []
+    if query_mask is not None:
+        parts.append(as_numpy(query_mask).astype(bool)[:, :, None])
+    parts += [as_numpy(m).astype(bool)[:, None, :] for m in (value_mask, key_mask) if m is not None]
+    if parts:
+        keep = parts[0]
+        for part in parts[1:]:
+            # A (B, Q, K) mask beside a per-head one takes its head axis
+            keep = keep & (part[:, None] if keep.ndim == 4 and part.ndim == 3 else part)
         module = load_backend(backend if backend is not None else get_backend())
-        result["mask"] = module.from_numpy(keep)
+        result["mask"] = module.from_numpy(np.ascontiguousarray(keep))
     return result
