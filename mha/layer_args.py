@@ -280,12 +280,30 @@ def _sinks_take_empty_rows(arguments: Mapping[str, Any]) -> None:
 
 def _rotary_options_need_theta(arguments: Mapping[str, Any]) -> None:
     given = [key for key in ("rope_dim", "rope_scaling") if arguments[key] is not None]
+    given += ["rope_interleaved"] if arguments["rope_interleaved"] else []
     if given and arguments["rope_theta"] is None:
         raise ValueError(
-            f"{' and '.join(given)} shape the rotary embedding that rope_theta turns on: give "
+            f"{' and '.join(given)} {'shape' if len(given) > 1 else 'shapes'} the rotary "
+            "embedding that rope_theta turns on: give "
             f"rope_theta too. Received: rope_theta=None, "
             + ", ".join(f"{key}={arguments[key]!r}" for key in given)
         )
+
+
+def _proportional_turns_whole_heads(part: str, scaling: str) -> Any:
+    """The rule that a "proportional" scaling (Gemma 4's), which turns a fraction of the whole
+    head at the whole head's frequencies, is given without a rotated part of its own."""
+
+    def rule(arguments: Mapping[str, Any]) -> None:
+        given = arguments[scaling]
+        if given is not None and given["rope_type"] == "proportional" and arguments[part]:
+            raise ValueError(
+                f"a 'proportional' {scaling} turns its partial_rotary_factor of the whole head, "
+                f"at the whole head's frequencies; {part} turns a part of its own: give one. "
+                f"Received: {part}={arguments[part]!r}, {scaling}={dict(given)!r}"
+            )
+
+    return rule
 
 
 def _rotated_part(name: str, rotated: int | None, size_name: str, size: int) -> None:
@@ -338,10 +356,14 @@ _LAYER_RULES = {
         _rotary_heads_even,
         _rotary_options_need_theta,
         _rope_dim_in_head,
+        _proportional_turns_whole_heads("rope_dim", "rope_scaling"),
         _sinks_take_empty_rows,
     ),
     "MultiHeadLatentAttention": (_latent_rotary,),
-    "RotaryEmbedding": (_rotary_size_even,),
+    "RotaryEmbedding": (
+        _rotary_size_even,
+        _proportional_turns_whole_heads("rotary_dim", "scaling"),
+    ),
 }
 
 

@@ -354,7 +354,7 @@ OPTIONS: tuple[Option, ...] = (
         {
             "*": "False (default) rotates feature i with feature i + head size / 2 (Hugging "
             "Face's convention); True rotates pairs (2i, 2i + 1) (GPT-J, Meta's original "
-            "Llama).",
+            "Llama), with rope_theta.",
             "MultiHeadLatentAttention": "True (default) rotates pairs (2i, 2i + 1) of the "
             "rotary parts (DeepSeek's rope_interleave); False rotates feature i with feature "
             "i + qk_rope_head_dim / 2.",
@@ -371,7 +371,8 @@ OPTIONS: tuple[Option, ...] = (
         {
             "*": "None (default) rotates every feature of each head; an even number rotates "
             "that many first features of each head, in the pairing rope_interleaved says, and "
-            "passes the others (partial rotary: GPT-NeoX, Phi, StableLM, GPT-J)."
+            "passes the others (partial rotary: GPT-NeoX, Phi, StableLM, GPT-J); not with a "
+            "'proportional' rope_scaling, which turns its own fraction of the whole head."
         },
         _MHA,
         told=False,

@@ -202,6 +202,20 @@ CONSTRUCTORS = {
     "rope_scaling without rope_theta": build(
         "MultiHeadAttention", 8, 2, rope_scaling={"rope_type": "linear", "factor": 2.0}
     ),
+    "rope_interleaved without rope_theta": build("MultiHeadAttention", 8, 2, rope_interleaved=True),
+    # A proportional scaling turns a fraction of the whole head: a part of its own as well
+    # would turn a fraction of that part
+    "rope_dim with a proportional scaling": build(
+        "MultiHeadAttention",
+        16,
+        2,
+        rope_theta=10.0,
+        rope_dim=4,
+        rope_scaling={"rope_type": "proportional", "factor": 2.0, "partial_rotary_factor": 0.5},
+    ),
+    "rotary_dim with a proportional scaling": build(
+        "RotaryEmbedding", 8, rotary_dim=4, scaling={"rope_type": "proportional"}
+    ),
     "rotary_dim over num_hiddens": build("RotaryEmbedding", 4, rotary_dim=6),
     "longrope factors per pair": build(
         "RotaryEmbedding",

@@ -34,3 +34,30 @@ def test_same_error_in_every_backend(name, case):
     assert actual is not None, f"{name} raises nothing for {case!r}"
     assert actual[0] is expected[0], actual
     assert actual[1] == expected[1]
+
+
+@pytest.mark.parametrize(
+    "layer, options",
+    [
+        ("MultiHeadLatentAttention", {"softcap": 3.0}),  # an option of another class
+        ("MultiHeadAttention", {"rope_thet": 1.0}),  # misspelt
+        ("DotProductAttention", {"sinks": True}),
+    ],
+)
+@pytest.mark.parametrize("name", backend_params())
+def test_an_argument_the_class_does_not_take_is_pythons_type_error(name, layer, options):
+    # Expected: the error Python's own signature gives; Keras's layers, whose keyword
+    # arguments go on to keras.layers.Layer, give it too rather than Keras's ValueError
+    module = backend_module(name)
+    given = {
+        "MultiHeadLatentAttention": dict(
+            kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4
+        ),
+        "MultiHeadAttention": {},
+        "DotProductAttention": {},
+    }[layer]
+    sizes = () if layer == "DotProductAttention" else (16, 2)
+    unexpected = f"{layer}.__init__() got an unexpected keyword argument '{next(iter(options))}'"
+    with pytest.raises(TypeError) as error:
+        getattr(module, layer)(*sizes, **given, **options)
+    assert str(error.value) == unexpected

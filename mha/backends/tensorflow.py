@@ -156,10 +156,27 @@ def _apply_dense(dense, X: tf.Tensor) -> tf.Tensor:
     return tf.reshape(y, out_shape)
 
 
+# keras.layers.Layer's keyword arguments (and those it takes for Keras 2's models)
+_KERAS_ARGUMENTS = frozenset({
+    "dtype", "name", "trainable", "autocast", "activity_regularizer", "input_shape",
+    "input_dim", "batch_input_shape", "batch_size", "weights",
+})
+
+
 class Layer(keras.layers.Layer):
     """keras.layers.Layer whose dtype is the one it was built with: its weights, sublayers
     and checks hold it, so a new `dtype_policy` computing or storing in another dtype is
-    refused rather than half applied."""
+    refused rather than half applied. Its keyword arguments beside mha's are Keras's own: any
+    other is a TypeError, as the other backends' signatures give it."""
+
+    def __init__(self, **kwargs):
+        unknown = sorted(set(kwargs) - _KERAS_ARGUMENTS)
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}.__init__() got an unexpected keyword argument "
+                f"{unknown[0]!r}"
+            )
+        super().__init__(**kwargs)
 
     def __setattr__(self, name, value):
         # A sublayer made after Layer.__init__(trainable=False) is frozen as the layer is
