@@ -118,11 +118,11 @@ r = kv_lora_rank, from which W_kvb makes each head's key part without rotary emb
 its value; the key's rotary part, rotate(X W_kva[:, r:]), is one for every head. Queries come
 from W_q, or with q_lora_rank from W_qb(RMSNorm(X W_qa)); their rotary part is rotated too.
 The scores' factor is 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times a yarn scaling's
-mscale of its mscale_all_dim squared, where it gives one. Canonical weights: W_q (num_hiddens, num_heads (nope + rope)), or W_qa
-(num_hiddens, q_lora_rank), q_norm (q_lora_rank,) and W_qb (q_lora_rank, num_heads (nope +
-rope)); W_kva (num_hiddens, kv_lora_rank + rope), kv_norm (kv_lora_rank,), W_kvb
-(kv_lora_rank, num_heads (nope + v)), W_o (num_heads v, num_hiddens); with bias=True also
-b_qa, b_kva and b_o.
+mscale of its mscale_all_dim squared, where it gives one. Canonical weights: W_q
+(num_hiddens, num_heads (nope + rope)), or W_qa (num_hiddens, q_lora_rank), q_norm
+(q_lora_rank,) and W_qb (q_lora_rank, num_heads (nope + rope)); W_kva (num_hiddens,
+kv_lora_rank + rope), kv_norm (kv_lora_rank,), W_kvb (kv_lora_rank, num_heads (nope + v)),
+W_o (num_heads v, num_hiddens); with bias=True also b_qa, b_kva and b_o.
 
 {_args("MultiHeadLatentAttention")}
 
