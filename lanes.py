@@ -11,8 +11,9 @@ A lane is a set of frameworks that install together, pinned by its constraints f
 - legacy: every backend in one process, MXNet 1.9.1 included, so numpy 1.26 (MXNet's last
   release predates NumPy 2) and the newest JAX and Flax that install beside it (jax 0.7.1).
   Its environment is `.venv`, the README's quick start.
-- current: numpy 2 with the newest torch, TensorFlow, JAX and Flax that install here; no MXNet.
-  Its environment is `.venv-current`.
+- current: numpy 2 with the newest torch, TensorFlow, JAX and Flax that install on the lane's
+  Python (3.11 here: numpy 2.4, jax 0.10; 3.12 on gets newer ones); no MXNet. Its environment
+  is `.venv-current`.
 
 A lane's environment is made with the Python that runs lanes.py where the lane's pins install
 on it (legacy: 3.11 and 3.12, as on 3.13 ml_dtypes asks for numpy 2, which MXNet cannot take;
