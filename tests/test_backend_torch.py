@@ -310,6 +310,35 @@ def test_constant_buffers_are_computed_again_by_to_empty_and_a_dtype_change(T, t
     np.testing.assert_array_equal(T.to_numpy(encoding.P), table)
 
 
+def test_load_state_dict_with_assign_gives_the_layer_its_tensors_dtype_and_device(T, torch):
+    # torch's fast start (build on the meta device, then load with assign=True) left the
+    # dtype markers and constants, which no state_dict holds, on meta: .to() failed and
+    # autocast inputs were refused; a float64 layer given float32 tensors took neither dtype
+    options = {"alibi": True, "rope_theta": 100.0, "query_size": 5, "key_size": 6}
+    reference = N.MultiHeadAttention(24, 12, value_size=7, dtype="float64", **options)
+    weights = mha.random_weights(reference, seed=3)
+    mha.set_weights(reference, weights)
+    queries, keys, values = inputs(3, 6, "float64")
+    expected = reference(queries, keys, values, causal=True)
+    single = T.MultiHeadAttention(24, 12, value_size=7, **options)
+    mha.set_weights(single, {name: w.astype(np.float32) for name, w in weights.items()})
+    with torch.device("meta"):
+        on_meta = T.MultiHeadAttention(24, 12, value_size=7, **options)
+    on_meta.load_state_dict(single.state_dict(), assign=True)
+    was_double = T.MultiHeadAttention(24, 12, value_size=7, dtype="float64", **options)
+    was_double.load_state_dict(single.state_dict(), assign=True)
+    tensors = [T.from_numpy(x.astype(np.float32)) for x in (queries, keys, values)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = single(*(x.bfloat16() for x in tensors), causal=True)
+    for layer in (on_meta.to("cpu"), was_double):
+        assert layer.dtype == "float32"
+        assert {b.device.type for b in layer.buffers()} == {"cpu"}
+        assert_agrees(T.to_numpy(layer(*tensors, causal=True)), expected, "float32")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            again = layer(*(x.bfloat16() for x in tensors), causal=True)
+        torch.testing.assert_close(again, half, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Half precision
 

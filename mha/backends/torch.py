@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.utils._pytree
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from mha import function_checks, validation
 from mha.adapter import Adapter
@@ -142,6 +143,11 @@ class Module(nn.Module):
     the layer has now, and `mha.get_weights` / `set_weights` use it too.
     """
 
+    def __init__(self):
+        super().__init__()
+        # load_state_dict(assign=True) puts the file's tensors in place of the parameters
+        self.register_load_state_dict_post_hook(_follow_assigned)
+
     @property
     def dtype(self) -> str:
         # Read from nn.Module's table of buffers: every call checks its inputs' dtype
@@ -185,6 +191,24 @@ class Module(nn.Module):
             if self._buffers[name] is not None:
                 self._buffers[name] = value.to(self._buffers[name].device)
         return self
+
+
+def _follow_assigned(module: nn.Module, incompatible_keys) -> None:
+    """After load_state_dict: where assign=True gave the parameters another dtype or device
+    (a layer built on the meta device, say), the dtype markers and constant buffers of the
+    layers in `module`, which no state_dict holds, follow its first parameter."""
+    parameter = next((p for p in module.parameters() if not is_lazy(p)), None)
+    if parameter is None or not parameter.is_floating_point():
+        return
+    for layer in module.modules():
+        marker = layer._buffers.get("_dtype_marker") if isinstance(layer, Module) else None
+        if marker is None or (marker.dtype, marker.device) == (parameter.dtype, parameter.device):
+            continue
+        layer._buffers["_dtype_marker"] = torch.empty(0, dtype=parameter.dtype,
+                                                      device=parameter.device)
+        for name, value in layer.constants().items():
+            if layer._buffers[name] is not None:
+                layer._buffers[name] = value.to(parameter.device)
 
 
 def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) -> nn.Module:
