@@ -103,8 +103,7 @@ def test_a_framework_file_names_the_options_it_does_not_hold(tmp_path, capsys):
     assert "dropout=0.0," in out and "note: " in out and "dropout=0.25" not in out.split("\n")[1]
 
 
-# A Gluon block neither copies nor pickles, whatever its options (MXNet's lock in each block)
-@pytest.mark.parametrize("name", backend_params(["numpy", "torch", "tensorflow", "jax"]))
+@pytest.mark.parametrize("name", backend_params())
 def test_a_layer_with_a_scaling_copies_and_pickles(name):
     # A scaling is a dict that cannot change: pickle and deepcopy set its items one by one,
     # which it refused, so a torch.save of the whole module wrote a file no load could read

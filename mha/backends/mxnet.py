@@ -252,6 +252,14 @@ class Layer(nn.HybridBlock):
         self._structure = None
         self._lock = threading.RLock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A lock neither copies nor pickles: a copy makes its own
+        return {name: value for name, value in self.__dict__.items() if name != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
     @property
     def dtype(self) -> str:
         return self._dtype
