@@ -14,6 +14,7 @@ from conftest import (
 )
 from mha.backends import numpy as N
 from mha.cases import LATENT, LATENT_SIZES
+from mha.layer_args import BACKEND_DTYPES
 from mha.weights import numpy_dtype
 
 Q, K, D, H = 3, 4, 8, 2
@@ -380,6 +381,34 @@ def test_a_scale_or_soft_cap_past_the_dtypes_largest_number_is_refused(name):
         *map(module.from_numpy, (query, key, value)), scale=largest
     )
     assert_agrees(module.to_numpy(output), expected, "float32")
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_scale_below_float16s_normal_numbers_multiplies_in_float32(name):
+    """float16 holds 1e-7 as 1.19e-7 and 2e-8 as 0 (uniform weights): a half dtype's scale
+    multiplies in float32, rounded once, as torch's and the kernels'. Below float32's
+    smallest normal number (float64's in float64) XLA and TensorFlow flush it: refused."""
+    module = backend_module(name)
+    query = np.ones((1, 1, 2, 4))
+    query[0, 0, 1] = 2.0
+    key = np.zeros((1, 1, 3, 4))
+    key[0, 0, :, 0] = [1.0, 2.0, 3.0]
+    value = np.eye(3, 4).reshape(1, 1, 3, 4).astype(np.float16)
+    for scale in () if name == "mxnet" else (1e-7, 2e-8):  # MXNet: float16 on a GPU only
+        size = np.sqrt(1 / (scale * 4))  # scores of a few units once scaled
+        q, k = (np.float16(x * size) for x in (query, key))
+        scores = (q.astype(np.float64) * scale) @ k.astype(np.float64).swapaxes(-1, -2)
+        expected = _softmax64(scores, np.ones(scores.shape, bool)) @ value
+        output = module.dot_product_attention(*map(module.from_numpy, (q, k, value)), scale=scale)
+        assert_agrees(module.to_numpy(output), expected, "float16")
+    for dtype, below in (("float32", 1e-38), ("float16", 1e-39), ("float64", 1e-308)):
+        if dtype in BACKEND_DTYPES[name]:
+            q = module.from_numpy(np.full((1, 1, 2, 4), 0.1, dtype))
+            for option in ("scale", "softcap"):
+                with pytest.raises(ValueError, match=f"{option} must be at least"):
+                    module.dot_product_attention(q, q, q, **{option: below})
+                with pytest.raises(ValueError, match=f"{option} must be at least"):
+                    module.DotProductAttention(dtype=dtype, **{option: below})
 
 
 @pytest.mark.parametrize("name", backend_params())

@@ -548,6 +548,17 @@ def _may_drop(dropout) -> bool:
     return dropout is not _no_dropout and dropout.rate > 0 and not dropout.deterministic
 
 
+def _scaled(queries: jax.Array, scale: float | None) -> jax.Array:
+    """The queries times the scale (1 / sqrt(d) by default), by a Python float (weak in JAX),
+    where numpy's float64 would widen float32 queries in 64-bit mode; a half dtype's in
+    float32, rounded once, as torch's: float16 holds a scale below 6.1e-5 in few bits."""
+    if scale is None:
+        return queries / math.sqrt(queries.shape[-1])
+    if queries.dtype.itemsize == 2:
+        return (queries.astype(jnp.float32) * float(scale)).astype(queries.dtype)
+    return queries * float(scale)
+
+
 def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
                empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1,
                causal_alone=False, rows_kept=False, fuse=True):
@@ -583,8 +594,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
         return output, weights, None if row_lse is None else row_lse.reshape(
             *row_lse.shape[:-2], heads, rows)
     if fusable:
-        d = queries.shape[-1]
-        scaled = queries / math.sqrt(d) if scale is None else queries * float(scale)
+        scaled = _scaled(queries, scale)
 
         def unfused(queries, keys, values):  # the steps below, on any other device
             return _attention(queries, keys, values, keep, None, dropout, scale=1.0,
@@ -594,10 +604,8 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
         output = fused.attend(scaled, keys, values, keep, causal_alone=causal_alone,
                               unfused=unfused)
         return output, None, None
-    d = queries.shape[-1]
-    # The queries are scaled rather than the scores: Q x d numbers instead of Q x K; a Python
-    # float (weak in JAX), where numpy's float64 would widen float32 queries in 64-bit mode
-    queries = queries / math.sqrt(d) if scale is None else queries * float(scale)
+    # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
+    queries = _scaled(queries, scale)
     # Shape of scores: (..., no. of queries, no. of keys)
     scores = _matmul(queries, jnp.swapaxes(keys, -1, -2))
     if softcap is not None:

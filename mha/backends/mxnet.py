@@ -838,7 +838,13 @@ def _attention(F, queries, keys, values, call: _Call, keep, bias, dropout, *, sc
         # hybridized graph knows no sizes to fold the query heads by, as torch's does)
         keys, values = F.np.repeat(keys, group, axis=-3), F.np.repeat(values, group, axis=-3)
     # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
-    queries = queries / math.sqrt(call.d) if scale is None else queries * scale
+    if scale is None:
+        queries = queries / math.sqrt(call.d)
+    elif call.dtype == "float16":
+        # In float32, rounded once, as torch's: float16 holds a scale below 6.1e-5 in few bits
+        queries = (queries.astype("float32") * scale).astype("float16")
+    else:
+        queries = queries * scale
     # Shape of scores: (..., no. of queries, no. of keys). npx.batch_dot is MXNet's batched
     # GEMM, faster than np.matmul on 4-D arrays and free of its transposed copy of keys
     scores = F.npx.batch_dot(queries, keys, transpose_b=True)

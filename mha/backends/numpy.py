@@ -466,6 +466,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     # Scaling the queries rather than the scores touches Q x d numbers instead of Q x K
     if scale is None:
         queries = queries / np.sqrt(queries.dtype.type(d))
+    elif queries.dtype.itemsize == 2:
+        # In float32, rounded once, as torch's: float16 holds a scale below 6.1e-5 in few bits
+        queries = (queries.astype(np.float32) * np.float32(scale)).astype(queries.dtype)
     else:
         queries = queries * queries.dtype.type(scale)
     # Shape of scores: (..., no. of queries, no. of keys). A masked key may hold anything

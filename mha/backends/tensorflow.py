@@ -630,6 +630,9 @@ def _attention(queries, keys, values, keep, bias, dropout, *, training=None, sca
     # The queries are scaled rather than the scores: Q x d numbers instead of Q x K
     if scale is None:
         queries = queries / tf.sqrt(tf.cast(d, queries.dtype))
+    elif queries.dtype.size == 2:
+        # In float32, rounded once, as torch's: float16 holds a scale below 6.1e-5 in few bits
+        queries = tf.cast(tf.cast(queries, tf.float32) * scale, queries.dtype)
     else:
         queries = queries * tf.constant(scale, queries.dtype)
     # Shape of scores: (..., no. of queries, no. of keys)
