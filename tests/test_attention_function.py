@@ -306,6 +306,33 @@ def test_alignment_window_and_lengths_keep_the_keys_worked_out_by_hand(name):
 
 
 @pytest.mark.parametrize("name", BACKENDS)
+def test_a_head_size_of_0_scores_0_and_a_value_size_of_0_is_empty(name, rng):
+    # 4 query heads over 2 key-value heads: with no features every score is 0, so each kept
+    # row is the mean of its key-value head's kept values (MXNet's repeat of an empty array
+    # failed in its engine, at a later call)
+    for heads, kv_heads in ((2, 2), (4, 2)):
+        value = rng.standard_normal((2, kv_heads, 5, 3)).astype("float32")
+        lengths = np.array([5, 2])
+        output = attention(
+            name,
+            np.zeros((2, heads, 3, 0), "float32"),
+            np.zeros((2, kv_heads, 5, 0), "float32"),
+            value,
+            valid_lens=lengths,
+        )
+        means = np.stack([value[b, :, :n].mean(axis=1) for b, n in enumerate(lengths)])
+        expected = np.repeat(means, heads // kv_heads, axis=1)[:, :, None].repeat(3, axis=2)
+        np.testing.assert_allclose(output, expected, rtol=1e-6, atol=1e-6)
+        keys = rng.standard_normal((2, kv_heads, 5, 4)).astype("float32")
+        queries = rng.standard_normal((2, heads, 3, 4)).astype("float32")
+        empty = attention(name, queries, keys, np.zeros((2, kv_heads, 5, 0), "float32"))
+        assert empty.shape == (2, heads, 3, 0)
+    # the next call runs (an engine error would surface here)
+    ones = np.ones((1, 1, 2, 2), "float32")
+    np.testing.assert_array_equal(attention(name, ones, ones, ones), ones)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
 def test_a_float_window_and_a_bias_both_add_to_the_scores(name, rng):
     # DotProductAttention: batch b takes window b % 2; the window's -inf entries leave their
     # keys out, its finite ones add to the scores, and so does attn_bias

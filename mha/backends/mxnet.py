@@ -812,13 +812,24 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     masks = _Masks(F, query, key, call, offset=offset)
     keep, bias = masks.function_masks(valid_lens, mask, causal,
                                       function_checks.window_sides(window), bias, segment_ids)
-    # What the layers compute too, without dropout
+    # What the layers compute too, without dropout, the heads paired here, where the sizes
+    # are known (an empty head has nothing to repeat)
+    key, value = (_repeated_heads(x, num_heads // num_kv_heads) for x in (key, value))
     output, weights, lse = _attention(F, query, key, value, call, keep, bias, _NO_DROPOUT,
-                                      scale=scale, softcap=softcap, lse=return_lse,
-                                      group=num_heads // num_kv_heads)
+                                      scale=scale, softcap=softcap, lse=return_lse)
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
+
+
+def _repeated_heads(x, group: int):
+    """Each head of x (batch, heads, K, size) `group` times in a row, as Llama's repeat_kv:
+    MXNet's np.repeat of an empty array fails in its engine, at a later call."""
+    if group == 1:
+        return x
+    if x.size == 0:
+        return mx.np.zeros((x.shape[0], x.shape[1] * group, *x.shape[2:]), x.dtype, ctx=x.ctx)
+    return mx.np.repeat(x, group, axis=1)
 
 
 def _attention(F, queries, keys, values, call: _Call, keep, bias, dropout, *, scale=None,
