@@ -859,6 +859,31 @@ def test_causal_alone_keeps_out_a_nan_key_that_no_query_reaches(T, torch, value_
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped"])
+def test_causal_alone_keeps_out_a_nan_key_where_sdpa_may_run_only_its_math(T, torch, kv_heads):
+    # sdpa_kernel(MATH) (or torch.backends' switches) leaves SDPA its math kernel alone, whose
+    # is_causal adds -inf to a NaN score: SDPA's own choice sends the call another path
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rng = np.random.default_rng(5)
+    sizes = dict(query_size=16, key_size=16, value_size=16, num_kv_heads=kv_heads)
+    reference = N.MultiHeadAttention(16, 4, **sizes, dtype="float64")
+    mha.set_weights(reference, mha.random_weights(reference, seed=4))
+    layer = T.MultiHeadAttention(16, 4, **sizes, dtype="float64")
+    mha.set_weights(layer, mha.get_weights(reference))
+    X, V = rng.standard_normal((2, 2, 5, 16))
+    q, k, v = rng.standard_normal((3, 2, 4, 5, 8))
+    expected = reference(X, X, V, causal=True), N.dot_product_attention(q, k, v, causal=True)
+    X[:, 3], k[:, :, 3] = np.nan, np.nan  # key 3: a future key for queries 0 to 2
+    with sdpa_kernel(SDPBackend.MATH):
+        output = layer(*map(T.from_numpy, (X, X, V)), causal=True, need_weights=False)
+        alone = T.dot_product_attention(*map(T.from_numpy, (q, k, v)), causal=True)
+    np.testing.assert_allclose(T.to_numpy(output)[:, :3], expected[0][:, :3], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        T.to_numpy(alone)[..., :3, :], expected[1][..., :3, :], rtol=0, atol=1e-12
+    )
+
+
 @pytest.mark.parametrize("option", [{"sinks": True}, {"softcap": 0.5}], ids=["sinks", "softcap"])
 def test_grouped_causal_attention_with_sinks_or_a_soft_cap_without_weights(T, torch, option):
     # The causal mask alone, without weights, on 4 query heads sharing 2 key-value heads: the

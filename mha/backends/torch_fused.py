@@ -219,7 +219,7 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     """
     if softcap is not None or sinks:
         return "scores"
-    if takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks):
+    if takes_is_causal(queries, keys, values, need_weights, dropout, causal, softcap, sinks):
         return "is_causal"
     if keep is not None and queries.shape[-2] == 1 and queries.shape[:-2] == keys.shape[:-2]:
         # One query (a decoding step), as many heads as the keys: replacing its masked scores
@@ -246,7 +246,7 @@ def pairs_heads(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     is_causal, and off the CPU on the "fused" path where a kernel of SDPA's own takes them with
     the mask (cuDNN's on CUDA). Otherwise the layers make each group of query heads one head's
     rows first (masks.grouped_rows)."""
-    if takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks):
+    if takes_is_causal(queries, keys, values, need_weights, dropout, causal, softcap, sinks):
         return True
     if queries.device.type == "cpu":
         return False
@@ -257,11 +257,12 @@ def pairs_heads(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     return path == "fused" and _kernel_pairs_heads(queries, keys, values, mask, dropout_p, False)
 
 
-def takes_is_causal(queries, values, need_weights, dropout, causal, softcap, sinks) -> bool:
+def takes_is_causal(queries, keys, values, need_weights, dropout, causal, softcap,
+                    sinks) -> bool:
     """Whether choose_path gives the call "is_causal": `causal`, mha's causal mask alone,
     without weights, soft cap or sinks, on a kernel with a causal mask of its own."""
     return (softcap is None and not sinks and not need_weights and causal
-            and _kernel_takes_causal(queries, values, dropout))
+            and _kernel_takes_causal(queries, keys, values, dropout))
 
 
 # The masked product saves a pass over the scores, and copies the queries and keys into one
@@ -276,13 +277,14 @@ def _few_scores(queries, keys) -> bool:
     return queries.device.type == "cpu" and isinstance(count, int) and count < SMALL_SCORES
 
 
-def _kernel_takes_causal(queries, values, dropout) -> bool:
+def _kernel_takes_causal(queries, keys, values, dropout) -> bool:
     """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
     memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
     math fallback adds -inf to them, and a NaN key would stay NaN, as it would in a program
-    exported to ONNX. The kernels take 4-D inputs
-    of one head size: on the CPU any float dtype, on CUDA no float64 and head sizes that are a
-    multiple of 8 up to 256. Dropout, which changes their choice, goes the other ways."""
+    exported to ONNX. The kernels take 4-D inputs of one head size: on the CPU any float
+    dtype, on CUDA no float64 and head sizes that are a multiple of 8 up to 256; outside a
+    graph, SDPA's own choice, which follows sdpa_kernel() and torch.backends' switches, says
+    too. Dropout, which changes their choice, goes the other ways."""
     head_size, device = queries.shape[-1], queries.device.type
     if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
         return False
@@ -291,8 +293,28 @@ def _kernel_takes_causal(queries, values, dropout) -> bool:
         # Attention node): a NaN at a future key would reach every output
         return False
     if device == "cuda":
-        return queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
-    return device == "cpu"
+        fits = queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
+    else:
+        fits = device == "cpu"
+    return fits and (building_a_graph() or _causal_kernel_chosen(queries, keys, values))
+
+
+def _causal_kernel_chosen(queries, keys, values) -> bool:
+    """Whether SDPA's own choice for this causal call is a kernel of its own, the heads of
+    grouped keys paired by it, or else repeated (as _sdpa gives them); True where this torch
+    cannot say."""
+    grouped = keys.shape[-3] != queries.shape[-3]
+    try:
+        choice = torch._fused_sdp_choice(queries, keys, values, None, 0.0, True,
+                                         enable_gqa=grouped)
+        if choice in _OWN_KERNELS or not grouped:
+            return choice in _OWN_KERNELS
+        # Uninitialized stand-ins of the repeated heads: the choice reads no values
+        keys, values = (x.new_empty((*x.shape[:-3], queries.shape[-3], *x.shape[-2:]))
+                        for x in (keys, values))
+        return torch._fused_sdp_choice(queries, keys, values, None, 0.0, True) in _OWN_KERNELS
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        return True
 
 
 def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
