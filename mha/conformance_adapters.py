@@ -190,7 +190,7 @@ def _flex_mods(torch, o: SimpleNamespace, sizes: tuple[int, int, int, int]):
 def _places_in_segments(torch, ids):
     """Each position's index among the earlier positions of its segment: ids (B, n) -> (B, n)."""
     same = ids[:, :, None] == ids[:, None, :]
-    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril(-1)
+    earlier = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=ids.device).tril(-1)
     return (same & earlier).sum(-1)
 
 

@@ -1,4 +1,6 @@
-"""The GPU lane's checks, one step per run: `python tests/gpu_lane.py STEP [--device gpu]`.
+"""The GPU lane's checks, one step per run, from the repository's root:
+`PYTHONPATH=. python tests/gpu_lane.py STEP [--device gpu]` (PYTHONPATH where mha is not
+installed).
 
 `python3 lanes.py gpu` runs every step in its own process under a time limit, in the Python
 that runs it, with the packages a GPU machine has (torch and jax with CUDA, flax; no

@@ -722,6 +722,18 @@ def test_flex_adapter_takes_lengths_per_query_and_segments_of_its_own_keys():
 
 
 @pytest.mark.torch
+def test_the_flex_adapter_counts_places_in_segments_on_the_ids_device():
+    # Each position's place among the earlier ones of its segment, counted by hand; on the
+    # meta device (a GPU's stand-in) the count stays there, where a CPU tensor made beside
+    # it failed every segment case on a GPU
+    torch = framework_import("torch")
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [5, 5, 2, 2, 2, 5, 5]])
+    places = conformance_adapters._places_in_segments(torch, ids)
+    assert places.tolist() == [[0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 2, 3]]
+    assert conformance_adapters._places_in_segments(torch, ids.to("meta")).device.type == "meta"
+
+
+@pytest.mark.torch
 def test_an_option_the_adapters_do_not_know_is_a_type_error():
     # The kit reads a TypeError as "not taken": an option an adapter does not know (a
     # misspelled one, or one of a later kit) is refused, never silently dropped

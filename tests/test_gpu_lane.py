@@ -2,6 +2,7 @@
 working where CI has no GPU: its masked-key and synchronization steps pass, and a step that
 finds a poisoned row says FAILED."""
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -61,14 +62,24 @@ def test_a_poisoned_row_fails_the_step(name, monkeypatch):
     assert problem and "the poison reached a row" in problem
 
 
-def test_the_lane_without_a_gpu_says_so():
-    lane = subprocess.run(
-        [sys.executable, "lanes.py", "gpu"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+def test_the_lane_without_a_gpu_says_so(tmp_path):
+    # It passes, unless MHA_GPU_LANE_OUT asks for the reports of a run on a GPU
     backend = backend_module("torch")
     if backend.torch.cuda.is_available():
         pytest.skip("a GPU is here: the lane runs rather than saying there is none")
-    assert lane.returncode == 0 and "nothing to run" in lane.stdout
+    environment = {k: v for k, v in os.environ.items() if k != "MHA_GPU_LANE_OUT"}
+    for out, code in ((None, 0), (tmp_path, 3)):
+        if out is not None:
+            environment["MHA_GPU_LANE_OUT"] = str(out)
+        lane = subprocess.run(
+            [sys.executable, "lanes.py", "gpu"],
+            cwd=ROOT,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert lane.returncode == code and "nothing to run" in lane.stdout
 
 
 def _alive(pid: int) -> bool:
