@@ -192,6 +192,15 @@ MODERN_CASES = (
     ("MultiHeadAttention", ("self", "causal", "no_weights"), {**ROPE, "rope_interleaved": True}),
     # Llama: grouped-query attention with rotary embeddings, causal, with padding
     ("MultiHeadAttention", ("self", "valid_lens_1d", "causal"), {**GQA, **ROPE}),
+    # Qwen2's projection biases, which the rotary embedding turns (a key bias added after it
+    # would change the scores), on the fused path with lengths of each query; and beside
+    # each head's QK-norm, with weights
+    (
+        "MultiHeadAttention",
+        ("self", "valid_lens_2d", "causal", "no_weights"),
+        {**GQA, **ROPE, "bias": True},
+    ),
+    ("MultiHeadAttention", ("valid_lens_1d",), {**ROPE, "bias": True, "qk_norm": "head"}),
     ("MultiHeadAttention", ("square", "causal"), {"sliding_window": 2}),
     ("MultiHeadAttention", ("mask_3d", "no_weights"), {**GQA, "sliding_window": 3}),
     ("DotProductAttention", ("valid_lens_1d",), {"sliding_window": 2}),

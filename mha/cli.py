@@ -330,7 +330,6 @@ def _verify(arguments, out, err) -> int:
         print(f"mha verify: error: {error}", file=err)
         return 1
     rows = golden.verify(cases, names, arguments.dtype, progress=progress(err))
-    recorded = sorted({case.recorded_with for case in cases if case.recorded_with})
     # The legend's tolerance is the one each row was held to: the less precise dtype's
     dtypes = {golden.tolerance_dtype(arguments.dtype or case.dtype, case.dtype) for case in cases}
     _print_report(
@@ -339,8 +338,7 @@ def _verify(arguments, out, err) -> int:
         skipped,
         "float64" if dtypes == {"float64"} else "float32",
         out,
-        f"Largest differences from the numbers recorded in {arguments.path} "
-        f"({', '.join(recorded) or 'recorded elsewhere'}; {len(cases)} cases).",
+        golden.report_title(arguments.path, cases, rows),
         gradients="grad~rec",
         table=arguments.table,
     )

@@ -31,7 +31,7 @@ from mha.files import parse_json
 from mha.interop.common import as_numpy
 from mha.options import layer_defaults
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
-from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info
+from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info, numpy_dtype
 
 __all__ = [
     "GoldenCase",
@@ -39,6 +39,7 @@ __all__ = [
     "read",
     "record",
     "record_run",
+    "report_title",
     "tolerance_dtype",
     "verify",
     "verify_layer",
@@ -362,6 +363,21 @@ def verify_layer(
     return verify([case_of(layer, inputs, output, attention_weights)], backends, dtype)
 
 
+def report_title(path: str, cases: Sequence[GoldenCase], rows: Sequence[harness.Row]) -> str:
+    """mha verify's title: the file, what recorded its cases, and whether their gradients
+    went unchecked (no backend of the run has autograd)."""
+    recorded = sorted({case.recorded_with for case in cases if case.recorded_with})
+    unchecked = any(case.gradients is not None for case in cases) and all(
+        row.gradient_agreement is None for row in rows
+    )
+    return (
+        f"Largest differences from the numbers recorded in {path} "
+        f"({', '.join(recorded) or 'recorded elsewhere'}; {len(cases)} cases"
+        + ("; their gradients unchecked: no backend here has autograd" if unchecked else "")
+        + ")."
+    )
+
+
 def tolerance_dtype(dtype: str, recorded: str) -> str:
     """The dtype whose tolerance holds a run in `dtype` of numbers recorded in `recorded`:
     the less precise of the two."""
@@ -412,9 +428,14 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
             _difference(result.gradients.get(key), value, True)
             for key, value in case.gradients.items()
         )
-    passed = (
-        max(output_difference, weights_difference or 0.0, gradient_difference or 0.0)
-        <= harness.TOLERANCES[precision]
+    # Exact zeros where the recorded numbers are 0 (masked keys, empty rows), as compare
+    # holds them, up to the subnormal numbers of the less precise dtype (an underflow)
+    zero_difference = harness.zero_differences([result], case)
+    least = max((dtype, case.dtype), key=lambda name: float(np.finfo(numpy_dtype(name)).eps))
+    passed = max(
+        output_difference, weights_difference or 0.0, gradient_difference or 0.0
+    ) <= harness.TOLERANCES[precision] and zero_difference < float(
+        np.finfo(numpy_dtype(least)).tiny
     )
     return harness.Row(
         case.name,
@@ -426,6 +447,7 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
         None,
         gradient_difference,
         passed,
+        zero_difference=zero_difference,
     )
 
 

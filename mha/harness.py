@@ -379,7 +379,7 @@ def check(
     calls = [result] if result.inference is None else [result, result.inference]
     output_difference = max(difference(call.output, reference.output, relative) for call in calls)
     weights_difference = _weights_difference(calls, reference, relative)
-    zero_difference = _zero_difference(calls, reference)
+    zero_difference = zero_differences(calls, reference)
     gradient_difference, gradient_agreement = _gradient_differences(result, prepared, anchor)
     passed = (
         max(output_difference, weights_difference or 0.0, gradient_agreement or 0.0)
@@ -430,7 +430,7 @@ def device_of(name: str, device: str | None) -> str | None:
     return device
 
 
-def _zero_difference(calls: Sequence[Result], reference: Result) -> float:
+def zero_differences(calls: Sequence[Result], reference: Result) -> float:
     """The largest absolute value the calls give where the reference's output or attention
     weights are exactly 0 (inf for a NaN there); 0.0 when they keep every zero."""
     largest = 0.0

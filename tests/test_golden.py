@@ -65,6 +65,35 @@ def test_an_altered_number_is_refused(tmp_path, capsys):
     assert "1 of 2 comparisons disagree, on: numpy." in capsys.readouterr().out
 
 
+def test_a_leak_at_a_masked_key_is_refused_and_unchecked_gradients_are_said(
+    tmp_path, capsys, monkeypatch
+):
+    # The recorded weights are exactly 0 at the masked keys: a backend giving 1e-9 there
+    # (well within the tolerance of 1e-5) leaks, as compare holds it; an underflow of the
+    # less precise dtype (a subnormal number) does not
+    path = tmp_path / "cases.safetensors"
+    (case,) = golden.record_run(path, recorder(), CASES[:1])
+    assert (case.attention_weights == 0).any()
+    run_case = harness.run_case
+    for leak, passes in ((1e-9, False), (1e-40, True)):
+
+        def leaking(*arguments, leak=leak):
+            result = run_case(*arguments)
+            weights = result.attention_weights
+            result.attention_weights = np.where(weights == 0, weights.dtype.type(leak), weights)
+            return result
+
+        monkeypatch.setattr(harness, "run_case", leaking)
+        (row,) = golden.verify(path, ["numpy"])
+        assert row.passed == passes and row.zero_difference == np.float32(leak), row
+    monkeypatch.setattr(harness, "run_case", run_case)
+    if case.gradients is not None:
+        case.gradients = {name: 3 * value for name, value in case.gradients.items()}
+        golden.record(path, [case])
+        assert cli.main(["verify", str(path), "--backends", "numpy"]) == 0
+        assert "their gradients unchecked: no backend here has autograd" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_the_case_recorded_in_the_legacy_lane_verifies_here(capsys):
     cases = golden.read(GOLDEN)
