@@ -619,6 +619,10 @@ def _decoder_attention(family, sliding_window=None, seed=6):
     # SDPA computes in the model's dtype; the eager path takes its softmax in float32
     config._attn_implementation = "sdpa"
     model = Model(config).double().eval()
+    with torch.no_grad():  # a trained model's biases (Qwen2's), where transformers makes zeros
+        for name, parameter in model.named_parameters():
+            if name.endswith("proj.bias"):
+                parameter.normal_()
     return T, config, model
 
 
