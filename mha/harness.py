@@ -371,6 +371,7 @@ def check(
             prepared.cotangent,
             **extra,
         )
+        _check_result_dtypes(result, dtype)
     except Exception as error:  # a crash is a disagreement, reported with its cause
         failure = f"{type(error).__name__}: {error}"
         return Row(case.id, backend, dtype, None, None, None, None, None, False, failure), None
@@ -400,6 +401,14 @@ def check(
         zero_difference=zero_difference,
     )
     return row, result
+
+
+def _check_result_dtypes(result: Result, dtype: str) -> None:
+    """A layer of `dtype` gives its output and weights in it (a float64 output of a float32
+    layer would hold the reference's numbers and double the memory)."""
+    for name, array in (("output", result.output), ("weights", result.attention_weights)):
+        if array is not None and np.dtype(array.dtype).name != dtype:
+            raise TypeError(f"the {name} is {np.dtype(array.dtype).name}, not {dtype}")
 
 
 def _gradient_differences(

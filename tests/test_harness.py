@@ -109,6 +109,23 @@ def test_a_masked_key_with_a_tiny_weight_fails(monkeypatch):
     assert 0 < row.zero_difference < 1e-29 and not row.passed
 
 
+def test_an_output_in_another_dtype_than_the_runs_fails(monkeypatch):
+    # A float32 layer giving float64 numbers holds the reference's numbers, and is wrong
+    original = harness.run_case
+
+    def widening(backend, case, inputs, weights, config, cotangent=None):
+        result = original(backend, case, inputs, weights, config, cotangent)
+        result.output = result.output.astype(np.float64)
+        return result
+
+    monkeypatch.setattr(harness, "run_case", widening)
+    case = harness.Case("DotProductAttention", ("valid_lens_1d",))
+    (row,) = harness.compare(["numpy"], cases=[case])
+    assert not row.passed and row.error == "TypeError: the output is float64, not float32"
+    (row,) = harness.compare(["numpy"], cases=[case], dtype="float64")
+    assert row.passed
+
+
 def test_gradients_that_disagree_between_backends_fail_the_row(monkeypatch):
     # JAX's gradients moved by 1e-8 of their scale: within the gradient tolerance of the
     # reference's finite differences (1e-7), far outside float64's agreement with the first
