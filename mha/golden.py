@@ -388,36 +388,10 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
     precision = tolerance_dtype(dtype, case.dtype)
     relative = precision != "float64"
     try:
-        validation.check_dtype(dtype)
-        config = {**case.config, "dtype": dtype} if "dtype" in case.config else {}
-        inputs = {key: _cast(value, dtype) for key, value in case.inputs.items()}
-        weights = {key: np.asarray(value).astype(dtype) for key, value in case.weights.items()}
-        masks = ("self",) if "keys" not in inputs and "queries" in inputs else ()
-        # The masks given as floats are differentiated, as the harness does: by their inputs'
-        # names, which are among the names of the masks giving them
-        masks += tuple(
-            mask
-            for mask, name in FLOAT_MASKS.items()
-            if mask == name and _is_float(inputs.get(name))
-        )
-        cotangent = None if case.gradients is None else case.cotangent.astype(dtype)
-        # A function takes its options (empty_rows, scale, ...) in the call, from the case
-        options = case.config if case.layer in harness.FUNCTIONS else {}
-        layer = harness.Case(case.layer, masks, {k: v for k, v in options.items() if k != "dtype"})
-        result = harness.run_case(backend, layer, inputs, weights, config, cotangent)
+        result = _run_recorded(case, backend, dtype)
     except Exception as error:  # a crash is a disagreement, reported with its cause
-        return harness.Row(
-            case.name,
-            backend,
-            dtype,
-            None,
-            None,
-            None,
-            None,
-            None,
-            False,
-            f"{type(error).__name__}: {error}",
-        )
+        failure = f"{type(error).__name__}: {error}"
+        return harness.Row(case.name, backend, dtype, None, None, None, None, None, False, failure)
     output_difference = _difference(result.output, case.output, relative)
     weights_difference = None
     if case.attention_weights is not None:
@@ -432,11 +406,9 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
     # holds them, up to the subnormal numbers of the less precise dtype (an underflow)
     zero_difference = harness.zero_differences([result], case)
     least = max((dtype, case.dtype), key=lambda name: float(np.finfo(numpy_dtype(name)).eps))
-    passed = max(
-        output_difference, weights_difference or 0.0, gradient_difference or 0.0
-    ) <= harness.TOLERANCES[precision] and zero_difference < float(
-        np.finfo(numpy_dtype(least)).tiny
-    )
+    differences = (output_difference, weights_difference or 0.0, gradient_difference or 0.0)
+    passed = max(differences) <= harness.TOLERANCES[precision]
+    passed = passed and zero_difference < float(np.finfo(numpy_dtype(least)).tiny)
     return harness.Row(
         case.name,
         backend,
@@ -449,6 +421,25 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
         passed,
         zero_difference=zero_difference,
     )
+
+
+def _run_recorded(case: GoldenCase, backend: str, dtype: str) -> harness.Result:
+    """The recorded case run on `backend` in `dtype`, with its gradients where recorded."""
+    validation.check_dtype(dtype)
+    config = {**case.config, "dtype": dtype} if "dtype" in case.config else {}
+    inputs = {key: _cast(value, dtype) for key, value in case.inputs.items()}
+    weights = {key: np.asarray(value).astype(dtype) for key, value in case.weights.items()}
+    masks = ("self",) if "keys" not in inputs and "queries" in inputs else ()
+    # The masks given as floats are differentiated, as the harness does: by their inputs'
+    # names, which are among the names of the masks giving them
+    masks += tuple(
+        mask for mask, name in FLOAT_MASKS.items() if mask == name and _is_float(inputs.get(name))
+    )
+    cotangent = None if case.gradients is None else case.cotangent.astype(dtype)
+    # A function takes its options (empty_rows, scale, ...) in the call, from the case
+    options = case.config if case.layer in harness.FUNCTIONS else {}
+    layer = harness.Case(case.layer, masks, {k: v for k, v in options.items() if k != "dtype"})
+    return harness.run_case(backend, layer, inputs, weights, config, cotangent)
 
 
 def _is_float(value: Any) -> bool:

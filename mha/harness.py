@@ -362,15 +362,8 @@ def check(
     try:
         # Only those given: run_case's six-argument form stays the common one
         extra = {k: v for k, v in (("transform", transform), ("device", device)) if v is not None}
-        result = run_case(
-            backend,
-            case,
-            prepared.inputs,
-            prepared.weights,
-            prepared.config,
-            prepared.cotangent,
-            **extra,
-        )
+        given = (prepared.inputs, prepared.weights, prepared.config, prepared.cotangent)
+        result = run_case(backend, case, *given, **extra)
         _check_result_dtypes(result, dtype)
     except Exception as error:  # a crash is a disagreement, reported with its cause
         failure = f"{type(error).__name__}: {error}"

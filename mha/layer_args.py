@@ -50,26 +50,31 @@ LARGEST_FLOAT = {
 }
 
 
-# The smallest normal number of the dtype a scale or soft cap multiplies in: float32 for
-# the half dtypes, as torch's and the kernels' (float16's would lose bits below 6.1e-5)
-SMALLEST_NORMAL = {"float64": 2.2250738585072014e-308, "float32": 1.1754943508222875e-38}
+# The smallest normal number of each float dtype
+SMALLEST_NORMAL = {
+    "float16": 6.103515625e-05,
+    "bfloat16": 1.1754943508222875e-38,
+    "float32": 1.1754943508222875e-38,
+    "float64": 2.2250738585072014e-308,
+}
 
 
 def check_held_in_dtype(name: str, value: Any, dtype: str) -> None:
     """A number the scores are scaled by in `dtype` (scale, softcap) must be finite there:
     past its largest number it is infinity, and the scores NaN, in every backend but torch;
-    below the smallest normal number XLA and TensorFlow flush it to 0."""
+    below the smallest normal number XLA and TensorFlow flush it to 0 (a half dtype's scale
+    multiplies in float32, as torch's; the soft cap divides the scores in their dtype)."""
     if value is not None and value > LARGEST_FLOAT[dtype]:
         raise ValueError(
             f"{name} must be at most {LARGEST_FLOAT[dtype]:g}, the largest {dtype} number, "
             f"since the scores are scaled in {dtype}. Received: {name}={value!r}"
         )
-    kind = "float64" if dtype == "float64" else "float32"
+    kind = "float32" if name == "scale" and dtype in ("float16", "bfloat16") else dtype
     if value is not None and value < SMALLEST_NORMAL[kind]:
         raise ValueError(
             f"{name} must be at least {SMALLEST_NORMAL[kind]:g}, the smallest normal {kind} "
-            f"number, since it multiplies in {kind} and XLA and TensorFlow flush a smaller one "
-            f"to 0. Received: {name}={value!r}"
+            f"number, since the scores are scaled in {kind}, where XLA and TensorFlow flush a "
+            f"smaller one to 0. Received: {name}={value!r}"
         )
 
 

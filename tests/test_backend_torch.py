@@ -859,10 +859,13 @@ def test_causal_alone_keeps_out_a_nan_key_that_no_query_reaches(T, torch, value_
     np.testing.assert_allclose(output.numpy(), expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.filterwarnings("ignore:Converting a tensor to a Python")
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace` is deprecated")
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped"])
 def test_causal_alone_keeps_out_a_nan_key_where_sdpa_may_run_only_its_math(T, torch, kv_heads):
     # sdpa_kernel(MATH) (or torch.backends' switches) leaves SDPA its math kernel alone, whose
-    # is_causal adds -inf to a NaN score: SDPA's own choice sends the call another path
+    # is_causal adds -inf to a NaN score: SDPA's own choice sends the call another path, and
+    # where it cannot be asked (torch.func.vmap, torch.jit.trace) the switches do
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rng = np.random.default_rng(5)
@@ -875,13 +878,23 @@ def test_causal_alone_keeps_out_a_nan_key_where_sdpa_may_run_only_its_math(T, to
     q, k, v = rng.standard_normal((3, 2, 4, 5, 8))
     expected = reference(X, X, V, causal=True), N.dot_product_attention(q, k, v, causal=True)
     X[:, 3], k[:, :, 3] = np.nan, np.nan  # key 3: a future key for queries 0 to 2
+    tensors = [T.from_numpy(x) for x in (q, k, v)]
+
+    def causal(*tensors):
+        return T.dot_product_attention(*tensors, causal=True)
+
     with sdpa_kernel(SDPBackend.MATH):
         output = layer(*map(T.from_numpy, (X, X, V)), causal=True, need_weights=False)
-        alone = T.dot_product_attention(*map(T.from_numpy, (q, k, v)), causal=True)
+        alones = [
+            causal(*tensors),
+            torch.func.vmap(causal)(*(x[:, None] for x in tensors))[:, 0],
+            torch.jit.trace(causal, tuple(tensors), check_trace=False)(*tensors),
+        ]
     np.testing.assert_allclose(T.to_numpy(output)[:, :3], expected[0][:, :3], rtol=0, atol=1e-12)
-    np.testing.assert_allclose(
-        T.to_numpy(alone)[..., :3, :], expected[1][..., :3, :], rtol=0, atol=1e-12
-    )
+    for alone in alones:
+        np.testing.assert_allclose(
+            T.to_numpy(alone)[..., :3, :], expected[1][..., :3, :], rtol=0, atol=1e-12
+        )
 
 
 @pytest.mark.parametrize("option", [{"sinks": True}, {"softcap": 0.5}], ids=["sinks", "softcap"])

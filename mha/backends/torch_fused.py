@@ -11,6 +11,7 @@ the book does.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -296,25 +297,35 @@ def _kernel_takes_causal(queries, keys, values, dropout) -> bool:
         fits = queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
     else:
         fits = device == "cpu"
-    return fits and (building_a_graph() or _causal_kernel_chosen(queries, keys, values))
+    return fits and _causal_kernel_chosen(queries, keys, values)
 
 
 def _causal_kernel_chosen(queries, keys, values) -> bool:
-    """Whether SDPA's own choice for this causal call is a kernel of its own, the heads of
-    grouped keys paired by it, or else repeated (as _sdpa gives them); True where this torch
-    cannot say."""
-    grouped = keys.shape[-3] != queries.shape[-3]
-    try:
-        choice = torch._fused_sdp_choice(queries, keys, values, None, 0.0, True,
-                                         enable_gqa=grouped)
-        if choice in _OWN_KERNELS or not grouped:
-            return choice in _OWN_KERNELS
-        # Uninitialized stand-ins of the repeated heads: the choice reads no values
-        keys, values = (x.new_empty((*x.shape[:-3], queries.shape[-3], *x.shape[-2:]))
-                        for x in (keys, values))
-        return torch._fused_sdp_choice(queries, keys, values, None, 0.0, True) in _OWN_KERNELS
-    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+    """Whether SDPA runs a kernel of its own for this causal call: its own choice, the heads
+    of grouped keys paired by it, or else repeated (as _sdpa gives them); where it cannot be
+    asked (torch.jit.trace, torch.func's tensors), whether its switches (sdpa_kernel(),
+    torch.backends') leave one on. torch.compile reads neither (docs/backends.md)."""
+    if torch.compiler.is_compiling():
         return True
+    if not (building_a_graph() or functorch_wrapped(queries)):
+        with contextlib.suppress(AttributeError, TypeError, RuntimeError, NotImplementedError):
+            return _sdpa_chooses_a_kernel(queries, keys, values)
+    switches = torch.backends.cuda
+    others = switches.mem_efficient_sdp_enabled() or switches.cudnn_sdp_enabled()
+    return switches.flash_sdp_enabled() or (queries.device.type == "cuda" and others)
+
+
+def _sdpa_chooses_a_kernel(queries, keys, values) -> bool:
+    """torch._fused_sdp_choice for a causal call, grouped heads paired by the kernel or, where
+    none pairs them, repeated first."""
+    grouped = keys.shape[-3] != queries.shape[-3]
+    choice = torch._fused_sdp_choice(queries, keys, values, None, 0.0, True, enable_gqa=grouped)
+    if choice in _OWN_KERNELS or not grouped:
+        return choice in _OWN_KERNELS
+    # Uninitialized stand-ins of the repeated heads: the choice reads no values
+    keys, values = (x.new_empty((*x.shape[:-3], queries.shape[-3], *x.shape[-2:]))
+                    for x in (keys, values))
+    return torch._fused_sdp_choice(queries, keys, values, None, 0.0, True) in _OWN_KERNELS
 
 
 def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
