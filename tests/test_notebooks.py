@@ -16,6 +16,7 @@ import base64
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -105,6 +106,17 @@ def test_committed_notebook_holds_its_outputs(name):
     _check_outputs(name, notebook)
     # Small enough to open quickly on a code host
     assert path.stat().st_size < 400_000, f"{name}: {path.stat().st_size} bytes"
+
+
+def test_the_committed_agreement_table_holds_every_case():
+    # The committed table is the code's: a case added to mha's harness asks for the notebook
+    # to run again (notebooks/run.py), or the file shows a matrix the code no longer runs
+    from mha import harness
+
+    notebook = nbformat.read(NOTEBOOKS / "compare_frameworks.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in _code_cells(notebook) for o in c.outputs)
+    counts = {int(n) for n in re.findall(r"(\d+) cases, all passed", printed)}
+    assert counts == {len(harness.default_cases())}
 
 
 # What the runs here change, by notebook: compare_frameworks runs every 8th case of the matrix

@@ -1,4 +1,4 @@
-"""The documentation site (website/build.py): it builds with `mkdocs build --strict`, and a
+"""The documentation site (website/build_site.py): it builds with `mkdocs build --strict`, and a
 real browser, headless Chromium, loads its pages from a local server and sees the benchmark
 plots, the notebooks' figures and the API reference.
 
