@@ -237,7 +237,7 @@ def _closing_lines(arguments, names, passed, out) -> None:
         )
         print(
             f"Only numpy ran: {against}, and nothing was compared across frameworks (exit 3). "
-            'Install a framework (pip install "mha[torch]") or name one with --backends.',
+            'Install a framework (pip install "torch>=2.7") or name one with --backends.',
             file=out,
         )
     _hint_table(arguments, out)

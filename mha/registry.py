@@ -35,14 +35,17 @@ BACKENDS: dict[str, str] = {
 
 ALIASES: dict[str, str] = {"pytorch": "torch", "tf": "tensorflow"}
 
-# Backend name -> the pip command that installs its framework (numpy needs none). TensorFlow
-# has an extra per build, so that neither build is installed over the other.
+# Backend name -> the pip command that installs its framework (numpy needs none) as mha's
+# extra of that name requires it (pyproject.toml): the framework itself, since mha comes from
+# its folder or wheel, which no package index holds
 INSTALL: dict[str, str | None] = {
     "numpy": None,
-    "torch": 'pip install "mha[torch]"',
-    "tensorflow": 'pip install "mha[tensorflow]" (or "mha[tensorflow-cpu]", the CPU-only build)',
-    "mxnet": 'pip install "mha[mxnet]" (MXNet 1.9.1 needs numpy < 2)',
-    "jax": 'pip install "mha[jax]"',
+    "torch": 'pip install "torch>=2.7"',
+    "tensorflow": 'pip install "tensorflow>=2.16" "keras>=3.15" (or "tensorflow-cpu>=2.16", the '
+    "CPU-only build)",
+    "mxnet": 'pip install "mxnet==1.9.1" "numpy<2", in an environment of its own: numpy < 2 '
+    "breaks the packages that need numpy 2 (JAX among them)",
+    "jax": 'pip install "jax>=0.7.1" "flax>=0.12"',
 }
 
 # Backend name -> the framework's import name, for versions and messages.

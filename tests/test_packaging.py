@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import venv
 
 import pytest
@@ -287,20 +288,26 @@ def _run(*command, cwd=None):
 @pytest.mark.slow
 def test_the_built_wheel_installs_and_runs_in_a_new_environment(tmp_path):
     # What a package index takes: `python -m build` makes the sdist and the wheel of what the
-    # package is (pyproject.toml, README.md, LICENSE, mha/), twine checks them as the index
-    # would, and the wheel, installed into an environment of its own with its dependencies
+    # package is (pyproject.toml, README.md, LICENSE, MANIFEST.in, mha/), twine checks them as
+    # the index would, and the wheel, installed into an environment of its own with its dependencies
     # alone, runs `mha compare --backends numpy`
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "MANIFEST.in"):
         (source / name).write_bytes((ROOT / name).read_bytes())
     ignored = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(ROOT / "mha", source / "mha", ignore=ignored)
+    # A test beside the package, as in a clone: setuptools would ship it, without the helpers
+    # it imports (conftest.py, the case tables), where MANIFEST.in leaves the tests out
+    (source / "tests").mkdir()
+    shutil.copyfile(ROOT / "tests" / "test_harness.py", source / "tests" / "test_harness.py")
     dist = tmp_path / "dist"
     _run(sys.executable, "-m", "build", "--outdir", dist, source)
     version = importlib.metadata.version("mha")
     wheel, sdist = f"mha-{version}-py3-none-any.whl", f"mha-{version}.tar.gz"
     assert sorted(path.name for path in dist.iterdir()) == [wheel, sdist]
+    with tarfile.open(dist / sdist) as archive:
+        assert not [name for name in archive.getnames() if "/tests" in name]
     checked = _run(sys.executable, "-m", "twine", "check", "--strict", dist / wheel, dist / sdist)
     assert checked.stdout.count("PASSED") == 2, checked.stdout
     environment = tmp_path / "environment"
@@ -316,3 +323,19 @@ def test_the_built_wheel_installs_and_runs_in_a_new_environment(tmp_path):
     )
     assert completed.returncode == 3, completed.stdout + completed.stderr
     assert "nothing was compared across frameworks" in completed.stdout
+
+
+def test_the_install_hints_name_what_each_extra_requires():
+    # A missing backend's hint installs its framework as mha's extra of that name requires it
+    # (mha itself comes from its folder or wheel, which no package index holds)
+    import tomllib
+
+    from mha import registry
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for name, hint in registry.INSTALL.items():
+        if hint is None:
+            continue
+        for requirement in project["optional-dependencies"][name]:
+            if Requirement(requirement).name != "ml_dtypes":  # bfloat16 weights alone need it
+                assert f'"{requirement}"' in hint, (name, requirement)

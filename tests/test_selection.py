@@ -135,7 +135,7 @@ def test_missing_framework_raises_backend_unavailable_error():
     assert lines[0] == "True numpy"  # an ImportError, and nothing changed
     assert "'torch'" in lines[1]
     assert "ModuleNotFoundError" in lines[1]
-    assert 'pip install "mha[torch]"' in lines[1]
+    assert 'pip install "torch>=2.7"' in lines[1]
     assert lines[-1] == "False"
 
 
