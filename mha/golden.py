@@ -29,9 +29,10 @@ from mha.cases import FLOAT_MASKS, FUNCTION_SIZES
 from mha.checkpoints import check_sizes_asked, read_safetensors, write_safetensors
 from mha.files import parse_json
 from mha.interop.common import as_numpy
+from mha.layer_args import SMALLEST_NORMAL
 from mha.options import layer_defaults
 from mha.registry import framework_version, load_backend, normalize_backend_name, select_backends
-from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info, numpy_dtype
+from mha.weights import LAYER_CLASSES, find_problems, get_weights, layer_info
 
 __all__ = [
     "GoldenCase",
@@ -405,10 +406,9 @@ def _verify_one(case: GoldenCase, backend: str, dtype: str) -> harness.Row:
     # Exact zeros where the recorded numbers are 0 (masked keys, empty rows), as compare
     # holds them, up to the subnormal numbers of the less precise dtype (an underflow)
     zero_difference = harness.zero_differences([result], case)
-    least = max((dtype, case.dtype), key=lambda name: float(np.finfo(numpy_dtype(name)).eps))
+    subnormal = max(SMALLEST_NORMAL[dtype], SMALLEST_NORMAL[case.dtype])
     differences = (output_difference, weights_difference or 0.0, gradient_difference or 0.0)
-    passed = max(differences) <= harness.TOLERANCES[precision]
-    passed = passed and zero_difference < float(np.finfo(numpy_dtype(least)).tiny)
+    passed = max(differences) <= harness.TOLERANCES[precision] and zero_difference < subnormal
     return harness.Row(
         case.name,
         backend,

@@ -35,6 +35,7 @@ from mha.cases import (
     make_inputs,
 )
 from mha.registry import load_backend, normalize_backend_name
+from mha.tensors import dtype_name
 from mha.weights import random_weights, set_weights
 
 __all__ = [
@@ -400,8 +401,8 @@ def _check_result_dtypes(result: Result, dtype: str) -> None:
     """A layer of `dtype` gives its output and weights in it (a float64 output of a float32
     layer would hold the reference's numbers and double the memory)."""
     for name, array in (("output", result.output), ("weights", result.attention_weights)):
-        if array is not None and np.dtype(array.dtype).name != dtype:
-            raise TypeError(f"the {name} is {np.dtype(array.dtype).name}, not {dtype}")
+        if array is not None and dtype_name(array) != dtype:
+            raise TypeError(f"the {name} is {dtype_name(array)}, not {dtype}")
 
 
 def _gradient_differences(

@@ -281,18 +281,30 @@ def test_learned_table_is_a_trained_parameter_in_the_state_dict(T, torch):
     np.testing.assert_array_equal(mha.get_weights(fresh)["P"], mha.get_weights(layer)["P"])
 
 
-def test_constant_buffers_are_computed_again_by_to_empty_and_a_dtype_change(T, torch):
-    # ALiBi slopes of 12 heads (2 ** -(k / 2): not exact in half precision), rotary
-    # frequencies and the sinusoid table are buffers outside the state_dict, so each is
-    # computed again where .to_empty leaves it unset and where a cast would round it twice
-    options = {"alibi": True, "rope_theta": 100.0, "query_size": 5, "key_size": 6}
-    reference = N.MultiHeadAttention(24, 12, value_size=7, dtype="float64", **options)
-    weights = mha.random_weights(reference, seed=2)
+# ALiBi slopes of 12 heads (2 ** -(k / 2): not exact in half precision) and rotary frequencies
+CONSTANTS = {"alibi": True, "rope_theta": 100.0, "query_size": 5, "key_size": 6}
+
+
+def _layer_with_constants(T, seed, **call):
+    """A float64 reference layer's weights, its output on inputs(3, 6) called with `call`,
+    and a float32 torch layer holding the weights, each with buffers outside the state_dict."""
+    reference = N.MultiHeadAttention(24, 12, value_size=7, dtype="float64", **CONSTANTS)
+    weights = mha.random_weights(reference, seed=seed)
     mha.set_weights(reference, weights)
     queries, keys, values = inputs(3, 6, "float64")
-    expected = reference(queries, keys, values, causal=True, alignment="bottom_right")
-    single = T.MultiHeadAttention(24, 12, value_size=7, **options)
+    expected = reference(queries, keys, values, causal=True, **call)
+    single = T.MultiHeadAttention(24, 12, value_size=7, **CONSTANTS)
     mha.set_weights(single, {name: w.astype(np.float32) for name, w in weights.items()})
+    return weights, (queries, keys, values), expected, single
+
+
+def test_constant_buffers_are_computed_again_by_to_empty_and_a_dtype_change(T, torch):
+    # The constants and the sinusoid table are buffers outside the state_dict, so each is
+    # computed again where .to_empty leaves it unset and where a cast would round it twice
+    options = CONSTANTS
+    weights, (queries, keys, values), expected, single = _layer_with_constants(
+        T, 2, alignment="bottom_right"
+    )
     with torch.device("meta"):
         on_meta = T.MultiHeadAttention(24, 12, value_size=7, **options)
     on_meta.to_empty(device="cpu").load_state_dict(single.state_dict())
@@ -314,14 +326,8 @@ def test_load_state_dict_with_assign_gives_the_layer_its_tensors_dtype_and_devic
     # torch's fast start (build on the meta device, then load with assign=True) left the
     # dtype markers and constants, which no state_dict holds, on meta: .to() failed and
     # autocast inputs were refused; a float64 layer given float32 tensors took neither dtype
-    options = {"alibi": True, "rope_theta": 100.0, "query_size": 5, "key_size": 6}
-    reference = N.MultiHeadAttention(24, 12, value_size=7, dtype="float64", **options)
-    weights = mha.random_weights(reference, seed=3)
-    mha.set_weights(reference, weights)
-    queries, keys, values = inputs(3, 6, "float64")
-    expected = reference(queries, keys, values, causal=True)
-    single = T.MultiHeadAttention(24, 12, value_size=7, **options)
-    mha.set_weights(single, {name: w.astype(np.float32) for name, w in weights.items()})
+    options = CONSTANTS
+    _, (queries, keys, values), expected, single = _layer_with_constants(T, 3)
     with torch.device("meta"):
         on_meta = T.MultiHeadAttention(24, 12, value_size=7, **options)
     on_meta.load_state_dict(single.state_dict(), assign=True)
