@@ -489,6 +489,10 @@ def _rope_scaling(config: Mapping[str, Any], rope: Mapping, field: str) -> dict 
     scaling |= {key: rope[key] for key in (*required, *optional) if rope.get(key) is not None}
     if "original_max_position_embeddings" in required:
         scaling["original_max_position_embeddings"] = _whole(original)
+    if rope_type == "yarn" and "factor" not in rope:  # transformers' validation requires it
+        raise ValueError(
+            f"the config's {field} has no 'factor', which YaRN needs ({field}={dict(rope)})"
+        )
     if rope_type in ("yarn", "longrope") and rope.get("factor") is None and longest and original:
         scaling["factor"] = longest / original
     try:

@@ -567,6 +567,18 @@ def test_unknown_rope_types_are_refused_by_name():
         porting.options_from_config({**config, "rope_parameters": broken})
 
 
+def test_a_yarn_without_a_factor_is_refused_as_transformers_refuses_it():
+    # A null factor is max_position_embeddings over the pretrained length (above); an absent
+    # one is an error of transformers' validation, not that length's ratio
+    T = transformers()
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "original_max_position_embeddings": 4}
+    fields = {"hidden_size": 4 * HEAD, "num_attention_heads": 4, "max_position_embeddings": 16}
+    with pytest.raises(KeyError, match="factor"):
+        T.AutoConfig.for_model("llama", **copy.deepcopy(fields), rope_parameters=rope)
+    with pytest.raises(ValueError, match=r"has no 'factor', which YaRN needs"):
+        porting.options_from_config({**fields, "model_type": "llama", "rope_parameters": rope})
+
+
 GRAPH_SCALINGS = {
     "longrope": {**SCALINGS["longrope"], "factor": 4.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
