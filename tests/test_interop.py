@@ -691,6 +691,26 @@ def test_a_torch_module_with_forward_hooks_is_refused(torch):
     np.testing.assert_allclose(converted(x, x, x), expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.torch
+def test_a_parametrized_torch_module_is_refused_by_name(torch):
+    # Its state_dict holds parametrizations.in_proj_weight.original, not the weight it uses
+    from torch.nn.utils import parametrize
+
+    class Halved(torch.nn.Module):
+        def forward(self, weight):
+            return 0.5 * weight
+
+    module = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    parametrize.register_parametrization(module, "in_proj_weight", Halved())
+    with pytest.raises(ValueError, match=r"computes in_proj_weight by parametrizations"):
+        interop.from_torch(module)
+    parametrize.remove_parametrizations(module, "in_proj_weight")  # the halved weight stays
+    x = np.random.default_rng(6).standard_normal((2, 3, 8)).astype("float32")
+    expected = module(*[torch.from_numpy(x)] * 3, need_weights=False)[0].detach().numpy()
+    converted = interop.from_torch(module, backend="numpy")
+    np.testing.assert_allclose(converted(x, x, x), expected, rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------
 # keras.layers.MultiHeadAttention
 

@@ -403,7 +403,8 @@ def from_keras_masks(
 
     Keras also applies the masks its inputs carry (an `Embedding(mask_zero=True)`'s, read
     with `keras.ops.get_keras_mask`) and its query_mask, value_mask and key_mask: give them
-    here, as Keras joins them with attention_mask, or they are left out.
+    here, as Keras joins them with attention_mask, or they are left out. Keras 3's
+    MultiHeadAttention drops a query_mask argument for the mask its query carries.
 
     Args:
         attention_mask: (B, Q, K), or (B, heads, Q, K), True (or nonzero) = attend.

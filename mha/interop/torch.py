@@ -222,8 +222,8 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
 
     Raises:
         ValueError: the module uses add_bias_kv or add_zero_attn, which mha cannot express,
-            or its class overrides forward or it has forward hooks (pruning's among them),
-            which may compute other numbers.
+            or its class overrides forward or it has forward hooks (pruning's among them) or
+            parametrizations, which may compute other numbers.
     """
     import torch
 
@@ -233,6 +233,13 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
         )
     refuse_overrides(module, torch.nn.MultiheadAttention, ("forward", "merge_masks"))
     _refuse_hooks(module)
+    if torch.nn.utils.parametrize.is_parametrized(module):
+        names = ", ".join(sorted(module.parametrizations))
+        raise ValueError(
+            f"This torch.nn.MultiheadAttention computes {names} by parametrizations; "
+            "torch.nn.utils.parametrize.remove_parametrizations(module, name) keeps their "
+            "values as its weights: convert it then"
+        )
     if module.add_zero_attn:
         raise ValueError(
             "torch.nn.MultiheadAttention with add_zero_attn=True has no mha equivalent"
