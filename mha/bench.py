@@ -406,8 +406,8 @@ def add_arguments(parser) -> None:
     add(
         "--quick",
         action="store_true",
-        help="one tiny shape, 3 rounds: a smoke run that every layer runs, no verdict on speed "
-        "(about 20 s with every framework)",
+        help="one tiny shape, 3 rounds (or more, within --seconds): a smoke run that every "
+        "layer runs, no verdict on speed (about 20 s with every framework)",
     )
     add("--json", action="store_true", help="print the report as JSON")
     add("--output", help="also write the JSON report to this file")
@@ -452,11 +452,13 @@ def _parse_shapes(text: str) -> list[tuple]:
             or min(shape) <= 0
             or shape[2] % shape[3]
             or shape[3] % shape[-1]
+            or (len(shape) == 5 and shape[4] == shape[3])  # as many key-value heads: not grouped
             or (plus and not (cached.strip().isdecimal() and int(cached) > 0))
         ):
             raise ValueError(
                 "a shape is four positive integers B,L,d,h, h dividing d, and a fifth for "
-                "grouped-query attention, the key-value heads, dividing h; +C after them "
+                "grouped-query attention, the key-value heads, dividing h and fewer than h "
+                "(leave it out for as many); +C after them "
                 f"times a decoding step after C > 0 cached positions: {part!r}"
             )
         if plus:
@@ -496,8 +498,8 @@ def execute(arguments, out, err, progress=None) -> int:
         reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
         raise ValueError(f"no backend has the rows asked for here ({reasons})")
     budget = dataclasses.replace(QUICK_BUDGET if arguments.quick else Budget())
-    if arguments.seconds is not None:
-        budget.seconds = arguments.seconds
+    if arguments.seconds is not None:  # with --quick: 3 rounds or more, until the seconds pass
+        budget.seconds, budget.max_rounds = arguments.seconds, Budget.max_rounds
     chosen = {"yes": (True,), "no": (False,), "true": (True,), "false": (False,)}
     lead = "\r\x1b[K" if err.isatty() else ""
     results, facts = run(

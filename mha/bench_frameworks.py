@@ -75,18 +75,19 @@ def _torch_calls(config: Config, mode: str) -> Calls:
 
 
 def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
-    """One decoding step: the call's positions after `config.cached` cached ones. mha's layer
-    with its KVCache; the SDPA layer on the same weights with the same cache (its projections,
-    the new keys and values appended, F.scaled_dot_product_attention), or with weights
-    transformers' eager attention with the cache; nn.MultiheadAttention, which has no cache,
-    on every position's keys and values, as its users call it."""
+    """One decoding step: the call's positions after `config.cached` cached ones, causal (each
+    attends to the cached ones, itself and the new ones before it). mha's layer with its
+    KVCache; the SDPA layer on the same weights with the same cache (its projections, the new
+    keys and values appended, F.scaled_dot_product_attention), or with weights transformers'
+    eager attention with the cache; nn.MultiheadAttention, which has no cache, on every
+    position's keys and values, as its users call it."""
     import torch
     import torch.nn.functional as F
 
     import mha
 
     b, n, d, h = config.batch_size, config.length, config.num_hiddens, config.num_heads
-    kv, keys = config.num_kv_heads or h, n + config.cached
+    kv = config.num_kv_heads or h
     rng = np.random.default_rng(1)
     before = rng.standard_normal((b, config.cached, d), "float32")
     before = torch.from_numpy(before).to(X.device, X.dtype)
@@ -94,15 +95,17 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
         _, cache = ours(before, before, before, cache=mha.KVCache())
     everything = torch.cat([before, X], dim=1)
 
-    def keep():  # (batch_size, keys): True = attend, made in each call as mha makes its own
-        if valid_lens is not None:
-            return torch.arange(keys, device=X.device) < valid_lens[:, None]
+    keep, later = _decoding_masks(config, X, valid_lens)
 
-    def heads_keep():  # (batch_size, 1, 1, keys)
-        return None if valid_lens is None else keep()[:, None, None, :]
+    def heads_keep():  # (batch_size or 1, 1, n or 1, keys): the lengths and the causal mask
+        allowed = None if valid_lens is None else keep()[:, None, None, :]
+        if n > 1:
+            allowed = ~later() if allowed is None else allowed & ~later()
+        return allowed
 
     def run_ours():
-        return ours(X, X, X, valid_lens, need_weights=config.need_weights, cache=cache)[0]
+        options = {"need_weights": config.need_weights, "causal": True, "cache": cache}
+        return ours(X, X, X, valid_lens, **options)[0]
 
     def run_sdpa():
         q, k, v = _heads(ours, X, cache)
@@ -122,12 +125,32 @@ def _torch_decoding_layers(config: Config, ours, X, valid_lens) -> dict:
         def run_theirs():
             padding = None if valid_lens is None else ~keep()
             output, held["weights"] = theirs(
-                X, everything, everything, key_padding_mask=padding, **options
+                X, everything, everything, key_padding_mask=padding, attn_mask=later(), **options
             )
             return output
 
         layers[NO_CACHE] = (run_theirs, theirs)
     return layers
+
+
+def _decoding_masks(config: Config, X, valid_lens) -> tuple[Callable, Callable]:
+    """A decoding step's masks, made in each call as mha makes its own: keep(), (batch_size,
+    keys), True = a key within the length (None without lengths), and later(), (n, keys),
+    True = a key after its query (None for one query, which has none)."""
+    import torch
+
+    keys = config.cached + config.length
+
+    def keep():
+        if valid_lens is not None:
+            return torch.arange(keys, device=X.device) < valid_lens[:, None]
+
+    def later():
+        if config.length > 1:
+            positions = torch.arange(keys, device=X.device)
+            return positions > positions[config.cached :, None]
+
+    return keep, later
 
 
 def _torch_layers(config: Config, ours, run_ours, X, valid_lens) -> dict:

@@ -74,10 +74,10 @@ def jax_calls(config: Config, mode: str) -> Calls:
 
 
 def _jax_decoding_calls(config: Config) -> Calls:
-    """One decoding step after `config.cached` positions, forward only: mha's layer with its
-    KVCache; Flax's layer with its own cache (decode=True) holding the same positions; and
-    without weights the dot_product_attention layer with the cache (Flax's projections of the
-    new positions, their keys and values appended to the cached ones,
+    """One decoding step after `config.cached` positions, causal, forward only: mha's layer
+    with its KVCache; Flax's layer with its own cache (decode=True) holding the same positions;
+    and without weights the dot_product_attention layer with the cache (Flax's projections of
+    the new positions, their keys and values appended to the cached ones,
     jax.nn.dot_product_attention)."""
     import jax
     import jax.numpy as jnp
@@ -95,12 +95,20 @@ def _jax_decoding_calls(config: Config) -> Calls:
     keys, values = theirs.key(before), theirs.value(before)  # (b, cached, kv, head size)
 
     def keep(lens):  # Flax's mask over every key (True = attend), made inside the call
+        positions = jnp.arange(cached + config.length)
+        # causal: each query attends to the keys up to its own position
+        if config.length > 1:  # (1, 1, n, keys)
+            allowed = (positions <= positions[cached:, None])[None, None]
+        else:
+            allowed = None
         if lens is None:
-            return None
-        return (jnp.arange(cached + config.length) < lens[:, None])[:, None, None, :]
+            return allowed
+        within = (positions < lens[:, None])[:, None, None, :]
+        return within if allowed is None else within & allowed
 
     def call_ours(layer, X, lens, cache):
-        return layer(X, X, X, lens, need_weights=config.need_weights, cache=cache)[0], None
+        options = {"need_weights": config.need_weights, "causal": True, "cache": cache}
+        return layer(X, X, X, lens, **options)[0], None
 
     def call_theirs(layer, X, lens, cache):
         layer.cache_index[...] = jnp.asarray(cached, jnp.int32)  # the same step every call

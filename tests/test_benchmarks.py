@@ -213,9 +213,10 @@ def test_a_mode_runs_only_its_rows_and_seconds_set_the_budget(monkeypatch):
     document, _ = _quick_rows(*options, "--valid-lens", "no", "--need-weights", "true")
     rows = [(*_key(row), row["pass"]) for row in document["results"]]
     assert rows == [("numpy", "other", False, True, "forward")]
-    # The rounds ran with the budget asked for, and the report says so
+    # The rounds ran with the budget asked for, past --quick's 3, and the report says so
     assert budgets and {b.seconds for b in budgets if b.min_rounds == 3} == {0.25}
     assert document["machine"]["budget"]["seconds"] == 0.25
+    assert document["results"][0]["rounds"] > 3
 
 
 def test_shapes_of_decoding_steps_and_of_whole_sequences_mix():
@@ -618,7 +619,7 @@ def _exact_output(config):
 
     X, lens = bench_config.inputs(config)
     exact_layer = reference.MultiHeadAttention(
-        config.num_hiddens, config.num_heads, dtype="float64"
+        config.num_hiddens, config.num_heads, num_kv_heads=config.num_kv_heads, dtype="float64"
     )
     weights = bench_config.weights(config)
     mha.set_weights(exact_layer, {name: w.astype(np.float64) for name, w in weights.items()})
@@ -655,28 +656,73 @@ def test_the_cudnn_layer_computes_every_query_as_mha_does():
     assert harness.difference(np.asarray(output), expected, relative=True) <= tolerance
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        pytest.param("torch", marks=pytest.mark.torch),
-        pytest.param("tensorflow", marks=pytest.mark.tensorflow),
-        pytest.param("mxnet", marks=pytest.mark.mxnet),
-    ],
-)
-def test_every_timed_backward_pass_gives_the_gradients_of_every_weight(backend):
+_AUTOGRAD = [
+    pytest.param(backend, marks=getattr(pytest.mark, backend))
+    for backend in ("torch", "tensorflow", "mxnet", "jax")
+]
+
+
+def _exact_gradients(config):
+    """The float64 NumPy layer's gradients of sum(output) on the bench's inputs and weights,
+    by central differences: X's, and the squared sum of every weight's, which holds whatever
+    layout a framework gives its weights (torch's built-ins pack three in one)."""
+    from mha.backends import numpy as reference
+
+    X, lens = bench_config.inputs(config)
+    X = X.astype(np.float64)
+    weights = {k: w.astype(np.float64) for k, w in bench_config.weights(config).items()}
+    layer = reference.MultiHeadAttention(
+        config.num_hiddens, config.num_heads, num_kv_heads=config.num_kv_heads, dtype="float64"
+    )
+
+    def loss():
+        mha.set_weights(layer, weights)
+        return layer(X, X, X, lens).sum()
+
+    gradients = {}
+    for name, array in (("X", X), *weights.items()):
+        gradient = np.zeros_like(array)
+        for index in np.ndindex(array.shape):
+            original = array[index]
+            array[index] = original + 1e-6
+            above = loss()
+            array[index] = original - 1e-6
+            gradient[index] = (above - loss()) / 2e-6
+            array[index] = original
+        gradients[name] = gradient
+    return gradients.pop("X"), sum(float(np.sum(g**2)) for g in gradients.values())
+
+
+def _gradient_arrays(backend, result):
+    """X's gradient and the weights' from a timed backward call, as NumPy arrays."""
+    if backend == "jax":  # ((the layer's gradients, X's), what else left the call)
+        import jax
+
+        (layer, X), _ = result
+        return np.asarray(X), [np.asarray(g) for g in jax.tree_util.tree_leaves(layer)]
+    arrays = [g.asnumpy() if backend == "mxnet" else np.asarray(g) for g in result]
+    return arrays[0], arrays[1:]
+
+
+@pytest.mark.parametrize("backend", _AUTOGRAD)
+@pytest.mark.parametrize("num_kv_heads", [None, 2])
+def test_every_timed_backward_pass_gives_the_reference_gradients(backend, num_kv_heads):
     # forward+backward differentiates sum(output) with respect to X and every weight of the
-    # layer, on every side: the same work, and every weight used
+    # layer, on every side: the same work, X's gradient and the weights' the reference's
     backend_module(backend)
-    config = bench.Config(2, 6, 8, 2, valid_lens=True, need_weights=False)
+    if num_kv_heads and not bench.BENCHES[backend].grouped():  # MXNet, Flax before 0.12.1
+        assert "no grouped-query" in bench.why_not(backend, grouped=True)
+        return
+    config = bench.Config(2, 6, 8, 4, True, need_weights=False, num_kv_heads=num_kv_heads)
+    expected_X, expected_squares = _exact_gradients(config)
     for mode in bench.BENCHES[backend].modes:
         calls = bench.BENCHES[backend].calls(config, mode)["forward+backward"]
+        assert len(calls) >= 2 and "mha" in calls
         for name, call in calls.items():
-            gradients = [np.asarray(g.asnumpy() if backend == "mxnet" else g) for g in call()]
-            # X, and W_q, W_k, W_v, W_o (torch's built-ins pack the first three in one)
-            expected = 3 if backend == "torch" and name != "mha" else 5
-            assert len(gradients) == expected, (mode, name)
-            assert gradients[0].shape == (2, 6, 8)
-            assert all(np.abs(g.astype(np.float32)).sum() > 0 for g in gradients), (mode, name)
+            X, weights = _gradient_arrays(backend, call())
+            assert harness.difference(X, expected_X, relative=True) <= 1e-5, (mode, name)
+            squares = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in weights)
+            assert squares == pytest.approx(expected_squares, rel=1e-5), (mode, name)
 
 
 def test_grouped_query_rows_time_the_frameworks_grouped_layers():
@@ -703,33 +749,25 @@ def test_grouped_query_rows_time_the_frameworks_grouped_layers():
         assert code == 2 and "no grouped-query attention layer" in err
 
 
-@pytest.mark.torch
+@pytest.mark.parametrize("backend", [p for p in _AUTOGRAD if p.values[0] != "mxnet"])
 @pytest.mark.parametrize("need_weights", [True, False])
-def test_torch_grouped_rows_compute_what_mha_computes(need_weights):
-    # torch's grouped built-ins (the SDPA layer with enable_gqa; with weights, transformers'
-    # eager attention) give the float64 reference's output, and their backward pass every
-    # weight's gradient, as mha's layer does
-    module = backend_module("torch")
+def test_grouped_rows_compute_what_mha_computes(backend, need_weights):
+    # The grouped built-ins (torch's SDPA layer with enable_gqa, with weights transformers'
+    # eager attention; Keras's GroupedQueryAttention; Flax's layer with num_kv_heads and the
+    # dot_product_attention layer) give the float64 reference's output
+    module = backend_module(backend)
+    if not bench.BENCHES[backend].grouped():  # Flax before 0.12.1
+        return
     config = bench.Config(2, 6, 8, 4, True, need_weights, num_kv_heads=2)
-    calls = bench.BENCHES["torch"].calls(config, "eager")
-    if need_weights and not _installed("transformers"):
+    calls = bench.BENCHES[backend].calls(config, bench.BENCHES[backend].modes[0])
+    if backend == "torch" and need_weights and not _installed("transformers"):
         assert calls == {}
         return
-    from mha.backends import numpy as reference
-
-    X, lens = bench_config.inputs(config)
-    exact = reference.MultiHeadAttention(8, 4, num_kv_heads=2, dtype="float64")
-    weights = bench_config.weights(config)
-    mha.set_weights(exact, {name: w.astype(np.float64) for name, w in weights.items()})
-    X = X.astype(np.float64)
-    expected = exact(X, X, X, lens)
-    assert len(calls["forward"]) == 2
+    expected, _ = _exact_output(config)
+    assert len(calls["forward"]) >= 2
     for name, call in calls["forward"].items():
         output = module.to_numpy(call())
         assert harness.difference(output, expected, relative=True) <= 1e-5, name
-    for name, call in calls["forward+backward"].items():
-        gradients = [g.detach().numpy() for g in call()]
-        assert len(gradients) == 5 and all(np.abs(g).sum() > 0 for g in gradients), name
 
 
 # transformers' eager attention (Llama's) times the calls with weights that torch's layers
@@ -761,24 +799,33 @@ DECODING_BUILTINS = {  # (backend, need_weights, grouped): the built-ins of a de
 )
 @pytest.mark.parametrize("need_weights", [True, False])
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
-def test_decoding_rows_time_one_step_after_the_cache(backend, need_weights, num_kv_heads):
-    # A +C shape: one decoding step after C cached positions. Every timed layer returns the
-    # float64 reference's output of the step's query attending to every position (the cached
-    # ones are the bench's own, made from a second draw), forward only; called twice, so that
-    # a layer whose cache moves on with each call would be caught
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("valid_lens", [True, False])
+def test_decoding_rows_time_one_step_after_the_cache(
+    backend, need_weights, num_kv_heads, length, valid_lens
+):
+    # A +C shape: one decoding step of L positions after C cached positions. Every timed
+    # layer returns the float64 reference's output of the step's queries attending causally
+    # to every position (the cached ones are the bench's own, made from a second draw),
+    # forward only; called twice, so that a layer whose cache moves on with each call would
+    # be caught
     module = backend_module(backend)
     if num_kv_heads and not bench.BENCHES[backend].grouped():  # Flax before 0.12.1: no rows
         assert "no grouped-query" in bench.why_not(backend, grouped=True, decoding=True)
         return
-    config = bench.Config(2, 1, 8, 4, True, need_weights, num_kv_heads=num_kv_heads, cached=6)
+    config = bench.Config(
+        2, length, 8, 4, valid_lens, need_weights, num_kv_heads=num_kv_heads, cached=6
+    )
     calls = bench.BENCHES[backend].calls(config, bench.BENCHES[backend].modes[0])
     assert list(calls) == ["forward"]
     expected_names = {"mha"} | DECODING_BUILTINS[backend, need_weights, bool(num_kv_heads)]
+    if length > 1:  # Flax's cache takes one position a call
+        expected_names.discard("nnx.MultiHeadAttention with its cache")
     assert set(calls["forward"]) == expected_names
     from mha.backends import numpy as reference
 
     X, lens = bench_config.inputs(config)
-    assert lens.max() <= 7 and lens.min() >= 3  # over the 7 keys, cached ones included
+    assert lens is None or (lens.max() <= 6 + length and lens.min() >= 3)  # over every key
     before = np.random.default_rng(1).standard_normal((2, 6, 8), "float32")
     everything = np.concatenate([before, X], axis=1).astype(np.float64)
     exact = reference.MultiHeadAttention(8, 4, num_kv_heads=num_kv_heads, dtype="float64")
@@ -804,6 +851,9 @@ def test_decoding_shapes_parse_and_name_the_cache(monkeypatch):
     # torch and JAX have decoding rows; a backend without them says so
     code, _, err = run("--quick", "--backends", "numpy", "--shapes", "1,1,8,2+4")
     assert code == 2 and "no layer with a KV cache" in err
+    # As many key-value heads as heads is the layer without grouped heads: leave kv out
+    code, _, err = run("--quick", "--backends", "numpy", "--shapes", "2,8,16,4,4")
+    assert code == 2 and "fewer than h" in err
     for cached in ("x", "0", ""):  # +0 would be a call without a cache, not a decoding step
         code, _, err = run("--quick", "--backends", "numpy", "--shapes", f"1,1,8,2+{cached}")
         assert code == 2 and "+C" in err, cached
