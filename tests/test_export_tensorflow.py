@@ -430,6 +430,36 @@ def test_packed_sequences_convert_to_litert(TF, tmp_path):
         assert_agrees(output, reference(x, x, x, segment_ids=ids), "float32")
 
 
+@pytest.mark.parametrize("absorbed", [False, True], ids=["expanded", "absorbed"])
+def test_latent_attention_converts_to_litert(TF, tmp_path, absorbed):
+    # DeepSeek's layer, low-rank queries, lengths and the causal mask, batch and length
+    # unknown: LiteRT's builtins alone (its new axes from expand_dims), at two sizes
+    import keras
+    import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
+
+    sizes = dict(kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3)
+    sizes.update(q_lora_rank=4, rope_theta=100.0)
+    X = keras.Input((None, 8), name="X")
+    lengths = keras.Input((), dtype="int32", name="valid_lens")
+    layer = TF.MultiHeadLatentAttention(8, HEADS, **sizes)
+    output = layer(X, lengths, causal=True, absorbed=absorbed)
+    model = keras.Model({"X": X, "valid_lens": lengths}, output)
+    builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
+    model.export(tmp_path / "latent.tflite", format="litert", verbose=False, target_spec=builtins)
+    runner = Interpreter(model_path=str(tmp_path / "latent.tflite")).get_signature_runner()
+    reference = N.MultiHeadLatentAttention(8, HEADS, **sizes, dtype="float64")
+    weights = mha.get_weights(layer)
+    mha.set_weights(reference, {name: w.astype(np.float64) for name, w in weights.items()})
+    for batch, n in ((2, 5), (3, 9)):
+        rng = np.random.default_rng(n)
+        x = rng.standard_normal((batch, n, 8)).astype(np.float32)
+        valid_lens = rng.integers(1, n + 1, batch).astype(np.int32)
+        (got,) = runner(X=x, valid_lens=valid_lens).values()
+        expected = reference(x.astype(np.float64), valid_lens, causal=True)
+        assert_agrees(got, expected, "float32")
+
+
 def test_a_litert_model_refuses_lengths_and_head_masks_of_another_batch(TF, tmp_path):
     # LiteRT drops the graph's assertions; the sizes the tensors share are tied by reshaping
     # them too, so lengths or head weights of one example for three fail rather than broadcast

@@ -1203,9 +1203,10 @@ class MultiHeadLatentAttention(_AttentionLayer):
         # Shape of absorbed: (batch_size, num_heads, no. of steps, kv_lora_rank)
         absorbed = _einsum("bhqn,rhn->bhqr", queries[..., : self.qk_nope_head_dim], W_uk)
         queries = tf.concat([absorbed, queries[..., self.qk_nope_head_dim :]], axis=-1)
-        keys = tf.concat([latent[:, None], rotary_keys], axis=-1)
+        latent = tf.expand_dims(latent, 1)  # see _length_mask: not latent[:, None]
+        keys = tf.concat([latent, rotary_keys], axis=-1)
         output, self.attention_weights, _ = _attention(
-            queries, keys, latent[:, None], keep, bias, self.dropout, training=training,
+            queries, keys, latent, keep, bias, self.dropout, training=training,
             scale=self.scale, empty_rows=self.empty_rows, need_weights=need_weights,
             group=self.num_heads,
         )
@@ -1231,7 +1232,10 @@ class MultiHeadLatentAttention(_AttentionLayer):
         n, rope) at positions offset, ..., turned): what a latent cache keeps."""
         compressed = _apply_dense(self.W_kva, X)
         latent = self.kv_norm(compressed[..., : self.kv_lora_rank])
-        rotary_keys = self.rotary.rotate(compressed[:, None, :, self.kv_lora_rank :], offset)
+        # expand_dims, not [:, None]: see _length_mask
+        rotary_keys = self.rotary.rotate(
+            tf.expand_dims(compressed[..., self.kv_lora_rank :], 1), offset
+        )
         return latent, rotary_keys
 
     def expand(self, latent, rotary_keys):
