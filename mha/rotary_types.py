@@ -183,9 +183,10 @@ UNCHECKED_ROTARY = frozenset(
         "sam2_video_mask_decoder sam2_video_prompt_encoder sam3_detr_decoder "
         "sam3_detr_encoder sam3_geometry_encoder sam3_mask_decoder "
         "sam3_tracker_video_mask_decoder sam3_tracker_video_prompt_encoder sam3_vit_model "
-        "sapiens2_head step3p5 step3p5_vision t5_gemma_module t5gemma2_decoder t5gemma2_text "
+        "sapiens2_head seamless_m4t step3p5 step3p5_vision t5_gemma_module t5gemma2_decoder "
+        "t5gemma2_text "
         "timesfm2_5 unlimited_ocr_sam_vision_model unlimited_ocr_text "
         "unlimited_ocr_vision_encoder video_llama_3_vision vjepa2 voxtral_realtime_encoder "
-        "voxtral_realtime_text zamba2 zaya"
+        "voxtral_realtime_text wav2vec2-bert wav2vec2-conformer zamba2 zaya"
     ).split()
 )

@@ -116,7 +116,7 @@ def test_a_field_under_its_other_name_is_read_as_transformers_reads_it():
 
 
 # A call of a rotary embedding in a modeling module (not its definition)
-_TURNS = r"^(?!\s*def ).*\b(apply_rotary_pos_emb\w*|apply_rotary_emb\w*|rotary_emb)\("
+_TURNS = r"^(?!\s*def ).*\b_?(apply_rotary_pos_emb\w*|apply_rotary_emb\w*|rotary_emb)\("
 
 
 def test_every_model_type_whose_code_turns_queries_and_keys_is_known():
