@@ -430,6 +430,7 @@ def convert(
             (e.g. a query size other than num_hiddens for torch), num_heads missing, or a
             destination that does not read back as the same weights.
     """
+    stored.refuse_overwriting(source, destination)
     weights, config, extra = _source_layer(source, num_heads, prefix, scale, options)
     if extra.get("layer", "MultiHeadAttention") != "MultiHeadAttention":
         _write_latent(destination, weights, config)

@@ -8,6 +8,7 @@ model of many gigabytes reads that layer's tensors alone, from whichever shards 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any
@@ -23,7 +24,14 @@ from mha.checkpoints import (
 )
 from mha.files import check_source, parse_json, read_bytes
 
-__all__ = ["INDEX_SUFFIX", "StoredTensor", "is_whole_model", "read_lazily", "shard_hint"]
+__all__ = [
+    "INDEX_SUFFIX",
+    "StoredTensor",
+    "is_whole_model",
+    "read_lazily",
+    "refuse_overwriting",
+    "shard_hint",
+]
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # The files a folder of a model holds, one of them
@@ -86,6 +94,28 @@ def shard_hint(path: str | os.PathLike) -> str:
     if not _SHARD.search(os.path.basename(name)):
         return ""
     return f" ({name} is one shard of a model: give its model{INDEX_SUFFIX} or its folder)"
+
+
+def refuse_overwriting(source: str | os.PathLike, destination: str | os.PathLike) -> None:
+    """Raise ValueError where `destination` is a file that `source` reads: the file itself,
+    or of a whole model its index and the shards the index names (a write there would replace
+    the model being read with one layer)."""
+    name, target = os.fsdecode(source), os.fsdecode(destination)
+    if not os.path.isfile(target):
+        return
+    files = [name]
+    if os.path.isdir(name):
+        files = [os.path.join(name, file) for file in _MODEL_FILES]
+    for index in [file for file in files if file.lower().endswith(INDEX_SUFFIX)]:
+        with contextlib.suppress(OSError, ValueError):  # a bad index is read's to refuse
+            shards = set(_weight_map(index).values())
+            files += [os.path.join(os.path.dirname(index), shard) for shard in shards]
+    for file in files:
+        if os.path.isfile(file) and os.path.samefile(file, target):
+            raise ValueError(
+                f"{target} is {'' if file == name else 'a file of '}the source being read "
+                f"({name}); write the layer to another file: nothing was written"
+            )
 
 
 def read_lazily(path: str | os.PathLike) -> dict[str, StoredTensor]:

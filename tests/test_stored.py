@@ -233,6 +233,28 @@ def test_the_command_line_ports_a_layer_of_a_sharded_model(tmp_path):
     assert code == 1 and "is one shard of a model: give its model.safetensors.index.json" in err
 
 
+def test_a_layer_is_never_written_over_the_model_it_is_read_from(tmp_path):
+    # The source file, or a shard or the index of a sharded one, named as the destination:
+    # refused before anything is written, each file byte for byte as it was
+    state = llama_state()
+    whole = tmp_path / "whole" / "model.safetensors"
+    whole.parent.mkdir()
+    write_safetensors(whole, state, {})
+    index = write_shards(tmp_path, state, split_layer_one(state))
+    shard = os.path.join(tmp_path, "model-00002-of-00003.safetensors")
+    cases = [(whole, whole), (whole.parent, whole), (index, shard), (tmp_path, shard)]
+    cases.append((shard, shard))
+    for source, destination in cases:
+        before = open(destination, "rb").read()
+        code, _, err = run("convert", source, destination, "--prefix", PREFIX, "--num-heads", 4)
+        assert code == 1 and "the source being read" in err, (source, destination)
+        assert open(destination, "rb").read() == before
+    # Beside the model, a new file is written
+    destination = tmp_path / "layer1.safetensors"
+    code, _, err = run("convert", tmp_path, destination, "--prefix", PREFIX, "--num-heads", 4)
+    assert code == 0, err
+
+
 @pytest.mark.torch
 def test_transformers_sharded_checkpoint_ports_as_its_state_dict(tmp_path):
     """A tiny Qwen3 saved by transformers in shards of 20 KB: each layer's port from the folder
