@@ -91,7 +91,7 @@ def _add_port_arguments(parser) -> None:
         "--layer",
         type=int,
         help="the layer's index in the model, for a --config whose layers differ (Gemma 2 and "
-        "3, gpt-oss: sliding and full attention)",
+        "3, gpt-oss: sliding and full attention); by default the one number in --prefix",
     )
     parser.add_argument(
         "--without-positions",
@@ -211,11 +211,27 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     return options
 
 
+def _layer_of_prefix(arguments) -> None:
+    """--layer from the one number in --prefix (model.layers.3.self_attn: 3) where it is not
+    given; a --layer other than that number is a UsageError (the other layer's options)."""
+    numbers = [part for part in (arguments.prefix or "").split(".") if part.isdecimal()]
+    if len(numbers) != 1:  # none, or several (T5's block.2.layer.0): --layer says which
+        return
+    if arguments.layer is None:
+        arguments.layer = int(numbers[0])
+    elif arguments.layer != int(numbers[0]):
+        raise UsageError(
+            f"--layer {arguments.layer} is not the layer of --prefix {arguments.prefix} "
+            f"({int(numbers[0])}): its options would be another layer's"
+        )
+
+
 def _layer_options(arguments) -> dict:
     """The layer options of --config, --rope-theta, --rope-interleaved and --sliding-window;
     num_heads from --config too, unless --num-heads gives it."""
     options = {}
     if arguments.config is not None:
+        _layer_of_prefix(arguments)
         try:
             options = model_config.options_from_config(arguments.config, arguments.layer)
         except ValueError as error:

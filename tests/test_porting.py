@@ -1891,11 +1891,14 @@ def test_convert_takes_the_layer_index_where_layers_differ(tmp_path, capsys):
     config.to_json_file(tmp_path / "config.json")
     arguments = ["--prefix", "layers.1.self_attn", "--config", str(tmp_path / "config.json")]
     source, destination = tmp_path / "model.safetensors", tmp_path / "layer.safetensors"
-    code = cli.main(["convert", str(source), str(destination), *arguments])
-    assert code == 2 and "layer_types" in capsys.readouterr().err
-    code = cli.main(["convert", str(source), str(destination), *arguments, "--layer", "1"])
-    assert code == 0, capsys.readouterr().err
-    assert "1 + the source's norm weights" in capsys.readouterr().out
+    # --layer is the prefix's number (1: full attention); another is the other layer's options
+    code = cli.main(["convert", str(source), str(destination), *arguments, "--layer", "0"])
+    assert code == 2 and "is not the layer of --prefix" in capsys.readouterr().err
+    assert not destination.exists()
+    for given in ([], ["--layer", "1"]):
+        code = cli.main(["convert", str(source), str(destination), *arguments, *given])
+        assert code == 0, capsys.readouterr().err
+        assert "1 + the source's norm weights" in capsys.readouterr().out
     checkpoint = mha.weights.read_checkpoint(destination)
     assert checkpoint.config["sliding_window"] is None and checkpoint.config["rope_theta"]
     assert checkpoint.config["qk_norm"] == "head"
