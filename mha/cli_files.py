@@ -179,6 +179,21 @@ def file_command(arguments, out, err) -> int:
     return 0
 
 
+def _refuse_config_left_beside(arguments, source: str) -> None:
+    """A UsageError where a model's config.json lies beside its weights and no option says
+    what the weights do not tell: a port without it would leave out its rotary embedding or
+    windows, and compute other numbers without a word."""
+    folder = source if os.path.isdir(source) else os.path.dirname(os.path.abspath(source))
+    beside = os.path.join(folder, "config.json")
+    given = (arguments.config, arguments.rope_theta, arguments.without_positions or None)
+    if os.path.isfile(beside) and all(value is None for value in given):
+        raise UsageError(
+            f"{beside} lies beside the weights: give it as --config for what the weights do "
+            "not tell (the rotary embedding, windows, ...), or --without-positions to port "
+            "the weights alone"
+        )
+
+
 def _check_file_arguments(arguments, paths, kinds) -> dict:
     """A usage error for arguments of `mha convert` and `mha inspect` that do not go together,
     or a file kind whose framework does not import; else the layer options given."""
@@ -188,6 +203,8 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     for flag in ("without_positions", "values_from_keys", "keys_values_of"):
         if getattr(arguments, flag) and not from_model:
             raise UsageError(f"--{flag.replace('_', '-')} goes with --prefix")
+    if from_model:
+        _refuse_config_left_beside(arguments, paths[0])
     options = _layer_options(arguments)
     if options and arguments.command == "inspect" and not from_model:
         raise UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")

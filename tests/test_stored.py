@@ -255,6 +255,28 @@ def test_a_layer_is_never_written_over_the_model_it_is_read_from(tmp_path):
     assert code == 0, err
 
 
+def test_a_config_beside_the_weights_is_given_or_said_to_be_left(tmp_path):
+    # Llama's q/k/v/o_proj do not tell its rotary embedding, which its config.json beside
+    # them does: without --config the port would compute without it, and is refused
+    state = llama_state()
+    write_safetensors(tmp_path / "model.safetensors", state, {})
+    config = {"model_type": "llama", "num_attention_heads": HEADS, "hidden_size": HIDDEN}
+    config.update(num_key_value_heads=2, rope_theta=100.0, num_hidden_layers=2)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    destination = tmp_path / "layer1.safetensors"
+    for source in (tmp_path, tmp_path / "model.safetensors"):
+        code, _, err = run("convert", source, destination, "--prefix", PREFIX, "--num-heads", 4)
+        assert code == 2 and "config.json lies beside the weights: give it as --config" in err
+        assert not destination.exists()
+    code, _, err = run("convert", tmp_path, destination, "--prefix", PREFIX, "--config",
+                       tmp_path / "config.json")  # fmt: skip
+    assert code == 0, err
+    assert read_checkpoint(destination).config["rope_theta"] == 100.0
+    code, _, err = run("inspect", tmp_path, "--prefix", PREFIX, "--num-heads", 4,
+                       "--without-positions")  # fmt: skip
+    assert code == 0, err
+
+
 @pytest.mark.torch
 def test_transformers_sharded_checkpoint_ports_as_its_state_dict(tmp_path):
     """A tiny Qwen3 saved by transformers in shards of 20 KB: each layer's port from the folder
