@@ -147,6 +147,7 @@ def canonical_from_state_dict(
     reversed_rotary: bool = False,
     centered_qk_norm: bool = False,
     keys_values_of: int | str | None = None,
+    dtype: str | None = None,
     **options: Any,
 ) -> Port:
     """Canonical MultiHeadAttention weights and config of the attention layer under `prefix`
@@ -174,6 +175,8 @@ def canonical_from_state_dict(
         keys_values_of: the layer reuses the keys and values of another (Gemma 3n's and 4's
             last num_kv_shared_layers): k_proj, v_proj and k_norm that layer's (its index in
             the prefix's one number, or its prefix); call with its input as keys and values.
+        dtype: the weights' dtype in the port (default: the source's); qk_norm_offset is
+            added in it (1 + a bfloat16 weight, exact in float32, not rounded to bfloat16).
         **options: the layer's options that weights do not tell: rope_theta, sliding_window,
             ... (`options_from_config` reads them from a Hugging Face config); head_size,
             num_kv_heads, query_size: what the weights must have (mha.model_shapes).
@@ -183,16 +186,33 @@ def canonical_from_state_dict(
             other heads, tensors mha cannot hold (each listed), sparse attention, positions.
     """
     port = {name: value for name, value in locals().items() if name in _MHA_PORT_OPTIONS}
+    dtype = None if dtype is None else check_dtype(dtype)
+    return _in_dtype(_port(state, prefix, num_heads, options, port, dtype), dtype)
+
+
+def _port(state, prefix: str, num_heads, options, port: dict[str, Any], dtype) -> Port:
+    """canonical_from_state_dict's Port, its weights in the source's dtype (QK-norms' sums in
+    `dtype` where given)."""
     state = flatten(state if isinstance(state, Mapping) else read_lazily(state))
     where = f"under {prefix!r}" if prefix.strip("./") else "in the state"
     names, taken = with_keys_values_of(
-        under(state, prefix), lambda other: under(state, other), keys_values_of, prefix, where
-    )
-    names, copied = with_values_from_keys(names, values_from_keys, where)
+        under(state, prefix), lambda other: under(state, other), port["keys_values_of"],
+        prefix, where,
+    )  # fmt: skip
+    names, copied = with_values_from_keys(names, port["values_from_keys"], where)
     latent_layout.refuse_sparse(names, where)
     if latent_layout.matches(names):
         return _latent_port(names, num_heads, options, where, port)
+    port = {**port, "dtype": dtype}  # of the sums of qk_norm_offset
     return _mha_port(state, names, (*taken, *copied), prefix, num_heads, options, where, port)
+
+
+def _in_dtype(port: Port, dtype: str | None) -> Port:
+    """The port with its weights and config in `dtype` (None: as they are)."""
+    if dtype is None:
+        return port
+    weights = {name: w.astype(numpy_dtype(dtype)) for name, w in port.weights.items()}
+    return port._replace(weights=weights, config={**port.config, "dtype": dtype})
 
 
 def _mha_port(state, names, copied, prefix: str, num_heads, options, where: str, port) -> Port:
@@ -252,7 +272,7 @@ def _read_port(layout: Layout, names, num_heads, where: str, qk_norm, port: dict
     left_out = _left_out(layout, set(names) - set(used) - set(beside), where)
     split = output_gate and "W_g" not in extra  # Qwen3-Next's gate rows in q_proj
     weights, config = _read_layer(layout, names, used, num_heads, split, where)
-    weights.update(_beside_weights(names, extra, qk_norm_offset, where))
+    weights.update(_beside_weights(names, extra, qk_norm_offset, where, port["dtype"]))
     config["sinks"], config["output_gate"] = "sinks" in extra, "W_g" in weights
     config["num_heads"] = _heads(layout, config.get("num_heads"), num_heads, where)
     if "W_g" in extra:  # LFM3's gate of each head, or AFMoE's of each feature
@@ -351,10 +371,10 @@ def _names_of(held: str | tuple[str, ...]) -> tuple[str, ...]:
     return held if isinstance(held, tuple) else (held,)
 
 
-def _beside_weights(names, extra: dict[str, str | tuple[str, ...]], offset: float, where: str):
+def _beside_weights(names, extra: dict, offset: float, where: str, dtype: str | None):
     """Canonical name -> array of the weights beside the projections, QK-norm's scales plus
-    `offset` (Gemma's norms scale by 1 + weight, summed in the weights' dtype as Gemma sums
-    them in float32)."""
+    `offset` (Gemma's norms scale by 1 + weight, summed in `dtype`, or else the weights',
+    as Gemma sums them in float32)."""
     read = _read_arrays(names, [name for held in extra.values() for name in _names_of(held)], where)
     # A tuple of names is one row of the weight each (StableLM's norm of each head)
     weights = {
@@ -365,7 +385,8 @@ def _beside_weights(names, extra: dict[str, str | tuple[str, ...]], offset: floa
     }
     for name in ("q_norm", "k_norm"):
         if offset and name in weights:
-            weights[name] = weights[name] + weights[name].dtype.type(offset)
+            norm = weights[name] if dtype is None else weights[name].astype(numpy_dtype(dtype))
+            weights[name] = norm + norm.dtype.type(offset)
     return weights
 
 
@@ -580,13 +601,10 @@ def from_state_dict(
         output_gate=output_gate,
         without_positions=without_positions,
         values_from_keys=values_from_keys,
+        dtype=dtype,
         **options,
     )
     module = load_backend(backend if backend is not None else get_backend())
-    config, weights = port.config, port.weights
-    if dtype is not None:
-        config = {**config, "dtype": check_dtype(dtype)}
-        weights = {name: w.astype(numpy_dtype(config["dtype"])) for name, w in weights.items()}
-    layer = build_layer(module, port.layer, config)
-    set_weights(layer, weights)
+    layer = build_layer(module, port.layer, port.config)
+    set_weights(layer, port.weights)
     return layer

@@ -1129,6 +1129,32 @@ def test_gemma3_ports_with_its_rope_per_layer_type_and_norms_of_one_plus_weight(
     assert any("1 + the source's norm weights" in note for note in port.notes)
 
 
+def test_a_bfloat16_gemma3_widened_to_float32_sums_its_norms_in_float32():
+    # 1 + a bfloat16 norm weight is exact in float32, as transformers sums it, and rounded in
+    # bfloat16 (by up to 2**-8): widened, the port sums in float32 and gives the model's
+    # numbers in float32, of the same bfloat16 weights
+    config, model = _tiny_decoder(
+        "gemma3", head_dim=4, layer_types=["full_attention"] * 2, sliding_window=3
+    )
+    with torch.no_grad():  # norm weights away from 0 (many bits below 1 + w's last), rounded
+        for block in model.layers:
+            block.self_attn.q_norm.weight.uniform_(-0.9, 0.9)
+            block.self_attn.k_norm.weight.uniform_(-0.9, 0.9)
+            block.self_attn.q_proj.weight.mul_(10)
+        model.to(torch.bfloat16).to(torch.float32)
+    x, expected = _attention_io(model, torch.randint(3, 50, (2, 7)))[1]
+    state = {name: value.to(torch.bfloat16) for name, value in model.state_dict().items()}
+    options = porting.options_from_config(config.to_dict(), 1)
+    prefix = "layers.1.self_attn"
+    port = porting.canonical_from_state_dict(state, prefix, dtype="float32", **options)
+    norms = model.layers[1].self_attn.q_norm.weight.detach().numpy()
+    np.testing.assert_array_equal(port.weights["q_norm"], 1 + norms)
+    layer = porting.from_state_dict(state, prefix, backend="numpy", dtype="float32", **options)
+    assert layer.dtype == "float32"
+    output = layer(x, x, x, causal=True)
+    np.testing.assert_allclose(output, expected, rtol=0, atol=1e-6 * np.max(np.abs(expected)))
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_qwen3_next_ports_with_its_output_gate(name):
     # The query projection gives each head's queries, then its gate; the QK-norms scale by
