@@ -373,7 +373,7 @@ def _same_weights(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> b
 def _carrier(weights: Mapping[str, np.ndarray]) -> str:
     """The backend whose layer carries `weights` into a file: numpy, unless numpy does not
     compute in their dtype (bfloat16); then torch, or TensorFlow without torch."""
-    dtype = np.asarray(weights.get("W_q", np.zeros(0, "float32"))).dtype.name
+    dtype = np.asarray(next(iter(weights.values()), np.zeros(0, "float32"))).dtype.name
     if dtype in layer_args.BACKEND_DTYPES["numpy"]:
         return "numpy"
     for backend in ("torch", "tensorflow"):
@@ -474,7 +474,7 @@ def _write_latent(path, weights: Mapping[str, np.ndarray], config: Mapping[str, 
             f"{os.fspath(path)}: multi-head latent attention goes into an mha checkpoint "
             "(.safetensors) only; the frameworks' own layers do not hold it"
         )
-    layer = build_layer(load_backend("numpy"), "MultiHeadLatentAttention", config)
+    layer = build_layer(load_backend(_carrier(weights)), "MultiHeadLatentAttention", config)
     set_weights(layer, weights)
 
     def check(temporary: str) -> None:

@@ -578,6 +578,22 @@ def test_mha_convert_writes_a_deepseek_v3_layer_as_a_checkpoint(tmp_path, capsys
     assert cli.main(["convert", paths[0], torch_file, *arguments]) == 1
     assert "goes into an mha checkpoint (.safetensors) only" in capsys.readouterr().err
     assert not (tmp_path / "layer.pt").exists()
+    # In bfloat16, as such models are released: written so (by a backend that holds it)
+    import safetensors.torch
+
+    half = {key: value.to(torch.bfloat16) for key, value in theirs.state_dict().items()}
+    half = {f"{prefix}.{key}": value for key, value in half.items()}
+    safetensors.torch.save_file(half, tmp_path / "model.safetensors")
+    assert cli.main(["convert", *paths, *arguments]) == 0, capsys.readouterr().err
+    written = mha.weights.read_checkpoint(paths[1])
+    expected = mha.porting.canonical_from_state_dict(
+        {key: value.float().numpy() for key, value in half.items()}, prefix,
+        **mha.porting.options_from_config(config.to_dict(), 3),
+    )  # fmt: skip
+    assert written.weights.keys() == expected.weights.keys()
+    for name, value in written.weights.items():
+        assert value.dtype.name == "bfloat16"
+        np.testing.assert_array_equal(value.astype(np.float32), expected.weights[name])
 
 
 @pytest.mark.torch
