@@ -85,6 +85,7 @@ from mha.port_adjustments import (
     use_local_chunks,
 )
 from mha.position_bias import alibi_bias, falcon_alibi_bias, t5_position_bias
+from mha.refused_models import what_it_is
 from mha.registry import load_backend
 from mha.shared_layers import (
     KEYS_AS_VALUES,
@@ -428,7 +429,7 @@ def _left_out(layout: Layout, rest: set[str], where: str) -> list[str]:
     if refused:
         raise ValueError(
             f"the attention {where} holds what mha's MultiHeadAttention cannot represent: "
-            + ", ".join(f"{name} ({_what_it_is(name)})" for name in refused)
+            + ", ".join(f"{name} ({what_it_is(name)})" for name in refused)
             + "; porting without them would give other numbers"
         )
     return sorted(rest)
@@ -459,26 +460,6 @@ def described_left_out(layout_name: str, left_out: list[str]) -> str:
     return "; ".join(
         ", ".join(names) + (f" ({why})" if why else "") for why, names in groups.items()
     )
-
-
-def _what_it_is(name: str) -> str:
-    module = name.rsplit(".", 1)[0] if "." in name else name
-    norm = next((part for part in module.lower().split(".") if "norm" in part), None)
-    if norm is not None and norm.startswith(("q", "k")):  # q_norm, query_layernorm, ...
-        return (
-            "a norm inside the attention: QK-norm; give qk_norm (and qk_norm_offset=1.0 for "
-            "Gemma's, which scale by 1 + weight), as options_from_config gives Qwen3, OLMo 2, "
-            "Gemma 3, Qwen3-Next and StableLM"
-        )
-    if norm is not None:  # BitNet's attn_sub_norm, XLM-RoBERTa-XL's self_attn_layer_norm
-        return "a norm inside the attention, not of its queries and keys (of its input or output)"
-    if module.split(".")[-1] == "sinks":
-        return "attention sinks: a learned logit per head in each softmax"
-    if module == "g_proj":
-        return "a gate of each head's output (LFM3's): give output_gate=True"
-    if module == "gate_proj":
-        return "a gate of each output feature (AFMoE's): give output_gate=True"
-    return "a tensor beside the projections"
 
 
 def _beside_projections(layout, names, qk_norm: str | None, gate: bool, where: str):

@@ -1,11 +1,12 @@
 """The attention of model types that a port from their config would misread: what each
 does beside mha's layer, by model type (and MPT's by its attn_config's fields), named in the
-error `options_from_config` raises (mha.model_config).
+error `options_from_config` raises (mha.model_config); and what a tensor beside the
+projections does, named in a port's error (mha.porting).
 """
 
 from __future__ import annotations
 
-__all__ = ["MISREAD_MODEL_TYPES", "MPT_UNSUPPORTED", "SPARSE_ATTENTION_TYPES"]
+__all__ = ["MISREAD_MODEL_TYPES", "MPT_UNSUPPORTED", "SPARSE_ATTENTION_TYPES", "what_it_is"]
 
 # MPT's attn_config fields whose values change the attention in ways mha's layer cannot
 # represent: field -> (the value that leaves it as transformers' MPT computes, what it does).
@@ -74,3 +75,25 @@ SPARSE_ATTENTION_TYPES = {
     "bigbird_pegasus": ("block_sparse", "original_full", "attends to blocks of the keys"),
     "informer": ("prob", "full", "attends with a sample of the queries (ProbSparse)"),
 }
+
+
+def what_it_is(name: str) -> str:
+    """What a tensor beside an attention's projections does, which mha's layer does not hold
+    (named in the error of a port that meets it, mha.porting)."""
+    module = name.rsplit(".", 1)[0] if "." in name else name
+    norm = next((part for part in module.lower().split(".") if "norm" in part), None)
+    if norm is not None and norm.startswith(("q", "k")):  # q_norm, query_layernorm, ...
+        return (
+            "a norm inside the attention: QK-norm; give qk_norm (and qk_norm_offset=1.0 for "
+            "Gemma's, which scale by 1 + weight), as options_from_config gives Qwen3, OLMo 2, "
+            "Gemma 3, Qwen3-Next and StableLM"
+        )
+    if norm is not None:  # BitNet's attn_sub_norm, XLM-RoBERTa-XL's self_attn_layer_norm
+        return "a norm inside the attention, not of its queries and keys (of its input or output)"
+    if module.split(".")[-1] == "sinks":
+        return "attention sinks: a learned logit per head in each softmax"
+    if module == "g_proj":
+        return "a gate of each head's output (LFM3's): give output_gate=True"
+    if module == "gate_proj":
+        return "a gate of each output feature (AFMoE's): give output_gate=True"
+    return "a tensor beside the projections"

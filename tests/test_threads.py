@@ -4,6 +4,7 @@ Each thread calls the same layer with another combination of `causal`, valid_len
 `need_weights`, many times; every output must be the NumPy reference's for that call.
 """
 
+import sys
 import threading
 
 import numpy as np
@@ -64,3 +65,40 @@ def test_a_layer_shared_between_threads_computes_each_call(name, hybridize):
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_a_lazy_layers_first_calls_from_several_threads_draw_its_weights_once(name):
+    # Its input sizes unknown until called: threads that call it first at once must all
+    # compute with the one set of weights it keeps (each drew its own, or read them half made)
+    module = backend_module(name)
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal((B, L, D)) for _ in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often, inside the first call too
+    try:
+        for _ in range(10):
+            layer = module.MultiHeadAttention(D, H, bias=True, dtype="float64")
+            outputs, start = {}, threading.Barrier(len(inputs))
+
+            def work(i, layer=layer, outputs=outputs, start=start):
+                start.wait()
+                X = module.from_numpy(inputs[i])
+                try:
+                    outputs[i] = module.to_numpy(layer(X, X, X))
+                except Exception as error:  # a framework's error for a layer built twice
+                    outputs[i] = error
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            reference = N.MultiHeadAttention(D, H, bias=True, dtype="float64")
+            reference(inputs[0], inputs[0], inputs[0])  # sized, then given the layer's weights
+            mha.set_weights(reference, mha.get_weights(layer))
+            for i, X in enumerate(inputs):
+                assert not isinstance(outputs[i], Exception), outputs[i]
+                np.testing.assert_allclose(outputs[i], reference(X, X, X), rtol=0, atol=1e-12)
+    finally:
+        sys.setswitchinterval(interval)

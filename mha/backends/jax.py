@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 from typing import Any
 
 import flax
@@ -201,6 +202,10 @@ _LAZY_UNDER_TRANSFORM = (
 )
 
 
+# Held while a lazy layer draws its weights at its first call
+_INITIALIZING = threading.Lock()
+
+
 class _Linear(nnx.Module):
     """y = x @ kernel + bias, kernel (in_features, out_features), uniform in
     +-1/sqrt(in_features) as torch.nn.Linear; in_features None: inferred at the first call."""
@@ -221,7 +226,7 @@ class _Linear(nnx.Module):
         kernel_key, bias_key = jax.random.split(self.key)
         dtype = _DTYPES[self.dtype]
         self.in_features = in_features
-        self.kernel = nnx.Param(
+        kernel = nnx.Param(
             jax.random.uniform(kernel_key, (in_features, self.out_features), dtype, -bound, bound)
         )
         if self.use_bias:
@@ -230,13 +235,16 @@ class _Linear(nnx.Module):
             )
         # Used once: a layer's state holds its parameters, and no key beside them
         self.key = None
+        self.kernel = kernel  # last: a kernel there means the bias is there too
 
     def __call__(self, X: jax.Array) -> jax.Array:
         if self.kernel is None:
-            try:
-                self.initialize(X.shape[-1])
-            except flax.errors.TraceContextError:
-                raise ValueError(_LAZY_UNDER_TRANSFORM) from None
+            with _INITIALIZING:  # first calls from several threads: one draw of the weights
+                try:
+                    if self.kernel is None:
+                        self.initialize(X.shape[-1])
+                except flax.errors.TraceContextError:
+                    raise ValueError(_LAZY_UNDER_TRANSFORM) from None
         # One 2-D product over all leading axes: the kernel's gradient is then X^T @ dY on the
         # flattened arrays, without the transposed copy of dY that a 3-D product's gradient makes
         leading = X.shape[:-1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -110,6 +111,10 @@ class Module:
         return self.forward(*args, **kwargs)
 
 
+# Held while a lazy layer draws its weights at its first call
+_INITIALIZING = threading.Lock()
+
+
 class Linear(Module):
     """y = x @ weight + bias, with weight (in_features, out_features); lazy in_features."""
 
@@ -127,13 +132,16 @@ class Linear(Module):
         bound = 1.0 / math.sqrt(in_features)
         shape = (in_features, self.out_features)
         self.in_features = in_features
-        self.weight = np.random.uniform(-bound, bound, shape).astype(self.dtype)
+        weight = np.random.uniform(-bound, bound, shape).astype(self.dtype)
         if self.use_bias:
             self.bias = np.random.uniform(-bound, bound, self.out_features).astype(self.dtype)
+        self.weight = weight  # last: a weight there means the bias is there too
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         if self.weight is None:
-            self.initialize(X.shape[-1])
+            with _INITIALIZING:  # first calls from several threads: one draw of the weights
+                if self.weight is None:
+                    self.initialize(X.shape[-1])
         # One (rows x in) @ (in x out) product over every leading axis: numpy would otherwise
         # loop over the batch, one smaller product per example. Padding rows may hold inf,
         # whose NaN products the masks keep out, so they do not warn

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -135,6 +136,20 @@ def _projection(num_hiddens: int, bias: bool, in_features: int | None, dtype: st
     if in_features is not None:
         dense.build((None, in_features))
     return dense
+
+
+# Held while a lazy layer builds its projections at its first call
+_INITIALIZING = threading.Lock()
+
+
+def _build_lazily(dense, shape) -> None:
+    """Build `dense` for inputs of `shape` (None: not known) unless it is built: once, when
+    first calls come from several threads (each would add its own variables)."""
+    if shape is None or dense.built:
+        return
+    with _INITIALIZING:
+        if not dense.built:
+            dense.build((None, shape[-1]))
 
 
 def _in_features(dense) -> int | None:
@@ -782,8 +797,7 @@ class AdditiveAttention(_AttentionLayer):
     def build(self, queries_shape=None, keys_shape=None):
         # The projections whose input sizes the constructor did not know (d2l's lazy layers)
         for dense, shape in ((self.W_q, queries_shape), (self.W_k, keys_shape)):
-            if not dense.built and shape is not None:
-                dense.build((None, shape[-1]))
+            _build_lazily(dense, shape)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, attn_bias=None, alignment=None, segment_ids=None,
@@ -931,8 +945,7 @@ class MultiHeadAttention(_AttentionLayer):
         gate = ((self.W_g, queries_shape),) if self.output_gate else ()
         for dense, shape in ((self.W_q, queries_shape), (self.W_k, keys_shape),
                              (self.W_v, values_shape), *gate):
-            if not dense.built and shape is not None:
-                dense.build((None, shape[-1]))
+            _build_lazily(dense, shape)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, mask=None, causal=False,
                  window_mask=None, head_mask=None, need_weights=True, attn_bias=None,

@@ -12,6 +12,7 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -211,10 +212,26 @@ def _follow_assigned(module: nn.Module, incompatible_keys) -> None:
                 layer._buffers[name] = value.to(parameter.device)
 
 
+# Held while a lazy layer makes its parameters at its first call
+_INITIALIZING = threading.Lock()
+
+
+class _LazyLinear(nn.LazyLinear):
+    """nn.LazyLinear whose parameters are made once when first calls come from several
+    threads (nn.LazyLinear's hook would make them in each, and read them half made)."""
+
+    cls_to_become = nn.Linear
+
+    def _infer_parameters(self, module, args, kwargs=None):
+        with _INITIALIZING:
+            if type(self) is _LazyLinear:  # an nn.Linear once its parameters are made
+                super()._infer_parameters(module, args, kwargs)
+
+
 def _linear(out_features: int, bias: bool, in_features: int | None, dtype: str) -> nn.Module:
-    """y = x W^T + b: nn.LazyLinear when in_features is None (inferred at the first call)."""
+    """y = x W^T + b: a lazy nn.Linear when in_features is None (inferred at the first call)."""
     if in_features is None:
-        return nn.LazyLinear(out_features, bias=bias, dtype=_TORCH_DTYPES[dtype])
+        return _LazyLinear(out_features, bias=bias, dtype=_TORCH_DTYPES[dtype])
     return nn.Linear(in_features, out_features, bias=bias, dtype=_TORCH_DTYPES[dtype])
 
 
