@@ -428,6 +428,39 @@ def test_bfloat16_runs_close_to_the_reference(J):
     )
 
 
+def test_a_float64_layer_called_after_64_bit_mode_is_turned_off_is_an_error():
+    """Made in 64-bit mode, then called without it: every layer refuses, where JAX would
+    compute the call in float32 and the layer would still say float64."""
+    code = """
+import jax
+import numpy as np
+from mha.backends import jax as J
+x = np.ones((1, 3, 8))
+layers = {
+    "MultiHeadAttention": (J.MultiHeadAttention(8, 2, query_size=8, dtype="float64"), (x, x, x)),
+    "DotProductAttention": (J.DotProductAttention(dtype="float64"), (x, x, x)),
+    "AdditiveAttention": (J.AdditiveAttention(4, query_size=8, key_size=8, dtype="float64"),
+                          (x, x, x)),
+    "PositionalEncoding": (J.PositionalEncoding(8, dtype="float64"), (x,)),
+    "AddNorm": (J.AddNorm(8, dtype="float64"), (x, x)),
+}
+jax.config.update("jax_enable_x64", False)
+for name, (layer, arguments) in layers.items():
+    try:
+        layer(*arguments)
+    except ValueError as error:
+        assert "jax_enable_x64" in str(error), (name, error)
+    else:
+        raise AssertionError(f"{name}: float64 without 64-bit mode was accepted")
+print("ok")
+"""
+    environment = {**os.environ, "JAX_ENABLE_X64": "1"}
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False
+    )
+    assert completed.stdout.strip() == "ok", completed.stderr[-2000:]
+
+
 def test_float64_without_64_bit_mode_is_an_error():
     """A float64 layer, array, or numpy float64 input of the functions (which JAX's own
     functions take and compute in float32) is refused."""

@@ -135,7 +135,8 @@ _DTYPES = {
 
 
 def _checked_dtype(dtype: str) -> str:
-    # A layer's dtype, refused where JAX would compute in float32 instead
+    # A layer's dtype, refused where JAX would compute in float32 instead: at its making, and
+    # at each call, 64-bit mode being a switch that may be turned off in between
     _require_x64(dtype)
     return dtype
 
@@ -672,7 +673,7 @@ class DotProductAttention(nnx.Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
-            dtype=self.dtype,
+            dtype=_checked_dtype(self.dtype),
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         smallest = _check_valid_lens_values(valid_lens)
@@ -737,7 +738,7 @@ class AdditiveAttention(nnx.Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
-            dtype=self.dtype,
+            dtype=_checked_dtype(self.dtype),
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -856,7 +857,8 @@ class MultiHeadAttention(nnx.Module):
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
-            rope_scaling=self.rope_scaling, dtype=self.dtype, tensor_type=_TENSOR_TYPES,
+            rope_scaling=self.rope_scaling, dtype=_checked_dtype(self.dtype),
+            tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k)),
@@ -1013,8 +1015,9 @@ class MultiHeadLatentAttention(nnx.Module):
         validation.check_latent_attention_call(
             X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
             need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
-            dtype=self.dtype, num_hiddens=self.num_hiddens, num_heads=self.num_heads,
-            latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
+            dtype=_checked_dtype(self.dtype), num_hiddens=self.num_hiddens,
+            num_heads=self.num_heads, latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim),
+            tensor_type=_TENSOR_TYPES,
         )
         _check_valid_lens_values(valid_lens)
         batch_size, num_steps = X.shape[0], X.shape[1]
@@ -1123,7 +1126,8 @@ class PositionalEncoding(nnx.Module):
 
     def __call__(self, X: jax.Array) -> jax.Array:
         validation.check_positional_encoding_call(
-            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+            X, self.num_hiddens, self.max_len, _checked_dtype(self.dtype),
+            tensor_type=_TENSOR_TYPES,
         )
         X = X + _table(self.max_len, self.num_hiddens, self.dtype)[:, : X.shape[1], :]
         return self.dropout(X)
@@ -1159,7 +1163,8 @@ class LearnedPositionalEncoding(nnx.Module):
 
     def __call__(self, X: jax.Array) -> jax.Array:
         validation.check_positional_encoding_call(
-            X, self.num_hiddens, self.max_len, self.dtype, tensor_type=_TENSOR_TYPES
+            X, self.num_hiddens, self.max_len, _checked_dtype(self.dtype),
+            tensor_type=_TENSOR_TYPES,
         )
         # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
         P = self.embedding(jnp.arange(X.shape[1]))[None]
@@ -1195,7 +1200,7 @@ class RotaryEmbedding(nnx.Module):
 
     def __call__(self, X: jax.Array, offset: int = 0) -> jax.Array:
         validation.check_rotary_call(
-            X, offset, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+            X, offset, self.num_hiddens, _checked_dtype(self.dtype), tensor_type=_TENSOR_TYPES
         )
         return self.rotate(X, offset)
 
@@ -1296,7 +1301,7 @@ class AddNorm(nnx.Module):
 
     def __call__(self, X: jax.Array, Y: jax.Array) -> jax.Array:
         validation.check_add_norm_call(
-            X, Y, self.num_hiddens, self.dtype, tensor_type=_TENSOR_TYPES
+            X, Y, self.num_hiddens, _checked_dtype(self.dtype), tensor_type=_TENSOR_TYPES
         )
         return self.ln(self.dropout(Y) + X)
 
