@@ -322,6 +322,25 @@ def test_constant_buffers_are_computed_again_by_to_empty_and_a_dtype_change(T, t
     np.testing.assert_array_equal(T.to_numpy(encoding.P), table)
 
 
+def test_a_layer_made_on_the_meta_device_keeps_its_constants_there_and_no_cpu_call(T, torch):
+    # Made under torch.device("meta"): its constants follow the default device as its
+    # parameters do (a CPU table beside meta weights failed its meta calls), and a call on CPU
+    # inputs before its weights are loaded is refused (torch computed one with no numbers)
+    with torch.device("meta"):
+        layer = T.MultiHeadAttention(24, 12, value_size=7, **CONSTANTS)
+        encoding = T.PositionalEncoding(8, max_len=20)
+    assert {buffer.device.type for buffer in layer.buffers()} == {"meta"}
+    assert encoding.P.device.type == "meta"
+    sizes = (5, 6, 7)  # of queries, keys and values
+    on_meta = [torch.empty(2, 3, size, device="meta") for size in sizes]
+    assert layer(*on_meta, causal=True).device.type == "meta"
+    cpu = [torch.zeros(2, 3, size) for size in sizes]
+    with pytest.raises(ValueError, match=r"weights are on the meta device.*load them first"):
+        layer(*cpu, causal=True)
+    with pytest.raises(ValueError, match="weights are on the meta device"):
+        encoding(torch.zeros(2, 3, 8))
+
+
 def test_load_state_dict_with_assign_gives_the_layer_its_tensors_dtype_and_device(T, torch):
     # torch's fast start (build on the meta device, then load with assign=True) left the
     # dtype markers and constants, which no state_dict holds, on meta: .to() failed and

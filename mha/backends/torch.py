@@ -159,11 +159,18 @@ class Module(nn.Module):
         marker = torch.empty(0, dtype=_TORCH_DTYPES[name])
         self.register_buffer("_dtype_marker", marker, persistent=False)
 
-    def call_dtype(self) -> str | tuple[str, str]:
+    def call_dtype(self, X: Any) -> str | tuple[str, str]:
         """The dtype of a call's floating inputs, caches and masks: the layer's, and inside
         torch.autocast for the layer's device also the dtype autocast computes in, which the
-        layers before it then give (autocast leaves a float64 layer as it is)."""
+        layers before it then give (autocast leaves a float64 layer as it is). A layer on the
+        meta device takes meta inputs `X` alone (torch computes others with no numbers)."""
         marker = self._buffers["_dtype_marker"]
+        if marker.is_meta and not getattr(X, "is_meta", True):
+            raise ValueError(
+                f"{type(self).__name__}'s weights are on the meta device, which holds no "
+                f"numbers: load them first (load_state_dict(..., assign=True), or "
+                f"to_empty(device=...) and set_weights) before calling it on {X.device} inputs"
+            )
         dtype, device = plain_dtype_name(marker.dtype), marker.device.type
         if dtype == "float64" or not _autocasting(device):
             return dtype
@@ -182,6 +189,11 @@ class Module(nn.Module):
         """The layer's constant buffers (tables, slopes) by name, computed again in float64
         and cast to the layer's dtype, on the CPU; none here."""
         return {}
+
+    def placed(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        """A constant on the device the layer was made on (torch's default device then, as
+        its parameters and dtype marker are)."""
+        return None if value is None else value.to(self._buffers["_dtype_marker"].device)
 
     def _apply(self, fn, recurse=True):
         # .to(dtype) would cast a constant from its current dtype (float32 values in a float64
@@ -630,7 +642,7 @@ class DotProductAttention(Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
-            dtype=self.call_dtype(),
+            dtype=self.call_dtype(queries),
             tensor_type=_TENSOR_TYPES, same_query_key_size=True,
         )
         smallest = _check_valid_lens_values(valid_lens)
@@ -687,7 +699,7 @@ class AdditiveAttention(Module):
         batch_size, num_queries, num_keys = validation.check_attention_call(
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, attn_bias=attn_bias, segment_ids=segment_ids,
-            dtype=self.call_dtype(),
+            dtype=self.call_dtype(queries),
             tensor_type=_TENSOR_TYPES,
             sizes=(("queries", "query_size", _in_features(self.W_q)),
                    ("keys", "key_size", _in_features(self.W_k))),
@@ -791,7 +803,7 @@ class MultiHeadAttention(Module):
             self.W_g = _linear(num_hiddens, bias, query_size, self.dtype)
         # ALiBi's slope of each head (BLOOM, MPT): no weight, a constant of the head count
         self.alibi = alibi
-        self.register_buffer("alibi_slopes", self.constants().get("alibi_slopes"),
+        self.register_buffer("alibi_slopes", self.placed(self.constants().get("alibi_slopes")),
                              persistent=False)
         self.attention_weights = None
 
@@ -810,7 +822,8 @@ class MultiHeadAttention(Module):
             queries, keys, values, valid_lens, mask=mask, causal=causal, alignment=alignment,
             window_mask=window_mask, head_mask=head_mask, need_weights=need_weights,
             attn_bias=attn_bias, cache=cache, segment_ids=segment_ids,
-            rope_scaling=self.rope_scaling, dtype=self.call_dtype(), tensor_type=_TENSOR_TYPES,
+            rope_scaling=self.rope_scaling, dtype=self.call_dtype(queries),
+            tensor_type=_TENSOR_TYPES,
             num_heads=self.num_heads, kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
             sizes_known=not _strictly_traced(),
             sizes=(("queries", "query_size", _in_features(self.W_q)),
@@ -958,7 +971,7 @@ class MultiHeadLatentAttention(Module):
         validation.check_latent_attention_call(
             X, valid_lens, mask=mask, causal=causal, window_mask=window_mask,
             need_weights=need_weights, attn_bias=attn_bias, cache=cache, absorbed=absorbed,
-            dtype=self.call_dtype(), num_hiddens=self.num_hiddens, num_heads=self.num_heads,
+            dtype=self.call_dtype(X), num_hiddens=self.num_hiddens, num_heads=self.num_heads,
             latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
         )
         _check_valid_lens_values(valid_lens)
@@ -1056,11 +1069,11 @@ class PositionalEncoding(Module):
         self.dtype = validation.check_layer_args("PositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = nn.Dropout(dropout)
-        self.register_buffer("P", self.constants()["P"], persistent=False)
+        self.register_buffer("P", self.placed(self.constants()["P"]), persistent=False)
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         validation.check_positional_encoding_call(
-            X, self.num_hiddens, self.max_len, self.call_dtype(), tensor_type=_TENSOR_TYPES
+            X, self.num_hiddens, self.max_len, self.call_dtype(X), tensor_type=_TENSOR_TYPES
         )
         X = X + self.P[:, : X.shape[1], :]
         return self.dropout(X)
@@ -1089,7 +1102,7 @@ class LearnedPositionalEncoding(Module):
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         validation.check_positional_encoding_call(
-            X, self.num_hiddens, self.max_len, self.call_dtype(), tensor_type=_TENSOR_TYPES
+            X, self.num_hiddens, self.max_len, self.call_dtype(X), tensor_type=_TENSOR_TYPES
         )
         # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
         P = self.embedding(torch.arange(X.shape[1], device=X.device))[None]
@@ -1114,7 +1127,7 @@ class RotaryEmbedding(Module):
         # The first `rotated` features turn, in pairs; the others pass (partial rotary)
         self.rotated = rotary_dim or num_hiddens
         # Shape of frequencies: (rotated / 2,), one angle per position for each pair
-        constants = self.constants()
+        constants = {name: self.placed(value) for name, value in self.constants().items()}
         self.register_buffer("frequencies", constants["frequencies"], persistent=False)
         self.register_buffer("long_frequencies", constants.get("long_frequencies"),
                              persistent=False)
@@ -1122,7 +1135,7 @@ class RotaryEmbedding(Module):
         self.attention_factor = rotary_attention_factor(self.scaling)
 
     def forward(self, X: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        dtype = self.call_dtype()
+        dtype = self.call_dtype(X)
         if isinstance(dtype, tuple) and dtype[0] != "float32":
             # torch's cat and stack fail on one half dtype inside the other's autocast
             raise TypeError(
@@ -1225,7 +1238,8 @@ class AddNorm(Module):
     def forward(self, X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
         # torch's layer norm takes a half-precision input with weights of its dtype or of
         # float32: a float16 AddNorm takes no bfloat16 autocast's input, nor the reverse
-        dtype = self.call_dtype() if self.dtype == "float32" else self.dtype
+        dtype = self.call_dtype(X)
+        dtype = dtype if self.dtype == "float32" else self.dtype
         validation.check_add_norm_call(X, Y, self.num_hiddens, dtype, tensor_type=_TENSOR_TYPES)
         return self.ln(self.dropout(Y) + X)
 
