@@ -118,6 +118,10 @@ def test_masked_softmax_is_stable_for_large_logits():
     assert np.all(np.isfinite(P))
     e = math.exp(-1.0)
     np.testing.assert_allclose(P[0, 0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-6)
+    # A weight that underflows to 0 is no error, even where numpy raises on underflow
+    with np.errstate(all="raise"):
+        P = mha.masked_softmax(X, np.array([3]))
+    np.testing.assert_allclose(P[0, 0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-6)
 
 
 def test_masked_softmax_float_lengths_and_four_d_scores():

@@ -333,8 +333,9 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zer
         # A row with no kept entry has maximum -inf, and -inf - (-inf) is NaN: any finite
         # shift works. A kept +inf, or kept entries all -inf, give NaN, as softmax does
         row_max = np.where(keep.any(axis=-1, keepdims=True), row_max, scores.dtype.type(0))
-    # A row whose maximum is +inf or -inf is undefined: inf - inf gives its NaN, unwarned
-    with np.errstate(invalid="ignore"):
+    # A row whose maximum is +inf or -inf is undefined: inf - inf gives its NaN, unwarned; a
+    # score far below its row's maximum underflows to weight 0, as it should (np.seterr aside)
+    with np.errstate(invalid="ignore", under="ignore"):
         weights = np.exp(scores - row_max)
     total = weights.sum(axis=-1, keepdims=True)
     if keep is not None:
