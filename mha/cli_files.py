@@ -93,6 +93,17 @@ def _add_port_arguments(parser) -> None:
         help="the layer's index in the model, for a --config whose layers differ (Gemma 2 and "
         "3, gpt-oss: sliding and full attention); by default the one number in --prefix",
     )
+    _add_layer_arguments(parser)
+
+
+def _add_layer_arguments(parser) -> None:
+    """The arguments of a --prefix port that say what its layer holds beside the weights."""
+    parser.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16", "float32", "float64"),
+        help="with --prefix: the layer's dtype (default: the weights'); bfloat16 weights "
+        "widen to float32 exactly, and Gemma's 1 + norm weight is summed in it",
+    )
     parser.add_argument(
         "--without-positions",
         action="store_true",
@@ -200,7 +211,7 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     from_model = arguments.prefix is not None
     if from_model and kinds[0] == "keras":
         raise UsageError("--prefix reads .pt, .pth, .safetensors or .msgpack files")
-    for flag in ("without_positions", "values_from_keys", "keys_values_of"):
+    for flag in ("without_positions", "values_from_keys", "keys_values_of", "dtype"):
         if getattr(arguments, flag) and not from_model:
             raise UsageError(f"--{flag.replace('_', '-')} goes with --prefix")
     if from_model:
@@ -273,6 +284,8 @@ def _layer_options(arguments) -> dict:
         options["without_positions"] = True
     if arguments.values_from_keys:
         options["values_from_keys"] = True
+    if arguments.dtype is not None:
+        options["dtype"] = arguments.dtype
     if arguments.keys_values_of is not None:
         source = arguments.keys_values_of
         options["keys_values_of"] = int(source) if source.isdecimal() else source

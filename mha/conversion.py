@@ -71,9 +71,13 @@ def file_kind(path: str | os.PathLike) -> str:
         return "keras"
     if name.endswith(".msgpack"):
         return "flax"
+    hint = ""
+    if name.endswith(".bin"):  # transformers' older pytorch_model.bin
+        hint = "; a .bin of transformers' holds a torch state_dict: give it a .pt name (a link)"
     raise ValueError(
         f"cannot tell the kind of {os.fspath(path)!r} from its name. Use "
         + ", ".join(FILE_KINDS.values())
+        + hint
     )
 
 

@@ -209,8 +209,15 @@ def _port(state, prefix: str, num_heads, options, port: dict[str, Any], dtype) -
 
 
 def _in_dtype(port: Port, dtype: str | None) -> Port:
-    """The port with its weights and config in `dtype` (None: as they are)."""
+    """The port with its weights and config in `dtype` (None: as they are, of one dtype)."""
     if dtype is None:
+        dtypes = {name: w.dtype.name for name, w in port.weights.items()}
+        if len(set(dtypes.values())) > 1:  # gpt-oss's float32 sinks beside bfloat16, say
+            listed = ", ".join(f"{name} {kind}" for name, kind in dtypes.items())
+            raise ValueError(
+                f"the layer's weights are of several dtypes ({listed}): give dtype= to "
+                "hold them in one (mha convert: --dtype)"
+            )
         return port
     weights = {name: w.astype(numpy_dtype(dtype)) for name, w in port.weights.items()}
     return port._replace(weights=weights, config={**port.config, "dtype": dtype})

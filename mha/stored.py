@@ -172,6 +172,11 @@ def _read_index(path: str) -> dict[str, StoredTensor]:
     folder = os.path.dirname(path)
     state: dict[str, StoredTensor] = {}
     for shard in sorted(set(weight_map.values())):
+        if not os.path.exists(os.path.join(folder, shard)):
+            raise FileNotFoundError(
+                f"{path} names the shard {shard}, which is not beside it: every shard the "
+                "index names is read (their headers), so give them all"
+            )
         for key, tensor in _read_file(os.path.join(folder, shard)).items():
             if key in state:
                 raise ValueError(

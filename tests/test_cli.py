@@ -479,6 +479,10 @@ def test_convert_usage_errors_exit_2(tmp_path):
     assert code == 2 and "give --num-heads" in err
     code, _, err = run("convert", str(source), str(tmp_path / "a.txt"), "--num-heads", "2")
     assert code == 2 and "cannot tell the kind" in err
+    # transformers' pytorch_model.bin: the error says what it is, and how to read it
+    os.link(source, tmp_path / "pytorch_model.bin")
+    code, _, err = run("inspect", str(tmp_path / "pytorch_model.bin"), "--num-heads", "2")
+    assert code == 2 and "holds a torch state_dict: give it a .pt name" in err
     code, _, err = run("convert", str(tmp_path / "missing.pt"), str(tmp_path / "a.safetensors"))
     assert code == 2 and "does not exist" in err
     code, _, err = run("convert", str(source), str(tmp_path / "a.safetensors"), "--num-heads", "0")

@@ -137,6 +137,11 @@ def test_an_index_at_odds_with_its_shards_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"holds neither model\.safetensors\.index\.json nor"):
         stored.read_lazily(tmp_path / "empty")
+    # A shard the index names and the folder lacks is named, whatever it holds
+    os.remove(tmp_path / "model.safetensors")
+    os.remove(tmp_path / first)
+    with pytest.raises(FileNotFoundError, match=f"names the shard {first}, which is not beside"):
+        stored.read_lazily(index)
 
 
 def test_a_file_rewritten_after_its_header_was_read_is_refused(tmp_path):
@@ -300,3 +305,28 @@ def test_transformers_sharded_checkpoint_ports_as_its_state_dict(tmp_path):
             porting.canonical_from_state_dict(tmp_path, prefix, **options),
             porting.canonical_from_state_dict(state, prefix, **options),
         )
+
+
+def test_the_command_line_ports_in_the_dtype_asked_for(tmp_path):
+    # --dtype: a bfloat16 model's layer written in float32, each weight the same number; a
+    # model whose tensors differ in dtype (float32 sinks beside bfloat16 projections, as a
+    # bfloat16 gpt-oss keeps them) is refused without it, naming them, and ported with it
+    state = llama_state("bfloat16")
+    state[f"{PREFIX}.sinks"] = np.zeros(HEADS, "float32")
+    write_safetensors(tmp_path / "model.safetensors", state, {})
+    destination = tmp_path / "layer.safetensors"
+    arguments = ["convert", tmp_path, destination, "--prefix", PREFIX, "--num-heads", HEADS]
+    code, _, err = run(*arguments)
+    assert code == 1 and "of several dtypes" in err and "sinks float32" in err
+    code, _, err = run(*arguments, "--dtype", "float32")
+    assert code == 0, err
+    written = read_checkpoint(destination).weights
+    port = porting.canonical_from_state_dict(state, PREFIX, num_heads=HEADS, dtype="float32")
+    for name, value in port.weights.items():
+        assert written[name].dtype == np.float32
+        np.testing.assert_array_equal(written[name], value)
+    np.testing.assert_array_equal(
+        written["W_q"], state[f"{PREFIX}.q_proj.weight"].astype(np.float32).T
+    )
+    code, _, err = run("convert", destination, tmp_path / "again.safetensors", "--dtype", "float32")
+    assert code == 2 and "--dtype goes with --prefix" in err
