@@ -337,8 +337,12 @@ def test_a_layer_made_on_the_meta_device_keeps_its_constants_there_and_no_cpu_ca
     cpu = [torch.zeros(2, 3, size) for size in sizes]
     with pytest.raises(ValueError, match=r"weights are on the meta device.*load them first"):
         layer(*cpu, causal=True)
-    with pytest.raises(ValueError, match="weights are on the meta device"):
-        encoding(torch.zeros(2, 3, 8))
+    # A layer without weights has nothing to load: its constants are made where it is called
+    X = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    table = sinusoid_table(20, 8).astype(np.float32)
+    output = encoding(torch.from_numpy(X))
+    np.testing.assert_allclose(T.to_numpy(output), X + table[:, :3], rtol=0, atol=1e-6)
+    assert encoding.P.device.type == "cpu" and encoding.dtype == "float32"
 
 
 def test_load_state_dict_with_assign_gives_the_layer_its_tensors_dtype_and_device(T, torch):

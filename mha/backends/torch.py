@@ -162,20 +162,28 @@ class Module(nn.Module):
     def call_dtype(self, X: Any) -> str | tuple[str, str]:
         """The dtype of a call's floating inputs, caches and masks: the layer's, and inside
         torch.autocast for the layer's device also the dtype autocast computes in, which the
-        layers before it then give (autocast leaves a float64 layer as it is). A layer on the
-        meta device takes meta inputs `X` alone (torch computes others with no numbers)."""
+        layers before it then give (autocast leaves a float64 layer as it is)."""
         marker = self._buffers["_dtype_marker"]
         if marker.is_meta and not getattr(X, "is_meta", True):
-            raise ValueError(
-                f"{type(self).__name__}'s weights are on the meta device, which holds no "
-                f"numbers: load them first (load_state_dict(..., assign=True), or "
-                f"to_empty(device=...) and set_weights) before calling it on {X.device} inputs"
-            )
+            self._leave_meta(X.device)
+            marker = self._buffers["_dtype_marker"]
         dtype, device = plain_dtype_name(marker.dtype), marker.device.type
         if dtype == "float64" or not _autocasting(device):
             return dtype
         autocast = plain_dtype_name(torch.get_autocast_dtype(device))
         return dtype if autocast == dtype else (dtype, autocast)
+
+    def _leave_meta(self, device: torch.device) -> None:
+        """A layer made on the meta device, called on `device`'s inputs: its weights must be
+        loaded (torch would compute with no numbers); its dtype marker and constants, which no
+        state_dict holds (a layer without weights has nothing else), are made there."""
+        if any(parameter.is_meta for parameter in self.parameters()):
+            raise ValueError(
+                f"{type(self).__name__}'s weights are on the meta device, which holds no "
+                f"numbers: load them first (load_state_dict(..., assign=True), or "
+                f"to_empty(device=...) and set_weights) before calling it on {device} inputs"
+            )
+        self._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
 
     def __getstate__(self) -> dict[str, Any]:
         # The last call's attention_weights are copied (and pickled) detached: copy.deepcopy
