@@ -118,10 +118,16 @@ def test_masked_softmax_is_stable_for_large_logits():
     assert np.all(np.isfinite(P))
     e = math.exp(-1.0)
     np.testing.assert_allclose(P[0, 0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-6)
-    # A weight that underflows to 0 is no error, even where numpy raises on underflow
+    # A weight that underflows to 0, or to a subnormal number, is no error, even where numpy
+    # raises on underflow (its exp, its division by the row's sum, float16's cast back)
     with np.errstate(all="raise"):
         P = mha.masked_softmax(X, np.array([3]))
+        spans = {"float32": 95.0, "float64": 740.0, "float16": 20.0}
+        tiny = {t: mha.masked_softmax(np.array([[[0, 0, 0, -s]]], t)) for t, s in spans.items()}
     np.testing.assert_allclose(P[0, 0], [1 / (1 + e), e / (1 + e), 0.0], rtol=1e-6)
+    for dtype, weights in tiny.items():
+        assert weights.dtype == dtype
+        np.testing.assert_allclose(weights[0, 0, :3].astype(float), 1 / 3, rtol=1e-3)
 
 
 def test_masked_softmax_float_lengths_and_four_d_scores():

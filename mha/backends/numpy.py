@@ -337,16 +337,16 @@ def _softmax(scores: np.ndarray, keep: np.ndarray | None, empty_rows: str = "zer
     # score far below its row's maximum underflows to weight 0, as it should (np.seterr aside)
     with np.errstate(invalid="ignore", under="ignore"):
         weights = np.exp(scores - row_max)
-    total = weights.sum(axis=-1, keepdims=True)
-    if keep is not None:
-        # A row with no kept entry sums to 0: dividing by 1 leaves its zeros, not NaN
-        total[total == 0] = 1
-    weights = weights / total
-    if keep is not None and empty_rows == "uniform":
-        # A row with no kept entry weighs every entry alike, as a fill of equal scores does
-        uniform = weights.dtype.type(1 / weights.shape[-1])
-        weights = np.where(keep.any(axis=-1, keepdims=True), weights, uniform)
-    return weights.astype(dtype, copy=False)
+        total = weights.sum(axis=-1, keepdims=True)
+        if keep is not None:
+            # A row with no kept entry sums to 0: dividing by 1 leaves its zeros, not NaN
+            total[total == 0] = 1
+        weights = weights / total
+        if keep is not None and empty_rows == "uniform":
+            # A row with no kept entry weighs every entry alike, as a fill of equal scores does
+            uniform = weights.dtype.type(1 / weights.shape[-1])
+            weights = np.where(keep.any(axis=-1, keepdims=True), weights, uniform)
+        return weights.astype(dtype, copy=False)
 
 
 def _einsum(subscripts: str, *operands: np.ndarray) -> np.ndarray:
