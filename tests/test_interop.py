@@ -704,6 +704,15 @@ def test_a_parametrized_torch_module_is_refused_by_name(torch):
     parametrize.register_parametrization(module, "in_proj_weight", Halved())
     with pytest.raises(ValueError, match=r"computes in_proj_weight by parametrizations"):
         interop.from_torch(module)
+    # out_proj's, a module inside it; and pruning there, a hook of out_proj's
+    inside = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    parametrize.register_parametrization(inside.out_proj, "weight", Halved())
+    with pytest.raises(ValueError, match=r"computes out_proj.weight by parametrizations"):
+        interop.from_torch(inside)
+    pruned = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    torch.nn.utils.prune.l1_unstructured(pruned.out_proj, "weight", amount=0.5)
+    with pytest.raises(ValueError, match=r"has forward hooks \(L1Unstructured\)"):
+        interop.from_torch(pruned)
     parametrize.remove_parametrizations(module, "in_proj_weight")  # the halved weight stays
     x = np.random.default_rng(6).standard_normal((2, 3, 8)).astype("float32")
     expected = module(*[torch.from_numpy(x)] * 3, need_weights=False)[0].detach().numpy()

@@ -233,12 +233,17 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
         )
     refuse_overrides(module, torch.nn.MultiheadAttention, ("forward", "merge_masks"))
     _refuse_hooks(module)
-    if torch.nn.utils.parametrize.is_parametrized(module):
-        names = ", ".join(sorted(module.parametrizations))
+    parametrized = [
+        f"{path}.{name}".lstrip(".")
+        for path, part in module.named_modules()
+        if torch.nn.utils.parametrize.is_parametrized(part)
+        for name in part.parametrizations
+    ]
+    if parametrized:
         raise ValueError(
-            f"This torch.nn.MultiheadAttention computes {names} by parametrizations; "
-            "torch.nn.utils.parametrize.remove_parametrizations(module, name) keeps their "
-            "values as its weights: convert it then"
+            f"This torch.nn.MultiheadAttention computes {', '.join(sorted(parametrized))} by "
+            "parametrizations; torch.nn.utils.parametrize.remove_parametrizations(module, "
+            "name) keeps their values as its weights: convert it then"
         )
     if module.add_zero_attn:
         raise ValueError(
@@ -257,7 +262,11 @@ def from_torch(module: Any, *, backend: str | None = None) -> Any:
 def _refuse_hooks(module: Any) -> None:
     """Raise ValueError where forward hooks may change what the module computes (pruning's
     among them, which computes the weights from `*_orig` and a mask before each call)."""
-    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    hooks = [
+        hook
+        for part in module.modules()  # out_proj's too (its weight_norm, its pruning)
+        for hook in (*part._forward_pre_hooks.values(), *part._forward_hooks.values())
+    ]
     if hooks:
         names = ", ".join(sorted({getattr(h, "__name__", type(h).__name__) for h in hooks}))
         raise ValueError(
