@@ -73,6 +73,12 @@ def _add_port_arguments(parser) -> None:
         "sliding_window and score scale (the options below override it)",
     )
     parser.add_argument(
+        "--config-part",
+        metavar="KEY",
+        help="the part of a --config that nests its models' configs the layer belongs to "
+        "(text_config, vision_config, ...)",
+    )
+    parser.add_argument(
         "--rope-theta",
         type=finite_float,
         help="rotary position embeddings of this base (Llama 2: 10000, Llama 3: 500000)",
@@ -200,8 +206,9 @@ def _refuse_config_left_beside(arguments, source: str) -> None:
     if os.path.isfile(beside) and all(value is None for value in given):
         raise UsageError(
             f"{beside} lies beside the weights: give it as --config for what the weights do "
-            "not tell (the rotary embedding, windows, ...), or --without-positions to port "
-            "the weights alone"
+            "not tell (the rotary embedding, windows, ...; with --config-part text_config, "
+            "say, where it nests its models' configs), or --without-positions to port the "
+            "weights alone"
         )
 
 
@@ -239,6 +246,17 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
     return options
 
 
+def _config_part(config: dict, key: str) -> dict:
+    """The part `key` of a config that nests its models' (a multimodal model's text_config)."""
+    part = config.get(key)
+    if not isinstance(part, dict):
+        nested = [name for name, value in config.items() if isinstance(value, dict)]
+        raise ValueError(
+            f"the config has no part {key!r}; its parts: {', '.join(nested) or 'none'}"
+        )
+    return part
+
+
 def _layer_of_prefix(arguments) -> None:
     """--layer from the one number in --prefix (model.layers.3.self_attn: 3) where it is not
     given; a --layer other than that number is a UsageError (the other layer's options)."""
@@ -258,12 +276,18 @@ def _layer_options(arguments) -> dict:
     """The layer options of --config, --rope-theta, --rope-interleaved and --sliding-window;
     num_heads from --config too, unless --num-heads gives it."""
     options = {}
+    if arguments.config_part is not None and arguments.config is None:
+        raise UsageError("--config-part goes with --config")
     if arguments.config is not None:
         _layer_of_prefix(arguments)
         try:
-            options = model_config.options_from_config(arguments.config, arguments.layer)
+            config = model_config.read_config(arguments.config)
+            if arguments.config_part is not None:
+                config = _config_part(config, arguments.config_part)
+            options = model_config.options_from_config(config, arguments.layer)
         except ValueError as error:
-            raise UsageError(str(error)) from None
+            hint = " (--config-part KEY)" if "nests the configs" in str(error) else ""
+            raise UsageError(f"{error}{hint}") from None
         if arguments.num_heads is None:
             arguments.num_heads = options.get("num_heads")
         if arguments.scale is None:

@@ -330,3 +330,26 @@ def test_the_command_line_ports_in_the_dtype_asked_for(tmp_path):
     )
     code, _, err = run("convert", destination, tmp_path / "again.safetensors", "--dtype", "float32")
     assert code == 2 and "--dtype goes with --prefix" in err
+
+
+def test_a_nested_config_beside_the_weights_is_given_by_its_part(tmp_path):
+    # A multimodal model's config.json nests its text model's: --config-part names it
+    state = llama_state()
+    write_safetensors(tmp_path / "model.safetensors", state, {})
+    text = {"model_type": "llama", "num_attention_heads": HEADS, "hidden_size": HIDDEN}
+    text.update(num_key_value_heads=2, rope_theta=100.0, num_hidden_layers=2)
+    vision = {"model_type": "siglip_vision_model", "num_attention_heads": 2, "hidden_size": 8}
+    config = {"model_type": "llava", "text_config": text, "vision_config": vision}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    destination = tmp_path / "layer1.safetensors"
+    arguments = ["convert", tmp_path, destination, "--prefix", PREFIX]
+    code, _, err = run(*arguments, "--config", tmp_path / "config.json")
+    assert code == 2 and "nests the configs" in err and "--config-part KEY" in err
+    code, _, err = run(*arguments, "--config", tmp_path / "config.json", "--config-part", "text")
+    assert code == 2 and "no part 'text'; its parts: text_config, vision_config" in err
+    code, _, err = run(*arguments, "--config-part", "text_config", "--without-positions")
+    assert code == 2 and "--config-part goes with --config" in err
+    code, _, err = run(*arguments, "--config", tmp_path / "config.json",
+                       "--config-part", "text_config")  # fmt: skip
+    assert code == 0, err
+    assert read_checkpoint(destination).config["rope_theta"] == 100.0
