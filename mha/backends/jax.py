@@ -241,11 +241,11 @@ class _Linear(nnx.Module):
     def __call__(self, X: jax.Array) -> jax.Array:
         if self.kernel is None:
             with _INITIALIZING:  # first calls from several threads: one draw of the weights
-                try:
-                    if self.kernel is None:
+                if self.kernel is None:
+                    try:
                         self.initialize(X.shape[-1])
-                except flax.errors.TraceContextError:
-                    raise ValueError(_LAZY_UNDER_TRANSFORM) from None
+                    except flax.errors.TraceContextError:
+                        raise ValueError(_LAZY_UNDER_TRANSFORM) from None
         # One 2-D product over all leading axes: the kernel's gradient is then X^T @ dY on the
         # flattened arrays, without the transposed copy of dY that a 3-D product's gradient makes
         leading = X.shape[:-1]

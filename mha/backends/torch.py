@@ -162,7 +162,8 @@ class Module(nn.Module):
     def call_dtype(self, X: Any) -> str | tuple[str, str]:
         """The dtype of a call's floating inputs, caches and masks: the layer's, and inside
         torch.autocast for the layer's device also the dtype autocast computes in, which the
-        layers before it then give (autocast leaves a float64 layer as it is)."""
+        layers before it then give (autocast leaves a float64 layer as it is). A layer made on
+        the meta device and called on other inputs `X` first leaves it (_leave_meta)."""
         marker = self._buffers["_dtype_marker"]
         if marker.is_meta and not getattr(X, "is_meta", True):
             self._leave_meta(X.device)
