@@ -102,10 +102,12 @@ Call arguments:
     head_mask: (num_heads,) or (batch_size, num_heads), of the layer's dtype or boolean;
         multiplies each head's output.
     need_weights: when False, `attention_weights` is None.
-    cache: None, or an `mha.KVCache` for decoding: `KVCache()` at the first call, then the
-        cache the previous call returned. This call's queries and keys take the positions
-        after the cached ones (rotary embeddings, `causal` and a sliding window count from
-        there), and valid_lens and masks cover the cached keys and this call's.
+    cache: None, or an `mha.KVCache` for decoding self-attention: `KVCache()` at the first
+        call, then the cache the previous call returned; this call's keys and values are
+        appended as new positions (never pass a cross-attention layer's memory). This call's
+        queries and keys take the positions after the cached ones (rotary embeddings, `causal`
+        and a sliding window count from there), and valid_lens and masks cover the cached
+        keys and this call's.
 
 Returns:
     (batch_size, no. of queries, out_features), and with a cache `(output, cache)`, the cache

@@ -117,12 +117,25 @@ def layout_refused(x: Any) -> str | None:
     masked = sys.modules.get("numpy.ma")  # `import mha` imports no numpy: none before it
     if masked is not None and isinstance(x, masked.MaskedArray):
         return "a numpy masked array, whose mask the layers would not read"
+    if type(x).__name__ == "matrix" and type(x).__module__.startswith("numpy"):
+        return "a numpy matrix, which keeps two axes where the layers reshape; np.asarray gives one"
     layout = getattr(x, "layout", None)
     if type(layout).__module__ == "torch" and str(layout) != "torch.strided":
         return f"a tensor of layout {layout}"
     if getattr(x, "is_nested", False) is True:
         return "a nested tensor"
+    if getattr(getattr(x, "dtype", None), "isnative", True) is False:
+        # JAX reads such an array's bytes in this machine's order: refused alike everywhere
+        return (
+            "a numpy array whose bytes are not in this machine's order (dtype "
+            f"{x.dtype.str}); x.astype(x.dtype.newbyteorder('=')) or mha's from_numpy gives one"
+        )
     return None
+
+
+def in_machine_order(array: Any) -> Any:
+    """A numpy array with its bytes in this machine's order: `array` itself where they are."""
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def require_tensor(name: str, x: Any) -> None:
@@ -157,3 +170,36 @@ def broadcastable(shape: Shape, target: Shape) -> bool:
     if len(shape) > len(target):
         return False
     return all(s == 1 or same(s, t) for s, t in zip(shape[::-1], target[::-1], strict=False))
+
+
+def require_framework(tensor_type: Any, **tensors: Any) -> None:
+    """Each given tensor is one of the layer's framework (`tensor_type`): another framework's
+    tensor is a TypeError here rather than an internal error in the first operation."""
+    for name, x in tensors.items():
+        # The layer's own tensors, the common case, answer at the isinstance
+        if x is not None and not isinstance(x, tensor_type) and is_tensor(x):
+            raise TypeError(
+                f"{name} must be an array or tensor of the layer's framework. "
+                f"Received: {name} of type {type(x).__module__}.{type(x).__qualname__}"
+            )
+        refused = None if x is None else layout_refused(x)
+        if refused:
+            raise TypeError(f"{name} must be a plain dense array or tensor. Received: {refused}")
+    _require_one_torch_device(tensors)
+
+
+def _require_one_torch_device(tensors: dict[str, Any]) -> None:
+    # torch's operations take tensors of one device only (and 0-d ones on the CPU): lengths
+    # left on the CPU for a call on a GPU failed deep inside with torch's own message
+    first = None
+    for name, x in tensors.items():
+        device = getattr(x, "device", None)
+        if type(device).__module__ != "torch" or not getattr(x, "ndim", 0):
+            continue
+        if first is None:
+            first = name, device
+        elif device != first[1]:
+            raise ValueError(
+                f"{name} must be on the device of {first[0]}, {first[1]}. Received: {name} "
+                f"on {device}; move it with .to({first[0]}.device)"
+            )

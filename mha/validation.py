@@ -43,9 +43,8 @@ from mha.tensors import (
     describe,
     dtype_name,
     format_shape,
-    is_tensor,
-    layout_refused,
     require_dtype,
+    require_framework,
     require_tensor,
     same,
     shape_of,
@@ -80,21 +79,6 @@ INTEGER_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32"
 
 # ---------------------------------------------------------------------------------------------
 # Call arguments
-
-
-def require_framework(tensor_type: Any, **tensors: Any) -> None:
-    """Each given tensor is one of the layer's framework (`tensor_type`): another framework's
-    tensor is a TypeError here rather than an internal error in the first operation."""
-    for name, x in tensors.items():
-        # The layer's own tensors, the common case, answer at the isinstance
-        if x is not None and not isinstance(x, tensor_type) and is_tensor(x):
-            raise TypeError(
-                f"{name} must be an array or tensor of the layer's framework. "
-                f"Received: {name} of type {type(x).__module__}.{type(x).__qualname__}"
-            )
-        refused = None if x is None else layout_refused(x)
-        if refused:
-            raise TypeError(f"{name} must be a plain dense array or tensor. Received: {refused}")
 
 
 def _check_input(name: str, x: Any, dtype: LayerDtype) -> Shape:

@@ -345,6 +345,21 @@ def test_a_layer_made_on_the_meta_device_keeps_its_constants_there_and_no_cpu_ca
     assert encoding.P.device.type == "cpu" and encoding.dtype == "float32"
 
 
+def test_a_mask_on_another_device_than_the_inputs_is_named(T, torch):
+    # Lengths left on the CPU for a call on a GPU (the meta device stands for it here) failed
+    # inside torch's operations with its own message
+    layer = T.MultiHeadAttention(8, 2, dtype="float32")
+    on_meta = torch.empty(2, 3, 8, device="meta")
+    lens, mask = torch.tensor([1, 3]), torch.ones(2, 3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"valid_lens must be on the device of queries, meta"):
+        layer(on_meta, on_meta, on_meta, valid_lens=lens)
+    with pytest.raises(ValueError, match=r"mask must be on the device of queries, meta.*on cpu"):
+        layer(on_meta, on_meta, on_meta, mask=mask)
+    heads = torch.zeros(2, 2, 3, 4)
+    with pytest.raises(ValueError, match=r"valid_lens must be on the device of query, cpu"):
+        T.dot_product_attention(heads, heads, heads, valid_lens=lens.to("meta"))
+
+
 def test_load_state_dict_with_assign_gives_the_layer_its_tensors_dtype_and_device(T, torch):
     # torch's fast start (build on the meta device, then load with assign=True) left the
     # dtype markers and constants, which no state_dict holds, on meta: .to() failed and

@@ -308,6 +308,34 @@ def test_the_function_of_an_empty_batch_with_weights_and_lse(name):
 
 
 @pytest.mark.parametrize("name", backend_params())
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"mask": (Q, K)},
+        {"mask": (K,)},
+        {"bias": (Q, K)},
+        {"bias": (1, 1, Q, K)},
+        {"window": 2},
+        {"causal": True},
+    ],
+    ids=["mask QK", "mask K", "bias QK", "bias 11QK", "window", "causal"],
+)
+def test_the_function_of_an_empty_batch_with_masks_that_broadcast_over_it(name, given):
+    # MXNet's kernels met a mask of batch 1 with scores of batch 0: a segfault or batch_dot's error
+    module = backend_module(name)
+    q, k, v = (module.from_numpy(np.zeros((0, H, n, D), "float32")) for n in (Q, K, K))
+    made = {
+        key: module.from_numpy(np.ones(shape, "bool" if key == "mask" else "float32"))
+        if isinstance(shape, tuple)
+        else shape
+        for key, shape in given.items()
+    }
+    results = module.dot_product_attention(q, k, v, **made, return_weights=True, return_lse=True)
+    shapes = [module.to_numpy(x).shape for x in results]
+    assert shapes == [(0, H, Q, D), (0, H, Q, K), (0, H, Q)]
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_the_lse_of_a_row_with_a_kept_infinite_or_nan_score(name):
     # log(sum(exp)) of a row holding a kept +inf is +inf (torch's, TensorFlow's and JAX's
     # logsumexp); of a NaN, NaN; of a row with no kept score, -inf. numpy and MXNet shifted by
@@ -472,3 +500,36 @@ def test_masked_arrays_and_sparse_tensors_are_refused_by_name():
     lens = torch.tensor([1, 2]).to_sparse()
     with pytest.raises(TypeError, match="valid_lens must be a plain dense"):
         T.dot_product_attention(X[None], X[None], X[None], valid_lens=lens)
+
+
+@pytest.mark.parametrize("name", backend_params())
+def test_arrays_in_the_other_byte_order(name):
+    # JAX read a big-endian float32 array's bytes in this machine's order: NaN or 1e38 outputs
+    # once its call was compiled for that shape. Layers refuse such arrays alike everywhere;
+    # from_numpy gives them in this machine's order
+    module = backend_module(name)
+    rng = np.random.default_rng(3)
+    native = [rng.standard_normal((1, H, n, D)).astype("float32") for n in (Q, K, K)]
+    swapped = [x.astype(">f4" if np.little_endian else "<f4") for x in native]
+    assert not swapped[0].dtype.isnative
+    expected = N.dot_product_attention(*native)
+    got = module.dot_product_attention(*map(module.from_numpy, swapped))
+    assert_agrees(module.to_numpy(got), expected, "float32")
+    with pytest.raises(TypeError, match=r"machine's order|framework"):
+        module.dot_product_attention(*swapped)
+    layer = module.MultiHeadAttention(D, H, dtype="float32")
+    with pytest.raises(TypeError, match=r"machine's order|framework"):
+        layer(*(x.reshape(1, -1, D) for x in swapped))
+
+
+def test_a_numpy_matrix_is_refused_by_name():
+    # A (batch, queries) np.matrix of lengths failed inside the value check ('<' between a
+    # list and an int): a matrix keeps two axes where the layers ravel and reshape
+    x = np.random.default_rng(4).standard_normal((2, Q, K)).astype("float32")
+    lens = np.matrix([[1, 2, 3], [2, 2, 1]])
+    with pytest.raises(TypeError, match=r"valid_lens must be a plain.*numpy matrix"):
+        N.masked_softmax(x, lens)
+    weights = N.masked_softmax(x, np.asarray(lens))  # as the hint says: keys below each length
+    kept = np.arange(K) < np.asarray(lens)[..., None]
+    expected = np.where(kept, np.exp(x - x.max(-1, keepdims=True)), 0)
+    assert_agrees(weights, expected / expected.sum(-1, keepdims=True), "float32")

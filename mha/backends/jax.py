@@ -50,6 +50,7 @@ from mha.encoding import (
     sinusoid_table,
 )
 from mha.masks import Masks, every_row_keeps_a_key, grouped_rows, is_causal_alone
+from mha.tensors import in_machine_order
 from mha.weights import canonical_parameters, read_config
 
 __all__ = [
@@ -107,7 +108,7 @@ def _require_held_exactly(x: Any, name: str) -> None:
 def from_numpy(array: Any) -> jax.Array:
     """Return `array` as a JAX array with numpy's dtype (float64 only in 64-bit mode; 64-bit
     integers without it only where 32 bits hold their values)."""
-    array = np.array(array)
+    array = in_machine_order(np.array(array))
     _require_x64(array.dtype)
     _require_held_exactly(array, "array")
     return jnp.asarray(array)

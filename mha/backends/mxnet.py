@@ -798,7 +798,9 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
         segment_ids=segment_ids, tensor_type=_TENSOR_TYPES,
     )
     smallest = _check_valid_lens_values(valid_lens)
-    _, num_heads, num_kv_heads, num_queries, num_keys = sizes
+    batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
+    if batch_size == 0:
+        return _empty_function_result(query, value, num_keys, return_weights, return_lse)
     F, dtype = mx.nd, numpy.dtype(query.dtype).name
     _check_float16_context(dtype, query)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
@@ -817,6 +819,17 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     key, value = (_repeated_heads(x, num_heads // num_kv_heads) for x in (key, value))
     output, weights, lse = _attention(F, query, key, value, call, keep, bias, _NO_DROPOUT,
                                       scale=scale, softcap=softcap, lse=return_lse)
+    if not (return_weights or return_lse):
+        return output
+    return (output, *(x for x in (weights, lse) if x is not None))
+
+
+def _empty_function_result(query, value, num_keys: int, return_weights: bool, return_lse: bool):
+    """dot_product_attention's results for a batch of 0, made directly (as _empty's)."""
+    _, num_heads, num_queries, _ = query.shape
+    output = _empty(query, 0, num_heads, num_queries, value.shape[-1])
+    weights = _empty(query, 0, num_heads, num_queries, num_keys) if return_weights else None
+    lse = _empty(query, 0, num_heads, num_queries) if return_lse else None
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))

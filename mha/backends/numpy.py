@@ -34,6 +34,7 @@ from mha.encoding import (
     sinusoid_table,
 )
 from mha.masks import Masks
+from mha.tensors import in_machine_order
 from mha.weights import read_config
 
 __all__ = [
@@ -63,7 +64,7 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def from_numpy(array: Any) -> np.ndarray:
     """Return `array` as this backend's tensor (a numpy array)."""
-    return np.asarray(array)
+    return in_machine_order(np.asarray(array))
 
 
 # ---------------------------------------------------------------------------------------------

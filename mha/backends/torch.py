@@ -38,7 +38,7 @@ from mha.encoding import (
     sinusoid_table,
 )
 from mha.masks import Masks, every_row_keeps_a_key, grouped_rows, is_causal_alone
-from mha.tensors import plain_dtype_name
+from mha.tensors import in_machine_order, plain_dtype_name
 from mha.weights import canonical_parameters, numpy_dtype, read_config
 
 __all__ = [
@@ -94,7 +94,7 @@ def to_numpy(x: Any) -> np.ndarray:
 def from_numpy(array: Any) -> torch.Tensor:
     """Return `array` as a CPU torch tensor with numpy's dtype (a copy); an array of
     ml_dtypes' bfloat16 becomes a torch.bfloat16 tensor, bit for bit."""
-    array = np.array(array)
+    array = in_machine_order(np.array(array))
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
