@@ -778,10 +778,10 @@ def test_a_call_with_weights_over_few_scores_reads_no_key(T, torch, monkeypatch)
     no pass reads whether the keys are finite (it raises here), and a NaN at a masked key
     stays out, under a mask that varies along the queries."""
 
-    def read(keys):
+    def read(queries, keys):
         raise AssertionError("the keys were read")
 
-    monkeypatch.setattr(T.fused, "_known_finite", read)
+    monkeypatch.setattr(T.fused, "_scores_known_finite", read)
     reference, layer = pair(T, "multihead", "float64")
     queries, keys, values = inputs(3, 6, "float64")
     call = {"valid_lens": np.array([[1, 2, 3]] * B), "causal": True}

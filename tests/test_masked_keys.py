@@ -208,6 +208,60 @@ def test_a_masked_key_changes_nothing_in_torchs_masked_product(kind, masks, pois
     assert bool(taken) == (masks in ("valid_lens", "mask")), taken
 
 
+def float32_layers(module, kind):
+    """A float64 reference and a float32 layer; multi-head ones with identity projections."""
+    if kind == "dot":
+        return N.DotProductAttention(dtype="float64"), module.DotProductAttention()
+    reference = N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D, dtype="float64")
+    layer = module.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
+    identity = {n: np.eye(D) for n in ("W_q", "W_k", "W_v", "W_o")}
+    mha.set_weights(reference, identity)
+    mha.set_weights(layer, {n: w.astype("float32") for n, w in identity.items()})
+    return reference, layer
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # NumPy's, at the masked scores
+@pytest.mark.parametrize("product", [False, True], ids=["", "many_scores"])
+@pytest.mark.parametrize("masks", MASKS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", backend_params())
+def test_a_finite_masked_key_whose_score_overflows_changes_nothing(
+    name, kind, masks, product, monkeypatch
+):
+    # Key LAST holds 3e38 and -3e38, finite in float32, summing to 0, and every query scores
+    # it +inf: torch added the mask's -inf to that +inf (NaN in every row), which its check of
+    # the keys' sum let through. Identity projections keep the key as it is
+    if product and name != "torch":
+        pytest.skip("the torch backend's masked product, taken over many scores")
+    module = backend_module(name)
+    if product:
+        from mha.backends import torch_fused
+
+        monkeypatch.setattr(torch_fused, "SMALL_SCORES", 0)
+    reference, layer = float32_layers(module, kind)
+    sign = np.where(np.arange(D) % 2 == 0, 1, -1).astype("float32")
+    rng = np.random.default_rng(0)
+    queries = 2 * sign * (1 + rng.random((B, Q, D), "float32"))  # each query's signs: the key's
+    keys, values = (rng.standard_normal((B, K, D), "float32") for _ in "kv")
+    kwargs = MASKS[masks]
+    expected = reference(*(x.astype("float64") for x in (queries, keys, values)), **kwargs)
+    masked = reference.attention_weights[..., LAST] == 0
+    rows = masked.all(axis=1) if masked.ndim == 3 else masked
+    # One of each sign, in one example: no partial sum over the keys overflows
+    keys[0, LAST] = 0
+    keys[0, LAST, :2] = 3e38, -3e38
+    arguments = {
+        k: module.from_numpy(v.astype("float32") if v.dtype == "float64" else v)
+        if isinstance(v, np.ndarray)
+        else v
+        for k, v in kwargs.items()
+    }
+    if kind == "multihead_no_weights":
+        arguments["need_weights"] = False
+    output = layer(*(module.from_numpy(x) for x in (queries, keys, values)), **arguments)
+    np.testing.assert_allclose(module.to_numpy(output)[rows], expected[rows], rtol=0, atol=1e-5)
+
+
 # What an attended score holds decides its row: softmax of a row with a NaN, a +inf, or only
 # -inf among its kept entries is undefined, and in float64 every backend gives NaN in the
 # whole row, as the frameworks' softmax does; a -inf beside finite kept entries just gets

@@ -230,7 +230,7 @@ def choose_path(queries, keys, values, keep, bias, need_weights, empty_rows, dro
     few = _few_scores(queries, keys)
     if need_weights and few:
         return "scores"
-    adds_exactly = keep is None or _mask_adds_exactly(keep, keys)
+    adds_exactly = keep is None or _mask_adds_exactly(keep, queries, keys)
     if not need_weights and _why_not_fused(keep, bias, empty_rows, adds_exactly) is None:
         return "fused"
     if few:
@@ -328,11 +328,11 @@ def _sdpa_chooses_a_kernel(queries, keys, values) -> bool:
     return torch._fused_sdp_choice(queries, keys, values, None, 0.0, True) in _OWN_KERNELS
 
 
-def _mask_adds_exactly(keep: torch.Tensor, keys: torch.Tensor) -> bool:
+def _mask_adds_exactly(keep: torch.Tensor, queries: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether adding keep's -inf to the scores leaves out whatever a masked key holds, as
     replacing the masked scores does: a key masked for every query is zeroed first
-    (_without_masked_keys), else every key must be known to be finite (NaN + -inf is NaN)."""
-    return _masks_whole_keys(keep, keys) or _known_finite(keys)
+    (_without_masked_keys), else every score must be known to be finite (NaN + -inf is NaN)."""
+    return _masks_whole_keys(keep, keys) or _scores_known_finite(queries, keys)
 
 
 def _masks_whole_keys(keep: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -353,17 +353,21 @@ def _without_masked_keys(keys: torch.Tensor, keep: torch.Tensor | None) -> torch
     return torch.where(keep.mT, keys, 0.0)
 
 
-def _known_finite(keys: torch.Tensor) -> bool:
-    """Whether every key is known to be finite, for a mask that is not key padding alone. On
-    the CPU one read answers it (a pass over the keys, not the scores); on other devices and
-    while compiling or exporting a read would wait for the device or has no values, so the
-    answer is no: such masks then take the path that replaces the masked scores."""
-    if values_unread(keys):
+def _scores_known_finite(queries: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether every score is known to be finite, for a mask that is not key padding alone:
+    |q . k| <= |q| |k| <= |queries| |keys| (Cauchy-Schwarz, whole-tensor norms), below the
+    dtype's largest number. On the CPU one read answers it (a pass over the queries and keys,
+    not the scores); on other devices and while compiling or exporting a read would wait for
+    the device or has no values, so the answer is no: such masks then take the path that
+    replaces the masked scores."""
+    if values_unread(keys) or values_unread(queries):
         return False
-    # A NaN or inf key makes the sum NaN or inf; a sum that overflows says no too, which is
-    # safe. A sum makes no boolean copy of the keys, as isfinite(keys).all() does
-    total = keys.sum(dtype=torch.float64 if keys.dtype == torch.float64 else torch.float32)
-    return bool(torch.isfinite(total))
+    # A finite key can still score +inf (3e38 and -3e38), and +inf + -inf is NaN. A NaN or
+    # inf entry, or a norm past the float32 range, makes the bound NaN or inf: the answer is no
+    wide = torch.float64 if keys.dtype == torch.float64 else torch.float32
+    norms = torch.stack([torch.linalg.vector_norm(x, dtype=wide) for x in (queries, keys)])
+    bound = math.prod(norms.tolist())
+    return math.isfinite(bound) and bound < torch.finfo(queries.dtype).max
 
 
 def _mask_fits_product(keep: torch.Tensor, queries: torch.Tensor) -> bool:
