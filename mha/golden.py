@@ -16,10 +16,11 @@ computes them; `mha verify CASES.safetensors` runs them again (see docs/cli.md).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -338,17 +339,29 @@ def verify(
     """
     cases = read(source) if isinstance(source, (str, os.PathLike)) else list(source)
     names, _ = select_backends(",".join(backends) if backends else None)
-    if "jax" in names and "float64" in {dtype, *(case.dtype for case in cases)}:
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
+    wide = "jax" in names and "float64" in {dtype, *(case.dtype for case in cases)}
     rows, total = [], len(cases) * len(names)
-    for index, case in enumerate(cases):
-        for position, backend in enumerate(names):
-            if progress is not None:
-                progress(index * len(names) + position, total, f"{case.name} on {backend}")
-            rows.append(_verify_one(case, backend, dtype or case.dtype))
+    with _jax_64_bit_mode() if wide else contextlib.nullcontext():
+        for index, case in enumerate(cases):
+            for position, backend in enumerate(names):
+                if progress is not None:
+                    progress(index * len(names) + position, total, f"{case.name} on {backend}")
+                rows.append(_verify_one(case, backend, dtype or case.dtype))
     return rows
+
+
+@contextlib.contextmanager
+def _jax_64_bit_mode() -> Iterator[None]:
+    """JAX's 64-bit mode, in which alone it computes in float64, put back as it was after: the
+    caller's own JAX code keeps its float32 and int32 defaults."""
+    import jax
+
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
 
 
 def verify_layer(

@@ -249,3 +249,24 @@ def test_an_expected_output_of_another_shape_is_refused():
     assert not rows[0].passed and rows[0].output_difference == float("inf")
     rows = golden.verify_layer(layer, inputs, expected.transpose(0, 1), weights[0], ["numpy"])
     assert not rows[0].passed and rows[0].weights_difference == float("inf")
+
+
+@pytest.mark.jax
+def test_a_float64_verify_on_jax_leaves_its_64_bit_mode_as_it_was():
+    # verify turned JAX's 64-bit mode on for the whole process: the caller's own JAX code
+    # then made float64 and int64 arrays where it had float32 and int32
+    from conftest import framework_import
+
+    jax = framework_import("jax")
+    reference = backend_module("numpy").MultiHeadAttention(8, 2, dtype="float64")
+    x = np.random.default_rng(0).standard_normal((2, 3, 8))
+    expected = reference(x, x, x)
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        rows = golden.verify_layer(reference, {"queries": x}, expected, backends=["jax"])
+        assert not jax.config.jax_enable_x64
+        assert jax.numpy.ones(1).dtype == "float32"
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    assert rows[0].passed and rows[0].output_difference <= 1e-10, rows

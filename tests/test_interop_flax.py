@@ -455,3 +455,23 @@ def test_big_endian_parameters_convert_as_the_same_numbers(flax, tmp_path):
     interop.write_file(tmp_path / "w.pt", weights)  # torch refuses a foreign byte order
     read, _ = interop.read_file(tmp_path / "w.pt", num_heads=H)
     np.testing.assert_array_equal(read["W_q"], expected["W_q"])
+
+
+def test_to_flax_multiplies_at_the_mha_layers_precision(flax):
+    # Flax's default precision is TF32 on a GPU: to_flax's layer ran its float32 products
+    # there where mha's run at full precision. A CPU computes float32 exactly anyway: the
+    # lowered program shows the policy, and a precision the user sets when it is made wins
+    import jax
+
+    layer = N.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D)
+    x = jax.numpy.ones((B, Q, D), "float32")
+
+    def products(module):
+        text = jax.jit(lambda q: module(q, q, q)).lower(x).as_text()
+        return [line for line in text.splitlines() if "dot_general" in line]
+
+    full = products(interop.to_flax(layer))
+    assert full and all("precision = [HIGHEST, HIGHEST]" in line for line in full)
+    with jax.default_matmul_precision("tensorfloat32"):
+        chosen = products(interop.to_flax(layer))
+    assert len(chosen) == len(full) and not any("HIGHEST" in line for line in chosen)

@@ -142,7 +142,7 @@ def _checked_dtype(dtype: str) -> str:
     return dtype
 
 
-def _precision() -> jax.lax.Precision | None:
+def matmul_precision() -> jax.lax.Precision | None:
     """Full float32 precision on every device, as the reference computes: XLA's own default
     on a GPU is TF32. A precision the user sets with JAX's `jax.default_matmul_precision`
     (or its config option) is taken instead: None leaves the product to it."""
@@ -159,14 +159,15 @@ def _summed_in(dtype: Any) -> Any:
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
     """a @ b at the layers' precision (_precision), half precision summed in float32."""
     summed_in = _summed_in(a.dtype)
-    product = jnp.matmul(a, b, precision=_precision(), preferred_element_type=summed_in)
+    product = jnp.matmul(a, b, precision=matmul_precision(), preferred_element_type=summed_in)
     return product if summed_in is None else product.astype(a.dtype)
 
 
 def _einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
     """jnp.einsum of two operands, as _matmul computes a product."""
     summed_in = _summed_in(a.dtype)
-    product = jnp.einsum(subscripts, a, b, precision=_precision(), preferred_element_type=summed_in)
+    product = jnp.einsum(subscripts, a, b, precision=matmul_precision(),
+                         preferred_element_type=summed_in)
     return product if summed_in is None else product.astype(a.dtype)
 
 

@@ -253,8 +253,19 @@ def _own_functions(source: Any) -> list[str]:
         f"{name}={getattr(getattr(source, name), '__name__', type(getattr(source, name)).__name__)}"
         " (mha computes what Flax's default does)"
         for name in _FLAX_FUNCTIONS
-        if name in defaults and getattr(source, name, None) is not defaults[name].default
+        if name in defaults
+        and getattr(source, name, None) not in (defaults[name].default, _at_full_precision)
     ]
+
+
+def _at_full_precision(*args: Any, **kwargs: Any) -> Any:
+    """Flax's default attention_fn with its products at full float32 precision: its fast path
+    (jax.nn.dot_product_attention) takes no precision of the module's."""
+    import jax
+    from flax import nnx
+
+    with jax.default_matmul_precision("highest"):
+        return nnx.dot_product_attention(*args, **kwargs)
 
 
 def to_flax(layer: Any, *, rngs: Any = None) -> Any:
@@ -267,10 +278,13 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
     Returns:
         MultiHeadAttention(num_heads, in_features=query_size, qkv_features=num_hiddens,
         out_features=num_hiddens, in_kv_features=key_size, use_bias=bias, dropout_rate,
-        broadcast_dropout=False, dtype) holding the layer's weights, in the layer's mode
-        where its backend keeps one (`training_of`: torch's, NumPy's and JAX's layers;
-        otherwise Flax's deterministic=None, which each call then gives). Flax takes
-        `module(query, key, value, mask=...)` with mask True = attend (see `to_flax_masks`).
+        broadcast_dropout=False, dtype, precision) holding the layer's weights, in the layer's
+        mode where its backend keeps one (`training_of`: torch's, NumPy's and JAX's layers;
+        otherwise Flax's deterministic=None, which each call then gives). Its products run
+        at mha's precision (Precision.HIGHEST, full float32 on every device, unless
+        `jax_default_matmul_precision` is set when it is made: then that), where Flax's
+        default is TF32 on a GPU. Flax takes `module(query, key, value, mask=...)` with mask
+        True = attend (see `to_flax_masks`).
 
     Raises:
         ValueError: key_size differs from value_size (Flax has one size for both); fewer
@@ -291,7 +305,8 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
             f"(in_kv_features). Received: key_size={config['key_size']}, "
             f"value_size={config['value_size']}"
         )
-    dtype = config["dtype"]
+    dtype, precision = config["dtype"], load_backend("jax").matmul_precision()
+    full = {} if precision is None else {"attention_fn": _at_full_precision}
     module = nnx.MultiHeadAttention(
         config["num_heads"],
         config["query_size"],
@@ -304,8 +319,10 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         broadcast_dropout=False,  # mha draws a dropout mask for each weight, not each row
         use_bias=config["bias"],
         decode=False,
+        precision=precision,  # the mha layer's products'
         rngs=nnx.Rngs(0) if rngs is None else rngs,
         **kv,
+        **full,
     )
     for name, variables in flax_params(weights, config["num_heads"]).items():
         dense = getattr(module, name)
