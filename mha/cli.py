@@ -24,7 +24,17 @@ import sys
 from collections.abc import Sequence
 
 from mha import __version__, bench, conformance, conformance_adapters, golden, harness
-from mha.cli_common import UsageError, framework_logs_aside, placeable, positive_int, progress, seed
+from mha.cli_common import (
+    UsageError,
+    format_difference,
+    framework_logs_aside,
+    placeable,
+    positive_int,
+    print_table,
+    progress,
+    reference_precision,
+    seed,
+)
 from mha.cli_files import add_file_commands, file_command
 from mha.files import check_destination
 from mha.registry import (
@@ -163,10 +173,6 @@ def _info(out, err) -> int:
     return 0
 
 
-def _format(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1e}"
-
-
 def _own_sizes(shapes: harness.Shapes) -> list[str]:
     """The cases that take sizes of their own rather than those given."""
     fitted = [(case, harness.fit(case, shapes)) for case in harness.default_cases()]
@@ -265,11 +271,7 @@ def _exit_code(passed: bool, names) -> int:
 
 def _run_compare(arguments, names, shapes, err) -> list:
     """harness.compare's rows for the command's arguments (UsageError for a bad --device)."""
-    if "jax" in names and arguments.dtype == "float64":
-        # JAX computes in float64 only in its 64-bit mode; this process is the command's own
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
+    reference_precision(names, arguments.dtype)
     try:
         return harness.compare(
             backends=names,
@@ -329,6 +331,7 @@ def _verify(arguments, out, err) -> int:
     except ValueError as error:
         print(f"mha verify: error: {error}", file=err)
         return 1
+    reference_precision(names, None)
     rows = golden.verify(cases, names, arguments.dtype, progress=progress(err))
     # The legend's tolerance is the one each row was held to: the less precise dtype's
     dtypes = {golden.tolerance_dtype(arguments.dtype or case.dtype, case.dtype) for case in cases}
@@ -351,13 +354,13 @@ def _print_report(rows, names, skipped, dtype, out, title, gradients=None, table
     each backend's largest differences and the rows that disagree; the verdict."""
     columns = _legend(rows, dtype, out, title, gradients)
     if table:
-        _print_table(rows, columns, out)
+        print_table(rows, columns, out)
     else:
         _print_backends(rows, names, columns, out)
         failing = [row for row in rows if not row.passed]
         if failing:
             print("\nThe rows that disagree:", file=out)
-            _print_table(failing, columns, out)
+            print_table(failing, columns, out)
     _print_summary(rows, names, skipped, out)
 
 
@@ -396,27 +399,6 @@ def _legend(rows, dtype, out, title, gradients) -> list[tuple[str, str]]:
     return columns
 
 
-def _print_table(rows, columns, out) -> None:
-    """One line per row: its case, backend, output shape, differences and result."""
-    width = max([len(row.case) for row in rows] + [13])
-    headings = "  ".join(f"{heading:>{max(8, len(heading))}}" for heading, _ in columns)
-    header = (
-        f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  {headings}  result"
-    )
-    print(header, file=out)
-    print("-" * len(header), file=out)
-    for row in rows:
-        shape = "-" if row.output_shape is None else str(row.output_shape)
-        values = "  ".join(
-            f"{_format(getattr(row, field)):>{max(8, len(heading))}}" for heading, field in columns
-        )
-        line = f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  {values}  "
-        line += "ok" if row.passed else "FAIL"
-        if row.error:
-            line += f"  ({row.error})"
-        print(line, file=out)
-
-
 def _print_backends(rows, names, columns, out) -> None:
     """One line per backend: its rows, how many disagree, and its largest differences."""
     headings = "  ".join(f"{heading:>{max(8, len(heading))}}" for heading, _ in columns)
@@ -427,7 +409,8 @@ def _print_backends(rows, names, columns, out) -> None:
         values = []
         for heading, field in columns:
             found = [getattr(row, field) for row in mine if getattr(row, field) is not None]
-            values.append(f"{_format(max(found) if found else None):>{max(8, len(heading))}}")
+            largest = format_difference(max(found) if found else None)
+            values.append(f"{largest:>{max(8, len(heading))}}")
         disagree = sum(not row.passed for row in mine)
         print(f"{name:<10}  {len(mine):>5}  {disagree:>8}  {'  '.join(values)}", file=out)
 

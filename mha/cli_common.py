@@ -18,10 +18,13 @@ import tempfile
 __all__ = [
     "UsageError",
     "finite_float",
+    "format_difference",
     "framework_logs_aside",
     "placeable",
     "positive_int",
+    "print_table",
     "progress",
+    "reference_precision",
     "seed",
 ]
 
@@ -153,3 +156,45 @@ def placeable(names: list[str], skipped: dict[str, str], device: str) -> list[st
         reasons = "; ".join(f"{name}: {reason}" for name, reason in skipped.items())
         raise ValueError(f"no framework here runs on the {device} ({reasons})")
     return placed
+
+
+def reference_precision(names, dtype: str | None) -> None:
+    """Set this process, the command's own, to compute as the reference does: JAX's 64-bit
+    mode for a float64 run (JAX computes in float64 only there), and TensorFlow's TF32 off
+    (on by default on NVIDIA GPUs since Ampere; its only switch is process-wide, which mha's
+    layers leave to their user: docs/backends.md)."""
+    if "jax" in names and dtype == "float64":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    if "tensorflow" in names:
+        import tensorflow as tf
+
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+
+
+def format_difference(value: float | None) -> str:
+    """A difference as the reports print it: 1.2e-07, or - where there is none."""
+    return "-" if value is None else f"{value:.1e}"
+
+
+def print_table(rows, columns, out) -> None:
+    """One line per row: its case, backend, output shape, differences and result."""
+    width = max([len(row.case) for row in rows] + [13])
+    headings = "  ".join(f"{heading:>{max(8, len(heading))}}" for heading, _ in columns)
+    header = (
+        f"{'layer [masks]':<{width}}  {'backend':<10}  {'output shape':<14}  {headings}  result"
+    )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for row in rows:
+        shape = "-" if row.output_shape is None else str(row.output_shape)
+        values = "  ".join(
+            f"{format_difference(getattr(row, field)):>{max(8, len(heading))}}"
+            for heading, field in columns
+        )
+        line = f"{row.case:<{width}}  {row.backend:<10}  {shape:<14}  {values}  "
+        line += "ok" if row.passed else "FAIL"
+        if row.error:
+            line += f"  ({row.error})"
+        print(line, file=out)

@@ -323,6 +323,26 @@ def test_compare_in_float64_turns_on_jaxs_64_bit_mode(monkeypatch):
     assert len(rows) == 2 and all(row["passed"] for row in rows), rows
 
 
+@pytest.mark.tensorflow
+def test_compare_turns_off_tensorflows_tf32_in_its_process(monkeypatch):
+    # TensorFlow multiplies float32 in TF32 on NVIDIA GPUs since Ampere unless told not to,
+    # process-wide: its float32 rows there would be 1e-4 off the reference's. The command owns
+    # its process and turns it off (a CPU computes float32 exactly: the switch is what shows)
+    from conftest import framework_import
+
+    tf = framework_import("tensorflow")
+    cases = [case for case in harness.default_cases() if case.layer == "MultiHeadAttention"]
+    monkeypatch.setattr(harness, "default_cases", lambda: cases[:1])
+    before = tf.config.experimental.tensor_float_32_execution_enabled()
+    tf.config.experimental.enable_tensor_float_32_execution(True)
+    try:
+        code, _, err = run("compare", "--backends", "numpy,tensorflow")
+        assert not tf.config.experimental.tensor_float_32_execution_enabled()
+    finally:
+        tf.config.experimental.enable_tensor_float_32_execution(before)
+    assert code == 0, err
+
+
 def test_python_dash_m_mha():
     completed = subprocess.run(
         [sys.executable, "-m", "mha", "compare", "--backends", "numpy"],

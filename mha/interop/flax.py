@@ -280,11 +280,10 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
         out_features=num_hiddens, in_kv_features=key_size, use_bias=bias, dropout_rate,
         broadcast_dropout=False, dtype, precision) holding the layer's weights, in the layer's
         mode where its backend keeps one (`training_of`: torch's, NumPy's and JAX's layers;
-        otherwise Flax's deterministic=None, which each call then gives). Its products run
-        at mha's precision (Precision.HIGHEST, full float32 on every device, unless
-        `jax_default_matmul_precision` is set when it is made: then that), where Flax's
-        default is TF32 on a GPU. Flax takes `module(query, key, value, mask=...)` with mask
-        True = attend (see `to_flax_masks`).
+        otherwise Flax's deterministic=None, which each call then gives), its products at
+        mha's precision (full float32, or `jax_default_matmul_precision` where set when it
+        is made; Flax's default is TF32 on a GPU). Flax takes `module(query, key, value,
+        mask=...)` with mask True = attend (see `to_flax_masks`).
 
     Raises:
         ValueError: key_size differs from value_size (Flax has one size for both); fewer
