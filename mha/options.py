@@ -53,7 +53,8 @@ class Option:
         default: its default (REQUIRED when it must be given).
         check: the kind of value it takes, which mha.validation checks ("positive integer",
             "optional positive integer", "dropout", "boolean", "optional boolean", "positive
-            number", "optional positive number", "scale", "empty_rows", "dtype").
+            number", "optional positive number", "scale", "empty_rows", "dtype", "rope
+            scaling", "query scaling", "qk_norm": the keys of layer_args._VALUE_CHECKS).
         doc: its line in the argument docs, by layer ("*" for every layer that takes it).
         layers: the layers that take it.
         added: an option beyond the book's arguments: a file written before it existed, and

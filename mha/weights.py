@@ -48,8 +48,8 @@ __all__ = [
     "weight_shapes",
 ]
 
-# Layer class -> the names of its constructor arguments, in signature order.
-# Each layer's options (its constructor's arguments), in the order configs list them
+# Layer class -> its options (its constructor's arguments), in the order of mha.options'
+# table, which configs follow (not the signatures' order)
 LAYER_CLASSES: dict[str, tuple[str, ...]] = {
     layer: tuple(option.name for option in options.layer_options(layer)) for layer in options.LAYERS
 }
