@@ -12,8 +12,10 @@ keys (batch_size, no. of keys, key_size), values (batch_size, no. of keys, value
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -109,7 +111,21 @@ class Module:
         return self.train(False)
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        with np.errstate(under="ignore"):  # see _underflow_ignored
+            return self.forward(*args, **kwargs)
+
+
+def _underflow_ignored(function: Callable) -> Callable:
+    """`function`, its results below the dtype's smallest number rounding to it or to 0, as in
+    every framework: not an error whatever np.seterr says (float16's products meet it at
+    ordinary inputs). A new np.errstate each call: one entered twice at once restores wrongly."""
+
+    @functools.wraps(function)
+    def ignoring_underflow(*args, **kwargs):
+        with np.errstate(under="ignore"):
+            return function(*args, **kwargs)
+
+    return ignoring_underflow
 
 
 # Held while a lazy layer draws its weights at its first call
@@ -128,6 +144,7 @@ class Linear(Module):
         if in_features is not None:
             self.initialize(in_features)
 
+    @_underflow_ignored  # a draw near 0 is a float16 subnormal
     def initialize(self, in_features: int) -> None:
         """Create weight and bias, uniform in +-1/sqrt(in_features) as torch.nn.Linear does."""
         bound = 1.0 / math.sqrt(in_features)
@@ -175,7 +192,8 @@ class Embedding(Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: str):
         super().__init__()
-        self.weight = np.random.standard_normal((num_embeddings, embedding_dim)).astype(dtype)
+        with np.errstate(under="ignore"):  # see _underflow_ignored
+            self.weight = np.random.standard_normal((num_embeddings, embedding_dim)).astype(dtype)
 
     def forward(self, indices: np.ndarray) -> np.ndarray:
         return self.weight[indices]
@@ -363,6 +381,7 @@ def _sigmoid(X: np.ndarray) -> np.ndarray:
 
 
 @documented
+@_underflow_ignored
 def masked_softmax(X: np.ndarray, valid_lens: np.ndarray | None = None, *,
                    empty_rows: str = "zeros") -> np.ndarray:
     """Softmax over the last axis of X, keeping only the first valid_lens keys of each row."""
@@ -413,6 +432,7 @@ def _attention_pool(scores, values, keep, bias, dropout, need_weights=True,
 _NO_DROPOUT = Dropout(0.0)
 
 
+@_underflow_ignored
 def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None, causal=False,
                           alignment="top_left", window=None, valid_lens=None, softcap=None,
                           empty_rows="zeros", return_weights=False, return_lse=False,
@@ -943,7 +963,8 @@ class PositionalEncoding(Module):
         self.dtype = validation.check_layer_args("PositionalEncoding", locals())
         self.num_hiddens, self.max_len = num_hiddens, max_len
         self.dropout = Dropout(dropout)
-        self.P = sinusoid_table(max_len, num_hiddens).astype(self.dtype)
+        with np.errstate(under="ignore"):  # see _underflow_ignored
+            self.P = sinusoid_table(max_len, num_hiddens).astype(self.dtype)
 
     def forward(self, X: np.ndarray) -> np.ndarray:
         validation.check_positional_encoding_call(
