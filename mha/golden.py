@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -350,18 +350,17 @@ def verify(
     return rows
 
 
-@contextlib.contextmanager
-def _jax_64_bit_mode() -> Iterator[None]:
-    """JAX's 64-bit mode, in which alone it computes in float64, put back as it was after: the
-    caller's own JAX code keeps its float32 and int32 defaults."""
+def _jax_64_bit_mode() -> contextlib.AbstractContextManager:
+    """JAX's 64-bit mode, in which alone it computes in float64, for this thread while the
+    context lasts (JAX's own scoped switch): the caller's JAX code keeps its setting, a
+    scoped one of its own included."""
     import jax
 
-    before = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", before)
+    if hasattr(jax, "enable_x64"):  # jax 0.8 on
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
 
 
 def verify_layer(

@@ -117,14 +117,14 @@ def layout_refused(x: Any) -> str | None:
     masked = sys.modules.get("numpy.ma")  # `import mha` imports no numpy: none before it
     if masked is not None and isinstance(x, masked.MaskedArray):
         return "a numpy masked array, whose mask the layers would not read"
-    if type(x).__name__ == "matrix" and type(x).__module__.startswith("numpy"):
+    if any(c.__name__ == "matrix" and c.__module__.startswith("numpy") for c in type(x).__mro__):
         return "a numpy matrix, which keeps two axes where the layers reshape; np.asarray gives one"
     layout = getattr(x, "layout", None)
     if type(layout).__module__ == "torch" and str(layout) != "torch.strided":
         return f"a tensor of layout {layout}"
     if getattr(x, "is_nested", False) is True:
         return "a nested tensor"
-    if getattr(getattr(x, "dtype", None), "isnative", True) is False:
+    if getattr(getattr(x, "dtype", None), "byteorder", "=") in ("<", ">"):  # "=": this machine's
         # JAX reads such an array's bytes in this machine's order: refused alike everywhere
         return (
             "a numpy array whose bytes are not in this machine's order (dtype "

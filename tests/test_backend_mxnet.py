@@ -158,6 +158,10 @@ def test_float16_attention_on_the_cpu_is_a_clear_error(MX, mx, hybridize):
             layer.hybridize()
         with pytest.raises(ValueError, match=message):
             layer(X, X, X)
+    # The function refuses an empty batch as it refuses any other
+    heads = MX.from_numpy(np.ones((0, 2, Q, D), "float16"))
+    with pytest.raises(ValueError, match=message):
+        MX.dot_product_attention(heads, heads, heads, causal=True)
     # Nothing failed inside MXNet: the next operation runs
     assert MX.to_numpy(X + X).sum() == 2 * B * Q * D
 

@@ -512,6 +512,9 @@ def test_arrays_in_the_other_byte_order(name):
     native = [rng.standard_normal((1, H, n, D)).astype("float32") for n in (Q, K, K)]
     swapped = [x.astype(">f4" if np.little_endian else "<f4") for x in native]
     assert not swapped[0].dtype.isnative
+    structured = np.zeros((1, H, Q, D), [("x", swapped[0].dtype)])  # refused for its dtype
+    with pytest.raises(TypeError, match=r"dtype"):
+        N.dot_product_attention(structured, *native[1:])
     expected = N.dot_product_attention(*native)
     got = module.dot_product_attention(*map(module.from_numpy, swapped))
     assert_agrees(module.to_numpy(got), expected, "float32")
@@ -529,6 +532,12 @@ def test_a_numpy_matrix_is_refused_by_name():
     lens = np.matrix([[1, 2, 3], [2, 2, 1]])
     with pytest.raises(TypeError, match=r"valid_lens must be a plain.*numpy matrix"):
         N.masked_softmax(x, lens)
+
+    class Matrix(np.matrix):
+        pass
+
+    with pytest.raises(TypeError, match=r"valid_lens must be a plain.*numpy matrix"):
+        N.masked_softmax(x, Matrix(lens))
     weights = N.masked_softmax(x, np.asarray(lens))  # as the hint says: keys below each length
     kept = np.arange(K) < np.asarray(lens)[..., None]
     expected = np.where(kept, np.exp(x - x.max(-1, keepdims=True)), 0)

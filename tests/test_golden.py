@@ -267,6 +267,16 @@ def test_a_float64_verify_on_jax_leaves_its_64_bit_mode_as_it_was():
         rows = golden.verify_layer(reference, {"queries": x}, expected, backends=["jax"])
         assert not jax.config.jax_enable_x64
         assert jax.numpy.ones(1).dtype == "float32"
+        # Inside a scoped 64-bit switch of the caller's: the switch, not the process, after
+        if hasattr(jax, "enable_x64"):  # jax 0.8 on
+            scoped = jax.enable_x64(True)
+        else:
+            from jax.experimental import enable_x64 as scoped_x64
+
+            scoped = scoped_x64()
+        with scoped:
+            golden.verify_layer(reference, {"queries": x}, expected, backends=["jax"])
+        assert not jax.config.jax_enable_x64
     finally:
         jax.config.update("jax_enable_x64", before)
     assert rows[0].passed and rows[0].output_difference <= 1e-10, rows

@@ -799,10 +799,10 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     )
     smallest = _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
-    if batch_size == 0:
-        return _empty_function_result(query, value, num_keys, return_weights, return_lse)
     F, dtype = mx.nd, numpy.dtype(query.dtype).name
     _check_float16_context(dtype, query)
+    if batch_size == 0:
+        return _empty_function_result(query, value, num_keys, return_weights, return_lse)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
     rows_kept = every_row_keeps_a_key(valid_lens, smallest, causal, offset, window, mask, bias,
                                       segment_ids)
@@ -1090,16 +1090,8 @@ class MultiHeadAttention(Layer):
         self.sinks = sinks
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
-        # Norms of queries and keys: RMSNorms over each head or the whole projection, or
-        # a layer norm of each head
         self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
-        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
-            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
-            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
-        elif qk_norm is not None:
-            sizes = (num_hiddens, kv_hiddens) if qk_norm == "projection" else (head_size,) * 2
-            self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
-            self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+        self._make_qk_norms(head_size, kv_hiddens, self.dtype)
         # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
         self.output_gate = output_gate
         if output_gate:
@@ -1110,6 +1102,19 @@ class MultiHeadAttention(Layer):
         self.alibi_slopes = self.constants().get("alibi_slopes")
         self.attention_weights = None
         self.initialize(_LinearInit())
+
+    def _make_qk_norms(self, head_size: int, kv_hiddens: int, dtype: str) -> None:
+        """The norms of queries and keys: RMSNorms over each head or the whole projection, or
+        a layer norm of each head (StableLM: a scale for each head)."""
+        eps = self.qk_norm_eps
+        if self.qk_norm == "layer_norm_per_head":
+            self.q_norm = HeadLayerNorm(self.num_heads, head_size, eps, dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, eps, dtype)
+        elif self.qk_norm is not None:
+            whole = self.qk_norm == "projection"
+            sizes = (self.num_hiddens, kv_hiddens) if whole else (head_size,) * 2
+            self.q_norm = RMSNorm(sizes[0], eps, dtype)
+            self.k_norm = RMSNorm(sizes[1], eps, dtype)
 
     def constants(self) -> dict[str, Any]:
         if not self.alibi:

@@ -796,16 +796,8 @@ class MultiHeadAttention(Module):
         self.sinks = sinks
         if sinks:
             self.sink_logits = Sinks(num_heads, self.dtype)
-        # Norms of queries and keys: RMSNorms over each head or the whole projection, or
-        # a layer norm of each head
         self.qk_norm, self.qk_norm_eps, self.value_norm = qk_norm, qk_norm_eps, value_norm
-        if qk_norm == "layer_norm_per_head":  # StableLM: a scale for each head
-            self.q_norm = HeadLayerNorm(num_heads, head_size, qk_norm_eps, self.dtype)
-            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, qk_norm_eps, self.dtype)
-        elif qk_norm is not None:
-            sizes = (num_hiddens, kv_hiddens) if qk_norm == "projection" else (head_size,) * 2
-            self.q_norm = RMSNorm(sizes[0], qk_norm_eps, self.dtype)
-            self.k_norm = RMSNorm(sizes[1], qk_norm_eps, self.dtype)
+        self._make_qk_norms(head_size, kv_hiddens, self.dtype)
         # Qwen3-Next's gate of each feature of the heads' output, projected from the queries
         self.output_gate = output_gate
         if output_gate:
@@ -815,6 +807,19 @@ class MultiHeadAttention(Module):
         self.register_buffer("alibi_slopes", self.placed(self.constants().get("alibi_slopes")),
                              persistent=False)
         self.attention_weights = None
+
+    def _make_qk_norms(self, head_size: int, kv_hiddens: int, dtype: str) -> None:
+        """The norms of queries and keys: RMSNorms over each head or the whole projection, or
+        a layer norm of each head (StableLM: a scale for each head)."""
+        eps = self.qk_norm_eps
+        if self.qk_norm == "layer_norm_per_head":
+            self.q_norm = HeadLayerNorm(self.num_heads, head_size, eps, dtype)
+            self.k_norm = HeadLayerNorm(kv_hiddens // head_size, head_size, eps, dtype)
+        elif self.qk_norm is not None:
+            whole = self.qk_norm == "projection"
+            sizes = (self.num_hiddens, kv_hiddens) if whole else (head_size,) * 2
+            self.q_norm = RMSNorm(sizes[0], eps, dtype)
+            self.k_norm = RMSNorm(sizes[1], eps, dtype)
 
     def constants(self) -> dict[str, torch.Tensor]:
         # ALiBi's slope of each head, (num_heads, 1, 1), in float64 and cast

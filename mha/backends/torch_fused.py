@@ -355,18 +355,17 @@ def _without_masked_keys(keys: torch.Tensor, keep: torch.Tensor | None) -> torch
 
 def _scores_known_finite(queries: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether every score is known to be finite, for a mask that is not key padding alone:
-    |q . k| <= |q| |k| <= |queries| |keys| (Cauchy-Schwarz, whole-tensor norms), below the
-    dtype's largest number. On the CPU one read answers it (a pass over the queries and keys,
-    not the scores); on other devices and while compiling or exporting a read would wait for
-    the device or has no values, so the answer is no: such masks then take the path that
-    replaces the masked scores."""
+    |q . k| <= d max|q| max|k|, below the dtype's largest number. On the CPU one read answers
+    it (a pass over the queries and keys, not the scores); on other devices and while
+    compiling or exporting a read would wait for the device or has no values, so the answer
+    is no: such masks then take the path that replaces the masked scores."""
     if values_unread(keys) or values_unread(queries):
         return False
     # A finite key can still score +inf (3e38 and -3e38), and +inf + -inf is NaN. A NaN or
-    # inf entry, or a norm past the float32 range, makes the bound NaN or inf: the answer is no
-    wide = torch.float64 if keys.dtype == torch.float64 else torch.float32
-    norms = torch.stack([torch.linalg.vector_norm(x, dtype=wide) for x in (queries, keys)])
-    bound = math.prod(norms.tolist())
+    # inf entry makes the bound NaN or inf: the answer is no
+    extremes = torch.stack([queries.amax(), queries.amin(), keys.amax(), keys.amin()])
+    q_max, q_min, k_max, k_min = extremes.tolist()
+    bound = queries.shape[-1] * max(q_max, -q_min) * max(k_max, -k_min)
     return math.isfinite(bound) and bound < torch.finfo(queries.dtype).max
 
 
