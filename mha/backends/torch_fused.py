@@ -361,6 +361,8 @@ def _scores_known_finite(queries: torch.Tensor, keys: torch.Tensor) -> bool:
     is no: such masks then take the path that replaces the masked scores."""
     if values_unread(keys) or values_unread(queries):
         return False
+    if not (queries.numel() and keys.numel()):  # no score at all (an empty batch)
+        return True
     # A finite key can still score +inf (3e38 and -3e38), and +inf + -inf is NaN. A NaN or
     # inf entry makes the bound NaN or inf: the answer is no
     extremes = torch.stack([queries.amax(), queries.amin(), keys.amax(), keys.amin()])
