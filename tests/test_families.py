@@ -339,7 +339,8 @@ BY_NAME = {layout.name: layout for layout in LAYOUTS}
 
 
 def tiny_model(model_type: str, attn_implementation: str | None = None, **changes):
-    """A tiny random model of the type in float32, its norms' weights away from 1; changes:
+    """A tiny random model of the type in float32, its norms' weights away from 1 and its
+    matrices' scores of order 1; changes:
     config fields beside its sizes."""
     T = required_import("transformers")
     # A copy: transformers' configs fill in the nested dicts they are given
@@ -362,6 +363,10 @@ def tiny_model(model_type: str, attn_implementation: str | None = None, **change
                 parameter.uniform_(0.5, 1.5)
             if name.endswith("sinks"):  # gpt-oss's and Granite SWA's start at 0
                 parameter.uniform_(-1.0, 1.0)
+            if parameter.dim() == 2 and "embed" not in name:
+                # Scores of order 1: at transformers' initial std of 0.02 the weights are
+                # near uniform, and a wrong rotary base or scaling hides under the tolerance
+                parameter.normal_(0.0, 2.0 / parameter.shape[1] ** 0.5)
     return config, model
 
 
