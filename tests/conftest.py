@@ -90,6 +90,17 @@ def backend_module(name: str):
         pytest.skip(str(error))
 
 
+def scores_of_order_one(model) -> None:
+    """Redraws a torch model's matrices (its embeddings' aside) at 2 / sqrt(fan in): scores of
+    order 1. At transformers' initial std of 0.02 attention is near uniform, and a wrong
+    rotary base, scaling or bias hides under a port's tolerance."""
+    torch = framework_import("torch")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 and "embed" not in name:
+                parameter.normal_(0.0, 2.0 / parameter.shape[1] ** 0.5)
+
+
 def assert_agrees(actual, expected, dtype: str) -> None:
     """`actual` (numpy) within docs/design.md's agreement of `expected`, as mha.harness
     measures it: float64 within 1e-10 absolute, float32 within 1e-5 and float16 within 2e-3

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mha
-from conftest import framework_import, required_import
+from conftest import framework_import, required_import, scores_of_order_one
 from mha import porting
 from mha.layouts import LAYOUTS
 from mha.rotary_types import ROTARY
@@ -363,10 +363,7 @@ def tiny_model(model_type: str, attn_implementation: str | None = None, **change
                 parameter.uniform_(0.5, 1.5)
             if name.endswith("sinks"):  # gpt-oss's and Granite SWA's start at 0
                 parameter.uniform_(-1.0, 1.0)
-            if parameter.dim() == 2 and "embed" not in name:
-                # Scores of order 1: at transformers' initial std of 0.02 the weights are
-                # near uniform, and a wrong rotary base or scaling hides under the tolerance
-                parameter.normal_(0.0, 2.0 / parameter.shape[1] ** 0.5)
+    scores_of_order_one(model)
     return config, model
 
 
@@ -688,6 +685,7 @@ def test_roberta_prelayernorm_ports_with_its_input_norm_left_out():
     )
     torch.manual_seed(3)
     model = T.AutoModel.from_config(config).float().eval()
+    scores_of_order_one(model)
     prefix = "encoder.layer.1.attention"
     (x, expected) = attention_io(model, [(prefix, "HF BERT/RoBERTa")])[prefix]
     port = porting.canonical_from_state_dict(model.state_dict(), prefix, num_heads=4)

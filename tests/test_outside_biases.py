@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import framework_import, required_import
+from conftest import framework_import, required_import, scores_of_order_one
 from mha import model_config, porting, refused_models
 
 torch = framework_import("torch", module_level=True)  # transformers' models are torch modules
@@ -36,11 +36,13 @@ MODELS = {
 
 
 def tiny_model(model_type: str, **fields):
-    """A tiny random model of the type, its position-bias tables drawn away from zero."""
+    """A tiny random model of the type, its scores of order 1 and its position-bias tables
+    drawn away from zero."""
     T = required_import("transformers")
     config = T.AutoConfig.for_model(model_type, **SIZES, **MODELS[model_type][0], **fields)
     torch.manual_seed(5)
     model = T.AutoModel.from_config(config, attn_implementation="eager").float().eval()
+    scores_of_order_one(model)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "rel" in name:
