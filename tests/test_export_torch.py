@@ -312,6 +312,29 @@ def test_a_bottom_right_causal_program_runs_at_every_offset(T, sizes, way):
     _check_exported(T, layer, reference, calls, way)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_decomposed_causal_program_leaves_a_nan_future_key_out(T, strict):
+    # Decomposing an exported program (run_decompositions, as ExecuTorch's lowering does)
+    # makes SDPA's is_causal a mask added to the scores, NaN + -inf being NaN: the export
+    # replaces the masked scores instead, and keys after every query may hold NaN
+    torch = T.torch
+
+    class Causal(torch.nn.Module):
+        def forward(self, queries, keys, values):
+            return T.dot_product_attention(queries, keys, values, causal=True)
+
+    rng = np.random.default_rng(0)
+    queries, keys, values = (
+        rng.standard_normal((1, 2, n, 8)).astype(np.float32) for n in (3, 5, 5)
+    )
+    keys[:, :, 3:] = np.nan  # keys 3 and 4: after the last query's position, top-left
+    expected = N.dot_product_attention(queries, keys, values, causal=True)
+    assert np.isfinite(expected).all()
+    inputs = tuple(T.from_numpy(x) for x in (queries, keys, values))
+    program = torch.export.export(Causal(), inputs, strict=strict).run_decompositions()
+    assert_agrees(T.to_numpy(program.module()(*inputs)), expected, "float32")
+
+
 def test_value_checks_of_valid_lens_still_raise_eagerly(T):
     layer, _ = _pair(T, "MultiHeadAttention", LAYERS["MultiHeadAttention"])
     args, kwargs = _draws(attention_shapes, ["valid_lens_1d"], "export")[0]

@@ -100,6 +100,13 @@ def exporting_to_onnx() -> bool:
     return building_a_graph() and onnx is not None and onnx.is_in_onnx_export()
 
 
+def exporting() -> bool:
+    """Whether torch.export traces this call (strict or not), read from its flag: before
+    pytorch#176347 Dynamo answered torch.compiler.is_exporting() True in torch.compile too."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def may_have_empty_rows(attended: torch.Tensor) -> bool:
     """Whether a row has no kept key, or might. On the CPU one host read of the small
     `attended` answers it; elsewhere (GPU, meta, a graph being built) the answer is yes
@@ -281,17 +288,18 @@ def _few_scores(queries, keys) -> bool:
 def _kernel_takes_causal(queries, keys, values, dropout) -> bool:
     """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
     memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
-    math fallback adds -inf to them, and a NaN key would stay NaN, as it would in a program
-    exported to ONNX. The kernels take 4-D inputs of one head size: on the CPU any float
+    math fallback adds -inf to them, and a NaN key would stay NaN, as it would in an exported
+    program once decomposed. The kernels take 4-D inputs of one head size: on the CPU any float
     dtype, on CUDA no float64 and head sizes that are a multiple of 8 up to 256; outside a
     graph, SDPA's own choice, which follows sdpa_kernel() and torch.backends' switches, says
     too. Dropout, which changes their choice, goes the other ways."""
     head_size, device = queries.shape[-1], queries.device.type
     if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
         return False
-    if exporting_to_onnx():
-        # The ONNX exporter makes is_causal a mask added to the scores (so does ONNX's own
-        # Attention node): a NaN at a future key would reach every output
+    if exporting() or exporting_to_onnx():
+        # An exported program's is_causal becomes a mask added to the scores once decomposed
+        # (run_decompositions, ExecuTorch, the ONNX exporter, ONNX's own Attention node): a NaN
+        # at a future key would reach every output
         return False
     if device == "cuda":
         fits = queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
