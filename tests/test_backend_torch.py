@@ -714,6 +714,35 @@ def test_no_case_of_the_matrix_reads_values_or_makes_a_cpu_tensor_off_the_cpu(T,
     assert not failed, "\n".join(failed)
 
 
+def test_every_case_of_the_matrix_runs_under_fake_tensor_mode(T, torch):
+    """Every case of the agreement matrix under FakeTensorMode, which memory and FLOP
+    estimators and sharding planners trace with: its tensors say "cpu" and have no values,
+    so no call may read one (torch raises DataDependentOutputException); each output has the
+    shape and dtype of the eager call's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    failed = []
+    for case in all_cases():
+        prepared = harness.prepare(case, dtype="float32", gradients=False)
+        layer = harness.build_layer("torch", prepared.case, prepared.config, prepared.weights)
+        inputs = {
+            key: T.from_numpy(value) if isinstance(value, np.ndarray) else value
+            for key, value in prepared.inputs.items()
+        }
+        expected = harness.call_layer(T, prepared.case, layer, inputs)
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake = {
+                    key: mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+                    for key, value in inputs.items()
+                }
+                output = harness.call_layer(T, prepared.case, layer, fake)
+            assert (output.shape, output.dtype) == (expected.shape, expected.dtype)
+        except Exception as error:  # each case's failure named, not the first alone
+            failed.append(f"{case}: {type(error).__name__}: {error}")
+    assert not failed, "\n".join(failed)
+
+
 @pytest.mark.parametrize("absorbed", [None, False, True], ids=["kv_cache", "latent", "absorbed"])
 def test_cached_decoding_reads_nothing_off_the_cpu(T, torch, absorbed):
     """Decoding steps with a cache on the meta device, a prompt then one position with

@@ -324,11 +324,13 @@ def _check_valid_lens_values(valid_lens: torch.Tensor | None) -> Any:
     length, None where the values were not read or a path may not hang on them.
 
     It runs where the values are in host memory, the CPU: elsewhere reading them would wait
-    for the device (a meta tensor has none), and a tensor traced by torch.export has none
-    either, nor one torch.jit.trace records (its graph would keep the example's answer). A
-    graph being compiled reads them, and keeps no path chosen by them."""
+    for the device (a meta tensor has none), and a tensor traced by torch.export or made
+    under FakeTensorMode has none either, nor one torch.jit.trace records (its graph would
+    keep the example's answer). A graph being compiled reads them, and keeps no path chosen
+    by them."""
     if (valid_lens is None or valid_lens.device.type != "cpu" or torch.compiler.is_exporting()
-            or torch.jit.is_tracing() or fused.functorch_wrapped(valid_lens)):
+            or torch.jit.is_tracing() or fused.functorch_wrapped(valid_lens)
+            or isinstance(valid_lens, fused.FakeTensor)):
         return None
     compiling = torch.compiler.is_compiling()
     if valid_lens.numel() <= validation.FEW_LENGTHS and not compiling:

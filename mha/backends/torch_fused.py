@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.attention import SDPBackend
 
 __all__ = [
@@ -84,8 +85,10 @@ def functorch_wrapped(x: torch.Tensor) -> bool:
 
 def values_unread(x: torch.Tensor) -> bool:
     """Whether no path may hang on x's values: off the CPU a read would wait for the device,
-    a graph being built would keep one input's answer, and torch.func's tensors have none."""
-    return x.device.type != "cpu" or building_a_graph() or functorch_wrapped(x)
+    a graph being built would keep one input's answer, and torch.func's tensors and fake
+    ones (FakeTensorMode's, which say "cpu") have none."""
+    return (x.device.type != "cpu" or building_a_graph() or functorch_wrapped(x)
+            or isinstance(x, FakeTensor))
 
 
 # torch.func has no public test of its tensors
