@@ -129,9 +129,8 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
             f"Received: query {format_shape(shapes['query'])}, key {format_shape(k)}, "
             f"value {format_shape(v)}"
         )
-    fits = k[0] == v[0] == batch_size and k[1] == v[1] and k[2] == v[2] and k[3] == d
-    # A size unknown while tracing (None) is checked where the call runs
-    if not fits or (None not in (heads, k[1]) and heads % k[1]):
+    fits = _agree(k[0], v[0], batch_size) and _agree(k[1], v[1]) and _agree(k[2], v[2])
+    if not (fits and _agree(k[3], d)) or (None not in (heads, k[1]) and heads % k[1]):
         raise ValueError(
             "key and value must have query's batch size, one number of heads that divides "
             "query's, one number of positions (at least one), and key query's head size. "
@@ -139,6 +138,12 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
             f"value {format_shape(v)}"
         )
     return batch_size, heads, k[1], queries, k[2]
+
+
+def _agree(*sizes) -> bool:
+    """Whether the known sizes are one: a size unknown while tracing (None) is checked where
+    the call runs."""
+    return len({size for size in sizes if size is not None}) <= 1
 
 
 def _check_score_mask(name: str, x: Any, target, dtypes, what: str) -> None:

@@ -21,11 +21,14 @@ __all__ = ["MESSAGE", "function_sizes", "shared_sizes"]
 # The names of the sizes the tensors share; an int is a size of its own, None any size
 BATCH, QUERIES, KEYS, CACHED = "batch_size", "no. of queries", "no. of keys", "cached positions"
 KV_HEADS = "no. of key-value heads"
+HEAD_SIZE = "head size of the queries and keys"
 # What an assertion's message says first (TensorFlow escapes an apostrophe there)
 MESSAGE = (
     "mha: the tensors of the call disagree on a size that the traced graph left unknown "
     "(queries, keys, values, valid_lens, head_mask, segment_ids and a cache share batch_size; "
-    "valid_lens, the segment ids of the queries and a window_mask share the no. of queries)"
+    "valid_lens, the segment ids of the queries and a window_mask share the no. of queries; "
+    "the attention function's query and key share a head size, and key-value heads divide "
+    "the query heads)"
 )
 
 
@@ -76,10 +79,10 @@ def shared_sizes(
 def function_sizes(query: Any, key: Any, value: Any, valid_lens: Any = None, *,
                    segment_ids: Any = None) -> list[tuple[Any, tuple]]:  # fmt: skip
     """What `shared_sizes` gives for the attention function's tensors, (batch_size, heads,
-    positions, head size): the keys' and values' heads and positions agree too, and a query
-    head's size may differ from a value head's."""
-    found = [(query, (BATCH, None, QUERIES, None))]
-    found += [(key, (BATCH, KV_HEADS, KEYS, None)), (value, (BATCH, KV_HEADS, KEYS, None))]
+    positions, head size): the keys' and values' heads and positions agree too, and the
+    queries' and keys' head sizes (a value head's may differ)."""
+    found = [(query, (BATCH, None, QUERIES, HEAD_SIZE))]
+    found += [(key, (BATCH, KV_HEADS, KEYS, HEAD_SIZE)), (value, (BATCH, KV_HEADS, KEYS, None))]
     if valid_lens is not None:
         found.append((valid_lens, (BATCH, QUERIES)[: len(shape_of(valid_lens))]))
     if segment_ids is not None:

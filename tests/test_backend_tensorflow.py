@@ -546,6 +546,27 @@ def test_tf_function(TF, tf, jit_compile):
     )
 
 
+def test_the_function_traces_with_some_sizes_known_and_names_a_mismatch_of_the_others(TF, tf):
+    # A signature that knows the queries' batch and head size and leaves the keys' free was
+    # refused while tracing (None is not 2); sizes known only at run time that do not fit
+    # (heads that do not divide, two head sizes) fail on mha's assertion, not in a product
+    rng = np.random.default_rng(6)
+    query, key, value = (
+        rng.standard_normal(shape).astype(np.float32)
+        for shape in ((2, 4, 3, 8), (2, 2, 5, 8), (2, 2, 5, 6))
+    )
+    spec = [tf.TensorSpec((2, 4, None, 8)), tf.TensorSpec((None, 2, None, 8)),
+            tf.TensorSpec((None, 2, None, None))]  # fmt: skip
+    traced = tf.function(TF.dot_product_attention, input_signature=spec)
+    expected = reference.dot_product_attention(query, key, value)
+    np.testing.assert_allclose(TF.to_numpy(traced(query, key, value)), expected, 1e-5, 1e-5)
+    free = tf.function(TF.dot_product_attention, input_signature=[tf.TensorSpec([None] * 4)] * 3)
+    for shapes in (((1, 3, 2, 4), (1, 2, 5, 4), (1, 2, 5, 4)),
+                   ((1, 2, 2, 4), (1, 2, 5, 3), (1, 2, 5, 4))):  # fmt: skip
+        with pytest.raises(tf.errors.InvalidArgumentError, match="mha: the tensors of the call"):
+            free(*(np.zeros(shape, np.float32) for shape in shapes))
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_the_function_traces_with_every_size_unknown(TF, tf, jit_compile):
     # Batch, heads and positions all None in the signature, grouped heads at run time

@@ -594,10 +594,20 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     output, weights, lse = _attention(query, key, value, keep, bias, _no_dropout, scale=scale,
                                       softcap=softcap, empty_rows=empty_rows,
                                       need_weights=return_weights, lse=return_lse,
-                                      group=num_heads // num_kv_heads)
+                                      group=_group(num_heads, num_kv_heads))
     if not (return_weights or return_lse):
         return output
     return (output, *(x for x in (weights, lse) if x is not None))
+
+
+def _group(num_heads, num_kv_heads):
+    """The query heads of each key-value head; where a graph left either number unknown, the
+    assertion that one divides the other, as validation checks it eagerly."""
+    if not (tf.is_tensor(num_heads) or tf.is_tensor(num_kv_heads)):
+        return num_heads // num_kv_heads
+    divides = tf.debugging.assert_equal(num_heads % num_kv_heads, 0, message=traced_sizes.MESSAGE)
+    with tf.control_dependencies([] if divides is None else [divides]):
+        return tf.identity(num_heads // num_kv_heads)
 
 
 def _grouped(x, heads, rows, group: int):
