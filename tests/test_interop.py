@@ -827,6 +827,27 @@ def test_the_masks_keras_inputs_carry_are_given_to_from_keras_masks(keras):
 
 
 @pytest.mark.tensorflow
+def test_a_per_head_keras_mask_beside_the_inputs_masks_is_refused(keras):
+    # Keras joins a (B, Q, K) mask of its inputs to a (B, heads, Q, K) attention_mask by
+    # broadcasting, the batch axis against the heads': no join gives its numbers, so the
+    # pair is refused; joined by hand into the attention_mask, both layers agree
+    builtin = keras.layers.MultiHeadAttention(2, 4, dtype="float64")
+    x = np.random.default_rng(5).standard_normal((2, 4, 8))
+    builtin(x, x)
+    randomize_keras(builtin, seed=6)
+    layer = interop.from_keras(builtin, backend="numpy")
+    attention_mask = np.random.default_rng(7).random((2, 2, 4, 4)) < 0.8
+    attention_mask[..., 0] = True
+    real = np.array([[True, True, True, False], [True, True, False, False]])
+    with pytest.raises(ValueError, match=r"batch axis against the heads'.*\(2, 2, 4, 4\)"):
+        interop.from_keras_masks(attention_mask, value_mask=real, backend="numpy")
+    joined = attention_mask & real[:, None, None, :]
+    theirs = np.asarray(builtin(x, x, attention_mask=joined))
+    ours = layer(x, x, x, **interop.from_keras_masks(joined, backend="numpy"))
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.tensorflow
 def test_rows_without_keys_keras_gives_zero_weights_like_mha(keras):
     config = TORCH_CONFIGS["packed-bias"]
     layer = mha_layer(backend_module("numpy"), config, "float64")

@@ -277,7 +277,8 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
 
     Returns:
         MultiHeadAttention(num_heads, in_features=query_size, qkv_features=num_hiddens,
-        out_features=num_hiddens, in_kv_features=key_size, use_bias=bias, dropout_rate,
+        out_features=out_features (num_hiddens unless set), in_kv_features=key_size,
+        use_bias=bias, dropout_rate,
         broadcast_dropout=False, dtype, precision) holding the layer's weights, in the layer's
         mode where its backend keeps one (`training_of`: torch's, NumPy's and JAX's layers;
         otherwise Flax's deterministic=None, which each call then gives), its products at

@@ -259,7 +259,8 @@ def to_keras(layer: Any) -> Any:
 
     Returns:
         MultiHeadAttention(num_heads, key_dim=value_dim=num_hiddens / num_heads,
-        dropout, use_bias=bias, output_shape=num_hiddens, sliding_window, dtype), or
+        dropout, use_bias=bias, output_shape=out_features (num_hiddens unless set),
+        sliding_window, dtype), or
         GroupQueryAttention(head_dim, num_heads, num_kv_heads, dropout, use_bias,
         sliding_window, dtype), built for the layer's input sizes. Keras takes
         `layer(query, value, key)` (value before key!) and gives per-head weights with
@@ -335,7 +336,9 @@ def _new_keras_layer(config: Mapping[str, Any], gate: bool = False) -> Any:
 
 def from_keras(layer: Any, *, backend: str | None = None) -> Any:
     """An mha MultiHeadAttention in `backend` (default: current) from a built Keras
-    MultiHeadAttention or GroupQueryAttention.
+    MultiHeadAttention or GroupQueryAttention. Keras's layer keeps no mode (its call runs in
+    inference unless told), so the new layer starts in its framework's default (a torch or
+    JAX layer in training): with a dropout rate above 0, set the mode before comparing.
 
     Raises:
         ValueError: see `canonical_from_keras`.
@@ -390,6 +393,22 @@ def to_keras_masks(
     return result
 
 
+def _refuse_heads_beside_input_masks(parts, query_mask, value_mask, key_mask) -> None:
+    """Keras joins its (B, Q, K) mask of the inputs to a (B, heads, Q, K) attention_mask by
+    broadcasting, the batch axis against the heads': no join of mha's gives its numbers."""
+    named = {"query_mask": query_mask, "value_mask": value_mask, "key_mask": key_mask}
+    given = [name for name, mask in named.items() if mask is not None]
+    if parts and parts[0].ndim == 4 and given:
+        raise ValueError(
+            f"a (B, heads, Q, K) attention_mask beside {' and '.join(given)} has no one "
+            "meaning: Keras's layer joins the masks of its inputs, (B, Q, K), to it by "
+            "broadcasting, the batch axis against the heads' (an error, or with as many "
+            "examples as heads, example h's padding on head h of every example). Join them "
+            "into the attention_mask, each example's, and give it alone. "
+            f"Received: attention_mask of shape {parts[0].shape}"
+        )
+
+
 def from_keras_masks(
     attention_mask: Any = None,
     use_causal_mask: bool = False,
@@ -404,7 +423,9 @@ def from_keras_masks(
     Keras also applies the masks its inputs carry (an `Embedding(mask_zero=True)`'s, read
     with `keras.ops.get_keras_mask`) and its query_mask, value_mask and key_mask: give them
     here, as Keras joins them with attention_mask, or they are left out. Keras 3's
-    MultiHeadAttention drops a query_mask argument for the mask its query carries.
+    MultiHeadAttention drops a query_mask argument for the mask its query carries. Beside a
+    (B, heads, Q, K) attention_mask they are refused: Keras broadcasts their batch axis
+    against its heads.
 
     Args:
         attention_mask: (B, Q, K), or (B, heads, Q, K), True (or nonzero) = attend.
@@ -419,14 +440,14 @@ def from_keras_masks(
     result: dict[str, Any] = {"causal": bool(use_causal_mask)}
     # Keras casts each: nonzero attends; a query's mask is (B, Q, 1), a key's (B, 1, K)
     parts = [as_numpy(attention_mask).astype(bool)] if attention_mask is not None else []
+    _refuse_heads_beside_input_masks(parts, query_mask, value_mask, key_mask)
     if query_mask is not None:
         parts.append(as_numpy(query_mask).astype(bool)[:, :, None])
     parts += [as_numpy(m).astype(bool)[:, None, :] for m in (value_mask, key_mask) if m is not None]
     if parts:
         keep = parts[0]
         for part in parts[1:]:
-            # A (B, Q, K) mask beside a per-head one takes its head axis
-            keep = keep & (part[:, None] if keep.ndim == 4 and part.ndim == 3 else part)
+            keep = keep & part
         module = load_backend(backend if backend is not None else get_backend())
         result["mask"] = module.from_numpy(np.ascontiguousarray(keep))
     return result
