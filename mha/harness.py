@@ -426,8 +426,8 @@ def device_of(name: str, device: str | None) -> str | None:
     adapter = load_backend(name).ADAPTER
     if adapter.to_device is None:
         raise ValueError(f"mha cannot put the {name} backend on a device (only torch and jax)")
-    try:
-        adapter.to_device(adapter.from_numpy(np.zeros(1, "float32")), device)
+    try:  # there and back: a device whose numbers cannot be read (torch's meta) is none
+        adapter.to_numpy(adapter.to_device(adapter.from_numpy(np.zeros(1, "float32")), device))
     except Exception as error:  # each framework says it its own way: no such device here
         raise ValueError(f"{name} cannot reach a {device}: {error}") from None
     return device

@@ -390,6 +390,9 @@ def test_compare_refuses_a_device_it_cannot_reach():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch cannot reach a gpu"):
             harness.compare(["torch"], device="gpu")
+    # torch's meta device takes the tensors and gives no numbers back
+    with pytest.raises(ValueError, match="torch cannot reach a meta: Cannot copy out of meta"):
+        harness.compare(["numpy", "torch"], device="meta")
 
 
 def test_difference_counts_either_sign_scales_by_the_reference_and_refuses_other_shapes():
