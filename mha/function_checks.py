@@ -142,8 +142,9 @@ def _check_tensors(query: Any, key: Any, value: Any) -> tuple[int, int, int, int
 
 def _agree(*sizes) -> bool:
     """Whether the known sizes are one: a size unknown while tracing (None) is checked where
-    the call runs."""
-    return len({size for size in sizes if size is not None}) <= 1
+    the call runs. Compared with ==, never hashed: torch.export's symbolic sizes are not."""
+    known = [size for size in sizes if size is not None]
+    return all(size == known[0] for size in known[1:])
 
 
 def _check_score_mask(name: str, x: Any, target, dtypes, what: str) -> None:

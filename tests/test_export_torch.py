@@ -313,6 +313,36 @@ def test_a_bottom_right_causal_program_runs_at_every_offset(T, sizes, way):
 
 
 @pytest.mark.parametrize("strict", [False, True])
+def test_the_function_exports_with_free_sizes(T, strict):
+    # The function's own checks compare torch.export's symbolic sizes (never hash them) and
+    # bind the program to no example's size: it runs at another batch, heads' group and length
+    torch = T.torch
+
+    class Function(torch.nn.Module):
+        def forward(self, queries, keys, values, valid_lens):
+            return T.dot_product_attention(queries, keys, values, valid_lens=valid_lens)
+
+    def draw(seed, B, K):
+        rng = np.random.default_rng(seed)
+        shapes = ((B, 4, 3, 8), (B, 2, K, 8), (B, 2, K, 6))
+        arrays = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+        return (*arrays, rng.integers(0, K + 1, B))
+
+    first, second = draw(0, 2, 5), draw(1, 3, 7)
+    batch, batch_and_keys = (
+        {0: torch.export.Dim.AUTO},
+        {0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO},
+    )
+    free = {"queries": batch, "keys": batch_and_keys, "values": batch_and_keys, "valid_lens": batch}
+    inputs = tuple(T.from_numpy(x) for x in first)
+    program = torch.export.export(Function(), inputs, dynamic_shapes=free, strict=strict)
+    for arrays in (first, second):
+        output = program.module()(*(T.from_numpy(x) for x in arrays))
+        expected = N.dot_product_attention(*arrays[:3], valid_lens=arrays[3])
+        assert_agrees(T.to_numpy(output), expected, "float32")
+
+
+@pytest.mark.parametrize("strict", [False, True])
 def test_a_decomposed_causal_program_leaves_a_nan_future_key_out(T, strict):
     # Decomposing an exported program (run_decompositions, as ExecuTorch's lowering does)
     # makes SDPA's is_causal a mask added to the scores, NaN + -inf being NaN: the export
