@@ -346,7 +346,7 @@ def test_the_function_exports_with_free_sizes(T, strict):
 def test_a_decomposed_causal_program_leaves_a_nan_future_key_out(T, strict):
     # Decomposing an exported program (run_decompositions, as ExecuTorch's lowering does)
     # makes SDPA's is_causal a mask added to the scores, NaN + -inf being NaN: the export
-    # replaces the masked scores instead, and keys after every query may hold NaN
+    # zeroes the keys after the last query first, so they may hold NaN
     torch = T.torch
 
     class Causal(torch.nn.Module):

@@ -46,12 +46,22 @@ def attend(queries, keys, values, keep, bias, dropout, path: str,
     scaled queries; None for the other paths, which the layer computes itself. rows_kept:
     every row of keep is known to keep a key (masks.every_row_keeps_a_key)."""
     if path == "is_causal":
+        if exporting():
+            keys = _without_unreached_keys(queries, keys)
         return _sdpa(queries, keys, values, None, None, dropout, is_causal=True)
     if path == "fused":
         # The mask is added to the scores: keys masked for every query are zeroed first
         keys = _without_masked_keys(keys, keep)
         return _sdpa(queries, keys, values, keep, bias, dropout, rows_kept=rows_kept)
     return None
+
+
+def _without_unreached_keys(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The keys, with 0 after the last query's position (top-left causal: keys Q and on),
+    which no query attends. A decomposed exported program (run_decompositions, ExecuTorch's
+    lowering) adds is_causal's -inf to the scores, and NaN + -inf is NaN; 0 + -inf is -inf."""
+    reached = torch.arange(keys.shape[-2], device=keys.device) < queries.shape[-2]
+    return torch.where(reached[:, None], keys, 0.0)
 
 
 def keep_every_row(keep: torch.Tensor,
@@ -291,18 +301,17 @@ def _few_scores(queries, keys) -> bool:
 def _kernel_takes_causal(queries, keys, values, dropout) -> bool:
     """Whether F.scaled_dot_product_attention computes is_causal in a kernel of its own (flash,
     memory-efficient, cuDNN), which leaves the keys above the diagonal out of the scores; its
-    math fallback adds -inf to them, and a NaN key would stay NaN, as it would in an exported
-    program once decomposed. The kernels take 4-D inputs of one head size: on the CPU any float
+    math fallback adds -inf to them, and a NaN key would stay NaN, as it would in a program
+    exported to ONNX. The kernels take 4-D inputs of one head size: on the CPU any float
     dtype, on CUDA no float64 and head sizes that are a multiple of 8 up to 256; outside a
     graph, SDPA's own choice, which follows sdpa_kernel() and torch.backends' switches, says
     too. Dropout, which changes their choice, goes the other ways."""
     head_size, device = queries.shape[-1], queries.device.type
     if queries.dim() != 4 or values.shape[-1] != head_size or (dropout.training and dropout.p):
         return False
-    if exporting() or exporting_to_onnx():
-        # An exported program's is_causal becomes a mask added to the scores once decomposed
-        # (run_decompositions, ExecuTorch, the ONNX exporter, ONNX's own Attention node): a NaN
-        # at a future key would reach every output
+    if exporting_to_onnx():
+        # The ONNX exporter makes is_causal a mask added to the scores (so does ONNX's own
+        # Attention node): a NaN at a future key would reach every output
         return False
     if device == "cuda":
         fits = queries.dtype != torch.float64 and head_size % 8 == 0 and head_size <= 256
