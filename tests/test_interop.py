@@ -845,6 +845,11 @@ def test_a_per_head_keras_mask_beside_the_inputs_masks_is_refused(keras):
     theirs = np.asarray(builtin(x, x, attention_mask=joined))
     ours = layer(x, x, x, **interop.from_keras_masks(joined, backend="numpy"))
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+    # Of one example, Keras's broadcast is the example's join: taken
+    one = interop.from_keras_masks(attention_mask[:1], value_mask=real[:1], backend="numpy")
+    theirs = builtin(x[:1], x[:1], value_mask=real[:1], attention_mask=attention_mask[:1])
+    theirs = np.asarray(theirs)
+    np.testing.assert_allclose(layer(x[:1], x[:1], x[:1], **one), theirs, rtol=0, atol=1e-12)
 
 
 @pytest.mark.tensorflow

@@ -395,9 +395,10 @@ def to_keras_masks(
 
 def _refuse_heads_beside_input_masks(parts, query_mask, value_mask, key_mask) -> None:
     """Keras joins its (B, Q, K) mask of the inputs to a (B, heads, Q, K) attention_mask by
-    broadcasting, the batch axis against the heads': no join of mha's gives its numbers."""
+    broadcasting, the batch axis against the heads': unless B is 1, no join of mha's gives
+    its numbers."""
     named = {"query_mask": query_mask, "value_mask": value_mask, "key_mask": key_mask}
-    given = [name for name, mask in named.items() if mask is not None]
+    given = [name for name, mask in named.items() if mask is not None and len(as_numpy(mask)) != 1]
     if parts and parts[0].ndim == 4 and given:
         raise ValueError(
             f"a (B, heads, Q, K) attention_mask beside {' and '.join(given)} has no one "
@@ -424,8 +425,8 @@ def from_keras_masks(
     with `keras.ops.get_keras_mask`) and its query_mask, value_mask and key_mask: give them
     here, as Keras joins them with attention_mask, or they are left out. Keras 3's
     MultiHeadAttention drops a query_mask argument for the mask its query carries. Beside a
-    (B, heads, Q, K) attention_mask they are refused: Keras broadcasts their batch axis
-    against its heads.
+    (B, heads, Q, K) attention_mask they are refused unless of one example: Keras
+    broadcasts their batch axis against its heads.
 
     Args:
         attention_mask: (B, Q, K), or (B, heads, Q, K), True (or nonzero) = attend.
