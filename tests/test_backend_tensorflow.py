@@ -771,6 +771,9 @@ UNKNOWN_SIZE_MISTAKES = {
     "a head_mask of one head for two": dict(head_mask=np.ones((3, 1), np.float32)),
     "segment ids of one example for three": dict(segment_ids=np.zeros((1, 7), np.int32)),
     "a window of one query for seven": dict(window_mask=np.ones((1, 1, 7), bool)),
+    # As many elements as the right ones: a reshape alone would read them in another order
+    "lengths of seven examples of three queries": dict(valid_lens=np.full((7, 3), 2, np.int32)),
+    "segment ids of seven examples of three": dict(segment_ids=np.zeros((7, 3), np.int32)),
 }
 
 
@@ -781,10 +784,16 @@ def _attend(layer, queries, arguments):
     return layer(queries, keys, keys, arguments["valid_lens"], **named)
 
 
+# Where XLA drops the assertions, the reshapes that tie the sizes refuse a size that differs
+XLA_REFUSAL = "must be non-negative, not -2|Input to reshape"
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("mistake", UNKNOWN_SIZE_MISTAKES)
-def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake):
+def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake, jit_compile):
     # mha.validation cannot check a size the trace leaves unknown; eagerly each of these is
-    # its ValueError, and in the graph an assertion of the shapes (backends.md)
+    # its ValueError, and in the graph an assertion of the shapes (backends.md), under XLA
+    # the reshapes' refusal
     rng = np.random.default_rng(0)
     layer = TF.MultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=4)
     expected_layer = reference.MultiHeadAttention(8, 2, query_size=4, key_size=4, value_size=4)
@@ -802,6 +811,7 @@ def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake):
     attend = tf.function(
         lambda queries, arguments: _attend(layer, queries, arguments),
         input_signature=[tf.TensorSpec([None, None, 4], tf.float32), spec],
+        jit_compile=jit_compile,
     )
     queries = rng.standard_normal(_BATCH).astype(np.float32)
     output = attend(tf.constant(queries), {k: tf.constant(v) for k, v in good.items()})
@@ -810,9 +820,8 @@ def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake):
     given = {k: tf.constant(v) for k, v in {**good, **mistaken}.items()}
     with pytest.raises(ValueError):
         _attend(layer, tf.constant(queries), given)
-    with pytest.raises(
-        tf.errors.InvalidArgumentError, match="mha: the tensors of the call disagree"
-    ):
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
         attend(tf.constant(queries), given)
 
 
@@ -825,6 +834,12 @@ FUNCTION_MISTAKES = {
     ),
     "values of eight positions for keys of seven": dict(value=np.ones((3, 2, 8, 2), np.float32)),
     "values of one head for keys of two": dict(value=np.ones((3, 1, 7, 2), np.float32)),
+    "values of one head of fourteen for two of seven": dict(
+        value=np.ones((3, 1, 14, 2), np.float32)
+    ),
+    "key-value heads that do not divide the query's": dict(
+        key=np.ones((3, 3, 7, 2), np.float32), value=np.ones((3, 3, 7, 2), np.float32)
+    ),
 }
 
 
@@ -853,7 +868,7 @@ def test_the_attention_function_ties_the_sizes_a_graph_left_unknown(TF, tf, mist
     given = {**good, **FUNCTION_MISTAKES[mistake]}
     with pytest.raises(ValueError):
         TF.dot_product_attention(**given)
-    message = "Input to reshape" if jit_compile else "mha: the tensors of the call disagree"
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
     with pytest.raises(tf.errors.InvalidArgumentError, match=message):
         attend({k: tf.constant(v) for k, v in given.items()})
 

@@ -491,6 +491,32 @@ def test_a_litert_model_refuses_lengths_and_head_masks_of_another_batch(TF, tmp_
         runner(X=x, valid_lens=valid_lens, head_mask=head_mask[:1])
 
 
+def test_a_litert_model_refuses_lengths_of_as_many_elements_in_another_shape(TF, tmp_path):
+    # (5, 3) lengths of each query for 3 examples of 5 queries hold as many numbers as the
+    # right (3, 5) ones: a reshape alone would read them in another order, so a size that
+    # differs makes every size of the tie's target -2, which LiteRT's RESHAPE refuses
+    import keras
+    import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
+
+    X = keras.Input((None, 8), name="X")
+    lengths = keras.Input((None,), dtype="int32", name="valid_lens")
+    layer = TF.MultiHeadAttention(8, HEADS, query_size=8, key_size=8, value_size=8)
+    model = keras.Model({"X": X, "valid_lens": lengths}, layer(X, X, X, lengths))
+    builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
+    model.export(tmp_path / "lengths.tflite", format="litert", verbose=False, target_spec=builtins)
+    runner = Interpreter(model_path=str(tmp_path / "lengths.tflite")).get_signature_runner()
+    reference = backend_module("numpy").MultiHeadAttention(8, HEADS)
+    mha.set_weights(reference, mha.get_weights(layer))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 5, 8)).astype(np.float32)
+    valid_lens = rng.integers(1, 6, (3, 5)).astype(np.int32)
+    (output,) = runner(X=x, valid_lens=valid_lens).values()
+    assert_agrees(output, reference(x, x, x, valid_lens), "float32")
+    with pytest.raises(RuntimeError, match="RESHAPE"):
+        runner(X=x, valid_lens=valid_lens.reshape(5, 3))
+
+
 def test_only_a_keras_file_passes_a_kv_cache_as_a_list(TF):
     import keras
 

@@ -316,12 +316,20 @@ def _shared_sizes(queries, keys, values, valid_lens, *, function=False, **named)
         shape = tf.shape(x)
         sizes.update({name: shape[i] for i, name in enumerate(names) if isinstance(name, str)
                       and name not in sizes})
-        target = [shape[i] if name is None else sizes.get(name, name)
-                  for i, name in enumerate(names)]
+        target = tf.stack([shape[i] if name is None else sizes.get(name, name)
+                           for i, name in enumerate(names)])
         # The assertion's message first (None where the shapes left it nothing to check)
         with tf.control_dependencies([] if asserted is None else [asserted]):
-            tied[id(x)] = tf.reshape(x, tf.stack(target))
+            tied[id(x)] = tf.reshape(x, _unless_differing(shape, target))
     return lambda x: tied.get(id(x), x)
+
+
+def _unless_differing(shape: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
+    """target, or where any size of shape differs from it every size -2, which no reshape
+    takes: where the assertions are dropped (XLA, LiteRT) a reshape alone checks only the
+    number of elements, and would read (3, 2) lengths as (2, 3) ones."""
+    differs = tf.minimum(tf.reduce_max(tf.abs(shape - target)), 1)
+    return target - differs * (target + 2)
 
 
 def _length_mask(valid_lens: tf.Tensor, num_keys) -> tf.Tensor:
@@ -602,12 +610,15 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
 
 def _group(num_heads, num_kv_heads):
     """The query heads of each key-value head; where a graph left either number unknown, the
-    assertion that one divides the other, as validation checks it eagerly."""
+    assertion that one divides the other, as validation checks it eagerly, and where
+    assertions are dropped (XLA, LiteRT) a group of -2 then, which the queries' reshape
+    refuses."""
     if not (tf.is_tensor(num_heads) or tf.is_tensor(num_kv_heads)):
         return num_heads // num_kv_heads
     divides = tf.debugging.assert_equal(num_heads % num_kv_heads, 0, message=traced_sizes.MESSAGE)
     with tf.control_dependencies([] if divides is None else [divides]):
-        return tf.identity(num_heads // num_kv_heads)
+        group, remainder = num_heads // num_kv_heads, tf.minimum(num_heads % num_kv_heads, 1)
+        return tf.identity(group - remainder * (group + 2))
 
 
 def _grouped(x, heads, rows, group: int):
