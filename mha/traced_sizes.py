@@ -16,7 +16,7 @@ from mha.cache import KVCache, LatentCache
 from mha.masks import segment_pair
 from mha.tensors import shape_of
 
-__all__ = ["MESSAGE", "function_sizes", "shared_sizes"]
+__all__ = ["MESSAGE", "function_sizes", "shared_sizes", "softmax_sizes"]
 
 # The names of the sizes the tensors share; an int is a size of its own, None any size
 BATCH, QUERIES, KEYS, CACHED = "batch_size", "no. of queries", "no. of keys", "cached positions"
@@ -25,7 +25,8 @@ HEAD_SIZE = "head size of the queries and keys"
 # What an assertion's message says first (TensorFlow escapes an apostrophe there)
 MESSAGE = (
     "mha: the tensors of the call disagree on a size that the traced graph left unknown "
-    "(queries, keys, values, valid_lens, head_mask, segment_ids and a cache share batch_size; "
+    "(queries or masked_softmax's X, keys, values, valid_lens, head_mask, segment_ids and a "
+    "cache share batch_size; "
     "valid_lens, the segment ids of the queries and a window_mask share the no. of queries; "
     "the attention function's query and key share a head size, and key-value heads divide "
     "the query heads)"
@@ -89,3 +90,12 @@ def function_sizes(query: Any, key: Any, value: Any, valid_lens: Any = None, *,
         query_ids, key_ids = segment_pair(segment_ids)
         found += [(query_ids, (BATCH, QUERIES)), (key_ids, (BATCH, KEYS))]
     return found
+
+
+def softmax_sizes(X: Any, valid_lens: Any) -> list[tuple[Any, tuple]]:
+    """What `shared_sizes` gives for masked_softmax's: X (batch_size, ..., no. of queries, no.
+    of keys), or (batch_size, no. of keys), and valid_lens (batch_size,) or (batch_size, no.
+    of queries)."""
+    rank = len(shape_of(X))
+    names = (BATCH, None) if rank == 2 else (BATCH, *[None] * (rank - 3), QUERIES, None)
+    return [(X, names), (valid_lens, (BATCH, QUERIES)[: len(shape_of(valid_lens))])]

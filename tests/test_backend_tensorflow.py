@@ -825,6 +825,25 @@ def test_a_graph_of_unknown_sizes_checks_them_where_it_runs(TF, tf, mistake, jit
         attend(tf.constant(queries), given)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_masked_softmax_checks_the_sizes_a_graph_left_unknown(TF, tf, jit_compile):
+    # As the layers: one length for three examples, or one per example for two queries, would
+    # broadcast; in a graph they fail on the assertion, under XLA on the tie's reshape
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((3, 2, 4)).astype(np.float32)
+    spec = [tf.TensorSpec((None, None, None)), tf.TensorSpec((None, None), tf.int32)]
+    softmax = tf.function(TF.masked_softmax, input_signature=spec, jit_compile=jit_compile)
+    valid_lens = np.array([[1, 4], [2, 3], [0, 4]], np.int32)
+    expected = reference.masked_softmax(X.astype(np.float64), valid_lens)
+    np.testing.assert_allclose(softmax(X, valid_lens).numpy(), expected, rtol=1e-6, atol=1e-6)
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    for mistaken in (valid_lens[:1], valid_lens[:, :1], valid_lens.reshape(2, 3)):
+        with pytest.raises(ValueError):
+            TF.masked_softmax(X, mistaken)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            softmax(X, mistaken)
+
+
 # The attention function's tensors, (batch_size, heads, positions, head size): each mistake
 # beside a query (3, 4, 7, 2) and a key and value (3, 2, 7, 2)
 FUNCTION_MISTAKES = {

@@ -304,7 +304,11 @@ def _shared_sizes(queries, keys, values, valid_lens, *, function=False, **named)
     if tf.executing_eagerly():  # every size known, and checked: nothing on the eager path
         return lambda x: x
     sizes_of = traced_sizes.function_sizes if function else traced_sizes.shared_sizes
-    shapes = sizes_of(queries, keys, values, valid_lens, **named)
+    return _tie(sizes_of(queries, keys, values, valid_lens, **named))
+
+
+def _tie(shapes: list) -> Any:
+    """_shared_sizes's assertion and reshapes of (tensor, its sizes by name) pairs."""
     if all(not tf.is_tensor(x) or x.shape.is_fully_defined() for x, _ in shapes):
         return lambda x: x
     # TensorFlow 1's name returns the assertion (TensorFlow 2's returns None in a graph)
@@ -494,9 +498,13 @@ def masked_softmax(X: tf.Tensor, valid_lens: tf.Tensor | None = None, *,
     X = tf.convert_to_tensor(X)
     if valid_lens is None:
         return _softmax(X, None)
+    valid_lens = tf.convert_to_tensor(valid_lens)
+    if not tf.executing_eagerly():  # sizes a graph left unknown, as _shared_sizes ties them
+        tie = _tie(traced_sizes.softmax_sizes(X, valid_lens))
+        X, valid_lens = tie(X), tie(valid_lens)
     # Shape of keep: (batch_size, 1 or no. of queries, no. of keys), then one axis per
     # middle axis of X so that it broadcasts against X
-    keep = _length_mask(tf.convert_to_tensor(valid_lens), _dims(X)[-1])
+    keep = _length_mask(valid_lens, _dims(X)[-1])
     if X.shape.rank == 2:
         keep = keep[:, 0, :]
     for _ in range(X.shape.rank - 3):
