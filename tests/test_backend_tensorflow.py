@@ -844,6 +844,27 @@ def test_masked_softmax_checks_the_sizes_a_graph_left_unknown(TF, tf, jit_compil
             softmax(X, mistaken)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("max_len", [1, 3])
+@pytest.mark.parametrize("name", ["PositionalEncoding", "LearnedPositionalEncoding"])
+def test_an_encoding_traced_for_any_length_refuses_one_past_max_len(
+    TF, tf, name, max_len, jit_compile
+):
+    # Known only where the graph runs: a table of one row broadcast over every position, and
+    # XLA's gather repeated the last row; the rows run short of the positions instead
+    encoding = getattr(TF, name)(4, max_len=max_len)
+    expected_encoding = getattr(reference, name)(4, max_len=max_len)
+    mha.set_weights(expected_encoding, mha.get_weights(encoding))
+    spec = [tf.TensorSpec((None, None, 4))]
+    traced = tf.function(lambda X: encoding(X), input_signature=spec, jit_compile=jit_compile)
+    X = np.random.default_rng(2).standard_normal((2, max_len + 2, 4)).astype(np.float32)
+    expected = expected_encoding(X[:, :max_len])
+    np.testing.assert_allclose(traced(X[:, :max_len]).numpy(), expected, rtol=1e-6, atol=1e-6)
+    message = "Input to reshape" if jit_compile else "X is longer than max_len"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        traced(X)
+
+
 # The attention function's tensors, (batch_size, heads, positions, head size): each mistake
 # beside a query (3, 4, 7, 2) and a key and value (3, 2, 7, 2)
 FUNCTION_MISTAKES = {

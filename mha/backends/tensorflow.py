@@ -1301,6 +1301,21 @@ class MultiHeadLatentAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+def _rows_for(P: tf.Tensor, steps, max_len: int) -> tf.Tensor:
+    """A position table's first rows P (1, at most max_len, num_hiddens) for `steps`
+    positions. Where a graph left their number unknown, it is asserted, and P reshaped to
+    it where assertions are dropped (XLA): past max_len the rows run short and the reshape
+    fails, where one row would broadcast over every position and XLA's gather would repeat
+    the last."""
+    if not tf.is_tensor(steps):  # known, and checked against max_len
+        return P
+    fits = tf.debugging.assert_less_equal(
+        steps, max_len, message=f"mha: X is longer than max_len={max_len}: build the layer "
+        "with a larger max_len")  # fmt: skip
+    with tf.control_dependencies([] if fits is None else [fits]):
+        return tf.reshape(P, tf.stack([1, steps, _dims(P)[-1]]))
+
+
 @documented
 @keras.utils.register_keras_serializable(package="mha")
 class PositionalEncoding(Layer):
@@ -1328,7 +1343,8 @@ class PositionalEncoding(Layer):
         return super().__call__(X, **_given(training))
 
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
-        X = X + self.P[:, : _dims(X)[1], :]
+        steps = _dims(X)[1]
+        X = X + _rows_for(self.P[:, :steps, :], steps, self.max_len)
         return self.dropout(X, training=training)
 
     def get_config(self) -> dict[str, Any]:
@@ -1367,7 +1383,9 @@ class LearnedPositionalEncoding(Layer):
 
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
         # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
-        P = self.embedding(tf.range(_dims(X)[1]))[None]
+        steps = _dims(X)[1]
+        taken = tf.minimum(steps, self.max_len) if tf.is_tensor(steps) else steps
+        P = _rows_for(self.embedding(tf.range(taken))[None], steps, self.max_len)
         return self.dropout(X + P, training=training)
 
     def get_config(self) -> dict[str, Any]:
