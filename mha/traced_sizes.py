@@ -29,7 +29,7 @@ MESSAGE = (
     "cache share batch_size; "
     "valid_lens, the segment ids of the queries and a window_mask share the no. of queries; "
     "the attention function's query and key share a head size, and key-value heads divide "
-    "the query heads)"
+    "the query heads; AddNorm's X and Y share every size)"
 )
 
 

@@ -865,6 +865,22 @@ def test_an_encoding_traced_for_any_length_refuses_one_past_max_len(
         traced(X)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_add_norm_traced_for_any_size_refuses_a_y_of_another_shape(TF, tf, jit_compile):
+    # Y of one example for three broadcast over X in a graph of unknown sizes
+    layer = TF.AddNorm(4)
+    spec = [tf.TensorSpec((None, None, 4))] * 2
+    traced = tf.function(lambda X, Y: layer(X, Y), input_signature=spec, jit_compile=jit_compile)
+    rng = np.random.default_rng(3)
+    X, Y = rng.standard_normal((2, 3, 2, 4)).astype(np.float32)
+    expected_layer = reference.AddNorm(4)
+    mha.set_weights(expected_layer, mha.get_weights(layer))
+    np.testing.assert_allclose(traced(X, Y).numpy(), expected_layer(X, Y), rtol=1e-5, atol=1e-5)
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        traced(X, Y[:1])
+
+
 # The attention function's tensors, (batch_size, heads, positions, head size): each mistake
 # beside a query (3, 4, 7, 2) and a key and value (3, 2, 7, 2)
 FUNCTION_MISTAKES = {

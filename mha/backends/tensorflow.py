@@ -325,6 +325,7 @@ def _tie(shapes: list) -> Any:
         # The assertion's message first (None where the shapes left it nothing to check)
         with tf.control_dependencies([] if asserted is None else [asserted]):
             tied[id(x)] = tf.reshape(x, _unless_differing(shape, target))
+        tied[id(x)].set_shape(x.shape)  # the sizes known while tracing, which the target hides
     return lambda x: tied.get(id(x), x)
 
 
@@ -1524,6 +1525,10 @@ class AddNorm(Layer):
         return super().__call__(X, Y, **_given(training))
 
     def call(self, X: tf.Tensor, Y: tf.Tensor, training=None) -> tf.Tensor:
+        if not tf.executing_eagerly():  # sizes a graph left unknown: Y's are X's, not broadcast
+            sizes = tuple(f"X's axis {axis}" for axis in range(X.shape.rank))
+            tie = _tie([(X, sizes), (Y, sizes)])
+            X, Y = tie(X), tie(Y)
         return self.ln(self.dropout(Y, training=training) + X)
 
     def get_config(self) -> dict[str, Any]:
