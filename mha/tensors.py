@@ -113,7 +113,8 @@ def is_tensor(x: Any) -> bool:
 
 def layout_refused(x: Any) -> str | None:
     """What keeps the array or tensor `x` from being read as a plain one (a numpy masked
-    array, a torch tensor that is sparse or nested), or None."""
+    array, a torch tensor that is sparse or nested, a TensorFlow sparse or ragged one), or
+    None."""
     masked = sys.modules.get("numpy.ma")  # `import mha` imports no numpy: none before it
     if masked is not None and isinstance(x, masked.MaskedArray):
         return "a numpy masked array, whose mask the layers would not read"
@@ -124,6 +125,10 @@ def layout_refused(x: Any) -> str | None:
         return f"a tensor of layout {layout}"
     if getattr(x, "is_nested", False) is True:
         return "a nested tensor"
+    kind = type(x).__name__
+    if kind in ("SparseTensor", "RaggedTensor") and type(x).__module__.startswith("tensorflow"):
+        dense = "tf.sparse.to_dense(x)" if kind == "SparseTensor" else "x.to_tensor()"
+        return f"a TensorFlow {kind}; {dense} gives a dense one"
     if getattr(getattr(x, "dtype", None), "byteorder", "=") in ("<", ">"):  # "=": this machine's
         # JAX reads such an array's bytes in this machine's order: refused alike everywhere
         return (
@@ -176,15 +181,15 @@ def require_framework(tensor_type: Any, **tensors: Any) -> None:
     """Each given tensor is one of the layer's framework (`tensor_type`): another framework's
     tensor is a TypeError here rather than an internal error in the first operation."""
     for name, x in tensors.items():
+        refused = None if x is None else layout_refused(x)
+        if refused:
+            raise TypeError(f"{name} must be a plain dense array or tensor. Received: {refused}")
         # The layer's own tensors, the common case, answer at the isinstance
         if x is not None and not isinstance(x, tensor_type) and is_tensor(x):
             raise TypeError(
                 f"{name} must be an array or tensor of the layer's framework. "
                 f"Received: {name} of type {type(x).__module__}.{type(x).__qualname__}"
             )
-        refused = None if x is None else layout_refused(x)
-        if refused:
-            raise TypeError(f"{name} must be a plain dense array or tensor. Received: {refused}")
     _require_one_torch_device(tensors)
 
 

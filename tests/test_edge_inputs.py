@@ -504,6 +504,19 @@ def test_masked_arrays_and_sparse_tensors_are_refused_by_name():
         T.dot_product_attention(X[None], X[None], X[None], valid_lens=lens)
 
 
+@pytest.mark.tensorflow
+def test_tensorflow_sparse_and_ragged_tensors_are_refused_by_name():
+    # TensorFlow's own classes, refused as another framework's were, by that name
+    TF = backend_module("tensorflow")
+    tf = framework_import("tensorflow")
+    x = tf.ones((2, 3, 4))
+    sparse = r"queries must be a plain dense.*SparseTensor; tf\.sparse\.to_dense\(x\)"
+    with pytest.raises(TypeError, match=sparse):
+        TF.DotProductAttention()(tf.sparse.from_dense(x), x, x)
+    with pytest.raises(TypeError, match=r"X must be a plain dense.*RaggedTensor; x\.to_tensor"):
+        TF.masked_softmax(tf.RaggedTensor.from_tensor(x), tf.constant([1, 2]))
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_arrays_in_the_other_byte_order(name):
     # JAX read a big-endian float32 array's bytes in this machine's order: NaN or 1e38 outputs
