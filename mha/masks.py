@@ -233,6 +233,7 @@ class Masks:
         """(batch_size, Q, K) integers: key j's position less query i's (offset + i), each
         counted within its own segment of the packed row, as its sequence alone counts them
         (segments need not be contiguous, and the queries' and the keys' may differ)."""
+        self.require_int32()
         queries, keys = self.packed_positions(segment_ids)
         return self.expand_dims(keys, -2) - (self.expand_dims(queries, -1) + self.offset)
 
@@ -248,6 +249,7 @@ class Masks:
         each packed segment, the queries' from offset."""
         if segment_ids is None:
             return self.chunk_mask(size)
+        self.require_int32(size)
         queries, keys = self.packed_positions(segment_ids)
         queries, keys = self.chunk_of(queries + self.offset, size), self.chunk_of(keys, size)
         return self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
@@ -261,6 +263,7 @@ class Masks:
         a side that is None open; the causal masks of the diagonals shifted to its edges. With
         `packed` (packed_distances), the positions within each segment, its shape."""
         keep = None
+        self.require_int32(max(abs(side) for side in (left, right, 0) if side is not None))
         if right is not None:  # j <= p + right
             keep = self.shifted(right).causal_mask() if packed is None else packed <= right
         if left is not None:  # j >= p - left
@@ -270,6 +273,10 @@ class Masks:
                 after = -packed <= left
             keep = after if keep is None else self.both(keep, after)
         return keep
+
+    def require_int32(self, size: int = 0) -> None:
+        """Refuses an offset (alignment), window or chunk size whose positions would pass the
+        backend's integers (JAX's int32 without its 64-bit mode): nothing to refuse here."""
 
     def shifted(self, by: int) -> Masks:
         """These masks with every query `by` positions further on."""

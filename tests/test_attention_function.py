@@ -673,6 +673,7 @@ def test_a_pair_of_segment_ids_takes_no_bottom_right_alignment(rng):
         )
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "options",
@@ -683,6 +684,8 @@ def test_a_pair_of_segment_ids_takes_no_bottom_right_alignment(rng):
         {"window": (2**40, 2**40)},
         {"causal": True, "alignment": 2**50},
         {"window": (2**50, None)},
+        {"causal": True, "alignment": -(2**31) + 1},
+        {"causal": True, "alignment": -(2**40)},
     ],
     ids=[
         "alignment-int32-max",
@@ -691,21 +694,29 @@ def test_a_pair_of_segment_ids_takes_no_bottom_right_alignment(rng):
         "window-left-2**40",
         "alignment-2**50",
         "window-left-2**50",
+        "alignment-int32-min",
+        "alignment--2**40",
     ],
 )
-def test_positions_past_int32_keep_every_key_or_are_refused(backend, options, rng):
+def test_positions_past_int32_keep_every_key_or_none_or_are_refused(backend, options, packed, rng):
     """An offset or window past int32's range keeps every key here (each query after every
-    key, or within its window), by the plain formula: no backend wraps it into another mask.
-    JAX without its 64-bit mode counts positions in int32 and refuses it by name."""
+    key, or within its window; or before every key, then none), by the plain formula, in a
+    packed row each segment's: no backend wraps it into another mask. JAX without its 64-bit
+    mode counts positions in int32 and refuses it by name."""
     B = backend_module(backend)
     query, key, value = (
         rng.standard_normal(shape).astype(np.float32)
-        for shape in ((1, 2, 3, 4), (1, 2, 5, 4), (1, 2, 5, 3))
+        for shape in ((1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 3))
     )
-    scores = query @ key.swapaxes(-1, -2) / 2.0
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    expected = weights / weights.sum(-1, keepdims=True) @ value
+    segment_ids = np.array([[0, 0, 1, 1, 1]])
+    keep = segment_ids[0][:, None] == segment_ids[0] if packed else np.ones((5, 5), bool)
+    keep &= options.get("alignment", 0) >= 0  # every query before every key: no key at all
+    scores = np.where(keep, query @ key.swapaxes(-1, -2) / 2.0, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True, initial=-1e30))
+    expected = np.nan_to_num(weights / weights.sum(-1, keepdims=True)) @ value
     arrays = [B.from_numpy(x) for x in (query, key, value)]
+    if packed:
+        options = {**options, "segment_ids": B.from_numpy(segment_ids)}
     if backend == "jax" and not required_import("jax").config.jax_enable_x64:
         with pytest.raises(ValueError, match="int32's range"):
             B.dot_product_attention(*arrays, **options)

@@ -530,6 +530,33 @@ print("ok")
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
 
 
+def test_packed_positions_past_int32_without_64_bit_mode_are_refused():
+    """A packed row's positions (segment_ids) with an alignment or window past int32 wrapped
+    in JAX's int32 without 64-bit mode: keys kept where every query comes before every key,
+    and an OverflowError inside. They are refused by name, as unpacked ones are."""
+    code = """
+import numpy as np
+from mha.backends import jax as J
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 1, 4, 8)).astype("float32") for _ in range(3))
+packed = {"segment_ids": np.array([[0, 0, 1, 1]])}
+for options in ({"causal": True, "alignment": -(2**31) + 1}, {"causal": True, "alignment": 2**40},
+                {"window": 2**40}):
+    try:
+        J.dot_product_attention(q, k, v, **packed, **options)
+    except ValueError as error:
+        assert "int32's range" in str(error) and "jax_enable_x64" in str(error), error
+    else:
+        raise AssertionError(f"{options} was accepted")
+print("ok")
+"""
+    environment = {**os.environ, "JAX_ENABLE_X64": "0"}
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
+
+
 def test_float16_products_are_summed_in_float32_with_xlas_own_flags(J):
     """jax 0.7.1's CPU sums float16 products in float16 at XLA's default optimization, which
     the lanes turn off (lanes.QUICK_XLA): a fresh process with XLA's flags as users have them,

@@ -392,7 +392,7 @@ class _Masks(Masks):
             return
         known = sum(n for n in (self.num_queries, self.num_keys) if isinstance(n, int))
         for name, value in (("the first query's position", self.offset),
-                            ("a window or chunk size", size)):
+                            ("a side of a window, or a chunk size,", size)):
             if isinstance(value, int) and abs(value) + known > _INT32_MAX:
                 raise ValueError(
                     f"{name} is {value}: with {known} queries and keys its positions pass "

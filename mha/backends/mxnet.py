@@ -558,7 +558,8 @@ class _Masks(Masks):
         same = self.same_segment((segment_ids, segment_ids)).astype("int32")
         positions = _positions(self.F, segment_ids.astype("float32"), -1, "float32")
         earlier = self.F.np.expand_dims(positions, 0) < self.F.np.expand_dims(positions, -1)
-        return (same * earlier.astype("int32")).sum(axis=-1)
+        # int64: an offset (alignment) added to them past int32's range must not wrap
+        return (same * earlier.astype("int32")).sum(axis=-1).astype("int64")
 
     def isneginf(self, x):
         return self.F.np.isneginf(x)
