@@ -48,9 +48,10 @@ def test_which_calls_may_take_cudnn(modules):
     assert not may(jnp.zeros((2, 4, 8, 12), jnp.bfloat16), jnp.zeros((2, 4, 8, 12), jnp.bfloat16))
     assert not may(jnp.zeros((2, 4, 8, 256), jnp.bfloat16), jnp.zeros((2, 4, 8, 256), jnp.bfloat16))
     # Head sizes up to 128 inclusive, the largest cuDNN takes on every GPU
-    sized = {n: jnp.zeros((2, 4, 8, n), jnp.bfloat16) for n in (8, 128, 136)}
+    sized = {n: jnp.zeros((2, 4, 8, n), jnp.bfloat16) for n in (0, 8, 128, 136)}
     assert may(sized[8], sized[8]) and may(sized[128], sized[128])
     assert not may(sized[136], sized[136])
+    assert not may(sized[0], sized[0])  # 0 is a multiple of 8, and a size no kernel takes
 
 
 def _added_mask(real, routes=None):

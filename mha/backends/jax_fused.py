@@ -44,7 +44,7 @@ def may_fuse(
         and queries.dtype in (jnp.float16, jnp.bfloat16)
         and queries.shape[-1] == values.shape[-1]
         # cuDNN's head sizes on every GPU it runs on (Hopper's 256 left to mha's own steps)
-        and queries.shape[-1] % 8 == 0
+        and 0 < queries.shape[-1] and queries.shape[-1] % 8 == 0
         and queries.shape[-1] <= 128
     )
 
