@@ -249,7 +249,7 @@ class Masks:
         each packed segment, the queries' from offset."""
         if segment_ids is None:
             return self.chunk_mask(size)
-        self.require_int32(size)
+        self.require_int32(size, packed=True)
         queries, keys = self.packed_positions(segment_ids)
         queries, keys = self.chunk_of(queries + self.offset, size), self.chunk_of(keys, size)
         return self.expand_dims(queries, -1) == self.expand_dims(keys, -2)
@@ -263,7 +263,8 @@ class Masks:
         a side that is None open; the causal masks of the diagonals shifted to its edges. With
         `packed` (packed_distances), the positions within each segment, its shape."""
         keep = None
-        self.require_int32(max(abs(side) for side in (left, right, 0) if side is not None))
+        side = max(abs(side) for side in (left, right, 0) if side is not None)
+        self.require_int32(side, packed=packed is not None)
         if right is not None:  # j <= p + right
             keep = self.shifted(right).causal_mask() if packed is None else packed <= right
         if left is not None:  # j >= p - left
@@ -274,9 +275,11 @@ class Masks:
             keep = after if keep is None else self.both(keep, after)
         return keep
 
-    def require_int32(self, size: int = 0) -> None:
+    def require_int32(self, size: int = 0, *, packed: bool = False) -> None:
         """Refuses an offset (alignment), window or chunk size whose positions would pass the
-        backend's integers (JAX's int32 without its 64-bit mode): nothing to refuse here."""
+        backend's integers (JAX's int32 without its 64-bit mode); packed: `size` is compared
+        with positions within segments, its own alone. Nothing to refuse here."""
+        return None  # a body of its own: AutoGraph cannot convert a docstring alone
 
     def shifted(self, by: int) -> Masks:
         """These masks with every query `by` positions further on."""

@@ -881,6 +881,30 @@ def test_add_norm_traced_for_any_size_refuses_a_y_of_another_shape(TF, tf, jit_c
         traced(X, Y[:1])
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_tensor_given_twice_is_tied_to_both_its_sizes(TF, tf, jit_compile):
+    # The queries given as the keys too, and one tensor of segment ids for the queries and the
+    # keys: each was tied to its first sizes alone, and under XLA a value of one head for two,
+    # or ids of one query for five keys, passed (attending every key)
+    spec = [tf.TensorSpec([None] * 4)] * 2
+    function = tf.function(lambda x, v: TF.dot_product_attention(x, x, v), input_signature=spec,
+                           jit_compile=jit_compile)  # fmt: skip
+    x = np.random.default_rng(4).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        function(x, x).numpy(), reference.dot_product_attention(x, x, x), rtol=1e-5, atol=1e-6
+    )
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        function(x, x[:, :1])
+    layer = TF.DotProductAttention()
+    spec = [tf.TensorSpec((None, None, 4)), tf.TensorSpec((None, None, 4)),
+            tf.TensorSpec((None, None), tf.int32)]  # fmt: skip
+    packed = tf.function(lambda q, k, ids: layer(q, k, k, segment_ids=ids), input_signature=spec,
+                         jit_compile=jit_compile)  # fmt: skip
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        packed(x[0, :, :1], x[0, :, :3], np.zeros((2, 1), np.int32))
+
+
 # The attention function's tensors, (batch_size, heads, positions, head size): each mistake
 # beside a query (3, 4, 7, 2) and a key and value (3, 2, 7, 2)
 FUNCTION_MISTAKES = {

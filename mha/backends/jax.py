@@ -385,15 +385,17 @@ class _Masks(Masks):
         """(1, K): key j at position j."""
         return jnp.arange(self.num_keys)[None, :]
 
-    def require_int32(self, size: Any = 0) -> None:
+    def require_int32(self, size: Any = 0, *, packed: bool = False) -> None:
         """Without 64-bit mode JAX counts positions in int32: an offset (alignment), window or
-        chunk size whose positions pass its range is an error, not a wrapped number."""
+        chunk size whose positions pass its range is an error, not a wrapped number (packed:
+        a size compared with positions within segments, which must fit it alone)."""
         if jax.config.jax_enable_x64:
             return
         known = sum(n for n in (self.num_queries, self.num_keys) if isinstance(n, int))
-        for name, value in (("the first query's position", self.offset),
-                            ("a side of a window, or a chunk size,", size)):
-            if isinstance(value, int) and abs(value) + known > _INT32_MAX:
+        for name, value, reach in (("the first query's position", self.offset, known),
+                                   ("a side of a window, or a chunk size,", size,
+                                    0 if packed else known)):  # fmt: skip
+            if isinstance(value, int) and abs(value) + reach > _INT32_MAX:
                 raise ValueError(
                     f"{name} is {value}: with {known} queries and keys its positions pass "
                     "int32's range, in which JAX counts them without its 64-bit mode. Turn it "

@@ -315,16 +315,17 @@ def _tie(shapes: list) -> Any:
     asserted = tf.compat.v1.debugging.assert_shapes(shapes, message=traced_sizes.MESSAGE)
     sizes, tied = {}, {}
     for x, names in shapes:
-        if id(x) in tied or not tf.is_tensor(x):  # one tensor given twice is tied once
+        if not tf.is_tensor(x):
             continue
         shape = tf.shape(x)
         sizes.update({name: shape[i] for i, name in enumerate(names) if isinstance(name, str)
                       and name not in sizes})
         target = tf.stack([shape[i] if name is None else sizes.get(name, name)
                            for i, name in enumerate(names)])
-        # The assertion's message first (None where the shapes left it nothing to check)
+        # The assertion's message first (None where the shapes left it nothing to check); one
+        # tensor given twice (self-attention's queries and keys) is tied to both its sizes
         with tf.control_dependencies([] if asserted is None else [asserted]):
-            tied[id(x)] = tf.reshape(x, _unless_differing(shape, target))
+            tied[id(x)] = tf.reshape(tied.get(id(x), x), _unless_differing(shape, target))
         tied[id(x)].set_shape(x.shape)  # the sizes known while tracing, which the target hides
     return lambda x: tied.get(id(x), x)
 
