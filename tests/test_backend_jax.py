@@ -533,7 +533,8 @@ print("ok")
 def test_packed_positions_past_int32_without_64_bit_mode_are_refused():
     """A packed row's positions (segment_ids) with an alignment or window past int32 wrapped
     in JAX's int32 without 64-bit mode: keys kept where every query comes before every key,
-    and an OverflowError inside. They are refused by name, as unpacked ones are."""
+    and an OverflowError inside. They are refused by name, as unpacked ones are; a window
+    side that int32 holds is taken, against the NumPy reference."""
     code = """
 import numpy as np
 from mha.backends import jax as J
@@ -548,6 +549,12 @@ for options in ({"causal": True, "alignment": -(2**31) + 1}, {"causal": True, "a
         assert "int32's range" in str(error) and "jax_enable_x64" in str(error), error
     else:
         raise AssertionError(f"{options} was accepted")
+# A packed window's side is compared with positions within segments: int32's largest fits
+from mha.backends import numpy as N
+for window in ((2**31 - 1, 0), 2**31):
+    output = J.dot_product_attention(q, k, v, **packed, window=window)
+    expected = N.dot_product_attention(q, k, v, **packed, window=window)
+    assert np.abs(np.asarray(output) - expected).max() < 1e-6, window
 print("ok")
 """
     environment = {**os.environ, "JAX_ENABLE_X64": "0"}
