@@ -771,6 +771,7 @@ UNKNOWN_SIZE_MISTAKES = {
     "a head_mask of one head for two": dict(head_mask=np.ones((3, 1), np.float32)),
     "segment ids of one example for three": dict(segment_ids=np.zeros((1, 7), np.int32)),
     "a window of one query for seven": dict(window_mask=np.ones((1, 1, 7), bool)),
+    "a window of one key for seven": dict(window_mask=np.ones((1, 7, 1), bool)),
     # As many elements as the right ones: a reshape alone would read them in another order
     "lengths of seven examples of three queries": dict(valid_lens=np.full((7, 3), 2, np.int32)),
     "segment ids of seven examples of three": dict(segment_ids=np.zeros((7, 3), np.int32)),

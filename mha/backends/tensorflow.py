@@ -330,6 +330,18 @@ def _tie(shapes: list) -> Any:
     return lambda x: tied.get(id(x), x)
 
 
+def _with_keys(window_mask: tf.Tensor, num_keys) -> tf.Tensor:
+    """window_mask (windows, Q, its keys) asserted to have the call's keys, the cached ones
+    included, and tied to them as _tie ties the shared sizes."""
+    shape = tf.shape(window_mask)
+    fits = tf.debugging.assert_equal(shape[-1], num_keys, message=traced_sizes.MESSAGE)
+    with tf.control_dependencies([] if fits is None else [fits]):
+        target = tf.stack([shape[0], shape[1], num_keys])
+        tied = tf.reshape(window_mask, _unless_differing(shape, target))
+    tied.set_shape(window_mask.shape)
+    return tied
+
+
 def _unless_differing(shape: tf.Tensor, target: tf.Tensor) -> tf.Tensor:
     """target, or where any size of shape differs from it every size -2, which no reshape
     takes: where the assertions are dropped (XLA, LiteRT) a reshape alone checks only the
@@ -394,6 +406,8 @@ class _Masks(Masks):
         return tf.range(self.num_keys, dtype=tf.int64)[None, :]
 
     def windows(self, window_mask):
+        if not tf.executing_eagerly():  # a key axis a graph left unknown: not broadcast
+            window_mask = _with_keys(window_mask, self.num_keys)
         return tf.tile(window_mask, [self.batch_size // tf.shape(window_mask)[0], 1, 1])
 
     def is_bool(self, windows):
