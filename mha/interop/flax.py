@@ -277,14 +277,13 @@ def to_flax(layer: Any, *, rngs: Any = None) -> Any:
 
     Returns:
         MultiHeadAttention(num_heads, in_features=query_size, qkv_features=num_hiddens,
-        out_features=out_features (num_hiddens unless set), in_kv_features=key_size,
-        use_bias=bias, dropout_rate,
-        broadcast_dropout=False, dtype, precision) holding the layer's weights, in the layer's
-        mode where its backend keeps one (`training_of`: torch's, NumPy's and JAX's layers;
-        otherwise Flax's deterministic=None, which each call then gives), its products at
-        mha's precision (full float32, or `jax_default_matmul_precision` where set when it
-        is made; Flax's default is TF32 on a GPU). Flax takes `module(query, key, value,
-        mask=...)` with mask True = attend (see `to_flax_masks`).
+        out_features (num_hiddens unless set), in_kv_features=key_size, use_bias=bias,
+        dropout_rate, broadcast_dropout=False, dtype, precision) holding the layer's weights,
+        in the layer's mode where its backend keeps one (`training_of`: torch's, NumPy's and
+        JAX's layers; otherwise Flax's deterministic=None, which each call then gives), its
+        products at mha's precision (full float32, or `jax_default_matmul_precision` where set
+        when it is made; Flax's default is TF32 on a GPU). Flax takes `module(query, key,
+        value, mask=...)` with mask True = attend (see `to_flax_masks`).
 
     Raises:
         ValueError: key_size differs from value_size (Flax has one size for both); fewer
