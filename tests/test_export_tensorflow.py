@@ -460,13 +460,25 @@ def test_latent_attention_converts_to_litert(TF, tmp_path, absorbed):
         assert_agrees(got, expected, "float32")
 
 
+def _litert_runner_and_reference(model, layer, tmp_path):
+    """The model exported to LiteRT with builtin operations alone, its signature runner, and
+    the NumPy MultiHeadAttention holding `layer`'s weights."""
+    import tensorflow as tf
+    from ai_edge_litert.interpreter import Interpreter
+
+    builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
+    model.export(tmp_path / "lengths.tflite", format="litert", verbose=False, target_spec=builtins)
+    runner = Interpreter(model_path=str(tmp_path / "lengths.tflite")).get_signature_runner()
+    reference = backend_module("numpy").MultiHeadAttention(8, HEADS)
+    mha.set_weights(reference, mha.get_weights(layer))
+    return runner, reference
+
+
 def test_a_litert_model_refuses_lengths_and_head_masks_of_another_batch(TF, tmp_path):
     # LiteRT drops the graph's assertions; the sizes the tensors share are tied by reshaping
     # them too, so lengths or head weights of one example for three fail rather than broadcast
     # (deploying.md); the head weights' tie survives the converter's folding of reshapes
     import keras
-    import tensorflow as tf
-    from ai_edge_litert.interpreter import Interpreter
 
     X = keras.Input((None, 8), name="X")
     lengths = keras.Input((), dtype="int32", name="valid_lens")
@@ -474,11 +486,7 @@ def test_a_litert_model_refuses_lengths_and_head_masks_of_another_batch(TF, tmp_
     layer = TF.MultiHeadAttention(8, HEADS, query_size=8, key_size=8, value_size=8)
     inputs = {"X": X, "valid_lens": lengths, "head_mask": heads}
     model = keras.Model(inputs, layer(X, X, X, lengths, head_mask=heads))
-    builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
-    model.export(tmp_path / "lengths.tflite", format="litert", verbose=False, target_spec=builtins)
-    runner = Interpreter(model_path=str(tmp_path / "lengths.tflite")).get_signature_runner()
-    reference = backend_module("numpy").MultiHeadAttention(8, HEADS)
-    mha.set_weights(reference, mha.get_weights(layer))
+    runner, reference = _litert_runner_and_reference(model, layer, tmp_path)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5, 8)).astype(np.float32)
     valid_lens = np.array([2, 5, 3], np.int32)
@@ -496,18 +504,12 @@ def test_a_litert_model_refuses_lengths_of_as_many_elements_in_another_shape(TF,
     # right (3, 5) ones: a reshape alone would read them in another order, so a size that
     # differs makes every size of the tie's target -2, which LiteRT's RESHAPE refuses
     import keras
-    import tensorflow as tf
-    from ai_edge_litert.interpreter import Interpreter
 
     X = keras.Input((None, 8), name="X")
     lengths = keras.Input((None,), dtype="int32", name="valid_lens")
     layer = TF.MultiHeadAttention(8, HEADS, query_size=8, key_size=8, value_size=8)
     model = keras.Model({"X": X, "valid_lens": lengths}, layer(X, X, X, lengths))
-    builtins = {"supported_ops": [tf.lite.OpsSet.TFLITE_BUILTINS]}
-    model.export(tmp_path / "lengths.tflite", format="litert", verbose=False, target_spec=builtins)
-    runner = Interpreter(model_path=str(tmp_path / "lengths.tflite")).get_signature_runner()
-    reference = backend_module("numpy").MultiHeadAttention(8, HEADS)
-    mha.set_weights(reference, mha.get_weights(layer))
+    runner, reference = _litert_runner_and_reference(model, layer, tmp_path)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((3, 5, 8)).astype(np.float32)
     valid_lens = rng.integers(1, 6, (3, 5)).astype(np.int32)
