@@ -29,8 +29,8 @@ MESSAGE = (
     "cache share batch_size; "
     "valid_lens, the segment ids of the queries and a window_mask share the no. of queries; "
     "the attention function's query and key share a head size, and key-value heads divide "
-    "the query heads; AddNorm's X and Y share every size; a window_mask has the call's "
-    "keys, the cached ones included)"
+    "the query heads; AddNorm's X and Y share every size, num_hiddens last; a window_mask "
+    "has the call's keys, the cached ones included)"
 )
 
 

@@ -883,6 +883,22 @@ def test_add_norm_traced_for_any_size_refuses_a_y_of_another_shape(TF, tf, jit_c
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
+def test_add_norm_traced_with_its_last_axis_unknown_normalises_num_hiddens(TF, tf, jit_compile):
+    # Keras's LayerNormalization needs the last axis known (a TypeError without it); the
+    # tie fixes it to num_hiddens, and refuses another
+    layer = TF.AddNorm(4)
+    spec = [tf.TensorSpec((None, None, None))] * 2
+    traced = tf.function(lambda X, Y: layer(X, Y), input_signature=spec, jit_compile=jit_compile)
+    X, Y = np.random.default_rng(5).standard_normal((2, 2, 3, 4)).astype(np.float32)
+    Z = X + Y  # the formula, gamma 1 and beta 0 as built
+    expected = (Z - Z.mean(-1, keepdims=True)) / np.sqrt(Z.var(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(traced(X, Y).numpy(), expected, rtol=1e-5, atol=1e-5)
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        traced(np.ones((2, 3, 5), np.float32), np.ones((2, 3, 5), np.float32))
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
 def test_a_tensor_given_twice_is_tied_to_both_its_sizes(TF, tf, jit_compile):
     # The queries given as the keys too, and one tensor of segment ids for the queries and the
     # keys: each was tied to its first sizes alone, and under XLA a value of one head for two,

@@ -326,7 +326,8 @@ def _tie(shapes: list) -> Any:
         # tensor given twice (self-attention's queries and keys) is tied to both its sizes
         with tf.control_dependencies([] if asserted is None else [asserted]):
             tied[id(x)] = tf.reshape(tied.get(id(x), x), _unless_differing(shape, target))
-        tied[id(x)].set_shape(x.shape)  # the sizes known while tracing, which the target hides
+        # The sizes known while tracing, which the target hides, and those the names fix
+        tied[id(x)].set_shape([n if isinstance(n, int) else d for d, n in zip(x.shape, names)])
     return lambda x: tied.get(id(x), x)
 
 
@@ -1541,7 +1542,8 @@ class AddNorm(Layer):
 
     def call(self, X: tf.Tensor, Y: tf.Tensor, training=None) -> tf.Tensor:
         if not tf.executing_eagerly():  # sizes a graph left unknown: Y's are X's, not broadcast
-            sizes = tuple(f"X's axis {axis}" for axis in range(X.shape.rank))
+            sizes = tuple(f"X's axis {axis}" for axis in range(X.shape.rank - 1))
+            sizes += (self.num_hiddens,)  # which LayerNormalization needs known
             tie = _tie([(X, sizes), (Y, sizes)])
             X, Y = tie(X), tie(Y)
         return self.ln(self.dropout(Y, training=training) + X)
