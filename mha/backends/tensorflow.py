@@ -1330,7 +1330,9 @@ def _rows_for(P: tf.Tensor, steps, max_len: int) -> tf.Tensor:
         steps, max_len, message=f"mha: X is longer than max_len={max_len}: build the layer "
         "with a larger max_len")  # fmt: skip
     with tf.control_dependencies([] if fits is None else [fits]):
-        return tf.reshape(P, tf.stack([1, steps, _dims(P)[-1]]))
+        # The rows themselves wait for the assertion: TensorFlow's graph optimizer may drop
+        # the reshape before a broadcasting add, and with it the order
+        return tf.reshape(tf.identity(P), tf.stack([1, steps, _dims(P)[-1]]))
 
 
 @documented
