@@ -196,6 +196,23 @@ def test_add_norm_in_float16_far_from_zero(name):
     assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
 
 
+@pytest.mark.parametrize("name", backend_params())
+def test_add_norm_keeps_beta_in_a_row_far_from_zero_with_little_spread(name):
+    # Rows of 1e5 and of 1000 (a mean any sum gives exactly) normalise to beta. Keras's
+    # LayerNormalization adds beta - mean * gamma / std, in which a float32 row of 1e5 keeps
+    # no bit of beta (every output 0), and a row of 1000 is 0.0125 off
+    module = backend_module(name)
+    gamma = np.array([1.0, 2.0, 3.0, 4.0], "float32")
+    beta = np.array([0.1, 0.2, 0.3, 0.4], "float32")
+    X = np.stack([np.full(4, 1e5), np.full(4, 1000.0)])[None].astype("float32")
+    Z = X.astype("float64")  # the formula on the float32 sum X + 0
+    normalized = (Z - Z.mean(-1, keepdims=True)) / np.sqrt(Z.var(-1, keepdims=True) + 1e-5)
+    layer = module.AddNorm(4)
+    mha.set_weights(layer, {"gamma": gamma, "beta": beta})
+    output = layer(module.from_numpy(X), module.from_numpy(np.zeros_like(X)))
+    assert_agrees(module.to_numpy(output), normalized * gamma + beta, "float32")
+
+
 @pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
 def test_a_float16_row_of_70000_keys(name):
     # The sum of a near-uniform row's exponentials passes float16's largest, 65504: summed in

@@ -1548,7 +1548,13 @@ class AddNorm(Layer):
             sizes += (self.num_hiddens,)  # which LayerNormalization needs known
             tie = _tie([(X, sizes), (Y, sizes)])
             X, Y = tie(X), tie(Y)
-        return self.ln(self.dropout(Y, training=training) + X)
+        Z = self.dropout(Y, training=training) + X
+        # Keras's LayerNormalization adds beta - mean * gamma / std, where a row far from 0
+        # with little spread keeps no bit of beta; its weights serve the reference's formula
+        z = tf.cast(Z, tf.float64 if Z.dtype == tf.float64 else tf.float32)
+        mean, variance = tf.nn.moments(z, axes=[-1], keepdims=True)
+        gamma, beta = (tf.cast(w, z.dtype) for w in (self.ln.gamma, self.ln.beta))
+        return tf.cast((z - mean) * tf.math.rsqrt(variance + self.eps) * gamma + beta, Z.dtype)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), **layer_config(self)}
