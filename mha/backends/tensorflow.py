@@ -327,7 +327,8 @@ def _tie(shapes: list) -> Any:
         with tf.control_dependencies([] if asserted is None else [asserted]):
             tied[id(x)] = tf.reshape(tied.get(id(x), x), _unless_differing(shape, target))
         # The sizes known while tracing, which the target hides, and those the names fix
-        tied[id(x)].set_shape([n if isinstance(n, int) else d for d, n in zip(x.shape, names)])
+        known = zip(x.shape, names, strict=True)
+        tied[id(x)].set_shape([n if isinstance(n, int) else d for d, n in known])
     return lambda x: tied.get(id(x), x)
 
 
