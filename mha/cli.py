@@ -507,7 +507,8 @@ def _conform(arguments, out, err) -> int:
         counts = f"{len(rows) - len(taken)} not taken, {len(taken)} failed"
         print(f"mha conform: no case was compared: {counts}", file=err)
     elif failed:
-        print(f"mha conform: {len(failed)} of the {len(taken)} cases taken do not agree", file=err)
+        counts = f"{len(failed)} of the {len(taken)} rows taken (a case in a dtype)"
+        print(f"mha conform: {counts} do not agree", file=err)
     return 0 if taken and not failed else 1
 
 

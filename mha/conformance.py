@@ -47,14 +47,16 @@ class Case:
     inputs: str = "plain"
 
 
-_GROUPED = (2, 4, 2, 5, 7, 8, 8)
+# Six query heads over three: each key-value head serves two neighbours (h // 2), where
+# four over two could not tell h // 2 from h // kv_heads
+_GROUPED = (2, 6, 3, 5, 7, 8, 8)
 _WINDOW_CAUSAL = (("window", (2, 1)), ("causal", True))
 _WINDOW_BOTTOM_RIGHT = (("window", (2, 1)), ("alignment", "bottom_right"))
 
 CASES = (
     Case("plain"),
     Case("scale", options=(("scale", 0.3),)),
-    Case("grouped heads (4 query, 2 key-value)", sizes=_GROUPED),
+    Case("grouped heads (6 query, 3 key-value)", sizes=_GROUPED),
     Case("value head size 12", sizes=(2, 4, 4, 5, 7, 8, 12)),
     Case("causal, Q = K", sizes=(2, 4, 4, 6, 6, 8, 8), options=(("causal", True),)),
     Case("causal, Q < K (top_left)", options=(("causal", True),)),
@@ -83,6 +85,15 @@ CASES = (
         "NaN at keys a -inf bias leaves out", masks=("padding bias",), inputs="nan at masked keys"
     ),
     Case("boolean mask (heads, Q, K)", masks=("per head, 3-D",)),
+    # Forms a kernel may read as another: a 2-D mask is (Q, K), not key padding (batch, K); a
+    # key axis of 1 is every key's, not one key's padded; a side of None is open
+    Case("boolean mask (Q, K)", masks=("per query, 2-D",)),
+    Case("additive bias (heads, Q, 1), every key's", masks=("bias of each row",)),
+    Case(
+        "window (None, 1), open on the left",
+        sizes=(2, 4, 4, 7, 7, 8, 8),
+        options=(("window", (None, 1)),),
+    ),
     Case("packed segments, a pair (queries, keys)", masks=("segment pair",)),
     # Causal and windows on each position's index among its segment's, not the packed row's
     Case("packed segments, a pair, causal", options=(("causal", True),), masks=("segment pair",)),
@@ -247,7 +258,7 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
     )
     try:
         given = {k: _given(module, place, v, dtype) for k, v in arrays.items()}
-        output = module.to_numpy(_call(function, given, dict(case.options)))
+        output = np.asarray(module.to_numpy(_call(function, given, dict(case.options))))
     except NotImplementedError as error:
         return Row(case.name, dtype, "not taken", note=_first_line(error))
     except TypeError as error:
@@ -255,10 +266,11 @@ def _row(function, module, place, case: Case, arrays: dict, dtype: str, empty_ro
         return Row(case.name, dtype, status, note=f"TypeError: {_first_line(error)}")
     except Exception as error:
         return Row(case.name, dtype, "error", note=f"{type(error).__name__}: {_first_line(error)}")
-    output = np.asarray(output, dtype="float64")
-    if output.shape != expected.shape:
-        note = f"output shape {output.shape}, expected {expected.shape}"
+    if output.shape != expected.shape or output.dtype != numpy_dtype(dtype):
+        note = (f"output shape {output.shape} and dtype {output.dtype}, expected "
+                f"{expected.shape} and {dtype}")  # fmt: skip
         return Row(case.name, dtype, "differs", note=note)
+    output = output.astype("float64")
     tolerance = TOLERANCES[dtype] * max(1.0, float(np.max(np.abs(expected))))
     difference = float(np.max(np.abs(output - expected)))  # NaN if the output holds NaN
     agrees = difference <= tolerance
@@ -293,18 +305,20 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
         "key": rng.standard_normal((batch, kv_heads, keys, d)),
         "value": rng.standard_normal((batch, kv_heads, keys, dv)),
     }
-    lengths = np.array([keys - 2, keys][:batch])
+    lengths = np.array([3, keys][:batch])  # fewer than the queries: the later ones keep 3
     padding = (np.arange(keys) < lengths[:, None])[:, None, None, :]
     made = {
         "key padding": ("mask", padding),
         "per head": ("mask", rng.random((batch, heads, queries, keys)) < 0.6),
         "per head, 3-D": ("mask", rng.random((heads, queries, keys)) < 0.6),
+        "per query, 2-D": ("mask", rng.random((queries, keys)) < 0.6),
         "bias": ("bias", rng.standard_normal((batch, heads, queries, keys))),
         "bias with -inf": (
             "bias",
             _with_minus_infinity(rng.standard_normal((batch, heads, queries, keys))),
         ),
         "padding bias": ("bias", np.where(padding, 0.0, -np.inf)),
+        "bias of each row": ("bias", 3.0 * rng.standard_normal((heads, queries, 1))),
         "lengths": ("valid_lens", lengths),
         "lengths with a 0": ("valid_lens", np.array([0, keys][:batch])),
         "lengths per query": ("valid_lens", rng.integers(1, keys + 1, (batch, queries))),
@@ -315,7 +329,7 @@ def _inputs(case: Case, rng: np.random.Generator) -> dict[str, np.ndarray]:
     for name in case.masks:
         argument, value = made[name]
         arrays[argument] = value
-    if any(name.startswith("per head") for name in case.masks):
+    if any(name.startswith("per ") for name in case.masks):
         arrays["mask"][..., 0] = True  # a kept key in every row
     if case.inputs == "nan at masked keys":  # padding: what a masked key holds is not read
         arrays["key"] = np.where(np.moveaxis(padding, -1, -2), arrays["key"], np.nan)

@@ -39,6 +39,7 @@ MASKS_TOGETHER = {"boolean mask and causal", "valid_lens and causal", "boolean m
 ZERO_LENGTH = "valid_lens with a 0 (an example of padding alone)"
 QUERIES_BEFORE_KEYS = "causal bottom_right, Q > K (the first queries keep no key)"
 LONG_ROWS = "long rows (K = 4133)"
+OPEN_WINDOW = "window (None, 1), open on the left"
 
 
 def statuses(rows) -> dict[str, set[str]]:
@@ -79,6 +80,7 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
         PACKED,
         *PAIRED,
         *WINDOWS_MORE,
+        OPEN_WINDOW,
         "boolean mask and additive bias",  # one attn_mask
         QUERIES_BEFORE_KEYS,
     }
@@ -88,7 +90,7 @@ def test_torch_sdpa_math_is_reported_as_it_behaves():
     for case in (
         "plain",
         "scale",
-        "grouped heads (4 query, 2 key-value)",
+        "grouped heads (6 query, 3 key-value)",
         "value head size 12",
         "causal, Q = K",
         "causal, Q < K (top_left)",
@@ -142,6 +144,7 @@ def test_jax_dot_product_attention_is_reported_as_it_behaves(empty_rows):
         PACKED,
         *PAIRED,
         "window (2, 1) bottom_right, Q < K",
+        OPEN_WINDOW,
         QUERIES_BEFORE_KEYS,
     }
     # A row with no key (a mask's, a length of 0's): the mean of the values, not zeros
@@ -285,7 +288,7 @@ def lengths_minus_infinity_attention(query, key, value, *, valid_lens=None):
 
 def test_grouped_heads_and_lengths_of_0_are_held_beside_the_masks():
     found = statuses(conformance.run(folded_grouped_attention, "numpy", ("float64",)))
-    assert {"grouped heads (4 query, 2 key-value)", "causal, Q < K (top_left)"} <= found["agrees"]
+    assert {"grouped heads (6 query, 3 key-value)", "causal, Q < K (top_left)"} <= found["agrees"]
     assert "grouped heads, causal" in found["differs"]
     found = statuses(conformance.run(lengths_minus_infinity_attention, "numpy", ("float64",)))
     assert {"valid_lens (batch,)", "valid_lens (batch, Q)"} <= found["agrees"]
@@ -367,12 +370,13 @@ def zeros_attention(q, k, v, **options):
 
 
 def test_a_function_that_gets_every_case_wrong_says_so(capsys):
-    # Exit 1, and the message counts the cases that do not agree: they were compared
+    # Exit 1, and the message counts the rows that do not agree: they were compared
     target = f"{sys.modules[__name__].__name__}:zeros_attention"
     code = cli.main(["conform", target, "--framework", "numpy", "--dtypes", "float64"])
     captured = capsys.readouterr()
     taken = len(conformance.CASES)
-    assert code == 1 and f"{taken} of the {taken} cases taken do not agree" in captured.err
+    assert code == 1
+    assert f"{taken} of the {taken} rows taken (a case in a dtype) do not agree" in captured.err
     assert "no case was compared" not in captured.err
 
 
@@ -403,7 +407,7 @@ def test_a_function_that_takes_no_case_fails(capsys):
     rows = conformance.run(attention_of_other_names, "numpy", ("float64",))
     found = statuses(rows)
     unmasked = {c.name for c in conformance.CASES if not (c.options or c.masks)}
-    assert {"plain", "grouped heads (4 query, 2 key-value)"} <= unmasked
+    assert {"plain", "grouped heads (6 query, 3 key-value)"} <= unmasked
     assert found["error"] == unmasked and "agrees" not in found
     assert found["not taken"] == {c.name for c in conformance.CASES} - unmasked
     target = f"{sys.modules[__name__].__name__}:attention_of_other_names"
@@ -541,6 +545,7 @@ def test_keras_dot_product_attention_is_reported_as_it_behaves():
         PACKED,
         *PAIRED,
         *WINDOWS_MORE,
+        OPEN_WINDOW,
         "valid_lens and causal",
         "boolean mask and valid_lens",
         ZERO_LENGTH,
@@ -598,7 +603,65 @@ def test_an_output_of_another_shape_differs_even_with_the_same_numbers():
     rows = conformance.run(unsqueezed, "numpy", ("float64",), cases=conformance.CASES[:1])
     (row,) = rows
     assert row.status == "differs" and row.difference is None
-    assert row.note == "output shape (1, 2, 4, 5, 8), expected (2, 4, 5, 8)"
+    assert row.note == (
+        "output shape (1, 2, 4, 5, 8) and dtype float64, expected (2, 4, 5, 8) and float64"
+    )
+
+
+def _reference(query, key, value, **options):
+    return backend_module("numpy").dot_product_attention(query, key, value, **options)
+
+
+def _cutting_queries(query, key, value, *, valid_lens=None, **options):
+    # A varlen kernel's reading: lengths cut the queries too (zeros past each length)
+    output = _reference(query, key, value, valid_lens=valid_lens, **options)
+    if valid_lens is not None and valid_lens.ndim == 1:
+        output = np.where(np.arange(query.shape[2])[:, None] < valid_lens[:, None, None, None],
+                          output, 0.0)  # fmt: skip
+    return output
+
+
+def _groups_by_kv_heads(query, key, value, **options):
+    # Query head h on key-value head h // kv_heads, where h // (heads // kv_heads) is right
+    group = np.arange(query.shape[1]) // key.shape[1]
+    return _reference(query, key[:, group], value[:, group], **options)
+
+
+def _mask_2d_as_key_padding(query, key, value, *, mask=None, **options):
+    # torch's key_padding_mask reading of a 2-D mask, (batch, K): its first rows, one each
+    if mask is not None and mask.ndim == 2:
+        mask = mask[: query.shape[0], None, None, :]
+    return _reference(query, key, value, mask=mask, **options)
+
+
+def _pads_a_key_axis_of_1(query, key, value, *, bias=None, **options):
+    # ONNX's padding of a shorter key axis: the bias at key 0 alone, 0 at the others
+    if bias is not None and bias.shape[-1] == 1:
+        bias = np.concatenate([bias, np.zeros((*bias.shape[:-1], key.shape[2] - 1))], -1)
+    return _reference(query, key, value, bias=bias, **options)
+
+
+def _open_side_as_0(query, key, value, *, window=None, **options):
+    if isinstance(window, tuple):
+        window = tuple(0 if side is None else side for side in window)
+    return _reference(query, key, value, window=window, **options)
+
+
+@pytest.mark.parametrize(
+    "function, cases",
+    [
+        (_cutting_queries, {"valid_lens (batch,)", "boolean mask and valid_lens"}),
+        (_groups_by_kv_heads, {"grouped heads (6 query, 3 key-value)"}),
+        (_mask_2d_as_key_padding, {"boolean mask (Q, K)"}),
+        (_pads_a_key_axis_of_1, {"additive bias (heads, Q, 1), every key's"}),
+        (_open_side_as_0, {"window (None, 1), open on the left"}),
+    ],
+)
+def test_a_function_misreading_an_input_form_is_flagged(function, cases):
+    # Each misreads a form the contract defines: lengths shorter than the queries, six heads
+    # over three, a 2-D mask, a key axis of 1, an open window side
+    found = statuses(conformance.run(function, "numpy", ("float64",)))
+    assert cases <= found["differs"], found.get("differs")
 
 
 def _with_key_gradient(torch, backward):
@@ -754,7 +817,10 @@ def softmax_without_its_maximum(query, key, value, scale=None):
     """exp of the scores as they are: exp(106) is past float32's largest number."""
     scores = (query @ np.swapaxes(key, -1, -2)).astype("float32")
     weights = np.exp(scores * np.float32(scale or query.shape[-1] ** -0.5))
-    return (weights / weights.sum(-1, keepdims=True)).astype(query.dtype) @ value
+    # ml_dtypes' bfloat16 product is float32: the output in the inputs' dtype, as the kit asks
+    return ((weights / weights.sum(-1, keepdims=True)).astype(query.dtype) @ value).astype(
+        query.dtype
+    )
 
 
 def products_rounded_before_scaling(query, key, value, scale=None):
@@ -762,7 +828,9 @@ def products_rounded_before_scaling(query, key, value, scale=None):
     scores = (query @ np.swapaxes(key, -1, -2)).astype("float32")
     scores = scores * np.float32(scale or query.shape[-1] ** -0.5)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
-    return (weights / weights.sum(-1, keepdims=True)).astype(query.dtype) @ value
+    return ((weights / weights.sum(-1, keepdims=True)).astype(query.dtype) @ value).astype(
+        query.dtype
+    )
 
 
 def test_scores_a_softmax_must_take_apart_catch_the_kernels_that_do_not():
@@ -796,3 +864,18 @@ def test_keras_float16_rounds_its_products_before_scaling_them():
     wrong = {(row.case, row.dtype): row.note for row in rows if row.status != "agrees"}
     assert list(wrong) == [(LARGE_PRODUCTS, "float16")]
     assert wrong[LARGE_PRODUCTS, "float16"].startswith("NaN in")
+
+
+def test_an_output_of_another_dtype_or_not_numbers_differs_or_is_an_error():
+    # A float16 call answered in float64 is no float16 kernel; a string, which crashed the
+    # run, is an output of no numbers
+    from mha.backends import numpy as N
+
+    def upcast(query, key, value, **options):
+        return N.dot_product_attention(*(x.astype("float64") for x in (query, key, value)))
+
+    (row,) = conformance.run(upcast, "numpy", ("float16",), cases=conformance.CASES[:1])
+    assert row.status == "differs"
+    assert "dtype float64, expected (2, 4, 5, 8) and float16" in row.note
+    (row,) = conformance.run(lambda *args: "output", "numpy", ("float32",), conformance.CASES[:1])
+    assert row.status == "differs" and "shape () and dtype <U6" in row.note, row
