@@ -28,8 +28,10 @@ MESSAGE = (
     "(queries or masked_softmax's X, keys, values, valid_lens, head_mask, segment_ids and a "
     "cache share batch_size; "
     "valid_lens, the segment ids of the queries and a window_mask share the no. of queries; "
-    "the attention function's query and key share a head size, and key-value heads divide "
-    "the query heads; AddNorm's X and Y share every size, num_hiddens last; a window_mask "
+    "the attention function's query and key (DotProductAttention's queries and keys) share "
+    "a head size, and key-value heads divide "
+    "the query heads; AddNorm's X and Y share every size, num_hiddens last, as an "
+    "encoding's X has num_hiddens features; a window_mask "
     "has the call's keys, the cached ones included)"
 )
 
@@ -46,6 +48,7 @@ def shared_sizes(
     cache: Any = None,
     kv_heads: tuple[int, int] | None = None,
     window_mask: Any = None,
+    query_key_size: Any = None,
 ) -> list[tuple[Any, tuple]]:
     """(tensor, its sizes by name) of each of the call's tensors whose sizes another's fix,
     as `mha.validation.check_attention_call` checks them: queries (batch_size, no. of queries,
@@ -54,9 +57,10 @@ def shared_sizes(
     segment_ids of the queries and of the keys, a KVCache's keys and values (batch_size,
     num_kv_heads, cached positions, head size) or a LatentCache's tensors, a window_mask's
     queries (its windows divide the batch, its keys count the cached ones too). Masks and
-    attn_bias broadcast, which the framework's own operations check."""
-    found = [(queries, (BATCH, QUERIES, None))]
-    found += [(keys, (BATCH, KEYS, None)), (values, (BATCH, KEYS, None))]
+    attn_bias broadcast, which the framework's own operations check. query_key_size: the
+    name of the features the queries and keys share, where no projection takes them."""
+    found = [(queries, (BATCH, QUERIES, query_key_size))]
+    found += [(keys, (BATCH, KEYS, query_key_size)), (values, (BATCH, KEYS, None))]
     if valid_lens is not None:
         found.append((valid_lens, (BATCH, QUERIES)[: len(shape_of(valid_lens))]))
     if head_mask is not None:

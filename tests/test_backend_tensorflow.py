@@ -868,6 +868,41 @@ def test_an_encoding_traced_for_any_length_refuses_one_past_max_len(
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("name", ["PositionalEncoding", "LearnedPositionalEncoding"])
+def test_an_encoding_traced_for_any_features_refuses_another_number(TF, tf, name, jit_compile):
+    # With the features unknown, an X of one feature took every column of the table
+    encoding = getattr(TF, name)(6)
+    expected_encoding = getattr(reference, name)(6)
+    mha.set_weights(expected_encoding, mha.get_weights(encoding))
+    spec = [tf.TensorSpec((None, None, None))]
+    traced = tf.function(lambda X: encoding(X), input_signature=spec, jit_compile=jit_compile)
+    X = np.random.default_rng(6).standard_normal((2, 3, 6)).astype(np.float32)
+    np.testing.assert_allclose(traced(X).numpy(), expected_encoding(X), rtol=1e-6, atol=1e-6)
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        traced(X[..., :1])
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_dot_product_attention_traced_for_any_features_ties_the_queries_to_the_keys(
+    TF, tf, jit_compile
+):
+    # Under XLA queries of one feature were read against keys of five, a number each
+    layer = TF.DotProductAttention()
+    spec = [tf.TensorSpec((None, None, None))] * 3
+    traced = tf.function(lambda q, k, v: layer(q, k, v), input_signature=spec,
+                         jit_compile=jit_compile)  # fmt: skip
+    rng = np.random.default_rng(7)
+    queries, keys, values = (rng.standard_normal((2, n, 5)).astype(np.float32) for n in (3, 4, 4))
+    expected = reference.DotProductAttention()(queries, keys, values)
+    np.testing.assert_allclose(traced(queries, keys, values).numpy(), expected, rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        traced(queries[..., :1], keys, values)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
 def test_add_norm_traced_for_any_size_refuses_a_y_of_another_shape(TF, tf, jit_compile):
     # Y of one example for three broadcast over X in a graph of unknown sizes
     layer = TF.AddNorm(4)

@@ -776,7 +776,7 @@ class DotProductAttention(_AttentionLayer):
         )
         segment_ids = _as_segments(segment_ids)
         tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids,
-                            window_mask=window_mask)
+                            window_mask=window_mask, query_key_size=traced_sizes.HEAD_SIZE)
         queries, keys, values, valid_lens, window_mask = map(
             tie, (queries, keys, values, valid_lens, window_mask))
         segment_ids = _tied_segments(tie, segment_ids)
@@ -1319,6 +1319,14 @@ class MultiHeadLatentAttention(_AttentionLayer):
         return {**super().get_config(), **layer_config(self)}
 
 
+def _with_features(X: tf.Tensor, num_hiddens: int) -> tf.Tensor:
+    """X tied to num_hiddens features where a graph left them unknown: the table's rows
+    would broadcast over an X of one feature."""
+    if tf.executing_eagerly():
+        return X
+    return _tie([(X, (None,) * (X.shape.rank - 1) + (num_hiddens,))])(X)
+
+
 def _rows_for(P: tf.Tensor, steps, max_len: int) -> tf.Tensor:
     """A position table's first rows P (1, at most max_len, num_hiddens) for `steps`
     positions. Where a graph left their number unknown, it is asserted, and P reshaped to
@@ -1363,6 +1371,7 @@ class PositionalEncoding(Layer):
         return super().__call__(X, **_given(training))
 
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
+        X = _with_features(X, self.num_hiddens)
         steps = _dims(X)[1]
         X = X + _rows_for(self.P[:, :steps, :], steps, self.max_len)
         return self.dropout(X, training=training)
@@ -1403,6 +1412,7 @@ class LearnedPositionalEncoding(Layer):
 
     def call(self, X: tf.Tensor, training=None) -> tf.Tensor:
         # Shape of P: (1, no. of steps, num_hiddens), the rows of positions 0, 1, ...
+        X = _with_features(X, self.num_hiddens)
         steps = _dims(X)[1]
         taken = tf.minimum(steps, self.max_len) if tf.is_tensor(steps) else steps
         P = _rows_for(self.embedding(tf.range(taken))[None], steps, self.max_len)
