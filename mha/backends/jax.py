@@ -572,6 +572,14 @@ def _scaled(queries: jax.Array, scale: float | None) -> jax.Array:
     return queries * float(scale)
 
 
+def _divided(x: jax.Array, divisor: float) -> jax.Array:
+    """x / divisor rounded once, as the reference: XLA turns a half-precision division by a
+    constant into a product by its rounded reciprocal (a third of float16's quotients off)."""
+    if x.dtype not in (jnp.float16, jnp.bfloat16):
+        return x / divisor
+    return (x.astype(jnp.float32) / divisor).astype(x.dtype)
+
+
 def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softcap=None,
                empty_rows="zeros", need_weights=True, sinks=None, lse=False, group=1,
                causal_alone=False, rows_kept=False, fuse=True):
@@ -623,7 +631,7 @@ def _attention(queries, keys, values, keep, bias, dropout, *, scale=None, softca
     scores = _matmul(queries, jnp.swapaxes(keys, -1, -2))
     if softcap is not None:
         # Gemma 2's soft cap: the scores squashed into (-softcap, softcap), before the masks
-        scores = float(softcap) * jnp.tanh(scores / float(softcap))
+        scores = float(softcap) * jnp.tanh(_divided(scores, float(softcap)))
     output, weights = _attention_pool(scores, values, keep, bias, dropout, need_weights,
                                       empty_rows, sinks, rows_kept)
     if not lse:
