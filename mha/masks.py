@@ -177,11 +177,14 @@ class Masks:
             keep = each if keep is None else self.both(keep, each)
         if alibi_slopes is not None:
             # ALiBi: head h adds slope_h * (j - (offset + i)); shape (1, num_heads, Q, K), or
-            # (batch_size, num_heads, Q, K) for packed sequences
+            # (batch_size, num_heads, Q, K) for packed sequences. Half precision's products are
+            # taken in float32 and rounded once (a float16 distance past 65,504 is inf)
+            slopes = self.widened(alibi_slopes)
             if packed is None:
-                alibi = self.expand_dims(alibi_slopes * self.distances(alibi_slopes), 0)
+                alibi = self.expand_dims(slopes * self.distances(slopes), 0)
             else:
-                alibi = alibi_slopes * self.expand_dims(self.cast_like(packed, alibi_slopes), 1)
+                alibi = slopes * self.expand_dims(self.cast_like(packed, slopes), 1)
+            alibi = self.cast_like(alibi, alibi_slopes)
             bias = alibi if bias is None else bias + alibi
         return keep, bias
 
@@ -339,6 +342,10 @@ class Masks:
 
     def cast_like(self, x: Any, like: Any) -> Any:
         """x in the dtype of `like` (the scores')."""
+        raise NotImplementedError
+
+    def widened(self, x: Any) -> Any:
+        """x in float32 where it is float16 or bfloat16, else x itself."""
         raise NotImplementedError
 
     def expand_dims(self, x: Any, axis: int) -> Any:

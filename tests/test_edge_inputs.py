@@ -214,6 +214,34 @@ def test_a_float16_soft_cap_divides_the_scores_rounding_once(name):
     assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
 
 
+@pytest.mark.parametrize("name", backend_params(("numpy", "torch", "tensorflow", "jax")))
+def test_a_float16_alibi_bias_70000_positions_back_is_finite(name):
+    # A query at position 70,000 over keys 0 and 1: their distances were cast to float16
+    # before the slopes multiplied them, -inf past 65,504, and every output NaN. The products
+    # in float32, rounded once to float16
+    module = backend_module(name)
+    rng = np.random.default_rng(8)
+    X, KV = rng.standard_normal((1, 1, 8)), rng.standard_normal((1, 2, 8))
+    layer = module.MultiHeadAttention(8, 2, query_size=8, key_size=8, value_size=8,
+                                      alibi=True, dtype="float16")  # fmt: skip
+    weights = mha.random_weights(layer, seed=4, dtype="float16")
+    mha.set_weights(layer, weights)
+    W = {k: v.astype("float64") for k, v in weights.items()}
+    X, KV = (x.astype("float16").astype("float64") for x in (X, KV))
+    slopes = np.array([2.0**-4, 2.0**-8])  # 2 ** (-8k / 2), k = 1, 2
+    queries, keys, values = ((x @ W[w]).reshape(1, -1, 2, 4).transpose(0, 2, 1, 3)
+                             for x, w in ((X, "W_q"), (KV, "W_k"), (KV, "W_v")))  # fmt: skip
+    # The bias in the layer's dtype, rounded once (-4375 and -4374.94 are both -4376), and
+    # the scores plus the bias rounded to float16 too, in steps of 4 and 1/4 there
+    alibi = (slopes[:, None, None] * (np.arange(2) - 70_000.0)).astype("float16")
+    scores = (queries @ np.swapaxes(keys, -1, -2) / 2.0).astype("float16") + alibi
+    heads = _softmax64(scores.astype("float64"), np.ones(scores.shape, bool)) @ values
+    expected = heads.transpose(0, 2, 1, 3).reshape(1, 1, 8) @ W["W_o"]
+    X, KV = (module.from_numpy(x.astype("float16")) for x in (X, KV))
+    output = layer(X, KV, KV, alignment=70_000)
+    assert_agrees(module.to_numpy(output).astype("float64"), expected, "float16")
+
+
 @pytest.mark.parametrize("name", backend_params())
 def test_add_norm_keeps_beta_in_a_row_far_from_zero_with_little_spread(name):
     # Rows of 1e5 and of 1000 (a mean any sum gives exactly) normalise to beta. Keras's

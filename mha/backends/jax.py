@@ -427,6 +427,9 @@ class _Masks(Masks):
     def cast_like(self, x, like):
         return x.astype(like.dtype)
 
+    def widened(self, x):
+        return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+
     def expand_dims(self, x, axis):
         return jnp.expand_dims(x, axis)
 

@@ -435,6 +435,11 @@ def _check_float16_context(dtype: str, queries: mx.np.ndarray) -> None:
         )
 
 
+def _widened(dtype: str) -> str:
+    """float32 for float16 (MXNet has no bfloat16), else the dtype itself."""
+    return "float32" if dtype == "float16" else dtype
+
+
 def _position_dtype(dtype: str) -> str:
     # Positions are counted in the layer's dtype, except float16 that is exact to 2048 only
     return "float32" if dtype == "float16" else dtype
@@ -532,9 +537,9 @@ class _Masks(Masks):
         return self.F.np.floor(positions.astype("float64") / size)
 
     def distances(self, like):
-        # A traced graph knows no dtypes: the call's is the scores'
+        # A traced graph knows no dtypes: the call's is the scores', float32 for float16
         distances = self.key_positions - self.F.np.expand_dims(self.query_positions, -1)
-        return distances.astype(self.call.dtype)
+        return distances.astype(_widened(self.call.dtype))
 
     def windows(self, window_mask):
         batch_positions = _positions(self.F, self.queries, 0, self.call.dtype)
@@ -570,6 +575,9 @@ class _Masks(Masks):
     def cast_like(self, x, like):
         # A traced graph knows no dtypes: the call's is the scores'
         return x.astype(self.call.dtype)
+
+    def widened(self, x):
+        return x.astype(_widened(self.call.dtype))
 
     def both(self, a, b):
         # MXNet 1.9 has no logical_and for bool

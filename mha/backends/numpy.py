@@ -329,6 +329,9 @@ class _Masks(Masks):
     def cast_like(self, x, like):
         return x.astype(like.dtype)
 
+    def widened(self, x):
+        return _in_float32(x)
+
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
 

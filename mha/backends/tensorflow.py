@@ -434,6 +434,9 @@ class _Masks(Masks):
     def cast_like(self, x, like):
         return tf.cast(x, like.dtype)
 
+    def widened(self, x):
+        return tf.cast(x, tf.float32) if x.dtype in (tf.float16, tf.bfloat16) else x
+
     def packed_distances(self, segment_ids):
         # In int64, as query_positions: an offset past int32's range must not wrap
         queries, keys = (tf.cast(x, tf.int64) for x in self.packed_positions(segment_ids))

@@ -407,6 +407,9 @@ class _Masks(Masks):
     def cast_like(self, x, like):
         return x.to(like.dtype)
 
+    def widened(self, x):
+        return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
 
