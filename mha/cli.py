@@ -474,6 +474,11 @@ def _add_conform_command(commands) -> None:
         "JAX's first GPU); the references run where the framework puts its arrays. Default: "
         "where the framework puts them",
     )
+    conform.add_argument(
+        "--outputs-only",
+        action="store_true",
+        help="compare the outputs alone, not the gradients (a kernel with no backward)",
+    )
     conform.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
@@ -494,7 +499,12 @@ def _conform(arguments, out, err) -> int:
         except ValueError as error:
             raise UsageError(str(error)) from None
     rows = conformance.run(
-        function, framework, dtypes, empty_rows=arguments.empty_rows, device=arguments.device
+        function,
+        framework,
+        dtypes,
+        empty_rows=arguments.empty_rows,
+        gradients=not arguments.outputs_only,
+        device=arguments.device,
     )
     if arguments.json:
         print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1), file=out)

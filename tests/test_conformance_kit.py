@@ -703,6 +703,30 @@ def test_a_nan_gradient_differs_and_a_failing_backward_is_an_error():
     assert row.status == "agrees" and row.gradient_difference < 1e-5
 
 
+def forward_only_attention(query, key, value, **options):
+    """mha's torch function run without autograd, as an inference kernel runs."""
+    from mha.backends import torch as T
+
+    with framework_import("torch").no_grad():
+        return T.dot_product_attention(query, key, value, **options)
+
+
+@pytest.mark.torch
+def test_outputs_only_holds_a_kernel_with_no_backward_to_its_outputs(capsys):
+    # Its gradients cannot be taken: every case whose gradients are compared an error (those
+    # with NaN at masked keys compare outputs alone), unless the outputs alone are asked
+    target = f"{sys.modules[__name__].__name__}:forward_only_attention"
+    command = ["conform", target, "--framework", "torch", "--dtypes", "float32"]
+    assert cli.main(command) == 1
+    failed = sum(case.inputs != "nan at masked keys" for case in conformance.CASES)
+    counts = f"{failed} of the {len(conformance.CASES)} rows taken (a case in a dtype)"
+    assert f"{counts} do not agree" in capsys.readouterr().err
+    assert cli.main([*command, "--outputs-only", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["status"] for row in rows} == {"agrees"} and len(rows) == len(conformance.CASES)
+    assert all(row["gradient_difference"] is None for row in rows)
+
+
 @pytest.mark.jax
 def test_without_jaxs_64_bit_mode_the_outputs_alone_are_compared():
     # No float64 reference gradients there: the function's backward is not run, so one that
