@@ -183,7 +183,7 @@ class Masks:
             if packed is None:
                 alibi = self.expand_dims(slopes * self.distances(slopes), 0)
             else:
-                alibi = slopes * self.expand_dims(self.cast_like(packed, slopes), 1)
+                alibi = slopes * self.expand_dims(self.distances(slopes, packed), 1)
             alibi = self.cast_like(alibi, alibi_slopes)
             bias = alibi if bias is None else bias + alibi
         return keep, bias
@@ -318,8 +318,9 @@ class Masks:
         the same chunk of positions."""
         raise NotImplementedError
 
-    def distances(self, like: Any) -> Any:
-        """(Q, K) in the dtype of `like`: key j's position less query i's, j - (offset + i)."""
+    def distances(self, like: Any, packed: Any = None) -> Any:
+        """(Q, K) in the dtype of `like`: key j's position less query i's, j - (offset + i);
+        or packed_distances' `packed` (batch_size, Q, K) in that dtype."""
         raise NotImplementedError
 
     def windows(self, window_mask: Any) -> Any:

@@ -372,7 +372,9 @@ class _Masks(Masks):
     def chunk_mask(self, size):
         return self.query_positions(size) // size == self.key_positions() // size
 
-    def distances(self, like):
+    def distances(self, like, packed=None):
+        if packed is not None:
+            return packed.astype(like.dtype)
         return (self.key_positions() - self.query_positions()).astype(like.dtype)
 
     def query_positions(self, size: Any = 0):

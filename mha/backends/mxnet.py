@@ -536,10 +536,11 @@ class _Masks(Masks):
         # ints; float64, whose quotients round down to the right chunk up to 2**53
         return self.F.np.floor(positions.astype("float64") / size)
 
-    def distances(self, like):
+    def distances(self, like, packed=None):
         # A traced graph knows no dtypes: the call's is the scores', float32 for float16
-        distances = self.key_positions - self.F.np.expand_dims(self.query_positions, -1)
-        return distances.astype(_widened(self.call.dtype))
+        if packed is None:
+            packed = self.key_positions - self.F.np.expand_dims(self.query_positions, -1)
+        return packed.astype(_widened(self.call.dtype))
 
     def windows(self, window_mask):
         batch_positions = _positions(self.F, self.queries, 0, self.call.dtype)

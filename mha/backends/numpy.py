@@ -307,7 +307,9 @@ class _Masks(Masks):
         queries = (np.arange(self.num_queries)[:, None] + self.offset) // size
         return queries == np.arange(self.num_keys)[None, :] // size
 
-    def distances(self, like):
+    def distances(self, like, packed=None):
+        if packed is not None:
+            return packed.astype(like.dtype)
         queries = np.arange(self.num_queries)[:, None] + self.offset
         return (np.arange(self.num_keys)[None, :] - queries).astype(like.dtype)
 

@@ -394,7 +394,9 @@ class _Masks(Masks):
         queries = tf.range(self.num_queries, dtype=dtype)[:, None] + tf.cast(self.offset, dtype)
         return queries // size == tf.range(self.num_keys, dtype=dtype)[None, :] // size
 
-    def distances(self, like):
+    def distances(self, like, packed=None):
+        if packed is not None:
+            return tf.cast(packed, like.dtype)
         return tf.cast(self.key_positions() - self.query_positions(), like.dtype)
 
     def query_positions(self):

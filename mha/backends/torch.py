@@ -383,7 +383,9 @@ class _Masks(Masks):
         keys = torch.arange(self.num_keys, device=self.device)[None, :]
         return queries // size == keys // size
 
-    def distances(self, like):
+    def distances(self, like, packed=None):
+        if packed is not None:
+            return packed.to(like.dtype)
         queries = torch.arange(self.num_queries, device=self.device)[:, None] + self.offset
         keys = torch.arange(self.num_keys, device=self.device)[None, :]
         return (keys - queries).to(like.dtype)
