@@ -245,6 +245,28 @@ def test_a_float32_bias_meets_the_scores_in_float32_inside_autocast(T, torch):
     np.testing.assert_allclose(output.float().numpy(), expected, atol=3e-2)
 
 
+@pytest.mark.parametrize("need_weights", [True, False])
+@pytest.mark.parametrize("name", ["MultiHeadAttention", "MultiHeadLatentAttention"])
+def test_a_float32_bias_of_small_steps_is_added_in_float32_on_every_path(
+    T, torch, name, need_weights
+):
+    """-1000 + 0.75 k at key k: in bfloat16 (steps of 4 there) every key's bias is one number.
+    Without weights the call took SDPA's kernel, whose mask autocast rounds with its inputs:
+    0.59 off the reference (0.97 for latent attention), where the other path is 5e-3 off."""
+    sizes = {"query_size": D, "key_size": D, "value_size": D}
+    if name == "MultiHeadLatentAttention":
+        sizes = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4}
+    layer, reference = (getattr(M, name)(D, H, **sizes) for M in (T, N))
+    mha.set_weights(reference, mha.get_weights(layer))
+    X = np.random.default_rng(0).standard_normal((B, L, D)).astype("float32")
+    bias = np.broadcast_to(-1000 + 0.75 * np.arange(L, dtype="float32"), (B, 1, L, L))
+    inputs = [torch.from_numpy(X)] * (1 if name == "MultiHeadLatentAttention" else 3)
+    expected = reference(*[X] * len(inputs), attn_bias=bias)
+    with torch.no_grad(), _autocast(torch, "bfloat16"):
+        output = layer(*inputs, attn_bias=torch.from_numpy(bias.copy()), need_weights=need_weights)
+    np.testing.assert_allclose(output.float().numpy(), expected, atol=3e-2)
+
+
 def test_a_layer_on_the_meta_device_runs_inside_autocast(T, torch):
     """The meta device has no autocast state to read: the layer's own dtype applies."""
     layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D).to("meta")

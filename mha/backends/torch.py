@@ -116,14 +116,6 @@ _TORCH_DTYPES = {
 }
 
 
-def _autocasting(device: str) -> bool:
-    """Whether torch.autocast casts operations on this device type now."""
-    try:
-        return torch.is_autocast_enabled(device)
-    except RuntimeError:  # a device type without autocast (meta) has no state of it
-        return False
-
-
 def _continued(cached: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     """A cache's tensor, then this call's, along the positions (dim). torch's cat fails on
     one half dtype beside the other inside autocast: the cache's dtype is named instead."""
@@ -169,7 +161,7 @@ class Module(nn.Module):
             self._leave_meta(X.device)
             marker = self._buffers["_dtype_marker"]
         dtype, device = plain_dtype_name(marker.dtype), marker.device.type
-        if dtype == "float64" or not _autocasting(device):
+        if dtype == "float64" or not fused.autocasting(device):
             return dtype
         autocast = plain_dtype_name(torch.get_autocast_dtype(device))
         return dtype if autocast == dtype else (dtype, autocast)
@@ -448,7 +440,8 @@ def _softmax(scores: torch.Tensor, keep: torch.Tensor | None, in_place: bool = F
     # nor torch.func's wrapped tensors; and autocast would not cast it (CUDA's softmax is
     # float32 there)
     own = not fused.building_a_graph() and not fused.functorch_wrapped(scores)
-    if in_place and not scores.requires_grad and own and not _autocasting(scores.device.type):
+    autocasting = fused.autocasting(scores.device.type)
+    if in_place and not scores.requires_grad and own and not autocasting:
         weights = torch.softmax(scores, dim=-1, out=scores)
     else:
         weights = torch.softmax(scores, dim=-1)

@@ -198,6 +198,14 @@ _OWN_KERNELS = tuple(
 )
 
 
+def autocasting(device: str) -> bool:
+    """Whether torch.autocast casts operations on this device type now."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type without autocast (meta) has no state of it
+        return False
+
+
 def _why_not_fused(keep: torch.Tensor | None, bias: torch.Tensor | None, empty_rows: str,
                    adds_exactly: bool) -> str | None:
     """Why F.scaled_dot_product_attention cannot compute this call, or None when it can;
@@ -205,6 +213,9 @@ def _why_not_fused(keep: torch.Tensor | None, bias: torch.Tensor | None, empty_r
     if bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
         # a bias of -1e4 rounds the float16 sum of every score to one number: uniform weights
         return "the kernel adds a half-precision bias in float32, the reference in its dtype"
+    if bias is not None and autocasting(bias.device.type):
+        # autocast casts the kernel's mask with its inputs: a float32 bias rounded to half
+        return "inside torch.autocast the kernel's float32 bias would be rounded to its dtype"
     if keep is not None and empty_rows == "uniform":
         return "a row with no key takes uniform weights, which the kernel does not give"
     if not adds_exactly:
