@@ -152,15 +152,20 @@ def test_float16_attention_on_the_cpu_is_a_clear_error(MX, mx, hybridize):
     layers = (MX.DotProductAttention(dtype="float16"),
               MX.AdditiveAttention(4, dtype="float16"),
               MX.MultiHeadAttention(D, 2, dtype="float16"))  # fmt: skip
-    message = r"attention layers of the mxnet backend run on a GPU context only.*queries on cpu"
+    message = r"attention layers of the mxnet backend run on a GPU context only.*: {} on cpu"
     for layer in layers:
         if hybridize:
             layer.hybridize()
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=message.format("queries")):
             layer(X, X, X)
+    # Latent attention names its X, the function its query
+    sizes = {"kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 2}
+    latent = MX.MultiHeadLatentAttention(D, 2, **sizes, dtype="float16")
+    with pytest.raises(ValueError, match=message.format("X")):
+        latent(X)
     # The function refuses an empty batch as it refuses any other
     heads = MX.from_numpy(np.ones((0, 2, Q, D), "float16"))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message.format("query")):
         MX.dot_product_attention(heads, heads, heads, causal=True)
     # Nothing failed inside MXNet: the next operation runs
     assert MX.to_numpy(X + X).sum() == 2 * B * Q * D

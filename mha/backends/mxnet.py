@@ -424,14 +424,14 @@ def _empty(like, *shape):
     return mx.np.zeros(shape, dtype=like.dtype, ctx=like.ctx)
 
 
-def _check_float16_context(dtype: str, queries: mx.np.ndarray) -> None:
+def _check_float16_context(dtype: str, queries: mx.np.ndarray, name: str = "queries") -> None:
     # MXNet 1.9.1 multiplies float16 matrices on a GPU only: on the CPU its engine fails, and
     # the failure surfaces in the caller's next operation
     if dtype == "float16" and queries.ctx.device_type != "gpu":
         raise ValueError(
             "float16 attention layers of the mxnet backend run on a GPU context only: MXNet "
             "1.9.1 has no float16 matrix product on the CPU. Use float32, or inputs on "
-            f"mx.gpu(). Received: queries on {queries.ctx}"
+            f"mx.gpu(). Received: {name} on {queries.ctx}"
         )
 
 
@@ -810,7 +810,7 @@ def dot_product_attention(query, key, value, *, mask=None, bias=None, scale=None
     smallest = _check_valid_lens_values(valid_lens)
     batch_size, num_heads, num_kv_heads, num_queries, num_keys = sizes
     F, dtype = mx.nd, numpy.dtype(query.dtype).name
-    _check_float16_context(dtype, query)
+    _check_float16_context(dtype, query, "query")
     if batch_size == 0:
         return _empty_function_result(query, value, num_keys, return_weights, return_lse)
     offset = function_checks.first_position(alignment, num_queries, num_keys)
@@ -1348,7 +1348,7 @@ class MultiHeadLatentAttention(Layer):
             latent_sizes=(self.kv_lora_rank, self.qk_rope_head_dim), tensor_type=_TENSOR_TYPES,
         )
         _check_valid_lens_values(valid_lens)
-        _check_float16_context(self.dtype, X)
+        _check_float16_context(self.dtype, X, "X")
         # The positions before this call's: those in the cache
         offset = 0 if cache is None or cache.latent is None else cache.latent.shape[1]
         if X.shape[0] == 0:
