@@ -267,6 +267,21 @@ def test_a_float32_bias_of_small_steps_is_added_in_float32_on_every_path(
     np.testing.assert_allclose(output.float().numpy(), expected, atol=3e-2)
 
 
+def test_autocast_keeps_a_call_off_the_kernel_only_where_it_would_round_the_bias(T, torch):
+    # Inside autocast a float32 bias would be cast with SDPA's inputs: the scores path. A
+    # float64 call, which autocast leaves alone, keeps the kernel, as without a bias
+    from mha.backends import torch_fused
+
+    for dtype, path in ((torch.float32, "scores"), (torch.float64, "fused")):
+        q = torch.zeros(B, H, L, D // H, dtype=dtype)
+        bias = torch.zeros(B, 1, L, L, dtype=dtype)
+        with _autocast(torch, "bfloat16"):
+            chosen = torch_fused.choose_path(q, q, q, None, bias, False, "zeros", 0.0)
+            unbiased = torch_fused.choose_path(q, q, q, None, None, False, "zeros", 0.0)
+        assert (chosen, unbiased) == (path, "fused")
+        assert torch_fused.choose_path(q, q, q, None, bias, False, "zeros", 0.0) == "fused"
+
+
 def test_a_layer_on_the_meta_device_runs_inside_autocast(T, torch):
     """The meta device has no autocast state to read: the layer's own dtype applies."""
     layer = T.MultiHeadAttention(D, H, query_size=D, key_size=D, value_size=D).to("meta")

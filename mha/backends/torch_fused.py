@@ -213,8 +213,9 @@ def _why_not_fused(keep: torch.Tensor | None, bias: torch.Tensor | None, empty_r
     if bias is not None and bias.dtype in (torch.float16, torch.bfloat16):
         # a bias of -1e4 rounds the float16 sum of every score to one number: uniform weights
         return "the kernel adds a half-precision bias in float32, the reference in its dtype"
-    if bias is not None and autocasting(bias.device.type):
+    if bias is not None and bias.dtype == torch.float32 and autocasting(bias.device.type):
         # autocast casts the kernel's mask with its inputs: a float32 bias rounded to half
+        # (a float64 one it leaves, as it leaves the float64 layer)
         return "inside torch.autocast the kernel's float32 bias would be rounded to its dtype"
     if keep is not None and empty_rows == "uniform":
         return "a row with no key takes uniform weights, which the kernel does not give"
