@@ -36,6 +36,7 @@ from mha.weights import (
     find_problems,
     get_weights,
     import_weights,
+    in_dtype,
     layer_info,
     numpy_dtype,
     raise_problems,
@@ -264,7 +265,7 @@ def load(path: str | os.PathLike, backend: str | None = None, *, dtype: str | No
     class_name, config, weights = checkpoint.class_name, checkpoint.config, checkpoint.weights
     if dtype is not None:
         config = {**config, "dtype": check_dtype(dtype)}
-        weights = {name: w.astype(numpy_dtype(config["dtype"])) for name, w in weights.items()}
+        weights = {name: in_dtype(name, w, config["dtype"]) for name, w in weights.items()}
     layer = build_layer(module, class_name, config)
     if weights:
         import_weights(module, layer, weights)

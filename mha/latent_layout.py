@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from mha import validation
-from mha.interop.common import as_numpy
+from mha.interop.common import weight_array
 from mha.model_shapes import refuse_latent
 from mha.options import layer_defaults, untold
 from mha.weights import weight_shapes
@@ -106,7 +106,7 @@ def _weights(names: Mapping[str, Any], where: str) -> tuple[dict[str, np.ndarray
     for module, (weight, bias) in _MODULES.items():
         for name, canonical in ((f"{module}.weight", weight), (f"{module}.bias", bias)):
             if name in names and canonical is not None:
-                array = as_numpy(names[name])
+                array = weight_array(name, names[name], where)
                 transposed = array.ndim == 2  # a Linear's (out, in); a norm's scale is 1-D
                 weights[canonical] = np.ascontiguousarray(array.T if transposed else array)
                 used.append(name)

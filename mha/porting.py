@@ -55,7 +55,7 @@ import numpy as np
 
 from mha import latent_layout, validation
 from mha.config import get_backend
-from mha.interop.common import as_numpy
+from mha.interop.common import weight_array
 from mha.layer_args import check_dtype
 from mha.layouts import (
     LAYOUTS,
@@ -103,7 +103,7 @@ from mha.weights import (
     OPTION_DEFAULTS,
     build_layer,
     check_untold_options,
-    numpy_dtype,
+    in_dtype,
     set_weights,
 )
 
@@ -219,7 +219,7 @@ def _in_dtype(port: Port, dtype: str | None) -> Port:
                 "hold them in one (mha convert: --dtype)"
             )
         return port
-    weights = {name: w.astype(numpy_dtype(dtype)) for name, w in port.weights.items()}
+    weights = {name: in_dtype(name, w, dtype) for name, w in port.weights.items()}
     return port._replace(weights=weights, config={**port.config, "dtype": dtype})
 
 
@@ -393,7 +393,7 @@ def _beside_weights(names, extra: dict, offset: float, where: str, dtype: str | 
     }
     for name in ("q_norm", "k_norm"):
         if offset and name in weights:
-            norm = weights[name] if dtype is None else weights[name].astype(numpy_dtype(dtype))
+            norm = weights[name] if dtype is None else in_dtype(name, weights[name], dtype)
             weights[name] = norm + norm.dtype.type(offset)
     return weights
 
@@ -535,18 +535,7 @@ def _per_head_norms(layout: Layout, names, canonical: str, where: str) -> tuple[
 
 def _read_arrays(names: Mapping[str, Any], used: list[str], where: str) -> dict[str, np.ndarray]:
     """The layout's tensors as numpy arrays of a float dtype mha reads."""
-    arrays = {}
-    for name in used:
-        try:
-            arrays[name] = as_numpy(names[name])
-        except Exception as error:  # sparse, quantized or data-less tensors, foreign objects
-            raise ValueError(f"{name} {where} cannot be read as an array: {error}") from None
-        if arrays[name].dtype.name not in validation.FLOAT_DTYPES:
-            raise ValueError(
-                f"{name} {where} holds {arrays[name].dtype.name} numbers; mha "
-                f"reads weights of {', '.join(validation.FLOAT_DTYPES)}"
-            )
-    return arrays
+    return {name: weight_array(name, names[name], where) for name in used}
 
 
 def _heads(layout: Layout, told: int | None, given: int | None, where: str) -> int:

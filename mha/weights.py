@@ -460,6 +460,22 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def in_dtype(name: str, array: np.ndarray, dtype: str) -> np.ndarray:
+    """A weight cast to the dtype named, or a ValueError where a finite number would be inf
+    there (a bfloat16 checkpoint's weight past 65504 held in float16)."""
+    with np.errstate(over="ignore"):
+        cast = array.astype(numpy_dtype(dtype))
+    if not np.isfinite(cast).all():  # each a float dtype (ml_dtypes' bfloat16 of kind "V")
+        overflowed = np.isfinite(array) & ~np.isfinite(cast)
+        if overflowed.any():
+            largest = float(np.abs(array[overflowed].astype(np.float64)).max())
+            raise ValueError(
+                f"{name} holds {largest:g}, past {dtype}'s largest number: it would be inf "
+                f"there. Hold the weights in a wider dtype"
+            )
+    return cast
+
+
 def _layer_class_name_of_type(cls: type) -> str:
     for base in cls.__mro__:
         if base.__name__ in LAYER_CLASSES and base.__module__.startswith("mha.backends."):

@@ -597,6 +597,41 @@ def test_mha_convert_writes_a_deepseek_v3_layer_as_a_checkpoint(tmp_path, capsys
 
 
 @pytest.mark.torch
+def test_a_latent_port_refuses_weights_of_a_dtype_it_does_not_read_by_name():
+    # FP8, as DeepSeek-V3 is released, was torch's bare TypeError and int8 was taken as
+    # numbers; the other layouts name the tensor, and so does this one
+    from mha import porting
+
+    torch = framework_import("torch")
+    prefix = "layers.0.self_attn"
+    state = _tiny_deepseek_state("deepseek_v3")
+    weight = state[f"{prefix}.kv_b_proj.weight"]
+    dtypes = [torch.int8, *(d for d in [getattr(torch, "float8_e4m3fn", None)] if d)]
+    for dtype in dtypes:
+        given = {**state, f"{prefix}.kv_b_proj.weight": (weight * 100).to(dtype)}
+        with pytest.raises(ValueError, match=r"kv_b_proj.weight under 'layers.0.self_attn' "):
+            porting.from_state_dict(given, prefix, num_heads=4, rope_theta=10000.0)
+
+
+@pytest.mark.torch
+def test_a_port_to_a_narrower_dtype_refuses_a_weight_it_would_make_inf():
+    # A bfloat16 checkpoint's weight of 1e5 held in float16 (largest 65504) was inf, with
+    # only numpy's overflow warning, and every output NaN
+    import mha
+    from mha import porting
+
+    torch = framework_import("torch")
+    prefix = "layers.0.self_attn"
+    state = {k: v.to(torch.bfloat16) for k, v in _tiny_deepseek_state("deepseek_v3").items()}
+    state[f"{prefix}.o_proj.weight"][0, 0] = 1e5
+    with pytest.raises(ValueError, match=r"W_o holds 99840, past float16's largest number"):
+        porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0, dtype="float16")
+    layer = porting.from_state_dict(state, prefix, num_heads=4, rope_theta=10000.0,
+                                    dtype="float32", backend="numpy")  # fmt: skip
+    assert mha.get_weights(layer)["W_o"][0, 0] == 99840.0  # bfloat16's 1e5, held exactly
+
+
+@pytest.mark.torch
 def test_deepseek_v3_2_sparse_attention_is_not_listed_as_v3_and_its_port_is_refused():
     # DeepSeek-V3.2's attention holds V3's latent modules and an indexer that picks the keys
     # of each query: find_attention does not list it as V3's, and its port says why

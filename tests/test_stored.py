@@ -213,6 +213,20 @@ def test_a_bfloat16_port_widens_to_the_dtype_asked_for(tmp_path):
     np.testing.assert_array_equal(loaded(X, X, X), expected(X, X, X))
 
 
+def test_loading_into_a_narrower_dtype_refuses_a_weight_it_would_make_inf(tmp_path):
+    # A float32 file's weight of 1e5 read into float16 (largest 65504) was inf, silently
+    layer = backend_module("numpy").MultiHeadAttention(8, 2, query_size=8, key_size=8,
+                                                       value_size=8)  # fmt: skip
+    weights = mha.get_weights(layer)
+    weights["W_v"][1, 2] = 1e5
+    mha.set_weights(layer, weights)
+    mha.save(layer, tmp_path / "layer.safetensors")
+    with pytest.raises(ValueError, match="W_v holds 100000, past float16's largest number"):
+        mha.load(tmp_path / "layer.safetensors", backend="numpy", dtype="float16")
+    loaded = mha.load(tmp_path / "layer.safetensors", backend="numpy", dtype="float64")
+    assert mha.get_weights(loaded)["W_v"][1, 2] == 1e5
+
+
 def run(*argv):
     out, err = io.StringIO(), io.StringIO()
     code = cli.main([str(a) for a in argv], out=out, err=err)

@@ -56,6 +56,21 @@ def as_numpy(x: Any) -> np.ndarray:
     return x.astype(x.dtype.newbyteorder("=")) if x.dtype.byteorder not in "=|" else x
 
 
+def weight_array(name: str, tensor: Any, where: str) -> np.ndarray:
+    """A checkpoint's tensor as a numpy array of a float dtype mha reads, or a ValueError
+    naming it (FP8, quantized, sparse or data-less tensors, foreign objects)."""
+    try:
+        array = as_numpy(tensor)
+    except Exception as error:
+        raise ValueError(f"{name} {where} cannot be read as an array: {error}") from None
+    if array.dtype.name not in validation.FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} {where} holds {array.dtype.name} numbers; mha "
+            f"reads weights of {', '.join(validation.FLOAT_DTYPES)}"
+        )
+    return array
+
+
 def refuse_overrides(
     layer: Any, base: type, methods: tuple[str, ...], equivalent: frozenset[str] = frozenset()
 ) -> None:
