@@ -30,7 +30,8 @@ MESSAGE = (
     "valid_lens, the segment ids of the queries and a window_mask share the no. of queries; "
     "the attention function's query and key (DotProductAttention's queries and keys) share "
     "a head size, and key-value heads divide "
-    "the query heads; AddNorm's X and Y share every size, num_hiddens last, as an "
+    "the query heads; a layer's queries, keys and values (X) have the features its "
+    "projections take; AddNorm's X and Y share every size, num_hiddens last, as an "
     "encoding's X has num_hiddens features; a window_mask "
     "has the call's keys, the cached ones included)"
 )
@@ -48,7 +49,7 @@ def shared_sizes(
     cache: Any = None,
     kv_heads: tuple[int, int] | None = None,
     window_mask: Any = None,
-    query_key_size: Any = None,
+    features: tuple = (None, None, None),
 ) -> list[tuple[Any, tuple]]:
     """(tensor, its sizes by name) of each of the call's tensors whose sizes another's fix,
     as `mha.validation.check_attention_call` checks them: queries (batch_size, no. of queries,
@@ -57,10 +58,12 @@ def shared_sizes(
     segment_ids of the queries and of the keys, a KVCache's keys and values (batch_size,
     num_kv_heads, cached positions, head size) or a LatentCache's tensors, a window_mask's
     queries (its windows divide the batch, its keys count the cached ones too). Masks and
-    attn_bias broadcast, which the framework's own operations check. query_key_size: the
-    name of the features the queries and keys share, where no projection takes them."""
-    found = [(queries, (BATCH, QUERIES, query_key_size))]
-    found += [(keys, (BATCH, KEYS, query_key_size)), (values, (BATCH, KEYS, None))]
+    attn_bias broadcast, which the framework's own operations check. features: the
+    queries', keys' and values' last sizes, each an int (what a projection takes), a name
+    (the head size DotProductAttention's queries and keys share) or None (any)."""
+    query_features, key_features, value_features = features
+    found = [(queries, (BATCH, QUERIES, query_features))]
+    found += [(keys, (BATCH, KEYS, key_features)), (values, (BATCH, KEYS, value_features))]
     if valid_lens is not None:
         found.append((valid_lens, (BATCH, QUERIES)[: len(shape_of(valid_lens))]))
     if head_mask is not None:

@@ -902,6 +902,39 @@ def test_dot_product_attention_traced_for_any_features_ties_the_queries_to_the_k
         traced(queries[..., :1], keys, values)
 
 
+LATENT_SIZES = {"kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 4}
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("name, wrong", [
+    ("MultiHeadAttention", 0), ("MultiHeadAttention", 1), ("MultiHeadAttention", 2),
+    ("AdditiveAttention", 0), ("AdditiveAttention", 1), ("MultiHeadLatentAttention", 0),
+])  # fmt: skip
+def test_a_layer_traced_for_any_features_refuses_another_number(TF, tf, name, wrong,
+                                                                 jit_compile):  # fmt: skip
+    # A graph of unknown features gave TensorFlow's MatMul or reshape error, naming no input
+    arguments = {"MultiHeadAttention": (8, 2), "AdditiveAttention": (8,),
+                 "MultiHeadLatentAttention": (8, 2)}[name]  # fmt: skip
+    named = LATENT_SIZES if name == "MultiHeadLatentAttention" else {}
+    layer = getattr(TF, name)(*arguments, **named)
+    rng = np.random.default_rng(8)
+    tensors = [rng.standard_normal((2, n, 6)).astype(np.float32) for n in (3, 4, 4)]
+    if name == "MultiHeadLatentAttention":
+        tensors = [rng.standard_normal((2, 3, 8)).astype(np.float32)]
+    layer(*tensors)  # built with the features it takes
+    expected_layer = getattr(reference, name)(*arguments, **named)
+    mha.set_weights(expected_layer, mha.get_weights(layer))
+    spec = [tf.TensorSpec((None, None, None))] * len(tensors)
+    traced = tf.function(lambda *given: layer(*given), input_signature=spec,
+                         jit_compile=jit_compile)  # fmt: skip
+    np.testing.assert_allclose(traced(*tensors).numpy(), expected_layer(*tensors), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    tensors[wrong] = tensors[wrong][..., :5]
+    message = XLA_REFUSAL if jit_compile else "mha: the tensors of the call disagree"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+        traced(*tensors)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
 def test_add_norm_traced_for_any_size_refuses_a_y_of_another_shape(TF, tf, jit_compile):
     # Y of one example for three broadcast over X in a graph of unknown sizes

@@ -781,7 +781,8 @@ class DotProductAttention(_AttentionLayer):
         )
         segment_ids = _as_segments(segment_ids)
         tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids,
-                            window_mask=window_mask, query_key_size=traced_sizes.HEAD_SIZE)
+                            window_mask=window_mask,
+                            features=(traced_sizes.HEAD_SIZE, traced_sizes.HEAD_SIZE, None))
         queries, keys, values, valid_lens, window_mask = map(
             tie, (queries, keys, values, valid_lens, window_mask))
         segment_ids = _tied_segments(tie, segment_ids)
@@ -868,7 +869,8 @@ class AdditiveAttention(_AttentionLayer):
         )
         segment_ids = _as_segments(segment_ids)
         tie = _shared_sizes(queries, keys, values, valid_lens, segment_ids=segment_ids,
-                            window_mask=window_mask)
+                            window_mask=window_mask,
+                            features=(_in_features(self.W_q), _in_features(self.W_k), None))
         queries, keys, values, valid_lens, window_mask = map(
             tie, (queries, keys, values, valid_lens, window_mask))
         segment_ids = _tied_segments(tie, segment_ids)
@@ -1032,7 +1034,8 @@ class MultiHeadAttention(_AttentionLayer):
         tie = _shared_sizes(queries, keys, values, valid_lens, head_mask=head_mask,
                             num_heads=self.num_heads, segment_ids=segment_ids, cache=cache,
                             kv_heads=(num_kv_heads, self.num_hiddens // self.num_heads),
-                            window_mask=window_mask)
+                            window_mask=window_mask, features=tuple(map(
+                                _in_features, (self.W_q, self.W_k, self.W_v))))
         queries, keys, values, valid_lens, head_mask, window_mask = map(
             tie, (queries, keys, values, valid_lens, head_mask, window_mask))
         segment_ids, cache = _tied_segments(tie, segment_ids), _tied_cache(tie, cache)
@@ -1212,7 +1215,8 @@ class MultiHeadLatentAttention(_AttentionLayer):
         if cache is not None:
             # A LatentCache of tensors (numpy arrays converted), as the call returns it
             cache = LatentCache(*_as_tensors(*cache))
-        tie = _shared_sizes(X, X, X, valid_lens, window_mask=window_mask, cache=cache)
+        tie = _shared_sizes(X, X, X, valid_lens, window_mask=window_mask, cache=cache,
+                            features=(self.num_hiddens,) * 3)
         X, valid_lens, window_mask = map(tie, (X, valid_lens, window_mask))
         cache = _tied_cache(tie, cache)
         if mask is None and isinstance(X, tf.Tensor):
