@@ -59,15 +59,35 @@ SMALLEST_NORMAL = {
 }
 
 
+# The largest soft cap of each float dtype: the quotient of a score by it falls below the
+# smallest normal number, which XLA and TensorFlow flush to 0, only where the score is below
+# the dtype's rounding of 1 (epsilon over the smallest normal float32, or float64, number)
+LARGEST_SOFTCAP = {
+    "float16": LARGEST_FLOAT["float16"],
+    "bfloat16": 2.0**119,
+    "float32": 2.0**103,
+    "float64": 2.0**970,
+}
+
+
 def check_held_in_dtype(name: str, value: Any, dtype: str) -> None:
     """A number the scores are scaled by in `dtype` (scale, softcap) must be finite there:
     past its largest number it is infinity, and the scores NaN, in every backend but torch;
     below the smallest normal number XLA and TensorFlow flush it to 0 (a half dtype's scale
-    multiplies in float32, as torch's; the soft cap divides the scores in their dtype)."""
+    multiplies in float32, as torch's; the soft cap divides the scores in their dtype). A
+    soft cap past LARGEST_SOFTCAP would have them flush scores that count to 0."""
     if value is not None and value > LARGEST_FLOAT[dtype]:
         raise ValueError(
             f"{name} must be at most {LARGEST_FLOAT[dtype]:g}, the largest {dtype} number, "
             f"since the scores are scaled in {dtype}. Received: {name}={value!r}"
+        )
+    if name == "softcap" and value is not None and value > LARGEST_SOFTCAP[dtype]:
+        raise ValueError(
+            f"softcap must be at most {LARGEST_SOFTCAP[dtype]:g} in {dtype}: XLA and "
+            f"TensorFlow flush to 0 a score divided by a larger cap where the quotient is not "
+            f"a normal number, which would then be a score larger than {dtype}'s rounding of "
+            f"1 (a cap this large leaves the scores as they are: give none). "
+            f"Received: softcap={value!r}"
         )
     kind = "float32" if name == "scale" and dtype in ("float16", "bfloat16") else dtype
     if value is not None and value < SMALLEST_NORMAL[kind]:

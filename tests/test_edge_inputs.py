@@ -508,6 +508,36 @@ def test_a_scale_below_float16s_normal_numbers_multiplies_in_float32(name):
 
 
 @pytest.mark.parametrize("name", backend_params())
+def test_a_soft_cap_is_at_most_what_keeps_the_scores_quotients_normal(name):
+    """XLA and TensorFlow flush to 0 a quotient below the smallest normal number: with a
+    cap of 1e38 in float32 every score of a few units was 0 there, the weights uniform. Up to
+    epsilon over the smallest normal number (float32's for bfloat16) only scores below the
+    dtype's rounding of 1 flush, which the formula's numbers hold; past it, refused."""
+    module = backend_module(name)
+    rng = np.random.default_rng(4)
+    for dtype in ("float32", "float64", "bfloat16"):
+        if dtype not in BACKEND_DTYPES[name]:
+            continue
+        wide = "float64" if dtype == "float64" else "float32"
+        ceiling = float(np.finfo(numpy_dtype(dtype)).eps) / float(np.finfo(wide).tiny)
+        query, key, value = rng.standard_normal((3, 1, 2, 5, 4)).astype(numpy_dtype(dtype))
+        q, k, v = map(module.from_numpy, (query, key, value))
+        exact = [x.astype("float64") for x in (query, key, value)]
+        scores = exact[0] @ exact[1].swapaxes(-1, -2) / 2
+        scores = ceiling * np.tanh(scores / ceiling)
+        expected = _softmax64(scores, np.ones(scores.shape, bool)) @ exact[2]
+        output = module.to_numpy(module.dot_product_attention(q, k, v, softcap=ceiling))
+        if dtype == "bfloat16":  # each product in float32, rounded once (as above)
+            assert np.abs(output.astype("float64") - expected).max() <= 2e-2
+        else:
+            assert_agrees(output, expected, dtype)
+        with pytest.raises(ValueError, match="softcap must be at most"):
+            module.dot_product_attention(q, k, v, softcap=ceiling * 2)
+        with pytest.raises(ValueError, match="softcap must be at most"):
+            module.MultiHeadAttention(8, 2, softcap=ceiling * 2, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_a_lazy_layer_refuses_inputs_without_features(name):
     # The constructor refuses query_size=0; a lazy layer taking it from its first call
     # refuses it there, rather than dividing by it or keeping a (0, h) projection
