@@ -782,6 +782,30 @@ def test_keras_to_mha(keras, name, config, dtype):
 
 
 @pytest.mark.tensorflow
+def test_a_keras_layer_of_head_size_one_converts_to_its_formula(keras):
+    # Keras on TensorFlow adds the (heads, 1) biases along the positions where a sequence is
+    # as long as the heads (docs/weights-and-files.md): the converted layer keeps the formula
+    builtin = keras.layers.MultiHeadAttention(4, 1, dtype="float64")
+    rng = np.random.default_rng(11)
+    X = rng.standard_normal((2, 4, 6))
+    builtin(X, X)
+    randomize_keras(builtin, seed=12)
+    weights = {w.path.split("/")[-2] + "/" + w.name: np.asarray(w) for w in builtin.weights}
+
+    def heads(name):  # (batch, heads, positions, 1)
+        kernel, bias = weights[f"{name}/kernel"], weights[f"{name}/bias"]
+        return np.einsum("bpf,fhd->bhpd", X, kernel) + bias[:, None, :]
+
+    scores = heads("query") @ heads("key").swapaxes(-1, -2)
+    attention = np.exp(scores - scores.max(-1, keepdims=True))
+    attention /= attention.sum(-1, keepdims=True)
+    kernel, bias = weights["attention_output/kernel"], weights["attention_output/bias"]
+    expected = np.einsum("bhpd,hdo->bpo", attention @ heads("value"), kernel) + bias
+    ours = interop.from_keras(builtin, backend="numpy")(X, X, X)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.tensorflow
 def test_a_float_keras_mask_attends_where_it_is_nonzero(keras):
     # Keras casts attention_mask to bool: 0.3, -1.0 and 2.0 attend, as 1.0 does
     builtin = keras.layers.MultiHeadAttention(2, 4, dtype="float64")
