@@ -98,6 +98,23 @@ def check_held_in_dtype(name: str, value: Any, dtype: str) -> None:
         )
 
 
+# The layers' epsilons, each added to a mean square or variance
+EPSILONS = ("eps", "qk_norm_eps", "norm_eps")
+
+
+def check_eps_normal(name: str, value: float, dtype: str) -> None:
+    """An epsilon is added to a mean square in float32 (float64 in a float64 layer), where
+    XLA and TensorFlow flush a number below the smallest normal one to 0: a row of no spread
+    would then be 0 / 0, NaN there and 0 in the other backends."""
+    kind = "float64" if dtype == "float64" else "float32"
+    if value < SMALLEST_NORMAL[kind]:
+        raise ValueError(
+            f"{name} must be at least {SMALLEST_NORMAL[kind]:g}, the smallest normal {kind} "
+            f"number, since it is added in {kind}, where XLA and TensorFlow flush a smaller one "
+            f"to 0 (a row of no spread would be NaN there). Received: {name}={value!r}"
+        )
+
+
 # Sizes, windows, chunks and positions are at most this: a sum of three of them stays exact in
 # int64 and in float64 (MXNet counts positions there), so no backend wraps or rounds one
 MAX_POSITION = 2**50
@@ -422,4 +439,6 @@ def check_layer_args(layer: str, arguments: Mapping[str, Any]) -> str:
     for option in options.layer_options(layer):
         if option.name in ("scale", "softcap"):
             check_held_in_dtype(option.name, arguments[option.name], dtype)
+        if option.name in EPSILONS:
+            check_eps_normal(option.name, arguments[option.name], dtype)
     return dtype

@@ -539,6 +539,38 @@ def test_a_soft_cap_is_at_most_what_keeps_the_scores_quotients_normal(name):
 
 
 @pytest.mark.parametrize("name", backend_params())
+def test_an_epsilon_below_the_smallest_normal_number_is_refused(name):
+    """XLA and TensorFlow flush an epsilon of 1e-40 to 0 where it is added (float32): a row
+    of no spread was 0 / 0, NaN there and 0 elsewhere. At float32's smallest normal number
+    such rows give the formula's numbers: AddNorm's its beta, a query of zeros under qk_norm
+    the values' mean."""
+    module = backend_module(name)
+    tiny = float(np.finfo("float32").tiny)
+    with pytest.raises(ValueError, match="eps must be at least"):
+        module.AddNorm(4, eps=1e-40)
+    with pytest.raises(ValueError, match="qk_norm_eps must be at least"):
+        module.MultiHeadAttention(4, 2, qk_norm="head", qk_norm_eps=1e-40)
+    with pytest.raises(ValueError, match="norm_eps must be at least"):
+        module.MultiHeadLatentAttention(8, 2, **LATENT_SIZES, norm_eps=1e-40)
+    X = np.ones((1, 3, 4), "float32")
+    beta = np.arange(4, dtype="float32")
+    layer = module.AddNorm(4, eps=tiny)
+    mha.set_weights(layer, {"gamma": np.ones(4, "float32"), "beta": beta})
+    output = module.to_numpy(layer(module.from_numpy(X), module.from_numpy(X)))
+    np.testing.assert_array_equal(output, np.broadcast_to(beta, (1, 3, 4)))
+    layer = module.MultiHeadAttention(4, 2, qk_norm="head", qk_norm_eps=tiny, query_size=4,
+                                      key_size=4, value_size=4)  # fmt: skip
+    eye = np.eye(4, dtype="float32")
+    ones = np.ones(2, "float32")  # each head's norm weight
+    mha.set_weights(layer, {"W_q": eye, "W_k": eye, "W_v": eye, "W_o": eye, "q_norm": ones,
+                            "k_norm": ones})  # fmt: skip
+    queries = np.zeros((1, 1, 4), "float32")
+    keys = np.random.default_rng(5).standard_normal((1, 3, 4)).astype("float32")
+    output = module.to_numpy(layer(*map(module.from_numpy, (queries, keys, keys))))
+    np.testing.assert_allclose(output, keys.mean(1, keepdims=True), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_a_lazy_layer_refuses_inputs_without_features(name):
     # The constructor refuses query_size=0; a lazy layer taking it from its first call
     # refuses it there, rather than dividing by it or keeping a (0, h) projection
