@@ -546,7 +546,8 @@ def _show_saved_report(arguments, out) -> int:
         _report_text(document, as_json=False)  # every field the table reads, read before printing
     except (OSError, ValueError, KeyError, TypeError, IndexError, ArithmeticError) as error:
         raise ValueError(
-            f"{arguments.report} is not a report written by `mha bench --output`: {error!r}"
+            f"{arguments.report} is not a report written by `mha bench --output`: "
+            f"{type(error).__name__}: {error}"
         ) from None
     _write_or_print(document, arguments, out)
     return 0

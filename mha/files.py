@@ -184,12 +184,15 @@ def parse_json(text: str | bytes) -> Any:
     """A JSON document whose objects name each key once (else the last would silently win).
 
     Raises:
-        ValueError: it is not JSON, names a key twice or nests deeper than Python's parser goes.
+        ValueError: it is not UTF-8 text or not JSON, names a key twice or nests deeper than
+            Python's parser goes.
     """
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except RecursionError:
         raise ValueError("its JSON nests deeper than Python's parser goes") from None
+    except UnicodeDecodeError as error:  # its repr would hold every byte it was given
+        raise ValueError(f"it is not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

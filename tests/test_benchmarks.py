@@ -383,6 +383,10 @@ def test_a_bad_report_or_a_run_option_with_it_is_a_usage_error(tmp_path):
     path.write_text('{"results": [], "results": []}')  # the last would silently win
     code, _, err = run("--report", str(path))
     assert code == 2 and "'results' more than once" in err
+    # A binary file: one short line (the decoder's error held every byte of it)
+    path.write_bytes(bytes(range(128, 256)) * 512)
+    code, _, err = run("--report", str(path))
+    assert code == 2 and "is not UTF-8 text" in err and len(err) < 400, len(err)
     code, _, err = run("--report", str(tmp_path))
     assert code == 2 and "is not a regular file" in err
     code, _, err = run("--report", str(path), "--quick", "--backends", "numpy")
