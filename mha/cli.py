@@ -187,6 +187,11 @@ def _compare(arguments, out, err) -> int:
         names, skipped = select_backends(arguments.backends)
         if arguments.device and not arguments.backends:
             names = placeable(names, skipped, arguments.device)
+        elif arguments.device not in (None, "cpu") and not _across_frameworks(names):
+            raise ValueError(
+                f"--device {arguments.device}: the NumPy reference computes on the CPU; name a "
+                f"framework to run there (--backends numpy,torch)"
+            )
     except (ValueError, BackendUnavailableError) as error:
         raise UsageError(str(error)) from None
     rows = _run_compare(arguments, names, shapes, err)

@@ -626,6 +626,9 @@ def test_a_path_no_encoding_holds_is_named_escaped_in_the_error(tmp_path):
 def test_compare_device_that_cannot_be_reached_is_a_usage_error():
     code, _, err = run("compare", "--backends", "numpy", "--device", "tpu")
     assert code == 2 and "--device" in err
+    # numpy alone on a GPU ran on the CPU (exit 3), where without --backends it is refused
+    code, out, err = run("compare", "--backends", "numpy", "--device", "gpu")
+    assert (code, out) == (2, "") and "the NumPy reference computes on the CPU" in err
 
 
 @pytest.mark.tensorflow
