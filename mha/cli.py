@@ -255,8 +255,9 @@ def _closing_lines(arguments, names, passed, out) -> None:
 
 
 def _hint_table(arguments, out) -> None:
-    if not arguments.table:
-        print("Every row: --table (or --json).", file=out)
+    if not arguments.table:  # mha verify has no --json
+        also = " (or --json)" if hasattr(arguments, "json") else ""
+        print(f"Every row: --table{also}.", file=out)
 
 
 # The exit code of a run that agrees where only numpy ran: nothing across frameworks

@@ -236,6 +236,8 @@ def test_verify_runs_in_the_dtype_given(tmp_path, monkeypatch):
         assert seen.pop() == dtype
         # float32 numbers hold a float64 run to float32's tolerance, and the legend says so
         assert "tolerance 1e-05 relative to the output's scale" in out, out
+        # the options it names are its own (verify has no --json)
+        assert out.rstrip().endswith("Every row: --table."), out
 
 
 def test_compare_on_numpy_alone_in_float64_says_what_was_compared():
