@@ -225,7 +225,11 @@ def _check_file_arguments(arguments, paths, kinds) -> dict:
         _refuse_config_left_beside(arguments, paths[0])
     options = _layer_options(arguments)
     if options and arguments.command == "inspect" and not from_model:
-        raise UsageError("--rope-theta, --rope-interleaved and --sliding-window go with --prefix")
+        flags = {"rope_theta": arguments.rope_theta, "rope_interleaved": arguments.rope_interleaved,
+                 "sliding_window": arguments.sliding_window}  # fmt: skip
+        named = [f"--{name.replace('_', '-')}" for name, value in flags.items() if value]
+        named += [f"--config's {name}" for name in options if not flags.get(name)]
+        raise UsageError(f"{', '.join(named)}: layer options, which go with --prefix")
     if not from_model and arguments.scale is not None and kinds[0] != "mha":
         raise UsageError("--scale goes with --prefix, or with an mha checkpoint")
     if not from_model and arguments.scale is not None and arguments.command == "inspect":

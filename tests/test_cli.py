@@ -605,6 +605,15 @@ def test_inspect_prints_class_config_and_shapes(tmp_path):
     # The file records its scale: --scale, which would not be shown, is a usage error
     code, _, err = run("inspect", path, "--scale", "0.5")
     assert code == 2 and "mha inspect takes --scale with --prefix" in err
+    # Layer options without --prefix: the error names those given, --config's among them
+    code, _, err = run("inspect", path, "--sliding-window", "4")
+    assert code == 2 and "--sliding-window: layer options, which go with --prefix" in err
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "num_attention_heads": 2,
+                                  "hidden_size": 8, "rope_theta": 500000.0}))  # fmt: skip
+    code, _, err = run("inspect", path, "--config", str(config))
+    assert code == 2 and "--config's rope_theta: layer options" in err, err
+    assert "--rope-interleaved" not in err and "--sliding-window" not in err
 
 
 def test_compare_record_into_a_missing_folder_is_refused_before_the_run(tmp_path):
