@@ -48,8 +48,16 @@ from mha.registry import (
 __all__ = ["main"]
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line, as mha's own are (its commands'
+    parsers are of the same class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h for usage)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="mha",
         description="Attention layers of Dive into Deep Learning in NumPy, PyTorch, TensorFlow, "
         "MXNet and JAX, with proof that they compute the same numbers.",

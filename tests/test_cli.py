@@ -277,6 +277,7 @@ def test_usage_errors_exit_2(argv, message):
     code, _, err = run(*argv)
     assert code == 2
     assert message in err
+    assert len(err.strip().splitlines()) == 1, err  # one line, as docs/cli.md says
 
 
 def test_compare_exit_codes_at_small_sizes():
