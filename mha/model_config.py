@@ -77,6 +77,18 @@ def options_from_config(
         config = read_config(config)
     config = with_defaults(without_unread(with_aliases(config)))  # as transformers reads it
     _refuse_config(config)
+    options = _options_of_config(config, layer)
+    if not options and not config.get("model_type"):
+        raise ValueError(
+            "the config names no model_type and none of the fields a port reads (the number "
+            "of heads, the rotary embedding, ...): it is not a model's config (a safetensors "
+            "index or a tokenizer's, say). Give the model's config.json, or none"
+        )
+    return options
+
+
+def _options_of_config(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:
+    """options_from_config's options of a config read as transformers reads it."""
     count = _num_layers(config)
     if layer is not None:
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:

@@ -862,6 +862,12 @@ def test_options_from_config_reads_a_file_and_refuses_an_incomplete_scaling(tmp_
         porting.canonical_from_state_dict(
             {f"{k}_proj.weight": np.eye(8) for k in "qkvo"}, num_heads=2, rope_base=1.0
         )
+    # JSON that is no model's config (a safetensors index given by mistake) read as one
+    # ported a Llama layer without its rotary embedding, with no word
+    index = {"metadata": {"total_size": 64}, "weight_map": {"q_proj.weight": "a.safetensors"}}
+    for config in ({}, index):
+        with pytest.raises(ValueError, match="it is not a model's config"):
+            porting.options_from_config(config)
 
 
 # ---------------------------------------------------------------------------------------------
