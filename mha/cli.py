@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from mha import __version__, bench, conformance, conformance_adapters, golden, harness
 from mha.cli_common import (
+    OneLineParser,
     UsageError,
     format_difference,
     framework_logs_aside,
@@ -48,16 +49,8 @@ from mha.registry import (
 __all__ = ["main"]
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse's parser, whose usage errors are one line, as mha's own are (its commands'
-    parsers are of the same class)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h for usage)\n")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="mha",
         description="Attention layers of Dive into Deep Learning in NumPy, PyTorch, TensorFlow, "
         "MXNet and JAX, with proof that they compute the same numbers.",

@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 __all__ = [
+    "OneLineParser",
     "UsageError",
     "finite_float",
     "format_difference",
@@ -31,6 +32,14 @@ __all__ = [
 
 class UsageError(Exception):
     """A command's arguments that do not go together: `mha` exits 2 with the message."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors are one line, as a UsageError's are (its
+    commands' parsers are of the same class)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} -h for usage)\n")
 
 
 def positive_int(text: str) -> int:
