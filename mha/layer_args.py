@@ -129,6 +129,15 @@ def check_position(name: str, value: int) -> None:
         )
 
 
+def _positions_within(name: str, scaling: Any, check) -> None:
+    """A rope or query scaling checked by `check`, its positions (the original length, an
+    offset) within MAX_POSITION, past which a framework's integers overflow."""
+    check(name, scaling)
+    for key in ("original_max_position_embeddings", "position_offset"):
+        if scaling is not None and key in scaling:
+            check_position(f"{name}'s {key}", scaling[key])
+
+
 def check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
@@ -290,8 +299,8 @@ _VALUE_CHECKS = {
     "scale": _check_scale,
     "empty_rows": lambda name, value: check_empty_rows(value),
     "dtype": lambda name, value: check_dtype(value),
-    "rope scaling": check_rope_scaling,
-    "query scaling": check_query_scaling,
+    "rope scaling": lambda name, value: _positions_within(name, value, check_rope_scaling),
+    "query scaling": lambda name, value: _positions_within(name, value, check_query_scaling),
     "qk_norm": _check_qk_norm,
 }
 

@@ -530,6 +530,31 @@ print("ok")
     assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
 
 
+def test_query_scaling_past_int32_without_64_bit_mode_is_computed():
+    """query_scaling's offset and original length were Python ints JAX parsed as int32
+    without 64-bit mode: an OverflowError at 2**40. Up to 2**50 they give the reference's
+    numbers (positions are counted in float32 there, as in every backend)."""
+    code = """
+import mha
+import numpy as np
+from mha.backends import jax as J, numpy as N
+scaling = {"beta": 0.5, "original_max_position_embeddings": 2**40, "position_offset": 2**50}
+X = np.random.default_rng(9).standard_normal((1, 3, 8)).astype("float32")
+reference, layer = (m.MultiHeadAttention(8, 2, query_scaling=scaling) for m in (N, J))
+reference(X, X, X)
+layer(X, X, X)
+mha.set_weights(layer, mha.get_weights(reference))
+difference = np.abs(np.asarray(layer(X, X, X, causal=True)) - reference(X, X, X, causal=True))
+assert difference.max() < 1e-6, difference.max()
+print("ok")
+"""
+    environment = {**os.environ, "JAX_ENABLE_X64": "0"}
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=False
+    )
+    assert completed.returncode == 0 and completed.stdout.strip() == "ok", completed.stderr[-3000:]
+
+
 def test_packed_positions_past_int32_without_64_bit_mode_are_refused():
     """A packed row's positions (segment_ids) with an alignment or window past int32 wrapped
     in JAX's int32 without 64-bit mode: keys kept where every query comes before every key,

@@ -571,6 +571,29 @@ def test_an_epsilon_below_the_smallest_normal_number_is_refused(name):
 
 
 @pytest.mark.parametrize("name", backend_params())
+def test_query_scaling_takes_positions_up_to_the_limit_and_refuses_past_it(name):
+    """An offset or original length past int32 was JAX's OverflowError without its 64-bit
+    mode (torch's past int64): up to 2**50, as every position, the reference's numbers;
+    past it refused, rope_scaling's original length too."""
+    module = backend_module(name)
+    scaling = {"beta": 0.5, "original_max_position_embeddings": 2**40, "position_offset": 2**50}
+    X = np.random.default_rng(9).standard_normal((1, 3, 8)).astype("float32")
+    reference = N.MultiHeadAttention(8, 2, query_scaling=scaling)
+    layer = module.MultiHeadAttention(8, 2, query_scaling=scaling)
+    reference(X, X, X)
+    layer(*map(module.from_numpy, (X, X, X)))
+    mha.set_weights(layer, mha.get_weights(reference))
+    output = layer(*map(module.from_numpy, (X, X, X)), causal=True)
+    assert_agrees(module.to_numpy(output), reference(X, X, X, causal=True), "float32")
+    for key in ("original_max_position_embeddings", "position_offset"):
+        with pytest.raises(ValueError, match=f"query_scaling's {key} must be at most 2"):
+            module.MultiHeadAttention(8, 2, query_scaling={**scaling, key: 2**51})
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2**64}
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be at most"):
+        module.MultiHeadAttention(8, 2, rope_theta=1e4, rope_scaling=yarn)
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_a_lazy_layer_refuses_inputs_without_features(name):
     # The constructor refuses query_size=0; a lazy layer taking it from its first call
     # refuses it there, rather than dividing by it or keeping a (0, h) projection

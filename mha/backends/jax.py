@@ -791,8 +791,9 @@ def _query_scales(scaling, queries, offset, positions=None):
         positions = jnp.arange(offset, offset + queries.shape[-2])
     else:
         positions = positions[:, None, :]
-    length = scaling["original_max_position_embeddings"]
-    shifted = positions.astype(angle_dtype) + scaling.get("position_offset", 0)
+    # Python floats: a Python int past int32's range is an error to JAX without its 64-bit mode
+    length = float(scaling["original_max_position_embeddings"])
+    shifted = positions.astype(angle_dtype) + float(scaling.get("position_offset", 0))
     steps = jnp.floor(shifted / length)
     return (1 + scaling["beta"] * jnp.log1p(steps))[..., None].astype(queries.dtype)
 
