@@ -13,8 +13,16 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from mha import options
-from mha.encoding import check_query_scaling, check_rope_scaling, check_rope_scaling_size
+from mha.encoding import (
+    check_query_scaling,
+    check_rope_scaling,
+    check_rope_scaling_size,
+    rotary_angle_dtype,
+    rotary_frequencies,
+)
 from mha.tensors import plain_dtype_name
 
 __all__ = [
@@ -412,6 +420,30 @@ def _latent_rotary(arguments: Mapping[str, Any]) -> None:
     check_rope_scaling_size("rope_scaling", arguments["rope_scaling"], rope)
 
 
+def _frequencies_held(layer: str, arguments: Mapping[str, Any], angle_dtype: str) -> None:
+    """A rotary embedding's frequencies must be finite in the angles' dtype: a rope_theta far
+    below 1, or a scaling's factor far below 1, passes float32's largest number there, and
+    every backend's angles are then inf and its outputs NaN."""
+    theta, scaling, rotated = {
+        "MultiHeadAttention": lambda a: (a["rope_theta"], a["rope_scaling"],
+                                         a["rope_dim"] or a["num_hiddens"] // a["num_heads"]),
+        "MultiHeadLatentAttention": lambda a: (a["rope_theta"], a["rope_scaling"],
+                                               a["qk_rope_head_dim"]),
+        "RotaryEmbedding": lambda a: (a["theta"], a["scaling"],
+                                      a["rotary_dim"] or a["num_hiddens"]),
+    }.get(layer, lambda a: (None, None, None))(arguments)  # fmt: skip
+    if theta is None:
+        return
+    with np.errstate(over="ignore"):
+        frequencies = rotary_frequencies(rotated, theta, scaling).astype(angle_dtype)
+    if not np.isfinite(frequencies).all():
+        raise ValueError(
+            f"the rotary embedding's frequencies (theta {theta!r}, scaling "
+            f"{None if scaling is None else dict(scaling)!r}) pass the largest {angle_dtype} "
+            "number, the angles' dtype: its angles would be inf and the outputs NaN"
+        )
+
+
 # Rules between a layer's options, checked once each option holds a value of its kind
 _LAYER_RULES = {
     "MultiHeadAttention": (
@@ -450,4 +482,5 @@ def check_layer_args(layer: str, arguments: Mapping[str, Any]) -> str:
             check_held_in_dtype(option.name, arguments[option.name], dtype)
         if option.name in EPSILONS:
             check_eps_normal(option.name, arguments[option.name], dtype)
+    _frequencies_held(layer, arguments, rotary_angle_dtype(dtype))
     return dtype

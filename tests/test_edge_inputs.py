@@ -594,6 +594,23 @@ def test_query_scaling_takes_positions_up_to_the_limit_and_refuses_past_it(name)
 
 
 @pytest.mark.parametrize("name", backend_params())
+def test_rotary_frequencies_past_the_angles_dtype_are_refused(name):
+    """A linear factor of 1e-39 (or a base of 1e-60) made float32 frequencies inf: NaN in
+    every output of every backend. Refused; a float64 layer, whose angles hold them, takes
+    the same scaling."""
+    module = backend_module(name)
+    linear = {"rope_type": "linear", "factor": 1e-39}
+    with np.errstate(over="ignore"):  # the first pair's frequency, in float32
+        assert np.float64(1.0 / 1e-39).astype("float32") == np.inf
+    with pytest.raises(ValueError, match="pass the largest float32 number"):
+        module.MultiHeadAttention(8, 2, rope_theta=1e4, rope_scaling=linear)
+    with pytest.raises(ValueError, match="pass the largest float32 number"):
+        module.RotaryEmbedding(8, 1e-60)
+    if "float64" in BACKEND_DTYPES[name]:
+        module.MultiHeadAttention(8, 2, rope_theta=1e4, rope_scaling=linear, dtype="float64")
+
+
+@pytest.mark.parametrize("name", backend_params())
 def test_a_lazy_layer_refuses_inputs_without_features(name):
     # The constructor refuses query_size=0; a lazy layer taking it from its first call
     # refuses it there, rather than dividing by it or keeping a (0, h) projection
