@@ -78,13 +78,22 @@ def options_from_config(
     config = with_defaults(without_unread(with_aliases(config)))  # as transformers reads it
     _refuse_config(config)
     options = _options_of_config(config, layer)
-    if not options and not config.get("model_type"):
+    if not options and not config.get("model_type") and not _gives_a_port_anything(config):
         raise ValueError(
-            "the config names no model_type and none of the fields a port reads (the number "
-            "of heads, the rotary embedding, ...): it is not a model's config (a safetensors "
-            "index or a tokenizer's, say). Give the model's config.json, or none"
+            "the config names no model_type and gives a port nothing (no number of heads, "
+            "rotary embedding, window or other option, on any layer): it is not a model's "
+            "config (a safetensors index or a tokenizer's, say). Give the model's "
+            "config.json, or none"
         )
     return options
+
+
+def _gives_a_port_anything(config: Mapping[str, Any]) -> bool:
+    """Whether any layer of the config has options (layers that differ have some)."""
+    try:
+        return bool(_options_of_config(config, None))
+    except ValueError:
+        return True
 
 
 def _options_of_config(config: Mapping[str, Any], layer: int | None) -> dict[str, Any]:

@@ -868,6 +868,10 @@ def test_options_from_config_reads_a_file_and_refuses_an_incomplete_scaling(tmp_
     for config in ({}, index):
         with pytest.raises(ValueError, match="it is not a model's config"):
             porting.options_from_config(config)
+    # One whose other layer has a window is a model's, its first layer's options none
+    windowed = {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4}
+    assert porting.options_from_config(windowed, 0) == {}
+    assert porting.options_from_config(windowed, 1) == {"sliding_window": 4}
 
 
 # ---------------------------------------------------------------------------------------------
