@@ -420,6 +420,9 @@ def _latent_rotary(arguments: Mapping[str, Any]) -> None:
     check_rope_scaling_size("rope_scaling", arguments["rope_scaling"], rope)
 
 
+_LARGEST_CHECKED_ROTATION = 2**16
+
+
 def _frequencies_held(layer: str, arguments: Mapping[str, Any], angle_dtype: str) -> None:
     """A rotary embedding's frequencies must be finite in the angles' dtype: a rope_theta far
     below 1, or a scaling's factor far below 1, passes float32's largest number there, and
@@ -432,7 +435,9 @@ def _frequencies_held(layer: str, arguments: Mapping[str, Any], angle_dtype: str
         "RotaryEmbedding": lambda a: (a["theta"], a["scaling"],
                                       a["rotary_dim"] or a["num_hiddens"]),
     }.get(layer, lambda a: (None, None, None))(arguments)  # fmt: skip
-    if theta is None:
+    # The check builds the table, which a file's few bytes may not make large (its sizes are
+    # checked after the arguments: mha.checkpoints); no model turns 2**16 features of a head
+    if theta is None or rotated > _LARGEST_CHECKED_ROTATION:
         return
     with np.errstate(over="ignore"):
         frequencies = rotary_frequencies(rotated, theta, scaling).astype(angle_dtype)
